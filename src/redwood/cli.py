@@ -1,0 +1,43 @@
+"""The `redwood` command line: one subcommand per module in `redwood.commands`.
+
+Each command module exposes `register(subparsers)`, which adds its parser and sets `func` (called with the
+parsed arguments; returns an exit status). User errors (`RedwoodError`) print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from redwood.errors import RedwoodError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from redwood.commands import COMMAND_MODULES
+
+    parser = argparse.ArgumentParser(
+        prog="redwood",
+        description="Fast, lossless speculative decoding of LLMs (MagicDec + Sequoia).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for module in COMMAND_MODULES:
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except RedwoodError as e:
+        print(f"redwood: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("redwood: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Model configuration: one dataclass for every supported decoder family, validated on construction.
+
+Supported families share one decoder (see `models/transformer.py`): pre-norm RMSNorm, GQA attention with
+rotate-half RoPE, SwiGLU MLP. They differ only in the flags below:
+
+- llama (Llama 2/3/3.1/3.2, Yi): optional llama3 / linear rope scaling, optional attention / MLP bias;
+- qwen2 (Qwen2, Qwen2.5): bias on the q/k/v projections;
+- mistral: a sliding attention window.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from redwood.errors import ConfigError, ModelLoadError, UnsupportedModelError
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How rotary frequencies are rescaled for long context (`rope_type` 'linear' or 'llama3')."""
+
+    rope_type: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str  # one of SUPPORTED_ARCHS
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int = 0  # 0 → hidden_size // num_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # bias on q/k/v projections (Qwen2 always; Llama when attention_bias)
+    o_bias: bool = False  # bias on the output projection (Llama attention_bias)
+    mlp_bias: bool = False
+    sliding_window: int | None = None  # each query sees at most this many keys (itself included)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.arch not in SUPPORTED_ARCHS:
+            raise UnsupportedModelError(
+                f"unsupported architecture {self.arch!r}; redwood supports {', '.join(SUPPORTED_ARCHS)}"
+            )
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // max(self.num_heads, 1))
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"model config: {name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"model config: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"model config: head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ConfigError(f"model config: sliding_window must be positive, got {self.sliding_window}")
+        if self.rope_scaling is not None and self.rope_scaling.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"unsupported rope scaling {self.rope_scaling.rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    # ------------------------------------------------------------------ HF config.json
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Map a Hugging Face `config.json` (transformers 4.x or 5.x layout) onto a ModelConfig."""
+        model_type = d.get("model_type")
+        if model_type not in SUPPORTED_ARCHS:
+            archs = d.get("architectures") or []
+            raise UnsupportedModelError(
+                f"unsupported model_type {model_type!r} (architectures {archs}); "
+                f"redwood supports {', '.join(SUPPORTED_ARCHS)}"
+            )
+        act = d.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"unsupported hidden_act {act!r}; redwood implements SwiGLU (silu)")
+        # transformers 5 keeps rope settings in `rope_parameters`; 4.x in `rope_theta` + `rope_scaling`.
+        rope = dict(d.get("rope_parameters") or {})
+        if not rope:
+            rope = dict(d.get("rope_scaling") or {})
+            rope["rope_theta"] = d.get("rope_theta", 10000.0)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        scaling = None
+        if rope_type != "default":
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise UnsupportedModelError(
+                    f"unsupported rope scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+                )
+            scaling = RopeScaling(
+                rope_type=rope_type,
+                factor=float(rope.get("factor", 1.0)),
+                low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+                high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+                original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
+            )
+        sliding = None
+        if model_type == "mistral":
+            sliding = d.get("sliding_window")
+        elif model_type == "qwen2" and d.get("use_sliding_window"):
+            raise UnsupportedModelError("Qwen2 with use_sliding_window=true (per-layer windows) is not supported")
+        attention_bias = bool(d.get("attention_bias", False))
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        num_heads = int(d["num_attention_heads"])
+        return cls(
+            arch=model_type,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
+            head_dim=int(d.get("head_dim") or 0),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            sliding_window=int(sliding) if sliding else None,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_hf_file(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ModelLoadError(f"no config.json in {path.parent}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_hf_dict(d)
