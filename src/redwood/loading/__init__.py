@@ -1,0 +1,90 @@
+"""Load a model by zoo name, Hugging Face folder or GGUF file into a `LoadedModel`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from redwood.config import ModelConfig
+from redwood.errors import ConfigError, ModelLoadError
+from redwood.models.transformer import Transformer, build_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: Any  # a transformers tokenizer, or None for a folder without one
+    config: ModelConfig
+    source: str  # what the user asked for (zoo name or path)
+    path: Path  # the file or folder actually read
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ConfigError(f"unsupported dtype {dtype}; choose one of {', '.join(DTYPES)}")
+        return dtype
+    if dtype not in DTYPES:
+        raise ConfigError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def parse_device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {device!r}; use 'cpu' or 'cuda' (or 'cuda:N')") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"unsupported device {device!r}; use 'cpu' or 'cuda'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' requested but no CUDA GPU is available (use --device cpu)")
+    return dev
+
+
+def resolve_model_path(model: str | Path) -> Path:
+    """A zoo name → its pulled GGUF (pulling on first use); otherwise an existing file or folder."""
+    from redwood.models import registry
+
+    name = str(model)
+    if name in registry.known_models():
+        return registry.resolve(name)
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"no such model or path: {name!r}; give a Hugging Face folder, a .gguf file, "
+            f"or a zoo name ({', '.join(registry.known_models())})"
+        )
+    return path
+
+
+def load_model(model: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> LoadedModel:
+    torch_dtype, dev = parse_dtype(dtype), parse_device(device)
+    path = resolve_model_path(model)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) != 1:
+                raise ModelLoadError(
+                    f"{path} is neither a Hugging Face model folder (no config.json) nor a folder with one .gguf file"
+                )
+            path = ggufs[0]
+    if path.is_dir():
+        from redwood.loading.hf import load_hf_tokenizer, read_hf_folder
+
+        config, state = read_hf_folder(path)
+        net = build_model(config, state, torch_dtype, dev)
+        tokenizer = load_hf_tokenizer(path)
+    else:
+        from redwood.loading.gguf import load_gguf_tokenizer, read_gguf
+
+        g = read_gguf(path)
+        config = g.config
+        net = build_model(config, g.tensors, torch_dtype, dev, rope_freqs=g.rope_freqs)
+        del g
+        tokenizer = load_gguf_tokenizer(path)
+    return LoadedModel(model=net, tokenizer=tokenizer, config=config, source=str(model), path=path)

@@ -1,0 +1,57 @@
+"""`redwood models list` and `redwood models pull NAME`: the model zoo (see `redwood.models.registry`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from redwood.models import registry
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("models", help="list and download the known models")
+    sub = parser.add_subparsers(dest="models_command", metavar="SUBCOMMAND")
+    sub.required = True
+
+    p = sub.add_parser("list", help="show the known models and whether they are downloaded")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(func=_list)
+
+    p = sub.add_parser("pull", help="download, assemble and verify a model (a no-op if already there)")
+    p.add_argument("name", metavar="NAME", help="model name, see `redwood models list`")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_pull)
+
+
+def _human(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
+
+
+def _list(args: argparse.Namespace) -> int:
+    rows = [
+        {
+            "name": spec.name,
+            "size": spec.size,
+            "pulled": registry.is_pulled(spec.name),
+            "path": str(registry.model_path(spec.name)),
+            "sha256": spec.sha256,
+            "description": spec.description,
+        }
+        for spec in registry.known_models().values()
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = [("NAME", "SIZE", "PULLED", "DESCRIPTION")]
+    table += [(r["name"], _human(r["size"]), "yes" if r["pulled"] else "no", r["description"]) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(3)]
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3])
+    print(f"\nmodels folder: {registry.models_home() / 'models'}")
+    return 0
+
+
+def _pull(args: argparse.Namespace) -> int:
+    path = registry.pull(args.name, progress=not args.quiet)
+    print(path)
+    return 0

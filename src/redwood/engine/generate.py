@@ -1,0 +1,113 @@
+"""The autoregressive loop over a batch of requests, and the prefill it shares with speculation.
+
+Rows are independent: each has its own prompt length, sampling parameters, random stream and stop
+conditions. A finished row stays in the batch (its cache length frozen) until every row is done.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+
+from redwood.config import ModelConfig
+from redwood.engine.request import RequestState
+from redwood.engine.sampling import Sampler
+from redwood.errors import ContextLengthError
+from redwood.kv.cache import KVCache
+from redwood.models.transformer import Transformer
+from redwood.sampling_params import SamplingParams
+
+
+def eos_token_ids(config: ModelConfig, tokenizer) -> frozenset[int]:
+    """EOS ids from the model config plus the tokenizer's own EOS (instruct models end turns with it)."""
+    ids = set(config.eos_token_ids)
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def make_requests(prompts: list[list[int]], params: list[SamplingParams], config: ModelConfig,
+                  tokenizer) -> list[RequestState]:
+    """RequestStates for token-id prompts, checking each fits the model's context."""
+    context = config.max_position_embeddings
+    eos = eos_token_ids(config, tokenizer)
+    requests = []
+    for i, (ids, p) in enumerate(zip(prompts, params)):
+        if not ids:
+            raise ContextLengthError(f"prompt {i} is empty; give at least one token")
+        if len(ids) >= context:
+            raise ContextLengthError(
+                f"prompt {i} has {len(ids)} tokens but the model's context is {context} tokens "
+                f"(at most {context - 1} prompt tokens leave room to generate)"
+            )
+        bad = [t for t in ids if not 0 <= t < config.vocab_size]
+        if bad:
+            raise ContextLengthError(f"prompt {i} has token ids outside the vocabulary [0, {config.vocab_size}): {bad[:5]}")
+        r = RequestState(prompt_ids=list(ids), params=p, tokenizer=tokenizer, eos_ids=eos,
+                         max_new_tokens=min(p.max_new_tokens, context - len(ids)))
+        r.stats.prompt_tokens = len(ids)
+        requests.append(r)
+    return requests
+
+
+def cache_capacity(requests: list[RequestState], extra: int = 0) -> int:
+    """Slots needed: the longest prompt + generation (+ `extra` scratch for speculative steps)."""
+    return max(len(r.prompt_ids) + r.max_new_tokens for r in requests) + extra
+
+
+def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]]) -> torch.Tensor:
+    """Run all prompts (right-padded to the longest) into an empty cache; commit them.
+
+    Returns the logits of each row's last prompt token: [B, V] float32. Padding slots lie past each
+    row's length, so they are never read and get overwritten by the row's next tokens.
+    """
+    device = model.device
+    lens = torch.tensor([len(p) for p in prompts], device=device)
+    T = int(lens.max())
+    ids = torch.zeros(len(prompts), T, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = torch.tensor(p, device=device)
+    positions = torch.arange(T, device=device)[None].expand(len(prompts), -1)
+    logits = model(ids, positions, cache, logits_at=(lens - 1)[:, None])[:, 0]
+    cache.commit(lens)
+    return logits
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def autoregressive(model: Transformer, requests: list[RequestState]) -> Iterator[list[int]]:
+    """Generate for all requests; after each step yields the rows that received a token."""
+    device = model.device
+    sampler = Sampler([r.params for r in requests], device)
+    cache = model.new_cache(len(requests), cache_capacity(requests))
+    t0 = time.perf_counter()
+    logits = prefill(model, cache, [r.prompt_ids for r in requests])
+    tokens = sampler.sample(logits)
+    token_list = tokens.tolist()
+    t1 = time.perf_counter()
+    for r in requests:
+        r.stats.prefill_s = t1 - t0
+    active = torch.ones(len(requests), dtype=torch.long, device=device)
+    while True:
+        updated = []
+        for b, r in enumerate(requests):
+            if not r.finished:
+                updated.append(b)
+                if r.append(token_list[b]):
+                    active[b] = 0
+                    r.stats.decode_s = time.perf_counter() - t1
+        yield updated
+        if all(r.finished for r in requests):
+            return
+        # Finished rows keep feeding their last token at a frozen position; nothing of theirs is committed.
+        positions = cache.lengths[:, None]
+        logits = model(tokens[:, None], positions, cache)[:, 0]
+        cache.commit(active)
+        tokens = sampler.sample(logits)
+        token_list = tokens.tolist()

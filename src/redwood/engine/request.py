@@ -1,0 +1,104 @@
+"""One request's progress: generated tokens, incremental text, and when (and why) it stops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from redwood.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        # The first token comes out of the prefill; decode throughput counts the rest.
+        n = self.generated_tokens - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "prefill_s": round(self.prefill_s, 6),
+            "decode_s": round(self.decode_s, 6),
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 3),
+        }
+
+
+@dataclass
+class RequestState:
+    """A request being generated.
+
+    finish_reason: None while running; "stop" (EOS or a stop string) or "length" (max_new_tokens or
+    the model's context) once done. Text is detokenized incrementally; `pop_delta` returns the text
+    added since its last call (held back while the tail is an incomplete UTF-8 sequence).
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    tokenizer: object | None
+    eos_ids: frozenset[int]
+    max_new_tokens: int  # params.max_new_tokens capped by the context left after the prompt
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+    _prefix_offset: int = 0
+    _read_offset: int = 0
+    _emitted: int = 0
+    _stop_checked: int = 0  # text before this index holds no stop string
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token: int) -> bool:
+        """Add one generated token; returns True when the request is finished."""
+        assert self.finish_reason is None
+        self.output_ids.append(token)
+        self.stats.generated_tokens = len(self.output_ids)
+        if token in self.eos_ids and not self.params.ignore_eos:
+            self.finish_reason = "stop"
+            return True
+        self._detokenize()
+        if self.params.stop and self._check_stop():
+            self.finish_reason = "stop"
+        elif len(self.output_ids) >= self.max_new_tokens:
+            self.finish_reason = "length"
+        return self.finished
+
+    def _detokenize(self) -> None:
+        if self.tokenizer is None:
+            return
+        ids = self.output_ids
+        # Decode a short window (the previous token(s) give context for leading spaces / merges).
+        before = self.tokenizer.decode(ids[self._prefix_offset:self._read_offset], skip_special_tokens=True)
+        after = self.tokenizer.decode(ids[self._prefix_offset:], skip_special_tokens=True)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+
+    def _check_stop(self) -> bool:
+        longest = max(len(s) for s in self.params.stop)
+        start = max(0, self._stop_checked - longest + 1)  # a stop string may straddle old and new text
+        hits = [i for s in self.params.stop if (i := self.text.find(s, start)) >= 0]
+        self._stop_checked = len(self.text)
+        if hits:
+            self.text = self.text[: min(hits)]
+            return True
+        return False
+
+    def pop_delta(self) -> str:
+        """Text not yet emitted. While running, hold back a tail that could begin a stop string."""
+        end = len(self.text)
+        if not self.finished and self.params.stop:
+            hold = max(len(s) for s in self.params.stop) - 1
+            end = max(self._emitted, end - hold)
+        delta = self.text[self._emitted:end]
+        self._emitted = end
+        return delta

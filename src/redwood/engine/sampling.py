@@ -1,0 +1,76 @@
+"""Turning logits into a distribution and drawing tokens, per row of a batch, in float32.
+
+`Sampler` holds each row's temperature / top-k / top-p and its own random generator (seeded rows are
+reproducible whatever else is in the batch). `probabilities` is the exact distribution a row samples
+from — speculative verifiers compare draft and target probabilities through the same function, so the
+distribution they preserve is exactly the one plain decoding samples.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from redwood.sampling_params import SamplingParams
+
+
+def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor) -> torch.Tensor:
+    """logits: [N, V]; temperature, top_k, top_p: [N] → probs [N, V] float32.
+
+    Greedy rows (temperature 0) get a one-hot on the argmax (first index on ties, like torch.argmax).
+    """
+    logits = logits.float()
+    greedy = temperature == 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    if bool(((top_k > 0) | (top_p < 1)).any()):
+        V = logits.shape[-1]
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        rank = torch.arange(V, device=logits.device)[None]
+        k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
+        sorted_logits = sorted_logits.masked_fill(rank >= k[:, None], float("-inf"))
+        sorted_probs = sorted_logits.softmax(-1)
+        # Keep a token while the mass of the more likely tokens is still below top_p (the first always).
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+        scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = scaled.softmax(-1)
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
+
+
+class Sampler:
+    """Per-row sampling state for a batch of requests."""
+
+    def __init__(self, params: list[SamplingParams], device: torch.device):
+        self.device = device
+        self.params = params
+        self.temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        self.top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
+        self.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        self.all_greedy = all(p.greedy for p in params)
+        self.generators: list[torch.Generator] = []
+        for p in params:
+            g = torch.Generator(device=device)
+            g.manual_seed(p.seed if p.seed is not None else random.getrandbits(63))
+            self.generators.append(g)
+
+    def probs(self, logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """logits: [N, V] for batch rows `rows` ([N] indices; None → all rows in order)."""
+        if rows is None:
+            return probabilities(logits, self.temperature, self.top_k, self.top_p)
+        return probabilities(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows])
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: [B, V] → next tokens [B] (argmax for greedy rows, a draw from `probs` otherwise)."""
+        if self.all_greedy:
+            return logits.argmax(-1)
+        probs = self.probs(logits)
+        out = probs.argmax(-1)
+        for b, p in enumerate(self.params):
+            if not p.greedy:
+                out[b] = torch.multinomial(probs[b], 1, generator=self.generators[b])[0]
+        return out

@@ -1,0 +1,53 @@
+"""A preallocated KV cache with per-row lengths.
+
+Layout: k, v: [num_layers, B, Hkv, capacity, head_dim]. Row b holds its committed tokens in slots
+[0, lengths[b]); a forward over T new tokens writes them at slots lengths[b] + t (t < T) without moving
+`lengths` — the caller then `commit`s how many of them each row keeps (all of them for autoregressive
+decoding, the accepted prefix for speculation). Slots past `lengths` are scratch and never read as
+context.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from redwood.config import ModelConfig
+from redwood.errors import ContextLengthError
+
+
+class KVCache:
+    def __init__(self, config: ModelConfig, batch_size: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (config.num_layers, batch_size, config.num_kv_heads, capacity, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.capacity = capacity
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    def slots(self, num_new: int) -> torch.Tensor:
+        """[B, T] cache slots where the next forward's T new tokens go."""
+        idx = self.lengths[:, None] + torch.arange(num_new, device=self.lengths.device)
+        if int(idx.max()) >= self.capacity:
+            raise ContextLengthError(
+                f"KV cache full: {int(idx.max()) + 1} tokens needed, capacity {self.capacity}"
+            )
+        return idx
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new keys/values. slots: [B, T]; k, v: [B, Hkv, T, D]."""
+        rows = torch.arange(self.batch_size, device=slots.device)[:, None]
+        # Advanced indices (rows, slots) around a slice put [B, T] first: values are [B, T, Hkv, D].
+        self.k[layer][rows, :, slots] = k.transpose(1, 2)
+        self.v[layer][rows, :, slots] = v.transpose(1, 2)
+
+    def read(self, layer: int, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of slots [0, upto) for all rows: [B, Hkv, upto, D] views."""
+        return self.k[layer, :, :, :upto], self.v[layer, :, :, :upto]
+
+    def commit(self, num_kept: torch.Tensor | int) -> None:
+        """Advance each row's length by the number of new tokens it keeps ([B] tensor or int)."""
+        self.lengths += num_kept

@@ -1,0 +1,122 @@
+"""The Python API, shaped like vLLM's: `LLM(model=...)` then `llm.generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from redwood.engine.generate import autoregressive, make_requests
+from redwood.engine.request import RequestState
+from redwood.errors import ConfigError
+from redwood.loading import load_model
+from redwood.sampling_params import SamplingParams
+
+DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class RequestOutput:
+    """The result for one prompt: generated text and token ids (the prompt excluded), and stats."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class StreamDelta:
+    """A piece of one request's output as it is generated (`index` = position in the prompt list)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+class LLM:
+    """A loaded model ready to generate.
+
+    model: a zoo name (`redwood models list`), a Hugging Face folder, or a .gguf file.
+    dtype: "float32" | "bfloat16" | "float16"; device: "cpu" | "cuda".
+    """
+
+    def __init__(self, model: str | Path = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
+                 device: str | torch.device = "cpu"):
+        loaded = load_model(model, dtype=dtype, device=device)
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.config = loaded.config
+        self.model_name = loaded.source
+        self.model_path = loaded.path
+
+    # ------------------------------------------------------------------ prompts
+    def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        """Token ids for a text prompt (through the chat template when `chat`), or ids as given."""
+        if not isinstance(prompt, str):
+            if chat:
+                raise ConfigError("chat=True needs text prompts, not token ids")
+            return [int(t) for t in prompt]
+        if self.tokenizer is None:
+            raise ConfigError(f"{self.model_name} has no tokenizer; pass token ids instead of text")
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ConfigError(f"{self.model_name} has no chat template; drop --chat / chat=True")
+            return list(self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
+                return_dict=False,
+            ))
+        return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+
+    def _requests(self, prompts, params, chat) -> tuple[list, list[RequestState]]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ConfigError("no prompts given")
+        if params is None:
+            params = SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ConfigError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
+        for p in plist:
+            if not isinstance(p, SamplingParams):
+                raise ConfigError(f"expected SamplingParams, got {type(p).__name__}")
+            if p.stop and self.tokenizer is None:
+                raise ConfigError("stop strings need a tokenizer; this model has none")
+        ids = [self.encode(p, chat) for p in prompts]
+        return prompts, make_requests(ids, plist, self.config, self.tokenizer)
+
+    # ------------------------------------------------------------------ generation
+    def stream(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+               chat: bool = False) -> Iterator[StreamDelta]:
+        """Yield each request's new text and tokens as they are generated."""
+        _, requests = self._requests(prompts, params, chat)
+        sent = [0] * len(requests)
+        for rows in autoregressive(self.model, requests):
+            for b in rows:
+                r = requests[b]
+                delta_ids = r.output_ids[sent[b]:]
+                sent[b] = len(r.output_ids)
+                yield StreamDelta(index=b, text=r.pop_delta(), token_ids=delta_ids, finish_reason=r.finish_reason)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 chat: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt (a batch); one RequestOutput per prompt, in order."""
+        prompt_list, requests = self._requests(prompts, params, chat)
+        for _ in autoregressive(self.model, requests):
+            pass
+        return [
+            RequestOutput(
+                prompt=p if isinstance(p, str) else None, prompt_token_ids=r.prompt_ids, text=r.text,
+                token_ids=list(r.output_ids), finish_reason=r.finish_reason, stats=r.stats.to_dict(),
+            )
+            for p, r in zip(prompt_list, requests)
+        ]

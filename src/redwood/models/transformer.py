@@ -1,0 +1,179 @@
+"""One decoder for Llama 2/3/3.1/3.2, Yi, Qwen2/2.5 and Mistral.
+
+Pre-norm blocks: x += Attn(RMSNorm(x)); x += MLP(RMSNorm(x)), with GQA attention over a `KVCache`,
+rotate-half RoPE and a SwiGLU MLP. Parameter names follow Hugging Face's (without the `model.` prefix),
+so HF state dicts load directly and GGUF tensors are mapped onto the same names.
+
+A forward takes new tokens for every row of the batch, their positions, the cache (new K/V are written
+at slots lengths[b] + t) and attention metadata; it does not commit — the caller decides how many of
+the new tokens each row keeps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from redwood.attention import reference
+from redwood.attention.reference import AttentionMetadata
+from redwood.config import ModelConfig
+from redwood.kv.cache import KVCache
+from redwood.models.rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32 (as HF does) and scale in the model dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        h = config.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=config.o_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                slots: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        B, T, _ = x.shape
+        # q: [B, Hq, T, D]; k, v: [B, Hkv, T, D]
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        cache.write(self.layer, slots, k, v)
+        k_all, v_all = cache.read(self.layer, meta.kv_len)
+        out = reference.attention(q, k_all, v_all, meta)  # [B, Hq, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, f, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(h, f, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(f, h, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, cache, slots, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig, rope_freqs: torch.Tensor | None = None):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config, rope_freqs)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        return KVCache(self.config, batch_size, capacity, self.dtype, self.device)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(self.norm(hidden), weight)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                new_mask: torch.Tensor | None = None, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """Run T new tokens per row through the model, writing their K/V into `cache`.
+
+        input_ids, positions: [B, T]. new_mask: [T, T] / [B, T, T] bool among the new tokens (None: causal).
+        logits_at: optional [B, K] indices into T — only those positions get logits (prefill needs one).
+        Returns logits [B, T or K, vocab] in float32.
+        """
+        B, T = input_ids.shape
+        slots = cache.slots(T)
+        meta = AttentionMetadata(
+            lengths=cache.lengths, num_new=T, kv_len=int(slots.max()) + 1, new_mask=new_mask,
+            q_positions=positions, sliding_window=self.config.sliding_window,
+        )
+        x = self.embed_tokens(input_ids)  # [B, T, H]
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, slots, meta)
+        if logits_at is not None:
+            x = torch.gather(x, 1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
+        return self.logits(x).float()
+
+
+def hf_state_dict_to_redwood(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map Hugging Face parameter names (`model.layers.0...`, `lm_head.weight`) onto ours."""
+    out = {}
+    for name, tensor in state.items():
+        if name.startswith("model."):
+            name = name[len("model."):]
+        if "rotary_emb" in name:
+            continue
+        out[name] = tensor
+    return out
+
+
+def build_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device | str, rope_freqs: torch.Tensor | None = None) -> Transformer:
+    """A Transformer holding `state` (HF names), cast to dtype/device, with no random init.
+
+    The module is built on the meta device and the tensors are assigned in, so a 1.5B model costs no
+    initialization time and no second copy. Checks that nothing is missing, left over or misshapen.
+    """
+    from redwood.errors import ModelLoadError
+
+    with torch.device("meta"):
+        model = Transformer(config)
+    state = hf_state_dict_to_redwood(state)
+    if model.lm_head is None:
+        state.pop("lm_head.weight", None)  # tied: some checkpoints store the copy anyway
+    expected = {name: p.shape for name, p in model.state_dict().items()}
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - expected.keys())
+    if missing or unexpected:
+        raise ModelLoadError(
+            "weights do not match the model config: "
+            + (f"missing {missing[:5]}{'…' if len(missing) > 5 else ''} " if missing else "")
+            + (f"unexpected {unexpected[:5]}{'…' if len(unexpected) > 5 else ''}" if unexpected else "")
+        )
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name]):
+            raise ModelLoadError(
+                f"weight {name}: shape {tuple(tensor.shape)} does not match the config's {tuple(expected[name])}"
+            )
+        state[name] = tensor.to(device=device, dtype=dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.rotary = RotaryEmbedding(config, rope_freqs).to(device)
+    return model.eval().requires_grad_(False)
