@@ -39,6 +39,7 @@ class StreamDelta:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    stats: dict | None = None  # set on the request's last delta
 
 
 class LLM:
@@ -105,7 +106,8 @@ class LLM:
                 r = requests[b]
                 delta_ids = r.output_ids[sent[b]:]
                 sent[b] = len(r.output_ids)
-                yield StreamDelta(index=b, text=r.pop_delta(), token_ids=delta_ids, finish_reason=r.finish_reason)
+                yield StreamDelta(index=b, text=r.pop_delta(), token_ids=delta_ids, finish_reason=r.finish_reason,
+                                  stats=r.stats.to_dict() if r.finished else None)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  chat: bool = False) -> list[RequestOutput]:

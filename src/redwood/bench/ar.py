@@ -1,0 +1,95 @@
+"""`redwood bench ar`: autoregressive prefill time and decode tokens/s, optionally against HF transformers.
+
+Both engines get the same weights (HF's model is built from redwood's tensors), the same prompts and
+greedy decoding of exactly `gen_len` tokens (EOS ignored), in one process, measured side by side.
+Decode tokens/s counts the tokens after the first (which comes out of the prefill).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from redwood.sampling_params import SamplingParams
+
+
+def make_prompts(llm, batch_size: int, prompt_len: int, dataset: str | None, seed: int) -> list[list[int]]:
+    """`batch_size` prompts of exactly `prompt_len` tokens: windows of a dataset's text, or random ids."""
+    if dataset:
+        from redwood.data.prompts import build_prompts
+
+        prompts = build_prompts(llm.tokenizer, dataset, count=batch_size, length=prompt_len, seed=seed)
+        return [list(p)[:prompt_len] for p in prompts]
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, llm.config.vocab_size, (batch_size, prompt_len), generator=g).tolist()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def hf_decode_rate(hf, prompts: list[list[int]], gen_len: int) -> dict:
+    """HF `generate` greedy: prefill time (1 new token) and decode tokens/s (the rest)."""
+    device = next(hf.parameters()).device
+    ids = torch.tensor(prompts, device=device)
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(ids))
+
+    def timed(n: int) -> tuple[float, torch.Tensor]:
+        _sync(device)
+        t0 = time.perf_counter()
+        out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+        _sync(device)
+        return time.perf_counter() - t0, out
+
+    with torch.inference_mode():
+        timed(2)  # warm-up
+        t_prefill, _ = timed(1)
+        t_total, out = timed(gen_len)
+    decode_s = max(t_total - t_prefill, 1e-9)
+    return {"prefill_s": t_prefill, "decode_s": decode_s,
+            "decode_tokens_per_s": (gen_len - 1) * len(prompts) / decode_s,
+            "token_ids": out[:, ids.shape[1]:].tolist()}
+
+
+def run_ar_bench(llm, batch_size: int, prompt_len: int, gen_len: int, compare_hf: bool = False,
+                 dataset: str | None = None, seed: int = 0, repeats: int = 1) -> dict:
+    if gen_len < 2:
+        from redwood.errors import ConfigError
+
+        raise ConfigError("--gen-len must be at least 2 (one token from the prefill, the rest decoded)")
+    prompts = make_prompts(llm, batch_size, prompt_len, dataset, seed)
+    params = SamplingParams(max_new_tokens=gen_len, ignore_eos=True)
+    llm.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm-up
+    best = None
+    for _ in range(repeats):
+        outs = llm.generate(prompts, params)
+        decode_s = max(o.stats["decode_s"] for o in outs)
+        run = {"prefill_s": outs[0].stats["prefill_s"], "decode_s": decode_s,
+               "decode_tokens_per_s": (gen_len - 1) * batch_size / decode_s}
+        if best is None or run["decode_tokens_per_s"] > best["decode_tokens_per_s"]:
+            best = run
+    result = {"batch_size": batch_size, "prompt_len": prompt_len, "gen_len": gen_len, "redwood": best}
+    if compare_hf:
+        from redwood.models.hf_compat import to_hf_model
+
+        hf = to_hf_model(llm.model)
+        ref = hf_decode_rate(hf, prompts, gen_len)
+        result["hf_same_tokens"] = ref.pop("token_ids") == [o.token_ids for o in outs]
+        result["hf"] = ref
+        result["speedup_vs_hf"] = best["decode_tokens_per_s"] / ref["decode_tokens_per_s"]
+        del hf
+    return result
+
+
+def format_result(r: dict) -> str:
+    lines = [f"batch {r['batch_size']}, prompt {r['prompt_len']} tokens, {r['gen_len']} generated (greedy)",
+             f"{'engine':<14}{'prefill s':>12}{'decode tok/s':>15}"]
+    for name in ("redwood", "hf"):
+        if name in r:
+            lines.append(f"{name:<14}{r[name]['prefill_s']:>12.3f}{r[name]['decode_tokens_per_s']:>15.2f}")
+    if "speedup_vs_hf" in r:
+        lines.append(f"redwood / HF decode tokens/s: {r['speedup_vs_hf']:.2f}x"
+                     f"  (same tokens: {'yes' if r['hf_same_tokens'] else 'NO'})")
+    return "\n".join(lines)
