@@ -1,69 +1,112 @@
 """Reference attention over a KV cache: PyTorch SDPA with an explicit boolean mask (CPU and tests).
 
-One call serves decode (T = 1), prefill and chain verification (T new tokens, causal among themselves)
-and tree verification (a [T, T] ancestor mask among the new tokens). The new tokens of row b sit in
-cache slots [lengths[b], lengths[b] + T); everything before lengths[b] is context every query sees.
+One call serves decode (T = 1), prefill and chain verification (T new tokens, causal among themselves),
+tree verification (an ancestor mask among the new tokens), and drafting over a compressed view.
+
+Cache slots of row b, with L = lengths[b] committed tokens:
+    [0, L)             context — every query sees it (or, through a `ContextView`, a subset of it);
+    [L, L + P)         `pending` tokens written by earlier forwards of this step (draft tokens);
+    [L + P, L + P + T) the T new tokens of this forward.
+`new_mask` [T, P + T] says which pending/new tokens each new token sees; None means all pending
+tokens and causal among the new ones.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+# A context view: layer → (slot indices [B, H', C], valid [B, H', C]), H' = 1 (shared by all KV heads)
+# or Hkv (per KV head). Compressed draft caches (StreamingLLM, SnapKV) read the context through one.
+ContextView = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+# Called by every layer with (layer, q [B, Hq, T, D], k [B, Hkv, S, D], mask) before attention.
+Observer = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass
 class AttentionMetadata:
     """What every layer's attention needs for one forward; built once per forward.
 
-    lengths: [B] committed tokens per row before this forward.
-    num_new: T, new tokens per row.
-    kv_len: number of cache slots to read (max over rows of lengths + T).
-    new_mask: optional [T, T] or [B, T, T] bool, True where new token i may see new token j
-              (None → causal).
-    q_positions: [B, T] rotary positions of the new tokens (used by sliding windows).
-    sliding_window: keys further back than this from the query (in positions) are hidden.
+    lengths: [B] committed tokens per row. pending: P. num_new: T.
+    kv_len: cache slots a full read covers (max over rows of L + P + T).
+    q_positions: [B, T] rotary positions of the new tokens (sliding windows compare against them).
+    view: None → the full context; else a ContextView selecting part of it.
     """
 
     lengths: torch.Tensor
     num_new: int
     kv_len: int
+    pending: int = 0
     new_mask: torch.Tensor | None = None
     q_positions: torch.Tensor | None = None
     sliding_window: int | None = None
-    _mask: torch.Tensor | None = None
+    view: ContextView | None = None
+    observer: Observer | None = None
+    _full_mask: torch.Tensor | None = None
 
-    def mask(self) -> torch.Tensor:
-        """Dense [B, 1, T, kv_len] bool mask (True = attend), cached across layers."""
-        if self._mask is None:
-            self._mask = build_mask(self)
-        return self._mask
+    def new_token_mask(self) -> torch.Tensor:
+        """[B, T, P + T] bool: which pending/new tokens each new token sees."""
+        T, P = self.num_new, self.pending
+        B = self.lengths.shape[0]
+        if self.new_mask is None:
+            j = torch.arange(P + T, device=self.lengths.device)
+            m = j[None, :] <= (P + torch.arange(T, device=self.lengths.device))[:, None]
+        else:
+            m = self.new_mask
+        return (m if m.dim() == 3 else m[None]).expand(B, T, P + T)
+
+    def full_mask(self) -> torch.Tensor:
+        """[B, 1, T, kv_len] mask over cache slots [0, kv_len), cached across layers."""
+        if self._full_mask is None:
+            dev = self.lengths.device
+            T, W = self.num_new, self.pending + self.num_new
+            slot = torch.arange(self.kv_len, device=dev)
+            rel = slot[None, :] - self.lengths[:, None]  # [B, S] index among pending+new (<0: context)
+            gather_idx = rel.clamp(0, W - 1)[:, None, :].expand(-1, T, -1)
+            recent_ok = torch.gather(self.new_token_mask(), 2, gather_idx) & (rel < W)[:, None, :]
+            allowed = (rel < 0)[:, None, :] | recent_ok  # [B, T, S]
+            self._full_mask = self._apply_window(allowed, slot[None, None, :])[:, None]
+        return self._full_mask
+
+    def _apply_window(self, allowed: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+        # Slot index == rotary position in redwood's caches (keys keep their true positions).
+        if self.sliding_window is None or self.q_positions is None:
+            return allowed
+        q = self.q_positions[:, :, None] if allowed.dim() == 3 else self.q_positions[:, None, :, None]
+        return allowed & (q - key_positions < self.sliding_window)
 
 
-def build_mask(meta: AttentionMetadata) -> torch.Tensor:
-    device = meta.lengths.device
-    T, S = meta.num_new, meta.kv_len
-    slot = torch.arange(S, device=device)  # [S]
-    start = meta.lengths[:, None]  # [B, 1]
-    rel = slot[None, :] - start  # [B, S]: index of the slot among the new tokens (<0: context)
-    context = rel < 0  # [B, S]
-    in_new = (rel >= 0) & (rel < T)
-    if meta.new_mask is None:
-        new_ok = rel[:, None, :] <= torch.arange(T, device=device)[None, :, None]  # causal [B, T, S]
-    else:
-        nm = meta.new_mask if meta.new_mask.dim() == 3 else meta.new_mask[None]
-        nm = nm.expand(meta.lengths.shape[0], T, T)
-        gather_idx = rel.clamp(0, T - 1)[:, None, :].expand(-1, T, -1)  # [B, T, S]
-        new_ok = torch.gather(nm, 2, gather_idx)
-    allowed = context[:, None, :] | (in_new[:, None, :] & new_ok)  # [B, T, S]
-    if meta.sliding_window is not None and meta.q_positions is not None:
-        # In a full cache a slot's position is its index.
-        too_far = meta.q_positions[:, :, None] - slot[None, None, :] >= meta.sliding_window
-        allowed = allowed & ~too_far
-    return allowed[:, None]
+def read_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int, meta: AttentionMetadata):
+    """Keys, values and mask one layer attends over.
+
+    k_cache, v_cache: [B, Hkv, capacity, D] (one layer). Returns k, v [B, Hkv, S, D] and a mask
+    broadcastable to [B, Hkv or 1, T, S].
+    """
+    if meta.view is None:
+        return k_cache[:, :, : meta.kv_len], v_cache[:, :, : meta.kv_len], meta.full_mask()
+    ctx_idx, ctx_valid = meta.view(layer)  # [B, H', C]
+    B, Hkv, _, D = k_cache.shape
+    W = meta.pending + meta.num_new
+    recent = meta.lengths[:, None] + torch.arange(W, device=ctx_idx.device)  # [B, W]
+    H = ctx_idx.shape[1]
+    idx = torch.cat([ctx_idx, recent[:, None, :].expand(B, H, W)], dim=2)  # [B, H', C + W]
+    gidx = idx[..., None].expand(B, Hkv, idx.shape[2], D)
+    k = torch.gather(k_cache, 2, gidx)
+    v = torch.gather(v_cache, 2, gidx)
+    T = meta.num_new
+    ctx_mask = ctx_valid[:, :, None, :].expand(B, H, T, ctx_idx.shape[2])
+    new_mask = meta.new_token_mask()[:, None].expand(B, H, T, W)
+    mask = torch.cat([ctx_mask, new_mask], dim=3)  # [B, H', T, C + W]
+    mask = meta._apply_window(mask, idx[:, :, None, :])
+    return k, v, mask
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """q: [B, Hq, T, D]; k, v: [B, Hkv, kv_len, D] (cache slots) → [B, Hq, T, D]."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask(), enable_gqa=q.shape[1] != k.shape[1])
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q: [B, Hq, T, D]; k, v: [B, Hkv, S, D]; mask [B, 1 or Hkv, T, S] → [B, Hq, T, D]."""
+    Hq, Hkv = q.shape[1], k.shape[1]
+    if mask.shape[1] not in (1, Hq):
+        mask = mask.repeat_interleave(Hq // Hkv, dim=1)  # per-KV-head mask → per query head
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=Hq != Hkv)

@@ -28,9 +28,9 @@ class KVCache:
     def batch_size(self) -> int:
         return self.k.shape[1]
 
-    def slots(self, num_new: int) -> torch.Tensor:
-        """[B, T] cache slots where the next forward's T new tokens go."""
-        idx = self.lengths[:, None] + torch.arange(num_new, device=self.lengths.device)
+    def slots(self, num_new: int, offset: int = 0) -> torch.Tensor:
+        """[B, T] cache slots for T new tokens placed after `offset` pending (uncommitted) ones."""
+        idx = self.lengths[:, None] + offset + torch.arange(num_new, device=self.lengths.device)
         if int(idx.max()) >= self.capacity:
             raise ContextLengthError(
                 f"KV cache full: {int(idx.max()) + 1} tokens needed, capacity {self.capacity}"
@@ -43,10 +43,6 @@ class KVCache:
         # Advanced indices (rows, slots) around a slice put [B, T] first: values are [B, T, Hkv, D].
         self.k[layer][rows, :, slots] = k.transpose(1, 2)
         self.v[layer][rows, :, slots] = v.transpose(1, 2)
-
-    def read(self, layer: int, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values of slots [0, upto) for all rows: [B, Hkv, upto, D] views."""
-        return self.k[layer, :, :, :upto], self.v[layer, :, :, :upto]
 
     def commit(self, num_kept: torch.Tensor | int) -> None:
         """Advance each row's length by the number of new tokens it keeps ([B] tensor or int)."""

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from redwood.attention import reference
-from redwood.attention.reference import AttentionMetadata
+from redwood.attention.reference import AttentionMetadata, ContextView, Observer
 from redwood.config import ModelConfig
 from redwood.kv.cache import KVCache
 from redwood.models.rope import RotaryEmbedding, apply_rotary
@@ -55,8 +55,10 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         cache.write(self.layer, slots, k, v)
-        k_all, v_all = cache.read(self.layer, meta.kv_len)
-        out = reference.attention(q, k_all, v_all, meta)  # [B, Hq, T, D]
+        k_all, v_all, mask = reference.read_kv(cache.k[self.layer], cache.v[self.layer], self.layer, meta)
+        if meta.observer is not None:
+            meta.observer(self.layer, q, k_all, mask)
+        out = reference.attention(q, k_all, v_all, mask)  # [B, Hq, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 
@@ -111,18 +113,24 @@ class Transformer(nn.Module):
         return F.linear(self.norm(hidden), weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                new_mask: torch.Tensor | None = None, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+                new_mask: torch.Tensor | None = None, logits_at: torch.Tensor | None = None,
+                pending: int = 0, view: ContextView | None = None,
+                observer: Observer | None = None) -> torch.Tensor:
         """Run T new tokens per row through the model, writing their K/V into `cache`.
 
-        input_ids, positions: [B, T]. new_mask: [T, T] / [B, T, T] bool among the new tokens (None: causal).
+        input_ids, positions: [B, T]. The new tokens go to slots lengths + pending + t, after `pending`
+        uncommitted tokens of earlier forwards (drafting). new_mask: [T, P + T] / [B, T, P + T] bool over
+        pending + new tokens (None: all pending, causal among new). view: read the committed context
+        through a compressed view (draft KV policies). observer(layer, q, k, mask): sees each layer's
+        attention inputs (SnapKV scores the prompt with it).
         logits_at: optional [B, K] indices into T — only those positions get logits (prefill needs one).
         Returns logits [B, T or K, vocab] in float32.
         """
         B, T = input_ids.shape
-        slots = cache.slots(T)
+        slots = cache.slots(T, offset=pending)
         meta = AttentionMetadata(
-            lengths=cache.lengths, num_new=T, kv_len=int(slots.max()) + 1, new_mask=new_mask,
-            q_positions=positions, sliding_window=self.config.sliding_window,
+            lengths=cache.lengths, num_new=T, kv_len=int(slots.max()) + 1, pending=pending, new_mask=new_mask,
+            q_positions=positions, sliding_window=self.config.sliding_window, view=view, observer=observer,
         )
         x = self.embed_tokens(input_ids)  # [B, T, H]
         cos, sin = self.rotary(positions, x.dtype)
