@@ -161,3 +161,58 @@ class ModelConfig:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
         return cls.from_hf_dict(d)
+
+
+VERIFIERS = ("auto", "greedy", "sampling")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How to speculate (MagicDec-style chains).
+
+    draft_model: a zoo name / folder / .gguf of a small model sharing the target's tokenizer; or
+    self_speculate=True: the target drafts for itself, reading a compressed view of its own KV cache.
+    draft_kv: which committed tokens the draft reads — "full", "streaming" (sinks + recent window) or
+    "snapkv" (prefill-selected positions + recent tokens), within `draft_budget` tokens.
+    sinks / window: StreamingLLM's sink count and recent window (window defaults to budget − sinks);
+    for snapkv, `window` is the observation window (default 32) and `pool_kernel` its smoothing.
+    num_draft_tokens: γ, draft tokens per step (the target verifies γ + 1 positions).
+    verifier: "greedy" (accept while equal to the target's argmax; temperature 0 only), "sampling"
+    (rejection sampling, lossless at any temperature / top-k / top-p) or "auto" (greedy when every
+    request is greedy).
+    """
+
+    draft_model: str | None = None
+    self_speculate: bool = False
+    draft_kv: str = "full"
+    draft_budget: int | None = None
+    sinks: int | None = None
+    window: int | None = None
+    pool_kernel: int = 5
+    num_draft_tokens: int = 4
+    verifier: str = "auto"
+
+    def __post_init__(self) -> None:
+        from redwood.kv.policies import KV_POLICIES
+
+        if bool(self.draft_model) == bool(self.self_speculate):
+            raise ConfigError("speculation needs exactly one of draft_model=... or self_speculate=True")
+        if self.draft_kv not in KV_POLICIES:
+            raise ConfigError(f"unknown draft_kv {self.draft_kv!r}; choose one of {', '.join(KV_POLICIES)}")
+        if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
+            raise ConfigError(f"num_draft_tokens (gamma) must be an integer >= 1, got {self.num_draft_tokens!r}")
+        if self.verifier not in VERIFIERS:
+            raise ConfigError(f"unknown verifier {self.verifier!r}; choose one of {', '.join(VERIFIERS)}")
+        for name in ("draft_budget", "window"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.sinks is not None and (not isinstance(self.sinks, int) or self.sinks < 0):
+            raise ConfigError(f"sinks must be an integer >= 0, got {self.sinks!r}")
+        self.make_policy()  # validates the policy's own settings
+
+    def make_policy(self):
+        from redwood.kv.policies import make_policy
+
+        return make_policy(self.draft_kv, budget=self.draft_budget, sinks=self.sinks, window=self.window,
+                           kernel=self.pool_kernel)

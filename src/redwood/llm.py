@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from redwood.config import SpeculativeConfig
 from redwood.engine.generate import autoregressive, make_requests
 from redwood.engine.request import RequestState
 from redwood.errors import ConfigError
@@ -47,16 +48,49 @@ class LLM:
 
     model: a zoo name (`redwood models list`), a Hugging Face folder, or a .gguf file.
     dtype: "float32" | "bfloat16" | "float16"; device: "cpu" | "cuda".
+    speculative: a SpeculativeConfig (draft model or self-speculation, draft KV policy, γ, verifier);
+    None decodes autoregressively. Either way the output is the target model's.
     """
 
     def __init__(self, model: str | Path = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", speculative: SpeculativeConfig | None = None):
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise ConfigError(f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}")
         loaded = load_model(model, dtype=dtype, device=device)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.config = loaded.config
         self.model_name = loaded.source
         self.model_path = loaded.path
+        self.speculative = speculative
+        self.drafter = None
+        self.draft_name = None
+        if speculative is not None:
+            self.drafter = self._make_drafter(speculative, dtype, device)
+
+    def _make_drafter(self, spec: SpeculativeConfig, dtype, device):
+        from redwood.spec.drafters import ModelDrafter, SelfDrafter, check_compatible
+
+        policy = spec.make_policy()
+        if spec.self_speculate:
+            self.draft_name = f"self ({policy.describe()})"
+            return SelfDrafter(self.model, policy)
+        draft = load_model(spec.draft_model, dtype=dtype, device=device)
+        check_compatible(self.tokenizer, draft.tokenizer, self.config.vocab_size, draft.config.vocab_size)
+        self.draft_name = f"{draft.source} ({policy.describe()})"
+        return ModelDrafter(draft.model, policy, self.config.vocab_size)
+
+    def _run(self, requests: list[RequestState]):
+        """The generation loop for these requests: speculative when configured, else autoregressive."""
+        if self.drafter is None:
+            return autoregressive(self.model, requests)
+        from redwood.engine.speculative import speculative
+
+        spec = self.speculative
+        if spec.verifier == "greedy" and not all(r.params.greedy for r in requests):
+            raise ConfigError("the greedy verifier is lossless only at temperature 0; use verifier='sampling' "
+                              "(or 'auto') for sampled requests")
+        return speculative(self.model, self.drafter, requests, spec.num_draft_tokens, spec.verifier)
 
     # ------------------------------------------------------------------ prompts
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
@@ -101,7 +135,7 @@ class LLM:
         """Yield each request's new text and tokens as they are generated."""
         _, requests = self._requests(prompts, params, chat)
         sent = [0] * len(requests)
-        for rows in autoregressive(self.model, requests):
+        for rows in self._run(requests):
             for b in rows:
                 r = requests[b]
                 delta_ids = r.output_ids[sent[b]:]
@@ -113,7 +147,7 @@ class LLM:
                  chat: bool = False) -> list[RequestOutput]:
         """Generate for every prompt (a batch); one RequestOutput per prompt, in order."""
         prompt_list, requests = self._requests(prompts, params, chat)
-        for _ in autoregressive(self.model, requests):
+        for _ in self._run(requests):
             pass
         return [
             RequestOutput(

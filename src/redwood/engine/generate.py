@@ -57,9 +57,10 @@ def cache_capacity(requests: list[RequestState], extra: int = 0) -> int:
     return max(len(r.prompt_ids) + r.max_new_tokens for r in requests) + extra
 
 
-def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]]) -> torch.Tensor:
+def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]], observer=None) -> torch.Tensor:
     """Run all prompts (right-padded to the longest) into an empty cache; commit them.
 
+    observer: passed to the forward (a SnapKV policy scores the prompt's attention with it).
     Returns the logits of each row's last prompt token: [B, V] float32. Padding slots lie past each
     row's length, so they are never read and get overwritten by the row's next tokens.
     """
@@ -70,7 +71,7 @@ def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]]) -> tor
     for b, p in enumerate(prompts):
         ids[b, : len(p)] = torch.tensor(p, device=device)
     positions = torch.arange(T, device=device)[None].expand(len(prompts), -1)
-    logits = model(ids, positions, cache, logits_at=(lens - 1)[:, None])[:, 0]
+    logits = model(ids, positions, cache, logits_at=(lens - 1)[:, None], observer=observer)[:, 0]
     cache.commit(lens)
     return logits
 

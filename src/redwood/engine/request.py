@@ -8,11 +8,53 @@ from redwood.sampling_params import SamplingParams
 
 
 @dataclass
+class SpecStats:
+    """Speculation counters of one request.
+
+    steps: target verification steps; drafted: draft tokens proposed (γ per step); accepted: draft tokens
+    accepted; accepted_at[i]: steps whose draft token i (0-based) was accepted.
+    acceptance rate = accepted / drafted; mean accepted length = (accepted + steps) / steps — tokens
+    per target step including the correction/bonus token (vLLM's and SGLang's definition).
+    """
+
+    gamma: int
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_at: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    def record(self, accepted: int) -> None:
+        if not self.accepted_at:
+            self.accepted_at = [0] * self.gamma
+        self.steps += 1
+        self.drafted += self.gamma
+        self.accepted += accepted
+        for i in range(accepted):
+            self.accepted_at[i] += 1
+
+    def to_dict(self) -> dict:
+        return {
+            "gamma": self.gamma,
+            "steps": self.steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
+            "mean_accepted_length": round((self.accepted + self.steps) / self.steps, 4) if self.steps else 0.0,
+            "acceptance_by_position": [round(a / self.steps, 4) for a in self.accepted_at] if self.steps else [],
+            "draft_s": round(self.draft_s, 6),
+            "verify_s": round(self.verify_s, 6),
+        }
+
+
+@dataclass
 class RequestStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    spec: SpecStats | None = None
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -21,13 +63,16 @@ class RequestStats:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
     def to_dict(self) -> dict:
-        return {
+        d = {
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
             "prefill_s": round(self.prefill_s, 6),
             "decode_s": round(self.decode_s, 6),
             "decode_tokens_per_s": round(self.decode_tokens_per_s, 3),
         }
+        if self.spec is not None:
+            d["speculative"] = self.spec.to_dict()
+        return d
 
 
 @dataclass
