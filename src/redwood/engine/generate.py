@@ -20,11 +20,25 @@ from redwood.models.transformer import Transformer
 from redwood.sampling_params import SamplingParams
 
 
+# Special tokens that end a generation wherever a vocabulary has them (as llama.cpp's end-of-generation
+# set): e.g. Qwen instruct files name only <|im_end|> as EOS, yet the model may also emit <|endoftext|>.
+END_OF_GENERATION = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "</s>",
+                     "<|end|>", "<end_of_turn>")
+
+
 def eos_token_ids(config: ModelConfig, tokenizer) -> frozenset[int]:
-    """EOS ids from the model config plus the tokenizer's own EOS (instruct models end turns with it)."""
+    """EOS ids: the model config's, the tokenizer's EOS, and its end-of-generation special tokens."""
     ids = set(config.eos_token_ids)
-    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(int(tokenizer.eos_token_id))
+    if tokenizer is not None:
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            ids.add(int(tokenizer.eos_token_id))
+        special = set(getattr(tokenizer, "all_special_tokens", []) or [])
+        added = getattr(tokenizer, "added_tokens_encoder", {}) or {}
+        for text in END_OF_GENERATION:
+            if text in special or text in added:
+                tid = tokenizer.convert_tokens_to_ids(text)
+                if isinstance(tid, int) and 0 <= tid < config.vocab_size:
+                    ids.add(tid)
     return frozenset(ids)
 
 

@@ -1,0 +1,48 @@
+"""ModelConfig from HF config dicts, and its validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from redwood.config import ModelConfig
+from redwood.errors import ConfigError, UnsupportedModelError
+from tests.conftest import tiny_hf_config
+
+
+def test_families_map_their_flags():
+    q = ModelConfig.from_hf_dict(tiny_hf_config("qwen2").to_dict())
+    assert q.qkv_bias and not q.o_bias and q.sliding_window is None
+    m = ModelConfig.from_hf_dict(tiny_hf_config("mistral", sliding_window=9).to_dict())
+    assert m.sliding_window == 9 and not m.qkv_bias
+    l = ModelConfig.from_hf_dict(tiny_hf_config("llama", attention_bias=True, tie_word_embeddings=True).to_dict())
+    assert l.qkv_bias and l.o_bias and l.tie_word_embeddings and l.head_dim == 16 and l.group_size == 2
+
+
+def test_transformers4_style_rope_fields():
+    d = tiny_hf_config("llama").to_dict()
+    d.pop("rope_parameters", None)
+    d.update(rope_theta=500000.0, rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    c = ModelConfig.from_hf_dict(d)
+    assert c.rope_theta == 500000.0 and c.rope_scaling.rope_type == "llama3" and c.rope_scaling.factor == 8.0
+
+
+@pytest.mark.parametrize("change,error,match", [
+    ({"model_type": "gpt2"}, UnsupportedModelError, "gpt2"),
+    ({"hidden_act": "gelu"}, UnsupportedModelError, "gelu"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, UnsupportedModelError, "yarn"),
+    ({"num_key_value_heads": 3}, ConfigError, "multiple of num_kv_heads"),
+    ({"hidden_size": 0}, ConfigError, "hidden_size"),
+])
+def test_bad_configs(change, error, match):
+    d = tiny_hf_config("llama").to_dict()
+    d.update(change)
+    with pytest.raises(error, match=match):
+        ModelConfig.from_hf_dict(d)
+
+
+def test_qwen2_per_layer_sliding_window_rejected():
+    d = tiny_hf_config("qwen2").to_dict()
+    d.update(use_sliding_window=True, sliding_window=16)
+    with pytest.raises(UnsupportedModelError, match="use_sliding_window"):
+        ModelConfig.from_hf_dict(d)
