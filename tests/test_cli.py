@@ -69,3 +69,125 @@ def test_bfloat16_runs(tiny_model_dir, capsys):
     assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "Paris", "--dtype", "bfloat16",
                  "--max-new-tokens", "4", "--ignore-eos", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 4
+
+
+# ------------------------------------------------------------------------------------ speculation flags
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine run far faster on one intra-op thread."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def draft_model_dir(tmp_path_factory, tokenizer):
+    """A second tiny model (1 layer, other weights) sharing the target's tokenizer: a standalone draft."""
+    from tests.conftest import random_hf_model, tiny_hf_config
+
+    folder = tmp_path_factory.mktemp("tiny-draft")
+    config = tiny_hf_config("qwen2", num_hidden_layers=1, eos_token_id=tokenizer.eos_token_id,
+                            bos_token_id=tokenizer.bos_token_id)
+    random_hf_model(config, seed=1).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+SPEC_KEYS = {"gamma", "steps", "drafted", "accepted", "acceptance_rate", "mean_accepted_length",
+             "acceptance_by_position", "draft_s", "verify_s"}
+
+
+def _greedy_reference(tiny_llm, prompt, n):
+    from redwood import SamplingParams
+
+    return tiny_llm.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True))[0].token_ids
+
+
+@pytest.mark.parametrize("flags, draft", [
+    (["--self-speculate", "--draft-kv", "streaming", "--draft-budget", "8", "--sinks", "2"], "self (streaming"),
+    (["--self-speculate", "--draft-kv", "snapkv", "--draft-budget", "6", "--window", "4", "--pool-kernel", "3",
+      "--gamma", "2"], "self (snapkv(budget=6, window=4, kernel=3"),
+])
+def test_generate_self_speculate_json(tiny_model_dir, tiny_llm, capsys, flags, draft, one_thread):
+    prompt = "Paris is the capital of France. Rome is"
+    rc = main(["generate", "--model", str(tiny_model_dir), "--prompt", prompt, "--max-new-tokens", "10",
+               "--ignore-eos", "--json"] + flags)
+    assert rc == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["token_ids"] == _greedy_reference(tiny_llm, prompt, 10)
+    assert obj["draft"].startswith(draft)
+    spec = obj["stats"]["speculative"]
+    assert set(spec) >= SPEC_KEYS and spec["gamma"] == (2 if "--gamma" in flags else 4)
+    assert spec["steps"] >= 1 and len(spec["acceptance_by_position"]) == spec["gamma"]
+
+
+def test_generate_draft_model_json_and_human(tiny_model_dir, draft_model_dir, tiny_llm, capsys, one_thread):
+    prompt = "def add(a, b):"
+    base = ["generate", "--model", str(tiny_model_dir), "--prompt", prompt, "--max-new-tokens", "8", "--ignore-eos",
+            "--draft-model", str(draft_model_dir), "--gamma", "3", "--verifier", "greedy"]
+    assert main(base + ["--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["token_ids"] == _greedy_reference(tiny_llm, prompt, 8)
+    assert obj["draft"] == f"{draft_model_dir} (full)"
+    spec = obj["stats"]["speculative"]
+    assert spec["gamma"] == 3 and spec["drafted"] == 3 * spec["steps"]
+
+    assert main(base) == 0
+    lines = capsys.readouterr().out.rstrip("\n").split("\n")
+    assert lines[-2] == f"[draft: {draft_model_dir} (full)]"
+    stats = lines[-1]
+    assert stats.startswith("[") and "8 generated (length)" in stats
+    assert "speculative gamma 3" in stats and "acceptance" in stats and "mean accepted length" in stats
+    assert "draft " in stats and "verify " in stats
+
+
+def test_generate_sampling_speculation(tiny_model_dir, capsys, one_thread):
+    rc = main(["generate", "--model", str(tiny_model_dir), "--prompt", "for i in", "--max-new-tokens", "6",
+               "--temperature", "0.8", "--seed", "1", "--ignore-eos", "--self-speculate", "--json"])
+    assert rc == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert len(obj["token_ids"]) == 6 and obj["stats"]["speculative"]["gamma"] == 4
+
+
+@pytest.mark.parametrize("flags, msg", [
+    (["--draft-model", "d", "--self-speculate"], "mutually exclusive"),
+    (["--gamma", "3"], "--gamma only applies when speculating"),
+    (["--draft-kv", "streaming", "--sinks", "2"], "--draft-kv, --sinks only apply when speculating"),
+    (["--self-speculate", "--gamma", "0"], "--gamma must be >= 1"),
+    (["--self-speculate", "--draft-kv", "h2o"], "--draft-kv must be one of full, streaming, snapkv"),
+    (["--self-speculate", "--verifier", "typical"], "--verifier must be one of"),
+    (["--self-speculate", "--draft-kv", "snapkv"], "needs --draft-budget"),
+    (["--self-speculate", "--draft-kv", "snapkv", "--draft-budget", "16"], "observation --window (32"),
+    (["--self-speculate", "--draft-kv", "streaming"], "needs --draft-budget or --window"),
+    (["--self-speculate", "--draft-kv", "streaming", "--draft-budget", "4"], "larger than --sinks (4)"),
+    (["--self-speculate", "--draft-kv", "streaming", "--draft-budget", "10", "--sinks", "2", "--window", "4"],
+     "!= sinks"),
+    (["--self-speculate", "--draft-budget", "0"], "--draft-budget must be >= 1"),
+    (["--self-speculate", "--sinks", "-1"], "--sinks must be >= 0"),
+    (["--self-speculate", "--draft-kv", "snapkv", "--draft-budget", "40", "--pool-kernel", "4"], "odd"),
+    (["--self-speculate", "--verifier", "greedy", "--temperature", "0.7"], "--verifier greedy"),
+])
+def test_speculation_flag_errors(flags, msg, tmp_path, capsys):
+    # the model path doesn't exist: each error must come before any model is loaded
+    assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"] + flags) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("redwood: error:") and msg in err and err.count("\n") == 1, err
+
+
+def test_incompatible_draft_tokenizer(tiny_model_dir, tmp_path, capsys):
+    from tests.conftest import make_tokenizer, random_hf_model, tiny_hf_config
+
+    other = make_tokenizer(vocab_size=300)
+    folder = tmp_path / "other-draft"
+    random_hf_model(tiny_hf_config("qwen2", num_hidden_layers=1)).save_pretrained(folder)
+    other.save_pretrained(folder)
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "x", "--draft-model", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("redwood: error:") and "tokenizer" in err and err.count("\n") == 1

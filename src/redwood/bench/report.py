@@ -22,8 +22,8 @@ Schema ``redwood.bench/1`` (every field except ``schema`` and ``runs`` may be mi
           "tokens_per_s": 123.4,         # generated tokens per second (all rows of the batch together)
           "speedup": 1.8,                # tokens_per_s over the autoregressive baseline's
           "acceptance_rate": 0.71,       # accepted / drafted tokens
-          "mean_accepted_length": 2.9,   # tokens accepted per verification step (excluding the bonus token)
-          "acceptance_by_position": [0.9, 0.8, ...],  # P(draft token i accepted | tokens < i accepted)
+          "mean_accepted_length": 3.9,   # tokens per verification step, the correction/bonus token included
+          "acceptance_by_position": [0.9, 0.8, ...],  # fraction of steps whose draft token i was accepted
           "tokens_per_step": 3.9,        # tokens emitted per target forward pass
           "peak_memory_bytes": 1234567,
           "per_prompt": [{"id": ..., "tokens": ..., "seconds": ..., "tokens_per_s": ..., ...}, ...]

@@ -4,11 +4,56 @@ from __future__ import annotations
 
 import json
 
-from redwood.commands.generate import add_model_args
+from redwood.commands.generate import add_draft_kv_args, add_model_args
+
+_SPEC_HELP = {
+    "baseline": ("autoregressive tokens/s on long-text prompts (the speculative benches' baseline)",
+                 "Autoregressive decoding speed on windows of exactly --prefix-len tokens cut from long real "
+                 "text (essays by default, or --prompts-file): exactly --gen-len tokens per row, EOS ignored. "
+                 "Several --batch-size / --prefix-len values sweep; one row per combination."),
+    "standalone": ("speculation with a small draft model vs. autoregressive, same prompts, same run",
+                   "MagicDec with a standalone draft model (--draft-model, same tokenizer as --model) whose "
+                   "KV cache is read through --draft-kv. For every (batch size, prefix length) the "
+                   "autoregressive baseline and then speculation at each --gamma run on the same prompts; "
+                   "prints tokens/s, speedup, acceptance and whether greedy outputs are identical."),
+    "selfspec": ("self-speculation (the target drafts from a compressed KV view) vs. autoregressive",
+                 "MagicDec self-speculation: the target drafts for itself reading a compressed view of its own "
+                 "KV cache (--draft-kv streaming or snapkv, --draft-budget K; default streaming, budget 256). "
+                 "For every (batch size, prefix length) the autoregressive baseline and then speculation at "
+                 "each --gamma run on the same prompts; prints tokens/s, speedup, acceptance and whether greedy outputs are identical."),
+}
+
+
+def _add_spec_bench(bench, kind: str) -> None:
+    help_, description = _SPEC_HELP[kind]
+    p = bench.add_parser(kind, help=help_, description=description)
+    add_model_args(p)
+    if kind == "standalone":
+        p.add_argument("--draft-model", default=None, metavar="D", help="the draft model (required)")
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1], metavar="B",
+                   help="rows per batch; several values sweep (default 1)")
+    p.add_argument("--prefix-len", type=int, nargs="+", default=[1024], metavar="L",
+                   help="prompt tokens per row; several values sweep (default 1024)")
+    p.add_argument("--gen-len", type=int, default=64, metavar="N", help="tokens generated per row (default 64)")
+    if kind != "baseline":
+        add_draft_kv_args(p, sweep=True)
+    src = p.add_argument_group("prompts")
+    src.add_argument("--dataset", default=None, metavar="NAME",
+                     help="cut prompts from this dataset's concatenated text (`redwood data list`; default essays)")
+    src.add_argument("--prompts-file", default=None, metavar="FILE",
+                     help="cut prompts from this text file instead of a dataset")
+    src.add_argument("--prompt-seed", type=int, default=0, help="seed of the window offsets (default 0)")
+    smp = p.add_argument_group("sampling")
+    smp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    smp.add_argument("--top-p", type=float, default=1.0)
+    smp.add_argument("--seed", type=int, default=None, help="sampling seed (row b uses seed + b)")
+    p.add_argument("--output", default=None, metavar="DIR", help="write report.json (and plots) into this folder")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=run_spec_bench, bench_kind=kind)
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks (ar, report)")
+    p = sub.add_parser("bench", help="benchmarks (ar, baseline, standalone, selfspec, report)")
     bench = p.add_subparsers(dest="bench_command", metavar="BENCH")
     bench.required = True
 
@@ -28,6 +73,9 @@ def register(sub) -> None:
     ar.add_argument("--output", default=None, help="write report.json (and plots) into this folder")
     ar.add_argument("--json", action="store_true", help="print the result as JSON")
     ar.set_defaults(func=run_ar)
+
+    for kind in ("baseline", "standalone", "selfspec"):
+        _add_spec_bench(bench, kind)
 
     try:
         from redwood.bench.report import add_report_parser
@@ -67,5 +115,61 @@ def run_ar(args) -> int:
                        if "hf" in result else []),
             "aggregate": {k: result[k] for k in ("speedup_vs_hf", "hf_same_tokens") if k in result},
         })
+    print(json.dumps(result, indent=2) if args.json else format_result(result))
+    return 0
+
+
+SELFSPEC_DEFAULT_BUDGET = 256
+
+
+def run_spec_bench(args) -> int:
+    """`redwood bench baseline|standalone|selfspec`: validate everything, load once, sweep, report."""
+    import sys
+
+    from redwood.bench.speculative import (DEFAULT_DATASET, PromptSource, check_sizes, format_result, run_bench,
+                                           to_report)
+    from redwood.commands.generate import check_draft_kv_args, make_speculative_config
+    from redwood.errors import ConfigError
+    from redwood.llm import LLM
+    from redwood.sampling_params import SamplingParams
+
+    kind = args.bench_kind
+    speculating = kind != "baseline"
+    gammas = (args.gamma or [4]) if speculating else []
+    check_sizes(args.batch_size, args.prefix_len, args.gen_len, gammas)
+    SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)  # validates them
+    if args.dataset and args.prompts_file:
+        raise ConfigError("--dataset and --prompts-file are alternatives; give one")
+    source = PromptSource(dataset=None if args.prompts_file else (args.dataset or DEFAULT_DATASET),
+                          prompts_file=args.prompts_file)
+    source.check()
+    spec = None
+    if speculating:
+        if kind == "standalone" and not args.draft_model:
+            raise ConfigError("bench standalone needs --draft-model D (for self-speculation use bench selfspec)")
+        if kind == "selfspec" and args.draft_kv is None:
+            # A self-draft over the full cache is the target itself: default to MagicDec's StreamingLLM draft.
+            args.draft_kv = "streaming"
+            if args.draft_budget is None and args.window is None:
+                args.draft_budget = SELFSPEC_DEFAULT_BUDGET
+        check_draft_kv_args(args)
+        configs = [make_speculative_config(args, draft_model=getattr(args, "draft_model", None),
+                                           self_speculate=kind == "selfspec", gamma=g) for g in gammas]
+        spec = configs[0]  # γ varies per run; everything else is shared
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative=spec)
+    progress = None if args.json else (lambda msg: print(f"... {msg}", file=sys.stderr, flush=True))
+    result = run_bench(llm, kind, args.batch_size, args.prefix_len, args.gen_len, source, gammas or [4],
+                       temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                       prompt_seed=args.prompt_seed, verifier=spec.verifier if spec else "auto", progress=progress)
+    if args.output:
+        from redwood.bench.report import write_report
+
+        extra = {"prompt_seed": args.prompt_seed}
+        if spec is not None:
+            extra.update(draft_kv=spec.draft_kv, draft_budget=spec.draft_budget, sinks=spec.sinks,
+                         window=spec.window, pool_kernel=spec.pool_kernel, draft_policy=spec.make_policy().describe())
+        path = write_report(args.output, to_report(result, extra))
+        if not args.json:
+            print(f"wrote {path}", file=sys.stderr)
     print(json.dumps(result, indent=2) if args.json else format_result(result))
     return 0

@@ -1,4 +1,8 @@
-"""`redwood generate`: one prompt through a model, streamed to the terminal or printed as JSON."""
+"""`redwood generate`: one prompt through a model, streamed to the terminal or printed as JSON.
+
+Also home of the flag groups other commands reuse: model (--model/--dtype/--device), sampling, and
+speculation (`add_speculative_args` + `speculative_config_from_args`).
+"""
 
 from __future__ import annotations
 
@@ -35,38 +39,177 @@ def sampling_params_from_args(args):
                           ignore_eos=args.ignore_eos)
 
 
+DRAFT_KV_CHOICES = ("full", "streaming", "snapkv")
+VERIFIER_CHOICES = ("auto", "greedy", "sampling")
+DEFAULT_GAMMA = 4
+DEFAULT_POOL_KERNEL = 5
+
+
+def add_draft_kv_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
+    """--draft-kv / --draft-budget / --sinks / --window / --pool-kernel / --gamma / --verifier.
+
+    Choices are checked by `speculative_config_from_args` (one-line errors, exit status 2), not by argparse.
+    sweep: --gamma takes several values (benchmarks run one configuration per value).
+    """
+    g = p.add_argument_group("speculation")
+    g.add_argument("--draft-kv", default=None, metavar="{full,streaming,snapkv}",
+                   help="which committed tokens the draft reads: the full cache (default), StreamingLLM "
+                        "(sinks + recent window) or SnapKV (prefill-selected positions + recent tokens)")
+    g.add_argument("--draft-budget", type=int, default=None, metavar="N",
+                   help="draft KV budget in tokens (streaming: sinks + window; snapkv: required)")
+    g.add_argument("--sinks", type=int, default=None, metavar="N", help="streaming: attention sinks kept (default 4)")
+    g.add_argument("--window", type=int, default=None, metavar="N",
+                   help="streaming: recent window (default budget - sinks); snapkv: observation window (default 32)")
+    g.add_argument("--pool-kernel", type=int, default=None, metavar="K",
+                   help=f"snapkv: pooling kernel over the scores, odd (default {DEFAULT_POOL_KERNEL})")
+    if sweep:
+        g.add_argument("--gamma", type=int, nargs="+", default=None, metavar="G",
+                       help=f"draft tokens per step; several values sweep (default {DEFAULT_GAMMA})")
+    else:
+        g.add_argument("--gamma", type=int, default=None, metavar="G",
+                       help=f"draft tokens per step (default {DEFAULT_GAMMA})")
+    g.add_argument("--verifier", default=None, metavar="{auto,greedy,sampling}",
+                   help="greedy (temperature 0 only), sampling (rejection sampling) or auto (default: greedy "
+                        "when every request is greedy)")
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """--draft-model M | --self-speculate, plus the draft KV / γ / verifier flags."""
+    p.add_argument("--draft-model", default=None, metavar="M",
+                   help="speculate with this draft model (same tokenizer as --model)")
+    p.add_argument("--self-speculate", action="store_true",
+                   help="speculate with the target itself reading a compressed view of its KV cache")
+    add_draft_kv_args(p)
+
+
+_SPEC_FLAGS = ("draft_kv", "draft_budget", "sinks", "window", "pool_kernel", "gamma", "verifier")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_draft_kv_args(args) -> None:
+    """One-line errors (ConfigError) for bad draft KV / γ / verifier values, before any model loads."""
+    from redwood.errors import ConfigError
+
+    if args.draft_kv is not None and args.draft_kv not in DRAFT_KV_CHOICES:
+        raise ConfigError(f"--draft-kv must be one of {', '.join(DRAFT_KV_CHOICES)}, got {args.draft_kv!r}")
+    if args.verifier is not None and args.verifier not in VERIFIER_CHOICES:
+        raise ConfigError(f"--verifier must be one of {', '.join(VERIFIER_CHOICES)}, got {args.verifier!r}")
+    gammas = args.gamma if isinstance(args.gamma, list) else [args.gamma]
+    for gamma in gammas:
+        if gamma is not None and gamma < 1:
+            raise ConfigError(f"--gamma must be >= 1 (draft tokens per step), got {gamma}")
+    for name in ("draft_budget", "window", "pool_kernel"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ConfigError(f"{_flag(name)} must be >= 1, got {v}")
+    if args.sinks is not None and args.sinks < 0:
+        raise ConfigError(f"--sinks must be >= 0, got {args.sinks}")
+    if args.pool_kernel is not None and args.pool_kernel % 2 == 0:
+        raise ConfigError(f"--pool-kernel must be odd, got {args.pool_kernel}")
+    budget = args.draft_budget
+    if args.draft_kv == "streaming" and budget is not None:
+        sinks = 4 if args.sinks is None else args.sinks
+        if budget <= sinks:
+            raise ConfigError(f"--draft-budget ({budget}) must be larger than --sinks ({sinks}): the streaming "
+                              f"draft cache holds the sinks plus a recent window of at least one token")
+    if args.draft_kv == "snapkv" and budget is not None:
+        window = 32 if args.window is None else args.window
+        if budget < window:
+            raise ConfigError(f"--draft-budget ({budget}) must be at least the snapkv observation --window "
+                              f"({window}{'' if args.window is not None else ', the default'})")
+    if args.verifier == "greedy" and getattr(args, "temperature", 0) > 0:
+        raise ConfigError("--verifier greedy is lossless only at --temperature 0; use --verifier sampling (or auto)")
+
+
+def make_speculative_config(args, *, draft_model: str | None = None, self_speculate: bool = False,
+                            gamma: int | None = None):
+    """A SpeculativeConfig from the draft KV / verifier flags in `args` (γ given or from --gamma)."""
+    from redwood.config import SpeculativeConfig
+
+    if gamma is None:
+        gamma = args.gamma[0] if isinstance(args.gamma, list) else args.gamma
+    return SpeculativeConfig(
+        draft_model=draft_model, self_speculate=self_speculate, draft_kv=args.draft_kv or "full",
+        draft_budget=args.draft_budget, sinks=args.sinks, window=args.window,
+        pool_kernel=DEFAULT_POOL_KERNEL if args.pool_kernel is None else args.pool_kernel,
+        num_draft_tokens=DEFAULT_GAMMA if gamma is None else gamma, verifier=args.verifier or "auto",
+    )
+
+
+def speculative_config_from_args(args):
+    """The SpeculativeConfig the flags ask for, or None (no --draft-model / --self-speculate).
+
+    Raises ConfigError for conflicting or bad values — call it before loading any model.
+    """
+    from redwood.errors import ConfigError
+
+    if args.draft_model and args.self_speculate:
+        raise ConfigError("--draft-model and --self-speculate are mutually exclusive; pick one drafter")
+    check_draft_kv_args(args)
+    if not args.draft_model and not args.self_speculate:
+        given = [_flag(n) for n in _SPEC_FLAGS if getattr(args, n) is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} when speculating: "
+                              f"add --draft-model M or --self-speculate")
+        return None
+    return make_speculative_config(args, draft_model=args.draft_model or None,
+                                   self_speculate=bool(args.self_speculate))
+
+
 def register(sub) -> None:
     p = sub.add_parser("generate", help="generate text for one prompt",
                        description="Generate text for one prompt. Prints the text as it is generated, "
-                                   "then one stats line; --json prints one JSON object instead.")
+                                   "then one stats line; --json prints one JSON object instead. With "
+                                   "--draft-model M or --self-speculate it decodes speculatively (lossless: the "
+                                   "same tokens when greedy, the same distribution when sampling) and the "
+                                   "stats include acceptance and draft / verify time.")
     add_model_args(p)
     p.add_argument("--prompt", required=True, help="the prompt text ('-' reads standard input)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_sampling_args(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    add_speculative_args(p)
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: text, token_ids, stats (with speculation stats), model, draft")
     p.set_defaults(func=run)
 
 
 def stats_line(stats: dict, finish_reason: str) -> str:
-    return (f"[{stats['prompt_tokens']} prompt tokens, {stats['generated_tokens']} generated "
-            f"({finish_reason}); prefill {stats['prefill_s']:.3f} s; decode {stats['decode_tokens_per_s']:.2f} tokens/s]")
+    line = (f"[{stats['prompt_tokens']} prompt tokens, {stats['generated_tokens']} generated "
+            f"({finish_reason}); prefill {stats['prefill_s']:.3f} s; "
+            f"decode {stats['decode_tokens_per_s']:.2f} tokens/s")
+    spec = stats.get("speculative")
+    if spec:
+        line += (f"; speculative gamma {spec['gamma']}: {spec['steps']} steps, acceptance "
+                 f"{spec['acceptance_rate']:.3f} ({spec['accepted']}/{spec['drafted']}), mean accepted length "
+                 f"{spec['mean_accepted_length']:.2f} tokens/step, draft {spec['draft_s']:.3f} s / verify "
+                 f"{spec['verify_s']:.3f} s")
+    return line + "]"
 
 
 def run(args) -> int:
     from redwood.llm import LLM
 
     params = sampling_params_from_args(args)  # validate before the (slow) model load
+    spec = speculative_config_from_args(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative=spec)
     if args.json:
         out = llm.generate([prompt], params, chat=args.chat)[0]
-        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                          "stats": out.stats, "model": llm.model_name}, ensure_ascii=False))
+        obj = {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+               "stats": out.stats, "model": llm.model_name}
+        if spec is not None:
+            obj["draft"] = llm.draft_name
+        print(json.dumps(obj, ensure_ascii=False))
         return 0
     last = None
     for last in llm.stream([prompt], params, chat=args.chat):
         sys.stdout.write(last.text)
         sys.stdout.flush()
     print()
+    if spec is not None:
+        print(f"[draft: {llm.draft_name}]")
     print(stats_line(last.stats, last.finish_reason))
     return 0
