@@ -44,6 +44,25 @@ class KVCache:
         self.k[layer][rows, :, slots] = k.transpose(1, 2)
         self.v[layer][rows, :, slots] = v.transpose(1, 2)
 
+    def compact(self, src: torch.Tensor, count: torch.Tensor) -> None:
+        """Move accepted tree nodes' KV into place before committing them.
+
+        src: [B, A] offsets (from lengths) of the nodes to keep, in path order, with src[:, i] >= i;
+        count: [B] how many of them each row keeps. Row b's entry i moves from slot L + src[b, i] to
+        slot L + i (entries past count[b] are left alone). A chain's path is already in place.
+        """
+        B, A = src.shape
+        if A == 0:
+            return
+        ar = torch.arange(A, device=src.device)
+        keep = ar[None, :] < count[:, None]
+        src = torch.where(keep, src, ar[None, :])  # rows/entries not kept move onto themselves
+        rows = torch.arange(B, device=src.device)[:, None]
+        base = self.lengths[:, None]
+        for buf in (self.k, self.v):
+            # [L, B, A, Hkv, D] gathered first (a copy), then written: overlapping moves are safe.
+            buf[:, rows, :, base + ar] = buf[:, rows, :, base + src]
+
     def commit(self, num_kept: torch.Tensor | int) -> None:
         """Advance each row's length by the number of new tokens it keeps ([B] tensor or int)."""
         self.lengths += num_kept
