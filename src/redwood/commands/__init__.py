@@ -2,7 +2,7 @@
 
 import importlib
 
-_NAMES = ["generate", "models", "bench", "data"]
+_NAMES = ["generate", "models", "bench", "data", "tree_search"]
 
 
 def _load():
