@@ -51,10 +51,8 @@ def speculative(target: Transformer, drafter: Drafter, requests: list[RequestSta
     for r in requests:
         r.stats.prefill_s = t1 - t0
         r.stats.spec = SpecStats(gamma=gamma)
-    active = torch.ones(B, dtype=torch.long, device=device)
     for b, r in enumerate(requests):
-        if r.append(last_list[b]):
-            active[b] = 0
+        r.append(last_list[b])
     yield list(range(B))
     while not all(r.finished for r in requests):
         _sync(device)
@@ -71,12 +69,15 @@ def speculative(target: Transformer, drafter: Drafter, requests: list[RequestSta
             accepted, nxt = verify_greedy(p, drafts)
         else:
             accepted, nxt = verify_sampling(p, q, drafts, sampler.generators)
-        cache.commit((accepted + 1) * active)
         prev = ids.gather(1, accepted[:, None])[:, 0]
         last = nxt
         acc_list, nxt_list, ids_list = accepted.tolist(), nxt.tolist(), ids.tolist()
         tc = time.perf_counter()
         updated = []
+        # Slots each row commits: a + 1 (last, d1…da), fewer when the row finishes within the step (only
+        # the tokens it emitted, so its cache holds exactly its output and its length never passes
+        # prompt + max_new_tokens), none once finished.
+        kept = [0] * B
         for b, r in enumerate(requests):
             if r.finished:
                 continue
@@ -86,8 +87,9 @@ def speculative(target: Transformer, drafter: Drafter, requests: list[RequestSta
             spec.draft_s += tb - ta
             spec.verify_s += tc - tb
             for tok in ids_list[b][1: acc_list[b] + 1] + [nxt_list[b]]:
+                kept[b] += 1
                 if r.append(tok):
-                    active[b] = 0
                     r.stats.decode_s = time.perf_counter() - t1
                     break
+        cache.commit(torch.tensor(kept, device=device))
         yield updated

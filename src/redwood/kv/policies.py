@@ -88,6 +88,9 @@ class SnapKVPolicy(DraftKVPolicy):
     def __init__(self, budget: int, window: int = 32, kernel: int = 5, pool: str = "avg"):
         if budget < 1 or window < 1:
             raise ConfigError(f"snapkv draft KV needs budget >= 1 and window >= 1, got budget={budget}, window={window}")
+        if budget < window:
+            raise ConfigError(f"snapkv draft KV keeps the whole observation window, so it needs budget >= window; "
+                              f"got budget={budget}, window={window} (pass a smaller --window)")
         if kernel < 1 or kernel % 2 == 0:
             raise ConfigError(f"snapkv pooling kernel must be odd and >= 1, got {kernel}")
         if pool not in ("avg", "max"):
@@ -128,17 +131,21 @@ class SnapKVPolicy(DraftKVPolicy):
         causal = kpos[None, None, :] <= qpos[:, :, None]  # [B, w, S]
         logits = logits.view(B, Hkv, G, self.window, S).masked_fill(~causal[:, None, None], float("-inf"))
         attn = logits.softmax(-1).nan_to_num(0.0) * qvalid[:, None, None, :, None]
-        votes = attn.sum(dim=(2, 3))  # [B, Hkv, S] — summed over window queries and the group's heads
+        votes = attn.sum(dim=3)  # [B, Hkv, G, S] — summed over the window queries, per query head
         prefix = kpos[None, :] < self.obs_start[:, None]  # [B, S]
-        votes = votes * prefix[:, None]
+        votes = votes * prefix[:, None, None]
         if self.kernel > 1:
-            flat = votes.reshape(B * Hkv, 1, S)
+            # Pool each query head's votes, then sum the group (the order matters for max pooling). Outside
+            # the prefix a vote is 0 and counts as 0 (SnapKV's zero padding), so a row's scores do not
+            # depend on how far the batch pads it.
+            flat = votes.reshape(B * Hkv * G, 1, S)
             pad = self.kernel // 2
             if self.pool == "avg":
-                flat = F.avg_pool1d(flat, self.kernel, stride=1, padding=pad, count_include_pad=False)
+                flat = F.avg_pool1d(flat, self.kernel, stride=1, padding=pad, count_include_pad=True)
             else:
                 flat = F.max_pool1d(flat, self.kernel, stride=1, padding=pad)
-            votes = flat.view(B, Hkv, S)
+            votes = flat.view(B, Hkv, G, S)
+        votes = votes.sum(dim=2)  # [B, Hkv, S] — summed over the query heads of each KV group
         return votes.masked_fill(~prefix[:, None], float("-inf"))
 
     def observe(self, layer: int, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> None:

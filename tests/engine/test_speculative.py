@@ -1,0 +1,405 @@
+"""The speculative loop (draft → verify → commit): lossless against autoregressive decoding.
+
+Tiny random Qwen2-style models on the CPU in float32. The target's attention output is scaled down and
+its embeddings up, so its greedy choices have clear margins and do not hinge on every far-away token:
+a noisy copy of it (the standalone draft) and its own compressed cache (self-speculation) then agree
+with it often — acceptance well above 0 and below 1, so both the accept and the reject paths run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from redwood import LLM, SamplingParams
+from redwood.config import SpeculativeConfig
+from redwood.engine.generate import autoregressive, make_requests, prefill
+from redwood.engine.speculative import speculative
+from redwood.errors import ConfigError
+from redwood.kv.policies import make_policy
+from redwood.spec.drafters import ModelDrafter, SelfDrafter
+from tests.conftest import make_tokenizer, random_hf_model, tiny_hf_config
+
+POLICIES = {
+    "full": dict(),
+    "streaming": dict(budget=16, sinks=4),  # 4 sinks + 12 recent
+    "snapkv": dict(budget=16, window=4),  # 12 selected per KV head + the recent part
+}
+GAMMAS = [1, 3, 5]
+NEW_TOKENS = 30
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (n,), generator=g).tolist() for n in lengths]
+
+
+BATCHES = {"single": _prompts([57]), "ragged3": _prompts([40, 90, 65], seed=1)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one intra-op thread is several times faster than two on a shared 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _perturbed(model, noise: float, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise)
+    return model
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory, tokenizer):
+    """target/ and draft/ (target + N(0, 0.01²) noise) sharing the conftest tokenizer; plus drafts with a
+    larger and a smaller vocabulary (same ids on the shared range) and one with a different tokenizer."""
+    root = tmp_path_factory.mktemp("spec-models")
+    config = tiny_hf_config("qwen2", eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    target = random_hf_model(config, seed=3)
+    with torch.no_grad():
+        for name, p in target.named_parameters():
+            if "o_proj" in name:
+                p.mul_(0.2)
+            elif "embed_tokens" in name:
+                p.mul_(4.0)
+    target.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    state = {k: v.clone() for k, v in target.state_dict().items()}
+
+    draft = random_hf_model(config, seed=3)
+    draft.load_state_dict(state)
+    _perturbed(draft, 0.01, seed=5).save_pretrained(root / "draft")
+    tokenizer.save_pretrained(root / "draft")
+
+    for name, vocab in (("draft-big-vocab", config.vocab_size + 32), ("draft-small-vocab", 300)):
+        cfg = tiny_hf_config("qwen2", vocab_size=vocab, eos_token_id=tokenizer.eos_token_id,
+                             bos_token_id=tokenizer.bos_token_id)
+        m = random_hf_model(cfg, seed=4)
+        resized = {}
+        for k, v in state.items():
+            if v.shape[:1] == (config.vocab_size,):  # embeddings / lm_head rows: the shared range
+                w = m.state_dict()[k].clone()
+                n = min(vocab, config.vocab_size)
+                w[:n] = v[:n]
+                resized[k] = w
+            else:
+                resized[k] = v
+        m.load_state_dict(resized)
+        _perturbed(m, 0.01, seed=6).save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+
+    other_tok = make_tokenizer(vocab_size=300)
+    other_tok.save_pretrained(root / "draft-other-tokenizer")
+    draft.save_pretrained(root / "draft-other-tokenizer")
+    return root
+
+
+@pytest.fixture(scope="module")
+def target_llm(model_dirs):
+    return LLM(str(model_dirs / "target"))
+
+
+@pytest.fixture(scope="module")
+def draft_llm(model_dirs):
+    return LLM(str(model_dirs / "draft"))
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(target_llm):
+    """Greedy autoregressive outputs of each batch (the reference)."""
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    return {name: [o.token_ids for o in target_llm.generate(prompts, params)] for name, prompts in BATCHES.items()}
+
+
+def make_drafter(kind: str, policy_name: str, target_llm, draft_llm):
+    policy = make_policy(policy_name, **POLICIES[policy_name])
+    if kind == "self":
+        return SelfDrafter(target_llm.model, policy)
+    return ModelDrafter(draft_llm.model, policy, target_llm.config.vocab_size)
+
+
+def run_speculative(llm, drafter, prompts, params, gamma, monkeypatch, verifier="auto", configure=None):
+    """Run the loop directly (no LLM wrapper) and keep the target's cache for inspection."""
+    requests = make_requests(prompts, params if isinstance(params, list) else [params] * len(prompts),
+                             llm.config, llm.tokenizer)
+    if configure is not None:
+        configure(requests)
+    caches = []
+    new_cache = llm.model.new_cache
+
+    def capture(*args, **kwargs):
+        caches.append(new_cache(*args, **kwargs))
+        return caches[-1]
+
+    monkeypatch.setattr(llm.model, "new_cache", capture)
+    for _ in speculative(llm.model, drafter, requests, gamma, verifier):
+        pass
+    monkeypatch.undo()
+    assert len(caches) == 1
+    return requests, caches[0]
+
+
+def run_ar(llm, prompts, params, configure=None):
+    requests = make_requests(prompts, params if isinstance(params, list) else [params] * len(prompts),
+                             llm.config, llm.tokenizer)
+    if configure is not None:
+        configure(requests)
+    for _ in autoregressive(llm.model, requests):
+        pass
+    return requests
+
+
+@torch.inference_mode()
+def prefill_kv(model, tokens: list[int]):
+    """k, v [layers, Hkv, len, D] of a fresh prefill of `tokens`."""
+    cache = model.new_cache(1, len(tokens))
+    prefill(model, cache, [tokens])
+    return cache.k[:, 0], cache.v[:, 0]
+
+
+def assert_target_cache_is_autoregressive(model, cache, requests):
+    """Each row's committed slots [0, L) hold the KV a prefill of its prompt + output[:-1] computes — the
+    newest token is sampled but not yet fed — and L is exactly that many tokens."""
+    for b, r in enumerate(requests):
+        tokens = r.prompt_ids + r.output_ids[:-1]
+        L = int(cache.lengths[b])
+        assert L == len(tokens), f"row {b}: cache holds {L} tokens, its output implies {len(tokens)}"
+        k, v = prefill_kv(model, tokens)
+        torch.testing.assert_close(cache.k[:, b, :, :L], k, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(cache.v[:, b, :, :L], v, rtol=1e-4, atol=1e-5)
+
+
+def assert_draft_cache_consistent(drafter: ModelDrafter, target_cache, requests, policy_name):
+    """The standalone draft's cache, up to the tokens it has been fed (target length − 1): with the full
+    policy, exactly the draft model's own prefill KV of the same tokens. With a compressed policy the
+    generated tokens' KV is the draft's own compressed-view forward (the policy's definition), so there
+    we check the prompt part (minus its last token, which the first step re-feeds) in every layer and
+    token/position placement everywhere through layer 0 (whose K/V depend on nothing else)."""
+    cache = drafter.cache
+    for b, r in enumerate(requests):
+        tokens = (r.prompt_ids + r.output_ids[:-1])[: int(target_cache.lengths[b]) - 1]
+        n = len(tokens)
+        assert int(cache.lengths[b]) <= n
+        k, v = prefill_kv(drafter.model, tokens)
+        if policy_name == "full":
+            torch.testing.assert_close(cache.k[:, b, :, :n], k, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(cache.v[:, b, :, :n], v, rtol=1e-4, atol=1e-5)
+        else:
+            p = len(r.prompt_ids) - 1
+            torch.testing.assert_close(cache.k[:, b, :, :p], k[:, :, :p], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(cache.v[:, b, :, :p], v[:, :, :p], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(cache.k[0, b, :, :n], k[0], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(cache.v[0, b, :, :n], v[0], rtol=1e-4, atol=1e-5)
+
+
+def assert_stats_sane(stats: dict, gamma: int, generated: int, agreeing: bool = True):
+    s = stats["speculative"]
+    assert s["gamma"] == gamma and s["steps"] >= 1
+    assert s["drafted"] == gamma * s["steps"]
+    assert 0 <= s["accepted"] <= s["drafted"]
+    if agreeing:
+        assert 0 < s["acceptance_rate"] <= 1
+    assert s["acceptance_rate"] == pytest.approx(s["accepted"] / s["drafted"], abs=1e-4)
+    assert s["mean_accepted_length"] == pytest.approx(1 + s["accepted"] / s["steps"], abs=1e-4)
+    by_pos = s["acceptance_by_position"]
+    assert len(by_pos) == gamma and all(0 <= x <= 1 for x in by_pos)
+    assert all(a >= b for a, b in zip(by_pos, by_pos[1:])), by_pos  # accepting d_i needs d_1…d_{i−1}
+    assert sum(by_pos) * s["steps"] == pytest.approx(s["accepted"], abs=1e-3 * s["steps"])
+    # The first token comes from the prefill; each step emits a + 1, the last one possibly cut short.
+    assert generated - 1 <= s["steps"] + s["accepted"] <= generated - 1 + gamma
+    assert s["draft_s"] > 0 and s["verify_s"] > 0
+
+
+# ------------------------------------------------------------------------------------------- greedy == AR
+
+
+@pytest.mark.parametrize("gamma", GAMMAS)
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+@pytest.mark.parametrize("kind", ["standalone", "self"])
+def test_greedy_speculative_equals_autoregressive(kind, policy_name, batch, gamma, target_llm, draft_llm,
+                                                 ar_outputs, monkeypatch):
+    prompts = BATCHES[batch]
+    drafter = make_drafter(kind, policy_name, target_llm, draft_llm)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    requests, cache = run_speculative(target_llm, drafter, prompts, params, gamma, monkeypatch)
+    for b, r in enumerate(requests):
+        assert r.output_ids == ar_outputs[batch][b], f"row {b} (prompt of {len(r.prompt_ids)} tokens)"
+        assert r.finish_reason == "length"
+        stats = r.stats.to_dict()
+        assert_stats_sane(stats, gamma, NEW_TOKENS)
+        if kind == "self" and policy_name == "full":  # the draft is the target: everything is accepted
+            assert stats["speculative"]["acceptance_rate"] == 1.0
+    assert_target_cache_is_autoregressive(target_llm.model, cache, requests)
+    if kind == "standalone":
+        assert_draft_cache_consistent(drafter, cache, requests, policy_name)
+
+
+def test_compressed_drafts_really_compress(target_llm, draft_llm, monkeypatch):
+    """Sanity of the setup: with budget 16 over 40–90-token prompts the compressed self-draft proposes
+    differently from the full one (so the matrix above exercises compression), yet still agrees often."""
+    prompts = BATCHES["ragged3"]
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    for policy_name in ("streaming", "snapkv"):
+        drafter = make_drafter("self", policy_name, target_llm, draft_llm)
+        requests, _ = run_speculative(target_llm, drafter, prompts, params, 3, monkeypatch)
+        rates = [r.stats.spec.accepted / r.stats.spec.drafted for r in requests]
+        assert all(0.1 < x < 1.0 for x in rates), (policy_name, rates)
+
+
+@pytest.mark.parametrize("draft_name", ["draft-big-vocab", "draft-small-vocab"])
+def test_draft_with_different_vocab_size_uses_shared_range(draft_name, model_dirs, target_llm, ar_outputs):
+    spec = SpeculativeConfig(draft_model=str(model_dirs / draft_name), num_draft_tokens=3)
+    llm = LLM(str(model_dirs / "target"), speculative=spec)
+    outs = llm.generate(BATCHES["ragged3"], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [o.token_ids for o in outs] == ar_outputs["ragged3"]
+    assert all(o.stats["speculative"]["acceptance_rate"] > 0 for o in outs)
+    # A draft with the smaller vocabulary never proposes a token outside it, but the target still can.
+    q = llm.drafter._probs(torch.randn(2, llm.drafter.model.config.vocab_size), _greedy_sampler(2))
+    assert q.shape == (2, target_llm.config.vocab_size)
+    assert (q[:, llm.drafter.shared_vocab:] == 0).all()
+
+
+def _greedy_sampler(n):
+    from redwood.engine.sampling import Sampler
+
+    return Sampler([SamplingParams()] * n, torch.device("cpu"))
+
+
+def test_draft_with_different_tokenizer_is_an_error(model_dirs):
+    spec = SpeculativeConfig(draft_model=str(model_dirs / "draft-other-tokenizer"))
+    with pytest.raises(ConfigError, match="tokenizer differs"):
+        LLM(str(model_dirs / "target"), speculative=spec)
+
+
+# ------------------------------------------------------------------------------------------- per-row finish
+
+FINISH_PROMPTS = _prompts([90, 40, 65], seed=2)
+DRAFT_CASES = [("self", "streaming"), ("self", "snapkv"), ("standalone", "full"), ("standalone", "snapkv")]
+
+
+@pytest.mark.parametrize("kind,policy_name", DRAFT_CASES)
+def test_rows_finish_independently_max_new_tokens(kind, policy_name, target_llm, draft_llm, monkeypatch):
+    """Per-row max_new_tokens: the row that sized the cache (longest prompt) stops first — possibly in the
+    middle of an accepted run — and the others go on; every row equals its own AR output."""
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 30, 21)]
+    ar = [r.output_ids for r in run_ar(target_llm, FINISH_PROMPTS, params)]
+    for gamma in (3, 5):
+        drafter = make_drafter(kind, policy_name, target_llm, draft_llm)
+        requests, cache = run_speculative(target_llm, drafter, FINISH_PROMPTS, params, gamma, monkeypatch)
+        assert [r.output_ids for r in requests] == ar
+        assert [len(r.output_ids) for r in requests] == [12, 30, 21]
+        assert all(r.finish_reason == "length" for r in requests)
+        assert_target_cache_is_autoregressive(target_llm.model, cache, requests)
+
+
+@pytest.mark.parametrize("kind,policy_name", DRAFT_CASES)
+def test_eos_stops_only_its_row(kind, policy_name, target_llm, draft_llm, monkeypatch):
+    """Declare a token of row 0's free run its EOS: row 0 ends right at it (maybe inside an accepted
+    run); row 2 has no EOS and runs to max_new_tokens; all equal the AR outputs with the same EOS."""
+    free = run_ar(target_llm, FINISH_PROMPTS[:1], SamplingParams(max_new_tokens=30, ignore_eos=True))[0].output_ids
+    eos_tok = free[5]
+
+    def configure(requests):
+        requests[0].eos_ids = frozenset({eos_tok})
+        requests[1].eos_ids = frozenset({eos_tok})  # may or may not occur in row 1
+        requests[2].eos_ids = frozenset()
+
+    params = SamplingParams(max_new_tokens=30)
+    ar = run_ar(target_llm, FINISH_PROMPTS, params, configure)
+    drafter = make_drafter(kind, policy_name, target_llm, draft_llm)
+    requests, cache = run_speculative(target_llm, drafter, FINISH_PROMPTS, params, 4, monkeypatch,
+                                      configure=configure)
+    assert [r.output_ids for r in requests] == [r.output_ids for r in ar]
+    assert [r.finish_reason for r in requests] == [r.finish_reason for r in ar]
+    assert requests[0].output_ids == free[: free.index(eos_tok) + 1] and requests[0].finish_reason == "stop"
+    assert len(requests[2].output_ids) == 30 and requests[2].finish_reason == "length"
+    assert_target_cache_is_autoregressive(target_llm.model, cache, requests)
+
+
+def test_stop_strings_per_row(target_llm, model_dirs):
+    """A stop string ends its row with the same text and tokens as AR decoding; other rows go on."""
+    prompts = ["The quick brown", "def add(a, b):", "Paris is the capital"]
+    greedy = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    free = target_llm.generate(prompts, greedy)
+    assert len(free[1].text) > 8
+    stop = free[1].text[4:7]
+    params = [greedy, SamplingParams(max_new_tokens=30, ignore_eos=True, stop=(stop,)), greedy]
+    ar = target_llm.generate(prompts, params)
+    assert ar[1].finish_reason == "stop" and stop not in ar[1].text
+    for spec in (SpeculativeConfig(self_speculate=True, draft_kv="streaming", draft_budget=8, sinks=2,
+                                   num_draft_tokens=4),
+                 SpeculativeConfig(draft_model=str(model_dirs / "draft"), num_draft_tokens=4)):
+        llm = LLM(str(model_dirs / "target"), speculative=spec)
+        outs = llm.generate(prompts, params)
+        assert [(o.text, o.token_ids, o.finish_reason) for o in outs] == \
+            [(o.text, o.token_ids, o.finish_reason) for o in ar]
+
+
+# ------------------------------------------------------------------------------------------- API, sampling
+
+
+def test_llm_api_speculative_generate_and_stream(model_dirs, ar_outputs):
+    prompts = BATCHES["ragged3"]
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    for spec in (SpeculativeConfig(self_speculate=True, draft_kv="snapkv", draft_budget=16, window=4,
+                                   num_draft_tokens=3),
+                 SpeculativeConfig(draft_model=str(model_dirs / "draft"), draft_kv="streaming", draft_budget=16,
+                                   num_draft_tokens=5)):
+        llm = LLM(str(model_dirs / "target"), speculative=spec)
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == ar_outputs["ragged3"]
+        for o in outs:
+            assert_stats_sane(o.stats, spec.num_draft_tokens, NEW_TOKENS)
+        ids, finals = [[] for _ in prompts], [None] * len(prompts)
+        for d in llm.stream(prompts, params):
+            ids[d.index] += d.token_ids
+            if d.finish_reason:
+                finals[d.index] = d.stats
+        assert ids == ar_outputs["ragged3"]
+        assert all(f is not None and "speculative" in f for f in finals)
+
+
+@pytest.mark.parametrize("kind,policy_name", [("self", "streaming"), ("standalone", "full"),
+                                              ("standalone", "snapkv")])
+def test_sampling_reproducible_and_batch_independent(kind, policy_name, target_llm, draft_llm, monkeypatch):
+    prompts = BATCHES["ragged3"]
+    params = [SamplingParams(temperature=0.8, seed=100 + i, max_new_tokens=20, ignore_eos=True)
+              for i in range(len(prompts))]
+
+    def run(rows, prms):
+        drafter = make_drafter(kind, policy_name, target_llm, draft_llm)
+        requests, cache = run_speculative(target_llm, drafter, [prompts[i] for i in rows], prms, 3, monkeypatch)
+        assert_target_cache_is_autoregressive(target_llm.model, cache, requests)
+        return [r.output_ids for r in requests]
+
+    a = run([0, 1, 2], params)
+    assert run([0, 1, 2], params) == a
+    assert run([1], [params[1]]) == [a[1]]
+    assert run([2, 0], [params[2], params[0]]) == [a[2], a[0]]
+    other = run([0, 1, 2], [SamplingParams(temperature=0.8, seed=7 + i, max_new_tokens=20, ignore_eos=True)
+                            for i in range(3)])
+    assert other != a
+    assert all(len(x) == 20 for x in a)
+
+
+def test_mixed_greedy_and_sampled_rows(target_llm, draft_llm, ar_outputs, monkeypatch):
+    """One batch, one greedy and two seeded sampled rows (so the sampling verifier runs for all): the
+    greedy row still equals greedy AR decoding, the sampled rows equal their runs without it."""
+    prompts = BATCHES["ragged3"]
+    sampled = [SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_new_tokens=NEW_TOKENS, ignore_eos=True),
+               SamplingParams(temperature=1.2, top_k=20, seed=12, max_new_tokens=NEW_TOKENS, ignore_eos=True)]
+    params = [SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)] + sampled
+    for kind, policy_name in (("self", "snapkv"), ("standalone", "streaming")):
+        drafter = make_drafter(kind, policy_name, target_llm, draft_llm)
+        requests, cache = run_speculative(target_llm, drafter, prompts, params, 3, monkeypatch)
+        assert requests[0].output_ids == ar_outputs["ragged3"][0]
+        drafter = make_drafter(kind, policy_name, target_llm, draft_llm)
+        alone, _ = run_speculative(target_llm, drafter, prompts[1:], sampled, 3, monkeypatch)
+        assert [r.output_ids for r in requests[1:]] == [r.output_ids for r in alone]
+        assert_target_cache_is_autoregressive(target_llm.model, cache, requests)
