@@ -163,7 +163,7 @@ class ModelConfig:
         return cls.from_hf_dict(d)
 
 
-VERIFIERS = ("auto", "greedy", "sampling")
+VERIFIERS = ("auto", "greedy", "sampling", "sequoia", "specinfer", "topk")
 
 
 @dataclass(frozen=True)
@@ -176,10 +176,14 @@ class SpeculativeConfig:
     "snapkv" (prefill-selected positions + recent tokens), within `draft_budget` tokens.
     sinks / window: StreamingLLM's sink count and recent window (window defaults to budget − sinks);
     for snapkv, `window` is the observation window (default 32) and `pool_kernel` its smoothing.
-    num_draft_tokens: γ, draft tokens per step (the target verifies γ + 1 positions).
-    verifier: "greedy" (accept while equal to the target's argmax; temperature 0 only), "sampling"
-    (rejection sampling, lossless at any temperature / top-k / top-p) or "auto" (greedy when every
-    request is greedy).
+    num_draft_tokens: γ, draft tokens per step of a chain (the target verifies γ + 1 positions).
+    tree: a token tree instead of a chain — "chain:G", "chains:KxL", a tree JSON file or a shipped tree
+    name (see `redwood tree-search`); the target verifies all its nodes in one forward.
+    verifier: "greedy" (accept the target's argmax; temperature 0 only), "sampling" (speculative
+    rejection sampling; on a tree, Sequoia's), "sequoia" (children drawn without replacement),
+    "specinfer" (children drawn with replacement), "topk" (the draft's top-k children; the target
+    samples), or "auto" (greedy when every request is greedy, else sampling / sequoia). All but greedy
+    are lossless at any temperature / top-k / top-p.
     """
 
     draft_model: str | None = None
@@ -190,6 +194,7 @@ class SpeculativeConfig:
     window: int | None = None
     pool_kernel: int = 5
     num_draft_tokens: int = 4
+    tree: str | None = None
     verifier: str = "auto"
 
     def __post_init__(self) -> None:
@@ -210,6 +215,13 @@ class SpeculativeConfig:
         if self.sinks is not None and (not isinstance(self.sinks, int) or self.sinks < 0):
             raise ConfigError(f"sinks must be an integer >= 0, got {self.sinks!r}")
         self.make_policy()  # validates the policy's own settings
+        self.make_tree()
+
+    def make_tree(self):
+        """The token tree each step drafts: `tree` if given, else a chain of num_draft_tokens."""
+        from redwood.spec.trees import Tree, resolve_tree
+
+        return resolve_tree(self.tree) if self.tree else Tree.chain(self.num_draft_tokens)
 
     def make_policy(self):
         from redwood.kv.policies import make_policy

@@ -65,7 +65,9 @@ class LLM:
         self.speculative = speculative
         self.drafter = None
         self.draft_name = None
+        self.tree = None
         if speculative is not None:
+            self.tree = speculative.make_tree()
             self.drafter = self._make_drafter(speculative, dtype, device)
 
     def _make_drafter(self, spec: SpeculativeConfig, dtype, device):
@@ -87,10 +89,7 @@ class LLM:
         from redwood.engine.speculative import speculative
 
         spec = self.speculative
-        if spec.verifier == "greedy" and not all(r.params.greedy for r in requests):
-            raise ConfigError("the greedy verifier is lossless only at temperature 0; use verifier='sampling' "
-                              "(or 'auto') for sampled requests")
-        return speculative(self.model, self.drafter, requests, spec.num_draft_tokens, spec.verifier)
+        return speculative(self.model, self.drafter, requests, self.tree, spec.verifier)
 
     # ------------------------------------------------------------------ prompts
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:

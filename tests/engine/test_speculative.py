@@ -15,6 +15,7 @@ from redwood import LLM, SamplingParams
 from redwood.config import SpeculativeConfig
 from redwood.engine.generate import autoregressive, make_requests, prefill
 from redwood.engine.speculative import speculative
+from redwood.spec.trees import Tree
 from redwood.errors import ConfigError
 from redwood.kv.policies import make_policy
 from redwood.spec.drafters import ModelDrafter, SelfDrafter
@@ -137,7 +138,8 @@ def run_speculative(llm, drafter, prompts, params, gamma, monkeypatch, verifier=
         return caches[-1]
 
     monkeypatch.setattr(llm.model, "new_cache", capture)
-    for _ in speculative(llm.model, drafter, requests, gamma, verifier):
+    tree = gamma if isinstance(gamma, Tree) else Tree.chain(gamma)
+    for _ in speculative(llm.model, drafter, requests, tree, verifier):
         pass
     monkeypatch.undo()
     assert len(caches) == 1
@@ -260,7 +262,9 @@ def test_draft_with_different_vocab_size_uses_shared_range(draft_name, model_dir
     assert [o.token_ids for o in outs] == ar_outputs["ragged3"]
     assert all(o.stats["speculative"]["acceptance_rate"] > 0 for o in outs)
     # A draft with the smaller vocabulary never proposes a token outside it, but the target still can.
-    q = llm.drafter._probs(torch.randn(2, llm.drafter.model.config.vocab_size), _greedy_sampler(2))
+    d = llm.drafter
+    logits = torch.randn(2, d.model.config.vocab_size)[:, : d.shared_vocab]  # _draft keeps the shared range
+    q = d.pad_to_target(_greedy_sampler(2).probs(logits))
     assert q.shape == (2, target_llm.config.vocab_size)
     assert (q[:, llm.drafter.shared_vocab:] == 0).all()
 

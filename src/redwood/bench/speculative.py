@@ -146,8 +146,9 @@ def measure(llm, prompts: list[list[int]], params: list[SamplingParams], drafter
         loop = autoregressive(model, requests)
     else:
         from redwood.engine.speculative import speculative
+        from redwood.spec.trees import Tree
 
-        loop = speculative(model, drafter, requests, gamma, verifier)
+        loop = speculative(model, drafter, requests, Tree.chain(gamma), verifier)
     for _ in loop:
         pass
     _sync(device)

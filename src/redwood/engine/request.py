@@ -17,7 +17,8 @@ class SpecStats:
     per target step including the correction/bonus token (vLLM's and SGLang's definition).
     """
 
-    gamma: int
+    gamma: int  # draft depth: tokens a step can accept (γ for a chain, tree depth − 1)
+    drafted_per_step: int = 0  # draft tokens per step (γ for a chain, tree size − 1); 0 → gamma
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -29,7 +30,7 @@ class SpecStats:
         if not self.accepted_at:
             self.accepted_at = [0] * self.gamma
         self.steps += 1
-        self.drafted += self.gamma
+        self.drafted += self.drafted_per_step or self.gamma
         self.accepted += accepted
         for i in range(accepted):
             self.accepted_at[i] += 1
@@ -37,6 +38,7 @@ class SpecStats:
     def to_dict(self) -> dict:
         return {
             "gamma": self.gamma,
+            "drafted_per_step": self.drafted_per_step or self.gamma,
             "steps": self.steps,
             "drafted": self.drafted,
             "accepted": self.accepted,

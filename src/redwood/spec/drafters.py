@@ -1,18 +1,28 @@
-"""Drafters: propose γ tokens per row (and the distributions they were drawn from).
+"""Drafters: propose a token tree per row (a chain is a tree with one child per node).
+
+The tree's node 0 (the root) is `last`, the newest token, not yet in any cache. Drafting goes level by
+level: one draft forward over the level's nodes that have children (attending to the committed context,
+to the nodes fed earlier in this step through the tree's ancestor mask, and to themselves) gives their
+draft distributions, from which their children are drawn by the verifier's rule (without replacement
+for Sequoia, with replacement for SpecInfer, the draft's top-k for greedy / top-k verification).
 
 - `SelfDrafter`: the target drafts for itself, reading its own cache through a compressed view
-  (StreamingLLM / SnapKV). Its draft tokens' KV goes to the target cache's scratch slots, which the
-  verification forward then overwrites with the target's exact KV — so no second cache and no catch-up.
-- `ModelDrafter`: a small standalone model with its own cache, read through the same policies.
-  Each step it rewinds its cache to the target's committed length − 1 and feeds the last committed token
-  together with the newest one: that refreshes the one token it may not have seen (after a step that
-  accepted all γ drafts) with a batch shape that is the same for every row.
+  (StreamingLLM / SnapKV). Its draft nodes' KV goes to the target cache's scratch slots, which the
+  verification forward then overwrites with the target's exact KV — no second cache, no catch-up.
+- `ModelDrafter`: a small standalone model with its own cache, read through the same policies. Each step
+  it rewinds its cache to the target's committed length − 1 and re-feeds the newest committed token with
+  the root: that covers the one accepted token it may never have fed (a leaf of the accepted path) with
+  a batch shape that is the same for every row. After verification the accepted path's nodes are moved
+  into place in its cache (`commit`).
 
-Draft tokens are drawn from the same processed distribution (temperature / top-k / top-p) the verifier
-compares against; greedy rows take the argmax.
+Draft distributions are the same processed distributions (temperature / top-k / top-p) the verifier
+compares against; for greedy verification children are the draft's top tokens by raw probability.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -21,17 +31,36 @@ from redwood.errors import ConfigError
 from redwood.kv.cache import KVCache
 from redwood.kv.policies import DraftKVPolicy
 from redwood.models.transformer import Transformer
+from redwood.spec.tree_verify import draw_children
+from redwood.spec.trees import Tree
 
 
-def draw(probs: torch.Tensor, sampler: Sampler) -> torch.Tensor:
-    """One token per row from probs [B, V] with each row's generator (argmax for greedy rows)."""
-    if sampler.all_greedy:
-        return probs.argmax(-1)
-    out = probs.argmax(-1)
-    for b, p in enumerate(sampler.params):
-        if not p.greedy:
-            out[b] = torch.multinomial(probs[b], 1, generator=sampler.generators[b])[0]
-    return out
+@dataclass(frozen=True)
+class DraftPlan:
+    """Which nodes each draft forward feeds, and the masks among them (derived from a tree)."""
+
+    steps: tuple[tuple[int, ...], ...]  # per forward: the nodes fed (those with children), by level
+    fed_pos: tuple[int, ...]  # per node: its order among all fed nodes (−1: never fed, a leaf)
+    masks: tuple[torch.Tensor, ...]  # per forward after the first: [T, P + T] over fed-so-far + new nodes
+    max_children: tuple[int, ...]  # per forward: the most children of a fed node
+
+
+@lru_cache(maxsize=64)
+def draft_plan(tree: Tree) -> DraftPlan:
+    counts = tree.num_children
+    steps = tuple(tuple(v for v in level if counts[v] > 0) for level in tree.levels)
+    steps = tuple(s for s in steps if s)
+    fed = [v for s in steps for v in s]
+    fed_pos = [-1] * tree.size
+    for i, v in enumerate(fed):
+        fed_pos[v] = i
+    anc = tree.ancestor_mask("cpu")
+    masks, done = [], 1  # the first forward feeds the root alone (causal mask)
+    for s in steps[1:]:
+        cols = fed[: done + len(s)]
+        masks.append(anc[list(s)][:, cols].clone())
+        done += len(s)
+    return DraftPlan(steps, tuple(fed_pos), tuple(masks), tuple(max(counts[v] for v in s) for s in steps))
 
 
 class Drafter:
@@ -44,13 +73,62 @@ class Drafter:
     def prefill(self, prompts: list[list[int]], capacity: int) -> None:
         """Prepare for a new batch; called just before the target's prefill."""
 
-    def propose(self, target_cache: KVCache, prev: torch.Tensor, last: torch.Tensor, gamma: int,
-                sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft γ tokens after `last` [B] (not yet in any cache; `prev` [B] is the last committed token).
+    def propose(self, target_cache: KVCache, prev: torch.Tensor, last: torch.Tensor, tree: Tree,
+                sampler: Sampler, rule: str, need_q: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft a tree after `last` [B] (`prev` [B]: the newest committed token).
 
-        Returns drafts [B, γ] and their distributions q [B, γ, V_target].
+        Returns node tokens [B, n] (column 0 = last) and, when `need_q`, the draft distribution at every
+        node [B, n, V_target] (zeros at leaves).
         """
         raise NotImplementedError
+
+    def commit(self, path_src: torch.Tensor, count: torch.Tensor) -> None:
+        """The target accepted these paths (node indices [B, A] incl. the root, `count` [B] of them)."""
+
+    # ------------------------------------------------------------------ shared tree drafting
+    def _draft(self, model: Transformer, cache: KVCache, view, lead: torch.Tensor | None, last: torch.Tensor,
+               tree: Tree, sampler: Sampler, rule: str, need_q: bool, vocab: int):
+        """Level-by-level drafting into `cache` after its committed length.
+
+        lead: [B, m] committed tokens re-fed before the root (their slots come first), or None.
+        """
+        plan = draft_plan(tree)
+        B, device = last.shape[0], last.device
+        m = 0 if lead is None else lead.shape[1]
+        depth = tree.depths_tensor(device)
+        tokens = torch.zeros(B, tree.size, dtype=torch.long, device=device)
+        tokens[:, 0] = last
+        q_all = torch.zeros(B, tree.size, vocab, device=device) if need_q else None
+        root_pos = cache.lengths + m  # [B]
+        rows_of = torch.arange(B, device=device)
+        fed = 0
+        for step, nodes in enumerate(plan.steps):
+            idx = torch.tensor(nodes, device=device)
+            if step == 0:  # the lead tokens and the root, causal
+                ids = tokens[:, :1] if lead is None else torch.cat([lead, tokens[:, :1]], dim=1)
+                positions = (cache.lengths[:, None] + torch.arange(m + 1, device=device))
+                logits = model(ids, positions, cache, view=view)[:, m:]
+            else:
+                T = len(nodes)
+                mask = plan.masks[step - 1].to(device)
+                if m:  # lead tokens are committed context: every node sees them
+                    mask = torch.cat([torch.ones(T, m, dtype=torch.bool, device=device), mask], dim=1)
+                positions = root_pos[:, None] + depth[idx][None]
+                logits = model(tokens[:, idx], positions, cache, pending=m + fed, new_mask=mask, view=view)
+            fed += len(nodes)
+            logits = logits[..., :vocab]  # [B, T, V] — the shared vocabulary only
+            T = logits.shape[1]
+            rows = rows_of.repeat_interleave(T)
+            q = sampler.probs(logits.reshape(B * T, -1), rows)  # [B*T, V]
+            if q_all is not None:
+                q_all[:, idx] = q.view(B, T, -1)
+            draw_from = q if rule != "topk" else logits.reshape(B * T, -1).float().softmax(-1)
+            k = plan.max_children[step]
+            kids = draw_children(draw_from, k, rule, sampler.generators, rows).view(B, T, k)
+            for t, v in enumerate(nodes):
+                ch = tree.children(v)
+                tokens[:, ch.start:ch.stop] = kids[:, t, : len(ch)]
+        return tokens, q_all
 
 
 class SelfDrafter(Drafter):
@@ -64,17 +142,10 @@ class SelfDrafter(Drafter):
         lens = torch.tensor([len(p) for p in prompts], device=self.model.device)
         self.policy.start(lens, self.model.config.num_layers)
 
-    def propose(self, target_cache, prev, last, gamma, sampler):
+    def propose(self, target_cache, prev, last, tree, sampler, rule, need_q):
         view = self.policy.view(target_cache.lengths)
-        tok, drafts, qs = last, [], []
-        for i in range(gamma):
-            positions = (target_cache.lengths + i)[:, None]
-            logits = self.model(tok[:, None], positions, target_cache, pending=i, view=view)[:, 0]
-            q = sampler.probs(logits)
-            tok = draw(q, sampler)
-            drafts.append(tok)
-            qs.append(q)
-        return torch.stack(drafts, 1), torch.stack(qs, 1)
+        return self._draft(self.model, target_cache, view, None, last, tree, sampler, rule, need_q,
+                           self.model.config.vocab_size)
 
 
 class ModelDrafter(Drafter):
@@ -84,6 +155,7 @@ class ModelDrafter(Drafter):
         # Tokens the two models share; the draft never proposes a token outside this range.
         self.shared_vocab = min(target_vocab, model.config.vocab_size)
         self.cache: KVCache | None = None
+        self._plan: DraftPlan | None = None
 
     def prefill(self, prompts, capacity):
         from redwood.engine.generate import prefill
@@ -93,29 +165,31 @@ class ModelDrafter(Drafter):
         self.policy.start(lens, self.model.config.num_layers)
         prefill(self.model, self.cache, prompts, observer=self.policy.prefill_observer())
 
-    def _probs(self, logits: torch.Tensor, sampler: Sampler) -> torch.Tensor:
-        q = sampler.probs(logits[:, : self.shared_vocab])
-        if self.shared_vocab < self.target_vocab:
-            q = torch.cat([q, q.new_zeros(q.shape[0], self.target_vocab - self.shared_vocab)], dim=1)
-        return q
-
-    def propose(self, target_cache, prev, last, gamma, sampler):
+    def propose(self, target_cache, prev, last, tree, sampler, rule, need_q):
         assert self.cache is not None
-        cache = self.cache
-        cache.lengths.copy_(target_cache.lengths - 1)  # rewind: re-feed the last committed token
-        view = self.policy.view(cache.lengths)
-        ids = torch.stack([prev, last], 1)
-        positions = cache.lengths[:, None] + torch.arange(2, device=ids.device)
-        logits = self.model(ids, positions, cache, view=view)[:, 1]
-        drafts, qs = [], []
-        for i in range(gamma):
-            if i > 0:
-                positions = (cache.lengths + 1 + i)[:, None]
-                logits = self.model(drafts[-1][:, None], positions, cache, pending=i + 1, view=view)[:, 0]
-            q = self._probs(logits, sampler)
-            drafts.append(draw(q, sampler))
-            qs.append(q)
-        return torch.stack(drafts, 1), torch.stack(qs, 1)
+        self.cache.lengths.copy_(target_cache.lengths - 1)  # rewind: re-feed the newest committed token
+        self._plan = draft_plan(tree)
+        view = self.policy.view(self.cache.lengths)
+        tokens, q = self._draft(self.model, self.cache, view, prev[:, None], last, tree, sampler, rule,
+                                need_q, self.shared_vocab)
+        return tokens, None if q is None else self.pad_to_target(q)
+
+    def pad_to_target(self, q: torch.Tensor) -> torch.Tensor:
+        """Draft distributions over the shared vocabulary [..., V_shared] → [..., V_target] (zeros beyond)."""
+        if self.shared_vocab == self.target_vocab:
+            return q
+        return torch.cat([q, q.new_zeros(*q.shape[:-1], self.target_vocab - self.shared_vocab)], dim=-1)
+
+    def commit(self, path_src, count):
+        # Draft slots (from the rewound length): 0 = prev, 1 + fed_pos[v] = node v. The accepted path's
+        # internal nodes all have children, so all were fed; its last node may be an unfed leaf, but the
+        # next step re-feeds it as `prev`, so it need not move.
+        assert self.cache is not None and self._plan is not None
+        if all(len(step) == 1 for step in self._plan.steps):
+            return  # a chain: every accepted node is already in place
+        fed_pos = torch.tensor(self._plan.fed_pos, device=path_src.device)
+        src = torch.cat([torch.zeros_like(path_src[:, :1]), 1 + fed_pos[path_src].clamp(min=0)], dim=1)
+        self.cache.compact(src, count)  # entries past count (incl. the path's last node) stay put
 
 
 def check_compatible(target_tokenizer, draft_tokenizer, target_vocab: int, draft_vocab: int) -> None:

@@ -145,6 +145,11 @@ class Tree:
         return tuple(r)
 
     @cached_property
+    def is_chain(self) -> bool:
+        """True when every node has at most one child (a chain of size − 1 drafts)."""
+        return all(c <= 1 for c in self.num_children)
+
+    @cached_property
     def leaves(self) -> tuple[int, ...]:
         return tuple(i for i, c in enumerate(self.num_children) if c == 0)
 
