@@ -16,6 +16,7 @@ from redwood.loading import load_model
 from redwood.sampling_params import SamplingParams
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT_MODEL = "qwen2.5-coder-0.5b-instruct"  # shares the target's tokenizer
 
 Prompt = str | Sequence[int]
 
