@@ -51,13 +51,24 @@ class LLM:
     dtype: "float32" | "bfloat16" | "float16"; device: "cpu" | "cuda".
     speculative: a SpeculativeConfig (draft model or self-speculation, draft KV policy, γ, verifier);
     None decodes autoregressively. Either way the output is the target model's.
+    offload: keep the target's decoder-layer weights in (pinned) host memory and stream them to the
+    device, `offload_prefetch` layers at a time (see `redwood.engine.offload`).
     """
 
     def __init__(self, model: str | Path = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
-                 device: str | torch.device = "cpu", speculative: SpeculativeConfig | None = None):
+                 device: str | torch.device = "cpu", speculative: SpeculativeConfig | None = None,
+                 offload: bool = False, offload_prefetch: int = 2):
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise ConfigError(f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}")
-        loaded = load_model(model, dtype=dtype, device=device)
+        if offload:
+            from redwood.engine.offload import check_prefetch, offload_layers
+            from redwood.loading import parse_device
+
+            check_prefetch(offload_prefetch)
+            parse_device(device)
+        loaded = load_model(model, dtype=dtype, device="cpu" if offload else device)
+        if offload:  # loaded on the host: the layers stay there, the rest moves to the device
+            offload_layers(loaded.model, device, prefetch=offload_prefetch)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.config = loaded.config
