@@ -191,3 +191,81 @@ def test_incompatible_draft_tokenizer(tiny_model_dir, tmp_path, capsys):
     assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "x", "--draft-model", str(folder)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("redwood: error:") and "tokenizer" in err and err.count("\n") == 1
+
+
+# ------------------------------------------------------------------------------------ token trees (--tree)
+
+
+def test_generate_self_speculate_tree_json_equals_plain(tiny_model_dir, tiny_llm, capsys, one_thread):
+    prompt = "Paris is the capital of France. Rome is"
+    base = ["generate", "--model", str(tiny_model_dir), "--prompt", prompt, "--max-new-tokens", "12",
+            "--ignore-eos", "--self-speculate", "--draft-kv", "streaming", "--draft-budget", "16",
+            "--tree", "generic-16"]
+    assert main(base + ["--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["token_ids"] == _greedy_reference(tiny_llm, prompt, 12)
+    spec = obj["stats"]["speculative"]
+    assert set(spec) >= SPEC_KEYS
+    assert spec["drafted_per_step"] == 15 and spec["gamma"] == 5  # 16 nodes, 6 levels
+    assert spec["drafted"] == 15 * spec["steps"]
+    assert spec["mean_accepted_length"] >= 1.0
+    # The human stats line names the tree and reports tokens per step (mean accepted length).
+    assert main(base) == 0
+    stats = capsys.readouterr().out.rstrip("\n").split("\n")[-1]
+    assert "speculative tree 16 nodes, depth 5" in stats
+    assert f"mean accepted length {spec['mean_accepted_length']:.2f} tokens/step" in stats
+
+
+@pytest.mark.parametrize("flags", [
+    ["--draft-kv", "streaming", "--draft-budget", "16", "--tree", "chains:2x2", "--verifier", "greedy"],
+    ["--tree", "chain:3", "--gamma", "3", "--verifier", "sequoia"],  # a chain of γ may come with --gamma γ
+])
+def test_generate_tree_flags_greedy(tiny_model_dir, tiny_llm, capsys, one_thread, flags, tmp_path):
+    prompt = "def add(a, b):"
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", prompt, "--max-new-tokens", "8",
+                 "--ignore-eos", "--self-speculate", "--json"] + flags) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["token_ids"] == _greedy_reference(tiny_llm, prompt, 8)
+
+
+@pytest.mark.parametrize("verifier", ["sequoia", "specinfer", "topk", "sampling"])
+def test_generate_tree_sampling_verifiers(tiny_model_dir, draft_model_dir, capsys, one_thread, verifier, tmp_path):
+    from redwood.spec.trees import Tree
+
+    tree = Tree((-1, 0, 0, 0, 1, 1)).save(tmp_path / "tree.json")
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "for i in", "--max-new-tokens", "6",
+            "--temperature", "0.8", "--seed", "3", "--ignore-eos", "--draft-model", str(draft_model_dir),
+            "--tree", str(tree), "--verifier", verifier, "--json"]
+    assert main(argv) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert len(obj["token_ids"]) == 6
+    spec = obj["stats"]["speculative"]
+    assert spec["drafted_per_step"] == 5 and spec["gamma"] == 2
+    assert main(argv) == 0  # seeded: reproducible
+    assert json.loads(capsys.readouterr().out)["token_ids"] == obj["token_ids"]
+
+
+def test_tree_flag_errors(tmp_path, capsys):
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("{not json")
+    not_bfs = tmp_path / "not-bfs.json"
+    not_bfs.write_text(json.dumps({"format": "redwood.tree/1", "parents": [-1, 0, 1, 0]}))
+    cases = [
+        (["--self-speculate", "--tree", "nope"], "unknown tree 'nope'"),
+        (["--self-speculate", "--tree", "chain:x"], "bad tree spec 'chain:x'"),
+        (["--self-speculate", "--tree", "chains:0x2"], "expected chains:KxL"),
+        (["--self-speculate", "--tree", str(tmp_path / "missing.json")], "tree file not found"),
+        (["--self-speculate", "--tree", str(bad_json)], "not valid JSON"),
+        (["--self-speculate", "--tree", str(not_bfs)], "breadth-first"),
+        (["--self-speculate", "--tree", "generic-16", "--gamma", "4"], "contradicts --gamma 4"),
+        (["--self-speculate", "--tree", "chain:3", "--gamma", "2"], "contradicts --gamma 2"),
+        (["--tree", "chain:3"], "--tree only applies when speculating"),
+        (["--self-speculate", "--tree", "generic-16", "--verifier", "greedy", "--temperature", "0.5"],
+         "--verifier greedy"),
+        (["--self-speculate", "--tree", "generic-16", "--verifier", "beam"], "--verifier must be one of"),
+    ]
+    for flags, msg in cases:
+        # the model path doesn't exist: each error must come before any model is loaded
+        assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"] + flags) == 2, flags
+        err = capsys.readouterr().err
+        assert err.startswith("redwood: error:") and msg in err and err.count("\n") == 1, (flags, err)

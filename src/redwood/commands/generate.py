@@ -21,6 +21,25 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
 
 
+def add_offload_args(p: argparse.ArgumentParser) -> None:
+    """--offload / --offload-prefetch N: stream the target's layer weights from host memory."""
+    p.add_argument("--offload", action="store_true",
+                   help="keep the target's layer weights in pinned host memory and stream them to the device")
+    p.add_argument("--offload-prefetch", type=int, default=None, metavar="N",
+                   help="with --offload: layers held on the device at a time, copied ahead (default 2)")
+
+
+def offload_kwargs(args) -> dict:
+    """LLM(...) keyword arguments from the offload flags (ConfigError for bad values)."""
+    from redwood.engine.offload import check_prefetch
+    from redwood.errors import ConfigError
+
+    if args.offload_prefetch is not None and not args.offload:
+        raise ConfigError("--offload-prefetch only applies with --offload")
+    prefetch = 2 if args.offload_prefetch is None else args.offload_prefetch
+    return {"offload": args.offload, "offload_prefetch": check_prefetch(prefetch)}
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -40,16 +59,17 @@ def sampling_params_from_args(args):
 
 
 DRAFT_KV_CHOICES = ("full", "streaming", "snapkv")
-VERIFIER_CHOICES = ("auto", "greedy", "sampling")
+VERIFIER_CHOICES = ("auto", "greedy", "sampling", "sequoia", "specinfer", "topk")
 DEFAULT_GAMMA = 4
 DEFAULT_POOL_KERNEL = 5
 
 
-def add_draft_kv_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
+def add_draft_kv_args(p: argparse.ArgumentParser, sweep: bool = False, tree: bool = False) -> None:
     """--draft-kv / --draft-budget / --sinks / --window / --pool-kernel / --gamma / --verifier.
 
     Choices are checked by `speculative_config_from_args` (one-line errors, exit status 2), not by argparse.
     sweep: --gamma takes several values (benchmarks run one configuration per value).
+    tree: also --tree (a token tree instead of a chain of --gamma drafts).
     """
     g = p.add_argument_group("speculation")
     g.add_argument("--draft-kv", default=None, metavar="{full,streaming,snapkv}",
@@ -68,9 +88,16 @@ def add_draft_kv_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     else:
         g.add_argument("--gamma", type=int, default=None, metavar="G",
                        help=f"draft tokens per step (default {DEFAULT_GAMMA})")
-    g.add_argument("--verifier", default=None, metavar="{auto,greedy,sampling}",
-                   help="greedy (temperature 0 only), sampling (rejection sampling) or auto (default: greedy "
-                        "when every request is greedy)")
+    g.add_argument("--verifier", default=None, metavar="{" + ",".join(VERIFIER_CHOICES) + "}",
+                   help="greedy (temperature 0 only), sampling (rejection sampling; Sequoia's on a tree), "
+                        "sequoia (children drawn without replacement), specinfer (with replacement), topk "
+                        "(the draft's top children; the target samples) or auto (default: greedy when every "
+                        "request is greedy, else sampling)")
+    if tree:
+        g.add_argument("--tree", default=None, metavar="FILE.json|chain:G|chains:KxL|NAME",
+                       help="speculate over a token tree instead of a chain of --gamma drafts: a tree file "
+                            "(`redwood tree-search`), chain:G, K independent chains of L tokens (chains:KxL) "
+                            "or a shipped tree (generic-16, generic-64)")
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
@@ -79,10 +106,10 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
                    help="speculate with this draft model (same tokenizer as --model)")
     p.add_argument("--self-speculate", action="store_true",
                    help="speculate with the target itself reading a compressed view of its KV cache")
-    add_draft_kv_args(p)
+    add_draft_kv_args(p, tree=True)
 
 
-_SPEC_FLAGS = ("draft_kv", "draft_budget", "sinks", "window", "pool_kernel", "gamma", "verifier")
+_SPEC_FLAGS = ("draft_kv", "draft_budget", "sinks", "window", "pool_kernel", "gamma", "tree", "verifier")
 
 
 def _flag(name: str) -> str:
@@ -122,6 +149,30 @@ def check_draft_kv_args(args) -> None:
                               f"({window}{'' if args.window is not None else ', the default'})")
     if args.verifier == "greedy" and getattr(args, "temperature", 0) > 0:
         raise ConfigError("--verifier greedy is lossless only at --temperature 0; use --verifier sampling (or auto)")
+    check_tree_arg(args)
+
+
+def check_tree_arg(args):
+    """The tree --tree names (None without --tree); a ConfigError for a bad spec or one that contradicts
+    --gamma (both may be given only when the tree is a chain of that many draft tokens)."""
+    from redwood.errors import ConfigError
+    from redwood.spec.trees import resolve_tree
+
+    spec = getattr(args, "tree", None)
+    if spec is None:
+        return None
+    try:
+        tree = resolve_tree(spec)
+    except ConfigError as e:
+        raise ConfigError(f"--tree: {e}") from None
+    gammas = args.gamma if isinstance(args.gamma, list) else [args.gamma]
+    for gamma in gammas:
+        if gamma is not None and not (tree.is_chain and tree.size - 1 == gamma):
+            shape = f"a chain of {tree.size - 1} draft tokens" if tree.is_chain else \
+                f"a tree of {tree.size} nodes, {tree.max_depth} levels"
+            raise ConfigError(f"--tree {spec} ({shape}) contradicts --gamma {gamma}: a tree sets the drafts per "
+                              f"step itself; drop --gamma (or use --tree chain:{gamma})")
+    return tree
 
 
 def make_speculative_config(args, *, draft_model: str | None = None, self_speculate: bool = False,
@@ -135,7 +186,8 @@ def make_speculative_config(args, *, draft_model: str | None = None, self_specul
         draft_model=draft_model, self_speculate=self_speculate, draft_kv=args.draft_kv or "full",
         draft_budget=args.draft_budget, sinks=args.sinks, window=args.window,
         pool_kernel=DEFAULT_POOL_KERNEL if args.pool_kernel is None else args.pool_kernel,
-        num_draft_tokens=DEFAULT_GAMMA if gamma is None else gamma, verifier=args.verifier or "auto",
+        num_draft_tokens=DEFAULT_GAMMA if gamma is None else gamma, tree=getattr(args, "tree", None),
+        verifier=args.verifier or "auto",
     )
 
 
@@ -150,7 +202,7 @@ def speculative_config_from_args(args):
         raise ConfigError("--draft-model and --self-speculate are mutually exclusive; pick one drafter")
     check_draft_kv_args(args)
     if not args.draft_model and not args.self_speculate:
-        given = [_flag(n) for n in _SPEC_FLAGS if getattr(args, n) is not None]
+        given = [_flag(n) for n in _SPEC_FLAGS if getattr(args, n, None) is not None]
         if given:
             raise ConfigError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} when speculating: "
                               f"add --draft-model M or --self-speculate")
@@ -167,6 +219,7 @@ def register(sub) -> None:
                                    "same tokens when greedy, the same distribution when sampling) and the "
                                    "stats include acceptance and draft / verify time.")
     add_model_args(p)
+    add_offload_args(p)
     p.add_argument("--prompt", required=True, help="the prompt text ('-' reads standard input)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_sampling_args(p)
@@ -182,7 +235,11 @@ def stats_line(stats: dict, finish_reason: str) -> str:
             f"decode {stats['decode_tokens_per_s']:.2f} tokens/s")
     spec = stats.get("speculative")
     if spec:
-        line += (f"; speculative gamma {spec['gamma']}: {spec['steps']} steps, acceptance "
+        nodes = spec.get("drafted_per_step", spec["gamma"])
+        # A chain drafts gamma tokens per step; a branching tree more nodes than its depth (gamma).
+        shape = (f"gamma {spec['gamma']}" if nodes == spec["gamma"]
+                 else f"tree {nodes + 1} nodes, depth {spec['gamma']}")
+        line += (f"; speculative {shape}: {spec['steps']} steps, acceptance "
                  f"{spec['acceptance_rate']:.3f} ({spec['accepted']}/{spec['drafted']}), mean accepted length "
                  f"{spec['mean_accepted_length']:.2f} tokens/step, draft {spec['draft_s']:.3f} s / verify "
                  f"{spec['verify_s']:.3f} s")
@@ -194,8 +251,9 @@ def run(args) -> int:
 
     params = sampling_params_from_args(args)  # validate before the (slow) model load
     spec = speculative_config_from_args(args)
+    offload = offload_kwargs(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative=spec)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative=spec, **offload)
     if args.json:
         out = llm.generate([prompt], params, chat=args.chat)[0]
         obj = {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,

@@ -56,7 +56,7 @@ def _verify(kind: str, tree: Tree, tokens: torch.Tensor, p: torch.Tensor, q: tor
             sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """→ path [B, A] (root then accepted nodes, padded with 0), accepted count a [B], next token [B]."""
     B, n = tokens.shape
-    if tree.is_chain and kind in ("greedy", *STOCHASTIC):
+    if tree.is_chain and n > 1 and kind in ("greedy", *STOCHASTIC):  # (no drafts, chain:0: the tree walk)
         drafts = tokens[:, 1:]
         if kind == "greedy":
             a, nxt = verify_greedy(p, drafts)
