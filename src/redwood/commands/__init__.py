@@ -2,7 +2,7 @@
 
 import importlib
 
-_NAMES = ["generate", "models", "bench", "data", "tree_search"]
+_NAMES = ["generate", "models", "bench", "data", "tree_search", "acceptance", "profile"]
 
 
 def _load():

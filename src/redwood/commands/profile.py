@@ -1,0 +1,89 @@
+"""`redwood profile`: measure target / draft forward latencies on this device for `redwood tree-search --profile`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from redwood.errors import ConfigError
+
+
+def register(subparsers) -> None:
+    from redwood.llm import DEFAULT_MODEL
+    from redwood.spec.profile import DEFAULT_TOKENS, DEFAULT_WIDTHS
+
+    p = subparsers.add_parser(
+        "profile", help="measure forward latencies on this device (for tree-search --profile)",
+        description="Target forward latency against the number of new tokens (a tree-shaped mask, after a "
+                    "prefill of --context tokens), draft forward latency against width, and the per-step "
+                    "sampling/verification overhead; median of --repeats runs after warm-up. Writes a "
+                    "redwood.profile/1 JSON file.",
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"target model (default: {DEFAULT_MODEL})")
+    p.add_argument("--draft-model", default=None, metavar="D",
+                   help="draft model (default: time the target itself as the draft)")
+    p.add_argument("--batch-size", type=int, default=1, metavar="B", help="rows per forward (default 1)")
+    p.add_argument("--context", type=int, default=256, metavar="L", help="tokens prefilled first (default 256)")
+    p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), metavar="N1,N2,...",
+                   help="target sizes: new tokens per forward, must include 1 (default %(default)s)")
+    p.add_argument("--widths", default=",".join(map(str, DEFAULT_WIDTHS)), metavar="W1,W2,...",
+                   help="draft widths: nodes per draft forward, must include 1 (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=5, metavar="R", help="timed runs per size; median (default 5)")
+    p.add_argument("--warmup", type=int, default=2, metavar="K", help="untimed runs per size first (default 2)")
+    p.add_argument("--no-overhead", action="store_true", help="skip the sampling/verification overhead")
+    p.add_argument("--temperature", type=float, default=0.6,
+                   help="overhead: sampling temperature (default 0.6; 0 = greedy verification)")
+    p.add_argument("--top-p", type=float, default=1.0, help="overhead: nucleus threshold (default 1.0)")
+    p.add_argument("--verifier", default=None, metavar="{sequoia,specinfer,topk,greedy}",
+                   help="overhead: verifier timed (default: greedy at temperature 0, else sequoia)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--output", "-o", required=True, metavar="FILE", help="write the profile here (JSON)")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from redwood.spec.profile import measure_profile, parse_sizes
+    from redwood.spec.tree_search import save_profile
+    from redwood.spec.tree_verify import VERIFIERS
+
+    tokens = parse_sizes(args.tokens, "--tokens")
+    widths = parse_sizes(args.widths, "--widths")
+    for name in ("batch_size", "context", "repeats"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        raise ConfigError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.verifier is not None and args.verifier not in VERIFIERS:
+        raise ConfigError(f"--verifier must be one of {', '.join(VERIFIERS)}, got {args.verifier!r}")
+    if args.verifier == "greedy" and args.temperature > 0:
+        raise ConfigError("--verifier greedy is exact only at --temperature 0")
+
+    from redwood.loading import load_model
+
+    t0 = time.perf_counter()
+    target = load_model(args.model, dtype=args.dtype, device=args.device)
+    draft = load_model(args.draft_model, dtype=args.dtype, device=args.device) if args.draft_model else None
+    say = None if args.quiet else (lambda msg: print(f"profiling: {msg}", file=sys.stderr, flush=True))
+    prof = measure_profile(
+        target.model, draft.model if draft else None, target_name=target.source,
+        draft_name=draft.source if draft else None, tokens=tokens, widths=widths, batch=args.batch_size,
+        context=args.context, repeats=args.repeats, warmup=args.warmup, overhead=not args.no_overhead,
+        temperature=args.temperature, top_p=args.top_p, verifier=args.verifier, dtype=args.dtype, progress=say,
+    )
+    save_profile(prof, args.output)
+    print(f"device: {prof.device}, {args.dtype}, batch {prof.batch}, context {prof.context}")
+    print("target ms by tokens: " + "  ".join(f"{n}: {ms:.3f}" for n, ms in zip(prof.target_tokens, prof.target_ms)))
+    who = "draft" if draft else "draft (= target)"
+    print(f"{who} ms by width: " + "  ".join(f"{w}: {ms:.3f}" for w, ms in zip(prof.draft_width, prof.draft_ms)))
+    if prof.overhead_tokens is not None:
+        print("overhead ms by tokens: "
+              + "  ".join(f"{n}: {ms:.3f}" for n, ms in zip(prof.overhead_tokens, prof.overhead_ms)))
+    print(f"wrote {args.output} in {time.perf_counter() - t0:.1f} s")
+    return 0

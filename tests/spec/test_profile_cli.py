@@ -1,0 +1,104 @@
+"""`redwood profile` on a tiny model, and the chain acceptance → profile → tree-search → tree JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from redwood.cli import main
+from redwood.spec.profile import parse_sizes, profile_tree
+from redwood.spec.tree_search import load_profile
+from redwood.spec.trees import Tree
+from tests.conftest import CORPUS
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+FAST = ["--context", "16", "--repeats", "2", "--warmup", "1", "--quiet"]
+
+
+def test_profile_writes_a_loadable_profile(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "p.json"
+    rc = main(["profile", "--model", str(tiny_model_dir), "--tokens", "8,1,2,4,4", "--widths", "1,2,4",
+               "--batch-size", "2", "--output", str(out)] + FAST)
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "target ms by tokens" in text and "draft (= target) ms by width" in text and "overhead" in text
+    prof = load_profile(out)
+    assert prof.target_tokens == (1, 2, 4, 8) and prof.draft_width == (1, 2, 4)
+    assert prof.overhead_tokens == (1, 2, 4, 8) and len(prof.overhead_ms) == 4
+    assert all(ms > 0 for ms in prof.target_ms + prof.draft_ms + prof.overhead_ms)
+    assert prof.batch == 2 and prof.context == 16 and prof.dtype == "float32" and prof.device.startswith("cpu")
+    raw = json.loads(out.read_text())
+    assert raw["format"] == "redwood.profile/1"
+    assert raw["models"] == {"target": str(tiny_model_dir), "draft": str(tiny_model_dir)}
+    assert raw["notes"]["draft_is_target"] is True and raw["notes"]["overhead"]["verifier"] == "sequoia"
+
+
+def test_profile_with_draft_and_no_overhead(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "p.json"
+    rc = main(["profile", "--model", str(tiny_model_dir), "--draft-model", str(tiny_model_dir), "--tokens", "1,3",
+               "--widths", "1", "--no-overhead", "--temperature", "0", "--output", str(out)] + FAST)
+    assert rc == 0
+    prof = load_profile(out)
+    assert prof.overhead_ms is None and prof.draft_width == (1,) and prof.target_tokens == (1, 3)
+    assert "draft ms by width" in capsys.readouterr().out
+
+
+def test_acceptance_profile_tree_search_end_to_end(tiny_model_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(" ".join(CORPUS[(i + j) % 5].replace("\n", " ") for j in range(3))
+                                 for i in range(4)) + "\n")
+    acc = tmp_path / "acc.json"
+    assert main(["acceptance", "--model", str(tiny_model_dir), "--draft-model", str(tiny_model_dir),
+                 "--width", "4", "--mode", "static", "--temperature", "1.5", "--verifier", "topk",
+                 "--prompts", str(prompts), "--num-prompts", "2", "--prompt-len", "24", "--gen-len", "16",
+                 "--output", str(acc), "--quiet"]) == 0
+    prof = tmp_path / "prof.json"
+    assert main(["profile", "--model", str(tiny_model_dir), "--tokens", "1,2,4,8,16", "--widths", "1,2,4,8",
+                 "--output", str(prof)] + FAST) == 0
+    capsys.readouterr()
+    tree_path = tmp_path / "tree.json"
+    rc = main(["tree-search", "--acceptance", str(acc), "--profile", str(prof), "--budget", "16",
+               "--max-depth", "5", "--json", "--output", str(tree_path)])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    tree = Tree.load(tree_path)
+    assert tree.size == summary["size"] <= 16 and tree.max_depth <= 5
+    assert summary["predicted_speedup"] > 0
+    assert tree.meta["acceptance"]["method"] == "static"
+    assert tree.meta["profile"]["target"]["tokens"] == [1, 2, 4, 8, 16]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--tokens", "2,4"], "--tokens must include 1"),
+    (["--widths", "1,x"], "--widths"),
+    (["--tokens", "0,1"], "positive"),
+    (["--repeats", "0"], "--repeats"),
+    (["--verifier", "greedy"], "greedy"),
+    (["--verifier", "nope"], "--verifier"),
+    (["--context", "300"], "context"),
+])
+def test_profile_errors_are_one_line(tiny_model_dir, tmp_path, capsys, argv, needle):
+    out = tmp_path / "p.json"
+    rc = main(["profile", "--model", str(tiny_model_dir), "--tokens", "1,2", "--widths", "1,2", "--quiet",
+               "--repeats", "1", "--warmup", "0", "--output", str(out)] + argv)
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("\n") == 1 and err.startswith("redwood: error:") and needle in err
+    assert not out.exists()
+
+
+def test_helpers():
+    assert parse_sizes("4, 1,2,2", "--tokens") == (1, 2, 4)
+    t = profile_tree(7)
+    assert t.parents == (-1, 0, 0, 1, 1, 2, 2) and t.max_depth == 3
+    assert profile_tree(1).size == 1
