@@ -29,13 +29,13 @@ guess whether the last entry is p_W or p_none.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from redwood.errors import ConfigError
+from redwood.jsonfile import read_json, write_json
 
 FORMAT = "redwood.acceptance/1"
 METHODS = ("dynamic", "static", "manual")
@@ -206,23 +206,9 @@ def acceptance_from_legacy(entries: Sequence[float], layout: str, **kw) -> Accep
 
 def load_acceptance(path: str | Path) -> AcceptanceVector:
     """Read and validate a ``redwood.acceptance/1`` JSON file."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"acceptance file not found: {path}") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read acceptance file {path}: {e.strerror or e}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    return AcceptanceVector.from_dict(data, source=str(path))
+    return AcceptanceVector.from_dict(read_json(path, "acceptance"), source=str(path))
 
 
 def save_acceptance(vec: AcceptanceVector, path: str | Path) -> Path:
     """Write `vec` as pretty-printed JSON (parent folders are created)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(vec.to_dict(), indent=2) + "\n")
-    return path
+    return write_json(path, vec.to_dict())

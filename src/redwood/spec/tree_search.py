@@ -39,7 +39,6 @@ with one point (width 1) is taken as width-independent, which reproduces the ori
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 import bisect
@@ -50,6 +49,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from redwood.errors import ConfigError
+from redwood.jsonfile import read_json, write_json
 from redwood.spec.acceptance import AcceptanceVector, _prob_row
 from redwood.spec.trees import Tree
 
@@ -441,25 +441,11 @@ class LatencyProfile:
 
 
 def load_profile(path: str | Path) -> LatencyProfile:
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"profile file not found: {path}") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read profile file {path}: {e.strerror or e}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    return LatencyProfile.from_dict(data, source=str(path))
+    return LatencyProfile.from_dict(read_json(path, "profile"), source=str(path))
 
 
 def save_profile(profile: LatencyProfile, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
-    return path
+    return write_json(path, profile.to_dict())
 
 
 # ---------------------------------------------------------------------- selection

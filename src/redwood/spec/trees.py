@@ -32,6 +32,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from redwood.errors import ConfigError
+from redwood.jsonfile import parse_json, read_json
 
 FORMAT = "redwood.tree/1"
 
@@ -273,11 +274,7 @@ class Tree:
 
     @classmethod
     def from_json(cls, text: str, source: str = "tree") -> "Tree":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{source}: not valid JSON ({e.msg} at line {e.lineno})") from None
-        return cls.from_dict(data, source=source)
+        return cls.from_dict(parse_json(text, source), source=source)
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -290,14 +287,7 @@ class Tree:
 
     @classmethod
     def load(cls, path: str | Path) -> "Tree":
-        path = Path(path)
-        try:
-            text = path.read_text()
-        except FileNotFoundError:
-            raise ConfigError(f"tree file not found: {path}") from None
-        except OSError as e:
-            raise ConfigError(f"cannot read tree file {path}: {e.strerror or e}") from None
-        return cls.from_json(text, source=str(path))
+        return cls.from_dict(read_json(path, "tree"), source=str(path))
 
 
 def _check_int(v, what: str, minimum: int) -> None:
