@@ -63,6 +63,42 @@ def random_hf_model(config, seed: int = 0, scale: float = 0.15):
     return model
 
 
+def clear_margin_model(config, seed: int = 3):
+    """A random model whose greedy choices have clear margins (small attention output, large embeddings),
+    so a slightly perturbed copy makes a draft that agrees often — speculation tests need both accepts
+    and rejects."""
+    model = random_hf_model(config, seed=seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "o_proj" in name:
+                p.mul_(0.2)
+            elif "embed_tokens" in name:
+                p.mul_(4.0)
+    return model
+
+
+def perturbed(model, noise: float, seed: int):
+    """Add N(0, noise²) to every weight of `model` in place (a draft close to the target); returns it."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise)
+    return model
+
+
+@pytest.fixture(autouse=True)
+def one_thread(request):
+    """Tiny models run several times faster on one intra-op thread (especially on a shared 2-core
+    machine); tests on real models (marked `real`) keep torch's default."""
+    if request.node.get_closest_marker("real"):
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return make_tokenizer()

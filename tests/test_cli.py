@@ -75,17 +75,6 @@ def test_bfloat16_runs(tiny_model_dir, capsys):
 import pytest  # noqa: E402
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine run far faster on one intra-op thread."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def draft_model_dir(tmp_path_factory, tokenizer):
     """A second tiny model (1 layer, other weights) sharing the target's tokenizer: a standalone draft."""
@@ -114,7 +103,7 @@ def _greedy_reference(tiny_llm, prompt, n):
     (["--self-speculate", "--draft-kv", "snapkv", "--draft-budget", "6", "--window", "4", "--pool-kernel", "3",
       "--gamma", "2"], "self (snapkv(budget=6, window=4, kernel=3"),
 ])
-def test_generate_self_speculate_json(tiny_model_dir, tiny_llm, capsys, flags, draft, one_thread):
+def test_generate_self_speculate_json(tiny_model_dir, tiny_llm, capsys, flags, draft):
     prompt = "Paris is the capital of France. Rome is"
     rc = main(["generate", "--model", str(tiny_model_dir), "--prompt", prompt, "--max-new-tokens", "10",
                "--ignore-eos", "--json"] + flags)
@@ -127,7 +116,7 @@ def test_generate_self_speculate_json(tiny_model_dir, tiny_llm, capsys, flags, d
     assert spec["steps"] >= 1 and len(spec["acceptance_by_position"]) == spec["gamma"]
 
 
-def test_generate_draft_model_json_and_human(tiny_model_dir, draft_model_dir, tiny_llm, capsys, one_thread):
+def test_generate_draft_model_json_and_human(tiny_model_dir, draft_model_dir, tiny_llm, capsys):
     prompt = "def add(a, b):"
     base = ["generate", "--model", str(tiny_model_dir), "--prompt", prompt, "--max-new-tokens", "8", "--ignore-eos",
             "--draft-model", str(draft_model_dir), "--gamma", "3", "--verifier", "greedy"]
@@ -147,7 +136,7 @@ def test_generate_draft_model_json_and_human(tiny_model_dir, draft_model_dir, ti
     assert "draft " in stats and "verify " in stats
 
 
-def test_generate_sampling_speculation(tiny_model_dir, capsys, one_thread):
+def test_generate_sampling_speculation(tiny_model_dir, capsys):
     rc = main(["generate", "--model", str(tiny_model_dir), "--prompt", "for i in", "--max-new-tokens", "6",
                "--temperature", "0.8", "--seed", "1", "--ignore-eos", "--self-speculate", "--json"])
     assert rc == 0
@@ -196,7 +185,7 @@ def test_incompatible_draft_tokenizer(tiny_model_dir, tmp_path, capsys):
 # ------------------------------------------------------------------------------------ token trees (--tree)
 
 
-def test_generate_self_speculate_tree_json_equals_plain(tiny_model_dir, tiny_llm, capsys, one_thread):
+def test_generate_self_speculate_tree_json_equals_plain(tiny_model_dir, tiny_llm, capsys):
     prompt = "Paris is the capital of France. Rome is"
     base = ["generate", "--model", str(tiny_model_dir), "--prompt", prompt, "--max-new-tokens", "12",
             "--ignore-eos", "--self-speculate", "--draft-kv", "streaming", "--draft-budget", "16",
@@ -220,7 +209,7 @@ def test_generate_self_speculate_tree_json_equals_plain(tiny_model_dir, tiny_llm
     ["--draft-kv", "streaming", "--draft-budget", "16", "--tree", "chains:2x2", "--verifier", "greedy"],
     ["--tree", "chain:3", "--gamma", "3", "--verifier", "sequoia"],  # a chain of γ may come with --gamma γ
 ])
-def test_generate_tree_flags_greedy(tiny_model_dir, tiny_llm, capsys, one_thread, flags, tmp_path):
+def test_generate_tree_flags_greedy(tiny_model_dir, tiny_llm, capsys, flags, tmp_path):
     prompt = "def add(a, b):"
     assert main(["generate", "--model", str(tiny_model_dir), "--prompt", prompt, "--max-new-tokens", "8",
                  "--ignore-eos", "--self-speculate", "--json"] + flags) == 0
@@ -229,7 +218,7 @@ def test_generate_tree_flags_greedy(tiny_model_dir, tiny_llm, capsys, one_thread
 
 
 @pytest.mark.parametrize("verifier", ["sequoia", "specinfer", "topk", "sampling"])
-def test_generate_tree_sampling_verifiers(tiny_model_dir, draft_model_dir, capsys, one_thread, verifier, tmp_path):
+def test_generate_tree_sampling_verifiers(tiny_model_dir, draft_model_dir, capsys, verifier, tmp_path):
     from redwood.spec.trees import Tree
 
     tree = Tree((-1, 0, 0, 0, 1, 1)).save(tmp_path / "tree.json")

@@ -10,17 +10,6 @@ from redwood.cli import main
 from tests.conftest import CORPUS, random_hf_model, tiny_hf_config
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls on a shared 2-core machine run far faster on one intra-op thread."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def draft_dir(tmp_path_factory, tokenizer):
     """A second, smaller tiny model (1 layer, other weights) with the target's tokenizer."""

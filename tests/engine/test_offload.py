@@ -19,18 +19,10 @@ from redwood.engine.generate import prefill
 from redwood.engine.offload import get_offload, offload_layers, restore_layers
 from redwood.errors import ConfigError
 from redwood.models.transformer import build_model
-from tests.conftest import random_hf_model, tiny_hf_config
+from tests.conftest import clear_margin_model, perturbed, random_hf_model, tiny_hf_config
 
 NUM_LAYERS = 5
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250], [11, 3, 8]]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _hf(arch: str, layers: int = NUM_LAYERS):
@@ -238,20 +230,10 @@ def model_dirs(tmp_path_factory, tokenizer):
     root = tmp_path_factory.mktemp("offload-models")
     config = tiny_hf_config("qwen2", num_hidden_layers=4, eos_token_id=tokenizer.eos_token_id,
                             bos_token_id=tokenizer.bos_token_id)
-    target = random_hf_model(config, seed=3)
-    with torch.no_grad():
-        for name, p in target.named_parameters():
-            if "o_proj" in name:
-                p.mul_(0.2)
-            elif "embed_tokens" in name:
-                p.mul_(4.0)
+    target = clear_margin_model(config, seed=3)
     target.save_pretrained(root / "target")
     tokenizer.save_pretrained(root / "target")
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in target.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.01)
-    target.save_pretrained(root / "draft")
+    perturbed(target, 0.01, seed=5).save_pretrained(root / "draft")
     tokenizer.save_pretrained(root / "draft")
     return root
 

@@ -19,7 +19,7 @@ from redwood.spec.trees import Tree
 from redwood.errors import ConfigError
 from redwood.kv.policies import make_policy
 from redwood.spec.drafters import ModelDrafter, SelfDrafter
-from tests.conftest import make_tokenizer, random_hf_model, tiny_hf_config
+from tests.conftest import clear_margin_model, make_tokenizer, perturbed, random_hf_model, tiny_hf_config
 
 POLICIES = {
     "full": dict(),
@@ -38,22 +38,6 @@ def _prompts(lengths, seed=0):
 BATCHES = {"single": _prompts([57]), "ragged3": _prompts([40, 90, 65], seed=1)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is several times faster than two on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def _perturbed(model, noise: float, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * noise)
-    return model
-
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory, tokenizer):
@@ -61,20 +45,14 @@ def model_dirs(tmp_path_factory, tokenizer):
     larger and a smaller vocabulary (same ids on the shared range) and one with a different tokenizer."""
     root = tmp_path_factory.mktemp("spec-models")
     config = tiny_hf_config("qwen2", eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
-    target = random_hf_model(config, seed=3)
-    with torch.no_grad():
-        for name, p in target.named_parameters():
-            if "o_proj" in name:
-                p.mul_(0.2)
-            elif "embed_tokens" in name:
-                p.mul_(4.0)
+    target = clear_margin_model(config, seed=3)
     target.save_pretrained(root / "target")
     tokenizer.save_pretrained(root / "target")
     state = {k: v.clone() for k, v in target.state_dict().items()}
 
     draft = random_hf_model(config, seed=3)
     draft.load_state_dict(state)
-    _perturbed(draft, 0.01, seed=5).save_pretrained(root / "draft")
+    perturbed(draft, 0.01, seed=5).save_pretrained(root / "draft")
     tokenizer.save_pretrained(root / "draft")
 
     for name, vocab in (("draft-big-vocab", config.vocab_size + 32), ("draft-small-vocab", 300)):
@@ -91,7 +69,7 @@ def model_dirs(tmp_path_factory, tokenizer):
             else:
                 resized[k] = v
         m.load_state_dict(resized)
-        _perturbed(m, 0.01, seed=6).save_pretrained(root / name)
+        perturbed(m, 0.01, seed=6).save_pretrained(root / name)
         tokenizer.save_pretrained(root / name)
 
     other_tok = make_tokenizer(vocab_size=300)

@@ -32,15 +32,6 @@ from tests.spec.test_verifiers import (  # noqa: F401  (tiny_vocab_pair is a fix
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is several times faster than two on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # A root with 6 children, each with one child (wide and shallow).
 WIDE = Tree((-1, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6))
 

@@ -16,15 +16,7 @@ from redwood.spec.measure import (dataset_texts, expected_acceptance, held_out_o
                                   static_acceptance, star_tree_spec)
 from redwood.spec.tree_verify import CHILD_RULE, draw_children, verify_tree
 from redwood.spec.trees import Tree
-from tests.conftest import CORPUS, random_hf_model, tiny_hf_config
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from tests.conftest import CORPUS, clear_margin_model, perturbed, random_hf_model, tiny_hf_config
 
 
 # ------------------------------------------------------------------------------------ synthetic p / q
@@ -157,31 +149,18 @@ def test_dataset_texts_are_held_out_from_build_prompts(tokenizer, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------ tiny models
-def _perturbed(model, noise, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for prm in model.parameters():
-            prm.add_(torch.randn(prm.shape, generator=g) * noise)
-    return model
-
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory, tokenizer):
     """target/ (clear greedy margins, as in the engine tests) and draft/ (target + noise)."""
     root = tmp_path_factory.mktemp("measure-models")
     config = tiny_hf_config("qwen2", eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
-    target = random_hf_model(config, seed=3)
-    with torch.no_grad():
-        for name, prm in target.named_parameters():
-            if "o_proj" in name:
-                prm.mul_(0.2)
-            elif "embed_tokens" in name:
-                prm.mul_(4.0)
+    target = clear_margin_model(config, seed=3)
     target.save_pretrained(root / "target")
     tokenizer.save_pretrained(root / "target")
     draft = random_hf_model(config, seed=3)
     draft.load_state_dict(target.state_dict())
-    _perturbed(draft, 0.05, seed=5).save_pretrained(root / "draft")
+    perturbed(draft, 0.05, seed=5).save_pretrained(root / "draft")
     tokenizer.save_pretrained(root / "draft")
     return root
 

@@ -14,14 +14,6 @@ from redwood.spec.trees import Tree
 from tests.conftest import CORPUS
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 FAST = ["--context", "16", "--repeats", "2", "--warmup", "1", "--quiet"]
 
 

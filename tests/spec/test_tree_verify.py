@@ -27,16 +27,6 @@ CHI2_999 = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tests run thousands of tiny [rows, V] ops; on a shared 2-core machine intra-op threading
-    only adds contention (about 5× slower), so use one thread here and restore the setting after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def assert_fits(samples: torch.Tensor, probs: torch.Tensor, what: str, min_expected: float = 5.0) -> None:
     """χ² test of integer cell indices `samples` against cell probabilities `probs` (any shape, flattened).
 

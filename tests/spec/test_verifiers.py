@@ -20,15 +20,6 @@ from redwood.spec.verifiers import verify_greedy, verify_sampling
 from tests.conftest import random_hf_model, tiny_hf_config
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread is several times faster than two on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # ------------------------------------------------------------------------------------------- χ² helpers
 
 # Upper 0.1 % points of χ² (standard tables), to cross-check the computed quantiles below.
