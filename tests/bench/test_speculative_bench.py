@@ -69,7 +69,7 @@ def test_standalone_table_and_report(tiny_model_dir, draft_dir, text_file, tmp_p
                   "--output", str(tmp_path / "rep")], capsys)
     assert out.startswith("standalone: ") and "snapkv(budget=16, window=8" in out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["1"]]
-    assert [(r[1], r[2]) for r in rows] == [("20", "2"), ("40", "2")]
+    assert [(r[1], r[2]) for r in rows] == [("20", "chain:2"), ("40", "chain:2")]
     assert all(r[10] == "yes" for r in rows)  # same as autoregressive
     rep = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert rep["kind"] == "standalone" and rep["models"]["draft"].startswith(str(draft_dir))
@@ -102,7 +102,7 @@ def test_run_bench_api_self_draft_accepts_everything(tiny_model_dir, text_file):
     assert run["identical_to_ar"] is True and run["acceptance_rate"] == 1.0
     assert run["mean_accepted_length"] == 4.0 and run["acceptance_by_position"] == [1.0, 1.0, 1.0]
     assert run["steps"] == 2 * 2  # 8 decoded tokens per row in steps of 4
-    assert "best gamma" not in format_result(res)  # one γ: nothing to choose
+    assert "best draft shape" not in format_result(res)  # one γ: nothing to choose
 
     # sampling: outputs legitimately differ from the autoregressive run, so no identity verdict
     res = run_bench(llm, "standalone", [1], [16], 5, PromptSource(prompts_file=str(text_file)), [2],
@@ -164,3 +164,13 @@ def test_errors_after_loading(tiny_model_dir, text_file, tmp_path, capsys):
         assert main(["bench", "baseline", "--model", str(tiny_model_dir)] + extra) == 2
         err = capsys.readouterr().err
         assert err.startswith("redwood: error:") and msg in err and err.count("\n") == 1
+
+
+def test_standalone_sweeps_trees_and_chains(tiny_model_dir, draft_dir, text_file, capsys):
+    """--tree adds token trees to the sweep (alongside --gamma chains); greedy output stays identical."""
+    res = _bench(["standalone", "--model", str(tiny_model_dir), "--draft-model", str(draft_dir), "--prompts-file",
+                  str(text_file), "--batch-size", "1", "--prefix-len", "24", "--gen-len", "6", "--gamma", "2",
+                  "--tree", "chains:2x2", "generic-16", "--json"], capsys)
+    res = json.loads(res)
+    assert [(r["tree"], r["tree_size"]) for r in res["runs"]] == [("chain:2", 3), ("chains:2x2", 5), ("generic-16", 16)]
+    assert res["all_identical"] is True

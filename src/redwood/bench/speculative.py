@@ -132,9 +132,9 @@ def aggregate_spec(requests: Sequence[RequestState]) -> dict[str, Any]:
     }
 
 
-def measure(llm, prompts: list[list[int]], params: list[SamplingParams], drafter=None, gamma: int | None = None,
+def measure(llm, prompts: list[list[int]], params: list[SamplingParams], drafter=None, tree=None,
             verifier: str = "auto") -> dict[str, Any]:
-    """One generation of `prompts`: autoregressive (drafter None) or speculative with γ = `gamma`."""
+    """One generation of `prompts`: autoregressive (drafter None) or speculative over `tree` (a Tree)."""
     model = llm.model
     device = model.device
     requests = make_requests(prompts, params, llm.config, llm.tokenizer)
@@ -146,9 +146,8 @@ def measure(llm, prompts: list[list[int]], params: list[SamplingParams], drafter
         loop = autoregressive(model, requests)
     else:
         from redwood.engine.speculative import speculative
-        from redwood.spec.trees import Tree
 
-        loop = speculative(model, drafter, requests, Tree.chain(gamma), verifier)
+        loop = speculative(model, drafter, requests, tree, verifier)
     for _ in loop:
         pass
     _sync(device)
@@ -199,12 +198,12 @@ def check_context(llm, prefix_lens: Sequence[int], gen_len: int) -> None:
 
 
 def run_bench(llm, kind: str, batch_sizes: Sequence[int], prefix_lens: Sequence[int], gen_len: int,
-              source: PromptSource, gammas: Sequence[int] = (4,), *, temperature: float = 0.0,
-              top_p: float = 1.0, seed: int | None = None, prompt_seed: int = 0, verifier: str = "auto",
-              progress=None) -> dict[str, Any]:
-    """Measure the baseline (and, unless kind == "baseline", speculation at each γ) for every
-    (batch size, prefix length); `llm` is an `LLM` built with the matching SpeculativeConfig (its
-    `drafter` is used directly, so γ can vary without reloading anything).
+              source: PromptSource, gammas: Sequence[int] = (4,), *, trees: Sequence[str] = (),
+              temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, prompt_seed: int = 0,
+              verifier: str = "auto", progress=None) -> dict[str, Any]:
+    """Measure the baseline (and, unless kind == "baseline", speculation with a chain at each γ and with
+    each of `trees`) for every (batch size, prefix length); `llm` is an `LLM` built with the matching
+    SpeculativeConfig (its `drafter` is used directly, so the draft shape varies without reloading).
 
     Returns {"kind", "model", "draft", "gen_len", …, "runs": [one per (batch, prefix[, γ])],
     "best": [best γ per (batch, prefix)], "all_identical": bool | None}.
@@ -214,6 +213,9 @@ def run_bench(llm, kind: str, batch_sizes: Sequence[int], prefix_lens: Sequence[
     batch_sizes, prefix_lens, gammas = _unique(batch_sizes), _unique(prefix_lens), _unique(gammas)
     speculating = kind != "baseline"
     check_sizes(batch_sizes, prefix_lens, gen_len, gammas if speculating else ())
+    from redwood.spec.trees import Tree, resolve_tree
+
+    shapes = [(f"chain:{g}", Tree.chain(g)) for g in gammas] + [(t, resolve_tree(t)) for t in _unique(trees)]
     drafter = llm.drafter if speculating else None
     if speculating and drafter is None:
         raise ConfigError(f"bench {kind} needs an LLM built with speculative=SpeculativeConfig(...)")
@@ -230,7 +232,7 @@ def run_bench(llm, kind: str, batch_sizes: Sequence[int], prefix_lens: Sequence[
     warm_params = sampling_params(len(warm), min(gen_len, WARMUP_TOKENS), temperature, top_p, seed)
     measure(llm, warm, warm_params)
     if speculating:
-        measure(llm, warm, warm_params, drafter, gammas[0], verifier)
+        measure(llm, warm, warm_params, drafter, shapes[0][1], verifier)
 
     runs: list[dict[str, Any]] = []
     best: list[dict[str, Any]] = []
@@ -245,10 +247,11 @@ def run_bench(llm, kind: str, batch_sizes: Sequence[int], prefix_lens: Sequence[
                 runs.append({**base, **{k: v for k, v in ar.items() if k != "token_ids"}})
                 continue
             group = []
-            for gamma in gammas:
-                say(f"batch {batch}, prefix {prefix}: {kind}, gamma {gamma}")
-                sp = measure(llm, prompts, params, drafter, gamma, verifier)
-                run = {**base, "gamma": gamma, "ar_tokens_per_s": ar["tokens_per_s"],
+            for label, tree in shapes:
+                say(f"batch {batch}, prefix {prefix}: {kind}, {label}")
+                sp = measure(llm, prompts, params, drafter, tree, verifier)
+                run = {**base, "gamma": tree.max_depth - 1, "tree": label, "tree_size": tree.size,
+                       "ar_tokens_per_s": ar["tokens_per_s"],
                        **{k: v for k, v in sp.items() if k != "token_ids"},
                        "speedup": sp["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] > 0 else None,
                        "tokens_per_step": sp["mean_accepted_length"],
@@ -259,7 +262,7 @@ def run_bench(llm, kind: str, batch_sizes: Sequence[int], prefix_lens: Sequence[
                 runs.append(run)
                 group.append(run)
             top = max(group, key=lambda r: r["speedup"] or 0.0)
-            best.append({"batch_size": batch, "prefix_len": prefix, "gamma": top["gamma"],
+            best.append({"batch_size": batch, "prefix_len": prefix, "gamma": top["gamma"], "tree": top["tree"],
                          "speedup": top["speedup"], "tokens_per_s": top["tokens_per_s"]})
 
     identical = [r["identical_to_ar"] for r in runs if r.get("identical_to_ar") is not None]
@@ -291,18 +294,18 @@ def format_result(r: dict[str, Any]) -> str:
             lines.append(f"{x['batch_size']:>5} {x['prefix_len']:>7} {x['prefill_s']:>10.3f} {x['decode_s']:>9.3f} "
                          f"{x['tokens_per_s']:>10.2f}")
         return "\n".join(lines)
-    lines.append(f"{'batch':>5} {'prefix':>7} {'gamma':>5} {'AR tok/s':>10} {'spec tok/s':>10} {'speedup':>8} "
+    lines.append(f"{'batch':>5} {'prefix':>7} {'draft shape':>12} {'AR tok/s':>10} {'spec tok/s':>10} {'speedup':>8} "
                  f"{'accept':>7} {'acc len':>7} {'draft s':>8} {'verify s':>8}  {'same':<4}  acceptance by position")
     for x in r["runs"]:
         same = {True: "yes", False: "NO", None: "n/a"}[x["identical_to_ar"]]
         pos = " ".join(f"{a:.2f}" for a in x["acceptance_by_position"])
         speedup = "–" if x["speedup"] is None else f"{x['speedup']:.2f}x"
-        lines.append(f"{x['batch_size']:>5} {x['prefix_len']:>7} {x['gamma']:>5} {x['ar_tokens_per_s']:>10.2f} "
+        lines.append(f"{x['batch_size']:>5} {x['prefix_len']:>7} {x['tree']:>12} {x['ar_tokens_per_s']:>10.2f} "
                      f"{x['tokens_per_s']:>10.2f} {speedup:>8} {x['acceptance_rate']:>7.3f} "
                      f"{x['mean_accepted_length']:>7.2f} {x['draft_s']:>8.3f} {x['verify_s']:>8.3f}  {same:<4}  {pos}")
-    if len({x["gamma"] for x in r["runs"]}) > 1:
+    if len({x["tree"] for x in r["runs"]}) > 1:
         for b in r["best"]:
-            lines.append(f"best gamma at batch {b['batch_size']}, prefix {b['prefix_len']}: {b['gamma']} "
+            lines.append(f"best draft shape at batch {b['batch_size']}, prefix {b['prefix_len']}: {b['tree']} "
                          f"({_f(b['speedup'], '.2f', 0).strip()}x)")
     lines.append("acc len = tokens per target step, bonus token included; same = greedy output identical to "
                  "autoregressive")

@@ -37,6 +37,9 @@ def _add_spec_bench(bench, kind: str) -> None:
     p.add_argument("--gen-len", type=int, default=64, metavar="N", help="tokens generated per row (default 64)")
     if kind != "baseline":
         add_draft_kv_args(p, sweep=True)
+        p.add_argument("--tree", nargs="+", default=None, metavar="T",
+                       help="token trees to measure too (chain:G, chains:KxL, a tree JSON file or a shipped "
+                            "name); without --gamma only these are measured")
     src = p.add_argument_group("prompts")
     src.add_argument("--dataset", default=None, metavar="NAME",
                      help="cut prompts from this dataset's concatenated text (`redwood data list`; default essays)")
@@ -135,8 +138,15 @@ def run_spec_bench(args) -> int:
 
     kind = args.bench_kind
     speculating = kind != "baseline"
-    gammas = (args.gamma or [4]) if speculating else []
+    trees = (getattr(args, "tree", None) or []) if speculating else []
+    args.tree = None  # the bench sweeps its trees itself; the shared config below is built without one
+    gammas = (args.gamma or ([] if trees else [4])) if speculating else []
     check_sizes(args.batch_size, args.prefix_len, args.gen_len, gammas)
+    if trees:
+        from redwood.spec.trees import resolve_tree
+
+        for t in trees:
+            resolve_tree(t)  # a bad tree fails before any model loads
     SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)  # validates them
     if args.dataset and args.prompts_file:
         raise ConfigError("--dataset and --prompts-file are alternatives; give one")
@@ -154,11 +164,11 @@ def run_spec_bench(args) -> int:
                 args.draft_budget = SELFSPEC_DEFAULT_BUDGET
         check_draft_kv_args(args)
         configs = [make_speculative_config(args, draft_model=getattr(args, "draft_model", None),
-                                           self_speculate=kind == "selfspec", gamma=g) for g in gammas]
-        spec = configs[0]  # γ varies per run; everything else is shared
+                                           self_speculate=kind == "selfspec", gamma=g) for g in gammas or [4]]
+        spec = configs[0]  # the draft shape varies per run; everything else is shared
     llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative=spec)
     progress = None if args.json else (lambda msg: print(f"... {msg}", file=sys.stderr, flush=True))
-    result = run_bench(llm, kind, args.batch_size, args.prefix_len, args.gen_len, source, gammas or [4],
+    result = run_bench(llm, kind, args.batch_size, args.prefix_len, args.gen_len, source, gammas, trees=trees,
                        temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                        prompt_seed=args.prompt_seed, verifier=spec.verifier if spec else "auto", progress=progress)
     if args.output:
