@@ -88,11 +88,12 @@ def run_speculative(target, drafter, prompt_ids, gamma):
     from redwood import SamplingParams
     from redwood.engine.generate import make_requests
     from redwood.engine.speculative import speculative
+    from redwood.spec.trees import Tree
 
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     requests = make_requests(prompt_ids, [params] * len(prompt_ids), target.config, target.tokenizer)
     t = time.perf_counter()
-    for _ in speculative(target.model, drafter, requests, gamma):
+    for _ in speculative(target.model, drafter, requests, Tree.chain(gamma)):
         pass
     elapsed = time.perf_counter() - t
     return [r.output_ids for r in requests], [r.stats.spec.to_dict() for r in requests], elapsed
