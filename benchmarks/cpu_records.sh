@@ -32,10 +32,10 @@ selfspec)  # issue 3: self-speculation, StreamingLLM and SnapKV drafts (budget 2
 trees)  # issue 4: AR vs chain vs DP tree; tokens per step measured vs predicted by tree search
   for temp in 0 0.6; do
     run $R acceptance --model $T --draft-model $D --width 8 --mode static --temperature $temp \
-        --dataset humaneval --num-prompts 2 --gen-len 64 --output "$OUT/acceptance-t$temp.json" --quiet
+        --dataset humaneval --num-prompts 1 --gen-len 48 --output "$OUT/acceptance-t$temp.json" --quiet
     run $R tree-search --acceptance "$OUT/acceptance-t$temp.json" --budget 16 --max-depth 6 \
         --output "$OUT/tree16-t$temp.json"
-    run $R bench standalone --model $T --draft-model $D --batch-size 1 --prefix-len 128 --gen-len 32 \
+    run $R bench standalone --model $T --draft-model $D --batch-size 1 --prefix-len 128 --gen-len 24 \
         --gamma 4 --tree "$OUT/tree16-t$temp.json" --temperature $temp --seed 1 --output "$OUT/tree-t$temp"
   done ;;
 *) echo "unknown step $step" >&2; exit 2 ;;
