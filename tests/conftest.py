@@ -115,6 +115,17 @@ def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory, tokenizer) -> Path:
+    """A second tiny model (1 layer, other weights) sharing the target's tokenizer: a standalone draft."""
+    folder = tmp_path_factory.mktemp("tiny-draft")
+    config = tiny_hf_config("qwen2", num_hidden_layers=1, eos_token_id=tokenizer.eos_token_id,
+                            bos_token_id=tokenizer.bos_token_id)
+    random_hf_model(config, seed=1).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def tiny_llm(tiny_model_dir):
     from redwood import LLM
 

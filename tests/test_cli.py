@@ -75,19 +75,6 @@ def test_bfloat16_runs(tiny_model_dir, capsys):
 import pytest  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def draft_model_dir(tmp_path_factory, tokenizer):
-    """A second tiny model (1 layer, other weights) sharing the target's tokenizer: a standalone draft."""
-    from tests.conftest import random_hf_model, tiny_hf_config
-
-    folder = tmp_path_factory.mktemp("tiny-draft")
-    config = tiny_hf_config("qwen2", num_hidden_layers=1, eos_token_id=tokenizer.eos_token_id,
-                            bos_token_id=tokenizer.bos_token_id)
-    random_hf_model(config, seed=1).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 SPEC_KEYS = {"gamma", "steps", "drafted", "accepted", "acceptance_rate", "mean_accepted_length",
              "acceptance_by_position", "draft_s", "verify_s"}
 
@@ -116,20 +103,20 @@ def test_generate_self_speculate_json(tiny_model_dir, tiny_llm, capsys, flags, d
     assert spec["steps"] >= 1 and len(spec["acceptance_by_position"]) == spec["gamma"]
 
 
-def test_generate_draft_model_json_and_human(tiny_model_dir, draft_model_dir, tiny_llm, capsys):
+def test_generate_draft_model_json_and_human(tiny_model_dir, tiny_draft_dir, tiny_llm, capsys):
     prompt = "def add(a, b):"
     base = ["generate", "--model", str(tiny_model_dir), "--prompt", prompt, "--max-new-tokens", "8", "--ignore-eos",
-            "--draft-model", str(draft_model_dir), "--gamma", "3", "--verifier", "greedy"]
+            "--draft-model", str(tiny_draft_dir), "--gamma", "3", "--verifier", "greedy"]
     assert main(base + ["--json"]) == 0
     obj = json.loads(capsys.readouterr().out)
     assert obj["token_ids"] == _greedy_reference(tiny_llm, prompt, 8)
-    assert obj["draft"] == f"{draft_model_dir} (full)"
+    assert obj["draft"] == f"{tiny_draft_dir} (full)"
     spec = obj["stats"]["speculative"]
     assert spec["gamma"] == 3 and spec["drafted"] == 3 * spec["steps"]
 
     assert main(base) == 0
     lines = capsys.readouterr().out.rstrip("\n").split("\n")
-    assert lines[-2] == f"[draft: {draft_model_dir} (full)]"
+    assert lines[-2] == f"[draft: {tiny_draft_dir} (full)]"
     stats = lines[-1]
     assert stats.startswith("[") and "8 generated (length)" in stats
     assert "speculative gamma 3" in stats and "acceptance" in stats and "mean accepted length" in stats
@@ -218,12 +205,12 @@ def test_generate_tree_flags_greedy(tiny_model_dir, tiny_llm, capsys, flags, tmp
 
 
 @pytest.mark.parametrize("verifier", ["sequoia", "specinfer", "topk", "sampling"])
-def test_generate_tree_sampling_verifiers(tiny_model_dir, draft_model_dir, capsys, verifier, tmp_path):
+def test_generate_tree_sampling_verifiers(tiny_model_dir, tiny_draft_dir, capsys, verifier, tmp_path):
     from redwood.spec.trees import Tree
 
     tree = Tree((-1, 0, 0, 0, 1, 1)).save(tmp_path / "tree.json")
     argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "for i in", "--max-new-tokens", "6",
-            "--temperature", "0.8", "--seed", "3", "--ignore-eos", "--draft-model", str(draft_model_dir),
+            "--temperature", "0.8", "--seed", "3", "--ignore-eos", "--draft-model", str(tiny_draft_dir),
             "--tree", str(tree), "--verifier", verifier, "--json"]
     assert main(argv) == 0
     obj = json.loads(capsys.readouterr().out)

@@ -11,17 +11,6 @@ from tests.conftest import CORPUS, random_hf_model, tiny_hf_config
 
 
 @pytest.fixture(scope="module")
-def draft_dir(tmp_path_factory, tokenizer):
-    """A second, smaller tiny model (1 layer, other weights) with the target's tokenizer."""
-    folder = tmp_path_factory.mktemp("tiny-draft")
-    config = tiny_hf_config("qwen2", num_hidden_layers=1, eos_token_id=tokenizer.eos_token_id,
-                            bos_token_id=tokenizer.bos_token_id)
-    random_hf_model(config, seed=1).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
 def text_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("text") / "long.txt"
     path.write_text("\n".join(CORPUS))  # ~5,000 tokens with the tiny tokenizer
@@ -62,8 +51,8 @@ def test_selfspec_sweep_json_and_report(tiny_model_dir, text_file, tmp_path, cap
     assert (tmp_path / "rep" / "speedup_vs_batch_size.png").is_file()
 
 
-def test_standalone_table_and_report(tiny_model_dir, draft_dir, text_file, tmp_path, capsys):
-    out = _bench(["standalone", "--model", str(tiny_model_dir), "--draft-model", str(draft_dir),
+def test_standalone_table_and_report(tiny_model_dir, tiny_draft_dir, text_file, tmp_path, capsys):
+    out = _bench(["standalone", "--model", str(tiny_model_dir), "--draft-model", str(tiny_draft_dir),
                   "--prompts-file", str(text_file), "--prefix-len", "20", "40", "--gen-len", "6",
                   "--gamma", "2", "--draft-kv", "snapkv", "--draft-budget", "16", "--window", "8",
                   "--output", str(tmp_path / "rep")], capsys)
@@ -72,7 +61,7 @@ def test_standalone_table_and_report(tiny_model_dir, draft_dir, text_file, tmp_p
     assert [(r[1], r[2]) for r in rows] == [("20", "chain:2"), ("40", "chain:2")]
     assert all(r[10] == "yes" for r in rows)  # same as autoregressive
     rep = json.loads((tmp_path / "rep" / "report.json").read_text())
-    assert rep["kind"] == "standalone" and rep["models"]["draft"].startswith(str(draft_dir))
+    assert rep["kind"] == "standalone" and rep["models"]["draft"].startswith(str(tiny_draft_dir))
     assert [r["prefix_len"] for r in rep["runs"]] == [20, 40]
     assert all(r["identical_to_ar"] is True and r["speedup"] > 0 for r in rep["runs"])
     assert "speedup_vs_context_length.png" in rep["plots"]
@@ -166,9 +155,9 @@ def test_errors_after_loading(tiny_model_dir, text_file, tmp_path, capsys):
         assert err.startswith("redwood: error:") and msg in err and err.count("\n") == 1
 
 
-def test_standalone_sweeps_trees_and_chains(tiny_model_dir, draft_dir, text_file, capsys):
+def test_standalone_sweeps_trees_and_chains(tiny_model_dir, tiny_draft_dir, text_file, capsys):
     """--tree adds token trees to the sweep (alongside --gamma chains); greedy output stays identical."""
-    res = _bench(["standalone", "--model", str(tiny_model_dir), "--draft-model", str(draft_dir), "--prompts-file",
+    res = _bench(["standalone", "--model", str(tiny_model_dir), "--draft-model", str(tiny_draft_dir), "--prompts-file",
                   str(text_file), "--batch-size", "1", "--prefix-len", "24", "--gen-len", "6", "--gamma", "2",
                   "--tree", "chains:2x2", "generic-16", "--json"], capsys)
     res = json.loads(res)
