@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from redwood.engine.generate import sync
 from redwood.sampling_params import SamplingParams
 
 
@@ -25,10 +26,6 @@ def make_prompts(llm, batch_size: int, prompt_len: int, dataset: str | None, see
     return torch.randint(0, llm.config.vocab_size, (batch_size, prompt_len), generator=g).tolist()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def hf_decode_rate(hf, prompts: list[list[int]], gen_len: int) -> dict:
     """HF `generate` greedy: prefill time (1 new token) and decode tokens/s (the rest)."""
@@ -37,10 +34,10 @@ def hf_decode_rate(hf, prompts: list[list[int]], gen_len: int) -> dict:
     kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(ids))
 
     def timed(n: int) -> tuple[float, torch.Tensor]:
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
-        _sync(device)
+        sync(device)
         return time.perf_counter() - t0, out
 
     with torch.inference_mode():

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
-from redwood.engine.generate import autoregressive, make_requests
+from redwood.engine.generate import autoregressive, make_requests, sync
 from redwood.engine.request import RequestState
 from redwood.errors import ConfigError
 from redwood.sampling_params import SamplingParams
@@ -99,11 +99,6 @@ def make_prompts(tokenizer, source: PromptSource, batch_size: int, prefix_len: i
 
 
 # -------------------------------------------------------------------------------------------- measuring
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def sampling_params(batch_size: int, gen_len: int, temperature: float = 0.0, top_p: float = 1.0,
                     seed: int | None = None) -> list[SamplingParams]:
     """Exactly `gen_len` tokens per row, EOS ignored; row b samples with seed + b (when seeded)."""
@@ -140,7 +135,7 @@ def measure(llm, prompts: list[list[int]], params: list[SamplingParams], drafter
     requests = make_requests(prompts, params, llm.config, llm.tokenizer)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     if drafter is None:
         loop = autoregressive(model, requests)
@@ -150,7 +145,7 @@ def measure(llm, prompts: list[list[int]], params: list[SamplingParams], drafter
         loop = speculative(model, drafter, requests, tree, verifier)
     for _ in loop:
         pass
-    _sync(device)
+    sync(device)
     wall = time.perf_counter() - t0
     decode_s = max(r.stats.decode_s for r in requests)
     decoded = sum(len(r.output_ids) - 1 for r in requests)

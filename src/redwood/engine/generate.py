@@ -90,7 +90,8 @@ def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]], observ
     return logits
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (timing on CUDA); a no-op on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

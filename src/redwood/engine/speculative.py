@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
-from redwood.engine.generate import cache_capacity, prefill
+from redwood.engine.generate import cache_capacity, prefill, sync
 from redwood.engine.request import RequestState, SpecStats
 from redwood.engine.sampling import Sampler
 from redwood.errors import ConfigError
@@ -46,10 +46,6 @@ def resolve_verifier(verifier: str, tree: Tree, all_greedy: bool) -> str:
         return "sequoia"
     return verifier
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _verify(kind: str, tree: Tree, tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,
@@ -105,10 +101,10 @@ def speculative(target: Transformer, drafter: Drafter, requests: list[RequestSta
     depth = tree.depths_tensor(device)
     rows = torch.arange(B, device=device).repeat_interleave(n)
     while not all(r.finished for r in requests):
-        _sync(device)
+        sync(device)
         ta = time.perf_counter()
         tokens, q = drafter.propose(cache, prev, last, tree, sampler, rule, need_q)  # [B, n], [B, n, V]
-        _sync(device)
+        sync(device)
         tb = time.perf_counter()
         positions = cache.lengths[:, None] + depth[None]
         logits = target(tokens, positions, cache, new_mask=None if tree.is_chain else mask)  # [B, n, V]

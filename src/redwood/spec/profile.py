@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from redwood.engine.generate import sync
 from redwood.engine.sampling import probabilities
 from redwood.errors import ConfigError
 from redwood.spec.tree_search import LatencyProfile
@@ -57,21 +58,16 @@ def profile_tree(n: int) -> Tree:
     return Tree((-1,) + tuple((i - 1) // 2 for i in range(1, n)))
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int) -> float:
     """Median wall time of fn() in ms over `repeats` runs after `warmup` untimed runs."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
     return float(statistics.median(times))
 
