@@ -11,6 +11,7 @@ import torch
 from redwood.config import SpeculativeConfig
 from redwood.engine.generate import autoregressive, make_requests
 from redwood.engine.request import RequestState
+from redwood.engine.runner import RunnerPool
 from redwood.errors import ConfigError
 from redwood.loading import load_model
 from redwood.sampling_params import SamplingParams
@@ -53,11 +54,13 @@ class LLM:
     None decodes autoregressively. Either way the output is the target model's.
     offload: keep the target's decoder-layer weights in (pinned) host memory and stream them to the
     device, `offload_prefetch` layers at a time (see `redwood.engine.offload`).
+    cuda_graphs: capture decode / draft / verify steps in CUDA graphs, once per step shape, and keep the
+    KV caches across calls (`redwood.engine.runner`); None → on for CUDA without offloading.
     """
 
     def __init__(self, model: str | Path = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", speculative: SpeculativeConfig | None = None,
-                 offload: bool = False, offload_prefetch: int = 2):
+                 offload: bool = False, offload_prefetch: int = 2, cuda_graphs: bool | None = None):
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise ConfigError(f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}")
         if offload:
@@ -70,6 +73,10 @@ class LLM:
         if offload:  # loaded on the host: the layers stay there, the rest moves to the device
             offload_layers(loaded.model, device, prefetch=offload_prefetch)
         self.model = loaded.model
+        on_cuda = self.model.device.type == "cuda"  # (load_model fused its projections there)
+        if cuda_graphs and (not on_cuda or offload):
+            raise ConfigError("cuda_graphs needs device='cuda' and no offloading")
+        self.runners = RunnerPool(use_graphs=on_cuda and not offload if cuda_graphs is None else cuda_graphs)
         self.tokenizer = loaded.tokenizer
         self.config = loaded.config
         self.model_name = loaded.source
@@ -97,11 +104,11 @@ class LLM:
     def _run(self, requests: list[RequestState]):
         """The generation loop for these requests: speculative when configured, else autoregressive."""
         if self.drafter is None:
-            return autoregressive(self.model, requests)
+            return autoregressive(self.model, requests, self.runners)
         from redwood.engine.speculative import speculative
 
         spec = self.speculative
-        return speculative(self.model, self.drafter, requests, self.tree, spec.verifier)
+        return speculative(self.model, self.drafter, requests, self.tree, spec.verifier, self.runners)
 
     # ------------------------------------------------------------------ prompts
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:

@@ -122,3 +122,26 @@ def test_bad_inputs(tiny_llm):
         tiny_llm.generate([])
     with pytest.raises(ContextLengthError, match="empty"):
         tiny_llm.generate([[]])
+
+
+@torch.inference_mode()
+def test_chunked_prefill_equals_one_forward(tiny_llm, monkeypatch):
+    """Ragged prompts prefilled in 256-token chunks give the same last-token logits and cache as one
+    forward (rows end in different chunks; padding never leaks into a row)."""
+    import redwood.engine.generate as gen
+
+    model = tiny_llm.model
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (700, 255, 513)]
+    whole = model.new_cache(3, 800)
+    monkeypatch.setattr(gen, "PREFILL_SCORE_BUDGET", 1 << 40)
+    expected = gen.prefill(model, whole, prompts)
+    monkeypatch.setattr(gen, "PREFILL_SCORE_BUDGET", 1)  # → the minimum chunk, 256 tokens
+    assert gen.prefill_chunk(3, model.config.num_heads, 700) == 256
+    chunked = model.new_cache(3, 800)
+    logits = gen.prefill(model, chunked, prompts)
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    assert chunked.lengths.tolist() == [700, 255, 513]
+    for b, n in enumerate((700, 255, 513)):
+        torch.testing.assert_close(chunked.k[:, b, :, :n], whole.k[:, b, :, :n], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(chunked.v[:, b, :, :n], whole.v[:, b, :, :n], rtol=1e-4, atol=1e-5)

@@ -92,3 +92,23 @@ def test_hf_compat_round_trip():
     ids = torch.randint(0, model.config.vocab_size, (1, 30))
     with torch.no_grad():
         assert torch.allclose(to_hf_model(model)(ids).logits, hf(ids).logits, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_fused_projections_give_the_same_logits_and_state(tiny_llm):
+    """Fusing q/k/v and gate/up into one weight each changes neither the logits nor the state dict
+    (the per-projection parameters become views of the fused weight: no copy)."""
+    import copy
+
+    model = copy.deepcopy(tiny_llm.model)
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    pos = torch.arange(4)[None].expand(2, -1)
+    before = model(ids, pos, model.new_cache(2, 8))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.fuse_projections()
+    after = model(ids, pos, model.new_cache(2, 8))
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    fused = model.state_dict()
+    assert fused.keys() == state.keys() and all(torch.equal(fused[k], state[k]) for k in state)
+    attn = model.layers[0].self_attn
+    assert attn.q_proj.weight.data_ptr() == attn.qkv[0].data_ptr()

@@ -31,21 +31,29 @@ class AttentionMetadata:
     """What every layer's attention needs for one forward; built once per forward.
 
     lengths: [B] committed tokens per row. pending: P. num_new: T.
-    kv_len: cache slots a full read covers (max over rows of L + P + T).
+    kv_len: cache slots a full read covers (max over rows of L + P + T); None → computed on first use
+    (a host sync — the Triton path never needs it, so CUDA-graph captured steps never compute it).
     q_positions: [B, T] rotary positions of the new tokens (sliding windows compare against them).
     view: None → the full context; else a ContextView selecting part of it.
     """
 
     lengths: torch.Tensor
     num_new: int
-    kv_len: int
+    kv_len: int | None = None
     pending: int = 0
     new_mask: torch.Tensor | None = None
     q_positions: torch.Tensor | None = None
     sliding_window: int | None = None
     view: ContextView | None = None
     observer: Observer | None = None
+    backend: str = "reference"  # "reference" (SDPA over a dense mask) or "triton" (attention.triton_decode)
     _full_mask: torch.Tensor | None = None
+
+    def read_len(self) -> int:
+        """kv_len, computed from the lengths when not given."""
+        if self.kv_len is None:
+            self.kv_len = int(self.lengths.max()) + self.pending + self.num_new
+        return self.kv_len
 
     def new_token_mask(self) -> torch.Tensor:
         """[B, T, P + T] bool: which pending/new tokens each new token sees."""
@@ -63,7 +71,7 @@ class AttentionMetadata:
         if self._full_mask is None:
             dev = self.lengths.device
             T, W = self.num_new, self.pending + self.num_new
-            slot = torch.arange(self.kv_len, device=dev)
+            slot = torch.arange(self.read_len(), device=dev)
             rel = slot[None, :] - self.lengths[:, None]  # [B, S] index among pending+new (<0: context)
             gather_idx = rel.clamp(0, W - 1)[:, None, :].expand(-1, T, -1)
             recent_ok = torch.gather(self.new_token_mask(), 2, gather_idx) & (rel < W)[:, None, :]
@@ -86,7 +94,8 @@ def read_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int, meta: Atte
     broadcastable to [B, Hkv or 1, T, S].
     """
     if meta.view is None:
-        return k_cache[:, :, : meta.kv_len], v_cache[:, :, : meta.kv_len], meta.full_mask()
+        S = meta.read_len()
+        return k_cache[:, :, :S], v_cache[:, :, :S], meta.full_mask()
     ctx_idx, ctx_valid = meta.view(layer)  # [B, H', C]
     B, Hkv, _, D = k_cache.shape
     W = meta.pending + meta.num_new

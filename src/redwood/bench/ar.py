@@ -50,6 +50,42 @@ def hf_decode_rate(hf, prompts: list[list[int]], gen_len: int) -> dict:
             "token_ids": out[:, ids.shape[1]:].tolist()}
 
 
+def weight_bytes(model) -> int:
+    """Bytes one decode step must read: every parameter, except an untied embedding matrix, of which
+    the lookup reads one row per token (tied, it is the output projection and is read whole)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not None:
+        emb = model.embed_tokens.weight
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Measured device-to-device copy bandwidth in bytes/s (bytes read + written), median of `repeats`."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 2):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    return nbytes / sorted(times[2:])[len(times[2:]) // 2]
+
+
+def decode_floor(model, batch_size: int, prompt_len: int, gen_len: int, bandwidth: float) -> dict:
+    """The memory floor of decoding: weights plus the batch's KV read once per step, over bandwidth."""
+    cfg = model.config
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * model.embed_tokens.weight.element_size()
+    mean_context = prompt_len + gen_len / 2
+    step_bytes = weight_bytes(model) + batch_size * mean_context * kv_per_token
+    step_s = step_bytes / bandwidth
+    return {"bandwidth_bytes_per_s": bandwidth, "weight_bytes": weight_bytes(model), "step_bytes": step_bytes,
+            "floor_step_ms": step_s * 1e3, "floor_tokens_per_s": batch_size / step_s}
+
+
 def run_ar_bench(llm, batch_size: int, prompt_len: int, gen_len: int, compare_hf: bool = False,
                  dataset: str | None = None, seed: int = 0, repeats: int = 1) -> dict:
     if gen_len < 2:
@@ -68,6 +104,11 @@ def run_ar_bench(llm, batch_size: int, prompt_len: int, gen_len: int, compare_hf
         if best is None or run["decode_tokens_per_s"] > best["decode_tokens_per_s"]:
             best = run
     result = {"batch_size": batch_size, "prompt_len": prompt_len, "gen_len": gen_len, "redwood": best}
+    device = llm.model.device
+    if device.type == "cuda":
+        floor = decode_floor(llm.model, batch_size, prompt_len, gen_len, copy_bandwidth(device))
+        floor["fraction_of_floor"] = best["decode_tokens_per_s"] / floor["floor_tokens_per_s"]
+        result["floor"] = floor
     if compare_hf:
         from redwood.models.hf_compat import to_hf_model
 
@@ -86,6 +127,11 @@ def format_result(r: dict) -> str:
     for name in ("redwood", "hf"):
         if name in r:
             lines.append(f"{name:<14}{r[name]['prefill_s']:>12.3f}{r[name]['decode_tokens_per_s']:>15.2f}")
+    if "floor" in r:
+        f = r["floor"]
+        lines.append(f"memory floor ({f['step_bytes'] / 1e9:.2f} GB per step at "
+                     f"{f['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s measured): {f['floor_tokens_per_s']:.0f} tok/s; "
+                     f"redwood reaches {100 * f['fraction_of_floor']:.0f}%")
     if "speedup_vs_hf" in r:
         lines.append(f"redwood / HF decode tokens/s: {r['speedup_vs_hf']:.2f}x"
                      f"  (same tokens: {'yes' if r['hf_same_tokens'] else 'NO'})")

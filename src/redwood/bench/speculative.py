@@ -138,11 +138,11 @@ def measure(llm, prompts: list[list[int]], params: list[SamplingParams], drafter
     sync(device)
     t0 = time.perf_counter()
     if drafter is None:
-        loop = autoregressive(model, requests)
+        loop = autoregressive(model, requests, llm.runners)
     else:
         from redwood.engine.speculative import speculative
 
-        loop = speculative(model, drafter, requests, tree, verifier)
+        loop = speculative(model, drafter, requests, tree, verifier, llm.runners)
     for _ in loop:
         pass
     sync(device)

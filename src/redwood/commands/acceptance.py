@@ -117,11 +117,12 @@ def _run(args: argparse.Namespace) -> int:
                                                  drf.config.max_position_embeddings)
         target_name, draft_name = tgt.source, drf.source
     else:
+        from redwood.commands.generate import graphs_kwargs
         from redwood.config import SpeculativeConfig
         from redwood.llm import LLM
 
         spec = SpeculativeConfig(draft_model=args.draft_model, tree=star_tree_spec(args.width), verifier=verifier)
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative=spec)
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative=spec, **graphs_kwargs(args))
         tokenizer, max_pos = llm.tokenizer, llm.config.max_position_embeddings
         target_name, draft_name = llm.model_name, args.draft_model
     if tokenizer is None:

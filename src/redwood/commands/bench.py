@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from redwood.commands.generate import add_draft_kv_args, add_model_args
+from redwood.commands.generate import (add_draft_kv_args, add_model_args, add_offload_args, graphs_kwargs,
+                                      offload_kwargs)
 
 _SPEC_HELP = {
     "baseline": ("autoregressive tokens/s on long-text prompts (the speculative benches' baseline)",
@@ -35,6 +36,7 @@ def _add_spec_bench(bench, kind: str) -> None:
     p.add_argument("--prefix-len", type=int, nargs="+", default=[1024], metavar="L",
                    help="prompt tokens per row; several values sweep (default 1024)")
     p.add_argument("--gen-len", type=int, default=64, metavar="N", help="tokens generated per row (default 64)")
+    add_offload_args(p)
     if kind != "baseline":
         add_draft_kv_args(p, sweep=True)
         p.add_argument("--tree", nargs="+", default=None, metavar="T",
@@ -101,7 +103,7 @@ def run_ar(args) -> int:
 
     for name in ("batch_size", "prompt_len", "gen_len", "repeats"):
         _positive(name.replace("_", "-"), getattr(args, name))
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, **graphs_kwargs(args))
     result = run_ar_bench(llm, args.batch_size, args.prompt_len, args.gen_len, compare_hf=args.compare_hf,
                           dataset=args.dataset, seed=args.seed, repeats=args.repeats)
     result.update(model=llm.model_name, dtype=args.dtype, device=args.device)
@@ -117,6 +119,7 @@ def run_ar(args) -> int:
                          "tokens_per_s": result["hf"]["decode_tokens_per_s"], **result["hf"]}]
                        if "hf" in result else []),
             "aggregate": {k: result[k] for k in ("speedup_vs_hf", "hf_same_tokens") if k in result},
+            **({"floor": result["floor"]} if "floor" in result else {}),
         })
     print(json.dumps(result, indent=2) if args.json else format_result(result))
     return 0
@@ -166,7 +169,8 @@ def run_spec_bench(args) -> int:
         configs = [make_speculative_config(args, draft_model=getattr(args, "draft_model", None),
                                            self_speculate=kind == "selfspec", gamma=g) for g in gammas or [4]]
         spec = configs[0]  # the draft shape varies per run; everything else is shared
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative=spec)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative=spec, **graphs_kwargs(args),
+              **offload_kwargs(args))
     progress = None if args.json else (lambda msg: print(f"... {msg}", file=sys.stderr, flush=True))
     result = run_bench(llm, kind, args.batch_size, args.prefix_len, args.gen_len, source, gammas, trees=trees,
                        temperature=args.temperature, top_p=args.top_p, seed=args.seed,

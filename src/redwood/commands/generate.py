@@ -19,6 +19,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help=f"zoo name, Hugging Face folder or .gguf file (default: {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="on CUDA, launch every step's kernels eagerly instead of replaying captured CUDA graphs")
+
+
+def graphs_kwargs(args) -> dict:
+    """LLM(...) keyword for --no-cuda-graphs (default: graphs wherever they apply)."""
+    return {} if getattr(args, "cuda_graphs", True) else {"cuda_graphs": False}
 
 
 def add_offload_args(p: argparse.ArgumentParser) -> None:
@@ -253,7 +260,7 @@ def run(args) -> int:
     spec = speculative_config_from_args(args)
     offload = offload_kwargs(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative=spec, **offload)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative=spec, **offload, **graphs_kwargs(args))
     if args.json:
         out = llm.generate([prompt], params, chat=args.chat)[0]
         obj = {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,

@@ -13,6 +13,7 @@ import torch
 
 from redwood.config import ModelConfig
 from redwood.engine.request import RequestState
+from redwood.engine.runner import RunnerPool
 from redwood.engine.sampling import Sampler
 from redwood.errors import ContextLengthError
 from redwood.kv.cache import KVCache
@@ -71,22 +72,47 @@ def cache_capacity(requests: list[RequestState], extra: int = 0) -> int:
     return max(len(r.prompt_ids) + r.max_new_tokens for r in requests) + extra
 
 
+# Prefill attends in chunks of new tokens so that the attention's [B, Hq, chunk, context] work stays
+# bounded (about this many score elements) however long and wide the batch is.
+PREFILL_SCORE_BUDGET = 1 << 28
+MIN_PREFILL_CHUNK = 256
+
+
+def prefill_chunk(batch: int, heads: int, total: int) -> int:
+    """Tokens per prefill forward for `batch` rows of `total` tokens (a multiple of 256, or all)."""
+    chunk = PREFILL_SCORE_BUDGET // max(1, batch * heads * total)
+    chunk = max(MIN_PREFILL_CHUNK, chunk // MIN_PREFILL_CHUNK * MIN_PREFILL_CHUNK)
+    return min(chunk, total)
+
+
 def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]], observer=None) -> torch.Tensor:
     """Run all prompts (right-padded to the longest) into an empty cache; commit them.
 
-    observer: passed to the forward (a SnapKV policy scores the prompt's attention with it).
+    Long prompts go through in chunks (`prefill_chunk`), each attending to the chunks before it.
+    observer: passed to the forward (a SnapKV policy scores the prompt's attention with it — it needs
+    the whole prompt in one forward, so observed prefills are not chunked).
     Returns the logits of each row's last prompt token: [B, V] float32. Padding slots lie past each
     row's length, so they are never read and get overwritten by the row's next tokens.
     """
     device = model.device
+    B = len(prompts)
     lens = torch.tensor([len(p) for p in prompts], device=device)
-    T = int(lens.max())
-    ids = torch.zeros(len(prompts), T, dtype=torch.long, device=device)
+    T = max(len(p) for p in prompts)
+    ids = torch.zeros(B, T, dtype=torch.long, device=device)
     for b, p in enumerate(prompts):
         ids[b, : len(p)] = torch.tensor(p, device=device)
-    positions = torch.arange(T, device=device)[None].expand(len(prompts), -1)
-    logits = model(ids, positions, cache, logits_at=(lens - 1)[:, None], observer=observer)[:, 0]
-    cache.commit(lens)
+    chunk = T if observer is not None else prefill_chunk(B, model.config.num_heads, T)
+    last = lens - 1  # [B] index of each row's last prompt token
+    logits = None
+    for start in range(0, T, chunk):
+        stop = min(start + chunk, T)
+        positions = torch.arange(start, stop, device=device)[None].expand(B, -1)
+        at = (last - start).clamp(0, stop - start - 1)
+        out = model(ids[:, start:stop], positions, cache, logits_at=at[:, None], observer=observer)[:, 0]
+        here = ((last >= start) & (last < stop))[:, None]
+        logits = out if logits is None else torch.where(here, out, logits)
+        cache.commit(stop - start)
+    cache.lengths.copy_(lens)
     return logits
 
 
@@ -97,11 +123,17 @@ def sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def autoregressive(model: Transformer, requests: list[RequestState]) -> Iterator[list[int]]:
-    """Generate for all requests; after each step yields the rows that received a token."""
+def autoregressive(model: Transformer, requests: list[RequestState],
+                   pool: RunnerPool | None = None) -> Iterator[list[int]]:
+    """Generate for all requests; after each step yields the rows that received a token.
+
+    pool: where the KV cache (and, on CUDA, the captured decode graph) comes from; None → a fresh
+    cache, eager forwards.
+    """
     device = model.device
     sampler = Sampler([r.params for r in requests], device)
-    cache = model.new_cache(len(requests), cache_capacity(requests))
+    runner = (pool or RunnerPool(use_graphs=False)).get("target", model, len(requests), cache_capacity(requests))
+    cache = runner.cache
     t0 = time.perf_counter()
     logits = prefill(model, cache, [r.prompt_ids for r in requests])
     tokens = sampler.sample(logits)
@@ -123,7 +155,7 @@ def autoregressive(model: Transformer, requests: list[RequestState]) -> Iterator
             return
         # Finished rows keep feeding their last token at a frozen position; nothing of theirs is committed.
         positions = cache.lengths[:, None]
-        logits = model(tokens[:, None], positions, cache)[:, 0]
+        logits = runner.forward(tokens[:, None], positions)[:, 0]
         cache.commit(active)
         tokens = sampler.sample(logits)
         token_list = tokens.tolist()

@@ -16,15 +16,21 @@ from redwood.sampling_params import SamplingParams
 
 
 def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor) -> torch.Tensor:
+                  top_p: torch.Tensor, any_filter: bool | None = None, any_greedy: bool | None = None) -> torch.Tensor:
     """logits: [N, V]; temperature, top_k, top_p: [N] → probs [N, V] float32.
 
     Greedy rows (temperature 0) get a one-hot on the argmax (first index on ties, like torch.argmax).
+    any_filter / any_greedy: whether some row uses top-k/top-p / is greedy, when the caller knows it
+    (saves a host sync on the GPU); None → read from the tensors.
     """
     logits = logits.float()
     greedy = temperature == 0
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
-    if bool(((top_k > 0) | (top_p < 1)).any()):
+    if any_filter is None:
+        any_filter = bool(((top_k > 0) | (top_p < 1)).any())
+    if any_greedy is None:
+        any_greedy = bool(greedy.any())
+    if any_filter:
         V = logits.shape[-1]
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         rank = torch.arange(V, device=logits.device)[None]
@@ -33,10 +39,12 @@ def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         sorted_probs = sorted_logits.softmax(-1)
         # Keep a token while the mass of the more likely tokens is still below top_p (the first always).
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+        # (top_p = 1 filters nothing, even where rounding lets the cumulative mass reach 1 early)
+        drop = (mass_before >= top_p[:, None]) & (top_p < 1)[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
     probs = scaled.softmax(-1)
-    if bool(greedy.any()):
+    if any_greedy:
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
     return probs
@@ -52,6 +60,8 @@ class Sampler:
         self.top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
         self.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
         self.all_greedy = all(p.greedy for p in params)
+        self.any_greedy = any(p.greedy for p in params)
+        self.any_filter = any(p.top_k > 0 or p.top_p < 1 for p in params)
         self.generators: list[torch.Generator] = []
         for p in params:
             g = torch.Generator(device=device)
@@ -60,9 +70,10 @@ class Sampler:
 
     def probs(self, logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """logits: [N, V] for batch rows `rows` ([N] indices; None → all rows in order)."""
+        flags = dict(any_filter=self.any_filter, any_greedy=self.any_greedy)  # over all rows: a superset
         if rows is None:
-            return probabilities(logits, self.temperature, self.top_k, self.top_p)
-        return probabilities(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows])
+            return probabilities(logits, self.temperature, self.top_k, self.top_p, **flags)
+        return probabilities(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], **flags)
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [B, V] → next tokens [B] (argmax for greedy rows, a draw from `probs` otherwise)."""

@@ -22,6 +22,7 @@ import torch
 
 from redwood.engine.generate import cache_capacity, prefill, sync
 from redwood.engine.request import RequestState, SpecStats
+from redwood.engine.runner import RunnerPool
 from redwood.engine.sampling import Sampler
 from redwood.errors import ConfigError
 from redwood.models.transformer import Transformer
@@ -72,8 +73,13 @@ def _verify(kind: str, tree: Tree, tokens: torch.Tensor, p: torch.Tensor, q: tor
 
 @torch.inference_mode()
 def speculative(target: Transformer, drafter: Drafter, requests: list[RequestState], tree: Tree,
-                verifier: str = "auto") -> Iterator[list[int]]:
-    """Generate for all requests with speculation; after each step yields the rows that got tokens."""
+                verifier: str = "auto", pool: RunnerPool | None = None) -> Iterator[list[int]]:
+    """Generate for all requests with speculation; after each step yields the rows that got tokens.
+
+    pool: where the caches (and, on CUDA, the captured step graphs) come from; None → fresh caches,
+    eager forwards.
+    """
+    pool = pool or RunnerPool(use_graphs=False)
     device = target.device
     B = len(requests)
     sampler = Sampler([r.params for r in requests], device)
@@ -84,8 +90,9 @@ def speculative(target: Transformer, drafter: Drafter, requests: list[RequestSta
     capacity = cache_capacity(requests, extra=n)
     prompts = [r.prompt_ids for r in requests]
     t0 = time.perf_counter()
-    drafter.prefill(prompts, capacity)
-    cache = target.new_cache(B, capacity)
+    drafter.prefill(prompts, capacity, pool)
+    runner = pool.get("target", target, B, capacity)
+    cache = runner.cache
     logits = prefill(target, cache, prompts, observer=drafter.target_prefill_observer())
     last = sampler.sample(logits)
     prev = torch.tensor([p[-1] for p in prompts], device=device)
@@ -103,11 +110,12 @@ def speculative(target: Transformer, drafter: Drafter, requests: list[RequestSta
     while not all(r.finished for r in requests):
         sync(device)
         ta = time.perf_counter()
-        tokens, q = drafter.propose(cache, prev, last, tree, sampler, rule, need_q)  # [B, n], [B, n, V]
+        tokens, q = drafter.propose(runner, prev, last, tree, sampler, rule, need_q)  # [B, n], [B, n, V]
         sync(device)
         tb = time.perf_counter()
         positions = cache.lengths[:, None] + depth[None]
-        logits = target(tokens, positions, cache, new_mask=None if tree.is_chain else mask)  # [B, n, V]
+        logits = runner.forward(tokens, positions, new_mask=None if tree.is_chain else mask,
+                                mask_key=("verify", tree))  # [B, n, V]
         p = sampler.probs(logits.reshape(B * n, -1), rows).view(B, n, -1)
         path, accepted, nxt = _verify(kind, tree, tokens, p, q, sampler)
         path_tokens = tokens.gather(1, path)  # [B, A]

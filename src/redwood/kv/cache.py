@@ -31,6 +31,8 @@ class KVCache:
     def slots(self, num_new: int, offset: int = 0) -> torch.Tensor:
         """[B, T] cache slots for T new tokens placed after `offset` pending (uncommitted) ones."""
         idx = self.lengths[:, None] + offset + torch.arange(num_new, device=self.lengths.device)
+        if idx.is_cuda and torch.cuda.is_current_stream_capturing():
+            return idx  # no host sync inside a CUDA graph; the engine sized the cache for every step
         if int(idx.max()) >= self.capacity:
             raise ContextLengthError(
                 f"KV cache full: {int(idx.max()) + 1} tokens needed, capacity {self.capacity}"

@@ -34,6 +34,9 @@ class DraftKVPolicy:
     """Base: the full context."""
 
     name = "full"
+    # Bumped whenever the policy reallocates the buffers its views read: a captured draft step is keyed
+    # by it, so a graph never reads a stale buffer.
+    version = 0
 
     def start(self, prompt_lengths: torch.Tensor, num_layers: int) -> None:
         """Called once per generation before the prefill that the policy observes."""
@@ -100,12 +103,23 @@ class SnapKVPolicy(DraftKVPolicy):
         self.selected_valid: list[torch.Tensor | None] = []  # per layer: [B, Hkv, K]
         self.obs_start: torch.Tensor | None = None  # [B] first slot of each row's observation window
         self.prompt_lengths: torch.Tensor | None = None  # [B]
+        self._observed: list[bool] = []
 
     def start(self, prompt_lengths: torch.Tensor, num_layers: int) -> None:
-        self.prompt_lengths = prompt_lengths
-        self.obs_start = (prompt_lengths - self.window).clamp(min=0)
-        self.selected = [None] * num_layers
-        self.selected_valid = [None] * num_layers
+        # The selection lives in buffers that are reused (filled in place) while the batch shape stays
+        # the same, so a draft step captured in a CUDA graph reads the current generation's selection.
+        B = prompt_lengths.shape[0]
+        if self.prompt_lengths is None or self.prompt_lengths.shape != prompt_lengths.shape \
+                or self.prompt_lengths.device != prompt_lengths.device or len(self.selected) != num_layers:
+            self.version += 1
+            self.prompt_lengths = torch.zeros_like(prompt_lengths)
+            self.obs_start = torch.zeros_like(prompt_lengths)
+            self.selected = [None] * num_layers
+            self.selected_valid = [None] * num_layers
+        self.prompt_lengths.copy_(prompt_lengths)
+        self.obs_start.copy_((prompt_lengths - self.window).clamp(min=0))
+        self._observed = [False] * num_layers
+        self._batch = B
 
     def prefill_observer(self) -> Observer:
         return self.observe
@@ -150,20 +164,28 @@ class SnapKVPolicy(DraftKVPolicy):
 
     def observe(self, layer: int, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> None:
         votes = self.scores(q, k)  # [B, Hkv, S]
-        K = max(self.budget - self.window, 0)
-        K = min(K, votes.shape[-1])
-        top = votes.topk(K, dim=-1)
-        self.selected[layer] = top.indices
-        self.selected_valid[layer] = top.values > float("-inf")
+        K = self.budget - self.window  # always K entries (invalid past the prefix), a static view width
+        top = votes.topk(min(K, votes.shape[-1]), dim=-1)
+        idx = torch.zeros(*votes.shape[:2], K, dtype=torch.long, device=votes.device)
+        valid = torch.zeros(*votes.shape[:2], K, dtype=torch.bool, device=votes.device)
+        idx[..., : top.indices.shape[-1]] = top.indices
+        valid[..., : top.indices.shape[-1]] = top.values > float("-inf")
+        if self.selected[layer] is None or self.selected[layer].shape != idx.shape:
+            self.version += 1
+            self.selected[layer], self.selected_valid[layer] = idx, valid
+        else:
+            self.selected[layer].copy_(idx)
+            self.selected_valid[layer].copy_(valid)
+        self._observed[layer] = True
 
     def view(self, lengths: torch.Tensor) -> ContextView:
-        assert self.obs_start is not None and all(s is not None for s in self.selected), "snapkv: no prefill seen"
+        assert self.obs_start is not None and all(self._observed), "snapkv: no prefill seen"
         dev = lengths.device
         sel = torch.stack(self.selected)  # [L, B, Hkv, K]
         sel_valid = torch.stack(self.selected_valid)
         n_sel = sel_valid.sum(-1)  # [L, B, Hkv]
         recent_n = self.budget - n_sel  # [L, B, Hkv] slots left for the recent part
-        R = int(recent_n.max())
+        R = self.budget  # ≥ every recent_n: a static width (no host sync); extra entries are invalid
         recent = lengths[:, None] - R + torch.arange(R, device=dev)  # [B, R]
         lo = torch.maximum(lengths[None, :, None] - recent_n, self.obs_start[None, :, None])  # [L, B, Hkv]
         recent_valid = recent[None, :, None, :] >= lo[..., None]

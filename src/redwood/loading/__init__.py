@@ -87,4 +87,6 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "float32", device: 
         net = build_model(config, g.tensors, torch_dtype, dev, rope_freqs=g.rope_freqs)
         del g
         tokenizer = load_gguf_tokenizer(path)
+    if net.device.type == "cuda":
+        net.fuse_projections()  # one q/k/v and one gate/up matmul per layer: what a GPU step wants
     return LoadedModel(model=net, tokenizer=tokenizer, config=config, source=str(model), path=path)

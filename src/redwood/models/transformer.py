@@ -18,8 +18,14 @@ from torch import nn
 from redwood.attention import reference
 from redwood.attention.reference import AttentionMetadata, ContextView, Observer
 from redwood.config import ModelConfig
+from redwood.kernels import fused as fused_kernels
 from redwood.kv.cache import KVCache
 from redwood.models.rope import RotaryEmbedding, apply_rotary
+
+
+# Forwards with more new tokens than this (prefill) attend through the reference path; the Triton kernel
+# packs all new tokens of a row into one pass over the KV, which pays for decode, verify and tree steps.
+FAST_ATTENTION_MAX_NEW = 256
 
 
 class RMSNorm(nn.Module):
@@ -45,21 +51,56 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=config.o_bias)
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse
+        self.kernels = False  # fused Triton kernels for rope + cache write (CUDA), set by fuse
+
+    def fuse(self) -> None:
+        """One [Hq*D + 2*Hkv*D, H] weight for q, k and v (one matmul instead of three); q_proj, k_proj
+        and v_proj become views into it, so no memory is duplicated and the state dict is unchanged."""
+        self.qkv = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        self.kernels = fused_kernels.available(self.qkv[0].device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 slots: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         B, T, _ = x.shape
         # q: [B, Hq, T, D]; k, v: [B, Hkv, T, D]
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        cache.write(self.layer, slots, k, v)
-        k_all, v_all, mask = reference.read_kv(cache.k[self.layer], cache.v[self.layer], self.layer, meta)
-        if meta.observer is not None:
-            meta.observer(self.layer, q, k_all, mask)
-        out = reference.attention(q, k_all, v_all, mask)  # [B, Hq, T, D]
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+        if self.qkv is not None:
+            qkv = F.linear(x, *self.qkv)
+            nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = qkv[..., :nq], qkv[..., nq:nq + nk], qkv[..., nq + nk:]
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.kernels:  # one kernel: rotate q and k, write k and v into the cache → q [B, Hq, T, D]
+            shape = (B, T, -1, self.head_dim)
+            q = fused_kernels.rope_and_write(q.view(shape), k.view(shape), v.view(shape), cos, sin,
+                                             cache.k[self.layer], cache.v[self.layer], slots)
+        else:
+            q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+            k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            cache.write(self.layer, slots, k, v)
+        if meta.backend == "triton":
+            out = self._fast_attention(q, cache, meta)  # [B, T, Hq, D]
+        else:
+            k_all, v_all, mask = reference.read_kv(cache.k[self.layer], cache.v[self.layer], self.layer, meta)
+            if meta.observer is not None:
+                meta.observer(self.layer, q, k_all, mask)
+            out = reference.attention(q, k_all, v_all, mask).transpose(1, 2)  # [B, T, Hq, D]
+        return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+
+    def _fast_attention(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        from redwood.attention.triton_decode import decode_attention
+
+        ctx_idx = ctx_valid = None
+        if meta.view is not None:
+            ctx_idx, ctx_valid = meta.view(self.layer)
+        window = meta.sliding_window
+        return decode_attention(
+            q, cache.k[self.layer], cache.v[self.layer], meta.lengths, pending=meta.pending,
+            new_mask=meta.new_mask, ctx_idx=ctx_idx, ctx_valid=ctx_valid,
+            q_positions=meta.q_positions if window is not None else None, sliding_window=window,
+        )
 
 
 class MLP(nn.Module):
@@ -69,9 +110,40 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, f, bias=config.mlp_bias)
         self.up_proj = nn.Linear(h, f, bias=config.mlp_bias)
         self.down_proj = nn.Linear(f, h, bias=config.mlp_bias)
+        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse
+        self.kernels = False
+
+    def fuse(self) -> None:
+        """gate_proj and up_proj as views of one [2F, H] weight: one matmul."""
+        self.gate_up = _fuse_linears(self.gate_proj, self.up_proj)
+        self.kernels = fused_kernels.available(self.gate_up[0].device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate_up = F.linear(x, *self.gate_up)  # [.., 2F]
+            if self.kernels:
+                return self.down_proj(fused_kernels.silu_mul(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the linears' weights (and biases) along the output dim; re-point each linear's
+    parameters at its slice of the result. Returns (weight, bias or None)."""
+    weight = torch.cat([m.weight for m in linears])
+    has_bias = [m.bias is not None for m in linears]
+    if any(has_bias) and not all(has_bias):
+        raise ValueError("cannot fuse linears with and without bias")
+    bias = torch.cat([m.bias for m in linears]) if all(has_bias) else None
+    start = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[start:start + n], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[start:start + n], requires_grad=False)
+        start += n
+    return weight, bias
 
 
 class DecoderLayer(nn.Module):
@@ -86,6 +158,19 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(self, h, residual, cos, sin, cache, slots, meta):
+        """The same layer with each residual add fused into the next RMSNorm (one Triton kernel):
+        the stream is carried as (h, residual) whose sum is `x` above. residual None: the first layer."""
+        if residual is None:
+            residual, normed = h, fused_kernels.rms_norm(h, self.input_layernorm.weight, self.input_layernorm.eps)
+        else:
+            normed, residual = fused_kernels.add_rms_norm(h, residual, self.input_layernorm.weight,
+                                                          self.input_layernorm.eps)
+        h = self.self_attn(normed, cos, sin, cache, slots, meta)
+        norm = self.post_attention_layernorm
+        normed, residual = fused_kernels.add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp(normed), residual
+
 
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, rope_freqs: torch.Tensor | None = None):
@@ -96,6 +181,15 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config, rope_freqs)
+        # "auto": the Triton kernel for decode/verify/tree steps on CUDA (reference SDPA for prefill, for
+        # observed forwards and on the CPU); "reference": SDPA everywhere (tests, A/B benchmarks).
+        self.attention_backend = "auto"
+
+    def fuse_projections(self) -> None:
+        """Fuse q/k/v and gate/up weights per layer (fewer, larger matmuls: what a GPU step wants)."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -107,6 +201,20 @@ class Transformer(nn.Module):
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         return KVCache(self.config, batch_size, capacity, self.dtype, self.device)
+
+    def _backend(self, input_ids: torch.Tensor, T: int, observer) -> str:
+        if self.attention_backend == "reference" or observer is not None or T > FAST_ATTENTION_MAX_NEW:
+            return "reference"
+        if input_ids.device.type == "cuda":
+            from redwood.attention import triton_decode
+
+            if triton_decode.available(input_ids.device, self.dtype, self.config.head_dim):
+                return "triton"
+        if self.attention_backend == "triton":
+            from redwood.errors import ConfigError
+
+            raise ConfigError("the Triton attention kernel needs a CUDA device and an importable triton")
+        return "reference"
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -128,17 +236,34 @@ class Transformer(nn.Module):
         """
         B, T = input_ids.shape
         slots = cache.slots(T, offset=pending)
+        capturing = cache.k.is_cuda and torch.cuda.is_current_stream_capturing()
         meta = AttentionMetadata(
-            lengths=cache.lengths, num_new=T, kv_len=int(slots.max()) + 1, pending=pending, new_mask=new_mask,
+            # inside a CUDA graph the reference path reads every slot (masked) rather than sync for the max
+            lengths=cache.lengths, num_new=T, kv_len=cache.capacity if capturing else None,
+            pending=pending, new_mask=new_mask,
             q_positions=positions, sliding_window=self.config.sliding_window, view=view, observer=observer,
+            backend=self._backend(input_ids, T, observer),
         )
         x = self.embed_tokens(input_ids)  # [B, T, H]
         cos, sin = self.rotary(positions, x.dtype)
+        if self.layers[0].self_attn.kernels and self.layers[0].mlp.kernels:
+            return self._forward_fused(x, cos, sin, cache, slots, meta, logits_at)
         for layer in self.layers:
             x = layer(x, cos, sin, cache, slots, meta)
         if logits_at is not None:
             x = torch.gather(x, 1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
         return self.logits(x).float()
+
+    def _forward_fused(self, h, cos, sin, cache, slots, meta, logits_at):
+        residual = None
+        for layer in self.layers:
+            h, residual = layer.forward_fused(h, residual, cos, sin, cache, slots, meta)
+        if logits_at is not None:
+            idx = logits_at[..., None].expand(-1, -1, h.shape[-1])
+            h, residual = torch.gather(h, 1, idx), torch.gather(residual, 1, idx)
+        normed, _ = fused_kernels.add_rms_norm(h, residual, self.norm.weight, self.norm.eps)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(normed, weight).float()
 
 
 def hf_state_dict_to_redwood(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

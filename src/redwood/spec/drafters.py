@@ -29,7 +29,8 @@ import torch
 from redwood.engine.sampling import Sampler
 from redwood.errors import ConfigError
 from redwood.kv.cache import KVCache
-from redwood.kv.policies import DraftKVPolicy
+from redwood.engine.runner import RunnerPool, StepRunner
+from redwood.kv.policies import DraftKVPolicy, FullPolicy
 from redwood.models.transformer import Transformer
 from redwood.spec.tree_verify import draw_children
 from redwood.spec.trees import Tree
@@ -70,12 +71,14 @@ class Drafter:
         """Observer to pass to the target's prefill (self-speculation with SnapKV), else None."""
         return None
 
-    def prefill(self, prompts: list[list[int]], capacity: int) -> None:
-        """Prepare for a new batch; called just before the target's prefill."""
+    def prefill(self, prompts: list[list[int]], capacity: int, pool: RunnerPool) -> None:
+        """Prepare for a new batch (a drafter with its own cache takes it from `pool`); called just
+        before the target's prefill."""
 
-    def propose(self, target_cache: KVCache, prev: torch.Tensor, last: torch.Tensor, tree: Tree,
+    def propose(self, target: StepRunner, prev: torch.Tensor, last: torch.Tensor, tree: Tree,
                 sampler: Sampler, rule: str, need_q: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft a tree after `last` [B] (`prev` [B]: the newest committed token).
+        """Draft a tree after `last` [B] (`prev` [B]: the newest committed token); `target` runs the
+        target over its cache.
 
         Returns node tokens [B, n] (column 0 = last) and, when `need_q`, the draft distribution at every
         node [B, n, V_target] (zeros at leaves).
@@ -86,12 +89,15 @@ class Drafter:
         """The target accepted these paths (node indices [B, A] incl. the root, `count` [B] of them)."""
 
     # ------------------------------------------------------------------ shared tree drafting
-    def _draft(self, model: Transformer, cache: KVCache, view, lead: torch.Tensor | None, last: torch.Tensor,
+    def _draft(self, runner: StepRunner, lead: torch.Tensor | None, last: torch.Tensor,
                tree: Tree, sampler: Sampler, rule: str, need_q: bool, vocab: int):
-        """Level-by-level drafting into `cache` after its committed length.
+        """Level-by-level drafting into the runner's cache after its committed length, reading the
+        context through `self.policy`.
 
         lead: [B, m] committed tokens re-fed before the root (their slots come first), or None.
         """
+        cache = runner.cache
+        policy = None if isinstance(self.policy, FullPolicy) else self.policy
         plan = draft_plan(tree)
         B, device = last.shape[0], last.device
         m = 0 if lead is None else lead.shape[1]
@@ -107,14 +113,15 @@ class Drafter:
             if step == 0:  # the lead tokens and the root, causal
                 ids = tokens[:, :1] if lead is None else torch.cat([lead, tokens[:, :1]], dim=1)
                 positions = (cache.lengths[:, None] + torch.arange(m + 1, device=device))
-                logits = model(ids, positions, cache, view=view)[:, m:]
+                logits = runner.forward(ids, positions, policy=policy)[:, m:]
             else:
                 T = len(nodes)
                 mask = plan.masks[step - 1].to(device)
                 if m:  # lead tokens are committed context: every node sees them
                     mask = torch.cat([torch.ones(T, m, dtype=torch.bool, device=device), mask], dim=1)
                 positions = root_pos[:, None] + depth[idx][None]
-                logits = model(tokens[:, idx], positions, cache, pending=m + fed, new_mask=mask, view=view)
+                logits = runner.forward(tokens[:, idx], positions, pending=m + fed, new_mask=mask,
+                                        mask_key=("draft", tree, step, m), policy=policy)
             fed += len(nodes)
             logits = logits[..., :vocab]  # [B, T, V] — the shared vocabulary only
             T = logits.shape[1]
@@ -138,14 +145,12 @@ class SelfDrafter(Drafter):
     def target_prefill_observer(self):
         return self.policy.prefill_observer()
 
-    def prefill(self, prompts, capacity):
+    def prefill(self, prompts, capacity, pool):
         lens = torch.tensor([len(p) for p in prompts], device=self.model.device)
         self.policy.start(lens, self.model.config.num_layers)
 
-    def propose(self, target_cache, prev, last, tree, sampler, rule, need_q):
-        view = self.policy.view(target_cache.lengths)
-        return self._draft(self.model, target_cache, view, None, last, tree, sampler, rule, need_q,
-                           self.model.config.vocab_size)
+    def propose(self, target, prev, last, tree, sampler, rule, need_q):
+        return self._draft(target, None, last, tree, sampler, rule, need_q, self.model.config.vocab_size)
 
 
 class ModelDrafter(Drafter):
@@ -154,24 +159,27 @@ class ModelDrafter(Drafter):
         self.target_vocab = target_vocab
         # Tokens the two models share; the draft never proposes a token outside this range.
         self.shared_vocab = min(target_vocab, model.config.vocab_size)
-        self.cache: KVCache | None = None
+        self.runner: StepRunner | None = None
         self._plan: DraftPlan | None = None
 
-    def prefill(self, prompts, capacity):
+    @property
+    def cache(self) -> KVCache | None:
+        return None if self.runner is None else self.runner.cache
+
+    def prefill(self, prompts, capacity, pool):
         from redwood.engine.generate import prefill
 
-        self.cache = self.model.new_cache(len(prompts), capacity)
+        self.runner = pool.get("draft", self.model, len(prompts), capacity)
         lens = torch.tensor([len(p) for p in prompts], device=self.model.device)
         self.policy.start(lens, self.model.config.num_layers)
-        prefill(self.model, self.cache, prompts, observer=self.policy.prefill_observer())
+        prefill(self.model, self.runner.cache, prompts, observer=self.policy.prefill_observer())
 
-    def propose(self, target_cache, prev, last, tree, sampler, rule, need_q):
-        assert self.cache is not None
-        self.cache.lengths.copy_(target_cache.lengths - 1)  # rewind: re-feed the newest committed token
+    def propose(self, target, prev, last, tree, sampler, rule, need_q):
+        assert self.runner is not None
+        self.cache.lengths.copy_(target.cache.lengths - 1)  # rewind: re-feed the newest committed token
         self._plan = draft_plan(tree)
-        view = self.policy.view(self.cache.lengths)
-        tokens, q = self._draft(self.model, self.cache, view, prev[:, None], last, tree, sampler, rule,
-                                need_q, self.shared_vocab)
+        tokens, q = self._draft(self.runner, prev[:, None], last, tree, sampler, rule, need_q,
+                                self.shared_vocab)
         return tokens, None if q is None else self.pad_to_target(q)
 
     def pad_to_target(self, q: torch.Tensor) -> torch.Tensor:

@@ -230,9 +230,9 @@ class _RankRecorder(Drafter):
     def target_prefill_observer(self):
         return self._inner.target_prefill_observer()
 
-    def prefill(self, prompts, capacity):
+    def prefill(self, prompts, capacity, pool):
         self.pending = {}
-        return self._inner.prefill(prompts, capacity)
+        return self._inner.prefill(prompts, capacity, pool)
 
     def propose(self, *args, **kwargs):
         return self._inner.propose(*args, **kwargs)

@@ -6,7 +6,8 @@ ones (CUDA is synchronised before and after every run):
 - **target** t_target(n): one target forward over n new tokens shaped as a tree (a complete binary tree
   in breadth-first order: its ancestor mask through the tree-attention path; n = 1 is a plain decode
   step), for `batch` rows, after a prefill of `context` tokens. The new tokens go to scratch slots and
-  are never committed, so every run sees the same cache.
+  are never committed, so every run sees the same cache. Forwards run as the engine runs them (a
+  `StepRunner`: CUDA graphs on CUDA).
 - **draft** t_draft(w): one draft forward over w new sibling nodes (each sees the committed context and
   itself) after a prefill of `context` tokens: one level of tree drafting. Without a draft model the
   target itself is timed (self-speculation over a compressed view is not modelled: an upper bound).
@@ -27,6 +28,7 @@ from typing import Callable, Sequence
 import torch
 
 from redwood.engine.generate import sync
+from redwood.engine.runner import StepRunner
 from redwood.engine.sampling import probabilities
 from redwood.errors import ConfigError
 from redwood.spec.tree_search import LatencyProfile
@@ -96,13 +98,15 @@ def target_latency(model, sizes: Sequence[int], batch: int, context: int, repeat
     _check_fits(model, "target", context, max(sizes))
     g = torch.Generator().manual_seed(seed)
     cache = _prefilled_cache(model, batch, context, max(sizes), g)
+    runner = StepRunner(model, cache, use_graphs=True)  # as the engine runs its steps (graphs on CUDA)
     out = []
     for n in sizes:
         tree = profile_tree(n)
         ids = torch.randint(0, model.config.vocab_size, (batch, n), generator=g).to(device)
         positions = cache.lengths[:, None] + tree.depths_tensor(device)[None]
         mask = None if n == 1 else tree.ancestor_mask(device)
-        out.append(time_ms(lambda: model(ids, positions, cache, new_mask=mask), device, repeats, warmup))
+        out.append(time_ms(lambda: runner.forward(ids, positions, new_mask=mask, mask_key=("profile", n)),
+                           device, repeats, warmup))
     return out
 
 
@@ -113,12 +117,14 @@ def draft_latency(model, widths: Sequence[int], batch: int, context: int, repeat
     _check_fits(model, "draft", context, max(widths) + 1)
     g = torch.Generator().manual_seed(seed)
     cache = _prefilled_cache(model, batch, context, max(widths), g)
+    runner = StepRunner(model, cache, use_graphs=True)
     out = []
     for w in widths:
         ids = torch.randint(0, model.config.vocab_size, (batch, w), generator=g).to(device)
         positions = (cache.lengths + 1)[:, None].expand(batch, w)  # siblings share a position
         mask = None if w == 1 else torch.eye(w, dtype=torch.bool, device=device)
-        out.append(time_ms(lambda: model(ids, positions, cache, new_mask=mask), device, repeats, warmup))
+        out.append(time_ms(lambda: runner.forward(ids, positions, new_mask=mask, mask_key=("profile", w)),
+                           device, repeats, warmup))
     return out
 
 

@@ -1,0 +1,200 @@
+"""Triton decode/verify/tree attention vs the KV-read floor vs torch SDPA, per layer, on one GPU.
+
+Run on the GPU machine from the repo root:
+    PYTHONPATH=src python benchmarks/attention_bench.py --output out/attention_bench.json
+Configurations (Hq=12, Hkv=2, D=128, bf16, 32K committed tokens per row):
+    chains: batch 64, T = 1, 2, 4, 5, 8 new tokens per row (causal);
+    trees:  16/32/64/128 nodes (random tree masks) at batch 1, 4, 8.
+Each time is one layer's attention: a CUDA graph replays the call over enough distinct layers that
+their K/V (more than the 60 MB L2) come from HBM, as in a real forward. The floor is the K and V bytes
+read divided by 4.29e12 B/s (the device-to-device copy rate measured on an H200). SDPA gets the
+boolean mask of `reference.AttentionMetadata.full_mask` (built outside the timing) and enable_gqa.
+Each configuration also checks the kernel against SDPA (relative error). `--sweep` adds a num_splits
+and block-size sweep on a few configurations. The table comes last on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from redwood.attention import triton_decode as td
+from redwood.attention.reference import AttentionMetadata
+
+HQ, HKV, D, CTX = 12, 2, 128, 32768
+BANDWIDTH = 4.29e12  # B/s, device-to-device copy on an H200 (the device library's KINDS.md)
+PEAK_FLOPS = 790e12  # dense bf16 matrix products measured on an H200 (same source)
+L2_DEFEAT_BYTES = 512 * 2**20  # K/V bytes a timed graph walks through, so layers miss the L2
+
+
+def random_tree(T: int, gen: torch.Generator) -> torch.Tensor:
+    """Ancestor-or-self mask [T, T] of a random tree in topological order."""
+    anc = torch.eye(T, dtype=torch.bool)
+    for i in range(1, T):
+        anc[i] |= anc[int(torch.randint(0, i, (1,), generator=gen))]
+    return anc
+
+
+class Case:
+    """One configuration's inputs: `layers` distinct caches [B, Hkv, cap, D], q, lengths, mask."""
+
+    def __init__(self, name: str, B: int, T: int, new_mask: torch.Tensor | None, gen: torch.Generator):
+        self.name, self.B, self.T = name, B, T
+        cap = CTX + T
+        self.kv_bytes = 2 * B * HKV * (CTX + T) * D * 2  # K and V of one layer that the call reads
+        self.layers = max(1, min(32, math.ceil(L2_DEFEAT_BYTES / self.kv_bytes)))
+        dev = "cuda"
+        self.k = torch.randn(self.layers, B, HKV, cap, D, device=dev, dtype=torch.bfloat16)
+        self.v = torch.randn(self.layers, B, HKV, cap, D, device=dev, dtype=torch.bfloat16)
+        self.q = torch.randn(B, T, HQ, D, device=dev, dtype=torch.bfloat16).transpose(1, 2)
+        self.lengths = torch.full((B,), CTX, device=dev, dtype=torch.int64)
+        self.new_mask = None if new_mask is None else new_mask.to(dev)
+        meta = AttentionMetadata(lengths=self.lengths, num_new=T, kv_len=CTX + T, new_mask=self.new_mask)
+        self.sdpa_mask = meta.full_mask()  # [B, 1, T, S]
+        self.floor_us = self.kv_bytes / BANDWIDTH * 1e6
+        # QK^T and PV: 4 * D flops per (query head, new token, key) — big trees are compute-bound
+        self.compute_us = 4 * D * B * HQ * T * (CTX + T) / PEAK_FLOPS * 1e6
+
+    def ours(self, layer: int, num_splits: int | None = None) -> torch.Tensor:
+        return td.decode_attention(self.q, self.k[layer], self.v[layer], self.lengths, new_mask=self.new_mask,
+                                   num_splits=num_splits)  # [B, T, Hq, D]
+
+    def sdpa(self, layer: int) -> torch.Tensor:
+        S = CTX + self.T
+        out = F.scaled_dot_product_attention(self.q, self.k[layer, :, :, :S], self.v[layer, :, :, :S],
+                                             attn_mask=self.sdpa_mask, enable_gqa=True)
+        return out.transpose(1, 2)
+
+
+def time_per_layer(fn, layers: int, reps: int = 10) -> float:
+    """Median µs per layer of fn(layer) over all layers, replayed as one CUDA graph (eager fallback)."""
+    for layer in range(layers):  # compile / warm up outside the capture
+        fn(layer)
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for layer in range(layers):
+                fn(layer)
+        run = graph.replay
+    except Exception:  # noqa: BLE001 — not capturable: time the eager calls
+        torch.cuda.synchronize()
+
+        def run():
+            for layer in range(layers):
+                fn(layer)
+    run()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / layers)
+    return statistics.median(times)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def cases(gen: torch.Generator):
+    """(name, factory) of every configuration: chains at batch 64, then trees."""
+    for T in (1, 2, 4, 5, 8):
+        yield f"chain B=64 T={T}", lambda T=T: Case(f"chain B=64 T={T}", 64, T, None, gen)
+    for B in (1, 4, 8):
+        for n in (16, 32, 64, 128):
+            yield f"tree B={B} n={n}", lambda B=B, n=n: Case(f"tree B={B} n={n}", B, n, random_tree(n, gen), gen)
+
+
+def measure(case: Case) -> dict:
+    block_m = td._launch_config(HQ // HKV * case.T, D, torch.bfloat16)["BLOCK_M"]
+    m_tiles = math.ceil(HQ // HKV * case.T / block_m)
+    splits = td.default_num_splits(CTX + case.T, case.B * HKV * m_tiles, td._num_sms(torch.device("cuda")), block_m)
+    ours_us = time_per_layer(case.ours, case.layers)
+    sdpa_us = time_per_layer(case.sdpa, min(case.layers, 4))
+    err = rel_err(case.ours(0), case.sdpa(0))
+    return dict(name=case.name, B=case.B, T=case.T, num_splits=splits, layers=case.layers,
+                kv_mb=case.kv_bytes / 1e6, floor_us=case.floor_us, compute_us=case.compute_us,
+                ours_us=ours_us, sdpa_us=sdpa_us,
+                floor_frac=case.floor_us / ours_us, speedup_vs_sdpa=sdpa_us / ours_us, rel_err_vs_sdpa=err)
+
+
+def sweep(case: Case) -> list[dict]:
+    """Our kernel at several num_splits and block configurations (for the heuristics)."""
+    rows = []
+    for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
+        us = time_per_layer(lambda layer: case.ours(layer, s), case.layers, reps=5)
+        rows.append(dict(name=case.name, knob="num_splits", value=s, us=us))
+    base = td._launch_config
+    for block_n, stages, warps, max_m in ((64, 2, 4, 64), (64, 3, 4, 64), (64, 4, 4, 64), (128, 2, 4, 64),
+                                          (128, 3, 8, 64), (32, 3, 4, 64), (64, 2, 4, 32), (64, 3, 4, 16),
+                                          (64, 2, 8, 128), (64, 3, 8, 128), (128, 2, 8, 128)):
+        def cfg(M, Dh, dtype, big_smem=False, bn=block_n, st=stages, w=warps, mm=max_m):
+            c = base(M, Dh, dtype, big_smem)
+            c.update(BLOCK_N=bn, num_stages=st, num_warps=w, BLOCK_M=max(16, min(td.triton.next_power_of_2(M), mm)))
+            return c
+        td._launch_config = cfg
+        try:
+            us = time_per_layer(case.ours, case.layers, reps=5)
+        except Exception as e:  # noqa: BLE001 — e.g. out of shared memory
+            us = float("nan")
+            print(f"  {case.name}: config {block_n, stages, warps, max_m} failed: {type(e).__name__}")
+        finally:
+            td._launch_config = base
+        rows.append(dict(name=case.name, knob="BLOCK_N,stages,warps,max_M", value=[block_n, stages, warps, max_m],
+                         us=us))
+    for r in rows:
+        print(f"  sweep {r['name']}: {r['knob']}={r['value']}: {r['us']:.1f} us", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--output", help="write the results as JSON here")
+    ap.add_argument("--sweep", action="store_true", help="also sweep num_splits and block sizes")
+    ap.add_argument("--only", help="run only configurations whose name contains this")
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    gen = torch.Generator().manual_seed(0)
+    t0 = time.time()
+    results, sweeps = [], []
+    for name, make in cases(gen):
+        if args.only and args.only not in name:
+            continue
+        case = make()
+        r = measure(case)
+        print(f"{r['name']}: ours {r['ours_us']:.1f} us, floor {r['floor_us']:.1f} us, sdpa {r['sdpa_us']:.1f} us, "
+              f"rel err {r['rel_err_vs_sdpa']:.1e}", flush=True)
+        results.append(r)
+        if args.sweep and case.name in ("chain B=64 T=1", "chain B=64 T=8", "tree B=1 n=16", "tree B=1 n=128",
+                                        "tree B=8 n=16", "tree B=8 n=128"):
+            sweeps += sweep(case)
+        del case
+        torch.cuda.empty_cache()
+    info = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=td.triton.__version__,
+                seconds=time.time() - t0, hq=HQ, hkv=HKV, head_dim=D, context=CTX, dtype="bfloat16")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(dict(info=info, results=results, sweeps=sweeps), f, indent=1)
+    print(f"\n{info['device']}, torch {info['torch']}, triton {info['triton']}; per layer, "
+          f"Hq={HQ} Hkv={HKV} D={D} bf16, context {CTX}")
+    print("floor: K/V bytes / 4.29e12 B/s; flops: 4*D*Hq*T*S / 790e12 (trees of 64+ nodes are compute-bound)")
+    print(f"{'config':<18}{'splits':>7}{'KV MB':>8}{'floor us':>10}{'flops us':>10}{'ours us':>10}{'%floor':>8}"
+          f"{'SDPA us':>10}{'vs SDPA':>9}{'rel err':>9}")
+    for r in results:
+        print(f"{r['name']:<18}{r['num_splits']:>7}{r['kv_mb']:>8.1f}{r['floor_us']:>10.1f}{r['compute_us']:>10.1f}"
+              f"{r['ours_us']:>10.1f}{100 * r['floor_frac']:>7.0f}%{r['sdpa_us']:>10.1f}"
+              f"{r['speedup_vs_sdpa']:>8.1f}x{r['rel_err_vs_sdpa']:>9.1e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,367 @@
+"""Triton attention over a KV cache for decode, chain-verify and tree-verify steps (few new tokens).
+
+Same semantics as `reference.read_kv` + `reference.attention` (see reference.py for the slot layout):
+query t of row b sees
+    context   slots [0, L_b), or through a view the slots ctx_idx[b, h, c] where ctx_valid[b, h, c];
+    recent    slots L_b + r, r in [0, P + T), where new_mask[t, r] (None: r <= P + t);
+    and, with a sliding window, only slots s with q_positions[b, t] - s < window.
+
+Design (flash-decoding with GQA packing):
+  * One program per (m-tile, split, b * Hkv + kv head). The G = Hq / Hkv query heads of a KV head and
+    the T new tokens of the row are packed into the M rows of one tile (row m = t * G + g), so each
+    K/V tile is read once for all of them and QK^T is a real matrix product even at T = 1.
+  * Split-KV: the context keys of a row are cut into `num_splits` chunks, one program each; every
+    program writes a partial (running max, running sum, unnormalised acc) to a fp32 workspace and a
+    second kernel merges them. The chunk size is computed in the kernel from the row's length, so
+    the host never reads `lengths`; the recent keys (P + T of them) go to the last split.
+  * num_splits is chosen on the host from static shapes only (capacity or C, B, Hkv, SM count), so a
+    call has no host sync and allocates only from shapes: it can be captured in a CUDA graph.
+  * Online softmax in base 2, fp32 accumulation; rows that see no key output 0 (never NaN).
+
+triton is imported guarded: without it this module still imports, and `supported` / `available`
+say False (the caller then uses the reference).
+Under TRITON_INTERPRET=1 (read when this module is imported) the kernels run in Triton's CPU
+interpreter, whose tl.dot mishandles bf16 — there bf16 tiles are upcast to fp32 after loading.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the kernels below are then plain (never called) functions
+    triton = None
+
+    class tl:  # noqa: N801 — only so the kernels' annotations resolve
+        constexpr = None
+
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_MAX_HEAD_DIM = 256
+_LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernels
+
+
+@_jit
+def _softmax_step(acc, m_i, l_i, q, k, v, visible, qk_scale, PRECISION: tl.constexpr):
+    """One online-softmax step over a key tile.
+
+    acc [BM, BD] fp32, m_i / l_i [BM] fp32 (base-2 running max / sum), q [BM, BD], k / v [BN, BD],
+    visible [BM, BN] bool. Masked scores are -inf and m_i stays finite, so p = 0 there, never NaN.
+    PRECISION: "ieee" for fp32 operands (not tf32); ignored for 16-bit ones.
+    """
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@_jit
+def _split_kv_kernel(
+    Q, K, V, LENGTHS, NEW_MASK, CTX_IDX, CTX_VALID, QPOS, OUT, WS_ACC, WS_M, WS_L,
+    sq_b, sq_h, sq_t, sq_d,
+    sk_b, sk_h, sk_n, sk_d,
+    sv_b, sv_h, sv_n, sv_d,
+    snm_b, snm_t, snm_r,
+    sci_b, sci_h, sci_c,
+    scv_b, scv_h, scv_c,
+    sp_b, sp_t,
+    qk_scale, window, Hkv, T, P, C, num_splits,
+    G: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_VIEW: tl.constexpr, HAS_NEW_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    mt = tl.program_id(0)
+    split = tl.program_id(1)
+    bh = tl.program_id(2)
+    b = (bh // Hkv).to(tl.int64)  # int64: batch offsets into a large cache can pass 2^31
+    kvh = bh % Hkv
+    Hq = Hkv * G
+
+    # Rows of this tile: m = t * G + g → new token t, query head kvh * G + g.
+    offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = offs_m // G
+    hq = kvh * G + offs_m % G
+    row_ok = t < T
+    offs_d = tl.arange(0, BLOCK_D)
+    if BLOCK_D == D:  # a constant mask keeps the loads vectorised
+        d_ok = tl.full([BLOCK_D], 1, tl.int1)
+    else:
+        d_ok = offs_d < D
+
+    q = tl.load(Q + b * sq_b + hq[:, None] * sq_h + t[:, None] * sq_t + offs_d[None, :] * sq_d,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:  # the interpreter's tl.dot treats bf16 (held as uint16) as integers: dot in fp32
+        q = q.to(tl.float32)
+    L = tl.load(LENGTHS + b).to(tl.int32)
+    k_base = K + b * sk_b + kvh * sk_h
+    v_base = V + b * sv_b + kvh * sv_h
+    if HAS_WINDOW:
+        qpos = tl.load(QPOS + b * sp_b + t * sp_t, mask=row_ok, other=0).to(tl.int32)
+
+    # This split's share [lo, hi) of the context keys (cache slots, or entries of the view).
+    start = 0
+    if HAS_VIEW:
+        n_ctx = C
+    else:
+        n_ctx = L
+        if HAS_WINDOW:  # keys before the window of every row of the tile are skipped outright
+            lowest = tl.min(tl.where(row_ok, qpos, 2147483647), 0) - window + 1
+            start = tl.minimum((tl.maximum(lowest, 0) // BLOCK_N) * BLOCK_N, n_ctx)
+    chunk = tl.cdiv(tl.cdiv(n_ctx - start, num_splits), BLOCK_N) * BLOCK_N
+    lo = start + split * chunk
+    hi = tl.minimum(lo + chunk, n_ctx)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: fully masked tiles never give inf - inf
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    for j0 in range(lo, hi, BLOCK_N):  # context keys: visible to every row (but for the window)
+        j = j0 + tl.arange(0, BLOCK_N)
+        key_ok = j < hi
+        if HAS_VIEW:
+            ci = b * sci_b + kvh * sci_h + j * sci_c
+            cv = b * scv_b + kvh * scv_h + j * scv_c
+            key_ok = key_ok & (tl.load(CTX_VALID + cv, mask=key_ok, other=0) != 0)
+            slot = tl.where(key_ok, tl.load(CTX_IDX + ci, mask=key_ok, other=0).to(tl.int32), 0)
+        else:
+            slot = j
+        kv_mask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + slot[:, None] * sk_n + offs_d[None, :] * sk_d, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + slot[:, None] * sv_n + offs_d[None, :] * sv_d, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        visible = key_ok[None, :] & row_ok[:, None]
+        if HAS_WINDOW:
+            visible = visible & (qpos[:, None] - slot[None, :] < window)
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k, v, visible, qk_scale, PRECISION)
+
+    # Recent keys (pending + new, slots L + r): only the last split reads them.
+    W = P + T
+    w_end = tl.where(split == num_splits - 1, W, 0)
+    for r0 in range(0, w_end, BLOCK_N):
+        r = r0 + tl.arange(0, BLOCK_N)
+        key_ok = r < W
+        slot = L + r
+        kv_mask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + slot[:, None] * sk_n + offs_d[None, :] * sk_d, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + slot[:, None] * sv_n + offs_d[None, :] * sv_d, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        pair_ok = row_ok[:, None] & key_ok[None, :]
+        if HAS_NEW_MASK:
+            nm = NEW_MASK + b * snm_b + t[:, None] * snm_t + r[None, :] * snm_r
+            visible = pair_ok & (tl.load(nm, mask=pair_ok, other=0) != 0)
+        else:  # all pending tokens, causal among the new ones
+            visible = pair_ok & (r[None, :] <= P + t[:, None])
+        if HAS_WINDOW:
+            visible = visible & (qpos[:, None] - slot[None, :] < window)
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k, v, visible, qk_scale, PRECISION)
+
+    # Row (b, t, hq) of the output [B, T, Hq, D] / of the workspace [B, T, Hq, num_splits(, D)].
+    row = (b * T + t) * Hq + hq
+    st_mask = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        ws = row * num_splits + split
+        tl.store(WS_ACC + ws[:, None] * D + offs_d[None, :], acc, mask=st_mask)
+        tl.store(WS_M + ws, m_i, mask=row_ok)
+        tl.store(WS_L + ws, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no visible key → acc = 0 → 0
+        tl.store(OUT + row[:, None] * D + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=st_mask)
+
+
+@_jit
+def _merge_kernel(WS_ACC, WS_M, WS_L, OUT, n_rows, num_splits,
+                  D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Combine the num_splits partials of BLOCK_R output rows (b, t, hq) into OUT [n_rows, D]."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = rows < n_rows
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = r_ok[:, None] & (offs_d < D)[None, :]
+    s = tl.arange(0, BLOCK_S)
+    ml = rows[:, None] * num_splits + s[None, :]  # [BR, BS]
+    ml_mask = r_ok[:, None] & (s < num_splits)[None, :]
+    m = tl.load(WS_M + ml, mask=ml_mask, other=-1.0e30)  # as empty splits: finite, l = 0
+    m_max = tl.max(m, 1)
+    l_tot = tl.sum(tl.exp2(m - m_max[:, None]) * tl.load(WS_L + ml, mask=ml_mask, other=0.0), 1)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for i in range(num_splits):
+        ws = rows * num_splits + i
+        w = tl.exp2(tl.load(WS_M + ws, mask=r_ok, other=-1.0e30) - m_max)
+        acc += w[:, None] * tl.load(WS_ACC + ws[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
+    out = acc / tl.where(l_tot > 0, l_tot, 1.0)[:, None]  # no visible key anywhere → 0
+    tl.store(OUT + rows[:, None] * D + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Host side
+
+
+def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the kernel runs for this device / dtype / head dim (else use the reference)."""
+    device = torch.device(device)
+    if triton is None or _INTERPRET or device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    if dtype not in _DTYPES or not 1 <= head_dim <= _MAX_HEAD_DIM:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0)  # bf16 tl.dot, enough shared memory
+
+
+def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether `decode_attention(q, k_cache, ...)` can run here (CUDA, triton, dtype, head dim)."""
+    return (q.device == k_cache.device and q.dtype == k_cache.dtype and q.shape[-1] == k_cache.shape[-1]
+            and available(q.device, q.dtype, q.shape[-1]))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter runs: few, large programs
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _big_shared_memory(device: torch.device) -> bool:
+    """sm_80 / sm_90 (A100, H100, H200): ≥ 164 KB of shared memory per SM, room for 3 K/V stages."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) in ((8, 0), (9, 0))
+
+
+def _launch_config(M: int, D: int, dtype: torch.dtype, big_smem: bool = False) -> dict:
+    """Block sizes and launch options, from static shapes (measured on an H200: attention_bench.py).
+
+    BLOCK_M: the G*T packed rows, a power of two ≥ 16 (tl.dot's minimum), at most 64 per tile —
+    larger M (big trees) tiles over M, and adjacent M tiles share the K/V tile through L2 (64 beat
+    32 and 128 rows; 128 rows with 8 warps was slower for trees).
+    BLOCK_N: 64 keys per step (32 where the K/V tiles would be large: fp32 or D > 128).
+    num_stages: 3 for full 64-row tiles where shared memory allows (the compute-heavier tree and
+    T = 8 steps gained 10-20%), else 2 (decode at T ≤ 5 is at the HBM floor either way).
+    """
+    block_d = max(16, triton.next_power_of_2(D))
+    block_m = max(16, min(triton.next_power_of_2(M), 64))
+    block_n = 32 if (dtype == torch.float32 or block_d > 128) else 64
+    stages = 3 if (big_smem and block_m == 64 and block_n * block_d <= 64 * 128 and dtype != torch.float32) else 2
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, num_stages=stages)
+
+
+def default_num_splits(n_keys: int, programs: int, num_sms: int, block_m: int = 64) -> int:
+    """Splits of the context that fill whole waves of the GPU (flash-decoding's heuristic).
+
+    n_keys: a static bound on a row's context keys (cache capacity, or C with a view) — never the
+    lengths themselves, so the call stays graph-capturable. programs: B * Hkv * M tiles. About 2
+    programs of 64 rows (3 of ≤ 32 rows) run at once per SM; a last, partial wave costs as much as a
+    full one (measured: 288 programs on 264 slots ran 1.5x slower than 256), so take the fewest splits
+    whose waves are ≥ 95% full — or, if none is, the best filled. Each split keeps ≥ 1024 keys of
+    the bound (short rows just leave later splits empty); at most 64 splits.
+    """
+    slots = num_sms * (3 if block_m <= 32 else 2)
+    max_splits = max(1, min(64, n_keys // 1024))
+
+    def filled(s: int) -> float:
+        waves = programs * s / slots
+        return waves / math.ceil(waves)
+
+    best = max(filled(s) for s in range(1, max_splits + 1))
+    return next(s for s in range(1, max_splits + 1) if filled(s) >= 0.95 * best)
+
+
+def _merge_rows(n_rows: int, num_sms: int) -> int:
+    """Output rows per merge program: a power of two in [2, 16] giving ≥ 2 programs per SM."""
+    r = max(2, min(16, n_rows // (2 * num_sms)))
+    return 1 << (r.bit_length() - 1)
+
+
+def decode_attention(q, k_cache, v_cache, lengths, *, pending=0, new_mask=None, ctx_idx=None, ctx_valid=None,
+                     q_positions=None, sliding_window=None, num_splits=None) -> torch.Tensor:
+    """Attention of T new tokens per row over one layer of the KV cache.
+
+    q: [B, Hq, T, D] (any strides); k_cache, v_cache: [B, Hkv, capacity, D]; lengths: [B] int (on the
+    device, never read on the host). pending: P. new_mask: [T, P + T] or [B or 1, T, P + T] bool,
+    None → causal. ctx_idx / ctx_valid: [B, H', C] (H' = 1 or Hkv) context view, None → slots [0, L_b).
+    q_positions: [B, T] positions for the sliding window (the window applies only with both given,
+    as in the reference). num_splits: None → `default_num_splits`.
+    Returns [B, T, Hq, D] contiguous, q's dtype.
+    """
+    B, Hq, T, D = q.shape
+    Bk, Hkv, cap, Dk = k_cache.shape
+    assert Bk == B and Dk == D and v_cache.shape == k_cache.shape and Hq % Hkv == 0, "shape mismatch"
+    assert q.dtype in _DTYPES and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, "dtype mismatch"
+    assert D <= _MAX_HEAD_DIM, f"head dim {D} > {_MAX_HEAD_DIM}"
+    G = Hq // Hkv
+    has_view = ctx_idx is not None
+    has_window = sliding_window is not None and q_positions is not None
+    cfg = _launch_config(G * T, D, q.dtype, _big_shared_memory(q.device))
+    m_tiles = triton.cdiv(G * T, cfg["BLOCK_M"])
+    C = ctx_idx.shape[2] if has_view else 0
+    if num_splits is None:
+        num_splits = default_num_splits(C if has_view else cap, B * Hkv * m_tiles, _num_sms(q.device),
+                                        cfg["BLOCK_M"])
+    num_splits = max(1, int(num_splits))
+
+    out = torch.empty(B, T, Hq, D, device=q.device, dtype=q.dtype)
+    nm, nm_strides = _new_mask_arg(new_mask, lengths, T, pending)
+    ci, ci_strides = _view_arg(ctx_idx, lengths, B, Hkv)
+    cv, cv_strides = _view_arg(None if ctx_valid is None else ctx_valid.view(torch.uint8), lengths, B, Hkv)
+    qp, qp_strides = (q_positions, q_positions.stride()) if has_window else (lengths, (0, 0))
+    split = num_splits > 1
+    if split:
+        rows = B * T * Hq * num_splits
+        ws_acc = torch.empty(rows, D, device=q.device, dtype=torch.float32)
+        ws_ml = torch.empty(2, rows, device=q.device, dtype=torch.float32)
+        ws_m, ws_l = ws_ml[0], ws_ml[1]
+    else:
+        ws_acc = ws_m = ws_l = out  # unused
+    upcast = _INTERPRET and q.dtype == torch.bfloat16
+    _split_kv_kernel[(m_tiles, num_splits, B * Hkv)](
+        q, k_cache, v_cache, lengths, nm, ci, cv, qp, out, ws_acc, ws_m, ws_l,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *nm_strides, *ci_strides, *cv_strides, *qp_strides,
+        _LOG2E / math.sqrt(D), sliding_window if has_window else 0, Hkv, T, pending, C, num_splits,
+        G=G, D=D, HAS_VIEW=has_view, HAS_NEW_MASK=new_mask is not None, HAS_WINDOW=has_window,
+        SPLIT=split, UPCAST=upcast, PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", **cfg,
+    )
+    if split:
+        n_rows = B * T * Hq
+        block_r = _merge_rows(n_rows, _num_sms(q.device))
+        _merge_kernel[(triton.cdiv(n_rows, block_r),)](
+            ws_acc, ws_m, ws_l, out, n_rows, num_splits, D=D, BLOCK_R=block_r,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=cfg["BLOCK_D"], num_warps=4)
+    return out
+
+
+def _new_mask_arg(new_mask, placeholder, T, P):
+    """new_mask [T, P+T], [1, T, P+T] or [B, T, P+T] bool → (uint8 tensor, (stride_b, stride_t, stride_r))."""
+    if new_mask is None:
+        return placeholder, (0, 0, 0)
+    assert new_mask.shape[-2:] == (T, P + T), f"new_mask {tuple(new_mask.shape)} != [.., {T}, {P + T}]"
+    m = new_mask.view(torch.uint8) if new_mask.dtype == torch.bool else new_mask
+    if m.dim() == 2:
+        return m, (0, *m.stride())
+    return m, (0 if m.shape[0] == 1 else m.stride(0), *m.stride()[1:])
+
+
+def _view_arg(x, placeholder, B, Hkv):
+    """ctx_idx / ctx_valid [B, H', C] → (tensor, strides) with stride_h = 0 when H' = 1 (shared)."""
+    if x is None:
+        return placeholder, (0, 0, 0)
+    assert x.dim() == 3 and x.shape[0] == B and x.shape[1] in (1, Hkv), f"view shape {tuple(x.shape)}"
+    sb, sh, sc = x.stride()
+    return x, (sb, 0 if x.shape[1] == 1 else sh, sc)

@@ -1,0 +1,145 @@
+"""Decode-shaped forwards over one model and one KV cache — eager, or replayed from CUDA graphs.
+
+Every step after the prefill (an autoregressive decode, a draft level, a verification over a token tree)
+is a forward of a few new tokens per row with a fixed shape. On CUDA, launching the ~15 kernels of each
+of a model's layers from Python costs more than the kernels themselves at batch 1, so a `StepRunner`
+captures each distinct step shape once into a CUDA graph and replays it:
+
+    key = (T new tokens, pending tokens, mask key, draft KV policy)   →   graph, static ids / positions
+
+Inside the graph everything is read from device tensors that persist across steps: the cache's `lengths`
+(advanced in place by `commit`), the static input buffers (copied in before each replay) and the policy's
+buffers (a compressed draft view is recomputed from `lengths` inside the graph). Nothing in a captured
+forward synchronizes with the host (the Triton attention kernel reads the lengths on the device).
+
+The logits a replay returns live in the graph's static output: consume them before the same step shape
+runs again. A `RunnerPool` keeps runners (cache + graphs) across generations, one per role and batch size,
+so graphs are captured once per process, not once per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+
+from redwood.kv.cache import KVCache
+from redwood.kv.policies import DraftKVPolicy
+from redwood.models.transformer import Transformer
+
+# Cache capacities are rounded up to this many slots, so that a pooled cache (and its graphs) serves
+# every later generation that fits.
+CAPACITY_STEP = 1024
+
+
+class StepRunner:
+    """Runs decode / draft / verify forwards of `model` over `cache`."""
+
+    def __init__(self, model: Transformer, cache: KVCache, use_graphs: bool):
+        self.model, self.cache = model, cache
+        self.use_graphs = use_graphs and cache.k.is_cuda
+        self._graphs: dict[Hashable, _Captured] = {}
+        # One memory pool for all of this runner's graphs: they replay one at a time, and each graph's
+        # output stays allocated, so sharing the pool only lets intermediates reuse memory.
+        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.captures = 0  # graphs captured so far (reported by benchmarks)
+
+    def reset(self) -> None:
+        """Empty the cache for a new generation (its buffers, and so the graphs, stay)."""
+        self.cache.lengths.zero_()
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, *, pending: int = 0,
+                new_mask: torch.Tensor | None = None, mask_key: Hashable = None,
+                policy: DraftKVPolicy | None = None) -> torch.Tensor:
+        """Logits [B, T, V] float32 for new tokens ids / positions [B, T] (see Transformer.forward).
+
+        policy: read the committed context through this draft KV policy's view (computed from the
+        cache's current lengths). mask_key: a hashable naming `new_mask`'s content (e.g. the tree and
+        draft level); required with a mask when graphs are on, since one graph serves every call with
+        that key.
+        """
+        if not self.use_graphs:
+            view = None if policy is None else policy.view(self.cache.lengths)
+            return self.model(ids, positions, self.cache, new_mask=new_mask, pending=pending, view=view)
+        if new_mask is not None and mask_key is None:
+            raise ValueError("a graphed forward with a mask needs a mask_key naming the mask")
+        key = (tuple(ids.shape), pending, mask_key, None if policy is None else (id(policy), policy.version))
+        captured = self._graphs.get(key)
+        if captured is None:
+            captured = _Captured(self.model, self.cache, ids, positions, pending, new_mask, policy, self._pool)
+            self._graphs[key] = captured
+            self.captures += 1
+        return captured.replay(ids, positions)
+
+
+class _Captured:
+    """One CUDA graph of one forward shape, with its static inputs and output."""
+
+    def __init__(self, model: Transformer, cache: KVCache, ids: torch.Tensor, positions: torch.Tensor,
+                 pending: int, new_mask: torch.Tensor | None, policy: DraftKVPolicy | None, pool):
+        self.ids = ids.clone()
+        self.positions = positions.clone()
+        self.mask = None if new_mask is None else new_mask.clone()
+
+        def step() -> torch.Tensor:
+            view = None if policy is None else policy.view(cache.lengths)
+            return model(self.ids, self.positions, cache, new_mask=self.mask, pending=pending, view=view)
+
+        # Warm up on a side stream (lazy initialization, Triton compilation and autotuning happen here,
+        # outside the capture). A forward writes only scratch slots past the committed lengths and never
+        # commits, so running it is free of side effects.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = step()
+
+    def replay(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.ids.copy_(ids)
+        self.positions.copy_(positions)
+        self.graph.replay()
+        return self.out
+
+
+class RunnerPool:
+    """Caches and their graphs, kept across generations: one runner per (role, model, batch size).
+
+    A request that needs more cache than the pooled runner holds replaces it (a larger cache, graphs
+    captured anew). Without graphs (the CPU, offloading) every generation gets a fresh, exactly sized
+    cache, as before.
+    """
+
+    def __init__(self, use_graphs: bool):
+        self.use_graphs = use_graphs
+        self._runners: dict[tuple, StepRunner] = {}
+
+    def get(self, role: str, model: Transformer, batch_size: int, capacity: int) -> StepRunner:
+        """A runner with an empty cache of at least `capacity` slots for `batch_size` rows."""
+        graphs = self.use_graphs and model.device.type == "cuda"
+        if not graphs:
+            return StepRunner(model, model.new_cache(batch_size, capacity), use_graphs=False)
+        key = (role, id(model), batch_size)
+        runner = self._runners.get(key)
+        if runner is None or runner.cache.capacity < capacity:
+            self._runners.pop(key, None)  # free the old cache before allocating the new one
+            runner = None
+            torch.cuda.empty_cache()
+            rounded = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
+            runner = StepRunner(model, model.new_cache(batch_size, rounded), use_graphs=True)
+            self._runners[key] = runner
+        runner.reset()
+        return runner
+
+    def runners(self) -> list[StepRunner]:
+        """The pooled runners (to inspect: captures, cache sizes)."""
+        return list(self._runners.values())
+
+    def clear(self) -> None:
+        """Drop every pooled cache and graph (frees their device memory)."""
+        self._runners.clear()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -1,0 +1,1 @@
+"""Fused Triton kernels for the decoder layer (RMSNorm, SwiGLU, rotary + KV-cache write)."""

@@ -1,0 +1,366 @@
+"""The Triton decode/verify/tree attention kernel against a float64 reference over explicit key lists.
+
+Cases: GQA shapes, ragged lengths (0, not a multiple of the key block), causal chains, random token
+trees with pending tokens, context views (shared or per KV head, with invalid entries), sliding
+windows, several split counts, rows with no visible key; bf16 within 1e-2 relative error, fp32 (IEEE
+dots) within 1e-5; never NaN. Cache slots the kernel must not read hold NaN.
+
+Where they run:
+  * on CUDA, in this process, when a GPU is there;
+  * on the CPU through Triton's interpreter, in a child pytest run of this file with
+    TRITON_INTERPRET=1 (`test_interpreter_suite`): the variable must be set before triton is first
+    imported, which this process has already done.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from redwood.attention import reference  # noqa: E402
+from redwood.attention import triton_decode as td  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = "cpu" if INTERPRET else ("cuda" if torch.cuda.is_available() else None)
+SMALL = DEVICE == "cpu"  # the interpreter runs every program in Python: keep contexts short there
+TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5}
+
+needs_kernel = pytest.mark.skipif(
+    DEVICE is None, reason="no CUDA device (the interpreter runs these in test_interpreter_suite)")
+
+
+@triton.jit
+def _probe_kernel(X, n):
+    for i in range(0, n, 1):  # a loop bound read at run time
+        tl.store(X + i, i)
+
+
+def _interpreter_broken() -> str | None:
+    """Triton ≤ 3.6's interpreter fails on run-time loop bounds with numpy ≥ 2.4 (fixed in 3.7.1)."""
+    try:
+        _probe_kernel[(1,)](torch.zeros(4, dtype=torch.int32), 4)
+    except Exception as e:  # noqa: BLE001 — any failure means: this interpreter can't run the kernel
+        return f"triton {triton.__version__}'s interpreter cannot run here: {e!r}"
+    return None
+
+
+if INTERPRET and (why := _interpreter_broken()):
+    pytest.skip(why, allow_module_level=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Inputs and the float64 reference
+
+
+def random_tree_mask(gen: torch.Generator, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random tree of T nodes in topological order → ancestor-or-self mask [T, T] bool, depths [T]."""
+    parent = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, T)]
+    anc = torch.eye(T, dtype=torch.bool)
+    depth = torch.zeros(T, dtype=torch.int64)
+    for i in range(1, T):
+        anc[i] |= anc[parent[i]]
+        depth[i] = depth[parent[i]] + 1
+    return anc, depth
+
+
+def make_view(gen: torch.Generator, lengths: list[int], heads: int, C: int, cap: int):
+    """ctx_idx [B, heads, C] / ctx_valid: a random subset of each row's slots [0, L) in random order,
+    the rest invalid with junk indices (-1, past the capacity, a duplicate, a never-written slot)."""
+    B = len(lengths)
+    idx = torch.empty(B, heads, C, dtype=torch.int64)
+    valid = torch.zeros(B, heads, C, dtype=torch.bool)
+    for b, L in enumerate(lengths):
+        for h in range(heads):
+            n = min(L, C - 2) if L else 0
+            idx[b, h, :n] = torch.randperm(L, generator=gen)[:n]
+            valid[b, h, :n] = torch.rand(n, generator=gen) < 0.8
+            junk = torch.tensor([-1, cap + 7, cap - 1, int(idx[b, h, 0]) if n else 0])
+            idx[b, h, n:] = junk[torch.randint(0, 4, (C - n,), generator=gen)]
+        perm = torch.randperm(C, generator=gen)
+        idx[b], valid[b] = idx[b][:, perm], valid[b][:, perm]
+    return idx, valid
+
+
+def make_inputs(gen, *, B, Hq, Hkv, T, D, lengths, P=0, dtype=torch.bfloat16, cap=None):
+    """q [B, Hq, T, D] as a transposed view; k/v caches [B, Hkv, cap, D] with non-trivial strides.
+
+    Slots ≥ L_b + P + T are never written in a real step: they hold NaN here, so reading them shows.
+    """
+    cap = cap or max(lengths) + P + T + 9
+    q = (torch.randn(B, T, Hq, D, generator=gen) * 1.5).to(dtype).transpose(1, 2)
+    k = torch.randn(B, Hkv, cap, D + 8, generator=gen).to(dtype)[..., :D]  # padded rows
+    v = torch.randn(2, B, Hkv, cap, D, generator=gen).to(dtype)[1]  # one layer of a cache
+    for b, L in enumerate(lengths):
+        k[b, :, L + P + T:] = float("nan")
+        v[b, :, L + P + T:] = float("nan")
+    return q, k, v, torch.tensor(lengths, dtype=torch.int64)
+
+
+def reference_attention(q, k, v, lengths, *, pending=0, new_mask=None, ctx_idx=None, ctx_valid=None,
+                        q_positions=None, sliding_window=None) -> torch.Tensor:
+    """float64 attention over explicit key lists per (row, KV head) → [B, T, Hq, D]."""
+    q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    G, W = Hq // Hkv, pending + T
+    if new_mask is None:
+        new_mask = torch.arange(W)[None, :] <= pending + torch.arange(T)[:, None]
+    new_mask = new_mask.cpu().expand(B, T, W)
+    out = torch.zeros(B, T, Hq, D, dtype=torch.float64)
+    for b in range(B):
+        L = int(lengths[b])
+        for h in range(Hkv):
+            if ctx_idx is None:
+                ctx, ok = torch.arange(L), torch.ones(L, dtype=torch.bool)
+            else:
+                hh = h if ctx_idx.shape[1] > 1 else 0
+                ctx, ok = ctx_idx[b, hh].cpu(), ctx_valid[b, hh].cpu()
+            slots = torch.cat([ctx, L + torch.arange(W)])  # [S]
+            visible = torch.cat([ok[None, :].expand(T, -1), new_mask[b]], dim=1)  # [T, S]
+            if sliding_window is not None and q_positions is not None:
+                visible &= q_positions[b].cpu()[:, None] - slots[None, :] < sliding_window
+            used = visible.any(0)
+            safe = torch.where(used, slots, 0)
+            kk = torch.where(used[:, None], k[b, h, safe], 0.0)  # unused keys may be NaN slots
+            vv = torch.where(used[:, None], v[b, h, safe], 0.0)
+            s = q[b, h * G:(h + 1) * G] @ kk.T / math.sqrt(D)  # [G, T, S]
+            p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+            out[b, :, h * G:(h + 1) * G] = (p @ vv).transpose(0, 1)
+    return out
+
+
+def to_device(*xs):
+    return [x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in xs]
+
+
+def run_and_check(q, k, v, lengths, **kw) -> torch.Tensor:
+    """The kernel on DEVICE vs the float64 reference: no NaN, relative error within TOL."""
+    num_splits = kw.pop("num_splits", None)
+    ref = reference_attention(q, k, v, lengths, **kw)
+    dev_kw = {name: to_device(x)[0] for name, x in kw.items()}
+    out = td.decode_attention(*to_device(q, k, v, lengths), num_splits=num_splits, **dev_kw)
+    B, Hq, T, D = q.shape
+    assert out.shape == (B, T, Hq, D) and out.dtype == q.dtype and out.is_contiguous()
+    out = out.double().cpu()
+    assert not out.isnan().any()
+    err = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    assert err <= TOL[q.dtype], f"relative error {err:.2e} > {TOL[q.dtype]:.0e}"
+    return out
+
+
+def lengths_for(B: int, seed: int) -> list[int]:
+    """Ragged lengths: 0, odd sizes not a multiple of the 64-key block; longer on a GPU."""
+    scale = 1 if SMALL else 9
+    pool = [0, 37 * scale, 130 * scale] if B > 1 else [77 * scale]
+    return [pool[(i + seed) % len(pool)] for i in range(B)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernel cases (DEVICE: CUDA in this process, or the CPU in the interpreter child run)
+
+HEADS = [(12, 2), (14, 2), (4, 4), (8, 1)]
+CAUSAL = [(hq, hkv, (64, 128)[i % 2], t, (3, 1)[(i // 2) % 2])
+          for i, ((hq, hkv), t) in enumerate((h, t) for h in HEADS for t in (1, 2, 5, 8, 16))]
+
+
+@needs_kernel
+@pytest.mark.parametrize("Hq,Hkv,D,T,B", CAUSAL)
+def test_causal_chain_bf16(Hq, Hkv, D, T, B):
+    gen = torch.Generator().manual_seed(hash((Hq, Hkv, D, T, B)) % 2**31)
+    q, k, v, lengths = make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, T=T, D=D, lengths=lengths_for(B, T))
+    run_and_check(q, k, v, lengths, num_splits=(1, 3)[T % 2])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("Hq,Hkv,D,T,P", [(12, 2, 64, 5, 0), (8, 1, 128, 1, 3), (4, 4, 96, 3, 2)])
+def test_causal_other_dtypes(dtype, Hq, Hkv, D, T, P):
+    """fp32 goes through IEEE dots (1e-5); D = 96 is padded to a 128 block."""
+    gen = torch.Generator().manual_seed(T * 7 + P)
+    q, k, v, lengths = make_inputs(gen, B=3, Hq=Hq, Hkv=Hkv, T=T, D=D, lengths=lengths_for(3, P), P=P,
+                                   dtype=dtype)
+    run_and_check(q, k, v, lengths, pending=P, num_splits=2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("T", [7, 64])
+@pytest.mark.parametrize("P", [0, 3])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_tree(T, P, per_row):
+    """Ancestor masks of random trees (one shared, or one per row), after P pending tokens."""
+    gen = torch.Generator().manual_seed(T * 10 + P + per_row)
+    Hq, Hkv, B = (12, 2, 3) if T < 32 else (4, 2, 2)
+    trees = [random_tree_mask(gen, T)[0] for _ in range(B if per_row else 1)]
+    masks = [torch.cat([torch.ones(T, P, dtype=torch.bool), anc], dim=1) for anc in trees]
+    new_mask = torch.stack(masks) if per_row else masks[0][None] if P else masks[0]  # [B|1, T, W] / [T, W]
+    q, k, v, lengths = make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, T=T, D=64, lengths=lengths_for(B, T), P=P)
+    run_and_check(q, k, v, lengths, pending=P, new_mask=new_mask, num_splits=2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("T,P,tree", [(1, 0, False), (4, 3, False), (9, 2, True)])
+def test_context_view(shared, T, P, tree):
+    """Context through ctx_idx/ctx_valid: shared by the KV heads (H' = 1) or per KV head."""
+    gen = torch.Generator().manual_seed(T + 100 * P + shared)
+    B, Hq, Hkv, D = 3, 12, 2, 128
+    lens = lengths_for(B, T)
+    q, k, v, lengths = make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, T=T, D=D, lengths=lens, P=P)
+    C = 50 if SMALL else 300
+    ctx_idx, ctx_valid = make_view(gen, lens, 1 if shared else Hkv, C, k.shape[2])
+    new_mask = None
+    if tree:
+        new_mask = torch.cat([torch.ones(T, P, dtype=torch.bool), random_tree_mask(gen, T)[0]], dim=1)
+    run_and_check(q, k, v, lengths, pending=P, new_mask=new_mask, ctx_idx=ctx_idx, ctx_valid=ctx_valid,
+                  num_splits=3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [3, 40, 100])
+@pytest.mark.parametrize("mode", ["chain", "tree", "view"])
+def test_sliding_window(window, mode):
+    """Keys with q_position - slot ≥ window are dropped (and whole blocks before it skipped)."""
+    gen = torch.Generator().manual_seed(window + len(mode))
+    B, Hq, Hkv, T, P, D = 3, 8, 2, 6, 2, 64
+    lens = lengths_for(B, window)
+    q, k, v, lengths = make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, T=T, D=D, lengths=lens, P=P)
+    kw = dict(pending=P, sliding_window=window)
+    depth = torch.arange(T)
+    if mode == "tree":
+        anc, depth = random_tree_mask(gen, T)
+        kw["new_mask"] = torch.cat([torch.ones(T, P, dtype=torch.bool), anc], dim=1)
+    if mode == "view":
+        kw["ctx_idx"], kw["ctx_valid"] = make_view(gen, lens, Hkv, 40, k.shape[2])
+    kw["q_positions"] = lengths[:, None] + P + depth[None, :]
+    run_and_check(q, k, v, lengths, num_splits=2, **kw)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_split_counts_agree(dtype):
+    """1 split, a few, more splits than key blocks, and the default: the same result."""
+    gen = torch.Generator().manual_seed(5)
+    B, Hq, Hkv, T, D = 3, 12, 2, 3, 64
+    q, k, v, lengths = make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, T=T, D=D, lengths=lengths_for(B, 0), dtype=dtype)
+    splits = (1, 2, 5, None) if SMALL else (1, 2, 5, 64, None)  # 5 already leaves splits empty
+    outs = [run_and_check(q, k, v, lengths, num_splits=s) for s in splits]
+    for o in outs[1:]:
+        assert ((o - outs[0]).norm() / outs[0].norm()).item() <= TOL[dtype]
+
+
+@needs_kernel
+def test_rows_without_visible_keys_are_zero():
+    """Empty context (L = 0 or an all-invalid view) and a new-mask row with no True: output 0."""
+    gen = torch.Generator().manual_seed(9)
+    B, Hq, Hkv, T, D = 2, 4, 2, 3, 64
+    q, k, v, lengths = make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, T=T, D=D, lengths=[0, 50])
+    new_mask = torch.tril(torch.ones(T, T, dtype=torch.bool))[None].repeat(B, 1, 1)
+    new_mask[:, 1] = False  # token 1 sees nothing new
+    for kw in (dict(), dict(ctx_idx=torch.zeros(B, 1, 4, dtype=torch.int64),
+                            ctx_valid=torch.zeros(B, 1, 4, dtype=torch.bool))):
+        for splits in (1, 4):
+            out = run_and_check(q, k, v, lengths, new_mask=new_mask, num_splits=splits, **kw)
+            assert (out[:, 1] == 0).all() if kw else (out[0, 1] == 0).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA")
+def test_cuda_graph_capture_and_replay():
+    """No host sync, allocations from shapes only: capture once, change lengths in place, replay."""
+    gen = torch.Generator().manual_seed(3)
+    B, Hq, Hkv, T, D = 3, 12, 2, 4, 128
+    q, k, v, lengths = make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, T=T, D=D, lengths=[1300] * B, cap=1400)
+    q, k, v, lengths = to_device(q, k, v, lengths)  # slots < 1304 are written (valid for both sets below)
+    lengths.copy_(torch.tensor([500, 900, 1300]))
+    for splits in (None, 4):  # the default (1 split here) and the split + merge path
+        td.decode_attention(q, k, v, lengths, num_splits=splits)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = td.decode_attention(q, k, v, lengths, num_splits=splits)
+        for new in ([500, 900, 1300], [7, 1200, 64]):
+            lengths.copy_(torch.tensor(new))
+            graph.replay()
+            torch.cuda.synchronize()
+            ref = reference_attention(q, k, v, lengths)
+            assert not out.isnan().any()
+            assert ((out.double().cpu() - ref).norm() / ref.norm()).item() <= 1e-2
+
+
+# ----------------------------------------------------------------------------------------------------
+# Host-side checks (no kernel launch) and the interpreter child run
+
+
+def test_float64_reference_matches_project_reference():
+    """The explicit-key-list reference here equals reference.read_kv + reference.attention."""
+    gen = torch.Generator().manual_seed(11)
+    B, Hq, Hkv, T, P, D = 3, 6, 2, 5, 2, 16
+    lens = [0, 37, 20]
+    q, k, v, lengths = make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, T=T, D=D, lengths=lens, P=P,
+                                   dtype=torch.float64)
+    k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)  # the project reference reads every slot
+    anc, depth = random_tree_mask(gen, T)
+    new_mask = torch.cat([torch.ones(T, P, dtype=torch.bool), anc], dim=1)
+    ctx_idx, ctx_valid = make_view(gen, lens, Hkv, 12, k.shape[2])
+    ctx_idx = torch.where(ctx_valid, ctx_idx, 0)  # the project reference gathers every entry
+    q_positions = lengths[:, None] + P + depth[None, :]
+    for view in (None, lambda layer: (ctx_idx, ctx_valid)):
+        meta = reference.AttentionMetadata(lengths=lengths, num_new=T, kv_len=max(lens) + P + T, pending=P,
+                                           new_mask=new_mask, q_positions=q_positions, sliding_window=30,
+                                           view=view)
+        kk, vv, mask = reference.read_kv(k, v, 0, meta)
+        expected = reference.attention(q, kk, vv, mask).transpose(1, 2)
+        view_kw = dict(ctx_idx=ctx_idx, ctx_valid=ctx_valid) if view else {}
+        got = reference_attention(q, k, v, lengths, pending=P, new_mask=new_mask, q_positions=q_positions,
+                                  sliding_window=30, **view_kw)
+        torch.testing.assert_close(got, expected)  # every query sees itself: no empty rows
+
+
+def test_default_num_splits_from_static_shapes():
+    """The picks that measured best on an H200 (132 SMs; benchmarks/attention_bench.py --sweep)."""
+    cap = 32768 + 8
+    assert td.default_num_splits(cap, 64 * 2, 132, block_m=16) == 3  # decode, batch 64: 384 small programs
+    assert td.default_num_splits(cap, 64 * 2, 132, block_m=64) == 2  # T = 8: 256 programs, one wave
+    assert td.default_num_splits(cap, 8 * 2 * 2, 132) == 8  # 16-node trees at batch 8
+    assert td.default_num_splits(cap, 1 * 2 * 12, 132) == 11  # one 128-node tree: 264 programs
+    assert td.default_num_splits(1400, 6, 132) == 1  # short caches: one split (≥ 1024 keys each)
+    assert 48 <= td.default_num_splits(10**7, 1, 132) <= 64  # capped at 64
+
+
+def test_supported_and_import_without_triton(monkeypatch):
+    q = torch.zeros(1, 2, 1, 64)
+    assert not td.supported(q, torch.zeros(1, 2, 8, 64))  # CPU tensors: the caller falls back
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    spec = importlib.util.spec_from_file_location("_triton_decode_without_triton", td.__file__)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.triton is None and not mod.supported(q, torch.zeros(1, 2, 8, 64))
+    assert not mod.available(torch.device("cpu"), torch.bfloat16, 64)
+
+
+@pytest.mark.skipif(INTERPRET, reason="this is the interpreter child run")
+def test_interpreter_suite():
+    """Run this file's kernel cases on the CPU through Triton's interpreter, in a child pytest."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    src = str(Path(td.__file__).parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-rs",
+           "-k", "not interpreter_suite"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900,
+                          cwd=Path(__file__).parents[2])
+    log = proc.stdout[-6000:] + proc.stderr[-2000:]
+    if proc.returncode == 5:  # the child skipped everything (no usable interpreter on this machine)
+        pytest.skip("interpreter child run skipped: " + log.strip().splitlines()[-1])
+    assert proc.returncode == 0, log
+    if not re.search(r"\d+ passed", log):
+        pytest.skip(f"interpreter run skipped: {log[-400:]}")
