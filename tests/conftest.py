@@ -130,3 +130,28 @@ def tiny_llm(tiny_model_dir):
     from redwood import LLM
 
     return LLM(str(tiny_model_dir))
+
+
+def run_in_triton_interpreter(test_file: str) -> None:
+    """Run a kernel test file's cases on the CPU through Triton's interpreter, in a child pytest.
+
+    TRITON_INTERPRET must be set before triton is first imported, so it cannot be switched on inside
+    this process. Skips when the child skipped everything (no usable interpreter on this machine).
+    """
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root / "src"), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", "-rs",
+           "-k", "not interpreter_suite"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=root)
+    log = proc.stdout[-6000:] + proc.stderr[-2000:]
+    if proc.returncode == 5:
+        pytest.skip("interpreter child run skipped: " + log.strip().splitlines()[-1])
+    assert proc.returncode == 0, log
+    if not re.search(r"\d+ passed", log):
+        pytest.skip(f"interpreter run skipped: {log[-400:]}")

@@ -17,10 +17,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-import re
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +25,7 @@ import torch
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
+from tests.conftest import run_in_triton_interpreter  # noqa: E402
 from redwood.attention import reference  # noqa: E402
 from redwood.attention import triton_decode as td  # noqa: E402
 
@@ -351,16 +349,4 @@ def test_supported_and_import_without_triton(monkeypatch):
 @pytest.mark.skipif(INTERPRET, reason="this is the interpreter child run")
 def test_interpreter_suite():
     """Run this file's kernel cases on the CPU through Triton's interpreter, in a child pytest."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    src = str(Path(td.__file__).parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-rs",
-           "-k", "not interpreter_suite"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900,
-                          cwd=Path(__file__).parents[2])
-    log = proc.stdout[-6000:] + proc.stderr[-2000:]
-    if proc.returncode == 5:  # the child skipped everything (no usable interpreter on this machine)
-        pytest.skip("interpreter child run skipped: " + log.strip().splitlines()[-1])
-    assert proc.returncode == 0, log
-    if not re.search(r"\d+ passed", log):
-        pytest.skip(f"interpreter run skipped: {log[-400:]}")
+    run_in_triton_interpreter(__file__)

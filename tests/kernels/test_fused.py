@@ -22,11 +22,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
-import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,6 +31,7 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
+from tests.conftest import run_in_triton_interpreter  # noqa: E402
 from redwood.kernels import fused as fk  # noqa: E402
 from redwood.kv.cache import KVCache  # noqa: E402
 from redwood.models.rope import RotaryEmbedding, apply_rotary  # noqa: E402
@@ -307,16 +305,4 @@ def test_available_and_import_without_triton(monkeypatch):
 @pytest.mark.skipif(INTERPRET, reason="this is the interpreter child run")
 def test_interpreter_suite():
     """Run this file's kernel cases on the CPU through Triton's interpreter, in a child pytest."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    src = str(Path(fk.__file__).parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-rs",
-           "-k", "not interpreter_suite"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900,
-                          cwd=Path(__file__).parents[2])
-    log = proc.stdout[-6000:] + proc.stderr[-2000:]
-    if proc.returncode == 5:  # the child skipped everything (no usable interpreter on this machine)
-        pytest.skip("interpreter child run skipped: " + log.strip().splitlines()[-1])
-    assert proc.returncode == 0, log
-    if not re.search(r"\d+ passed", log):
-        pytest.skip(f"interpreter run skipped: {log[-400:]}")
+    run_in_triton_interpreter(__file__)

@@ -125,8 +125,8 @@ class RunnerPool:
         key = (role, id(model), batch_size)
         runner = self._runners.get(key)
         if runner is None or runner.cache.capacity < capacity:
-            self._runners.pop(key, None)  # free the old cache before allocating the new one
-            runner = None
+            runner = self._runners.pop(key, None)  # free the old cache before allocating the new one
+            del runner
             torch.cuda.empty_cache()
             rounded = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
             runner = StepRunner(model, model.new_cache(batch_size, rounded), use_graphs=True)
