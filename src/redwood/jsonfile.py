@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,14 @@ def read_json(path: str | Path, what: str) -> Any:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read {what} file {path}: {getattr(e, 'strerror', None) or e}") from None
     return parse_json(text, str(path))
+
+
+def check_format(d: Any, expected: str, source: str) -> None:
+    """A versioned redwood file must be a JSON object whose "format" is `expected` (e.g. redwood.tree/1)."""
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
+    if d.get("format") != expected:
+        raise ConfigError(f"{source}: format is {d.get('format')!r}, expected {expected!r}")
 
 
 def write_json(path: str | Path, data: Any) -> Path:

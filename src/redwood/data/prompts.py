@@ -80,9 +80,9 @@ def encode_long(tokenizer: Any, text: str) -> list[int]:
     return [t for piece in pieces for t in encode(tokenizer, piece)]
 
 
-def _check_count(count: int) -> None:
-    if not isinstance(count, int) or count <= 0:
-        raise ConfigError(f"prompt count must be a positive integer, got {count!r}")
+def _check_positive(what: str, value: int) -> None:
+    if not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{what} must be a positive integer, got {value!r}")
 
 
 def _bos(tokenizer: Any, add_bos: bool) -> list[int]:
@@ -131,9 +131,8 @@ def long_context_prompts(tokenizer: Any, dataset: str | Sequence[dict], length: 
     Documents are joined with a blank line (in dataset order) and tokenized once. With `add_bos` the
     tokenizer's BOS token starts each prompt (still `length` tokens in all).
     """
-    _check_count(count)
-    if not isinstance(length, int) or length <= 0:
-        raise ConfigError(f"prompt length must be a positive integer, got {length!r}")
+    _check_positive("prompt count", count)
+    _check_positive("prompt length", length)
     name, docs = _docs(dataset)
     bos = _bos(tokenizer, add_bos)
     need = length - len(bos)
@@ -152,9 +151,8 @@ def short_prefix_prompts(tokenizer: Any, dataset: str | Sequence[dict], count: i
                          prefix_tokens: int = DEFAULT_PREFIX_TOKENS, seed: int = 0, *,
                          add_bos: bool = False) -> list[list[int]]:
     """The first `prefix_tokens` tokens of `count` documents (seeded choice; shorter documents skipped)."""
-    _check_count(count)
-    if not isinstance(prefix_tokens, int) or prefix_tokens <= 0:
-        raise ConfigError(f"prefix_tokens must be a positive integer, got {prefix_tokens!r}")
+    _check_positive("prompt count", count)
+    _check_positive("prefix_tokens", prefix_tokens)
     name, docs = _docs(dataset)
     bos = _bos(tokenizer, add_bos)
     need = prefix_tokens - len(bos)
@@ -206,7 +204,7 @@ def chat_prompts(tokenizer: Any, dataset: str | Sequence[dict], count: int | Non
     name, docs = _docs(dataset)
     if count is None:
         count = len(docs)
-    _check_count(count)
+    _check_positive("prompt count", count)
     if count > len(docs):
         raise ConfigError(f"dataset {name} has {len(docs)} prompts, {count} requested")
     order = list(range(len(docs)))

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from redwood.errors import ConfigError
-from redwood.jsonfile import read_json, write_json
+from redwood.jsonfile import check_format, read_json, write_json
 
 FORMAT = "redwood.acceptance/1"
 METHODS = ("dynamic", "static", "manual")
@@ -157,11 +157,7 @@ class AcceptanceVector:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], source: str = "acceptance record") -> "AcceptanceVector":
-        if not isinstance(d, Mapping):
-            raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
-        fmt = d.get("format")
-        if fmt != FORMAT:
-            raise ConfigError(f"{source}: format is {fmt!r}, expected {FORMAT!r}")
+        check_format(d, FORMAT, source)
         if "values" not in d:
             raise ConfigError(f"{source}: missing 'values' (the per-rank acceptance p_1..p_W)")
         known = {"format", "models", "method", "width", "temperature", "top_p", "dataset", "samples",

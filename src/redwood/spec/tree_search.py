@@ -49,7 +49,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from redwood.errors import ConfigError
-from redwood.jsonfile import read_json, write_json
+from redwood.jsonfile import check_format, read_json, write_json
 from redwood.spec.acceptance import AcceptanceVector, _prob_row
 from redwood.spec.trees import Tree
 
@@ -417,10 +417,7 @@ class LatencyProfile:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], source: str = "profile") -> "LatencyProfile":
-        if not isinstance(d, Mapping):
-            raise ConfigError(f"{source}: expected a JSON object")
-        if d.get("format") != PROFILE_FORMAT:
-            raise ConfigError(f"{source}: format is {d.get('format')!r}, expected {PROFILE_FORMAT!r}")
+        check_format(d, PROFILE_FORMAT, source)
         for key in ("target", "draft"):
             if key not in d:
                 raise ConfigError(f"{source}: missing '{key}' latencies")

@@ -32,7 +32,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from redwood.errors import ConfigError
-from redwood.jsonfile import parse_json, read_json
+from redwood.jsonfile import check_format, parse_json, read_json
 
 FORMAT = "redwood.tree/1"
 
@@ -260,10 +260,7 @@ class Tree:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], source: str = "tree") -> "Tree":
-        if not isinstance(d, Mapping):
-            raise ConfigError(f"{source}: expected a JSON object with 'format' and 'parents'")
-        if d.get("format") != FORMAT:
-            raise ConfigError(f"{source}: format is {d.get('format')!r}, expected {FORMAT!r}")
+        check_format(d, FORMAT, source)
         if "parents" not in d:
             raise ConfigError(f"{source}: missing 'parents'")
         meta = d.get("meta", {}) or {}
