@@ -61,7 +61,7 @@ def test_tree_shapes_are_what_the_names_say():
 
 
 class PathRecorder:
-    """Wraps the engine's `verify_tree` to record the accepted paths' child ranks, per step per row —
+    """Wraps the engine's `verify_tree_paths` to record the accepted paths' child ranks, per step per row —
     only rows still generating when `requests` is set (a finished row is verified but commits nothing)."""
 
     def __init__(self):
@@ -70,17 +70,18 @@ class PathRecorder:
         self.requests = None
 
     def install(self, monkeypatch):
-        real = spec_loop.verify_tree
+        real = spec_loop.verify_tree_paths
 
         def wrapper(verifier, parents, *args, **kwargs):
-            accepted, nxt = real(verifier, parents, *args, **kwargs)
+            path, nxt = real(verifier, parents, *args, **kwargs)
             self.calls += 1
             ranks = Tree(tuple(parents)).child_rank
-            self.paths += [[ranks[v] for v in path] for b, path in enumerate(accepted)
+            accepted = [[v for v in row if v >= 0] for row in path.tolist()]
+            self.paths += [[ranks[v] for v in nodes] for b, nodes in enumerate(accepted)
                            if self.requests is None or not self.requests[b].finished]
-            return accepted, nxt
+            return path, nxt
 
-        monkeypatch.setattr(spec_loop, "verify_tree", wrapper)
+        monkeypatch.setattr(spec_loop, "verify_tree_paths", wrapper)
         return self
 
     @property
@@ -365,15 +366,15 @@ def test_end_to_end_chi2_detects_a_lossy_tree_verifier(tiny_vocab_pair, tmp_path
     target, draft = tiny_vocab_pair
     llm = LLM(str(target), speculative=SpeculativeConfig(draft_model=str(draft), tree=str(
         SAMPLED_TREE.save(tmp_path / "tree.json")), verifier="sequoia"))
-    real = spec_loop.verify_tree
+    real = spec_loop.verify_tree_paths
 
-    def lossy(verifier, parents, tokens, p, q, generators):
-        return real(verifier, parents, tokens, p, torch.zeros_like(q), generators)
+    def lossy(verifier, parents, tokens, p, q, rand):
+        return real(verifier, parents, tokens, p, torch.zeros_like(q), rand)
 
     rows = 1000
     params = [SamplingParams(temperature=1.0, seed=s, max_new_tokens=2, ignore_eos=True) for s in range(rows)]
     mp = pytest.MonkeyPatch()
-    mp.setattr(spec_loop, "verify_tree", lossy)
+    mp.setattr(spec_loop, "verify_tree_paths", lossy)
     try:
         toks = torch.tensor([o.token_ids for o in llm.generate([PROMPT] * rows, params)])
     finally:

@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+from redwood.engine.random import RowRandom
 from redwood.engine.sampling import probabilities
 from redwood.spec.tree_verify import CHILD_RULE, draw_children, verify_tree
 
@@ -80,20 +81,26 @@ def emitted(tokens: torch.Tensor, accepted: list[list[int]], next_token: torch.T
     return [[tok[b][v] for v in path] + [nxt[b]] for b, path in enumerate(accepted)]
 
 
-def depth1_round(verifier: str, p: torch.Tensor, q: torch.Tensor, k: int, rows: int, seed: int):
+def depth1_round(verifier: str, p: torch.Tensor, q: torch.Tensor, k: int, rows: int, seed: int,
+                 source: str = "generators"):
     """One step over a root with k children drawn from q by the verifier's rule, for `rows` rows.
 
-    The draft side uses one generator for all rows (one call); the verifier one generator per row.
-    Returns (tokens [rows, k+1], accepted, next_token).
+    source "generators": the draft side uses one generator for all rows (one call), the verifier one
+    generator per row; "device": the engine's counter-based `RowRandom` (one row for the draft side,
+    `rows` rows for the verifier). Returns (tokens [rows, k+1], accepted, next_token).
     """
     V = p.numel()
-    draft_gen = torch.Generator().manual_seed(seed)
-    children = draw_children(q.expand(rows, V), k, CHILD_RULE[verifier], [draft_gen],
+    if source == "generators":
+        draft_rand, verify_rand = [torch.Generator().manual_seed(seed)], gens(rows, seed + 1)
+    else:
+        draft_rand = RowRandom([seed], "cpu")
+        verify_rand = RowRandom([(seed + 1) * 1_000_003 + i for i in range(rows)], "cpu")
+    children = draw_children(q.expand(rows, V), k, CHILD_RULE[verifier], draft_rand,
                              rows=torch.zeros(rows, dtype=torch.long))
     tokens = torch.cat([torch.zeros(rows, 1, dtype=torch.long), children], dim=1)
     target = p.expand(rows, k + 1, V).contiguous()
     draft = q.expand(rows, k + 1, V).contiguous()
-    accepted, nxt = verify_tree(verifier, [-1] + [0] * k, tokens, target, draft, gens(rows, seed + 1))
+    accepted, nxt = verify_tree(verifier, [-1] + [0] * k, tokens, target, draft, verify_rand)
     return tokens, accepted, nxt
 
 
@@ -121,12 +128,13 @@ def _case(name: str):
 
 @pytest.mark.parametrize("verifier", STOCHASTIC)
 @pytest.mark.parametrize("case", ["peaked", "zeros", "far", "exhausted", "exhausted_one"])
-def test_first_token_is_distributed_as_target(verifier, case):
+@pytest.mark.parametrize("source", ["generators", "device"])
+def test_first_token_is_distributed_as_target(verifier, case, source):
     p, q, k = _case(case)
     seed = 17 + ["peaked", "zeros", "far", "exhausted", "exhausted_one"].index(case)
-    tokens, accepted, nxt = depth1_round(verifier, p, q, k, rows=8000, seed=seed)
+    tokens, accepted, nxt = depth1_round(verifier, p, q, k, rows=8000, seed=seed, source=source)
     first = torch.tensor([e[0] for e in emitted(tokens, accepted, nxt)])
-    assert_fits(first, p, f"{verifier}/{case}")
+    assert_fits(first, p, f"{verifier}/{case} ({source} random numbers)")
 
 
 @pytest.mark.parametrize("verifier", STOCHASTIC)

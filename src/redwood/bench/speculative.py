@@ -124,6 +124,9 @@ def aggregate_spec(requests: Sequence[RequestState]) -> dict[str, Any]:
         # every active row shares each step's draft and verify forward: the batch's time is the longest row's
         "draft_s": max((s.draft_s for s in specs), default=0.0),
         "verify_s": max((s.verify_s for s in specs), default=0.0),
+        # (0 / 0 above when each step ran as one CUDA graph: then only whole steps are timed)
+        "step_s": max((s.step_s for s in specs), default=0.0),
+        "ms_per_step": max((1e3 * s.step_s / s.steps for s in specs if s.steps), default=0.0),
     }
 
 
@@ -290,20 +293,22 @@ def format_result(r: dict[str, Any]) -> str:
                          f"{x['tokens_per_s']:>10.2f}")
         return "\n".join(lines)
     lines.append(f"{'batch':>5} {'prefix':>7} {'draft shape':>12} {'AR tok/s':>10} {'spec tok/s':>10} {'speedup':>8} "
-                 f"{'accept':>7} {'acc len':>7} {'draft s':>8} {'verify s':>8}  {'same':<4}  acceptance by position")
+                 f"{'accept':>7} {'acc len':>7} {'draft s':>8} {'verify s':>8} {'ms/step':>8}  {'same':<4}  "
+                 "acceptance by position")
     for x in r["runs"]:
         same = {True: "yes", False: "NO", None: "n/a"}[x["identical_to_ar"]]
         pos = " ".join(f"{a:.2f}" for a in x["acceptance_by_position"])
         speedup = "–" if x["speedup"] is None else f"{x['speedup']:.2f}x"
         lines.append(f"{x['batch_size']:>5} {x['prefix_len']:>7} {x['tree']:>12} {x['ar_tokens_per_s']:>10.2f} "
                      f"{x['tokens_per_s']:>10.2f} {speedup:>8} {x['acceptance_rate']:>7.3f} "
-                     f"{x['mean_accepted_length']:>7.2f} {x['draft_s']:>8.3f} {x['verify_s']:>8.3f}  {same:<4}  {pos}")
+                     f"{x['mean_accepted_length']:>7.2f} {x['draft_s']:>8.3f} {x['verify_s']:>8.3f} "
+                     f"{x.get('ms_per_step', 0.0):>8.2f}  {same:<4}  {pos}")
     if len({x["tree"] for x in r["runs"]}) > 1:
         for b in r["best"]:
             lines.append(f"best draft shape at batch {b['batch_size']}, prefix {b['prefix_len']}: {b['tree']} "
                          f"({_f(b['speedup'], '.2f', 0).strip()}x)")
     lines.append("acc len = tokens per target step, bonus token included; same = greedy output identical to "
-                 "autoregressive")
+                 "autoregressive; draft/verify s are 0 when each step runs as one CUDA graph (see ms/step)")
     if r["all_identical"] is False:
         lines.append("WARNING: greedy speculative output differs from autoregressive output (must be identical)")
     return "\n".join(lines)

@@ -248,8 +248,11 @@ def stats_line(stats: dict, finish_reason: str) -> str:
                  else f"tree {nodes + 1} nodes, depth {spec['gamma']}")
         line += (f"; speculative {shape}: {spec['steps']} steps, acceptance "
                  f"{spec['acceptance_rate']:.3f} ({spec['accepted']}/{spec['drafted']}), mean accepted length "
-                 f"{spec['mean_accepted_length']:.2f} tokens/step, draft {spec['draft_s']:.3f} s / verify "
-                 f"{spec['verify_s']:.3f} s")
+                 f"{spec['mean_accepted_length']:.2f} tokens/step, ")
+        if spec["draft_s"] or spec["verify_s"]:
+            line += f"draft {spec['draft_s']:.3f} s / verify {spec['verify_s']:.3f} s"
+        else:  # each step ran as one CUDA graph: only the whole step is timed
+            line += f"steps {spec.get('step_s', 0.0):.3f} s"
     return line + "]"
 
 

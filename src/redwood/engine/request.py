@@ -23,8 +23,9 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)
-    draft_s: float = 0.0
-    verify_s: float = 0.0
+    draft_s: float = 0.0  # drafting time, when measured apart (eager steps; 0 when a step is one graph)
+    verify_s: float = 0.0  # verification time, when measured apart
+    step_s: float = 0.0  # whole steps (draft + verify + commit bookkeeping up to the host's read)
 
     def record(self, accepted: int) -> None:
         if not self.accepted_at:
@@ -47,6 +48,7 @@ class SpecStats:
             "acceptance_by_position": [round(a / self.steps, 4) for a in self.accepted_at] if self.steps else [],
             "draft_s": round(self.draft_s, 6),
             "verify_s": round(self.verify_s, 6),
+            "step_s": round(self.step_s, 6),
         }
 
 

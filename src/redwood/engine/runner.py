@@ -12,6 +12,10 @@ Inside the graph everything is read from device tensors that persist across step
 buffers (a compressed draft view is recomputed from `lengths` inside the graph). Nothing in a captured
 forward synchronizes with the host (the Triton attention kernel reads the lengths on the device).
 
+A speculative step can go further: `StepRunner.captured_step` captures a whole callable — every draft
+level, the verification forward, sampling and the verifier — into one graph (the forwards inside it run
+inline, not as graphs of their own), so a step costs one replay and one host synchronization.
+
 The logits a replay returns live in the graph's static output: consume them before the same step shape
 runs again. A `RunnerPool` keeps runners (cache + graphs) across generations, one per role and batch size,
 so graphs are captured once per process, not once per request.
@@ -19,7 +23,8 @@ so graphs are captured once per process, not once per request.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -30,6 +35,18 @@ from redwood.models.transformer import Transformer
 # Cache capacities are rounded up to this many slots, so that a pooled cache (and its graphs) serves
 # every later generation that fits.
 CAPACITY_STEP = 1024
+
+_inline = [0]  # > 0: forwards run directly (they are being captured as part of a larger graph)
+
+
+@contextmanager
+def inline_forwards() -> Iterator[None]:
+    """Within this block every StepRunner.forward runs the model directly instead of replaying a graph."""
+    _inline[0] += 1
+    try:
+        yield
+    finally:
+        _inline[0] -= 1
 
 
 class StepRunner:
@@ -43,6 +60,7 @@ class StepRunner:
         # output stays allocated, so sharing the pool only lets intermediates reuse memory.
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.captures = 0  # graphs captured so far (reported by benchmarks)
+        self._steps: dict[Hashable, CapturedStep] = {}
 
     def reset(self) -> None:
         """Empty the cache for a new generation (its buffers, and so the graphs, stay)."""
@@ -58,7 +76,7 @@ class StepRunner:
         draft level); required with a mask when graphs are on, since one graph serves every call with
         that key.
         """
-        if not self.use_graphs:
+        if not self.use_graphs or _inline[0]:
             view = None if policy is None else policy.view(self.cache.lengths)
             return self.model(ids, positions, self.cache, new_mask=new_mask, pending=pending, view=view)
         if new_mask is not None and mask_key is None:
@@ -70,6 +88,55 @@ class StepRunner:
             self._graphs[key] = captured
             self.captures += 1
         return captured.replay(ids, positions)
+
+
+    def captured_step(self, key: Hashable, build: Callable[[], Callable[..., tuple]],
+                      inputs: tuple[torch.Tensor, ...], restore: Callable[[], Callable[[], None]]) -> "CapturedStep":
+        """The graph of a whole step under `key`, captured on first use (graphs must be on).
+
+        build() makes the step callable (called once; it and what it holds live as long as the graph);
+        inputs: example inputs (their shapes are fixed by the key); restore(): snapshot the state the
+        warm-up runs must not advance (e.g. random counters) and return a function that puts it back.
+        """
+        captured = self._steps.get(key)
+        if captured is None:
+            captured = CapturedStep(build(), inputs, self._pool, restore)
+            self._steps[key] = captured
+            self.captures += 1
+        return captured
+
+
+def _warm_up_and_capture(graph: torch.cuda.CUDAGraph, pool, run: Callable[[], object]):
+    """Run `run` twice on a side stream (lazy initialization, Triton compilation), then capture it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph, pool=pool):
+        return run()
+
+
+class CapturedStep:
+    """One CUDA graph of a whole step callable fn(*inputs) → tuple of tensors."""
+
+    def __init__(self, fn: Callable[..., tuple], inputs: tuple[torch.Tensor, ...], pool,
+                 restore: Callable[[], Callable[[], None]]):
+        self.fn = fn
+        self.inputs = tuple(x.clone() for x in inputs)
+        undo = restore()
+        self.graph = torch.cuda.CUDAGraph()
+        with inline_forwards():
+            warm = _warm_up_and_capture(self.graph, pool, lambda: fn(*self.inputs))
+        undo()  # the warm-up runs drew random numbers; the capture itself ran nothing
+        self.out = warm
+
+    def replay(self, *inputs: torch.Tensor) -> tuple:
+        for static, x in zip(self.inputs, inputs):
+            static.copy_(x)
+        self.graph.replay()
+        return self.out
 
 
 class _Captured:
@@ -85,18 +152,10 @@ class _Captured:
             view = None if policy is None else policy.view(cache.lengths)
             return model(self.ids, self.positions, cache, new_mask=self.mask, pending=pending, view=view)
 
-        # Warm up on a side stream (lazy initialization, Triton compilation and autotuning happen here,
-        # outside the capture). A forward writes only scratch slots past the committed lengths and never
-        # commits, so running it is free of side effects.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
+        # Warm up outside the capture. A forward writes only scratch slots past the committed lengths and
+        # never commits, so running it is free of side effects.
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.out = step()
+        self.out = _warm_up_and_capture(self.graph, pool, step)
 
     def replay(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         self.ids.copy_(ids)

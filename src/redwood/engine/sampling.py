@@ -1,6 +1,7 @@
 """Turning logits into a distribution and drawing tokens, per row of a batch, in float32.
 
-`Sampler` holds each row's temperature / top-k / top-p and its own random generator (seeded rows are
+`Sampler` holds each row's temperature / top-k / top-p and its random stream (`RowRandom`: counter-based,
+on the device, so sampling never synchronizes with the host and runs inside CUDA graphs; seeded rows are
 reproducible whatever else is in the batch). `probabilities` is the exact distribution a row samples
 from — speculative verifiers compare draft and target probabilities through the same function, so the
 distribution they preserve is exactly the one plain decoding samples.
@@ -8,10 +9,9 @@ distribution they preserve is exactly the one plain decoding samples.
 
 from __future__ import annotations
 
-import random
-
 import torch
 
+from redwood.engine.random import RowRandom, inverse_cdf
 from redwood.sampling_params import SamplingParams
 
 
@@ -62,11 +62,27 @@ class Sampler:
         self.all_greedy = all(p.greedy for p in params)
         self.any_greedy = any(p.greedy for p in params)
         self.any_filter = any(p.top_k > 0 or p.top_p < 1 for p in params)
-        self.generators: list[torch.Generator] = []
-        for p in params:
-            g = torch.Generator(device=device)
-            g.manual_seed(p.seed if p.seed is not None else random.getrandbits(63))
-            self.generators.append(g)
+        self.random = RowRandom([p.seed for p in params], device)
+
+    def copy(self) -> "Sampler":
+        """A sampler with the same settings and random state in separate device tensors."""
+        other = Sampler.__new__(Sampler)
+        other.__dict__.update(self.__dict__)
+        other.temperature, other.top_k, other.top_p = self.temperature.clone(), self.top_k.clone(), self.top_p.clone()
+        other.random = self.random.copy()
+        return other
+
+    def load_state(self, other: "Sampler") -> None:
+        """Take another batch's settings and random state into this sampler's tensors, in place (a
+        captured graph keeps reading these tensors). The host-side flags must match."""
+        if (other.all_greedy, other.any_greedy, other.any_filter) != (self.all_greedy, self.any_greedy, self.any_filter) \
+                or other.temperature.shape != self.temperature.shape:
+            raise ValueError("load_state needs a sampler of the same batch size and sampling flags")
+        self.params = other.params
+        self.temperature.copy_(other.temperature)
+        self.top_k.copy_(other.top_k)
+        self.top_p.copy_(other.top_p)
+        self.random.load_state(other.random)
 
     def probs(self, logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """logits: [N, V] for batch rows `rows` ([N] indices; None → all rows in order)."""
@@ -79,9 +95,5 @@ class Sampler:
         """logits: [B, V] → next tokens [B] (argmax for greedy rows, a draw from `probs` otherwise)."""
         if self.all_greedy:
             return logits.argmax(-1)
-        probs = self.probs(logits)
-        out = probs.argmax(-1)
-        for b, p in enumerate(self.params):
-            if not p.greedy:
-                out[b] = torch.multinomial(probs[b], 1, generator=self.generators[b])[0]
-        return out
+        drawn = inverse_cdf(self.probs(logits), self.random.uniform(None, (), torch.float32))
+        return torch.where(self.temperature == 0, logits.argmax(-1), drawn) if self.any_greedy else drawn

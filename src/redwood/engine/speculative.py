@@ -27,7 +27,7 @@ from redwood.engine.sampling import Sampler
 from redwood.errors import ConfigError
 from redwood.models.transformer import Transformer
 from redwood.spec.drafters import Drafter
-from redwood.spec.tree_verify import CHILD_RULE, verify_tree
+from redwood.spec.tree_verify import CHILD_RULE, verify_tree_paths
 from redwood.spec.trees import Tree
 from redwood.spec.verifiers import verify_greedy, verify_sampling
 
@@ -51,24 +51,64 @@ def resolve_verifier(verifier: str, tree: Tree, all_greedy: bool) -> str:
 
 def _verify(kind: str, tree: Tree, tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,
             sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """→ path [B, A] (root then accepted nodes, padded with 0), accepted count a [B], next token [B]."""
+    """→ path [B, A] (root then accepted nodes, padded with 0), accepted count a [B], next token [B].
+
+    p: [B, n, V] target probabilities (for the greedy verifier, logits do as well: only argmax matters).
+    No host synchronization (graph-capturable).
+    """
     B, n = tokens.shape
     if tree.is_chain and n > 1 and kind in ("greedy", *STOCHASTIC):  # (no drafts, chain:0: the tree walk)
         drafts = tokens[:, 1:]
         if kind == "greedy":
             a, nxt = verify_greedy(p, drafts)
         else:
-            a, nxt = verify_sampling(p, q[:, :-1], drafts, sampler.generators)
+            a, nxt = verify_sampling(p, q[:, :-1], drafts, sampler.random)
         return torch.arange(n, device=tokens.device)[None].expand(B, n), a, nxt
     walk = "sequoia" if kind == "sampling" else kind
-    paths, nxt = verify_tree(walk, list(tree.parents), tokens, p, q, sampler.generators)
-    A = 1 + max((len(x) for x in paths), default=0)
-    path = torch.zeros(B, A, dtype=torch.long, device=tokens.device)
-    for b, x in enumerate(paths):
-        if x:
-            path[b, 1: 1 + len(x)] = torch.tensor(x, device=tokens.device)
-    a = torch.tensor([len(x) for x in paths], device=tokens.device)
-    return path, a, nxt
+    nodes, nxt = verify_tree_paths(walk, list(tree.parents), tokens, p, q, sampler.random)  # [B, depth]
+    path = torch.cat([nodes.new_zeros(B, 1), nodes.clamp(min=0)], dim=1)
+    return path, (nodes >= 0).sum(1), nxt
+
+
+class SpecStep:
+    """The device work of one speculative step, for a fixed batch, tree and verifier:
+
+        (prev [B], last [B]) → draft the tree → one target forward over it → verify →
+        path [B, A], accepted [B], next token [B], new prev [B], host [B, 2 + A] (accepted, next token,
+        the path's tokens — what the host reads, in one transfer)
+
+    Nothing in it reads a device value on the host, so on CUDA it is captured whole into one graph.
+    """
+
+    def __init__(self, target: Transformer, runner, drafter: Drafter, tree: Tree, kind: str, rule: str,
+                 sampler: Sampler):
+        self.runner, self.drafter, self.tree = runner, drafter, tree
+        self.kind, self.rule, self.sampler = kind, rule, sampler
+        self.need_q = kind in STOCHASTIC
+        device = target.device
+        self.mask = None if tree.is_chain else tree.ancestor_mask(device)
+        self.depth = tree.depths_tensor(device)
+
+    def draft(self, prev: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.drafter.propose(self.runner, prev, last, self.tree, self.sampler, self.rule, self.need_q)
+
+    def verify(self, tokens: torch.Tensor, q: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        B, n = tokens.shape
+        positions = self.runner.cache.lengths[:, None] + self.depth[None]
+        logits = self.runner.forward(tokens, positions, new_mask=self.mask, mask_key=("verify", self.tree))
+        if self.kind == "greedy":
+            p = logits  # [B, n, V]: argmax is all the greedy verifier reads
+        else:
+            rows = torch.arange(B, device=tokens.device).repeat_interleave(n)
+            p = self.sampler.probs(logits.reshape(B * n, -1), rows).view(B, n, -1)
+        path, accepted, nxt = _verify(self.kind, self.tree, tokens, p, q, self.sampler)
+        path_tokens = tokens.gather(1, path)  # [B, A]
+        prev = path_tokens.gather(1, accepted[:, None])[:, 0]
+        host = torch.cat([accepted[:, None], nxt[:, None], path_tokens], dim=1)
+        return path, accepted, nxt, prev, host
+
+    def __call__(self, prev: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.verify(*self.draft(prev, last))
 
 
 @torch.inference_mode()
@@ -77,7 +117,8 @@ def speculative(target: Transformer, drafter: Drafter, requests: list[RequestSta
     """Generate for all requests with speculation; after each step yields the rows that got tokens.
 
     pool: where the caches (and, on CUDA, the captured step graphs) come from; None → fresh caches,
-    eager forwards.
+    eager forwards. With graphs each step is one replay of a graph holding the whole `SpecStep`;
+    without, the draft and verification are timed separately (`SpecStats.draft_s` / `verify_s`).
     """
     pool = pool or RunnerPool(use_graphs=False)
     device = target.device
@@ -85,7 +126,6 @@ def speculative(target: Transformer, drafter: Drafter, requests: list[RequestSta
     sampler = Sampler([r.params for r in requests], device)
     kind = resolve_verifier(verifier, tree, sampler.all_greedy)
     rule = "topk" if kind == "greedy" else ("swor" if kind == "sampling" else CHILD_RULE[kind])
-    need_q = kind in STOCHASTIC
     n = tree.size
     capacity = cache_capacity(requests, extra=n)
     prompts = [r.prompt_ids for r in requests]
@@ -104,25 +144,33 @@ def speculative(target: Transformer, drafter: Drafter, requests: list[RequestSta
     for b, r in enumerate(requests):
         r.append(last_list[b])
     yield list(range(B))
-    mask = tree.ancestor_mask(device)
-    depth = tree.depths_tensor(device)
-    rows = torch.arange(B, device=device).repeat_interleave(n)
+    if runner.use_graphs:
+        # One graph per (batch, tree, verifier, sampling flags, drafter state); it owns a copy of the
+        # sampler's device state, loaded from this generation's sampler before the first replay.
+        key = ("spec", B, tree, kind, sampler.all_greedy, sampler.any_greedy, sampler.any_filter,
+               drafter.graph_key())
+        owned = sampler.copy()
+        captured = runner.captured_step(
+            key, lambda: SpecStep(target, runner, drafter, tree, kind, rule, owned), (prev, last),
+            restore=lambda: _restorer(owned))
+        captured.fn.sampler.load_state(sampler)
+        step_fn, split = captured.replay, None
+    else:
+        split = SpecStep(target, runner, drafter, tree, kind, rule, sampler)
     while not all(r.finished for r in requests):
-        sync(device)
         ta = time.perf_counter()
-        tokens, q = drafter.propose(runner, prev, last, tree, sampler, rule, need_q)  # [B, n], [B, n, V]
-        sync(device)
-        tb = time.perf_counter()
-        positions = cache.lengths[:, None] + depth[None]
-        logits = runner.forward(tokens, positions, new_mask=None if tree.is_chain else mask,
-                                mask_key=("verify", tree))  # [B, n, V]
-        p = sampler.probs(logits.reshape(B * n, -1), rows).view(B, n, -1)
-        path, accepted, nxt = _verify(kind, tree, tokens, p, q, sampler)
-        path_tokens = tokens.gather(1, path)  # [B, A]
-        prev = path_tokens.gather(1, accepted[:, None])[:, 0]
+        if split is None:
+            path, accepted, nxt, prev, host = step_fn(prev, last)
+            host_list = host.tolist()  # the step's one host synchronization
+            tb = tc = time.perf_counter()
+        else:
+            tokens, q = split.draft(prev, last)
+            sync(device)
+            tb = time.perf_counter()
+            path, accepted, nxt, prev, host = split.verify(tokens, q)
+            host_list = host.tolist()
+            tc = time.perf_counter()
         last = nxt
-        acc_list, nxt_list, path_list = accepted.tolist(), nxt.tolist(), path_tokens.tolist()
-        tc = time.perf_counter()
         updated = []
         # Slots each row commits: a + 1 (last and the path), fewer when the row finishes within the step
         # (only the tokens it emitted, so its cache holds exactly its output and its length never passes
@@ -132,11 +180,13 @@ def speculative(target: Transformer, drafter: Drafter, requests: list[RequestSta
             if r.finished:
                 continue
             updated.append(b)
+            a, nxt_b, path_b = host_list[b][0], host_list[b][1], host_list[b][2:]
             spec = r.stats.spec
-            spec.record(acc_list[b])
-            spec.draft_s += tb - ta
+            spec.record(a)
+            spec.step_s += tc - ta
+            spec.draft_s += tb - ta if split is not None else 0.0
             spec.verify_s += tc - tb
-            for tok in path_list[b][1: acc_list[b] + 1] + [nxt_list[b]]:
+            for tok in path_b[1: a + 1] + [nxt_b]:
                 kept[b] += 1
                 if r.append(tok):
                     r.stats.decode_s = time.perf_counter() - t1
@@ -147,3 +197,8 @@ def speculative(target: Transformer, drafter: Drafter, requests: list[RequestSta
         drafter.commit(path, accepted + 1)
         cache.commit(kept_t)
         yield updated
+
+
+def _restorer(sampler: Sampler):
+    state = sampler.random.state()
+    return lambda: sampler.random.restore(state)

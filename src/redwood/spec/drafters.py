@@ -64,6 +64,44 @@ def draft_plan(tree: Tree) -> DraftPlan:
     return DraftPlan(steps, tuple(fed_pos), tuple(masks), tuple(max(counts[v] for v in s) for s in steps))
 
 
+@dataclass(frozen=True)
+class LevelPlan:
+    """One draft forward, as device tensors (built before any CUDA-graph capture, which cannot copy
+    host data): the T nodes it feeds, their position offsets, its mask, and where the children go."""
+
+    nodes: torch.Tensor  # [T] node indices fed
+    offsets: torch.Tensor  # [m + 1] (first forward: lead tokens and root) or [T] node depths
+    mask: torch.Tensor | None  # [T, m + P + T] over lead + pending + new tokens (None: causal)
+    k: int  # children drawn per fed node (the most any of them has)
+    src: torch.Tensor  # [C] flat indices into the drawn children [T · k]
+    dst: torch.Tensor  # [C] the tree nodes they become
+
+
+def level_plans(tree: Tree, m: int, device: torch.device) -> tuple[LevelPlan, ...]:
+    """The device form of `draft_plan(tree)` with m lead tokens re-fed before the root."""
+    plan = draft_plan(tree)
+    depth = tree.depths_tensor("cpu")
+    out = []
+    for step, nodes in enumerate(plan.steps):
+        k = plan.max_children[step]
+        src, dst = [], []
+        for t, v in enumerate(nodes):
+            for j, c in enumerate(tree.children(v)):
+                src.append(t * k + j)
+                dst.append(c)
+        if step == 0:
+            offsets, mask = torch.arange(m + 1), None
+        else:
+            offsets = depth[list(nodes)]
+            mask = plan.masks[step - 1]
+            if m:  # lead tokens are committed context: every node sees them
+                mask = torch.cat([torch.ones(len(nodes), m, dtype=torch.bool), mask], dim=1)
+        out.append(LevelPlan(torch.tensor(nodes, device=device), offsets.to(device),
+                             None if mask is None else mask.to(device), k,
+                             torch.tensor(src, device=device), torch.tensor(dst, device=device)))
+    return tuple(out)
+
+
 class Drafter:
     policy: DraftKVPolicy
 
@@ -88,53 +126,59 @@ class Drafter:
     def commit(self, path_src: torch.Tensor, count: torch.Tensor) -> None:
         """The target accepted these paths (node indices [B, A] incl. the root, `count` [B] of them)."""
 
+    def graph_key(self) -> tuple:
+        """What a captured step that drafts with this drafter depends on besides the tree and batch."""
+        return (id(self), id(self.policy), self.policy.version)
+
     # ------------------------------------------------------------------ shared tree drafting
+    def _levels(self, tree: Tree, m: int, device: torch.device) -> tuple[LevelPlan, ...]:
+        # Kept for the drafter's lifetime: a captured step reads these tensors on every replay.
+        plans = self.__dict__.setdefault("_level_plans", {})
+        key = (tree, m, str(device))
+        if key not in plans:
+            plans[key] = level_plans(tree, m, device)
+        return plans[key]
+
     def _draft(self, runner: StepRunner, lead: torch.Tensor | None, last: torch.Tensor,
                tree: Tree, sampler: Sampler, rule: str, need_q: bool, vocab: int):
         """Level-by-level drafting into the runner's cache after its committed length, reading the
-        context through `self.policy`.
+        context through `self.policy`. No host synchronization (graph-capturable).
 
         lead: [B, m] committed tokens re-fed before the root (their slots come first), or None.
         """
         cache = runner.cache
         policy = None if isinstance(self.policy, FullPolicy) else self.policy
-        plan = draft_plan(tree)
         B, device = last.shape[0], last.device
         m = 0 if lead is None else lead.shape[1]
-        depth = tree.depths_tensor(device)
+        levels = self._levels(tree, m, device)
         tokens = torch.zeros(B, tree.size, dtype=torch.long, device=device)
         tokens[:, 0] = last
         q_all = torch.zeros(B, tree.size, vocab, device=device) if need_q else None
         root_pos = cache.lengths + m  # [B]
         rows_of = torch.arange(B, device=device)
         fed = 0
-        for step, nodes in enumerate(plan.steps):
-            idx = torch.tensor(nodes, device=device)
+        for step, lv in enumerate(levels):
             if step == 0:  # the lead tokens and the root, causal
-                ids = tokens[:, :1] if lead is None else torch.cat([lead, tokens[:, :1]], dim=1)
-                positions = (cache.lengths[:, None] + torch.arange(m + 1, device=device))
+                ids = last[:, None] if lead is None else torch.cat([lead, last[:, None]], dim=1)
+                positions = cache.lengths[:, None] + lv.offsets
                 logits = runner.forward(ids, positions, policy=policy)[:, m:]
             else:
-                T = len(nodes)
-                mask = plan.masks[step - 1].to(device)
-                if m:  # lead tokens are committed context: every node sees them
-                    mask = torch.cat([torch.ones(T, m, dtype=torch.bool, device=device), mask], dim=1)
-                positions = root_pos[:, None] + depth[idx][None]
-                logits = runner.forward(tokens[:, idx], positions, pending=m + fed, new_mask=mask,
+                positions = root_pos[:, None] + lv.offsets
+                logits = runner.forward(tokens[:, lv.nodes], positions, pending=m + fed, new_mask=lv.mask,
                                         mask_key=("draft", tree, step, m), policy=policy)
-            fed += len(nodes)
-            logits = logits[..., :vocab]  # [B, T, V] — the shared vocabulary only
             T = logits.shape[1]
+            fed += T
+            logits = logits[..., :vocab].reshape(B * T, -1)  # [B·T, V] — the shared vocabulary only
             rows = rows_of.repeat_interleave(T)
-            q = sampler.probs(logits.reshape(B * T, -1), rows)  # [B*T, V]
-            if q_all is not None:
-                q_all[:, idx] = q.view(B, T, -1)
-            draw_from = q if rule != "topk" else logits.reshape(B * T, -1).float().softmax(-1)
-            k = plan.max_children[step]
-            kids = draw_children(draw_from, k, rule, sampler.generators, rows).view(B, T, k)
-            for t, v in enumerate(nodes):
-                ch = tree.children(v)
-                tokens[:, ch.start:ch.stop] = kids[:, t, : len(ch)]
+            if rule == "topk":  # the draft's own most likely tokens (raw logits: same order, no softmax)
+                kids = draw_children(logits, lv.k, rule, sampler.random, rows)
+            if need_q or rule != "topk":
+                q = sampler.probs(logits, rows)  # [B·T, V]
+                if q_all is not None:
+                    q_all[:, lv.nodes] = q.view(B, T, -1)
+                if rule != "topk":
+                    kids = draw_children(q, lv.k, rule, sampler.random, rows)
+            tokens[:, lv.dst] = kids.view(B, T * lv.k)[:, lv.src]
         return tokens, q_all
 
 
@@ -166,6 +210,9 @@ class ModelDrafter(Drafter):
     def cache(self) -> KVCache | None:
         return None if self.runner is None else self.runner.cache
 
+    def graph_key(self) -> tuple:
+        return super().graph_key() + (id(self.runner), id(self.cache.k) if self.cache is not None else None)
+
     def prefill(self, prompts, capacity, pool):
         from redwood.engine.generate import prefill
 
@@ -195,7 +242,9 @@ class ModelDrafter(Drafter):
         assert self.cache is not None and self._plan is not None
         if all(len(step) == 1 for step in self._plan.steps):
             return  # a chain: every accepted node is already in place
-        fed_pos = torch.tensor(self._plan.fed_pos, device=path_src.device)
+        fed_pos = self.__dict__.setdefault("_fed_pos", {}).get(self._plan)
+        if fed_pos is None or fed_pos.device != path_src.device:
+            fed_pos = self._fed_pos[self._plan] = torch.tensor(self._plan.fed_pos, device=path_src.device)
         src = torch.cat([torch.zeros_like(path_src[:, :1]), 1 + fed_pos[path_src].clamp(min=0)], dim=1)
         self.cache.compact(src, count)  # entries past count (incl. the path's last node) stay put
 

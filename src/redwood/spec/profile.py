@@ -12,8 +12,9 @@ ones (CUDA is synchronised before and after every run):
   itself) after a prefill of `context` tokens: one level of tree drafting. Without a draft model the
   target itself is timed (self-speculation over a compressed view is not modelled: an upper bound).
 - **overhead** (optional) per step with an n-node tree: `probabilities` of the target's n and the draft's
-  n distributions, then the verifier's walk (`verify_tree`), on random logits of the target's
-  vocabulary — the sampling / verification work outside the forwards.
+  n distributions, then the verifier's walk (`verify_tree_paths`, device-side random numbers), on random
+  logits of the target's vocabulary — the sampling / verification work outside the forwards. On CUDA it
+  is timed as a captured graph, as the engine runs it inside each step's graph.
 
 `redwood tree-search --profile FILE` reads the result (`redwood.spec.tree_search.load_profile`).
 """
@@ -28,11 +29,12 @@ from typing import Callable, Sequence
 import torch
 
 from redwood.engine.generate import sync
-from redwood.engine.runner import StepRunner
+from redwood.engine.random import RowRandom
+from redwood.engine.runner import CapturedStep, StepRunner
 from redwood.engine.sampling import probabilities
 from redwood.errors import ConfigError
 from redwood.spec.tree_search import LatencyProfile
-from redwood.spec.tree_verify import VERIFIERS, verify_tree
+from redwood.spec.tree_verify import VERIFIERS, verify_tree_paths
 from redwood.spec.trees import Tree
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -134,9 +136,7 @@ def overhead_latency(vocab: int, sizes: Sequence[int], batch: int, device: torch
     if verifier not in VERIFIERS:
         raise ConfigError(f"unknown verifier {verifier!r}; choose one of {', '.join(VERIFIERS)}")
     g = torch.Generator().manual_seed(seed)
-    gens = [torch.Generator(device=device) for _ in range(batch)]
-    for b, gen in enumerate(gens):
-        gen.manual_seed(seed + b)
+    rand = RowRandom([seed + b for b in range(batch)], device)
     out = []
     for n in sizes:
         N = batch * n
@@ -150,11 +150,18 @@ def overhead_latency(vocab: int, sizes: Sequence[int], batch: int, device: torch
         need_q = verifier in ("sequoia", "specinfer")
 
         def step():
-            p = probabilities(lt, temp, tk, tp).view(batch, n, vocab)
+            # (the engine's greedy verifier reads the target's argmax straight from the logits)
+            p = (lt if verifier == "greedy" else probabilities(lt, temp, tk, tp)).view(batch, n, vocab)
             q = probabilities(ld, temp, tk, tp).view(batch, n, vocab) if need_q else None
-            return verify_tree(verifier, parents, tokens, p, q, gens)
+            return verify_tree_paths(verifier, parents, tokens, p, q, rand)
 
-        out.append(time_ms(step, device, repeats, warmup))
+        if device.type == "cuda":
+            state = rand.state
+            graph = CapturedStep(step, (), torch.cuda.graph_pool_handle(),
+                                 restore=lambda: (lambda saved: lambda: rand.restore(saved))(state()))
+            out.append(time_ms(graph.replay, device, repeats, warmup))
+        else:
+            out.append(time_ms(step, device, repeats, warmup))
     return out
 
 

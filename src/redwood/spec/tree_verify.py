@@ -36,13 +36,23 @@ once q's mass is used up, continues with q uniform over the untried tokens — t
 which is what keeps the walk exact. Nothing ever turns NaN and nothing ends the sequence: every zero-mass
 case (a residual that sums to 0 can only come from float round-off) falls back to a valid distribution.
 
-Randomness. Every call draws fresh numbers from each row's own generator (one call per row per step), so
-a row's result does not depend on what else is in the batch. All probability math is float32.
+Randomness. `rand` is either a list of `torch.Generator`s, one per batch row, or a `RowRandom`
+(counter-based, drawn on the device — what the engine uses, so that a whole speculative step can be
+captured in a CUDA graph). Every call draws fresh numbers for each row, so a row's result does not depend
+on what else is in the batch. All probability math is float32.
+
+Host synchronization. The walks never read a device value on the host while a CUDA graph is being
+captured (their early exits are skipped then), and `verify_tree_paths` returns tensors.
 """
 
 from __future__ import annotations
 
 import torch
+
+from redwood.engine.random import RowRandom, inverse_cdf
+
+# One per batch row, or a device-side counter-based source.
+Randomness = "list[torch.Generator] | RowRandom"
 
 VERIFIERS = ("sequoia", "specinfer", "greedy", "topk")
 RULES = ("swor", "replacement", "topk")
@@ -56,13 +66,25 @@ _OUTSIDE_SUPPORT_KEY = -1.0e4
 # ------------------------------------------------------------------------------------------ helpers
 
 
-def _per_row_uniforms(generators: list[torch.Generator], rows: torch.Tensor, shape: tuple[int, ...],
-                      dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Fresh U[0, 1) numbers [N, *shape]: item i is drawn from generators[rows[i]].
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
-    Items sharing a generator are drawn in one call, in item order (so the result is reproducible and
-    independent of the other generators).
+
+def _any(mask: torch.Tensor) -> bool:
+    """mask.any() for an early exit — True (no exit, no host sync) while a CUDA graph is captured."""
+    return True if _capturing() else bool(mask.any())
+
+
+def per_row_uniforms(rand, rows: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
+                     device: torch.device) -> torch.Tensor:
+    """Fresh U[0, 1) numbers [N, *shape] on `device`: item i is drawn for batch row rows[i].
+
+    rand: a `RowRandom`, or generators (one per row): items sharing a generator are drawn in one call, in
+    item order (so the result is reproducible and independent of the other generators).
     """
+    if isinstance(rand, RowRandom):
+        return rand.uniform(rows, shape, dtype).to(device)
+    generators = rand
     N = rows.numel()
     if N == 0:
         return torch.empty((0, *shape), dtype=dtype, device=device)
@@ -76,36 +98,27 @@ def _per_row_uniforms(generators: list[torch.Generator], rows: torch.Tensor, sha
     return out
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Draw from each row of probs [M, V] with uniforms u [M] or [M, k] → indices of u's shape.
-
-    A token of probability 0 is never returned (its cumulative sum equals its predecessor's, so the first
-    index whose cumulative sum exceeds the target value is never it; the end is clamped to the last token
-    with mass). A row without mass is treated as uniform.
-    """
-    squeeze = u.dim() == 1
-    if squeeze:
-        u = u[:, None]
-    mass = probs.sum(-1, keepdim=True)
-    probs = torch.where(mass > 0, probs, torch.ones_like(probs))
-    cdf = probs.cumsum(-1)
-    idx = torch.searchsorted(cdf, (u * cdf[:, -1:]).contiguous(), right=True)
-    V = probs.shape[-1]
-    last = (V - 1) - (probs > 0).flip(-1).float().argmax(-1, keepdim=True)
-    idx = torch.minimum(idx, last)
-    return idx[:, 0] if squeeze else idx
-
-
 # ------------------------------------------------------------------------------------------ draft side
 
 
-def draw_children(q: torch.Tensor, k: int, rule: str, generators: list[torch.Generator],
-                  rows: torch.Tensor | None = None) -> torch.Tensor:
+def _top_k_low_index_first(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest entries of each row of float32 x [N, V], in decreasing order, ties to the
+    lower index — as a stable descending sort would give, but by one top-k over int64 keys (order-
+    preserving float bits above the reversed index), much cheaper than sorting the vocabulary."""
+    V = x.shape[-1]
+    shift = max(1, (V - 1).bit_length())
+    bits = x.contiguous().view(torch.int32).long()
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int order == float order (−0 < +0)
+    keys = (ordered << shift) | (V - 1 - torch.arange(V, device=x.device))
+    return keys.topk(k, dim=-1, sorted=True).indices
+
+
+def draw_children(q: torch.Tensor, k: int, rule: str, rand, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Draw k children for each of N parent nodes.
 
     q: [N, V] draft distributions of the parents; rule: "swor" | "replacement" | "topk" (`CHILD_RULE`
-    maps a verifier to its rule); generators: one per batch row; rows: [N] batch row of each node (None →
-    node i uses generators[i]). Returns tokens [N, k] long, in draw order.
+    maps a verifier to its rule); rand: a `RowRandom`, or generators, one per batch row; rows: [N] batch
+    row of each node (None → node i is row i). Returns tokens [N, k] long, in draw order.
 
     - "swor": sampling without replacement by exponential keys (Gumbel-top-k): token t gets the key
       log q(t) − log E_t with E_t ~ Exp(1); the k largest keys, in decreasing order, are distributed as k
@@ -124,19 +137,21 @@ def draw_children(q: torch.Tensor, k: int, rule: str, generators: list[torch.Gen
         raise ValueError(f"k must be in [1, V={V}], got {k}")
     q = q.float()
     if rule == "topk":
-        return torch.sort(q, dim=-1, descending=True, stable=True).indices[:, :k].contiguous()
+        if k == 1:
+            return q.argmax(-1, keepdim=True)  # (first index on ties)
+        return _top_k_low_index_first(q, k)
     if rows is None:
-        if len(generators) != N:
-            raise ValueError(f"{N} nodes but {len(generators)} generators and no row index")
-        rows = torch.arange(N)
+        if not isinstance(rand, RowRandom) and len(rand) != N:
+            raise ValueError(f"{N} nodes but {len(rand)} generators and no row index")
+        rows = torch.arange(N, device=q.device)
     rows = torch.as_tensor(rows, dtype=torch.long).flatten()
     if rows.numel() != N:
         raise ValueError(f"rows has {rows.numel()} entries for {N} nodes")
-    if rule == "replacement":
-        u = _per_row_uniforms(generators, rows, (k,), torch.float32, q.device)
-        return _inverse_cdf(q, u)
+    if rule == "replacement" or k == 1:  # (one draw without replacement is a plain draw from q)
+        u = per_row_uniforms(rand, rows, (k,), torch.float32, q.device)
+        return inverse_cdf(q, u)
     # swor: keys in float64 so that ties (probability ~2^-53 per pair) are negligible.
-    u = _per_row_uniforms(generators, rows, (V,), torch.float64, q.device)
+    u = per_row_uniforms(rand, rows, (V,), torch.float64, q.device)
     e = (-torch.log1p(-u)).clamp(min=1e-300)  # Exp(1)
     q64 = q.double()
     keys = torch.where(q64 > 0, q64.clamp(min=1e-300).log() - e.log(), _OUTSIDE_SUPPORT_KEY - e)
@@ -165,23 +180,42 @@ def _tree_index(parents: list[int]) -> tuple[list[int], list[int], int, int]:
     return start, count, max(depth), max(count)
 
 
+# Device copies of tree indices, kept for the process's lifetime: a captured CUDA graph reads them on every
+# replay (and a capture cannot copy host data to the device).
+_INDEX_TENSORS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _index_tensors(parents: tuple[int, ...], start: list[int], count: list[int], device: torch.device):
+    key = (parents, str(device))
+    if key not in _INDEX_TENSORS:
+        _INDEX_TENSORS[key] = (torch.tensor(start, dtype=torch.long, device=device),
+                               torch.tensor(count, dtype=torch.long, device=device))
+    return _INDEX_TENSORS[key]
+
+
 # ------------------------------------------------------------------------------------------ target side
 
 
 def verify_tree(verifier: str, parents: list[int], tokens: torch.Tensor, target_probs: torch.Tensor,
-                draft_probs: torch.Tensor | None, generators: list[torch.Generator]
-                ) -> tuple[list[list[int]], torch.Tensor]:
+                draft_probs: torch.Tensor | None, rand) -> tuple[list[list[int]], torch.Tensor]:
+    """`verify_tree_paths` with the accepted paths as Python lists (one host sync)."""
+    path, next_token = verify_tree_paths(verifier, parents, tokens, target_probs, draft_probs, rand)
+    return [[v for v in row if v >= 0] for row in path.tolist()], next_token
+
+
+def verify_tree_paths(verifier: str, parents: list[int], tokens: torch.Tensor, target_probs: torch.Tensor,
+                      draft_probs: torch.Tensor | None, rand) -> tuple[torch.Tensor, torch.Tensor]:
     """Walk a scored token tree for every row of a batch.
 
     verifier: "sequoia" | "specinfer" | "greedy" | "topk"; parents: [n] (parents[0] < 0; children
     contiguous); tokens: [B, n] node tokens (tokens[:, 0], the root, is not looked at); target_probs:
     [B, n, V] (p at each node: the target's distribution of the next token after it); draft_probs:
     [B, n, V] (q at each node: the distribution its children were drawn from, by `CHILD_RULE[verifier]`;
-    unused, and may be None, for greedy and topk); generators: one per row.
+    unused, and may be None, for greedy and topk); rand: a `RowRandom` or one generator per row.
 
-    Returns (accepted_nodes, next_token): per row, the accepted path's node indices excluding the root
-    (empty when no child of the root is accepted), and [B] the token emitted after the path (correction or
-    bonus).
+    Returns (path, next_token): path [B, max depth] the accepted path's node indices excluding the root,
+    in order, padded with −1 (a row that accepts no child of the root is all −1), and [B] the token
+    emitted after the path (correction or bonus).
 
     Cost: the walk is vectorized over rows; Python loops run over depth × the widest node's child slots,
     each step a handful of [B, V] float32 operations (sequoia/specinfer recompute the residual for every
@@ -195,8 +229,8 @@ def verify_tree(verifier: str, parents: list[int], tokens: torch.Tensor, target_
         raise ValueError(f"tokens has {n} nodes, parents {len(parents)}")
     if target_probs.shape[:2] != (B, n):
         raise ValueError(f"target_probs must be [B={B}, n={n}, V], got {tuple(target_probs.shape)}")
-    if len(generators) != B:
-        raise ValueError(f"{B} rows but {len(generators)} generators")
+    if not isinstance(rand, RowRandom) and len(rand) != B:
+        raise ValueError(f"{B} rows but {len(rand)} generators")
     stochastic = verifier in ("sequoia", "specinfer")
     if stochastic and (draft_probs is None or draft_probs.shape != target_probs.shape):
         raise ValueError(f"{verifier} needs draft_probs shaped like target_probs {tuple(target_probs.shape)}")
@@ -204,8 +238,7 @@ def verify_tree(verifier: str, parents: list[int], tokens: torch.Tensor, target_
     device = target_probs.device
     V = target_probs.shape[-1]
     tokens = tokens.to(device)
-    child_start = torch.tensor(start_l, dtype=torch.long, device=device)
-    child_count = torch.tensor(count_l, dtype=torch.long, device=device)
+    child_start, child_count = _index_tensors(tuple(parents), start_l, count_l, device)
     rows = torch.arange(B, device=device)
 
     # u[:, 0, v]: the acceptance test of child v; u[:, 1, v]: a draw from p at node v (topk's y, or the
@@ -213,7 +246,7 @@ def verify_tree(verifier: str, parents: list[int], tokens: torch.Tensor, target_
     if verifier == "greedy":
         u = None
     else:
-        u = _per_row_uniforms(generators, torch.arange(B), (2, n), torch.float32, device)
+        u = per_row_uniforms(rand, torch.arange(B, device=device), (2, n), torch.float32, device)
 
     cur = torch.zeros(B, dtype=torch.long, device=device)
     alive = torch.ones(B, dtype=torch.bool, device=device)
@@ -221,7 +254,7 @@ def verify_tree(verifier: str, parents: list[int], tokens: torch.Tensor, target_
     next_token = torch.zeros(B, dtype=torch.long, device=device)
 
     for level in range(max_depth + 1):
-        if not bool(alive.any()):
+        if not _any(alive):
             break
         p = target_probs[rows, cur].float()  # [B, V]
         start = child_start[cur]
@@ -233,10 +266,10 @@ def verify_tree(verifier: str, parents: list[int], tokens: torch.Tensor, target_
             if verifier == "greedy":
                 y = p.argmax(-1)
             else:
-                y = _inverse_cdf(p, u[rows, 1, cur])
+                y = inverse_cdf(p, u[rows, 1, cur])
             for j in range(max_children):
                 has = alive & ~moved & (j < count)
-                if not bool(has.any()):
+                if not _any(has):
                     break
                 child = (start + j).clamp(max=n - 1)
                 hit = has & (tokens[rows, child] == y)
@@ -249,7 +282,7 @@ def verify_tree(verifier: str, parents: list[int], tokens: torch.Tensor, target_
             untried = torch.ones(B, V, dtype=torch.bool, device=device)
             for j in range(max_children):
                 active = alive & ~moved & (j < count)
-                if not bool(active.any()):
+                if not _any(active):
                     break
                 child = (start + j).clamp(max=n - 1)
                 x = tokens[rows, child]
@@ -260,7 +293,7 @@ def verify_tree(verifier: str, parents: list[int], tokens: torch.Tensor, target_
                 new_cur = torch.where(accept, child, new_cur)
                 moved |= accept
                 reject = active & ~accept
-                if not bool(reject.any()):
+                if not _any(reject):
                     continue
                 residual = (p - q).clamp(min=0)
                 mass = residual.sum(-1, keepdim=True)
@@ -275,8 +308,8 @@ def verify_tree(verifier: str, parents: list[int], tokens: torch.Tensor, target_
                     q_left = torch.where(q_mass > 0, q_left / q_mass.clamp(min=1e-30), uniform)
                     q = torch.where(reject[:, None], q_left, q)
             done = alive & ~moved
-            if bool(done.any()):
-                drawn = _inverse_cdf(p, u[rows, 1, cur])
+            if _any(done):
+                drawn = inverse_cdf(p, u[rows, 1, cur])
                 next_token = torch.where(done, drawn, next_token)
 
         if level < max_depth:
@@ -284,5 +317,4 @@ def verify_tree(verifier: str, parents: list[int], tokens: torch.Tensor, target_
         cur = new_cur
         alive = moved
 
-    accepted = [[v for v in row if v >= 0] for row in path.tolist()]
-    return accepted, next_token
+    return path, next_token

@@ -7,12 +7,16 @@ tokens are emitted per step.
 
 Both verifiers preserve the target's distribution exactly: `greedy` for temperature 0, `sampling`
 (speculative rejection sampling) for any temperature / top-k / top-p, in float32, with fresh random
-numbers from each row's generator every step.
+numbers for each row every step (from a device-side `RowRandom` or one generator per row). Neither reads
+a device value on the host, so both run inside a captured CUDA graph.
 """
 
 from __future__ import annotations
 
 import torch
+
+from redwood.engine.random import inverse_cdf
+from redwood.spec.tree_verify import per_row_uniforms
 
 
 def verify_greedy(target_probs: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,28 +31,28 @@ def verify_greedy(target_probs: torch.Tensor, drafts: torch.Tensor) -> tuple[tor
 
 
 def verify_sampling(target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor,
-                    generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+                    rand) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative rejection sampling.
 
     target_probs p: [B, γ+1, V]; draft_probs q: [B, γ, V] (the distributions the drafts were drawn
-    from); drafts: [B, γ]. Position i accepts d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the
-    first rejection the next token is drawn from normalize(max(p_i − q_i, 0)); if all are accepted it is
-    drawn from p_γ+1. Returns accepted [B] and next_token [B].
+    from); drafts: [B, γ]; rand: a `RowRandom` or one generator per row. Position i accepts d_i with
+    probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the next token is drawn from
+    normalize(max(p_i − q_i, 0)); if all are accepted it is drawn from p_γ+1. Returns accepted [B] and
+    next_token [B].
     """
     B, gamma = drafts.shape
     p = target_probs.float()
     q = draft_probs.float()
+    rows = torch.arange(B, device=p.device)
+    u = per_row_uniforms(rand, rows, (gamma + 1,), torch.float32, p.device)  # γ tests, then one draw
     p_d = p[:, :-1].gather(2, drafts[..., None])[..., 0]  # [B, γ]
     q_d = q.gather(2, drafts[..., None])[..., 0]
-    u = torch.stack([torch.rand(gamma, generator=g, device=g.device) for g in generators]).to(p.device)
-    ok = (u * q_d < p_d).long()  # u < p/q without dividing (q_d > 0 for a drawn token)
+    ok = (u[:, :gamma] * q_d < p_d).long()  # u < p/q without dividing (q_d > 0 for a drawn token)
     accepted = ok.cumprod(dim=1).sum(dim=1)  # [B]
-    rows = torch.arange(B, device=p.device)
     p_at = p[rows, accepted]  # [B, V] target distribution at the first unaccepted position
     q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # q at position γ+1 is 0 → bonus from p
     residual = (p_at - q_pad[rows, accepted]).clamp(min=0)
     mass = residual.sum(-1, keepdim=True)
     # Rejection implies p(d) < q(d), hence mass > 0; guard against float round-off all the same.
     dist = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_at)
-    next_token = torch.stack([torch.multinomial(dist[b], 1, generator=generators[b])[0] for b in range(B)])
-    return accepted, next_token
+    return accepted, inverse_cdf(dist, u[:, gamma])

@@ -1,0 +1,121 @@
+"""Counter-based random numbers per batch row, computed on the device (CUDA-graph capturable).
+
+A `torch.Generator` keeps its state on the host, so drawing from one generator per row means one call
+(and, for some ops, a host synchronization) per row, and a graph replay would repeat the same numbers.
+`RowRandom` instead derives every number from (row seed, draw counter, item, element) by an integer hash
+evaluated with ordinary tensor ops: the counter is a device tensor advanced in place by each draw, so a
+captured step draws fresh numbers on every replay, and a row's numbers depend only on its own seed and
+on how many draws came before — never on the other rows of the batch.
+
+Hash: Chris Wellons' "lowbias32" integer finalizer (xor-shift / multiply rounds on 32-bit words), with
+multipliers below 2^31 so that every product fits an int64 exactly on every device (no reliance on
+wrap-around). Uniforms: float32 from 24 hash bits, float64 from 53 bits of two hashes.
+
+Streams. A draw gives each *item* (a node or a row) a block of elements; items of the same batch row get
+consecutive lanes (0, 1, … in item order), so item i of row b always reads the same stream whatever else
+is drawn with it.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_M1, _M2 = 0x7FEB352D, 0x5BD1E995  # odd multipliers < 2^31: x · m < 2^63 for 32-bit x
+_GOLDEN = 0x9E3779B9
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """Hash int64 values holding 32-bit words → 32-bit words (int64), elementwise."""
+    x = x ^ (x >> 16)
+    x = (x * _M1) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _M2) & _MASK32
+    return x ^ (x >> 16)
+
+
+class RowRandom:
+    """Random numbers for B rows, row b seeded by seeds[b] (None → a random seed)."""
+
+    def __init__(self, seeds: list[int | None], device: torch.device | str):
+        words = []
+        for s in seeds:
+            s = random.getrandbits(63) if s is None else int(s)
+            words.append([(s >> 32) & _MASK32, s & _MASK32])
+        w = torch.tensor(words, dtype=torch.long, device=device).view(-1, 2)
+        # One 32-bit key per row from both halves of its seed.
+        self.key = mix32(mix32(w[:, 0] ^ 0x2545F491) ^ w[:, 1])  # [B]
+        self.counter = torch.zeros((), dtype=torch.long, device=device)  # draws so far (all rows in step)
+        self.batch_size = len(seeds)
+
+    @property
+    def device(self) -> torch.device:
+        return self.key.device
+
+    def uniform(self, rows: torch.Tensor | None, shape: tuple[int, ...],
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Fresh U[0, 1) numbers [N, *shape]: item i belongs to batch row rows[i] (None → N = B, item b
+        is row b). Advances the counter (one draw for the whole call)."""
+        dev = self.key.device
+        if rows is None:
+            rows = torch.arange(self.batch_size, device=dev)
+        rows = rows.to(dev)
+        N = rows.numel()
+        # lane: how many earlier items belong to the same row (sorting keeps it free of host syncs).
+        ordered, order = rows.sort(stable=True)
+        first = torch.searchsorted(ordered, ordered)  # [N] first position of each item's row in `ordered`
+        lane = torch.empty_like(rows).scatter_(0, order, torch.arange(N, device=dev) - first)
+        item = mix32(self.key[rows] ^ mix32((self.counter * 0x10001 + lane) & _MASK32))  # [N]
+        numel = 1
+        for s in shape:
+            numel *= s
+        elem = torch.arange(numel, device=dev)
+        h = mix32((item[:, None] + elem[None] * _GOLDEN) & _MASK32)  # [N, numel]
+        self.counter += 1
+        if dtype == torch.float64:
+            h2 = mix32(h ^ 0x68BC21EB)
+            u = ((h << 21) | (h2 >> 11)).double() * 2.0**-53
+        elif dtype == torch.float32:
+            u = (h >> 8).float() * 2.0**-24
+        else:
+            raise ValueError(f"uniforms are float32 or float64, not {dtype}")
+        return u.view(N, *shape)
+
+    def copy(self) -> "RowRandom":
+        other = RowRandom.__new__(RowRandom)
+        other.key, other.counter, other.batch_size = self.key.clone(), self.counter.clone(), self.batch_size
+        return other
+
+    def load_state(self, other: "RowRandom") -> None:
+        """Take another source's keys and counter into this one's tensors, in place."""
+        self.key.copy_(other.key)
+        self.counter.copy_(other.counter)
+
+    def state(self) -> torch.Tensor:
+        """A copy of the counter (to undo draws made while warming up a graph)."""
+        return self.counter.clone()
+
+    def restore(self, state: torch.Tensor) -> None:
+        self.counter.copy_(state)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Draw from each row of probs [M, V] with uniforms u [M] or [M, k] → indices of u's shape.
+
+    A token of probability 0 is never returned (its cumulative sum equals its predecessor's, so the first
+    index whose cumulative sum exceeds the target value is never it; the end is clamped to the last token
+    with mass). A row without mass is treated as uniform.
+    """
+    squeeze = u.dim() == 1
+    if squeeze:
+        u = u[:, None]
+    mass = probs.sum(-1, keepdim=True)
+    probs = torch.where(mass > 0, probs, torch.ones_like(probs))
+    cdf = probs.cumsum(-1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1:]).contiguous(), right=True)
+    V = probs.shape[-1]
+    last = (V - 1) - (probs > 0).flip(-1).float().argmax(-1, keepdim=True)
+    idx = torch.minimum(idx, last)
+    return idx[:, 0] if squeeze else idx
