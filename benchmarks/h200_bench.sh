@@ -4,9 +4,12 @@
 # On the GPU machine, from the repo root, after staging the GGUF chunks as /root/stage/t?? (1.5B) and
 # /root/stage/d?? (0.5B), carrying .whl (the gguf wheel) and .stage/home (REDWOOD_HOME with the essays,
 # humaneval and mt-bench datasets):
-#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests p1 p2 p3 p4 p5 summary
+#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests p1 steps p2 p3 p4 p5 summary
 # Each step writes JSON under $OUT and prints its tables; `summary` prints the short P1–P5 table last.
-# One invocation of all steps but p3 fits in 10 minutes; p3 (long contexts) is its own invocation.
+# Settings (environment): P2_TEMPS, P2_GAMMAS, P2_ACC (a folder of acceptance vectors measured earlier with
+# the same models: reused instead of measured), P2_ACC_PROMPTS, P3_KV, P3_BATCH, P3_CONTEXT, P3_GAMMAS,
+# P3_GEN, P5_TREE, GPU_TESTS, GPU_FLAGS. Each invocation must fit the machine's 10-minute call limit:
+# e.g. `tests p1 steps` + greedy p2, then T = 0.6 p2 + p5, then p3 alone.
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -22,33 +25,41 @@ run() { echo >&2; echo "\$ $*" >&2; "$@"; }
 
 for step in "$@"; do case $step in
 tests)  # the GPU tests: Triton kernel vs float64, graphed steps == eager, speculation exact on CUDA
-  run python3 -m pytest -q -p no:cacheprovider tests/attention tests/engine/test_runner.py 2>&1 | tail -15 ;;
+  run python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/attention tests/kernels tests/engine/test_runner.py tests/engine/test_random.py} 2>&1 | tail -15 ;;
 p1)  # batch-1 autoregressive decode vs the memory floor vs HF transformers, same weights, same run
-  run $R bench ar --model "$T" $GPU --prompt-len 128 --gen-len 256 --repeats 3 --compare-hf --output "$OUT/p1"
-  run $R bench ar --model "$T" $GPU --prompt-len 128 --gen-len 64 --no-cuda-graphs --output "$OUT/p1-eager" ;;
+  run $R bench ar --model "$T" $GPU --prompt-len 128 --gen-len 256 --repeats 3 --compare-hf --output "$OUT/p1" ;;
+steps)  # what one speculative step costs next to the forwards it runs (random 1.5B/0.5B-shaped models)
+  run python3 benchmarks/spec_step.py --kernels --gen-len 64 2>&1 | tee "$OUT/spec-step.txt" | tail -40 ;;
 p2)  # batch-1 speculation with the 0.5B draft: chains and the hardware-aware DP tree, code and chat
   mkdir -p "$OUT/p2"
-  for temp in 0 0.6; do
+  for temp in ${P2_TEMPS:-0 0.6}; do
     run $R profile --model "$T" --draft-model "$D" $GPU --temperature $temp --output "$OUT/p2/profile-t$temp.json"
     for ds in humaneval mt-bench; do
-      # code: teacher-forced on HumanEval's reference solutions; chat: MT-Bench has no references, so
-      # the vector comes from real generation (depth-1 trees of width 8)
-      mode=static; [ $ds = mt-bench ] && mode=dynamic
-      run $R acceptance --model "$T" --draft-model "$D" $GPU --width 8 --mode $mode --temperature $temp \
-          --dataset $ds --num-prompts 16 --gen-len 128 --output "$OUT/p2/acc-$ds-t$temp.json" --quiet
-      run $R tree-search --acceptance "$OUT/p2/acc-$ds-t$temp.json" --budget 64 --max-depth 10 \
+      acc="$OUT/p2/acc-$ds-t$temp.json"
+      if [ -n "${P2_ACC:-}" ] && [ -f "$P2_ACC/acc-$ds-t$temp.json" ]; then
+        cp "$P2_ACC/acc-$ds-t$temp.json" "$acc"  # a vector measured earlier with the same models and dtype
+      else
+        # code: teacher-forced on HumanEval's reference solutions; chat: MT-Bench has no references, so
+        # the vector comes from real generation (depth-1 trees of width 8)
+        mode=static; [ $ds = mt-bench ] && mode=dynamic
+        run $R acceptance --model "$T" --draft-model "$D" $GPU --width 8 --mode $mode --temperature $temp \
+            --dataset $ds --num-prompts ${P2_ACC_PROMPTS:-16} --gen-len 128 --output "$acc" --quiet
+      fi
+      run $R tree-search --acceptance "$acc" --budget 64 --max-depth 10 \
           --profile "$OUT/p2/profile-t$temp.json" --output "$OUT/p2/tree-$ds-t$temp.json" --json \
           > "$OUT/p2/tree-$ds-t$temp.summary.json"
       run $R bench standalone --model "$T" --draft-model "$D" $GPU --batch-size 1 --prefix-len 128 --gen-len 128 \
-          --gamma 2 3 4 6 --tree "$OUT/p2/tree-$ds-t$temp.json" --dataset $ds --temperature $temp --seed 1 \
-          --output "$OUT/p2/bench-$ds-t$temp"
+          --gamma ${P2_GAMMAS:-2 3 4 6} --tree "$OUT/p2/tree-$ds-t$temp.json" --dataset $ds --temperature $temp \
+          --seed 1 --output "$OUT/p2/bench-$ds-t$temp"
     done
   done ;;
-p3)  # MagicDec self-speculation at long context (StreamingLLM budget 256, SnapKV budget 512)
-  run $R bench selfspec --model "$T" $GPU --batch-size ${P3_BATCH:-1 16} --prefix-len ${P3_CONTEXT:-8192 16384} \
-      --gen-len 64 --gamma 2 3 4 --draft-kv streaming --draft-budget 256 --output "$OUT/p3-streaming"
-  run $R bench selfspec --model "$T" $GPU --batch-size 1 --prefix-len ${P3_CONTEXT:-8192 16384} \
-      --gen-len 64 --gamma 2 3 4 --draft-kv snapkv --draft-budget 512 --output "$OUT/p3-snapkv" ;;
+p3)  # MagicDec self-speculation at long context (StreamingLLM budget 256, SnapKV budget 512), best γ per cell
+  for kv in ${P3_KV:-streaming snapkv}; do
+    budget=256; [ $kv = snapkv ] && budget=512
+    run $R bench selfspec --model "$T" $GPU --batch-size ${P3_BATCH:-1 16 32 64} \
+        --prefix-len ${P3_CONTEXT:-8192 16384 32768} --gen-len ${P3_GEN:-64} --gamma ${P3_GAMMAS:-2 3 4} \
+        --draft-kv $kv --draft-budget $budget --output "$OUT/p3-$kv"
+  done ;;
 p4)  # the attention kernel against the KV-read floor and SDPA
   run python3 benchmarks/attention_bench.py --output "$OUT/p4.json" ;;
 p5)  # offloaded target (weights streamed from pinned host memory): AR vs a large tree

@@ -59,7 +59,7 @@ def test_standalone_table_and_report(tiny_model_dir, tiny_draft_dir, text_file, 
     assert out.startswith("standalone: ") and "snapkv(budget=16, window=8" in out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["1"]]
     assert [(r[1], r[2]) for r in rows] == [("20", "chain:2"), ("40", "chain:2")]
-    assert all(r[10] == "yes" for r in rows)  # same as autoregressive
+    assert all(r[11] == "yes" for r in rows)  # same as autoregressive (the column after ms/step)
     rep = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert rep["kind"] == "standalone" and rep["models"]["draft"].startswith(str(tiny_draft_dir))
     assert [r["prefix_len"] for r in rep["runs"]] == [20, 40]

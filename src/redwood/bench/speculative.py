@@ -235,6 +235,9 @@ def run_bench(llm, kind: str, batch_sizes: Sequence[int], prefix_lens: Sequence[
     runs: list[dict[str, Any]] = []
     best: list[dict[str, Any]] = []
     for batch in batch_sizes:
+        # Caches of the previous batch size are not needed again: free them, so that each configuration's
+        # peak memory is its own (and a long-context grid fits the device).
+        llm.runners.clear()
         for prefix in prefix_lens:
             prompts = prompt_sets[batch, prefix]
             params = sampling_params(batch, gen_len, temperature, top_p, seed)

@@ -148,11 +148,12 @@ def overhead_latency(vocab: int, sizes: Sequence[int], batch: int, device: torch
         tp = torch.full((N,), float(top_p), device=device)
         parents = list(profile_tree(n).parents)
         need_q = verifier in ("sequoia", "specinfer")
+        flags = dict(any_filter=top_p < 1, any_greedy=temperature == 0)  # (no host reads inside a capture)
 
         def step():
             # (the engine's greedy verifier reads the target's argmax straight from the logits)
-            p = (lt if verifier == "greedy" else probabilities(lt, temp, tk, tp)).view(batch, n, vocab)
-            q = probabilities(ld, temp, tk, tp).view(batch, n, vocab) if need_q else None
+            p = (lt if verifier == "greedy" else probabilities(lt, temp, tk, tp, **flags)).view(batch, n, vocab)
+            q = probabilities(ld, temp, tk, tp, **flags).view(batch, n, vocab) if need_q else None
             return verify_tree_paths(verifier, parents, tokens, p, q, rand)
 
         if device.type == "cuda":
