@@ -23,6 +23,7 @@ so graphs are captured once per process, not once per request.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 
@@ -52,14 +53,16 @@ def inline_forwards() -> Iterator[None]:
 class StepRunner:
     """Runs decode / draft / verify forwards of `model` over `cache`."""
 
-    def __init__(self, model: Transformer, cache: KVCache, use_graphs: bool):
+    def __init__(self, model: Transformer, cache: KVCache, use_graphs: bool, pool: "RunnerPool | None" = None):
         self.model, self.cache = model, cache
+        self.owner = pool
         self.use_graphs = use_graphs and cache.k.is_cuda
         self._graphs: dict[Hashable, _Captured] = {}
         # One memory pool for all of this runner's graphs: they replay one at a time, and each graph's
         # output stays allocated, so sharing the pool only lets intermediates reuse memory.
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.captures = 0  # graphs captured so far (reported by benchmarks)
+        self.capture_s = 0.0  # seconds spent warming up and capturing them (one-time costs, not steps)
         self._steps: dict[Hashable, CapturedStep] = {}
 
     def reset(self) -> None:
@@ -84,10 +87,23 @@ class StepRunner:
         key = (tuple(ids.shape), pending, mask_key, None if policy is None else (id(policy), policy.version))
         captured = self._graphs.get(key)
         if captured is None:
+            t0 = self._capture_started()
             captured = _Captured(self.model, self.cache, ids, positions, pending, new_mask, policy, self._pool)
             self._graphs[key] = captured
-            self.captures += 1
+            self._capture_done(t0)
         return captured.replay(ids, positions)
+
+    def _capture_started(self) -> float:
+        torch.cuda.synchronize(self.cache.k.device)
+        return time.perf_counter()
+
+    def _capture_done(self, t0: float) -> None:
+        torch.cuda.synchronize(self.cache.k.device)
+        dt = time.perf_counter() - t0
+        self.captures += 1
+        self.capture_s += dt
+        if self.owner is not None:
+            self.owner.capture_s += dt
 
 
     def captured_step(self, key: Hashable, build: Callable[[], Callable[..., tuple]],
@@ -100,9 +116,10 @@ class StepRunner:
         """
         captured = self._steps.get(key)
         if captured is None:
+            t0 = self._capture_started()
             captured = CapturedStep(build(), inputs, self._pool, restore)
             self._steps[key] = captured
-            self.captures += 1
+            self._capture_done(t0)
         return captured
 
 
@@ -175,6 +192,8 @@ class RunnerPool:
     def __init__(self, use_graphs: bool):
         self.use_graphs = use_graphs
         self._runners: dict[tuple, StepRunner] = {}
+        # Seconds its runners spent capturing graphs (one-time; benchmarks take it out of step timings).
+        self.capture_s = 0.0
 
     def get(self, role: str, model: Transformer, batch_size: int, capacity: int) -> StepRunner:
         """A runner with an empty cache of at least `capacity` slots for `batch_size` rows."""
@@ -188,7 +207,7 @@ class RunnerPool:
             del runner
             torch.cuda.empty_cache()
             rounded = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
-            runner = StepRunner(model, model.new_cache(batch_size, rounded), use_graphs=True)
+            runner = StepRunner(model, model.new_cache(batch_size, rounded), use_graphs=True, pool=self)
             self._runners[key] = runner
         runner.reset()
         return runner

@@ -51,9 +51,6 @@ import torch
 
 from redwood.engine.random import RowRandom, inverse_cdf
 
-# One per batch row, or a device-side counter-based source.
-Randomness = "list[torch.Generator] | RowRandom"
-
 VERIFIERS = ("sequoia", "specinfer", "greedy", "topk")
 RULES = ("swor", "replacement", "topk")
 CHILD_RULE = {"sequoia": "swor", "specinfer": "replacement", "greedy": "topk", "topk": "topk"}
