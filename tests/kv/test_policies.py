@@ -145,6 +145,45 @@ def test_snapkv_selection_matches_loop_reference(budget, window, kernel, pool, H
                 assert_same_selection(set(got), want, scores, f"layer {layer} row {b} head {h}")
 
 
+@pytest.mark.parametrize("chunk", [1, 5, 7, 16])
+@pytest.mark.parametrize("window,kernel,pool", [(4, 5, "avg"), (6, 3, "max"), (1, 1, "avg")])
+def test_snapkv_chunked_observation_matches_loop_reference(chunk, window, kernel, pool):
+    """Forwards of `chunk` queries each (q of positions [a, b), keys [0, b)), observed only where the
+    policy watches: the same selection as the reference; votes are freed after the last forward."""
+    lengths = [37, 12, 50, 5, 24]
+    S = max(lengths)
+    qs, ks = random_qk(len(lengths), 4, 2, S, 8, layers=2, seed=chunk * 10 + window)
+    policy = SnapKVPolicy(window + 10, window=window, kernel=kernel, pool=pool)
+    policy.start(torch.tensor(lengths), 2)
+    watched = []
+    for a in range(0, S, chunk):
+        b = min(a + chunk, S)
+        if policy.observes(a, b):
+            watched.append(a)
+            for layer in range(2):
+                policy.at(a)(layer, qs[layer][:, :, a:b], ks[layer][:, :, :b], None)
+    if chunk <= 5:
+        assert len(watched) < -(-S // chunk)  # some forwards are not observed
+    assert all(v is None for v in policy._votes)
+    policy.finish(serial=1)
+    for layer in range(2):
+        ref = snapkv_reference(qs[layer], ks[layer], lengths, window + 10, window, kernel, pool)
+        for b in range(len(lengths)):
+            for h in range(2):
+                got = policy.selected[layer][b, h][policy.selected_valid[layer][b, h]].tolist()
+                assert_same_selection(set(got), *ref[b, h], f"chunk {chunk} layer {layer} row {b} head {h}")
+
+
+def test_snapkv_finish_needs_every_window_query():
+    policy = SnapKVPolicy(12, window=4)
+    policy.start(torch.tensor([20, 9]), 1)
+    qs, ks = random_qk(2, 4, 2, 20, 8, layers=1, seed=0)
+    policy.at(0)(0, qs[0][:, :, :16], ks[0][:, :, :16], None)  # the forward of [16, 20) never comes
+    with pytest.raises(RuntimeError, match="saw every observation-window query"):
+        policy.finish(serial=1)
+    assert not policy.resume(1)
+
+
 def test_snapkv_heads_and_layers_select_differently():
     lengths = [60]
     qs, ks = random_qk(1, 4, 2, 60, 8, layers=2, seed=5)
@@ -236,6 +275,18 @@ def tiny_transformer(seed=0) -> Transformer:
     return model.eval()
 
 
+class RecordingSnapKV(SnapKVPolicy):
+    """SnapKV that keeps the q / k each layer's (single-chunk) prefill forward showed it."""
+
+    def __init__(self, seen: dict, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen = seen
+
+    def observe(self, layer, q, k, mask=None, q_start=0):
+        self.seen[layer] = (q.clone(), k.clone())
+        super().observe(layer, q, k, mask, q_start)
+
+
 @torch.inference_mode()
 def test_snapkv_through_a_model_prefill():
     """The observer sees each layer's prefill q/k; the selection equals the reference on those; a budget
@@ -246,15 +297,10 @@ def test_snapkv_through_a_model_prefill():
     prompts = [list(range(3, 43)), list(range(10, 27))]
     seen = {}
     for budget in (12, 64):
-        policy = SnapKVPolicy(budget, window=4, kernel=3)
+        policy = RecordingSnapKV(seen, budget, window=4, kernel=3)
         policy.start(torch.tensor([len(p) for p in prompts]), 2)
-
-        def observer(layer, q, k, mask, policy=policy):
-            seen[layer] = (q.clone(), k.clone())
-            policy.observe(layer, q, k, mask)
-
         cache = model.new_cache(2, 64)
-        prefill(model, cache, prompts, observer=observer)
+        prefill(model, cache, prompts, observer=policy.prefill_observer())
         for layer in range(2):
             q, k = seen[layer]
             ref = snapkv_reference(q, k, [len(p) for p in prompts], budget, 4, 3, "avg")

@@ -17,11 +17,18 @@ bonus / correction token (= `tokens_per_step`; `accepted_per_step` excludes it);
 i = fraction of steps whose draft token i was accepted (so it also counts all tokens before i).
 Greedy speculative output must equal the autoregressive output token for token; every run reports
 whether it does (`identical_to_ar`; None when sampling, where outputs legitimately differ).
+
+Prefill: the baseline's is computed and timed (`prefill_s`, copied to each speculative run as
+`ar_prefill_s`). The speculative runs reuse the prompts the baseline left in the pooled caches instead
+of prefilling them again (exact: `redwood.kv.prefix`); a run whose prefills all reused the cache reports
+`prefill_reused: true` — its `prefill_s` is then not a prefill time — and `prefill_partial: true` when
+some prefill re-ran only the chunks of a SnapKV observation window.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -138,6 +145,7 @@ def measure(llm, prompts: list[list[int]], params: list[SamplingParams], drafter
     requests = make_requests(prompts, params, llm.config, llm.tokenizer)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    counts = llm.runners.prefills.snapshot()
     sync(device)
     t0 = time.perf_counter()
     captured_before = getattr(llm.runners, "capture_s", 0.0)
@@ -156,8 +164,14 @@ def measure(llm, prompts: list[list[int]], params: list[SamplingParams], drafter
     capture_s = getattr(llm.runners, "capture_s", 0.0) - captured_before
     decode_s = max(r.stats.decode_s for r in requests) - capture_s
     decoded = sum(len(r.output_ids) - 1 for r in requests)
+    computed, partial, reused = (b - a for a, b in zip(counts, llm.runners.prefills.snapshot()))
     out: dict[str, Any] = {
-        "prefill_s": requests[0].stats.prefill_s, "decode_s": decode_s, "capture_s": capture_s, "wall_s": wall,
+        "prefill_s": requests[0].stats.prefill_s,
+        # True: no prefill of this run went over the whole prompt (the cache held these prompts, see
+        # redwood.kv.prefix), so prefill_s is not a prefill time; partial: some prefill re-ran only the
+        # chunks of a SnapKV observation window
+        "prefill_reused": computed == 0 and partial + reused > 0, "prefill_partial": partial > 0,
+        "decode_s": decode_s, "capture_s": capture_s, "wall_s": wall,
         "tokens_per_s": decoded / decode_s if decode_s > 0 else 0.0,
         "generated_tokens": sum(len(r.output_ids) for r in requests),
         "token_ids": [list(r.output_ids) for r in requests],
@@ -207,6 +221,9 @@ def run_bench(llm, kind: str, batch_sizes: Sequence[int], prefix_lens: Sequence[
     each of `trees`) for every (batch size, prefix length); `llm` is an `LLM` built with the matching
     SpeculativeConfig (its `drafter` is used directly, so the draft shape varies without reloading).
 
+    Speculative runs reuse the prefill the baseline left in the cache (same prompts; exact, see
+    `redwood.kv.prefix`) and say so (`prefill_reused`); the baseline's prefill is always computed.
+
     Returns {"kind", "model", "draft", "gen_len", …, "runs": [one per (batch, prefix[, γ])],
     "best": [best γ per (batch, prefix)], "all_identical": bool | None}.
     """
@@ -222,53 +239,44 @@ def run_bench(llm, kind: str, batch_sizes: Sequence[int], prefix_lens: Sequence[
     if speculating and drafter is None:
         raise ConfigError(f"bench {kind} needs an LLM built with speculative=SpeculativeConfig(...)")
     check_context(llm, prefix_lens, gen_len)
-    greedy = temperature == 0
     docs = source.documents()
     say = progress or (lambda msg: None)
 
     # every prompt set first, so a text too short for some setting fails before anything is measured
     prompt_sets = {(b, n): make_prompts(llm.tokenizer, source, b, n, prompt_seed, docs)
                    for b in batch_sizes for n in prefix_lens}
-    # warm-up (not timed): each code path once, on short prompts
-    warm = [p[:WARMUP_PREFIX] for p in prompt_sets[batch_sizes[0], prefix_lens[0]]]
-    warm_params = sampling_params(len(warm), min(gen_len, WARMUP_TOKENS), temperature, top_p, seed)
-    measure(llm, warm, warm_params)
-    if speculating:
-        measure(llm, warm, warm_params, drafter, shapes[0][1], verifier)
-
     runs: list[dict[str, Any]] = []
     best: list[dict[str, Any]] = []
-    for batch in batch_sizes:
-        # Caches of the previous batch size are not needed again: free them, so that each configuration's
-        # peak memory is its own (and a long-context grid fits the device).
-        llm.runners.clear()
-        for prefix in prefix_lens:
-            prompts = prompt_sets[batch, prefix]
-            params = sampling_params(batch, gen_len, temperature, top_p, seed)
-            say(f"batch {batch}, prefix {prefix}: autoregressive")
-            ar = measure(llm, prompts, params)
-            base = {"method": kind if speculating else "ar", "batch_size": batch, "prefix_len": prefix}
-            if not speculating:
-                runs.append({**base, **{k: v for k, v in ar.items() if k != "token_ids"}})
-                continue
-            group = []
-            for label, tree in shapes:
-                say(f"batch {batch}, prefix {prefix}: {kind}, {label}")
-                sp = measure(llm, prompts, params, drafter, tree, verifier)
-                run = {**base, "gamma": tree.max_depth - 1, "tree": label, "tree_size": tree.size,
-                       "ar_tokens_per_s": ar["tokens_per_s"],
-                       **{k: v for k, v in sp.items() if k != "token_ids"},
-                       "speedup": sp["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] > 0 else None,
-                       "tokens_per_step": sp["mean_accepted_length"],
-                       "identical_to_ar": (sp["token_ids"] == ar["token_ids"]) if greedy else None,
-                       "ar_prefill_s": ar["prefill_s"], "ar_decode_s": ar["decode_s"]}
-                if "peak_memory_bytes" in ar:
-                    run["ar_peak_memory_bytes"] = ar["peak_memory_bytes"]
-                runs.append(run)
-                group.append(run)
-            top = max(group, key=lambda r: r["speedup"] or 0.0)
-            best.append({"batch_size": batch, "prefix_len": prefix, "gamma": top["gamma"], "tree": top["tree"],
-                         "speedup": top["speedup"], "tokens_per_s": top["tokens_per_s"]})
+    with _reusing_prefixes(llm.runners, speculating):
+        # warm-up (not timed): each code path once, on short prompts
+        warm = [p[:WARMUP_PREFIX] for p in prompt_sets[batch_sizes[0], prefix_lens[0]]]
+        warm_params = sampling_params(len(warm), min(gen_len, WARMUP_TOKENS), temperature, top_p, seed)
+        measure(llm, warm, warm_params)
+        if speculating:
+            llm.runners.forget_prefixes()  # (warm the speculative prefill path too)
+            measure(llm, warm, warm_params, drafter, shapes[0][1], verifier)
+        for batch in batch_sizes:
+            # Caches of the previous batch size are not needed again: free them, so that each
+            # configuration's peak memory is its own (and a long-context grid fits the device).
+            llm.runners.clear()
+            for prefix in prefix_lens:
+                params = sampling_params(batch, gen_len, temperature, top_p, seed)
+                say(f"batch {batch}, prefix {prefix}: autoregressive")
+                llm.runners.forget_prefixes()  # the baseline's prefill is timed for real
+                ar = measure(llm, prompt_sets[batch, prefix], params)
+                base = {"method": kind if speculating else "ar", "batch_size": batch, "prefix_len": prefix}
+                if not speculating:
+                    runs.append({**base, **{k: v for k, v in ar.items() if k != "token_ids"}})
+                    continue
+                group = []
+                for label, tree in shapes:
+                    say(f"batch {batch}, prefix {prefix}: {kind}, {label}")
+                    sp = measure(llm, prompt_sets[batch, prefix], params, drafter, tree, verifier)
+                    group.append(_spec_run(base, label, tree, sp, ar, greedy=temperature == 0))
+                runs += group
+                top = max(group, key=lambda r: r["speedup"] or 0.0)
+                best.append({"batch_size": batch, "prefix_len": prefix, "gamma": top["gamma"], "tree": top["tree"],
+                             "speedup": top["speedup"], "tokens_per_s": top["tokens_per_s"]})
 
     identical = [r["identical_to_ar"] for r in runs if r.get("identical_to_ar") is not None]
     return {
@@ -278,6 +286,32 @@ def run_bench(llm, kind: str, batch_sizes: Sequence[int], prefix_lens: Sequence[
         "dtype": str(llm.model.dtype).removeprefix("torch."), "device": str(llm.model.device),
         "runs": runs, "best": best, "all_identical": all(identical) if identical else None,
     }
+
+
+@contextmanager
+def _reusing_prefixes(pool, on: bool):
+    """Turn the runner pool's prefix reuse on (when `on`) for the block; back as it was after."""
+    was = pool.reuse_prefixes
+    pool.reuse_prefixes = was or on
+    try:
+        yield
+    finally:
+        pool.reuse_prefixes = was
+
+
+def _spec_run(base: dict[str, Any], label: str, tree, sp: dict[str, Any], ar: dict[str, Any],
+              greedy: bool) -> dict[str, Any]:
+    """One speculative run's record: its measurement `sp` next to the baseline's `ar`."""
+    run = {**base, "gamma": tree.max_depth - 1, "tree": label, "tree_size": tree.size,
+           "ar_tokens_per_s": ar["tokens_per_s"],
+           **{k: v for k, v in sp.items() if k != "token_ids"},
+           "speedup": sp["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] > 0 else None,
+           "tokens_per_step": sp["mean_accepted_length"],
+           "identical_to_ar": (sp["token_ids"] == ar["token_ids"]) if greedy else None,
+           "ar_prefill_s": ar["prefill_s"], "ar_decode_s": ar["decode_s"]}
+    if "peak_memory_bytes" in ar:
+        run["ar_peak_memory_bytes"] = ar["peak_memory_bytes"]
+    return run
 
 
 # ----------------------------------------------------------------------------------------------- output

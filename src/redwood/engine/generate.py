@@ -17,6 +17,8 @@ from redwood.engine.runner import RunnerPool
 from redwood.engine.sampling import Sampler
 from redwood.errors import ContextLengthError
 from redwood.kv.cache import KVCache
+from redwood.kv.policies import PrefillObserver
+from redwood.kv.prefix import next_serial
 from redwood.models.transformer import Transformer
 from redwood.sampling_params import SamplingParams
 
@@ -85,35 +87,95 @@ def prefill_chunk(batch: int, heads: int, total: int) -> int:
     return min(chunk, total)
 
 
-def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]], observer=None) -> torch.Tensor:
-    """Run all prompts (right-padded to the longest) into an empty cache; commit them.
+def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]],
+            observer: PrefillObserver | None = None) -> torch.Tensor:
+    """Run all prompts (right-padded to the longest) into the cache from slot 0; commit them.
 
     Long prompts go through in chunks (`prefill_chunk`), each attending to the chunks before it.
-    observer: passed to the forward (a SnapKV policy scores the prompt's attention with it — it needs
-    the whole prompt in one forward, so observed prefills are not chunked).
+    observer: watches the queries it asks for (`PrefillObserver.observes`; a SnapKV policy's observation
+    window) — their forwards attend through the reference path (in pieces that bound its score work,
+    `_forwards`), all others through the fast one.
+    A cache that remembers its prefills (`cache.prefix`, see `redwood.kv.prefix`) and already holds
+    exactly these prompts runs no forward (or, when the observer has not seen that prefill, only the
+    chunks from the first one it watches).
     Returns the logits of each row's last prompt token: [B, V] float32. Padding slots lie past each
     row's length, so they are never read and get overwritten by the row's next tokens.
     """
     device = model.device
     B = len(prompts)
-    lens = torch.tensor([len(p) for p in prompts], device=device)
-    T = max(len(p) for p in prompts)
+    if B != cache.batch_size:
+        raise ValueError(f"prefill: {B} prompts for a cache of {cache.batch_size} rows")
+    lengths = [len(p) for p in prompts]
+    if min(lengths) < 1:
+        raise ContextLengthError(f"prefill: prompt {lengths.index(0)} is empty")
+    T = max(lengths)
     ids = torch.zeros(B, T, dtype=torch.long, device=device)
     for b, p in enumerate(prompts):
         ids[b, : len(p)] = torch.tensor(p, device=device)
-    chunk = T if observer is not None else prefill_chunk(B, model.config.num_heads, T)
+    chunk = prefill_chunk(B, model.config.num_heads, T)
+    memory = cache.prefix
+    first = 0  # the first chunk to run
+    if memory is not None and memory.holds(ids, lengths):
+        if observer is None or observer.resume(memory.record.serial):
+            return memory.restore(cache)
+        first = next((s for s in range(0, T, chunk) if observer.observes(s, min(s + chunk, T))), 0)
+        first = min(first, (min(lengths) - 1) // chunk * chunk)  # every row's last token gets logits
+    if memory is not None:
+        memory.forget()  # the forwards below overwrite what it remembers
+    serial = next_serial()
+    logits = _run_chunks(model, cache, ids, torch.tensor(lengths, device=device), first, chunk, observer)
+    if observer is not None:
+        observer.finish(serial)
+    if memory is not None:
+        memory.remember(cache, ids, lengths, logits, serial, partial=first > 0)
+    return logits
+
+
+def _run_chunks(model: Transformer, cache: KVCache, ids: torch.Tensor, lens: torch.Tensor, first: int,
+                chunk: int, observer: PrefillObserver | None) -> torch.Tensor:
+    """Prefill forwards over ids [B, T] from position `first` (a chunk boundary; the cache already
+    holds every row's slots below it) in chunks of `chunk`; sets lengths to lens [B]. → last-token
+    logits [B, V] (every row's last token lies at or after `first`)."""
+    B, T = ids.shape
+    cache.lengths.fill_(first)
     last = lens - 1  # [B] index of each row's last prompt token
     logits = None
-    for start in range(0, T, chunk):
+    for start in range(first, T, chunk):
         stop = min(start + chunk, T)
-        positions = torch.arange(start, stop, device=device)[None].expand(B, -1)
-        at = (last - start).clamp(0, stop - start - 1)
-        out = model(ids[:, start:stop], positions, cache, logits_at=at[:, None], observer=observer)[:, 0]
-        here = ((last >= start) & (last < stop))[:, None]
-        logits = out if logits is None else torch.where(here, out, logits)
-        cache.commit(stop - start)
+        for a, b, watched in _forwards(start, stop, observer, B * model.config.num_heads):
+            positions = torch.arange(a, b, device=ids.device)[None].expand(B, -1)
+            at = (last - a).clamp(0, b - a - 1)
+            out = model(ids[:, a:b], positions, cache, logits_at=at[:, None],
+                        observer=observer.at(a) if watched else None)[:, 0]
+            here = ((last >= a) & (last < b))[:, None]
+            logits = out if logits is None else torch.where(here, out, logits)
+            cache.commit(b - a)
     cache.lengths.copy_(lens)
     return logits
+
+
+def _forwards(start: int, stop: int, observer: PrefillObserver | None,
+              rows_heads: int) -> list[tuple[int, int, bool]]:
+    """The forwards (a, b, observed) that prefill positions [start, stop) of one chunk.
+
+    A chunk the observer does not watch: one forward. A watched chunk: its watched positions go in
+    observed forwards of at most PREFILL_SCORE_BUDGET / (B·Hq·stop) tokens — observed forwards attend
+    through the reference path, whose [B, Hq, T, stop] scores the budget bounds (the 256-token chunk
+    floor does not, at batch 64 × 32K) — and each run of unwatched positions between them in one
+    unobserved forward.
+    """
+    if observer is None or not observer.observes(start, stop):
+        return [(start, stop, False)]
+    fine = max(1, PREFILL_SCORE_BUDGET // (rows_heads * stop))
+    out: list[tuple[int, int, bool]] = []
+    for a in range(start, stop, fine):
+        b = min(a + fine, stop)
+        watched = observer.observes(a, b)
+        if not watched and out and not out[-1][2]:
+            out[-1] = (out[-1][0], b, False)  # extend the unobserved run
+        else:
+            out.append((a, b, watched))
+    return out
 
 
 def sync(device: torch.device) -> None:

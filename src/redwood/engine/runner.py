@@ -18,7 +18,8 @@ inline, not as graphs of their own), so a step costs one replay and one host syn
 
 The logits a replay returns live in the graph's static output: consume them before the same step shape
 runs again. A `RunnerPool` keeps runners (cache + graphs) across generations, one per role and batch size,
-so graphs are captured once per process, not once per request.
+so graphs are captured once per process, not once per request. With `reuse_prefixes` on it keeps them on
+every device, and a kept cache skips the prefill of prompts it already holds (`redwood.kv.prefix`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from contextlib import contextmanager
 import torch
 
 from redwood.kv.cache import KVCache
+from redwood.kv.prefix import PrefillCounts, PrefixMemory
 from redwood.kv.policies import DraftKVPolicy
 from redwood.models.transformer import Transformer
 
@@ -66,8 +68,11 @@ class StepRunner:
         self._steps: dict[Hashable, CapturedStep] = {}
 
     def reset(self) -> None:
-        """Empty the cache for a new generation (its buffers, and so the graphs, stay)."""
+        """Empty the cache for a new generation (its buffers, and so the graphs, stay; a remembered
+        prefix is forgotten: whatever runs next may write from slot 0)."""
         self.cache.lengths.zero_()
+        if self.cache.prefix is not None:
+            self.cache.prefix.forget()
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, *, pending: int = 0,
                 new_mask: torch.Tensor | None = None, mask_key: Hashable = None,
@@ -184,33 +189,65 @@ class _Captured:
 class RunnerPool:
     """Caches and their graphs, kept across generations: one runner per (role, model, batch size).
 
-    A request that needs more cache than the pooled runner holds replaces it (a larger cache, graphs
-    captured anew). Without graphs (the CPU, offloading) every generation gets a fresh, exactly sized
-    cache, as before.
+    Roles: "target" (the target's cache: autoregressive decoding, verification, self-speculation's
+    drafts) and "draft" (a standalone draft model's). A request that needs more cache than the pooled
+    runner holds replaces it (a larger cache, graphs captured anew). Without graphs (the CPU,
+    offloading) every generation gets a fresh, exactly sized cache, as before — unless prefixes are reused.
+
+    reuse_prefixes (off by default; `bench selfspec|standalone` turn it on): keep every runner, on any
+    device (the CPU too, without graphs), and let each cache remember its last prefill, so that a
+    prefill of the same prompts into the same runner runs no forward (`redwood.kv.prefix` says why that
+    is exact). Kept caches hold their memory until `clear` or until reuse is turned off; `prefills`
+    counts what prefills into them did (computed / partial / reused), for benchmarks to report.
     """
 
-    def __init__(self, use_graphs: bool):
+    def __init__(self, use_graphs: bool, reuse_prefixes: bool = False):
         self.use_graphs = use_graphs
         self._runners: dict[tuple, StepRunner] = {}
         # Seconds its runners spent capturing graphs (one-time; benchmarks take it out of step timings).
         self.capture_s = 0.0
+        self.prefills = PrefillCounts()
+        self._reuse = False
+        self.reuse_prefixes = reuse_prefixes
+
+    @property
+    def reuse_prefixes(self) -> bool:
+        return self._reuse
+
+    @reuse_prefixes.setter
+    def reuse_prefixes(self, on: bool) -> None:
+        self._reuse = bool(on)
+        if not self._reuse:  # forget every prefix; drop the runners kept only to remember one
+            self._runners = {key: r for key, r in self._runners.items() if r.use_graphs}
+            for r in self._runners.values():
+                r.cache.prefix = None
 
     def get(self, role: str, model: Transformer, batch_size: int, capacity: int) -> StepRunner:
-        """A runner with an empty cache of at least `capacity` slots for `batch_size` rows."""
+        """A runner with an empty cache of at least `capacity` slots for `batch_size` rows (its prefix
+        memory, if any, kept for `prefill` to check: fill the cache with `prefill` first)."""
         graphs = self.use_graphs and model.device.type == "cuda"
-        if not graphs:
+        if not (graphs or self._reuse):
             return StepRunner(model, model.new_cache(batch_size, capacity), use_graphs=False)
         key = (role, id(model), batch_size)
         runner = self._runners.get(key)
         if runner is None or runner.cache.capacity < capacity:
             runner = self._runners.pop(key, None)  # free the old cache before allocating the new one
             del runner
-            torch.cuda.empty_cache()
+            if model.device.type == "cuda":
+                torch.cuda.empty_cache()
             rounded = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
-            runner = StepRunner(model, model.new_cache(batch_size, rounded), use_graphs=True, pool=self)
+            runner = StepRunner(model, model.new_cache(batch_size, rounded), use_graphs=graphs, pool=self)
             self._runners[key] = runner
-        runner.reset()
+        if self._reuse and runner.cache.prefix is None:
+            runner.cache.prefix = PrefixMemory(self.prefills)
+        runner.cache.lengths.zero_()  # (not `reset`, which forgets the prefix)
         return runner
+
+    def forget_prefixes(self) -> None:
+        """Forget every kept cache's prefix: the next prefill of each runner computes (e.g. to time one)."""
+        for r in self._runners.values():
+            if r.cache.prefix is not None:
+                r.cache.prefix.forget()
 
     def runners(self) -> list[StepRunner]:
         """The pooled runners (to inspect: captures, cache sizes)."""

@@ -5,6 +5,9 @@ Layout: k, v: [num_layers, B, Hkv, capacity, head_dim]. Row b holds its committe
 `lengths` — the caller then `commit`s how many of them each row keeps (all of them for autoregressive
 decoding, the accepted prefix for speculation). Slots past `lengths` are scratch and never read as
 context.
+Every write (compaction too) lands at or after the committed length, so a row's committed slots change
+only after someone lowers `lengths` (a prefill; a standalone drafter's one-token rewind) — which is what
+lets a kept cache reuse the prompts it holds (`redwood.kv.prefix`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.capacity = capacity
+        # The prompts of the last prefill, for exact prefix reuse (`redwood.kv.prefix`): a PrefixMemory
+        # on caches a RunnerPool keeps with reuse_prefixes on; None (nothing remembered) otherwise.
+        self.prefix = None
 
     @property
     def batch_size(self) -> int:

@@ -17,9 +17,19 @@ KV; a standalone draft model reads its own cache through the same views.
   at prefill that is exactly the observation window, and as tokens are generated the recent part slides
   forward, so the draft never reads more than `budget` tokens. A budget ≥ the prompt keeps everything
   (the full cache) until generation outgrows it.
+
+SnapKV scores the prefill through a `PrefillObserver`. The prefill runs in chunks (bounded attention
+work at 32K-token contexts); a window query at position p attends to keys [0, p], all of which are in
+the cache when p's chunk runs. So the observer watches only the forwards holding some row's window
+queries (the others take the fast attention path), adds each window query's attention (its softmax over
+keys [0, p]) to per-layer votes as they go, and selects once the forward reaching the longest prompt's
+end is done — the same selection as one forward over the whole prompt, up to float summation order.
 """
 
 from __future__ import annotations
+
+from functools import partial
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +38,38 @@ from redwood.attention.reference import ContextView, Observer
 from redwood.errors import ConfigError
 
 KV_POLICIES = ("full", "streaming", "snapkv")
+
+# SnapKV's window scores of one forward are computed for this many rows at a time, so that its
+# [rows, Hq, window, S] float32 attention stays about this many elements (1 GiB) at long contexts.
+OBSERVE_SCORE_BUDGET = 1 << 28
+
+
+class PrefillObserver(Protocol):
+    """Watches a prefill's attention, chunk by chunk (SnapKV's observation window).
+
+    A prefill (`engine.generate.prefill`) runs its forwards over positions [a, b) in order and, for each
+    forward where `observes(a, b)`, passes `at(a)` as that forward's observer; after the last forward it
+    calls `finish(serial)`, naming the prefill. A prefill into a cache that already holds
+    the same prompts (`redwood.kv.prefix`) asks `resume(serial)` first: True when the observer still
+    holds its result for that very prefill, so no forward runs; else the prefill re-runs its chunks from
+    the first watched one (the slots before it already hold the same prompts).
+    """
+
+    def observes(self, start: int, stop: int) -> bool:
+        """Whether some row's queries at positions [start, stop) are watched."""
+        ...
+
+    def at(self, start: int) -> Observer:
+        """The observer of a forward whose first query position is `start`."""
+        ...
+
+    def finish(self, serial: int) -> None:
+        """The prefill `serial` is done: its result is complete."""
+        ...
+
+    def resume(self, serial: int) -> bool:
+        """Make the result of prefill `serial` current again if it is still held; whether it was."""
+        ...
 
 
 class DraftKVPolicy:
@@ -41,8 +83,8 @@ class DraftKVPolicy:
     def start(self, prompt_lengths: torch.Tensor, num_layers: int) -> None:
         """Called once per generation before the prefill that the policy observes."""
 
-    def prefill_observer(self) -> Observer | None:
-        """An observer for the prefill forward whose attention the policy scores (SnapKV), else None."""
+    def prefill_observer(self) -> PrefillObserver | None:
+        """An observer for the prefill whose attention the policy scores (SnapKV), else None."""
         return None
 
     def view(self, lengths: torch.Tensor) -> ContextView | None:
@@ -86,6 +128,8 @@ class StreamingPolicy(DraftKVPolicy):
 
 
 class SnapKVPolicy(DraftKVPolicy):
+    """SnapKV (see the module docstring); it is its own `PrefillObserver`."""
+
     name = "snapkv"
 
     def __init__(self, budget: int, window: int = 32, kernel: int = 5, pool: str = "avg"):
@@ -103,12 +147,15 @@ class SnapKVPolicy(DraftKVPolicy):
         self.selected_valid: list[torch.Tensor | None] = []  # per layer: [B, Hkv, K]
         self.obs_start: torch.Tensor | None = None  # [B] first slot of each row's observation window
         self.prompt_lengths: torch.Tensor | None = None  # [B]
-        self._observed: list[bool] = []
+        self._observed: list[bool] = []  # per layer: its selection is this generation's
+        self._lengths: list[int] = []  # prompt lengths on the host (which prefill chunks are watched)
+        # Per layer, while a chunked prefill is observed: [B, Hkv, G, T] float32 window votes so far.
+        self._votes: list[torch.Tensor | None] = []
+        self._serial: int | None = None  # the prefill whose selection the buffers hold (None: unknown)
 
     def start(self, prompt_lengths: torch.Tensor, num_layers: int) -> None:
         # The selection lives in buffers that are reused (filled in place) while the batch shape stays
         # the same, so a draft step captured in a CUDA graph reads the current generation's selection.
-        B = prompt_lengths.shape[0]
         if self.prompt_lengths is None or self.prompt_lengths.shape != prompt_lengths.shape \
                 or self.prompt_lengths.device != prompt_lengths.device or len(self.selected) != num_layers:
             self.version += 1
@@ -116,36 +163,115 @@ class SnapKVPolicy(DraftKVPolicy):
             self.obs_start = torch.zeros_like(prompt_lengths)
             self.selected = [None] * num_layers
             self.selected_valid = [None] * num_layers
+            self._serial = None
         self.prompt_lengths.copy_(prompt_lengths)
         self.obs_start.copy_((prompt_lengths - self.window).clamp(min=0))
         self._observed = [False] * num_layers
-        self._batch = B
+        self._votes = [None] * num_layers
+        self._lengths = prompt_lengths.tolist()  # (one host sync per generation)
 
-    def prefill_observer(self) -> Observer:
-        return self.observe
+    # ------------------------------------------------------------------ observing the prefill
+    def prefill_observer(self) -> PrefillObserver:
+        return self
 
-    def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """Pooled, group-summed observation-window attention to each prefix slot: [B, Hkv, S] float32.
+    def observes(self, start: int, stop: int) -> bool:
+        # row b's window: positions [max(len_b − window, 0), len_b)
+        return any(max(n - self.window, 0) < stop and start < n for n in self._lengths)
 
-        q: [B, Hq, T, D] prefill queries (row b's prompt occupies positions [0, len_b)); k: [B, Hkv, S, D].
-        Slots outside a row's prefix [0, obs_start) score -inf.
+    def at(self, start: int) -> Observer:
+        return partial(self.observe, q_start=start)
+
+    def finish(self, serial: int) -> None:
+        if not all(self._observed):
+            missing = [i for i, done in enumerate(self._observed) if not done]
+            raise RuntimeError(f"snapkv: the prefill ended before layers {missing} saw every observation-window "
+                               f"query (were its prompts the ones given to start()?)")
+        self._serial = serial
+
+    def resume(self, serial: int) -> bool:
+        if self._serial is None or self._serial != serial or len(self._observed) == 0:
+            return False
+        self._observed = [True] * len(self._observed)
+        return True
+
+    def observe(self, layer: int, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None,
+                q_start: int = 0) -> None:
+        """Add one forward's observation-window attention at `layer` (the forward observer).
+
+        q: [B, Hq, T, D] the queries of positions [q_start, q_start + T); k: [B, Hkv, S, D] the keys of
+        cache slots [0, S), S ≥ q_start + T. The forward that reaches the longest prompt's end (the
+        prefill's last chunk) has seen every window query: the layer's selection is made there and its
+        votes are freed. (One forward over the whole prompt: q_start 0, T the longest prompt.)
         """
-        assert self.obs_start is not None
+        assert self.obs_start is not None and q.shape[0] == len(self._lengths), "snapkv: start() first"
+        self._serial = None  # the selection buffers no longer hold a finished prefill's result
+        total = max(self._lengths)
+        votes = self.window_votes(q, k, q_start)[..., :total]  # [B, Hkv, G, ≤ total]
+        acc = self._votes[layer]
+        if acc is None and votes.shape[-1] == total:
+            acc = votes
+        else:
+            if acc is None:
+                acc = votes.new_zeros(*votes.shape[:3], total)
+            acc[..., : votes.shape[-1]] += votes
+        if q_start + q.shape[2] >= total:
+            self._votes[layer] = None
+            self._select(layer, acc)
+        else:
+            self._votes[layer] = acc
+
+    def window_votes(self, q: torch.Tensor, k: torch.Tensor, q_start: int = 0) -> torch.Tensor:
+        """Attention of the observation-window queries among q to each key: [B, Hkv, G, S] float32.
+
+        q: [B, Hq, T, D] queries of positions [q_start, q_start + T) (row b's window: the last `window`
+        positions of its prompt, [len_b − window, len_b)); k: [B, Hkv, S, D] keys of slots [0, S). Each
+        window query in q contributes its float32 softmax over keys [0, its position], summed per query
+        head (G = Hq / Hkv per KV head); window queries outside q contribute nothing.
+        """
         B, Hq, T, D = q.shape
         Hkv, S = k.shape[1], k.shape[2]
         G = Hq // Hkv
         dev = q.device
-        # Query positions of the observation window, right-aligned at each row's last prompt token.
-        qpos = self.prompt_lengths[:, None] - self.window + torch.arange(self.window, device=dev)  # [B, w]
-        qvalid = qpos >= 0
-        qsel = torch.gather(q, 2, qpos.clamp(min=0)[:, None, :, None].expand(B, Hq, self.window, D))
-        qsel = qsel.float().view(B, Hkv, G * self.window, D)
-        logits = qsel @ k.float().transpose(-1, -2) / D**0.5  # [B, Hkv, G*w, S]
+        votes = torch.zeros(B, Hkv, G, S, dtype=torch.float32, device=dev)
+        span = self._window_span(q_start, T)
+        if span is None:
+            return votes
+        # Query positions of the window entries [j0, j1) that some row has in q (entry j of row b is
+        # position len_b − window + j: the window is right-aligned at each row's last prompt token).
+        j0, j1 = span
+        w = j1 - j0
+        qpos = self.prompt_lengths[:, None] - self.window + torch.arange(j0, j1, device=dev)  # [B, w]
+        here = (qpos >= 0) & (qpos >= q_start) & (qpos < q_start + T)  # [B, w] window queries in this q
+        qsel = torch.gather(q, 2, (qpos - q_start).clamp(0, T - 1)[:, None, :, None].expand(B, Hq, w, D))
+        qsel = qsel.float().view(B, Hkv, G * w, D)
         kpos = torch.arange(S, device=dev)
         causal = kpos[None, None, :] <= qpos[:, :, None]  # [B, w, S]
-        logits = logits.view(B, Hkv, G, self.window, S).masked_fill(~causal[:, None, None], float("-inf"))
-        attn = logits.softmax(-1).nan_to_num(0.0) * qvalid[:, None, None, :, None]
-        votes = attn.sum(dim=3)  # [B, Hkv, G, S] — summed over the window queries, per query head
+        rows = max(1, OBSERVE_SCORE_BUDGET // (Hq * w * S))
+        for r0 in range(0, B, rows):
+            r = slice(r0, r0 + rows)
+            logits = qsel[r] @ k[r].float().transpose(-1, -2) / D**0.5  # [rows, Hkv, G*w, S]
+            logits = logits.view(-1, Hkv, G, w, S).masked_fill(~causal[r, None, None], float("-inf"))
+            attn = logits.softmax(-1).nan_to_num(0.0) * here[r, None, None, :, None]
+            votes[r] = attn.sum(dim=3)  # summed over the window queries, per query head
+        return votes
+
+    def _window_span(self, q_start: int, T: int) -> tuple[int, int] | None:
+        """Window entries [j0, j1) (of 0…window−1) that some row has among positions [q_start, q_start + T);
+        None if no row has any. (A forward of a few tokens computes only those, not the whole window.)"""
+        spans = [(min(max(q_start - n + self.window, 0), self.window),
+                  min(max(q_start + T - n + self.window, 0), self.window)) for n in self._lengths]
+        spans = [(a, b) for a, b in spans if a < b]
+        if not spans:
+            return None
+        return min(a for a, _ in spans), max(b for _, b in spans)
+
+    def scores(self, votes: torch.Tensor) -> torch.Tensor:
+        """Pooled, group-summed window votes [B, Hkv, G, S] → each prefix slot's score [B, Hkv, S].
+
+        Slots outside a row's prefix [0, obs_start) score -inf.
+        """
+        B, Hkv, G, S = votes.shape
+        kpos = torch.arange(S, device=votes.device)
         prefix = kpos[None, :] < self.obs_start[:, None]  # [B, S]
         votes = votes * prefix[:, None, None]
         if self.kernel > 1:
@@ -162,8 +288,9 @@ class SnapKVPolicy(DraftKVPolicy):
         votes = votes.sum(dim=2)  # [B, Hkv, S] — summed over the query heads of each KV group
         return votes.masked_fill(~prefix[:, None], float("-inf"))
 
-    def observe(self, layer: int, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> None:
-        votes = self.scores(q, k)  # [B, Hkv, S]
+    def _select(self, layer: int, votes: torch.Tensor) -> None:
+        """Keep each KV head's top (budget − window) prefix slots, given its window votes [B, Hkv, G, S]."""
+        votes = self.scores(votes)  # [B, Hkv, S]
         K = self.budget - self.window  # always K entries (invalid past the prefix), a static view width
         top = votes.topk(min(K, votes.shape[-1]), dim=-1)
         idx = torch.zeros(*votes.shape[:2], K, dtype=torch.long, device=votes.device)
