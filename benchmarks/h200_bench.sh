@@ -53,12 +53,15 @@ p2)  # batch-1 speculation with the 0.5B draft: chains and the hardware-aware DP
           --seed 1 --output "$OUT/p2/bench-$ds-t$temp"
     done
   done ;;
-p3)  # MagicDec self-speculation at long context (StreamingLLM budget 256, SnapKV budget 512), best γ per cell
+p3)  # MagicDec self-speculation at long context (StreamingLLM budget 256, SnapKV budget 512), best γ per cell;
+     # one invocation (and report) per policy and context, so a long grid keeps what it finished
   for kv in ${P3_KV:-streaming snapkv}; do
     budget=256; [ $kv = snapkv ] && budget=512
-    run $R bench selfspec --model "$T" $GPU --batch-size ${P3_BATCH:-1 16 32 64} \
-        --prefix-len ${P3_CONTEXT:-8192 16384 32768} --gen-len ${P3_GEN:-64} --gamma ${P3_GAMMAS:-2 3 4} \
-        --draft-kv $kv --draft-budget $budget --output "$OUT/p3-$kv"
+    for ctx in ${P3_CONTEXT:-8192 16384 32768}; do
+      run $R bench selfspec --model "$T" $GPU --batch-size ${P3_BATCH:-1 16 32 64} --prefix-len $ctx \
+          --gen-len ${P3_GEN:-64} --gamma ${P3_GAMMAS:-2 3 4} --draft-kv $kv --draft-budget $budget \
+          --output "$OUT/p3-$kv-$ctx"
+    done
   done ;;
 p4)  # the attention kernel against the KV-read floor and SDPA
   run python3 benchmarks/attention_bench.py --output "$OUT/p4.json" ;;

@@ -69,13 +69,20 @@ def p2(out: Path) -> list[str]:
 def p3(out: Path) -> list[str]:
     lines = []
     for kv in ("streaming", "snapkv"):
-        r = load(out / f"p3-{kv}")
-        if r is None:
+        reports = [load(d) for d in sorted(out.glob(f"p3-{kv}*"), key=lambda d: (len(d.name), d.name))]
+        reports = [r for r in reports if r is not None]
+        if not reports:
             lines.append(f"P3 {kv}: not run")
             continue
-        for b in r.get("best_gamma", []):
-            lines.append(f"P3 selfspec {kv:<9} batch {b['batch_size']:>2} context {b['prefix_len']:>5}: "
-                         f"best {b['tree']} {b['speedup']:.2f}× over AR")
+        for r in reports:
+            for b in r.get("best_gamma", []):
+                run = next((x for x in r["runs"] if x["batch_size"] == b["batch_size"]
+                            and x["prefix_len"] == b["prefix_len"] and x["tree"] == b["tree"]), {})
+                mem = run.get("peak_memory_bytes")
+                lines.append(f"P3 selfspec {kv:<9} batch {b['batch_size']:>2} context {b['prefix_len']:>5}: "
+                             f"best {b['tree']} {b['speedup']:.2f}× over AR ({run.get('ar_tokens_per_s', 0):.0f} → "
+                             f"{b['tokens_per_s']:.0f} tok/s, {run.get('tokens_per_step', 0):.2f} tok/step"
+                             + (f", peak {mem / 2**30:.1f} GiB" if mem else "") + ")")
     return lines
 
 
