@@ -55,9 +55,9 @@ p2)  # batch-1 speculation with the 0.5B draft: chains and the hardware-aware DP
   done ;;
 p3)  # MagicDec self-speculation at long context (StreamingLLM budget 256, SnapKV budget 512), best γ per cell;
      # one invocation (and report) per policy and context, so a long grid keeps what it finished
-  for kv in ${P3_KV:-streaming snapkv}; do
-    budget=256; [ $kv = snapkv ] && budget=512
-    for ctx in ${P3_CONTEXT:-8192 16384 32768}; do
+  for ctx in ${P3_CONTEXT:-32768 16384 8192}; do
+    for kv in ${P3_KV:-streaming snapkv}; do
+      budget=256; [ $kv = snapkv ] && budget=512
       run $R bench selfspec --model "$T" $GPU --batch-size ${P3_BATCH:-1 16 32 64} --prefix-len $ctx \
           --gen-len ${P3_GEN:-64} --gamma ${P3_GAMMAS:-2 3 4} --draft-kv $kv --draft-budget $budget \
           --output "$OUT/p3-$kv-$ctx"
