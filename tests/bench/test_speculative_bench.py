@@ -61,7 +61,7 @@ def test_standalone_table_and_report(tiny_model_dir, tiny_draft_dir, text_file, 
     assert out.startswith("standalone: ") and "snapkv(budget=16, window=8" in out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["1"]]
     assert [(r[1], r[2]) for r in rows] == [("20", "chain:2"), ("40", "chain:2")]
-    assert all(r[11] == "yes" for r in rows)  # same as autoregressive (the column after ms/step)
+    assert all(r[12] == "yes" for r in rows)  # same as autoregressive (the column after ms/step)
     rep = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert rep["kind"] == "standalone" and rep["models"]["draft"].startswith(str(tiny_draft_dir))
     assert [r["prefix_len"] for r in rep["runs"]] == [20, 40]
@@ -168,3 +168,19 @@ def test_standalone_sweeps_trees_and_chains(tiny_model_dir, tiny_draft_dir, text
     res = json.loads(res)
     assert [(r["tree"], r["tree_size"]) for r in res["runs"]] == [("chain:2", 3), ("chains:2x2", 5), ("generic-16", 16)]
     assert res["all_identical"] is True
+
+
+def test_spec_run_steady_state_rate_and_first_divergence():
+    from redwood.bench.speculative import _spec_run
+    from redwood.spec.trees import Tree
+
+    ar = {"tokens_per_s": 1000.0, "prefill_s": 0.1, "decode_s": 1.0, "token_ids": [[1, 2, 3], [4, 5, 6]]}
+    sp = {"tokens_per_s": 900.0, "mean_accepted_length": 2.5, "ms_per_step": 4.0,
+          "token_ids": [[1, 2, 3], [4, 7, 6]]}
+    run = _spec_run({"batch_size": 2}, "chain:2", Tree.chain(2), sp, ar, greedy=True)
+    # 2 rows × 2.5 tokens every 4 ms = 1250 tok/s while both rows generate, 1.25× the baseline
+    assert abs(run["steady_tokens_per_s"] - 1250.0) < 1e-9 and abs(run["steady_speedup"] - 1.25) < 1e-12
+    assert abs(run["speedup"] - 0.9) < 1e-12
+    assert run["identical_to_ar"] is False and run["first_divergence"] == {"row": 1, "position": 1}
+    same = _spec_run({"batch_size": 2}, "chain:2", Tree.chain(2), dict(sp, token_ids=ar["token_ids"]), ar, True)
+    assert same["identical_to_ar"] is True and "first_divergence" not in same

@@ -25,7 +25,7 @@ class SpecStats:
     accepted_at: list[int] = field(default_factory=list)
     draft_s: float = 0.0  # drafting time, when measured apart (eager steps; 0 when a step is one graph)
     verify_s: float = 0.0  # verification time, when measured apart
-    step_s: float = 0.0  # whole steps (draft + verify + commit bookkeeping up to the host's read)
+    step_s: float = 0.0  # whole steps: draft + verify on the device, then the host's bookkeeping and commit
 
     def record(self, accepted: int) -> None:
         if not self.accepted_at:
@@ -85,7 +85,9 @@ class RequestState:
 
     finish_reason: None while running; "stop" (EOS or a stop string) or "length" (max_new_tokens or
     the model's context) once done. Text is detokenized incrementally; `pop_delta` returns the text
-    added since its last call (held back while the tail is an incomplete UTF-8 sequence).
+    added since its last call (held back while the tail is an incomplete UTF-8 sequence). Detokenizing
+    costs two tokenizer calls per token, so it is done when text is needed — every token when stop
+    strings must be checked, else when `text` / `pop_delta` is read — not inside the decode loop.
     """
 
     prompt_ids: list[int]
@@ -94,13 +96,15 @@ class RequestState:
     eos_ids: frozenset[int]
     max_new_tokens: int  # params.max_new_tokens capped by the context left after the prompt
     output_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    _text: str = ""
     finish_reason: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     _prefix_offset: int = 0
     _read_offset: int = 0
     _emitted: int = 0
     _stop_checked: int = 0  # text before this index holds no stop string
+    _detokenized: int = 0  # output tokens already turned into text
+    _text_tokens: int | None = None  # output tokens that make text (None: all; an ending EOS does not)
 
     @property
     def finished(self) -> bool:
@@ -113,32 +117,46 @@ class RequestState:
         self.stats.generated_tokens = len(self.output_ids)
         if token in self.eos_ids and not self.params.ignore_eos:
             self.finish_reason = "stop"
+            self._text_tokens = len(self.output_ids) - 1
             return True
-        self._detokenize()
         if self.params.stop and self._check_stop():
             self.finish_reason = "stop"
         elif len(self.output_ids) >= self.max_new_tokens:
             self.finish_reason = "length"
         return self.finished
 
-    def _detokenize(self) -> None:
+    @property
+    def text(self) -> str:
+        """The generated text so far (stop string excluded once one is found)."""
+        self._catch_up()
+        return self._text
+
+    def _catch_up(self) -> None:
+        end = len(self.output_ids) if self._text_tokens is None else self._text_tokens
+        while self._detokenized < end:
+            self._detokenized += 1
+            self._detokenize(self._detokenized)
+
+    def _detokenize(self, n: int) -> None:
+        """Extend the text by output token n − 1 (tokens before it are already text)."""
         if self.tokenizer is None:
             return
         ids = self.output_ids
         # Decode a short window (the previous token(s) give context for leading spaces / merges).
         before = self.tokenizer.decode(ids[self._prefix_offset:self._read_offset], skip_special_tokens=True)
-        after = self.tokenizer.decode(ids[self._prefix_offset:], skip_special_tokens=True)
+        after = self.tokenizer.decode(ids[self._prefix_offset:n], skip_special_tokens=True)
         if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.text += after[len(before):]
-            self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+            self._text += after[len(before):]
+            self._prefix_offset, self._read_offset = self._read_offset, n
 
     def _check_stop(self) -> bool:
+        self._catch_up()
         longest = max(len(s) for s in self.params.stop)
         start = max(0, self._stop_checked - longest + 1)  # a stop string may straddle old and new text
-        hits = [i for s in self.params.stop if (i := self.text.find(s, start)) >= 0]
-        self._stop_checked = len(self.text)
+        hits = [i for s in self.params.stop if (i := self._text.find(s, start)) >= 0]
+        self._stop_checked = len(self._text)
         if hits:
-            self.text = self.text[: min(hits)]
+            self._text = self._text[: min(hits)]
             return True
         return False
 

@@ -183,7 +183,6 @@ def speculative(target: Transformer, drafter: Drafter, requests: list[RequestSta
             a, nxt_b, path_b = host_list[b][0], host_list[b][1], host_list[b][2:]
             spec = r.stats.spec
             spec.record(a)
-            spec.step_s += tc - ta
             spec.draft_s += tb - ta if split is not None else 0.0
             spec.verify_s += tc - tb
             for tok in path_b[1: a + 1] + [nxt_b]:
@@ -196,6 +195,11 @@ def speculative(target: Transformer, drafter: Drafter, requests: list[RequestSta
             cache.compact(path, kept_t)
         drafter.commit(path, accepted + 1)
         cache.commit(kept_t)
+        # A step's time: the device work through the host's read, plus the host's bookkeeping (emitting
+        # tokens, detokenizing for stop strings, queueing the commit) — as an AR step's time includes its own.
+        t_end = time.perf_counter()
+        for b in updated:
+            requests[b].stats.spec.step_s += t_end - ta
         yield updated
 
 
