@@ -55,7 +55,8 @@ class LLM:
     offload: keep the target's decoder-layer weights in (pinned) host memory and stream them to the
     device, `offload_prefetch` layers at a time (see `redwood.engine.offload`).
     cuda_graphs: capture decode / draft / verify steps in CUDA graphs, once per step shape, and keep the
-    KV caches across calls (`redwood.engine.runner`); None → on for CUDA without offloading.
+    KV caches across calls (`redwood.engine.runner`); None → on for CUDA. An offloaded target always runs
+    eagerly (its weights stream in between kernels); a draft model next to it still runs graphed.
     """
 
     def __init__(self, model: str | Path = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
@@ -74,9 +75,10 @@ class LLM:
             offload_layers(loaded.model, device, prefetch=offload_prefetch)
         self.model = loaded.model
         on_cuda = self.model.device.type == "cuda"  # (load_model fused its projections there)
-        if cuda_graphs and (not on_cuda or offload):
-            raise ConfigError("cuda_graphs needs device='cuda' and no offloading")
-        self.runners = RunnerPool(use_graphs=on_cuda and not offload if cuda_graphs is None else cuda_graphs)
+        if cuda_graphs and not on_cuda:
+            raise ConfigError("cuda_graphs needs device='cuda'")
+        # With offloading the target's forwards run eagerly; a draft model (resident) still uses graphs.
+        self.runners = RunnerPool(use_graphs=on_cuda if cuda_graphs is None else cuda_graphs)
         self.tokenizer = loaded.tokenizer
         self.config = loaded.config
         self.model_name = loaded.source

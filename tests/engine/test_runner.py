@@ -85,3 +85,16 @@ def test_graphed_speculation_is_exact_and_replays_eager(name, tiny_model_dir, ti
     # other batch sizes and back (SnapKV reallocates its selection buffers; graphs must not read stale ones)
     for prompts in (PROMPTS[:2], [p[::-1] for p in PROMPTS]):
         assert _outputs(graphed, prompts, GREEDY) == _outputs(ar, prompts, GREEDY)
+
+
+@cuda
+def test_offloaded_target_runs_eager_while_its_draft_model_is_graphed(tiny_model_dir, tiny_draft_dir):
+    spec = SpeculativeConfig(draft_model=str(tiny_draft_dir), num_draft_tokens=3)
+    ar = LLM(str(tiny_model_dir), device="cuda", cuda_graphs=False)
+    ar.model.attention_backend = "reference"
+    offloaded = LLM(str(tiny_model_dir), device="cuda", speculative=spec, offload=True)
+    assert _outputs(offloaded, PROMPTS, GREEDY) == _outputs(ar, PROMPTS, GREEDY)
+    pooled = offloaded.runners.runners()
+    # the offloaded target gets a fresh eager runner per call (nothing to keep); the draft's is pooled
+    assert [r.model for r in pooled] == [offloaded.drafter.model]
+    assert pooled[0].use_graphs and pooled[0].captures > 0

@@ -225,7 +225,11 @@ class RunnerPool:
     def get(self, role: str, model: Transformer, batch_size: int, capacity: int) -> StepRunner:
         """A runner with an empty cache of at least `capacity` slots for `batch_size` rows (its prefix
         memory, if any, kept for `prefill` to check: fill the cache with `prefill` first)."""
-        graphs = self.use_graphs and model.device.type == "cuda"
+        from redwood.engine.offload import get_offload
+
+        # (an offloaded model streams its weights from the host between kernels: not capturable; a
+        # resident draft model next to it still gets graphs)
+        graphs = self.use_graphs and model.device.type == "cuda" and get_offload(model) is None
         if not (graphs or self._reuse):
             return StepRunner(model, model.new_cache(batch_size, capacity), use_graphs=False)
         key = (role, id(model), batch_size)
