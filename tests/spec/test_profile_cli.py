@@ -38,10 +38,11 @@ def test_profile_writes_a_loadable_profile(tiny_model_dir, tmp_path, capsys):
 def test_profile_with_draft_and_no_overhead(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "p.json"
     rc = main(["profile", "--model", str(tiny_model_dir), "--draft-model", str(tiny_model_dir), "--tokens", "1,3",
-               "--widths", "1", "--no-overhead", "--temperature", "0", "--output", str(out)] + FAST)
+               "--widths", "1", "--no-overhead", "--temperature", "0", "--no-cuda-graphs", "--output", str(out)] + FAST)
     assert rc == 0
     prof = load_profile(out)
     assert prof.overhead_ms is None and prof.draft_width == (1,) and prof.target_tokens == (1, 3)
+    assert prof.notes["cuda_graphs"] is False
     assert "draft ms by width" in capsys.readouterr().out
 
 

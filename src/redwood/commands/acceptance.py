@@ -12,6 +12,7 @@ import shlex
 import sys
 import time
 
+from redwood.commands.generate import add_graphs_arg
 from redwood.errors import ConfigError
 
 
@@ -48,6 +49,7 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i; default 0)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    add_graphs_arg(p)
     p.add_argument("--output", "-o", required=True, metavar="FILE", help="write the vector here (JSON)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=_run)

@@ -19,6 +19,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help=f"zoo name, Hugging Face folder or .gguf file (default: {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    add_graphs_arg(p)
+
+
+def add_graphs_arg(p: argparse.ArgumentParser) -> None:
+    """--no-cuda-graphs (args.cuda_graphs, default True)."""
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="on CUDA, launch every step's kernels eagerly instead of replaying captured CUDA graphs")
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from redwood.commands.generate import add_graphs_arg
 from redwood.errors import ConfigError
 
 
@@ -39,6 +40,7 @@ def register(subparsers) -> None:
                    help="overhead: verifier timed (default: greedy at temperature 0, else sequoia)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    add_graphs_arg(p)
     p.add_argument("--output", "-o", required=True, metavar="FILE", help="write the profile here (JSON)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=_run)
@@ -76,6 +78,7 @@ def _run(args: argparse.Namespace) -> int:
         draft_name=draft.source if draft else None, tokens=tokens, widths=widths, batch=args.batch_size,
         context=args.context, repeats=args.repeats, warmup=args.warmup, overhead=not args.no_overhead,
         temperature=args.temperature, top_p=args.top_p, verifier=args.verifier, dtype=args.dtype, progress=say,
+        cuda_graphs=args.cuda_graphs,
     )
     save_profile(prof, args.output)
     print(f"device: {prof.device}, {args.dtype}, batch {prof.batch}, context {prof.context}")

@@ -95,12 +95,12 @@ def _check_fits(model, what: str, context: int, extra: int) -> None:
 
 @torch.inference_mode()
 def target_latency(model, sizes: Sequence[int], batch: int, context: int, repeats: int, warmup: int,
-                   seed: int = 0) -> list[float]:
+                   seed: int = 0, cuda_graphs: bool = True) -> list[float]:
     device = model.device
     _check_fits(model, "target", context, max(sizes))
     g = torch.Generator().manual_seed(seed)
     cache = _prefilled_cache(model, batch, context, max(sizes), g)
-    runner = StepRunner(model, cache, use_graphs=True)  # as the engine runs its steps (graphs on CUDA)
+    runner = StepRunner(model, cache, use_graphs=cuda_graphs)  # as the engine runs its steps (graphs on CUDA)
     out = []
     for n in sizes:
         tree = profile_tree(n)
@@ -114,12 +114,12 @@ def target_latency(model, sizes: Sequence[int], batch: int, context: int, repeat
 
 @torch.inference_mode()
 def draft_latency(model, widths: Sequence[int], batch: int, context: int, repeats: int, warmup: int,
-                  seed: int = 1) -> list[float]:
+                  seed: int = 1, cuda_graphs: bool = True) -> list[float]:
     device = model.device
     _check_fits(model, "draft", context, max(widths) + 1)
     g = torch.Generator().manual_seed(seed)
     cache = _prefilled_cache(model, batch, context, max(widths), g)
-    runner = StepRunner(model, cache, use_graphs=True)
+    runner = StepRunner(model, cache, use_graphs=cuda_graphs)
     out = []
     for w in widths:
         ids = torch.randint(0, model.config.vocab_size, (batch, w), generator=g).to(device)
@@ -132,7 +132,8 @@ def draft_latency(model, widths: Sequence[int], batch: int, context: int, repeat
 
 @torch.inference_mode()
 def overhead_latency(vocab: int, sizes: Sequence[int], batch: int, device: torch.device, repeats: int,
-                     warmup: int, temperature: float, top_p: float, verifier: str, seed: int = 2) -> list[float]:
+                     warmup: int, temperature: float, top_p: float, verifier: str, seed: int = 2,
+                     cuda_graphs: bool = True) -> list[float]:
     if verifier not in VERIFIERS:
         raise ConfigError(f"unknown verifier {verifier!r}; choose one of {', '.join(VERIFIERS)}")
     g = torch.Generator().manual_seed(seed)
@@ -156,7 +157,7 @@ def overhead_latency(vocab: int, sizes: Sequence[int], batch: int, device: torch
             q = probabilities(ld, temp, tk, tp, **flags).view(batch, n, vocab) if need_q else None
             return verify_tree_paths(verifier, parents, tokens, p, q, rand)
 
-        if device.type == "cuda":
+        if device.type == "cuda" and cuda_graphs:
             state = rand.state
             graph = CapturedStep(step, (), torch.cuda.graph_pool_handle(),
                                  restore=lambda: (lambda saved: lambda: rand.restore(saved))(state()))
@@ -176,8 +177,10 @@ def measure_profile(target, draft=None, *, target_name: str = "", draft_name: st
                     tokens: Sequence[int] = DEFAULT_TOKENS, widths: Sequence[int] = DEFAULT_WIDTHS,
                     batch: int = 1, context: int = 256, repeats: int = 5, warmup: int = 2,
                     overhead: bool = True, temperature: float = 0.6, top_p: float = 1.0,
-                    verifier: str | None = None, dtype: str | None = None, progress=None) -> LatencyProfile:
-    """Profile `target` (and `draft`, else the target again) on their device; see the module docstring."""
+                    verifier: str | None = None, dtype: str | None = None, progress=None,
+                    cuda_graphs: bool = True) -> LatencyProfile:
+    """Profile `target` (and `draft`, else the target again) on their device; see the module docstring.
+    cuda_graphs=False times eager steps (as `--no-cuda-graphs` runs them)."""
     for name, v, lo in (("batch", batch, 1), ("context", context, 1), ("repeats", repeats, 1), ("warmup", warmup, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
@@ -190,20 +193,21 @@ def measure_profile(target, draft=None, *, target_name: str = "", draft_name: st
     device = target.device
     say = progress or (lambda msg: None)
     say(f"target forward over {', '.join(map(str, tokens))} tokens")
-    t_ms = target_latency(target, tokens, batch, context, repeats, warmup)
+    t_ms = target_latency(target, tokens, batch, context, repeats, warmup, cuda_graphs=cuda_graphs)
     d_model = draft if draft is not None else target
     say(f"draft forward over {', '.join(map(str, widths))} nodes")
-    d_ms = draft_latency(d_model, widths, batch, context, repeats, warmup)
+    d_ms = draft_latency(d_model, widths, batch, context, repeats, warmup, cuda_graphs=cuda_graphs)
     o_ms = None
     if overhead:
         say(f"sampling + {verifier} verification over {', '.join(map(str, tokens))} nodes")
         o_ms = overhead_latency(target.config.vocab_size, tokens, batch, device, repeats, warmup, temperature,
-                                top_p, verifier)
+                                top_p, verifier, cuda_graphs=cuda_graphs)
     notes = {
         "repeats": repeats, "warmup": warmup, "statistic": "median",
         "target_tree": "complete binary tree of n nodes (tree-attention mask); n = 1 a decode step",
         "draft_shape": "w sibling nodes, each attending to the context and itself",
         "draft_is_target": draft is None,
+        "cuda_graphs": cuda_graphs and device.type == "cuda",
         "torch": torch.__version__,
     }
     if overhead:
