@@ -184,3 +184,36 @@ def test_spec_run_steady_state_rate_and_first_divergence():
     assert run["identical_to_ar"] is False and run["first_divergence"] == {"row": 1, "position": 1}
     same = _spec_run({"batch_size": 2}, "chain:2", Tree.chain(2), dict(sp, token_ids=ar["token_ids"]), ar, True)
     assert same["identical_to_ar"] is True and "first_divergence" not in same
+
+
+def test_divergence_logits_is_the_targets_view_at_the_parting_token(tiny_llm):
+    import torch
+
+    from redwood.bench.speculative import divergence_logits
+
+    model = tiny_llm.model
+    prompt, ar_ids = [5, 9, 33, 2, 17], [40, 41, 42, 43]
+    spec_ids = [40, 41, 99, 43]
+    d = divergence_logits(model, prompt, ar_ids, spec_ids, 2)
+    ids = torch.tensor([prompt + ar_ids[:2]])
+    with torch.inference_mode():
+        logits = model(ids, torch.arange(ids.shape[1])[None], model.new_cache(1, 16))[0, -1].float()
+    top = logits.topk(2).values
+    assert abs(d["top2_gap"] - float(top[0] - top[1])) < 1e-4
+    assert d["ar_token"] == 42 and d["spec_token"] == 99
+    assert abs(d["logit_gap"] - float(logits[42] - logits[99])) < 1e-4
+
+
+def test_table_reports_where_greedy_outputs_part():
+    from redwood.bench.speculative import format_result
+
+    run = {"batch_size": 2, "prefix_len": 32, "tree": "chain:2", "ar_tokens_per_s": 10.0, "tokens_per_s": 12.0,
+           "speedup": 1.2, "steady_speedup": 1.5, "acceptance_rate": 0.5, "mean_accepted_length": 2.0,
+           "draft_s": 0.0, "verify_s": 0.0, "ms_per_step": 3.0, "identical_to_ar": False,
+           "acceptance_by_position": [0.5, 0.4], "gamma": 2,
+           "first_divergence": {"row": 1, "position": 7, "top2_gap": 0.0625, "ar_token": 3, "spec_token": 4,
+                                "logit_gap": 0.0}}
+    text = format_result({"kind": "selfspec", "model": "m", "draft": "self", "gen_len": 8, "temperature": 0.0,
+                          "top_p": 1.0, "prompts": "p", "dtype": "bfloat16", "device": "cuda", "runs": [run],
+                          "best": [], "all_identical": False})
+    assert "row 1 parts at output token 7; target's top-2 logit gap there 0.0625" in text

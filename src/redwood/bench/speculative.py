@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import torch
 
-from redwood.engine.generate import autoregressive, make_requests, sync
+from redwood.engine.generate import autoregressive, make_requests, prefill, sync
 from redwood.engine.request import RequestState
 from redwood.errors import ConfigError
 from redwood.sampling_params import SamplingParams
@@ -272,7 +272,13 @@ def run_bench(llm, kind: str, batch_sizes: Sequence[int], prefix_lens: Sequence[
                 for label, tree in shapes:
                     say(f"batch {batch}, prefix {prefix}: {kind}, {label}")
                     sp = measure(llm, prompt_sets[batch, prefix], params, drafter, tree, verifier)
-                    group.append(_spec_run(base, label, tree, sp, ar, greedy=temperature == 0))
+                    run = _spec_run(base, label, tree, sp, ar, greedy=temperature == 0)
+                    if "first_divergence" in run:
+                        d = run["first_divergence"]
+                        d.update(divergence_logits(llm.model, prompt_sets[batch, prefix][d["row"]],
+                                                   ar["token_ids"][d["row"]], sp["token_ids"][d["row"]],
+                                                   d["position"]))
+                    group.append(run)
                 runs += group
                 top = max(group, key=lambda r: r["speedup"] or 0.0)
                 best.append({"batch_size": batch, "prefix_len": prefix, "gamma": top["gamma"], "tree": top["tree"],
@@ -286,6 +292,27 @@ def run_bench(llm, kind: str, batch_sizes: Sequence[int], prefix_lens: Sequence[
         "dtype": str(llm.model.dtype).removeprefix("torch."), "device": str(llm.model.device),
         "runs": runs, "best": best, "all_identical": all(identical) if identical else None,
     }
+
+
+@torch.inference_mode()
+def divergence_logits(model, prompt: list[int], ar_ids: list[int], spec_ids: list[int], position: int) -> dict:
+    """Why a greedy speculative output parts from the AR output at output `position`: the target's logits
+    for that token from one fresh forward over the prompt and AR's tokens before it (batch 1).
+
+    top2_gap: its two largest logits' difference; logit_gap: AR's token's logit minus the speculative
+    token's. A gap within the rounding of the logits' dtype (bf16 spacing is 2^-7 of the value: 0.125
+    for logits in [16, 32)) is a numerical tie that forwards of different shapes may break either way;
+    a larger one would be a bug.
+    """
+    context = list(prompt) + list(ar_ids[:position])
+    cache = model.new_cache(1, len(context) + 1)
+    logits = prefill(model, cache, [context])[0].float()  # [V]
+    top = logits.topk(2)
+    out = {"top2_gap": float(top.values[0] - top.values[1])}
+    if position < min(len(ar_ids), len(spec_ids)):
+        a, b = ar_ids[position], spec_ids[position]
+        out.update(ar_token=a, spec_token=b, logit_gap=float(logits[a] - logits[b]))
+    return out
 
 
 @contextmanager
@@ -368,6 +395,12 @@ def format_result(r: dict[str, Any]) -> str:
                  "server refilling finished rows would see; speedup = until the batch's last row is done")
     if r["all_identical"] is False:
         lines.append("WARNING: greedy speculative output differs from autoregressive output (must be identical)")
+        for x in r["runs"]:
+            d = x.get("first_divergence")
+            if d and "top2_gap" in d:
+                lines.append(f"  batch {x['batch_size']}, prefix {x['prefix_len']}, {x['tree']}: row {d['row']} parts at "
+                             f"output token {d['position']}; target's top-2 logit gap there {d['top2_gap']:.4g}"
+                             + (f", AR token − spec token logit {d['logit_gap']:.4g}" if "logit_gap" in d else ""))
     return "\n".join(lines)
 
 
