@@ -71,12 +71,12 @@ def test_uniforms_are_uniform_and_independent_of_lane_and_element():
     assert abs(float(u.mean()) - 0.5) < 0.003
 
 
-def test_state_restore_replays_the_same_numbers():
+def test_checkpoint_undo_replays_the_same_numbers():
     r = RowRandom([1, 2], "cpu")
     r.uniform(None, (3,))
-    saved = r.state()
+    undo = r.checkpoint()
     first = r.uniform(None, (8,))
-    r.restore(saved)
+    undo()
     assert torch.equal(r.uniform(None, (8,)), first)
     c = r.copy()
     assert torch.equal(c.uniform(None, (8,)), r.uniform(None, (8,)))

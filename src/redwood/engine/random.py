@@ -19,6 +19,7 @@ is drawn with it.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import torch
 
@@ -93,12 +94,11 @@ class RowRandom:
         self.key.copy_(other.key)
         self.counter.copy_(other.counter)
 
-    def state(self) -> torch.Tensor:
-        """A copy of the counter (to undo draws made while warming up a graph)."""
-        return self.counter.clone()
-
-    def restore(self, state: torch.Tensor) -> None:
-        self.counter.copy_(state)
+    def checkpoint(self) -> Callable[[], None]:
+        """Remember the counter; the returned function puts it back (undoing the draws made since, e.g.
+        by the warm-up runs before a graph capture)."""
+        saved = self.counter.clone()
+        return lambda: self.counter.copy_(saved)
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

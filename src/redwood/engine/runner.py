@@ -110,14 +110,13 @@ class StepRunner:
         if self.owner is not None:
             self.owner.capture_s += dt
 
-
     def captured_step(self, key: Hashable, build: Callable[[], Callable[..., tuple]],
                       inputs: tuple[torch.Tensor, ...], restore: Callable[[], Callable[[], None]]) -> "CapturedStep":
         """The graph of a whole step under `key`, captured on first use (graphs must be on).
 
         build() makes the step callable (called once; it and what it holds live as long as the graph);
         inputs: example inputs (their shapes are fixed by the key); restore(): snapshot the state the
-        warm-up runs must not advance (e.g. random counters) and return a function that puts it back.
+        warm-up runs must not advance and return a function that puts it back (`RowRandom.checkpoint`).
         """
         captured = self._steps.get(key)
         if captured is None:

@@ -152,7 +152,7 @@ def speculative(target: Transformer, drafter: Drafter, requests: list[RequestSta
         owned = sampler.copy()
         captured = runner.captured_step(
             key, lambda: SpecStep(target, runner, drafter, tree, kind, rule, owned), (prev, last),
-            restore=lambda: _restorer(owned))
+            restore=owned.random.checkpoint)
         captured.fn.sampler.load_state(sampler)
         step_fn, split = captured.replay, None
     else:
@@ -201,8 +201,3 @@ def speculative(target: Transformer, drafter: Drafter, requests: list[RequestSta
         for b in updated:
             requests[b].stats.spec.step_s += t_end - ta
         yield updated
-
-
-def _restorer(sampler: Sampler):
-    state = sampler.random.state()
-    return lambda: sampler.random.restore(state)

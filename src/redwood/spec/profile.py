@@ -158,9 +158,7 @@ def overhead_latency(vocab: int, sizes: Sequence[int], batch: int, device: torch
             return verify_tree_paths(verifier, parents, tokens, p, q, rand)
 
         if device.type == "cuda" and cuda_graphs:
-            state = rand.state
-            graph = CapturedStep(step, (), torch.cuda.graph_pool_handle(),
-                                 restore=lambda: (lambda saved: lambda: rand.restore(saved))(state()))
+            graph = CapturedStep(step, (), torch.cuda.graph_pool_handle(), restore=rand.checkpoint)
             out.append(time_ms(graph.replay, device, repeats, warmup))
         else:
             out.append(time_ms(step, device, repeats, warmup))
