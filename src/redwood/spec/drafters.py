@@ -77,11 +77,19 @@ class LevelPlan:
     dst: torch.Tensor  # [C] the tree nodes they become
 
 
-def level_plans(tree: Tree, m: int, device: torch.device) -> tuple[LevelPlan, ...]:
-    """The device form of `draft_plan(tree)` with m lead tokens re-fed before the root."""
+@dataclass(frozen=True)
+class DevicePlan:
+    """`draft_plan(tree)` as device tensors, with m lead tokens re-fed before the root."""
+
+    levels: tuple[LevelPlan, ...]  # one per draft forward
+    fed_pos: torch.Tensor  # [n] each node's order among the fed nodes (−1: never fed, a leaf)
+    chain: bool  # one node per forward: an accepted path is already in place in the draft cache
+
+
+def device_plan(tree: Tree, m: int, device: torch.device) -> DevicePlan:
     plan = draft_plan(tree)
     depth = tree.depths_tensor("cpu")
-    out = []
+    levels = []
     for step, nodes in enumerate(plan.steps):
         k = plan.max_children[step]
         src, dst = [], []
@@ -96,14 +104,21 @@ def level_plans(tree: Tree, m: int, device: torch.device) -> tuple[LevelPlan, ..
             mask = plan.masks[step - 1]
             if m:  # lead tokens are committed context: every node sees them
                 mask = torch.cat([torch.ones(len(nodes), m, dtype=torch.bool), mask], dim=1)
-        out.append(LevelPlan(torch.tensor(nodes, device=device), offsets.to(device),
-                             None if mask is None else mask.to(device), k,
-                             torch.tensor(src, device=device), torch.tensor(dst, device=device)))
-    return tuple(out)
+        levels.append(LevelPlan(torch.tensor(nodes, device=device), offsets.to(device),
+                                None if mask is None else mask.to(device), k,
+                                torch.tensor(src, device=device), torch.tensor(dst, device=device)))
+    return DevicePlan(tuple(levels), torch.tensor(plan.fed_pos, device=device),
+                      all(len(nodes) == 1 for nodes in plan.steps))
 
 
 class Drafter:
     policy: DraftKVPolicy
+
+    def __init__(self, policy: DraftKVPolicy):
+        self.policy = policy
+        # (tree, lead tokens, device) → DevicePlan, kept for the drafter's lifetime: a captured step
+        # reads these tensors on every replay.
+        self._device_plans: dict[tuple, DevicePlan] = {}
 
     def target_prefill_observer(self):
         """Observer to pass to the target's prefill (self-speculation with SnapKV), else None."""
@@ -131,13 +146,11 @@ class Drafter:
         return (id(self), id(self.policy), self.policy.version)
 
     # ------------------------------------------------------------------ shared tree drafting
-    def _levels(self, tree: Tree, m: int, device: torch.device) -> tuple[LevelPlan, ...]:
-        # Kept for the drafter's lifetime: a captured step reads these tensors on every replay.
-        plans = self.__dict__.setdefault("_level_plans", {})
+    def _plan_for(self, tree: Tree, m: int, device: torch.device) -> DevicePlan:
         key = (tree, m, str(device))
-        if key not in plans:
-            plans[key] = level_plans(tree, m, device)
-        return plans[key]
+        if key not in self._device_plans:
+            self._device_plans[key] = device_plan(tree, m, device)
+        return self._device_plans[key]
 
     def _draft(self, runner: StepRunner, lead: torch.Tensor | None, last: torch.Tensor,
                tree: Tree, sampler: Sampler, rule: str, need_q: bool, vocab: int):
@@ -150,7 +163,7 @@ class Drafter:
         policy = None if isinstance(self.policy, FullPolicy) else self.policy
         B, device = last.shape[0], last.device
         m = 0 if lead is None else lead.shape[1]
-        levels = self._levels(tree, m, device)
+        levels = self._plan_for(tree, m, device).levels
         tokens = torch.zeros(B, tree.size, dtype=torch.long, device=device)
         tokens[:, 0] = last
         q_all = torch.zeros(B, tree.size, vocab, device=device) if need_q else None
@@ -184,7 +197,8 @@ class Drafter:
 
 class SelfDrafter(Drafter):
     def __init__(self, model: Transformer, policy: DraftKVPolicy):
-        self.model, self.policy = model, policy
+        super().__init__(policy)
+        self.model = model
 
     def target_prefill_observer(self):
         return self.policy.prefill_observer()
@@ -199,12 +213,13 @@ class SelfDrafter(Drafter):
 
 class ModelDrafter(Drafter):
     def __init__(self, model: Transformer, policy: DraftKVPolicy, target_vocab: int):
-        self.model, self.policy = model, policy
+        super().__init__(policy)
+        self.model = model
         self.target_vocab = target_vocab
         # Tokens the two models share; the draft never proposes a token outside this range.
         self.shared_vocab = min(target_vocab, model.config.vocab_size)
         self.runner: StepRunner | None = None
-        self._plan: DraftPlan | None = None
+        self._plan: DevicePlan | None = None  # the latest proposal's (for commit)
 
     @property
     def cache(self) -> KVCache | None:
@@ -224,7 +239,7 @@ class ModelDrafter(Drafter):
     def propose(self, target, prev, last, tree, sampler, rule, need_q):
         assert self.runner is not None
         self.cache.lengths.copy_(target.cache.lengths - 1)  # rewind: re-feed the newest committed token
-        self._plan = draft_plan(tree)
+        self._plan = self._plan_for(tree, 1, last.device)  # (one lead token: prev)
         tokens, q = self._draft(self.runner, prev[:, None], last, tree, sampler, rule, need_q,
                                 self.shared_vocab)
         return tokens, None if q is None else self.pad_to_target(q)
@@ -240,12 +255,9 @@ class ModelDrafter(Drafter):
         # internal nodes all have children, so all were fed; its last node may be an unfed leaf, but the
         # next step re-feeds it as `prev`, so it need not move.
         assert self.cache is not None and self._plan is not None
-        if all(len(step) == 1 for step in self._plan.steps):
+        if self._plan.chain:
             return  # a chain: every accepted node is already in place
-        fed_pos = self.__dict__.setdefault("_fed_pos", {}).get(self._plan)
-        if fed_pos is None or fed_pos.device != path_src.device:
-            fed_pos = self._fed_pos[self._plan] = torch.tensor(self._plan.fed_pos, device=path_src.device)
-        src = torch.cat([torch.zeros_like(path_src[:, :1]), 1 + fed_pos[path_src].clamp(min=0)], dim=1)
+        src = torch.cat([torch.zeros_like(path_src[:, :1]), 1 + self._plan.fed_pos[path_src].clamp(min=0)], dim=1)
         self.cache.compact(src, count)  # entries past count (incl. the path's last node) stay put
 
 
