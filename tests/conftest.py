@@ -155,3 +155,25 @@ def run_in_triton_interpreter(test_file: str) -> None:
     assert proc.returncode == 0, log
     if not re.search(r"\d+ passed", log):
         pytest.skip(f"interpreter run skipped: {log[-400:]}")
+
+
+def import_without_triton(monkeypatch, module):
+    """A fresh copy of `module` (a kernel module) executed as if triton were not installed.
+
+    `import triton` raises ImportError for the copy (monkeypatch restores everything after the test),
+    and the guarded import (`redwood.kernels.triton_import`) is executed afresh for it.
+    """
+    import importlib.util
+    import sys
+
+    for name in ("triton", "triton.language", "triton.language.extra"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import triton` now raises ImportError
+    import redwood.kernels
+
+    monkeypatch.delitem(sys.modules, "redwood.kernels.triton_import")
+    monkeypatch.setattr(redwood.kernels, "triton_import", redwood.kernels.triton_import, raising=False)
+    spec = importlib.util.spec_from_file_location(f"_{module.__name__.rsplit('.', 1)[-1]}_without_triton",
+                                                  module.__file__)
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+    return copy

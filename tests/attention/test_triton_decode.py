@@ -14,10 +14,8 @@ Where they run:
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
-import sys
 
 import pytest
 import torch
@@ -25,7 +23,7 @@ import torch
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from tests.conftest import run_in_triton_interpreter  # noqa: E402
+from tests.conftest import import_without_triton, run_in_triton_interpreter  # noqa: E402
 from redwood.attention import reference  # noqa: E402
 from redwood.attention import triton_decode as td  # noqa: E402
 
@@ -337,11 +335,7 @@ def test_default_num_splits_from_static_shapes():
 def test_supported_and_import_without_triton(monkeypatch):
     q = torch.zeros(1, 2, 1, 64)
     assert not td.supported(q, torch.zeros(1, 2, 8, 64))  # CPU tensors: the caller falls back
-    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
-    monkeypatch.setitem(sys.modules, "triton.language", None)
-    spec = importlib.util.spec_from_file_location("_triton_decode_without_triton", td.__file__)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = import_without_triton(monkeypatch, td)
     assert mod.triton is None and not mod.supported(q, torch.zeros(1, 2, 8, 64))
     assert not mod.available(torch.device("cpu"), torch.bfloat16, 64)
 

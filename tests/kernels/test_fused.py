@@ -20,9 +20,7 @@ Where they run:
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 import types
 
 import pytest
@@ -31,7 +29,7 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from tests.conftest import run_in_triton_interpreter  # noqa: E402
+from tests.conftest import import_without_triton, run_in_triton_interpreter  # noqa: E402
 from redwood.kernels import fused as fk  # noqa: E402
 from redwood.kv.cache import KVCache  # noqa: E402
 from redwood.models.rope import RotaryEmbedding, apply_rotary  # noqa: E402
@@ -291,12 +289,7 @@ def test_available_and_import_without_triton(monkeypatch):
         assert fk.available("cuda") == torch.cuda.is_available()
     else:
         assert fk.available("cpu", force_interpreter=True) and not fk.available("cuda")
-    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
-    monkeypatch.setitem(sys.modules, "triton.language", None)
-    monkeypatch.setitem(sys.modules, "triton.language.extra", None)
-    spec = importlib.util.spec_from_file_location("_fused_without_triton", fk.__file__)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = import_without_triton(monkeypatch, fk)
     assert mod.triton is None
     assert not mod.available("cpu") and not mod.available("cuda")
     assert not mod.available("cpu", force_interpreter=True)

@@ -18,8 +18,8 @@ Design (flash-decoding with GQA packing):
     call has no host sync and allocates only from shapes: it can be captured in a CUDA graph.
   * Online softmax in base 2, fp32 accumulation; rows that see no key output 0 (never NaN).
 
-triton is imported guarded: without it this module still imports, and `supported` / `available`
-say False (the caller then uses the reference).
+triton is imported guarded (`redwood.kernels.triton_import`): without it this module still imports, and
+`supported` / `available` say False (the caller then uses the reference).
 Under TRITON_INTERPRET=1 (read when this module is imported) the kernels run in Triton's CPU
 interpreter, whose tl.dot mishandles bf16 — there bf16 tiles are upcast to fp32 after loading.
 """
@@ -28,25 +28,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the kernels below are then plain (never called) functions
-    triton = None
+from redwood.kernels.triton_import import INTERPRET as _INTERPRET
+from redwood.kernels.triton_import import jit as _jit
+from redwood.kernels.triton_import import tl, triton
 
-    class tl:  # noqa: N801 — only so the kernels' annotations resolve
-        constexpr = None
-
-
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
-
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_HEAD_DIM = 256
 _LOG2E = 1.4426950408889634

@@ -17,7 +17,8 @@ which now and then moves a bf16/fp16 output by one ulp (float32 outputs by a few
 
 All calls are CUDA-graph capturable: no host syncs, outputs allocated from shapes only.
 
-triton is imported guarded: without it this module still imports and `available` says False.
+triton is imported guarded (`redwood.kernels.triton_import`): without it this module still imports and
+`available` says False.
 Under TRITON_INTERPRET=1 (read when this module is imported) the kernels run on CPU tensors in
 Triton's interpreter (for tests). There, float32 → bf16 casts truncate, so bf16 rounding is done with
 integer arithmetic instead, and exp/division/rsqrt use numpy's instead of CUDA's libdevice, matching
@@ -27,27 +28,13 @@ CPU PyTorch's (sum / n rather than CUDA's sum * (1/n) for the mean, too).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-    from triton.language.extra import libdevice
-except ImportError:  # the kernels below are then plain (never called) functions
-    triton = None
-    libdevice = None
+from redwood.kernels.triton_import import INTERPRET as _INTERPRET
+from redwood.kernels.triton_import import jit as _jit
+from redwood.kernels.triton_import import libdevice, tl, triton
 
-    class tl:  # noqa: N801 — only so the kernels' annotations resolve
-        constexpr = None
-
-
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
-
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # How a float32 result is rounded to the storage dtype (a constexpr of every kernel).
 _KEEP, _TO_BF16, _TO_FP16 = 0, 1, 2
