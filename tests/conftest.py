@@ -86,6 +86,18 @@ def perturbed(model, noise: float, seed: int):
     return model
 
 
+def save_target_and_draft(root: Path, tokenizer, noise: float, **config_overrides) -> None:
+    """root/target: a clear-margin random Qwen2 model; root/draft: the same weights plus N(0, noise²)
+    (a draft that agrees often); both with `tokenizer`."""
+    config = tiny_hf_config("qwen2", eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+                            **config_overrides)
+    target = clear_margin_model(config, seed=3)
+    target.save_pretrained(root / "target")
+    perturbed(target, noise, seed=5).save_pretrained(root / "draft")  # (in place: target/ is written)
+    for name in ("target", "draft"):
+        tokenizer.save_pretrained(root / name)
+
+
 @pytest.fixture(autouse=True)
 def one_thread(request):
     """Tiny models run several times faster on one intra-op thread (especially on a shared 2-core

@@ -19,7 +19,7 @@ from redwood.engine.generate import prefill
 from redwood.engine.offload import get_offload, offload_layers, restore_layers
 from redwood.errors import ConfigError
 from redwood.models.transformer import build_model
-from tests.conftest import clear_margin_model, perturbed, random_hf_model, tiny_hf_config
+from tests.conftest import random_hf_model, save_target_and_draft, tiny_hf_config
 
 NUM_LAYERS = 5
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250], [11, 3, 8]]
@@ -228,13 +228,7 @@ def test_bad_arguments():
 def model_dirs(tmp_path_factory, tokenizer):
     """A 4-layer target (clear greedy margins, as in test_speculative) and a noisy copy as its draft."""
     root = tmp_path_factory.mktemp("offload-models")
-    config = tiny_hf_config("qwen2", num_hidden_layers=4, eos_token_id=tokenizer.eos_token_id,
-                            bos_token_id=tokenizer.bos_token_id)
-    target = clear_margin_model(config, seed=3)
-    target.save_pretrained(root / "target")
-    tokenizer.save_pretrained(root / "target")
-    perturbed(target, 0.01, seed=5).save_pretrained(root / "draft")
-    tokenizer.save_pretrained(root / "draft")
+    save_target_and_draft(root, tokenizer, noise=0.01, num_hidden_layers=4)
     return root
 
 

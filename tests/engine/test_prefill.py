@@ -19,7 +19,7 @@ from redwood.engine.speculative import speculative
 from redwood.kv.policies import SnapKVPolicy, StreamingPolicy
 from redwood.spec.drafters import ModelDrafter, SelfDrafter
 from redwood.spec.trees import Tree
-from tests.conftest import clear_margin_model, perturbed, random_hf_model, tiny_hf_config
+from tests.conftest import save_target_and_draft
 from tests.kv.test_policies import assert_same_selection
 
 CHUNK = 16
@@ -42,14 +42,7 @@ GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
 def models(tmp_path_factory, tokenizer):
     """(target, draft) Transformers: a clear-margin target and a noisy copy of it."""
     root = tmp_path_factory.mktemp("prefill-models")
-    config = tiny_hf_config("qwen2", eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
-    target = clear_margin_model(config, seed=3)
-    target.save_pretrained(root / "target")
-    draft = random_hf_model(config, seed=3)
-    draft.load_state_dict(target.state_dict())
-    perturbed(draft, 0.01, seed=5).save_pretrained(root / "draft")
-    for name in ("target", "draft"):
-        tokenizer.save_pretrained(root / name)
+    save_target_and_draft(root, tokenizer, noise=0.01)
     return LLM(str(root / "target")).model, LLM(str(root / "draft")).model
 
 

@@ -16,7 +16,7 @@ from redwood.spec.measure import (dataset_texts, expected_acceptance, held_out_o
                                   static_acceptance, star_tree_spec)
 from redwood.spec.tree_verify import CHILD_RULE, draw_children, verify_tree
 from redwood.spec.trees import Tree
-from tests.conftest import CORPUS, clear_margin_model, perturbed, random_hf_model, tiny_hf_config
+from tests.conftest import CORPUS, save_target_and_draft
 
 
 # ------------------------------------------------------------------------------------ synthetic p / q
@@ -154,14 +154,7 @@ def test_dataset_texts_are_held_out_from_build_prompts(tokenizer, monkeypatch):
 def pair(tmp_path_factory, tokenizer):
     """target/ (clear greedy margins, as in the engine tests) and draft/ (target + noise)."""
     root = tmp_path_factory.mktemp("measure-models")
-    config = tiny_hf_config("qwen2", eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
-    target = clear_margin_model(config, seed=3)
-    target.save_pretrained(root / "target")
-    tokenizer.save_pretrained(root / "target")
-    draft = random_hf_model(config, seed=3)
-    draft.load_state_dict(target.state_dict())
-    perturbed(draft, 0.05, seed=5).save_pretrained(root / "draft")
-    tokenizer.save_pretrained(root / "draft")
+    save_target_and_draft(root, tokenizer, noise=0.05)
     return root
 
 
