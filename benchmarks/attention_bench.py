@@ -1,7 +1,7 @@
 """Triton decode/verify/tree attention vs the KV-read floor vs torch SDPA, per layer, on one GPU.
 
 Run on the GPU machine from the repo root:
-    PYTHONPATH=src python benchmarks/attention_bench.py --output out/attention_bench.json
+    PYTHONPATH=src:. python benchmarks/attention_bench.py --output out/attention_bench.json
 Configurations (Hq=12, Hkv=2, D=128, bf16, 32K committed tokens per row):
     chains: batch 64, T = 1, 2, 4, 5, 8 new tokens per row (causal);
     trees:  16/32/64/128 nodes (random tree masks) at batch 1, 4, 8.
@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.decode_step import time_step
 from redwood.attention import triton_decode as td
 from redwood.attention.reference import AttentionMetadata
 
@@ -89,16 +89,7 @@ def time_per_layer(fn, layers: int, reps: int = 10) -> float:
         def run():
             for layer in range(layers):
                 fn(layer)
-    run()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / layers)
-    return statistics.median(times)
+    return time_step(run, repeats=reps, warmup=1) * 1e3 / layers
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -38,8 +38,9 @@ def random_model(fuse: bool):
     return model
 
 
-def time_step(fn, repeats: int = 50) -> float:
-    for _ in range(5):
+def time_step(fn, repeats: int = 50, warmup: int = 5) -> float:
+    """Median ms of fn() over `repeats` runs timed with CUDA events, after `warmup` untimed runs."""
+    for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):

@@ -2,7 +2,7 @@
 shaped models (random bf16 weights: step time does not depend on the weights' values, only how many
 tokens a step commits does — so acceptance here is meaningless and not reported).
 
-Usage: PYTHONPATH=src python benchmarks/spec_step.py [--context 256] [--trees chain:1 chain:2 ...]
+Usage: PYTHONPATH=src:. python benchmarks/spec_step.py [--context 256] [--trees chain:1 chain:2 ...]
 For each draft shape and sampling mode: the engine's ms per step (each step one CUDA graph: every draft
 level, the verification forward, sampling and the verifier, then the host's commit), next to the sum of
 the forwards it runs (draft levels × a draft forward + one target forward over the tree, each timed alone
