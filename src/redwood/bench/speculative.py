@@ -294,6 +294,14 @@ def run_bench(llm, kind: str, batch_sizes: Sequence[int], prefix_lens: Sequence[
     }
 
 
+def _first_divergence(a_rows: list[list[int]], b_rows: list[list[int]]) -> dict[str, int]:
+    """The first row whose tokens differ and the first output position where they do."""
+    b = next(i for i, (x, y) in enumerate(zip(a_rows, b_rows)) if x != y)
+    x, y = a_rows[b], b_rows[b]
+    position = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+    return {"row": b, "position": position}
+
+
 @torch.inference_mode()
 def divergence_logits(model, prompt: list[int], ar_ids: list[int], spec_ids: list[int], position: int) -> dict:
     """Why a greedy speculative output parts from the AR output at output `position`: the target's logits
@@ -347,10 +355,7 @@ def _spec_run(base: dict[str, Any], label: str, tree, sp: dict[str, Any], ar: di
     run["steady_tokens_per_s"] = steady
     run["steady_speedup"] = steady / ar["tokens_per_s"] if steady and ar["tokens_per_s"] > 0 else None
     if run["identical_to_ar"] is False:  # where the greedy outputs part (row, output position)
-        run["first_divergence"] = next(
-            {"row": b, "position": next(i for i, (x, y) in enumerate(zip(a, c)) if x != y)
-             if any(x != y for x, y in zip(a, c)) else min(len(a), len(c))}
-            for b, (a, c) in enumerate(zip(ar["token_ids"], sp["token_ids"])) if a != c)
+        run["first_divergence"] = _first_divergence(ar["token_ids"], sp["token_ids"])
     return run
 
 
