@@ -1,9 +1,11 @@
 """Decode-step latency of a Qwen2.5-Coder-1.5B-shaped model (random bf16 weights) on the GPU: the P1
 ablation without staging real weights (time per step does not depend on the weights' values).
 
-Usage: PYTHONPATH=src python benchmarks/decode_step.py [--context 128] [--batch 1]
-Prints, per variant (eager / graphs, reference / Triton attention, fused kernels on / off), the median
-time of one decode step, its tokens/s and its fraction of the weight-read floor, short table last.
+Usage: PYTHONPATH=src python benchmarks/decode_step.py [--shape 1.5b|0.5b] [--context 128] [--batch 1]
+    [--tokens 1 5] [--quick]
+Prints, per variant (eager / graphs, reference / Triton attention, fused kernels on / off, skinny-matmul
+kernels on / off), the median time of one decode step, its tokens/s and its fraction of the weight-read
+floor, short table last. --quick: only the graphed variants with the Triton attention kernel.
 """
 
 from __future__ import annotations
@@ -22,10 +24,13 @@ QWEN_1_5B = {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536, "
              "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
              "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
              "tie_word_embeddings": True, "eos_token_id": 151645}
+QWEN_0_5B = {**QWEN_1_5B, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+             "num_attention_heads": 14}
+SHAPES = {"1.5b": QWEN_1_5B, "0.5b": QWEN_0_5B}
 
 
-def random_model(fuse: bool):
-    cfg = ModelConfig.from_hf_dict(QWEN_1_5B)
+def random_model(fuse: bool, shape: dict = QWEN_1_5B):
+    cfg = ModelConfig.from_hf_dict(shape)
     with torch.device("meta"):
         from redwood.models.transformer import Transformer
 
@@ -59,31 +64,38 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="1.5b")
+    ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     bw = copy_bandwidth(torch.device("cuda"))
+    # (fused projections + small-op kernels, attention backend, graphs, skinny-matmul kernels)
+    variants = [(f, a, g, False) for f in (False, True) for a in ("reference", "auto") for g in (False, True)]
+    variants += [(True, "auto", g, True) for g in (False, True)]
+    if args.quick:
+        variants = [v for v in variants if v[1] == "auto" and v[2]]
     rows = []
     for fuse in (False, True):
-        model = random_model(fuse)
+        model = random_model(fuse, SHAPES[args.shape])
         floor_ms = weight_bytes(model) / bw * 1e3
-        for backend in ("reference", "auto"):
+        for _, backend, graphs, skinny in (v for v in variants if v[0] == fuse):
             model.attention_backend = backend
-            for graphs in (False, True):
-                cache = model.new_cache(args.batch, args.context + 512)
-                cache.lengths.fill_(args.context)
-                runner = StepRunner(model, cache, use_graphs=graphs)
-                for T in args.tokens:
-                    ids = torch.randint(0, 1000, (args.batch, T), device="cuda")
-                    pos = cache.lengths[:, None] + torch.arange(T, device="cuda")
-                    ms = time_step(lambda: runner.forward(ids, pos))
-                    rows.append((f"fused={'yes' if fuse else 'no'} attn={backend} graphs={'yes' if graphs else 'no'}",
-                                 T, ms, args.batch * 1e3 / ms, floor_ms / ms))
-                    print(rows[-1], flush=True)
+            model.skinny = skinny
+            cache = model.new_cache(args.batch, args.context + 512)
+            cache.lengths.fill_(args.context)
+            runner = StepRunner(model, cache, use_graphs=graphs)
+            for T in args.tokens:
+                ids = torch.randint(0, 1000, (args.batch, T), device="cuda")
+                pos = cache.lengths[:, None] + torch.arange(T, device="cuda")
+                ms = time_step(lambda: runner.forward(ids, pos))
+                rows.append((f"fused={'yes' if fuse else 'no'} attn={backend} graphs={'yes' if graphs else 'no'}"
+                             f"{' skinny' if skinny else ''}", T, ms, args.batch * 1e3 / ms, floor_ms / ms))
+                print(rows[-1], flush=True)
         del model
         torch.cuda.empty_cache()
-    print(f"\nweight-read floor {floor_ms:.3f} ms/step at {bw / 1e12:.2f} TB/s; batch {args.batch}, context {args.context}")
-    print(f"{'variant':<44}{'T':>4}{'ms/step':>9}{'tok/s (T=1)':>13}{'floor/time':>11}")
+    print(f"\nweight-read floor {floor_ms:.3f} ms/step at {bw / 1e12:.2f} TB/s; {args.shape}, batch {args.batch}, context {args.context}")
+    print(f"{'variant':<51}{'T':>4}{'ms/step':>9}{'tok/s (T=1)':>13}{'floor/time':>11}")
     for name, T, ms, tps, frac in rows:
-        print(f"{name:<44}{T:>4}{ms:>9.3f}{tps:>13.0f}{frac:>11.2f}")
+        print(f"{name:<51}{T:>4}{ms:>9.3f}{tps:>13.0f}{frac:>11.2f}")
 
 
 if __name__ == "__main__":

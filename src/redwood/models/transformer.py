@@ -19,6 +19,7 @@ from redwood.attention import reference
 from redwood.attention.reference import AttentionMetadata, ContextView, Observer
 from redwood.config import ModelConfig
 from redwood.kernels import fused as fused_kernels
+from redwood.kernels import gemv
 from redwood.kv.cache import KVCache
 from redwood.models.rope import RotaryEmbedding, apply_rotary
 
@@ -62,14 +63,23 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 slots: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        B, T, _ = x.shape
-        # q: [B, Hq, T, D]; k, v: [B, Hkv, T, D]
         if self.qkv is not None:
-            qkv = F.linear(x, *self.qkv)
-            nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = qkv[..., :nq], qkv[..., nq:nq + nk], qkv[..., nq + nk:]
+            qkv = self.split_qkv(F.linear(x, *self.qkv))
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            qkv = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.o_proj(self.attend(*qkv, cos, sin, cache, slots, meta))
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused projection's output [B, T, (Hq + 2 Hkv) D] → views q, k, v."""
+        nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return qkv[..., :nq], qkv[..., nq:nq + nk], qkv[..., nq + nk:]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, cache: KVCache, slots: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """Rotate q and k, write k and v into the cache, attend. q: [B, T, Hq*D]; k, v: [B, T, Hkv*D]
+        → [B, T, Hq*D] (before o_proj)."""
+        B, T, _ = q.shape
         if self.kernels:  # one kernel: rotate q and k, write k and v into the cache → q [B, Hq, T, D]
             shape = (B, T, -1, self.head_dim)
             q = fused_kernels.rope_and_write(q.view(shape), k.view(shape), v.view(shape), cos, sin,
@@ -87,7 +97,7 @@ class Attention(nn.Module):
             if meta.observer is not None:
                 meta.observer(self.layer, q, k_all, mask)
             out = reference.attention(q, k_all, v_all, mask).transpose(1, 2)  # [B, T, Hq, D]
-        return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+        return out.reshape(B, T, self.num_heads * self.head_dim)
 
     def _fast_attention(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         from redwood.attention.triton_decode import decode_attention
@@ -171,6 +181,19 @@ class DecoderLayer(nn.Module):
         normed, residual = fused_kernels.add_rms_norm(h, residual, norm.weight, norm.eps)
         return self.mlp(normed), residual
 
+    def forward_skinny(self, x, cos, sin, cache, slots, meta):
+        """The same layer for ≤ gemv.MAX_ROWS tokens, as four skinny-matmul kernels with the norms,
+        residual adds and SiLU fused in (redwood.kernels.gemv) plus rope/cache-write and attention.
+        x [B, T, H] is the residual stream, updated in place and returned."""
+        attn, mlp = self.self_attn, self.mlp
+        norm = self.input_layernorm
+        qkv = gemv.linear(x, *attn.qkv, norm=(norm.weight, norm.eps))
+        out = attn.attend(*attn.split_qkv(qkv), cos, sin, cache, slots, meta)
+        gemv.linear(out, attn.o_proj.weight, attn.o_proj.bias, residual=x)
+        norm = self.post_attention_layernorm
+        act = gemv.linear(x, *mlp.gate_up, norm=(norm.weight, norm.eps), silu_mul=True)
+        return gemv.linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=x)
+
 
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, rope_freqs: torch.Tensor | None = None):
@@ -184,12 +207,16 @@ class Transformer(nn.Module):
         # "auto": the Triton kernel for decode/verify/tree steps on CUDA (reference SDPA for prefill, for
         # observed forwards and on the CPU); "reference": SDPA everywhere (tests, A/B benchmarks).
         self.attention_backend = "auto"
+        # Forwards of ≤ gemv.MAX_ROWS tokens through the skinny-matmul kernels (set by fuse_projections
+        # where they run; False: cuBLAS matmuls + the fused small-op kernels, for A/B benchmarks).
+        self.skinny = False
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up weights per layer (fewer, larger matmuls: what a GPU step wants)."""
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        self.skinny = self.layers[0].mlp.kernels and gemv.available(self.device)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -247,6 +274,8 @@ class Transformer(nn.Module):
         x = self.embed_tokens(input_ids)  # [B, T, H]
         cos, sin = self.rotary(positions, x.dtype)
         if self.layers[0].self_attn.kernels and self.layers[0].mlp.kernels:
+            if self.skinny and B * T <= gemv.MAX_ROWS:
+                return self._forward_skinny(x, cos, sin, cache, slots, meta, logits_at)
             return self._forward_fused(x, cos, sin, cache, slots, meta, logits_at)
         for layer in self.layers:
             x = layer(x, cos, sin, cache, slots, meta)
@@ -264,6 +293,15 @@ class Transformer(nn.Module):
         normed, _ = fused_kernels.add_rms_norm(h, residual, self.norm.weight, self.norm.eps)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(normed, weight).float()
+
+
+    def _forward_skinny(self, x, cos, sin, cache, slots, meta, logits_at):
+        for layer in self.layers:
+            x = layer.forward_skinny(x, cos, sin, cache, slots, meta)
+        if logits_at is not None:
+            x = torch.gather(x, 1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return gemv.linear(x, weight, norm=(self.norm.weight, self.norm.eps)).float()
 
 
 def hf_state_dict_to_redwood(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

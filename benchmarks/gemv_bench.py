@@ -1,0 +1,120 @@
+"""Batch-1 matrix-vector products of the Qwen2.5 1.5B / 0.5B projections: cuBLAS (`F.linear`) vs
+redwood's Triton kernel (`redwood.kernels.gemv`, with the op each projection fuses: norm, bias, residual
+add, SiLU·up), against the weight-read floor; optionally a sweep of tile configs whose winners are
+written as this GPU's tuned table (`--write`, read by redwood.kernels.gemv).
+
+Each timing replays one CUDA graph of `--calls` products cycling through enough weight copies that the
+weights come from HBM, not L2 (≥ 256 MB per shape) — launch gaps inside a graph included, as in a
+decode step. Usage:
+    PYTHONPATH=src:. python benchmarks/gemv_bench.py [--sweep] [--write src/redwood/kernels/gemv_configs]
+Prints, per matrix: floor, cuBLAS, ours (table or heuristic config), best of the sweep (µs per
+product), ours in GB/s and the best config; short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.decode_step import time_step
+from redwood.bench.ar import copy_bandwidth
+from redwood.kernels import gemv
+
+# (name, N, K, fused op): one layer's projections and the LM head, as the model's skinny path calls them
+MATRICES = [
+    ("1.5b qkv", 2048, 1536, "norm+bias"), ("1.5b o", 1536, 1536, "residual"),
+    ("1.5b gate_up", 8960, 1536, "norm+silu"), ("1.5b down", 1536, 8960, "residual"),
+    ("1.5b lm_head", 151936, 1536, "norm"),
+    ("0.5b qkv", 1152, 896, "norm+bias"), ("0.5b o", 896, 896, "residual"),
+    ("0.5b gate_up", 4864, 896, "norm+silu"), ("0.5b down", 896, 4864, "residual"),
+    ("0.5b lm_head", 151936, 896, "norm"),
+]
+SWEEP = dict(block_n=(1, 2, 4, 8, 16), block_k=(512, 1024, 2048, 4096), warps=(4, 8), stages=(1, 2))
+
+
+def graph_time_us(fn, copies: int, calls: int) -> float:
+    """µs per call of fn(i) (i cycling over copies), replayed as one CUDA graph of `calls` calls."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(min(copies, 3)):
+            fn(i)  # compile / warm outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i % copies)
+    ms = time_step(graph.replay, repeats=20, warmup=3)
+    return ms * 1e3 / calls
+
+
+def sweep_configs(silu: bool):
+    for bn, bk, nw, st in itertools.product(*SWEEP.values()):
+        if bn * bk * (2 if silu else 1) <= 64 * 32 * nw:  # ≤ 64 tile elements per thread
+            yield bn, bk, nw, st
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=64, help="products per graph (LM heads: 1/8 of it)")
+    ap.add_argument("--sweep", action="store_true", help="time every tile config of SWEEP too")
+    ap.add_argument("--write", type=Path, help="folder to write this GPU's table of best configs into")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    bw = copy_bandwidth(dev)
+    table, tuned = [], []
+    for name, N, K, op in MATRICES:
+        silu = "silu" in op
+        rows = 2 * N if silu else N
+        nbytes = rows * K * 2
+        copies = max(1, -(-(256 << 20) // nbytes))
+        calls = args.calls if nbytes < (64 << 20) else max(4, args.calls // 8)
+        ws = [torch.randn(rows, K, device=dev, dtype=torch.bfloat16) * K ** -0.5 for _ in range(copies)]
+        x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
+        g = torch.rand(K, device=dev, dtype=torch.bfloat16) + 0.5
+        b = torch.randn(rows, device=dev, dtype=torch.bfloat16) if "bias" in op else None
+        r = torch.randn(1, N, device=dev, dtype=torch.bfloat16)
+        kw = dict(norm=(g, 1e-6) if "norm" in op else None, silu_mul=silu)
+
+        def ours(i, cfg=None):
+            return gemv.linear(x, ws[i], b, residual=r if op == "residual" else None, config=cfg, **kw)
+
+        cublas = graph_time_us(lambda i: F.linear(x, ws[i], b), copies, calls)
+        mine = graph_time_us(ours, copies, calls)
+        best, best_cfg = mine, None
+        if args.sweep:
+            for cfg in sweep_configs(silu):
+                us = graph_time_us(lambda i: ours(i, cfg), copies, calls)
+                if us < best:
+                    best, best_cfg = us, cfg
+        used = gemv.config_for(N, K, silu, dev)
+        tuned.append({"N": N, "K": K, "silu": silu, "config": list(best_cfg or used), "us": round(best, 2)})
+        table.append((name, op, nbytes / bw * 1e6, cublas, mine, best, nbytes, best_cfg or used))
+        print(table[-1], flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    if args.write:
+        name = torch.cuda.get_device_name(dev)
+        args.write.mkdir(parents=True, exist_ok=True)
+        path = args.write / (gemv._file_stem(name) + ".json")
+        path.write_text(json.dumps({"device": name, "made_by": "benchmarks/gemv_bench.py --sweep --write",
+                                    "config": "[BLOCK_N, BLOCK_K, num_warps, num_stages]",
+                                    "configs": tuned}, indent=1) + "\n")
+        print(f"wrote {path}")
+    print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; µs per product (CUDA graphs of {args.calls} products, LM "
+          "heads fewer); ours = tuned table or heuristic; cuBLAS = F.linear (+ bias) without the fused op")
+    print(f"{'matrix':<14}{'fused':<11}{'floor':>7}{'cuBLAS':>8}{'ours':>8}{'best':>8}{'cuBLAS/ours':>12}"
+          f"{'ours GB/s':>10}  best config")
+    for name, op, floor, cb, mine, best, nbytes, cfg in table:
+        print(f"{name:<14}{op:<11}{floor:>7.1f}{cb:>8.1f}{mine:>8.1f}{best:>8.1f}{cb / mine:>12.2f}"
+              f"{nbytes / mine / 1e3:>10.0f}  {cfg}")
+
+
+if __name__ == "__main__":
+    main()

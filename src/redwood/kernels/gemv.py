@@ -1,0 +1,193 @@
+"""Matrix-vector products (one row of activations: batch-1 decoding and chain drafting) as one Triton
+kernel each, with the layer's small ops fused into their prologue or epilogue.
+
+At batch 1 a decoder layer is a chain of matrix-vector products whose cost is reading the weights, and
+every norm, residual add and activation between them is one more launch of a few microseconds inside a
+CUDA graph. `linear` reads each weight row once and folds the neighbours in:
+
+    linear(x, W, b)                              x @ Wᵀ + b
+    linear(x, W, b, norm=(g, eps))               rms_norm(x; g) @ Wᵀ + b        (norm folded in)
+    linear(x, W, b, residual=r)                  r += x @ Wᵀ + b, in place       (residual epilogue)
+    linear(x, W, b, silu_mul=True)               silu(x @ W[:F]ᵀ) * (x @ W[F:]ᵀ) (W = [gate; up])
+
+so a pre-norm layer at batch 1 is four matrix-vector kernels (qkv with the input norm, o_proj with the
+residual, gate/up with the post-attention norm and SiLU, down with the residual) plus rope/cache-write
+and attention, instead of nine launches.
+
+Rounding: products are accumulated in float32 (in another order than cuBLAS, so a bf16 output can sit
+one ulp from F.linear's where the float32 sum lands near a rounding boundary) and rounded to the dtype;
+the epilogue ops round as eager PyTorch does (`r + y`, `F.silu(g) * u`). The folded norm is computed in
+float32 throughout (the eager RMSNorm rounds its output to the dtype before the matmul): closer to the
+exact value, and within the same one-ulp bound of the float64 reference.
+
+Layout: x [..., K] with unit last stride; W [N, K] row-major (nn.Linear's), so each program reads
+BLOCK_N whole weight rows, contiguous along K. Grid: cdiv(N, BLOCK_N) programs, each looping over K.
+Tile configs: a per-GPU table measured by benchmarks/gemv_bench.py (`gemv_configs/<GPU name>.json`),
+else a heuristic. Graph-capturable (no host syncs; outputs allocated from shapes only).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from redwood.kernels.fused import _INTERPRET, _inv, _round, _rounding
+from redwood.kernels.fused import available as _fused_available
+from redwood.kernels.triton_import import jit as _jit
+from redwood.kernels.triton_import import libdevice, tl, triton
+
+MAX_ROWS = 1  # measured (benchmarks/gemv_bench.py): from 2 rows on, cuBLAS's GEMM tiles beat a GEMV
+CONFIG_DIR = Path(__file__).with_name("gemv_configs")  # tuned tile configs per GPU, by gemv_bench --write
+
+
+def available(device: torch.device | str, force_interpreter: bool = False) -> bool:
+    """Whether `linear` runs on `device` (the same condition as redwood.kernels.fused)."""
+    return _fused_available(device, force_interpreter)
+
+
+@_jit
+def _gemv_kernel(X, W, BIAS, NW, RES, OUT, N, K, stride_w, inv_k, eps,
+                 HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESID: tl.constexpr, SILU: tl.constexpr,
+                 ROUND: tl.constexpr, INTERP: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """Program p computes out[p*BLOCK_N : (p+1)*BLOCK_N] for one activation row x [K].
+
+    acc[n] = Σ_k x[k] · W[n, k], over W tiles [BLOCK_N, BLOCK_K]; SILU also accumulates the up rows
+    W[N + n] (N is then F and W has 2F rows). NORM folds RMSNorm in without a second pass over x:
+    Σ_k (x_k · s · g_k) · W[n, k] = s · Σ_k (x_k · g_k) · W[n, k], with the row's mean square (→ s)
+    summed in the same loop (x_k · g_k is exact in float32 for 16-bit inputs)."""
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ok = cols < N
+    w_rows = W + cols.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x = tl.load(X + ks, mask=k_ok, other=0.0).to(tl.float32)
+        if NORM:
+            ss += x * x
+            x = x * tl.load(NW + ks, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + ks[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * x[None, :], 1)
+        if SILU:
+            u = tl.load(w_rows + N * stride_w + ks[None, :], mask=c_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
+            acc_up += tl.sum(u * x[None, :], 1)
+
+    if NORM:
+        if INTERP:  # CPU torch: sum / n, 1 / sqrt
+            scale = 1.0 / tl.sqrt_rn(tl.math.div_rn(tl.sum(ss, 0), K.to(tl.float32)) + eps)
+        else:  # CUDA torch: sum * float32(1/n), rsqrtf
+            scale = libdevice.rsqrt(tl.sum(ss, 0) * inv_k + eps)
+        acc = acc * scale
+        acc_up = acc_up * scale
+    if HAS_BIAS:
+        acc += tl.load(BIAS + cols, mask=c_ok, other=0.0).to(tl.float32)
+        if SILU:
+            acc_up += tl.load(BIAS + N + cols, mask=c_ok, other=0.0).to(tl.float32)
+    y = _round(acc, ROUND, INTERP)
+    if SILU:  # F.silu(g) * u: silu rounded, product rounded
+        if INTERP:
+            e = tl.exp(-y)
+        else:
+            e = libdevice.exp(-y)
+        s = _round(tl.math.div_rn(y, 1.0 + e), ROUND, INTERP)
+        y = _round(s * _round(acc_up, ROUND, INTERP), ROUND, INTERP)
+    if RESID:  # r + y, rounded, back into r
+        y = _round(tl.load(RES + cols, mask=c_ok, other=0.0).to(tl.float32) + y, ROUND, INTERP)
+    tl.store(OUT + cols, y.to(OUT.dtype.element_ty), mask=c_ok)
+
+
+Config = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
+
+
+def heuristic_config(N: int, K: int, silu: bool = False) -> Config:
+    """A tile config for shapes the tuned table lacks: enough programs to keep every SM streaming
+    (few weight rows per program when N is small) and ~8K-element W tiles per iteration."""
+    block_k = min(1024, max(16, triton.next_power_of_2(K)))
+    block_n = 2 if N <= 4096 else (4 if silu or N <= 16384 else 8)
+    return block_n, block_k, 4, 1
+
+
+@functools.lru_cache(maxsize=None)
+def tuned_configs(device_name: str) -> dict[tuple[int, int, bool], Config]:
+    """The table gemv_bench wrote for this GPU model: {(N, K, silu): config}; {} if there is none."""
+    path = CONFIG_DIR / (_file_stem(device_name) + ".json")
+    if not path.exists():
+        return {}
+    table = json.loads(path.read_text())
+    return {(e["N"], e["K"], e["silu"]): tuple(e["config"]) for e in table["configs"]}
+
+
+def _file_stem(device_name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_")
+
+
+def config_for(N: int, K: int, silu: bool, device: torch.device) -> Config:
+    if device.type == "cuda":
+        tuned = tuned_configs(torch.cuda.get_device_name(device)).get((N, K, silu))
+        if tuned is not None:
+            return tuned
+    return heuristic_config(N, K, silu)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
+           silu_mul: bool = False, config: Config | None = None) -> torch.Tensor:
+    """x @ weightᵀ (+ bias) for x [..., K] holding one row (MAX_ROWS), with optional fused ops.
+
+    weight: [N, K] (or [2F, K] with silu_mul: gate rows then up rows); bias: [N] / [2F].
+    norm=(g, eps): x is first replaced by RMSNorm(x) with weight g [K] (in float32, not rounded to the
+    dtype in between as the eager RMSNorm's output is — folded into the product, see the kernel).
+    residual: [..., N] tensor of x's dtype; the result is added into it in place, and it is returned.
+    silu_mul: return silu(x @ W[:F]ᵀ) * (x @ W[F:]ᵀ), [..., F].
+    config: (BLOCK_N, BLOCK_K, num_warps, num_stages) overriding the tuned table / heuristic (benchmarks).
+    Returns a new [..., N] (or [..., F]) tensor in x's dtype, or `residual`.
+    """
+    K = x.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != K:
+        raise ValueError(f"weight {tuple(weight.shape)} does not match x's last dim {K}")
+    if weight.dtype != x.dtype:
+        raise TypeError(f"x {x.dtype} and weight {weight.dtype} must share a dtype")
+    rnd = _rounding(x.dtype)
+    N = weight.shape[0]
+    if silu_mul:
+        if N % 2:
+            raise ValueError(f"silu_mul needs [gate; up] weights with an even row count, not {N}")
+        N //= 2
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias {tuple(bias.shape)} does not match weight rows {weight.shape[0]}")
+    if norm is not None and norm[0].shape != (K,):
+        raise ValueError(f"norm weight {tuple(norm[0].shape)} does not match K = {K}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.shape[0] > MAX_ROWS:
+        raise ValueError(f"linear takes at most {MAX_ROWS} row(s) of activations, not {x2.shape[0]}")
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    if residual is not None:
+        if residual.shape != (*lead, N) or residual.dtype != x.dtype:
+            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} != {(*lead, N)} {x.dtype}")
+        if not residual.is_contiguous():
+            raise ValueError("residual must be contiguous (it is updated in place)")
+        out = residual
+    else:
+        out = torch.empty(*lead, N, device=x.device, dtype=x.dtype)
+    if x2.shape[0] == 0 or N == 0:
+        return out
+    block_n, block_k, warps, stages = config or config_for(N, K, silu_mul, x.device)
+    nw, eps = (norm[0].contiguous(), float(norm[1])) if norm is not None else (weight, 0.0)
+    _gemv_kernel[(triton.cdiv(N, block_n),)](
+        x2, weight, bias if bias is not None else weight, nw, out, out, N, K, weight.stride(0), _inv(K), eps,
+        HAS_BIAS=bias is not None, NORM=norm is not None, RESID=residual is not None, SILU=silu_mul,
+        ROUND=rnd, INTERP=_INTERPRET, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps,
+    )
+    return out

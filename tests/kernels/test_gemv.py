@@ -1,0 +1,234 @@
+"""The skinny-matmul kernel (redwood.kernels.gemv) against float64 matmuls and the model's eager ops.
+
+Exactness: the product is a float32 sum in another order than any reference, so a bf16/fp16 output may
+sit one ulp away from the float64 product rounded to the dtype (rare: where the float32 sum lands near
+a rounding boundary); fp32 outputs are within float32 accumulation error. The fused ops on top round as
+eager PyTorch does, so the same bound holds after them (residual add, SiLU·up), plus the norm's last-bit
+scale difference (see test_fused).
+
+Where they run: on CUDA in this process when a GPU is there; on the CPU through Triton's interpreter in
+a child pytest of this file (`test_interpreter_suite`), as test_fused does.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+triton = pytest.importorskip("triton")
+
+from tests.conftest import run_in_triton_interpreter  # noqa: E402
+from tests.kernels.test_fused import DEVICE, INTERPRET, gen, needs_kernel, randn  # noqa: E402
+from redwood.kernels import gemv  # noqa: E402
+from redwood.models.transformer import RMSNorm  # noqa: E402
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# (N, K): odd sizes exercise the masks; on the GPU the real 1.5B / 0.5B projection shapes
+SHAPES = ([(24, 80), (40, 96), (9, 200), (1, 3)] if INTERPRET else
+          [(2048, 1536), (1536, 8960), (1152, 896), (896, 4864), (17920, 1536), (151936, 896), (100, 70)])
+
+
+def reference_linear(x, w, b=None):
+    """x @ wᵀ + b in float64, rounded once to x's dtype."""
+    out = F.linear(x.double(), w.double(), None if b is None else b.double())
+    return out.to(x.dtype)
+
+
+ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2.0 ** -20}  # relative, at most
+
+
+def check(out, ref, ulps: int = 1):
+    """out within `ulps` units in the last place of ref (relative), or within float32 accumulation error
+    of the output's scale where ref nearly cancels to zero. NaN never passes."""
+    scale = max(1.0, ref.abs().max().item())
+    torch.testing.assert_close(out.float(), ref.float(), rtol=ulps * ULP[out.dtype], atol=2e-5 * scale)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,K", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear(dtype, N, K, bias):
+    g = gen(7 + N)
+    M = 1
+    x = randn(g, M, K, dtype=dtype)
+    w = randn(g, N, K, dtype=dtype, scale=K ** -0.5)
+    b = randn(g, N, dtype=dtype) if bias else None
+    out = gemv.linear(x, w, b)
+    assert out.shape == (M, N) and out.dtype == dtype
+    check(out, reference_linear(x, w, b))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_leading_dims_and_strided_rows(dtype):
+    g = gen(3)
+    x = randn(g, 1, 1, 2 * 96, dtype=dtype)[..., ::2]  # [1, 1, 96] with a stride-2 last dim
+    w = randn(g, 50, 96, dtype=dtype, scale=0.1)
+    out = gemv.linear(x, w)
+    assert out.shape == (1, 1, 50)
+    check(out, reference_linear(x, w))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,K", SHAPES[:3])
+def test_norm_folded_in(dtype, N, K):
+    """linear(x, W, norm=(g, eps)) == RMSNorm(x) @ Wᵀ with the norm in float64 (not rounded between)."""
+    g = gen(11)
+    x = randn(g, 1, K, dtype=dtype, scale=4.0)
+    w = randn(g, N, K, dtype=dtype, scale=K ** -0.5)
+    norm = RMSNorm(K, 1e-6).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(K, generator=g) * 1.5 + 0.5)
+    out = gemv.linear(x, w, norm=(norm.weight, norm.eps))
+    xd = x.double()
+    normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.double()
+    check(out, F.linear(normed, w.double()).to(dtype))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,K", SHAPES[:3])
+def test_residual_epilogue_updates_in_place(dtype, N, K):
+    M = 1
+    g = gen(12)
+    x = randn(g, M, K, dtype=dtype)
+    w = randn(g, N, K, dtype=dtype, scale=K ** -0.5)
+    r = randn(g, M, N, dtype=dtype, scale=8.0)
+    before = r.clone()
+    out = gemv.linear(x, w, residual=r)
+    assert out is r
+    y = reference_linear(x, w)
+    check(r, before + y)  # r + y rounds as eager does, on a y that may be one ulp off
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("F_,K", [(40, 96), (72, 64)] if INTERPRET else [(8960, 1536), (4864, 896)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_silu_mul_epilogue(dtype, F_, K, bias):
+    M = 1
+    g = gen(13)
+    x = randn(g, M, K, dtype=dtype)
+    w = randn(g, 2 * F_, K, dtype=dtype, scale=2 * K ** -0.5)
+    b = randn(g, 2 * F_, dtype=dtype) if bias else None
+    out = gemv.linear(x, w, b, silu_mul=True)
+    assert out.shape == (M, F_)
+    gu = reference_linear(x, w, b)
+    ref = F.silu(gu[:, :F_]) * gu[:, F_:]
+    check(out, ref, ulps=3)  # an ulp in g or u moves the product by up to ~2 ulp, plus its own rounding
+
+
+@needs_kernel
+def test_bad_input():
+    x = torch.zeros(1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="does not match"):
+        gemv.linear(x, torch.zeros(4, 8, device=DEVICE))
+    with pytest.raises(TypeError, match="share a dtype"):
+        gemv.linear(x, torch.zeros(4, 16, device=DEVICE, dtype=torch.float16))
+    with pytest.raises(ValueError, match="at most"):
+        gemv.linear(torch.zeros(gemv.MAX_ROWS + 1, 16, device=DEVICE), torch.zeros(4, 16, device=DEVICE))
+    with pytest.raises(ValueError, match="contiguous"):
+        gemv.linear(x, torch.zeros(4, 16, device=DEVICE), residual=torch.zeros(1, 8, device=DEVICE)[:, ::2])
+    with pytest.raises(ValueError, match="even row count"):
+        gemv.linear(x, torch.zeros(5, 16, device=DEVICE), silu_mul=True)
+    with pytest.raises(ValueError, match="residual"):
+        gemv.linear(x, torch.zeros(4, 16, device=DEVICE), residual=torch.zeros(1, 5, device=DEVICE))
+    with pytest.raises(ValueError, match="bias"):
+        gemv.linear(x, torch.zeros(4, 16, device=DEVICE), torch.zeros(3, device=DEVICE))
+    with pytest.raises(ValueError, match="norm weight"):
+        gemv.linear(x, torch.zeros(4, 16, device=DEVICE), norm=(torch.ones(8, device=DEVICE), 1e-6))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The model's skinny path
+
+
+@needs_kernel
+def test_model_skinny_path_matches_the_eager_model(tiny_model_dir):
+    """A float32 model's one-token forwards (after a 5-token prefill, which takes the other path) through
+    the matrix-vector kernels give the logits and cache of the model without them (plain layers on the
+    CPU; cuBLAS matmuls + the fused small-op kernels on CUDA)."""
+    from redwood.loading import load_model
+
+    eager = load_model(tiny_model_dir, dtype="float32", device=DEVICE).model
+    eager.skinny = False
+    skinny = copy.deepcopy(eager)
+    if skinny.layers[0].self_attn.qkv is None:
+        skinny.fuse_projections()
+    for layer in skinny.layers:  # on the CPU the kernels run only in the interpreter: switch them on
+        layer.self_attn.kernels = layer.mlp.kernels = True
+    skinny.skinny = True
+    gen_ = torch.Generator().manual_seed(0)
+    V = eager.config.vocab_size
+    caches = [m.new_cache(1, 16) for m in (eager, skinny)]
+    for T in (5, 1, 1, 1):
+        ids = torch.randint(0, V, (1, T), generator=gen_).to(DEVICE)
+        pos = (caches[0].lengths[:, None] + torch.arange(T, device=DEVICE)[None])
+        with torch.inference_mode():
+            ref = eager(ids, pos, caches[0])
+            out = skinny(ids, pos, caches[1])
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        for c in caches:
+            c.commit(torch.full((1,), T, device=DEVICE))
+    torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------
+# CUDA graphs, availability, the interpreter run
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA")
+def test_cuda_graph_capture():
+    dtype = torch.bfloat16
+    g = gen(20)
+    x, r = randn(g, 1, 1536, dtype=dtype), randn(g, 1, 1536, dtype=dtype)
+    w, wgu = randn(g, 1536, 1536, dtype=dtype, scale=0.03), randn(g, 2 * 8960, 1536, dtype=dtype, scale=0.03)
+    nw = randn(g, 1536, dtype=dtype)
+
+    def step():
+        return gemv.linear(x, wgu, norm=(nw, 1e-6), silu_mul=True), gemv.linear(x, w, residual=r)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        act, _ = step()
+    x.copy_(randn(g, 1, 1536, dtype=dtype))
+    r.copy_(randn(g, 1, 1536, dtype=dtype))
+    r0 = r.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(act, gemv.linear(x, wgu, norm=(nw, 1e-6), silu_mul=True))
+    assert torch.equal(r, gemv.linear(x, w, residual=r0.clone()))
+
+
+def test_available():
+    assert not gemv.available("cpu")
+    if INTERPRET:
+        assert gemv.available("cpu", force_interpreter=True)
+
+
+@pytest.mark.skipif(INTERPRET, reason="this is the interpreter child run")
+def test_interpreter_suite():
+    """Run this file's kernel cases on the CPU through Triton's interpreter, in a child pytest."""
+    run_in_triton_interpreter(__file__)
+
+
+def test_tile_configs_from_the_table_else_the_heuristic():
+    """The committed table is read by GPU name; shapes it lacks get the heuristic; every config is a
+    (BLOCK_N, BLOCK_K, num_warps, num_stages) of powers of two."""
+    table = gemv.tuned_configs("NVIDIA H200")
+    assert (2048, 1536, False) in table and (8960, 1536, True) in table  # the 1.5B's qkv and gate/up
+    assert gemv.tuned_configs("no such GPU") == {}
+    assert gemv._file_stem("NVIDIA H200 NVL") == "NVIDIA_H200_NVL"
+    for cfg in [*table.values(), gemv.heuristic_config(5, 3), gemv.heuristic_config(100_000, 8192, True)]:
+        assert len(cfg) == 4 and all(v > 0 and v & (v - 1) == 0 for v in cfg[:3]) and cfg[3] >= 1
+    assert gemv.config_for(2048, 1536, False, torch.device("cpu")) == gemv.heuristic_config(2048, 1536)
