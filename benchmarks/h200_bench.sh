@@ -7,7 +7,7 @@
 #     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests p1 steps p2 p3 p4 p5 summary
 # Each step writes JSON under $OUT and prints its tables; `summary` prints the short P1–P5 table last.
 # Settings (environment): P2_TEMPS, P2_GAMMAS, P2_ACC (a folder of acceptance vectors measured earlier with
-# the same models: reused instead of measured), P2_ACC_PROMPTS, P3_KV, P3_BATCH, P3_CONTEXT, P3_GAMMAS,
+# the same models, [p2-]acc-<dataset>-t<temp>.json: reused instead of measured), P2_ACC_PROMPTS, P3_KV, P3_BATCH, P3_CONTEXT, P3_GAMMAS,
 # P3_GEN, P5_TREE, GPU_TESTS, GPU_FLAGS. Each invocation must fit the machine's 10-minute call limit:
 # e.g. `tests p1 steps` + greedy p2, then T = 0.6 p2 + p5, then p3 alone.
 set -euo pipefail
@@ -36,8 +36,9 @@ p2)  # batch-1 speculation with the 0.5B draft: chains and the hardware-aware DP
     run $R profile --model "$T" --draft-model "$D" $GPU --temperature $temp --output "$OUT/p2/profile-t$temp.json"
     for ds in humaneval mt-bench; do
       acc="$OUT/p2/acc-$ds-t$temp.json"
-      if [ -n "${P2_ACC:-}" ] && [ -f "$P2_ACC/acc-$ds-t$temp.json" ]; then
-        cp "$P2_ACC/acc-$ds-t$temp.json" "$acc"  # a vector measured earlier with the same models and dtype
+      prior=$(ls ${P2_ACC:-/nonexistent}/acc-$ds-t$temp.json ${P2_ACC:-/nonexistent}/p2-acc-$ds-t$temp.json 2>/dev/null | head -1)
+      if [ -n "$prior" ]; then
+        cp "$prior" "$acc"  # a vector measured earlier with the same models and dtype
       else
         # code: teacher-forced on HumanEval's reference solutions; chat: MT-Bench has no references, so
         # the vector comes from real generation (depth-1 trees of width 8)
@@ -55,7 +56,7 @@ p2)  # batch-1 speculation with the 0.5B draft: chains and the hardware-aware DP
   done ;;
 p3)  # MagicDec self-speculation at long context (StreamingLLM budget 256, SnapKV budget 512), best γ per cell;
      # one invocation (and report) per policy and context, so a long grid keeps what it finished
-  for ctx in ${P3_CONTEXT:-32768 16384 8192}; do
+  for ctx in ${P3_CONTEXT:-32704 16384 8192}; do  # 32704 + 64 generated = the models' 32K window
     for kv in ${P3_KV:-streaming snapkv}; do
       budget=256; [ $kv = snapkv ] && budget=512
       run $R bench selfspec --model "$T" $GPU --batch-size ${P3_BATCH:-1 16 32 64} --prefix-len $ctx \
