@@ -36,7 +36,7 @@ p2)  # batch-1 speculation with the 0.5B draft: chains and the hardware-aware DP
     run $R profile --model "$T" --draft-model "$D" $GPU --temperature $temp --output "$OUT/p2/profile-t$temp.json"
     for ds in humaneval mt-bench; do
       acc="$OUT/p2/acc-$ds-t$temp.json"
-      prior=$(ls ${P2_ACC:-/nonexistent}/acc-$ds-t$temp.json ${P2_ACC:-/nonexistent}/p2-acc-$ds-t$temp.json 2>/dev/null | head -1)
+      prior=$(ls ${P2_ACC:-/nonexistent}/acc-$ds-t$temp.json ${P2_ACC:-/nonexistent}/p2-acc-$ds-t$temp.json 2>/dev/null | head -1 || true)
       if [ -n "$prior" ]; then
         cp "$prior" "$acc"  # a vector measured earlier with the same models and dtype
       else

@@ -232,3 +232,13 @@ def test_tile_configs_from_the_table_else_the_heuristic():
     for cfg in [*table.values(), gemv.heuristic_config(5, 3), gemv.heuristic_config(100_000, 8192, True)]:
         assert len(cfg) == 4 and all(v > 0 and v & (v - 1) == 0 for v in cfg[:3]) and cfg[3] >= 1
     assert gemv.config_for(2048, 1536, False, torch.device("cpu")) == gemv.heuristic_config(2048, 1536)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (tl.range pipelining)")
+@pytest.mark.parametrize("silu", [False, True])
+def test_software_pipelined_configs(silu):
+    """Configs with num_stages > 1 (the tl.range loop) give what the plain loop gives, bit for bit."""
+    g = gen(30)
+    x, w = randn(g, 1, 1536, dtype=torch.bfloat16), randn(g, 2 * 1000, 1536, dtype=torch.bfloat16, scale=0.03)
+    plain = gemv.linear(x, w, silu_mul=silu, config=(4, 512, 4, 1))
+    assert torch.equal(gemv.linear(x, w, silu_mul=silu, config=(4, 512, 4, 2)), plain)

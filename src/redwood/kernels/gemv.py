@@ -67,19 +67,14 @@ def _gemv_kernel(X, W, BIAS, NW, RES, OUT, N, K, stride_w, inv_k, eps,
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
     ss = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        x = tl.load(X + ks, mask=k_ok, other=0.0).to(tl.float32)
-        if NORM:
-            ss += x * x
-            x = x * tl.load(NW + ks, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + ks[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * x[None, :], 1)
-        if SILU:
-            u = tl.load(w_rows + N * stride_w + ks[None, :], mask=c_ok[:, None] & k_ok[None, :],
-                        other=0.0).to(tl.float32)
-            acc_up += tl.sum(u * x[None, :], 1)
+    if STAGES > 1:  # software-pipelined loads (tl.range); triton 3.6's interpreter cannot run tl.range
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            acc, acc_up, ss = _gemv_tile(X, NW, w_rows, c_ok, k0, K, N, stride_w, acc, acc_up, ss,
+                                          NORM, SILU, BLOCK_K)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            acc, acc_up, ss = _gemv_tile(X, NW, w_rows, c_ok, k0, K, N, stride_w, acc, acc_up, ss,
+                                          NORM, SILU, BLOCK_K)
 
     if NORM:
         if INTERP:  # CPU torch: sum / n, 1 / sqrt
@@ -103,6 +98,25 @@ def _gemv_kernel(X, W, BIAS, NW, RES, OUT, N, K, stride_w, inv_k, eps,
     if RESID:  # r + y, rounded, back into r
         y = _round(tl.load(RES + cols, mask=c_ok, other=0.0).to(tl.float32) + y, ROUND, INTERP)
     tl.store(OUT + cols, y.to(OUT.dtype.element_ty), mask=c_ok)
+
+
+@_jit
+def _gemv_tile(X, NW, w_rows, c_ok, k0, K, N, stride_w, acc, acc_up, ss,
+               NORM: tl.constexpr, SILU: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K tile of _gemv_kernel: the weight tile(s) [BLOCK_N, BLOCK_K] times x[k0 : k0 + BLOCK_K]."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    x = tl.load(X + ks, mask=k_ok, other=0.0).to(tl.float32)
+    if NORM:
+        ss += x * x
+        x = x * tl.load(NW + ks, mask=k_ok, other=0.0).to(tl.float32)
+    w_ok = c_ok[:, None] & k_ok[None, :]  # [BLOCK_N, BLOCK_K]
+    w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
+    acc += tl.sum(w * x[None, :], 1)
+    if SILU:
+        u = tl.load(w_rows + N * stride_w + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
+        acc_up += tl.sum(u * x[None, :], 1)
+    return acc, acc_up, ss
 
 
 Config = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
