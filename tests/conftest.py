@@ -148,7 +148,8 @@ def run_in_triton_interpreter(test_file: str) -> None:
     """Run a kernel test file's cases on the CPU through Triton's interpreter, in a child pytest.
 
     TRITON_INTERPRET must be set before triton is first imported, so it cannot be switched on inside
-    this process. Skips when the child skipped everything (no usable interpreter on this machine).
+    this process. Skips when the child skipped everything (no usable interpreter on this machine: see
+    `interpreter_broken`).
     """
     import os
     import re
@@ -167,6 +168,28 @@ def run_in_triton_interpreter(test_file: str) -> None:
     assert proc.returncode == 0, log
     if not re.search(r"\d+ passed", log):
         pytest.skip(f"interpreter run skipped: {log[-400:]}")
+
+
+def interpreter_broken() -> str | None:
+    """Why Triton's interpreter cannot run our kernels here, or None.
+
+    Triton ≤ 3.6's interpreter fails on run-time loop bounds with numpy ≥ 2.4 ("only 0-dimensional
+    arrays can be converted to Python scalars"; fixed in 3.7.1) — the H200 machine's triton 3.6 + numpy
+    2.5. Kernel test files call this in their interpreter child run and skip the module if it says why.
+    """
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(X, n):
+        for i in range(0, n, 1):  # a loop bound read at run time
+            tl.store(X + i, i)
+
+    try:
+        probe[(1,)](torch.zeros(4, dtype=torch.int32), 4)
+    except Exception as e:  # noqa: BLE001 — any failure means: this interpreter can't run the kernels
+        return f"triton {triton.__version__}'s interpreter cannot run here: {e!r}"
+    return None
 
 
 def import_without_triton(monkeypatch, module):

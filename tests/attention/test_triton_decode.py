@@ -14,6 +14,7 @@ Where they run:
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 
@@ -21,9 +22,8 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-import triton.language as tl  # noqa: E402
 
-from tests.conftest import import_without_triton, run_in_triton_interpreter  # noqa: E402
+from tests.conftest import import_without_triton, interpreter_broken, run_in_triton_interpreter  # noqa: E402
 from redwood.attention import reference  # noqa: E402
 from redwood.attention import triton_decode as td  # noqa: E402
 
@@ -36,22 +36,7 @@ needs_kernel = pytest.mark.skipif(
     DEVICE is None, reason="no CUDA device (the interpreter runs these in test_interpreter_suite)")
 
 
-@triton.jit
-def _probe_kernel(X, n):
-    for i in range(0, n, 1):  # a loop bound read at run time
-        tl.store(X + i, i)
-
-
-def _interpreter_broken() -> str | None:
-    """Triton ≤ 3.6's interpreter fails on run-time loop bounds with numpy ≥ 2.4 (fixed in 3.7.1)."""
-    try:
-        _probe_kernel[(1,)](torch.zeros(4, dtype=torch.int32), 4)
-    except Exception as e:  # noqa: BLE001 — any failure means: this interpreter can't run the kernel
-        return f"triton {triton.__version__}'s interpreter cannot run here: {e!r}"
-    return None
-
-
-if INTERPRET and (why := _interpreter_broken()):
+if INTERPRET and (why := interpreter_broken()):
     pytest.skip(why, allow_module_level=True)
 
 
@@ -104,8 +89,9 @@ def make_inputs(gen, *, B, Hq, Hkv, T, D, lengths, P=0, dtype=torch.bfloat16, ca
 
 
 def reference_attention(q, k, v, lengths, *, pending=0, new_mask=None, ctx_idx=None, ctx_valid=None,
-                        q_positions=None, sliding_window=None) -> torch.Tensor:
-    """float64 attention over explicit key lists per (row, KV head) → [B, T, Hq, D]."""
+                        q_positions=None, sliding_window=None, live=None) -> torch.Tensor:
+    """float64 attention over explicit key lists per (row, KV head) → [B, T, Hq, D]. live[b] = 0: row b
+    sees none of its context (only pending + new tokens)."""
     q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
@@ -122,6 +108,8 @@ def reference_attention(q, k, v, lengths, *, pending=0, new_mask=None, ctx_idx=N
             else:
                 hh = h if ctx_idx.shape[1] > 1 else 0
                 ctx, ok = ctx_idx[b, hh].cpu(), ctx_valid[b, hh].cpu()
+            if live is not None and not live[b]:
+                ok = torch.zeros_like(ok)
             slots = torch.cat([ctx, L + torch.arange(W)])  # [S]
             visible = torch.cat([ok[None, :].expand(T, -1), new_mask[b]], dim=1)  # [T, S]
             if sliding_window is not None and q_positions is not None:
@@ -256,6 +244,25 @@ def test_split_counts_agree(dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("view", [False, True])
+def test_finished_rows_read_none_of_their_context(view):
+    """live[b] = 0: row b attends only to its pending + new tokens; its context slots hold NaN here, so a
+    read shows. Rows still live are unaffected."""
+    gen = torch.Generator().manual_seed(21 + view)
+    B, Hq, Hkv, T, P, D = 3, 12, 2, 4, 2, 64
+    lens = [40, 130, 77] if SMALL else [400, 1300, 770]
+    q, k, v, lengths = make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, T=T, D=D, lengths=lens, P=P)
+    k[1, :, :lens[1]] = float("nan")
+    v[1, :, :lens[1]] = float("nan")
+    live = torch.tensor([1, 0, 1])
+    kw = {}
+    if view:
+        kw = dict(zip(("ctx_idx", "ctx_valid"), make_view(gen, lens, 1, 30, k.shape[2])))
+    out = run_and_check(q, k, v, lengths, pending=P, live=live, num_splits=3, **kw)
+    assert not out[1].isnan().any()
+
+
+@needs_kernel
 def test_rows_without_visible_keys_are_zero():
     """Empty context (L = 0 or an all-invalid view) and a new-mask row with no True: output 0."""
     gen = torch.Generator().manual_seed(9)
@@ -309,15 +316,15 @@ def test_float64_reference_matches_project_reference():
     ctx_idx, ctx_valid = make_view(gen, lens, Hkv, 12, k.shape[2])
     ctx_idx = torch.where(ctx_valid, ctx_idx, 0)  # the project reference gathers every entry
     q_positions = lengths[:, None] + P + depth[None, :]
-    for view in (None, lambda layer: (ctx_idx, ctx_valid)):
+    for view, live in itertools.product((None, lambda layer: (ctx_idx, ctx_valid)), (None, torch.tensor([1, 0, 1]))):
         meta = reference.AttentionMetadata(lengths=lengths, num_new=T, kv_len=max(lens) + P + T, pending=P,
                                            new_mask=new_mask, q_positions=q_positions, sliding_window=30,
-                                           view=view)
+                                           view=view, live=live)
         kk, vv, mask = reference.read_kv(k, v, 0, meta)
         expected = reference.attention(q, kk, vv, mask).transpose(1, 2)
         view_kw = dict(ctx_idx=ctx_idx, ctx_valid=ctx_valid) if view else {}
         got = reference_attention(q, k, v, lengths, pending=P, new_mask=new_mask, q_positions=q_positions,
-                                  sliding_window=30, **view_kw)
+                                  sliding_window=30, live=live, **view_kw)
         torch.testing.assert_close(got, expected)  # every query sees itself: no empty rows
 
 

@@ -280,6 +280,28 @@ def test_rows_finish_independently_max_new_tokens(kind, policy_name, target_llm,
         assert_target_cache_is_autoregressive(target_llm.model, cache, requests)
 
 
+@pytest.mark.parametrize("mode", ["autoregressive", "self", "standalone"])
+def test_finished_rows_are_marked_dead_in_the_cache(mode, target_llm, draft_llm, monkeypatch):
+    """From the step a row finishes on, the target cache marks it dead (live 0: its forwards read none of
+    its context, redwood.kv.cache) — and only then; the outputs stay the AR ones (tests above)."""
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 30, 21)]
+    requests = make_requests(FINISH_PROMPTS, params, target_llm.config, target_llm.tokenizer)
+    caches = []
+    new_cache = target_llm.model.new_cache
+    monkeypatch.setattr(target_llm.model, "new_cache", lambda *a, **k: caches.append(new_cache(*a, **k)) or caches[-1])
+    if mode == "autoregressive":
+        steps = autoregressive(target_llm.model, requests)
+    else:
+        drafter = make_drafter(mode, "streaming" if mode == "self" else "full", target_llm, draft_llm)
+        steps = speculative(target_llm.model, drafter, requests, Tree.chain(3))
+    mixed = False  # some step ran with a dead row next to live ones
+    for _ in steps:
+        live = caches[0].live.tolist()
+        assert live == [0 if r.finished else 1 for r in requests]
+        mixed |= 0 < sum(live) < len(live)
+    assert mixed and caches[0].live.tolist() == [0, 0, 0]
+
+
 @pytest.mark.parametrize("kind,policy_name", DRAFT_CASES)
 def test_eos_stops_only_its_row(kind, policy_name, target_llm, draft_llm, monkeypatch):
     """Declare a token of row 0's free run its EOS: row 0 ends right at it (maybe inside an accepted

@@ -20,12 +20,15 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from tests.conftest import run_in_triton_interpreter  # noqa: E402
+from tests.conftest import interpreter_broken, run_in_triton_interpreter  # noqa: E402
 from tests.kernels.test_fused import DEVICE, INTERPRET, gen, needs_kernel, randn  # noqa: E402
 from redwood.kernels import gemv  # noqa: E402
 from redwood.models.transformer import RMSNorm  # noqa: E402
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+if INTERPRET and (why := interpreter_broken()):  # the K loop's bound is a kernel argument
+    pytest.skip(why, allow_module_level=True)
 # (N, K): odd sizes exercise the masks; on the GPU the real 1.5B / 0.5B projection shapes
 SHAPES = ([(24, 80), (40, 96), (9, 200), (1, 3)] if INTERPRET else
           [(2048, 1536), (1536, 8960), (1152, 896), (896, 4864), (17920, 1536), (151936, 896), (100, 70)])

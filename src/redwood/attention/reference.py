@@ -35,6 +35,8 @@ class AttentionMetadata:
     (a host sync — the Triton path never needs it, so CUDA-graph captured steps never compute it).
     q_positions: [B, T] rotary positions of the new tokens (sliding windows compare against them).
     view: None → the full context; else a ContextView selecting part of it.
+    live: [B] 0/1 or None; rows with 0 (finished) attend to none of their context, only to the
+    pending + new tokens (their outputs are discarded; the Triton kernel then reads none of their KV).
     """
 
     lengths: torch.Tensor
@@ -46,6 +48,7 @@ class AttentionMetadata:
     sliding_window: int | None = None
     view: ContextView | None = None
     observer: Observer | None = None
+    live: torch.Tensor | None = None
     backend: str = "reference"  # "reference" (SDPA over a dense mask) or "triton" (attention.triton_decode)
     _full_mask: torch.Tensor | None = None
 
@@ -74,8 +77,11 @@ class AttentionMetadata:
             slot = torch.arange(self.read_len(), device=dev)
             rel = slot[None, :] - self.lengths[:, None]  # [B, S] index among pending+new (<0: context)
             gather_idx = rel.clamp(0, W - 1)[:, None, :].expand(-1, T, -1)
-            recent_ok = torch.gather(self.new_token_mask(), 2, gather_idx) & (rel < W)[:, None, :]
-            allowed = (rel < 0)[:, None, :] | recent_ok  # [B, T, S]
+            recent_ok = torch.gather(self.new_token_mask(), 2, gather_idx) & ((rel >= 0) & (rel < W))[:, None, :]
+            context = rel < 0
+            if self.live is not None:
+                context = context & (self.live[:, None] > 0)
+            allowed = context[:, None, :] | recent_ok  # [B, T, S]
             self._full_mask = self._apply_window(allowed, slot[None, None, :])[:, None]
         return self._full_mask
 
@@ -106,6 +112,8 @@ def read_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int, meta: Atte
     k = torch.gather(k_cache, 2, gidx)
     v = torch.gather(v_cache, 2, gidx)
     T = meta.num_new
+    if meta.live is not None:
+        ctx_valid = ctx_valid & (meta.live[:, None, None] > 0)
     ctx_mask = ctx_valid[:, :, None, :].expand(B, H, T, ctx_idx.shape[2])
     new_mask = meta.new_token_mask()[:, None].expand(B, H, T, W)
     mask = torch.cat([ctx_mask, new_mask], dim=3)  # [B, H', T, C + W]

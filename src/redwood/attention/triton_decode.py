@@ -64,7 +64,7 @@ def _softmax_step(acc, m_i, l_i, q, k, v, visible, qk_scale, PRECISION: tl.const
 
 @_jit
 def _split_kv_kernel(
-    Q, K, V, LENGTHS, NEW_MASK, CTX_IDX, CTX_VALID, QPOS, OUT, WS_ACC, WS_M, WS_L,
+    Q, K, V, LENGTHS, LIVE, NEW_MASK, CTX_IDX, CTX_VALID, QPOS, OUT, WS_ACC, WS_M, WS_L,
     sq_b, sq_h, sq_t, sq_d,
     sk_b, sk_h, sk_n, sk_d,
     sv_b, sv_h, sv_n, sv_d,
@@ -75,7 +75,7 @@ def _split_kv_kernel(
     qk_scale, window, Hkv, T, P, C, num_splits,
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_VIEW: tl.constexpr, HAS_NEW_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_VIEW: tl.constexpr, HAS_NEW_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_LIVE: tl.constexpr,
     SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     mt = tl.program_id(0)
@@ -112,6 +112,9 @@ def _split_kv_kernel(
         n_ctx = C
     else:
         n_ctx = L
+    if HAS_LIVE:  # a finished row reads none of its context
+        n_ctx = n_ctx * tl.load(LIVE + b).to(tl.int32)
+    if not HAS_VIEW:
         if HAS_WINDOW:  # keys before the window of every row of the tile are skipped outright
             lowest = tl.min(tl.where(row_ok, qpos, 2147483647), 0) - window + 1
             start = tl.minimum((tl.maximum(lowest, 0) // BLOCK_N) * BLOCK_N, n_ctx)
@@ -279,14 +282,15 @@ def _merge_rows(n_rows: int, num_sms: int) -> int:
 
 
 def decode_attention(q, k_cache, v_cache, lengths, *, pending=0, new_mask=None, ctx_idx=None, ctx_valid=None,
-                     q_positions=None, sliding_window=None, num_splits=None) -> torch.Tensor:
+                     q_positions=None, sliding_window=None, live=None, num_splits=None) -> torch.Tensor:
     """Attention of T new tokens per row over one layer of the KV cache.
 
     q: [B, Hq, T, D] (any strides); k_cache, v_cache: [B, Hkv, capacity, D]; lengths: [B] int (on the
     device, never read on the host). pending: P. new_mask: [T, P + T] or [B or 1, T, P + T] bool,
     None → causal. ctx_idx / ctx_valid: [B, H', C] (H' = 1 or Hkv) context view, None → slots [0, L_b).
     q_positions: [B, T] positions for the sliding window (the window applies only with both given,
-    as in the reference). num_splits: None → `default_num_splits`.
+    as in the reference). live: [B] integer 0/1 or None: rows with 0 (finished) read none of their
+    context, only the pending + new tokens. num_splits: None → `default_num_splits`.
     Returns [B, T, Hq, D] contiguous, q's dtype.
     """
     B, Hq, T, D = q.shape
@@ -320,11 +324,11 @@ def decode_attention(q, k_cache, v_cache, lengths, *, pending=0, new_mask=None, 
         ws_acc = ws_m = ws_l = out  # unused
     upcast = _INTERPRET and q.dtype == torch.bfloat16
     _split_kv_kernel[(m_tiles, num_splits, B * Hkv)](
-        q, k_cache, v_cache, lengths, nm, ci, cv, qp, out, ws_acc, ws_m, ws_l,
+        q, k_cache, v_cache, lengths, live if live is not None else lengths, nm, ci, cv, qp, out, ws_acc, ws_m, ws_l,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *nm_strides, *ci_strides, *cv_strides, *qp_strides,
         _LOG2E / math.sqrt(D), sliding_window if has_window else 0, Hkv, T, pending, C, num_splits,
         G=G, D=D, HAS_VIEW=has_view, HAS_NEW_MASK=new_mask is not None, HAS_WINDOW=has_window,
-        SPLIT=split, UPCAST=upcast, PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", **cfg,
+        HAS_LIVE=live is not None, SPLIT=split, UPCAST=upcast, PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", **cfg,
     )
     if split:
         n_rows = B * T * Hq

@@ -1,7 +1,8 @@
 """The autoregressive loop over a batch of requests, and the prefill it shares with speculation.
 
 Rows are independent: each has its own prompt length, sampling parameters, random stream and stop
-conditions. A finished row stays in the batch (its cache length frozen) until every row is done.
+conditions. A finished row stays in the batch (its cache length frozen, `cache.live` 0: its forwards
+read none of its KV) until every row is done.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]],
     B = len(prompts)
     if B != cache.batch_size:
         raise ValueError(f"prefill: {B} prompts for a cache of {cache.batch_size} rows")
+    cache.live.fill_(1)  # every row generates until it finishes
     lengths = [len(p) for p in prompts]
     if min(lengths) < 1:
         raise ContextLengthError(f"prefill: prompt {lengths.index(0)} is empty")
@@ -203,7 +205,7 @@ def autoregressive(model: Transformer, requests: list[RequestState],
     t1 = time.perf_counter()
     for r in requests:
         r.stats.prefill_s = t1 - t0
-    active = torch.ones(len(requests), dtype=torch.long, device=device)
+    active = cache.live  # 1 per row still generating: what each step commits, and whom attention reads
     while True:
         updated = []
         for b, r in enumerate(requests):

@@ -189,6 +189,7 @@ def speculative(target: Transformer, drafter: Drafter, requests: list[RequestSta
                 kept[b] += 1
                 if r.append(tok):
                     r.stats.decode_s = time.perf_counter() - t1
+                    cache.live[b] = 0  # later steps read none of this row's KV
                     break
         kept_t = torch.tensor(kept, device=device)
         if not tree.is_chain:

@@ -8,6 +8,10 @@ context.
 Every write (compaction too) lands at or after the committed length, so a row's committed slots change
 only after someone lowers `lengths` (a prefill; a standalone drafter's one-token rewind) — which is what
 lets a kept cache reuse the prompts it holds (`redwood.kv.prefix`).
+
+`live` [B] is 1 while a row generates and 0 once it has finished: a finished row stays in the batch
+until every row is done, and its forwards attend to none of its context (their outputs are discarded),
+so the finished rows of a long-context batch stop costing KV reads.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.live = torch.ones(batch_size, dtype=torch.long, device=device)  # 0: finished (see module doc)
         self.capacity = capacity
         # The prompts of the last prefill, for exact prefix reuse (`redwood.kv.prefix`): a PrefixMemory
         # on caches a RunnerPool keeps with reuse_prefixes on; None (nothing remembered) otherwise.

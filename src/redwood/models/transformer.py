@@ -110,6 +110,7 @@ class Attention(nn.Module):
             q, cache.k[self.layer], cache.v[self.layer], meta.lengths, pending=meta.pending,
             new_mask=meta.new_mask, ctx_idx=ctx_idx, ctx_valid=ctx_valid,
             q_positions=meta.q_positions if window is not None else None, sliding_window=window,
+            live=meta.live,
         )
 
 
@@ -267,7 +268,7 @@ class Transformer(nn.Module):
         meta = AttentionMetadata(
             # inside a CUDA graph the reference path reads every slot (masked) rather than sync for the max
             lengths=cache.lengths, num_new=T, kv_len=cache.capacity if capturing else None,
-            pending=pending, new_mask=new_mask,
+            pending=pending, new_mask=new_mask, live=cache.live,
             q_positions=positions, sliding_window=self.config.sliding_window, view=view, observer=observer,
             backend=self._backend(input_ids, T, observer),
         )
