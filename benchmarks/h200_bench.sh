@@ -8,7 +8,8 @@
 # Each step writes JSON under $OUT and prints its tables; `summary` prints the short P1–P5 table last.
 # Settings (environment): P2_TEMPS, P2_GAMMAS, P2_ACC (a folder of acceptance vectors measured earlier with
 # the same models, [p2-]acc-<dataset>-t<temp>.json: reused instead of measured), P2_ACC_PROMPTS, P3_KV, P3_BATCH, P3_CONTEXT, P3_GAMMAS,
-# P3_GEN, P5_TREE, GPU_TESTS, GPU_FLAGS. Each invocation must fit the machine's 10-minute call limit:
+# P3_GEN, P5_ACC (default: p2's HumanEval greedy vector), P5_BUDGETS, P5_DEPTH, P5_GEN, P5_TREE (extra
+# trees), GPU_TESTS, GPU_FLAGS. Each invocation must fit the machine's 10-minute call limit:
 # e.g. `tests p1 steps` + greedy p2, then T = 0.6 p2 + p5, then p3 alone.
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
@@ -66,10 +67,21 @@ p3)  # MagicDec self-speculation at long context (StreamingLLM budget 256, SnapK
   done ;;
 p4)  # the attention kernel against the KV-read floor and SDPA
   run python3 benchmarks/attention_bench.py --output "$OUT/p4.json" ;;
-p5)  # offloaded target (weights streamed from pinned host memory): AR vs a large tree
+p5)  # offloaded target (weights streamed from pinned host memory): AR vs large trees picked for that cost
+     # profile: the offloaded target's forward is ~flat in tokens (host-link bound), so deep trees pay
+  mkdir -p "$OUT/p5"
+  acc=${P5_ACC:-$OUT/p2/acc-humaneval-t0.json}
+  run $R profile --model "$T" --draft-model "$D" $GPU --offload --temperature 0 --tokens 1,16,64,128,256 \
+      --output "$OUT/p5/profile-offload.json"
+  trees=""
+  for budget in ${P5_BUDGETS:-64 128}; do
+    run $R tree-search --acceptance "$acc" --budget $budget --max-depth ${P5_DEPTH:-16} \
+        --profile "$OUT/p5/profile-offload.json" --output "$OUT/p5/tree-$budget.json" --json \
+        > "$OUT/p5/tree-$budget.summary.json"
+    trees="$trees $OUT/p5/tree-$budget.json"
+  done
   run $R bench standalone --model "$T" --draft-model "$D" $GPU --offload --batch-size 1 --prefix-len 128 \
-      --gen-len 48 --gamma 4 --tree "${P5_TREE:-$OUT/p2/tree-humaneval-t0.json}" --dataset humaneval \
-      --output "$OUT/p5" ;;
+      --gen-len ${P5_GEN:-64} --gamma 4 --tree $trees ${P5_TREE:-} --dataset humaneval --output "$OUT/p5/bench" ;;
 summary)
   run python3 benchmarks/h200_summary.py "$OUT" ;;
 *) echo "unknown step $step" >&2; exit 2 ;;

@@ -100,7 +100,7 @@ def p4(out: Path) -> list[str]:
 
 
 def p5(out: Path) -> list[str]:
-    r = load(out / "p5")
+    r = load(out / "p5" / "bench") or load(out / "p5")  # (results before session 4: p5/report.json)
     if r is None:
         return ["P5 not run"]
     lines = []

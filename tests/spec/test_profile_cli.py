@@ -46,6 +46,18 @@ def test_profile_with_draft_and_no_overhead(tiny_model_dir, tmp_path, capsys):
     assert "draft ms by width" in capsys.readouterr().out
 
 
+def test_profile_offloaded_target(tiny_model_dir, tmp_path):
+    """--offload times the target as an offloaded run streams it (layers in host memory; on the CPU the
+    ring of layer slots with no-op streams); the draft stays resident."""
+    out = tmp_path / "p.json"
+    rc = main(["profile", "--model", str(tiny_model_dir), "--draft-model", str(tiny_model_dir), "--tokens", "1,4",
+               "--widths", "1", "--no-overhead", "--temperature", "0", "--offload", "--offload-prefetch", "1",
+               "--output", str(out)] + FAST)
+    assert rc == 0
+    prof = load_profile(out)
+    assert prof.notes["target_offloaded"] is True and all(ms > 0 for ms in prof.target_ms)
+
+
 def test_acceptance_profile_tree_search_end_to_end(tiny_model_dir, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(" ".join(CORPUS[(i + j) % 5].replace("\n", " ") for j in range(3))
@@ -79,6 +91,8 @@ def test_acceptance_profile_tree_search_end_to_end(tiny_model_dir, tmp_path, cap
     (["--verifier", "greedy"], "greedy"),
     (["--verifier", "nope"], "--verifier"),
     (["--context", "300"], "context"),
+    (["--offload-prefetch", "2"], "--offload-prefetch only applies with --offload"),
+    (["--offload", "--offload-prefetch", "0"], "prefetch"),
 ])
 def test_profile_errors_are_one_line(tiny_model_dir, tmp_path, capsys, argv, needle):
     out = tmp_path / "p.json"

@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from redwood.commands.generate import add_graphs_arg
+from redwood.commands.generate import add_graphs_arg, add_offload_args, offload_kwargs
 from redwood.errors import ConfigError
 
 
@@ -43,6 +43,7 @@ def register(subparsers) -> None:
     add_graphs_arg(p)
     p.add_argument("--output", "-o", required=True, metavar="FILE", help="write the profile here (JSON)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    add_offload_args(p)  # profile the target as an offloaded run streams it (the draft stays resident)
     p.set_defaults(func=_run)
 
 
@@ -69,8 +70,13 @@ def _run(args: argparse.Namespace) -> int:
 
     from redwood.loading import load_model
 
+    offload = offload_kwargs(args)
     t0 = time.perf_counter()
-    target = load_model(args.model, dtype=args.dtype, device=args.device)
+    target = load_model(args.model, dtype=args.dtype, device="cpu" if offload["offload"] else args.device)
+    if offload["offload"]:  # as LLM(offload=True): layers in (pinned) host memory, the rest on the device
+        from redwood.engine.offload import offload_layers
+
+        offload_layers(target.model, args.device, prefetch=offload["offload_prefetch"])
     draft = load_model(args.draft_model, dtype=args.dtype, device=args.device) if args.draft_model else None
     say = None if args.quiet else (lambda msg: print(f"profiling: {msg}", file=sys.stderr, flush=True))
     prof = measure_profile(

@@ -7,7 +7,8 @@ ones (CUDA is synchronised before and after every run):
   in breadth-first order: its ancestor mask through the tree-attention path; n = 1 is a plain decode
   step), for `batch` rows, after a prefill of `context` tokens. The new tokens go to scratch slots and
   are never committed, so every run sees the same cache. Forwards run as the engine runs them (a
-  `StepRunner`: CUDA graphs on CUDA).
+  `StepRunner`: CUDA graphs on CUDA; eagerly for a target whose layers are offloaded to host memory,
+  `redwood profile --offload`, whose forwards stream every layer's weights over the host link).
 - **draft** t_draft(w): one draft forward over w new sibling nodes (each sees the committed context and
   itself) after a prefill of `context` tokens: one level of tree drafting. Without a draft model the
   target itself is timed (self-speculation over a compressed view is not modelled: an upper bound).
@@ -100,7 +101,10 @@ def target_latency(model, sizes: Sequence[int], batch: int, context: int, repeat
     _check_fits(model, "target", context, max(sizes))
     g = torch.Generator().manual_seed(seed)
     cache = _prefilled_cache(model, batch, context, max(sizes), g)
-    runner = StepRunner(model, cache, use_graphs=cuda_graphs)  # as the engine runs its steps (graphs on CUDA)
+    from redwood.engine.offload import get_offload
+
+    # as the engine runs its steps: graphs on CUDA, unless the weights stream from the host (offloading)
+    runner = StepRunner(model, cache, use_graphs=cuda_graphs and get_offload(model) is None)
     out = []
     for n in sizes:
         tree = profile_tree(n)
@@ -165,6 +169,12 @@ def overhead_latency(vocab: int, sizes: Sequence[int], batch: int, device: torch
     return out
 
 
+def _offloaded(model) -> bool:
+    from redwood.engine.offload import get_offload
+
+    return get_offload(model) is not None
+
+
 def describe_device(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda: {torch.cuda.get_device_name(device)}"
@@ -206,6 +216,7 @@ def measure_profile(target, draft=None, *, target_name: str = "", draft_name: st
         "draft_shape": "w sibling nodes, each attending to the context and itself",
         "draft_is_target": draft is None,
         "cuda_graphs": cuda_graphs and device.type == "cuda",
+        "target_offloaded": _offloaded(target),
         "torch": torch.__version__,
     }
     if overhead:
