@@ -148,12 +148,23 @@ def test_generate_sampling_speculation(tiny_model_dir, capsys):
     (["--self-speculate", "--sinks", "-1"], "--sinks must be >= 0"),
     (["--self-speculate", "--draft-kv", "snapkv", "--draft-budget", "40", "--pool-kernel", "4"], "odd"),
     (["--self-speculate", "--verifier", "greedy", "--temperature", "0.7"], "--verifier greedy"),
+    (["--draft-quant", "int8"], "--draft-quant only applies when speculating"),
+    (["--draft-model", "d", "--draft-quant", "int4"], "--draft-quant must be one of int8"),
+    (["--self-speculate", "--draft-quant", "int8"], "self-speculation drafts with the target's weights"),
 ])
 def test_speculation_flag_errors(flags, msg, tmp_path, capsys):
     # the model path doesn't exist: each error must come before any model is loaded
     assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"] + flags) == 2
     err = capsys.readouterr().err
     assert err.startswith("redwood: error:") and msg in err and err.count("\n") == 1, err
+
+
+def test_int8_draft_needs_the_cuda_kernels(tiny_model_dir, capsys):
+    """--draft-quant int8 on the CPU: one clear line (the int8 path is the CUDA matrix-vector kernels)."""
+    rc = main(["generate", "--model", str(tiny_model_dir), "--prompt", "x", "--draft-model", str(tiny_model_dir),
+               "--draft-quant", "int8", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("redwood: error:") and "matrix-vector kernels" in err and err.count("\n") == 1
 
 
 def test_incompatible_draft_tokenizer(tiny_model_dir, tmp_path, capsys):

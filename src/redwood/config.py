@@ -166,6 +166,9 @@ class ModelConfig:
 VERIFIERS = ("auto", "greedy", "sampling", "sequoia", "specinfer", "topk")
 
 
+DRAFT_QUANT = (None, "int8")  # draft weight formats for the one-token draft forwards
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """How to speculate (MagicDec-style chains).
@@ -184,6 +187,9 @@ class SpeculativeConfig:
     "specinfer" (children drawn with replacement), "topk" (the draft's top-k children; the target
     samples), or "auto" (greedy when every request is greedy, else sampling / sequoia). All but greedy
     are lossless at any temperature / top-k / top-p.
+    draft_quant: "int8" — the draft model's one-token forwards read int8 copies of its projection
+    weights (per-row scales; CUDA only): half the bytes per draft level. Verification stays exact, so
+    outputs do not change; acceptance may.
     """
 
     draft_model: str | None = None
@@ -196,6 +202,7 @@ class SpeculativeConfig:
     num_draft_tokens: int = 4
     tree: str | None = None
     verifier: str = "auto"
+    draft_quant: str | None = None
 
     def __post_init__(self) -> None:
         from redwood.kv.policies import KV_POLICIES
@@ -214,6 +221,10 @@ class SpeculativeConfig:
                 raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
         if self.sinks is not None and (not isinstance(self.sinks, int) or self.sinks < 0):
             raise ConfigError(f"sinks must be an integer >= 0, got {self.sinks!r}")
+        if self.draft_quant not in DRAFT_QUANT:
+            raise ConfigError(f"unknown draft_quant {self.draft_quant!r}; choose one of {DRAFT_QUANT[1:]} or None")
+        if self.draft_quant and self.self_speculate:
+            raise ConfigError("draft_quant applies to a draft model; self-speculation drafts with the target's weights")
         self.make_policy()  # validates the policy's own settings
         self.make_tree()
 

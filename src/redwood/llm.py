@@ -100,7 +100,10 @@ class LLM:
             return SelfDrafter(self.model, policy)
         draft = load_model(spec.draft_model, dtype=dtype, device=device)
         check_compatible(self.tokenizer, draft.tokenizer, self.config.vocab_size, draft.config.vocab_size)
-        self.draft_name = f"{draft.source} ({policy.describe()})"
+        if spec.draft_quant:
+            draft.model.quantize_skinny(spec.draft_quant)
+        quant = f", {spec.draft_quant} weights" if spec.draft_quant else ""
+        self.draft_name = f"{draft.source} ({policy.describe()}{quant})"
         return ModelDrafter(draft.model, policy, self.config.vocab_size)
 
     def _run(self, requests: list[RequestState]):

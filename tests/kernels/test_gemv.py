@@ -126,6 +126,50 @@ def test_silu_mul_epilogue(dtype, F_, K, bias):
     check(out, ref, ulps=3)  # an ulp in g or u moves the product by up to ~2 ulp, plus its own rounding
 
 
+def test_quantize_int8_rows():
+    """Per-row symmetric int8: every weight within half a step of its row's scale; zero rows stay zero."""
+    w = torch.randn(6, 50, generator=gen(40)) * torch.tensor([1e-3, 0.1, 1.0, 10.0, 0.0, 3.0])[:, None]
+    w[5, 7] = -300.0  # one outlier sets its row's scale
+    q, scale = gemv.quantize_int8(w.to(torch.bfloat16))
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and q.shape == w.shape
+    assert q.abs().max() <= 127 and (q[4] == 0).all() and scale[4] == 1.0
+    deq = q.float() * scale[:, None]
+    assert ((deq - w.to(torch.bfloat16).float()).abs() <= scale[:, None] / 2 + 1e-6).all()
+
+
+def dequantized(q, scale):
+    return q.double() * scale.double()[:, None]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("op", ["plain", "norm", "residual", "silu"])
+def test_int8_weights(dtype, op):
+    """int8 weights with per-row scales == the same product with the dequantized weights (float64)."""
+    N, K = (40, 96) if INTERPRET else (2048, 1536)
+    g = gen(41)
+    rows = 2 * N if op == "silu" else N
+    x = randn(g, 1, K, dtype=dtype, scale=2.0)
+    q, scale = gemv.quantize_int8(randn(g, rows, K, dtype=dtype, scale=K ** -0.5))
+    b = randn(g, rows, dtype=dtype)
+    w = dequantized(q, scale)
+    xd = x.double()
+    if op == "norm":
+        nw = randn(g, K, dtype=dtype)
+        out = gemv.linear(x, q, b, scale=scale, norm=(nw, 1e-6))
+        xd = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.double()
+        check(out, F.linear(xd, w, b.double()).to(dtype))
+    elif op == "residual":
+        r = randn(g, 1, N, dtype=dtype)
+        expect = r + F.linear(xd, w, b.double()).to(dtype)
+        check(gemv.linear(x, q, b, scale=scale, residual=r), expect)
+    elif op == "silu":
+        gu = F.linear(xd, w, b.double()).to(dtype)
+        check(gemv.linear(x, q, b, scale=scale, silu_mul=True), F.silu(gu[:, :N]) * gu[:, N:], ulps=3)
+    else:
+        check(gemv.linear(x, q, b, scale=scale), F.linear(xd, w, b.double()).to(dtype))
+
+
 @needs_kernel
 def test_bad_input():
     x = torch.zeros(1, 16, device=DEVICE)
@@ -145,6 +189,13 @@ def test_bad_input():
         gemv.linear(x, torch.zeros(4, 16, device=DEVICE), torch.zeros(3, device=DEVICE))
     with pytest.raises(ValueError, match="norm weight"):
         gemv.linear(x, torch.zeros(4, 16, device=DEVICE), norm=(torch.ones(8, device=DEVICE), 1e-6))
+    q8 = torch.zeros(4, 16, dtype=torch.int8, device=DEVICE)
+    with pytest.raises(ValueError, match="float32 scale per row"):
+        gemv.linear(x, q8)
+    with pytest.raises(ValueError, match="float32 scale per row"):
+        gemv.linear(x, q8, scale=torch.ones(3, device=DEVICE))
+    with pytest.raises(ValueError, match="int8 weights only"):
+        gemv.linear(x, torch.zeros(4, 16, device=DEVICE), scale=torch.ones(4, device=DEVICE))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -179,6 +230,55 @@ def test_model_skinny_path_matches_the_eager_model(tiny_model_dir):
         for c in caches:
             c.commit(torch.full((1,), T, device=DEVICE))
     torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_model_int8_skinny_path_matches_dequantized_weights(tiny_model_dir):
+    """quantize_skinny: one-token forwards read int8 copies; they equal a model whose projection and LM
+    head weights are the dequantized int8 values; forwards of more tokens keep the original weights."""
+    from redwood.loading import load_model
+
+    model = load_model(tiny_model_dir, dtype="float32", device=DEVICE).model
+    if model.layers[0].self_attn.qkv is None:
+        model.fuse_projections()
+    for layer in model.layers:
+        layer.self_attn.kernels = layer.mlp.kernels = True
+    model.skinny = True
+    reference = copy.deepcopy(model)
+    reference.skinny = False
+    model.quantize_skinny("int8")
+    q8 = model.skinny_int8
+    with torch.no_grad():
+        for layer, w in zip(reference.layers, q8["layers"]):
+            layer.self_attn.qkv[0].copy_(dequantized(*w["qkv"]))
+            layer.self_attn.o_proj.weight.copy_(dequantized(*w["o"]))
+            layer.mlp.gate_up[0].copy_(dequantized(*w["gate_up"]))
+            layer.mlp.down_proj.weight.copy_(dequantized(*w["down"]))
+        reference.lm_head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+        reference.lm_head.weight.copy_(dequantized(*q8["lm_head"]))
+        reference.lm_head.to(DEVICE)
+    ids = torch.tensor([[5, 6, 7, 8, 9]], device=DEVICE)
+    caches = [model.new_cache(1, 16) for _ in range(2)]
+    with torch.inference_mode():
+        for c in caches:  # a 5-token prefill: the original weights (only one-token forwards read int8)
+            model(ids, torch.arange(5, device=DEVICE)[None], c)
+            c.commit(5)
+        out = model(ids[:, :1], torch.tensor([[5]], device=DEVICE), caches[0])
+        ref = reference(ids[:, :1], torch.tensor([[5]], device=DEVICE), caches[1])
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(caches[0].k, caches[1].k, rtol=1e-4, atol=1e-5)
+
+
+def test_quantize_skinny_needs_the_kernels(tiny_model_dir):
+    from redwood.errors import ConfigError
+    from redwood.loading import load_model
+
+    model = load_model(tiny_model_dir, dtype="float32", device="cpu").model
+    with pytest.raises(ConfigError, match="matrix-vector kernels"):
+        model.quantize_skinny("int8")
+    model.skinny = True
+    with pytest.raises(ConfigError, match="only 'int8'"):
+        model.quantize_skinny("int4")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -229,10 +329,11 @@ def test_tile_configs_from_the_table_else_the_heuristic():
     """The committed table is read by GPU name; shapes it lacks get the heuristic; every config is a
     (BLOCK_N, BLOCK_K, num_warps, num_stages) of powers of two."""
     table = gemv.tuned_configs("NVIDIA H200")
-    assert (2048, 1536, False) in table and (8960, 1536, True) in table  # the 1.5B's qkv and gate/up
+    assert (2048, 1536, False, "float") in table and (8960, 1536, True, "float") in table  # 1.5B qkv, gate/up
     assert gemv.tuned_configs("no such GPU") == {}
     assert gemv._file_stem("NVIDIA H200 NVL") == "NVIDIA_H200_NVL"
-    for cfg in [*table.values(), gemv.heuristic_config(5, 3), gemv.heuristic_config(100_000, 8192, True)]:
+    for cfg in [*table.values(), gemv.heuristic_config(5, 3), gemv.heuristic_config(100_000, 8192, True),
+                gemv.heuristic_config(896, 4864, int8=True)]:
         assert len(cfg) == 4 and all(v > 0 and v & (v - 1) == 0 for v in cfg[:3]) and cfg[3] >= 1
     assert gemv.config_for(2048, 1536, False, torch.device("cpu")) == gemv.heuristic_config(2048, 1536)
 

@@ -93,6 +93,8 @@ def test_acceptance_profile_tree_search_end_to_end(tiny_model_dir, tmp_path, cap
     (["--context", "300"], "context"),
     (["--offload-prefetch", "2"], "--offload-prefetch only applies with --offload"),
     (["--offload", "--offload-prefetch", "0"], "prefetch"),
+    (["--draft-quant", "int8"], "--draft-quant needs --draft-model"),
+    (["--draft-quant", "int4"], "--draft-quant must be one of int8"),
 ])
 def test_profile_errors_are_one_line(tiny_model_dir, tmp_path, capsys, argv, needle):
     out = tmp_path / "p.json"

@@ -181,7 +181,8 @@ def run_spec_bench(args) -> int:
         extra = {"prompt_seed": args.prompt_seed}
         if spec is not None:
             extra.update(draft_kv=spec.draft_kv, draft_budget=spec.draft_budget, sinks=spec.sinks,
-                         window=spec.window, pool_kernel=spec.pool_kernel, draft_policy=spec.make_policy().describe())
+                         window=spec.window, pool_kernel=spec.pool_kernel, draft_policy=spec.make_policy().describe(),
+                         draft_quant=spec.draft_quant)
         path = write_report(args.output, to_report(result, extra))
         if not args.json:
             print(f"wrote {path}", file=sys.stderr)

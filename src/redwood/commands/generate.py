@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from redwood.config import DRAFT_QUANT
 from redwood.llm import DEFAULT_MODEL
 
 
@@ -105,6 +106,9 @@ def add_draft_kv_args(p: argparse.ArgumentParser, sweep: bool = False, tree: boo
                         "sequoia (children drawn without replacement), specinfer (with replacement), topk "
                         "(the draft's top children; the target samples) or auto (default: greedy when every "
                         "request is greedy, else sampling)")
+    g.add_argument("--draft-quant", default=None, metavar="{int8}",
+                   help="a draft model's one-token forwards read int8 copies of its weights (CUDA; half the "
+                        "bytes per draft step; outputs unchanged — verification is exact)")
     if tree:
         g.add_argument("--tree", default=None, metavar="FILE.json|chain:G|chains:KxL|NAME",
                        help="speculate over a token tree instead of a chain of --gamma drafts: a tree file "
@@ -121,7 +125,8 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     add_draft_kv_args(p, tree=True)
 
 
-_SPEC_FLAGS = ("draft_kv", "draft_budget", "sinks", "window", "pool_kernel", "gamma", "tree", "verifier")
+_SPEC_FLAGS = ("draft_kv", "draft_budget", "sinks", "window", "pool_kernel", "gamma", "tree", "verifier",
+               "draft_quant")
 
 
 def _flag(name: str) -> str:
@@ -136,6 +141,11 @@ def check_draft_kv_args(args) -> None:
         raise ConfigError(f"--draft-kv must be one of {', '.join(DRAFT_KV_CHOICES)}, got {args.draft_kv!r}")
     if args.verifier is not None and args.verifier not in VERIFIER_CHOICES:
         raise ConfigError(f"--verifier must be one of {', '.join(VERIFIER_CHOICES)}, got {args.verifier!r}")
+    quant = getattr(args, "draft_quant", None)
+    if quant is not None and quant not in DRAFT_QUANT:
+        raise ConfigError(f"--draft-quant must be one of {', '.join(q for q in DRAFT_QUANT if q)}, got {quant!r}")
+    if quant and getattr(args, "self_speculate", False):
+        raise ConfigError("--draft-quant applies to a --draft-model; self-speculation drafts with the target's weights")
     gammas = args.gamma if isinstance(args.gamma, list) else [args.gamma]
     for gamma in gammas:
         if gamma is not None and gamma < 1:
@@ -199,7 +209,7 @@ def make_speculative_config(args, *, draft_model: str | None = None, self_specul
         draft_budget=args.draft_budget, sinks=args.sinks, window=args.window,
         pool_kernel=DEFAULT_POOL_KERNEL if args.pool_kernel is None else args.pool_kernel,
         num_draft_tokens=DEFAULT_GAMMA if gamma is None else gamma, tree=getattr(args, "tree", None),
-        verifier=args.verifier or "auto",
+        verifier=args.verifier or "auto", draft_quant=getattr(args, "draft_quant", None),
     )
 
 

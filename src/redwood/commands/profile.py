@@ -44,6 +44,8 @@ def register(subparsers) -> None:
     p.add_argument("--output", "-o", required=True, metavar="FILE", help="write the profile here (JSON)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     add_offload_args(p)  # profile the target as an offloaded run streams it (the draft stays resident)
+    p.add_argument("--draft-quant", default=None, metavar="{int8}",
+                   help="time the draft's one-token forwards on int8 weights, as `--draft-quant` runs them")
     p.set_defaults(func=_run)
 
 
@@ -67,6 +69,14 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--verifier must be one of {', '.join(VERIFIERS)}, got {args.verifier!r}")
     if args.verifier == "greedy" and args.temperature > 0:
         raise ConfigError("--verifier greedy is exact only at --temperature 0")
+    if args.draft_quant is not None:
+        from redwood.config import DRAFT_QUANT
+
+        if args.draft_quant not in DRAFT_QUANT:
+            raise ConfigError(f"--draft-quant must be one of {', '.join(q for q in DRAFT_QUANT if q)}, "
+                              f"got {args.draft_quant!r}")
+        if not args.draft_model:
+            raise ConfigError("--draft-quant needs --draft-model")
 
     from redwood.loading import load_model
 
@@ -78,6 +88,8 @@ def _run(args: argparse.Namespace) -> int:
 
         offload_layers(target.model, args.device, prefetch=offload["offload_prefetch"])
     draft = load_model(args.draft_model, dtype=args.dtype, device=args.device) if args.draft_model else None
+    if args.draft_quant:
+        draft.model.quantize_skinny(args.draft_quant)
     say = None if args.quiet else (lambda msg: print(f"profiling: {msg}", file=sys.stderr, flush=True))
     prof = measure_profile(
         target.model, draft.model if draft else None, target_name=target.source,

@@ -50,8 +50,9 @@ def available(device: torch.device | str, force_interpreter: bool = False) -> bo
 
 
 @_jit
-def _gemv_kernel(X, W, BIAS, NW, RES, OUT, N, K, stride_w, inv_k, eps,
-                 HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESID: tl.constexpr, SILU: tl.constexpr,
+def _gemv_kernel(X, W, SCALE, BIAS, NW, RES, OUT, N, K, stride_w, inv_k, eps,
+                 QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESID: tl.constexpr,
+                 SILU: tl.constexpr,
                  ROUND: tl.constexpr, INTERP: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """Program p computes out[p*BLOCK_N : (p+1)*BLOCK_N] for one activation row x [K].
@@ -59,7 +60,8 @@ def _gemv_kernel(X, W, BIAS, NW, RES, OUT, N, K, stride_w, inv_k, eps,
     acc[n] = Σ_k x[k] · W[n, k], over W tiles [BLOCK_N, BLOCK_K]; SILU also accumulates the up rows
     W[N + n] (N is then F and W has 2F rows). NORM folds RMSNorm in without a second pass over x:
     Σ_k (x_k · s · g_k) · W[n, k] = s · Σ_k (x_k · g_k) · W[n, k], with the row's mean square (→ s)
-    summed in the same loop (x_k · g_k is exact in float32 for 16-bit inputs)."""
+    summed in the same loop (x_k · g_k is exact in float32 for 16-bit inputs). QUANT: W holds int8 with
+    a float32 scale per row, applied once to the row's sum."""
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     c_ok = cols < N
@@ -76,6 +78,10 @@ def _gemv_kernel(X, W, BIAS, NW, RES, OUT, N, K, stride_w, inv_k, eps,
             acc, acc_up, ss = _gemv_tile(X, NW, w_rows, c_ok, k0, K, N, stride_w, acc, acc_up, ss,
                                           NORM, SILU, BLOCK_K)
 
+    if QUANT:
+        acc = acc * tl.load(SCALE + cols, mask=c_ok, other=0.0)
+        if SILU:
+            acc_up = acc_up * tl.load(SCALE + N + cols, mask=c_ok, other=0.0)
     if NORM:
         if INTERP:  # CPU torch: sum / n, 1 / sqrt
             scale = 1.0 / tl.sqrt_rn(tl.math.div_rn(tl.sum(ss, 0), K.to(tl.float32)) + eps)
@@ -122,42 +128,58 @@ def _gemv_tile(X, NW, w_rows, c_ok, k0, K, N, stride_w, acc, acc_up, ss,
 Config = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 
 
-def heuristic_config(N: int, K: int, silu: bool = False) -> Config:
+def heuristic_config(N: int, K: int, silu: bool = False, int8: bool = False) -> Config:
     """A tile config for shapes the tuned table lacks: enough programs to keep every SM streaming
-    (few weight rows per program when N is small) and ~8K-element W tiles per iteration."""
-    block_k = min(1024, max(16, triton.next_power_of_2(K)))
+    (few weight rows per program when N is small) and ~8K-element W tiles per iteration (twice the
+    elements for int8 weights: the same bytes)."""
+    block_k = min(2048 if int8 else 1024, max(16, triton.next_power_of_2(K)))
     block_n = 2 if N <= 4096 else (4 if silu or N <= 16384 else 8)
     return block_n, block_k, 4, 1
 
 
 @functools.lru_cache(maxsize=None)
-def tuned_configs(device_name: str) -> dict[tuple[int, int, bool], Config]:
-    """The table gemv_bench wrote for this GPU model: {(N, K, silu): config}; {} if there is none."""
+def tuned_configs(device_name: str) -> dict[tuple[int, int, bool, str], Config]:
+    """The table gemv_bench wrote for this GPU model: {(N, K, silu, weight kind): config}, weight kind
+    "int8" or "float" (16-bit; entries without one); {} if there is none."""
     path = CONFIG_DIR / (_file_stem(device_name) + ".json")
     if not path.exists():
         return {}
     table = json.loads(path.read_text())
-    return {(e["N"], e["K"], e["silu"]): tuple(e["config"]) for e in table["configs"]}
+    return {(e["N"], e["K"], e["silu"], e.get("weight", "float")): tuple(e["config"]) for e in table["configs"]}
 
 
 def _file_stem(device_name: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_")
 
 
-def config_for(N: int, K: int, silu: bool, device: torch.device) -> Config:
+def config_for(N: int, K: int, silu: bool, device: torch.device, int8: bool = False) -> Config:
     if device.type == "cuda":
-        tuned = tuned_configs(torch.cuda.get_device_name(device)).get((N, K, silu))
+        tuned = tuned_configs(torch.cuda.get_device_name(device)).get((N, K, silu, "int8" if int8 else "float"))
         if tuned is not None:
             return tuned
-    return heuristic_config(N, K, silu)
+    return heuristic_config(N, K, silu, int8)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: (q [N, K] int8, scale [N] float32) with weight ≈ q * scale[:, None].
+
+    scale = max |row| / 127 (rows of zeros get scale 1 and stay zero); q = round(weight / scale), so
+    each weight is off by at most scale / 2."""
+    w = weight.float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
-           silu_mul: bool = False, config: Config | None = None) -> torch.Tensor:
+           scale: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None,
+           residual: torch.Tensor | None = None, silu_mul: bool = False,
+           config: Config | None = None) -> torch.Tensor:
     """x @ weightᵀ (+ bias) for x [..., K] holding one row (MAX_ROWS), with optional fused ops.
 
-    weight: [N, K] (or [2F, K] with silu_mul: gate rows then up rows); bias: [N] / [2F].
+    weight: [N, K] (or [2F, K] with silu_mul: gate rows then up rows) in x's dtype, or int8 with
+    scale [N] / [2F] float32 per row (`quantize_int8`); bias: [N] / [2F].
     norm=(g, eps): x is first replaced by RMSNorm(x) with weight g [K] (in float32, not rounded to the
     dtype in between as the eager RMSNorm's output is — folded into the product, see the kernel).
     residual: [..., N] tensor of x's dtype; the result is added into it in place, and it is returned.
@@ -168,8 +190,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     K = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != K:
         raise ValueError(f"weight {tuple(weight.shape)} does not match x's last dim {K}")
-    if weight.dtype != x.dtype:
-        raise TypeError(f"x {x.dtype} and weight {weight.dtype} must share a dtype")
+    int8 = weight.dtype == torch.int8
+    if int8:
+        if scale is None or scale.shape != (weight.shape[0],) or scale.dtype != torch.float32:
+            raise ValueError(f"int8 weights need a float32 scale per row ({weight.shape[0]}), got "
+                             f"{None if scale is None else (tuple(scale.shape), scale.dtype)}")
+    elif weight.dtype != x.dtype:
+        raise TypeError(f"x {x.dtype} and weight {weight.dtype} must share a dtype (or be int8 with scales)")
+    elif scale is not None:
+        raise ValueError("scale applies to int8 weights only")
     rnd = _rounding(x.dtype)
     N = weight.shape[0]
     if silu_mul:
@@ -197,11 +226,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = torch.empty(*lead, N, device=x.device, dtype=x.dtype)
     if x2.shape[0] == 0 or N == 0:
         return out
-    block_n, block_k, warps, stages = config or config_for(N, K, silu_mul, x.device)
+    block_n, block_k, warps, stages = config or config_for(N, K, silu_mul, x.device, int8)
     nw, eps = (norm[0].contiguous(), float(norm[1])) if norm is not None else (weight, 0.0)
     _gemv_kernel[(triton.cdiv(N, block_n),)](
-        x2, weight, bias if bias is not None else weight, nw, out, out, N, K, weight.stride(0), _inv(K), eps,
-        HAS_BIAS=bias is not None, NORM=norm is not None, RESID=residual is not None, SILU=silu_mul,
+        x2, weight, scale if int8 else weight, bias if bias is not None else weight, nw, out, out, N, K,
+        weight.stride(0), _inv(K), eps, QUANT=int8, HAS_BIAS=bias is not None, NORM=norm is not None,
+        RESID=residual is not None, SILU=silu_mul,
         ROUND=rnd, INTERP=_INTERPRET, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps,
     )
     return out

@@ -182,18 +182,22 @@ class DecoderLayer(nn.Module):
         normed, residual = fused_kernels.add_rms_norm(h, residual, norm.weight, norm.eps)
         return self.mlp(normed), residual
 
-    def forward_skinny(self, x, cos, sin, cache, slots, meta):
-        """The same layer for ≤ gemv.MAX_ROWS tokens, as four skinny-matmul kernels with the norms,
+    def forward_skinny(self, x, cos, sin, cache, slots, meta, int8: dict | None = None):
+        """The same layer for ≤ gemv.MAX_ROWS tokens, as four matrix-vector kernels with the norms,
         residual adds and SiLU fused in (redwood.kernels.gemv) plus rope/cache-write and attention.
-        x [B, T, H] is the residual stream, updated in place and returned."""
+        x [B, T, H] is the residual stream, updated in place and returned. int8: {"qkv", "o", "gate_up",
+        "down"} → (int8 weight, scale) read instead of the model-dtype weights (Transformer.quantize_skinny)."""
         attn, mlp = self.self_attn, self.mlp
+        w = int8 or {"qkv": (attn.qkv[0], None), "o": (attn.o_proj.weight, None),
+                     "gate_up": (mlp.gate_up[0], None), "down": (mlp.down_proj.weight, None)}
         norm = self.input_layernorm
-        qkv = gemv.linear(x, *attn.qkv, norm=(norm.weight, norm.eps))
+        qkv = gemv.linear(x, w["qkv"][0], attn.qkv[1], scale=w["qkv"][1], norm=(norm.weight, norm.eps))
         out = attn.attend(*attn.split_qkv(qkv), cos, sin, cache, slots, meta)
-        gemv.linear(out, attn.o_proj.weight, attn.o_proj.bias, residual=x)
+        gemv.linear(out, w["o"][0], attn.o_proj.bias, scale=w["o"][1], residual=x)
         norm = self.post_attention_layernorm
-        act = gemv.linear(x, *mlp.gate_up, norm=(norm.weight, norm.eps), silu_mul=True)
-        return gemv.linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=x)
+        act = gemv.linear(x, w["gate_up"][0], mlp.gate_up[1], scale=w["gate_up"][1],
+                          norm=(norm.weight, norm.eps), silu_mul=True)
+        return gemv.linear(act, w["down"][0], mlp.down_proj.bias, scale=w["down"][1], residual=x)
 
 
 class Transformer(nn.Module):
@@ -211,6 +215,7 @@ class Transformer(nn.Module):
         # Forwards of ≤ gemv.MAX_ROWS tokens through the skinny-matmul kernels (set by fuse_projections
         # where they run; False: cuBLAS matmuls + the fused small-op kernels, for A/B benchmarks).
         self.skinny = False
+        self.skinny_int8: dict | None = None  # int8 projection copies for the skinny path (quantize_skinny)
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up weights per layer (fewer, larger matmuls: what a GPU step wants)."""
@@ -218,6 +223,27 @@ class Transformer(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
         self.skinny = self.layers[0].mlp.kernels and gemv.available(self.device)
+
+    def quantize_skinny(self, scheme: str = "int8") -> None:
+        """Give the one-token (skinny) forwards int8 copies of every projection and of the LM head, with
+        a float32 scale per output row (`gemv.quantize_int8`): the matrix-vector kernels then read half
+        the bytes. Forwards of more tokens keep the model-dtype weights. Meant for a draft model: the
+        target verifies exactly, so the output stays the target's and only acceptance can move."""
+        from redwood.errors import ConfigError
+
+        if scheme != "int8":
+            raise ConfigError(f"unknown weight quantization {scheme!r}; only 'int8' is supported")
+        if not self.skinny:
+            raise ConfigError("int8 weights run through the CUDA matrix-vector kernels (redwood.kernels.gemv), "
+                              f"which do not run on {self.device}")
+        layers = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append({"qkv": gemv.quantize_int8(attn.qkv[0]), "o": gemv.quantize_int8(attn.o_proj.weight),
+                           "gate_up": gemv.quantize_int8(mlp.gate_up[0]),
+                           "down": gemv.quantize_int8(mlp.down_proj.weight)})
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.skinny_int8 = {"layers": layers, "lm_head": gemv.quantize_int8(head)}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -297,12 +323,14 @@ class Transformer(nn.Module):
 
 
     def _forward_skinny(self, x, cos, sin, cache, slots, meta, logits_at):
-        for layer in self.layers:
-            x = layer.forward_skinny(x, cos, sin, cache, slots, meta)
+        q8 = self.skinny_int8
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_skinny(x, cos, sin, cache, slots, meta, q8["layers"][i] if q8 else None)
         if logits_at is not None:
             x = torch.gather(x, 1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return gemv.linear(x, weight, norm=(self.norm.weight, self.norm.eps)).float()
+        weight, scale = q8["lm_head"] if q8 else (self.embed_tokens.weight if self.lm_head is None
+                                                   else self.lm_head.weight, None)
+        return gemv.linear(x, weight, scale=scale, norm=(self.norm.weight, self.norm.eps)).float()
 
 
 def hf_state_dict_to_redwood(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -215,6 +215,7 @@ def measure_profile(target, draft=None, *, target_name: str = "", draft_name: st
         "target_tree": "complete binary tree of n nodes (tree-attention mask); n = 1 a decode step",
         "draft_shape": "w sibling nodes, each attending to the context and itself",
         "draft_is_target": draft is None,
+        "draft_weights": "int8" if getattr(draft, "skinny_int8", None) else "model dtype",
         "cuda_graphs": cuda_graphs and device.type == "cuda",
         "target_offloaded": _offloaded(target),
         "torch": torch.__version__,
