@@ -6,7 +6,8 @@ written as this GPU's tuned table (`--write`, read by redwood.kernels.gemv).
 Each timing replays one CUDA graph of `--calls` products cycling through enough weight copies that the
 weights come from HBM, not L2 (≥ 256 MB per shape) — launch gaps inside a graph included, as in a
 decode step. Usage:
-    PYTHONPATH=src:. python benchmarks/gemv_bench.py [--sweep] [--write src/redwood/kernels/gemv_configs]
+    PYTHONPATH=src:. python benchmarks/gemv_bench.py [--sweep] [--int8] [--write src/redwood/kernels/gemv_configs]
+--int8 also times every matrix with int8 weights (per-row scales; `--draft-quant int8`), vs bf16 cuBLAS.
 Prints, per matrix: floor, cuBLAS, ours (table or heuristic config), best of the sweep (µs per
 product), ours in GB/s and the best config; short table last.
 """
@@ -53,6 +54,14 @@ def graph_time_us(fn, copies: int, calls: int) -> float:
     return ms * 1e3 / calls
 
 
+def table_json(device_name: str, entries: list[dict]) -> str:
+    """The tuned table's text: a header, then one line per matrix."""
+    head = json.dumps({"device": device_name, "made_by": "benchmarks/gemv_bench.py --sweep [--int8] --write",
+                       "config": "[BLOCK_N, BLOCK_K, num_warps, num_stages]"}, indent=1)
+    body = ",\n  ".join(json.dumps(e) for e in entries)
+    return head[:-2] + ',\n "configs": [\n  ' + body + "\n ]\n}\n"
+
+
 def sweep_configs(silu: bool):
     for bn, bk, nw, st in itertools.product(*SWEEP.values()):
         if bn * bk * (2 if silu else 1) <= 64 * 32 * nw:  # ≤ 64 tile elements per thread
@@ -65,17 +74,19 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=64, help="products per graph (LM heads: 1/8 of it)")
     ap.add_argument("--sweep", action="store_true", help="time every tile config of SWEEP too")
     ap.add_argument("--write", type=Path, help="folder to write this GPU's table of best configs into")
+    ap.add_argument("--int8", action="store_true", help="also time int8 weights (per-row scales)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     table, tuned = [], []
-    for name, N, K, op in MATRICES:
+    for (name, N, K, op), kind in itertools.product(MATRICES, ("float", "int8") if args.int8 else ("float",)):
         silu = "silu" in op
         rows = 2 * N if silu else N
-        nbytes = rows * K * 2
+        nbytes = rows * K * (1 if kind == "int8" else 2)
         copies = max(1, -(-(256 << 20) // nbytes))
         calls = args.calls if nbytes < (64 << 20) else max(4, args.calls // 8)
         ws = [torch.randn(rows, K, device=dev, dtype=torch.bfloat16) * K ** -0.5 for _ in range(copies)]
+        qs = [gemv.quantize_int8(w) for w in ws] if kind == "int8" else [(w, None) for w in ws]
         x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
         g = torch.rand(K, device=dev, dtype=torch.bfloat16) + 0.5
         b = torch.randn(rows, device=dev, dtype=torch.bfloat16) if "bias" in op else None
@@ -83,9 +94,12 @@ def main() -> None:
         kw = dict(norm=(g, 1e-6) if "norm" in op else None, silu_mul=silu)
 
         def ours(i, cfg=None):
-            return gemv.linear(x, ws[i], b, residual=r if op == "residual" else None, config=cfg, **kw)
+            w, scale = qs[i]
+            return gemv.linear(x, w, b, scale=scale, residual=r if op == "residual" else None, config=cfg, **kw)
 
         cublas = graph_time_us(lambda i: F.linear(x, ws[i], b), copies, calls)
+        if kind == "int8":
+            del ws  # only the int8 copies are read by ours
         mine = graph_time_us(ours, copies, calls)
         best, best_cfg = mine, None
         if args.sweep:
@@ -93,26 +107,26 @@ def main() -> None:
                 us = graph_time_us(lambda i: ours(i, cfg), copies, calls)
                 if us < best:
                     best, best_cfg = us, cfg
-        used = gemv.config_for(N, K, silu, dev)
-        tuned.append({"N": N, "K": K, "silu": silu, "config": list(best_cfg or used), "us": round(best, 2)})
-        table.append((name, op, nbytes / bw * 1e6, cublas, mine, best, nbytes, best_cfg or used))
+        used = gemv.config_for(N, K, silu, dev, int8=kind == "int8")
+        tuned.append({"N": N, "K": K, "silu": silu, "weight": kind, "config": list(best_cfg or used),
+                      "us": round(best, 2)})
+        table.append((f"{name}{' int8' if kind == 'int8' else ''}", op, nbytes / bw * 1e6, cublas, mine, best,
+                      nbytes, best_cfg or used))
         print(table[-1], flush=True)
-        del ws
+        del qs
         torch.cuda.empty_cache()
     if args.write:
         name = torch.cuda.get_device_name(dev)
         args.write.mkdir(parents=True, exist_ok=True)
         path = args.write / (gemv._file_stem(name) + ".json")
-        path.write_text(json.dumps({"device": name, "made_by": "benchmarks/gemv_bench.py --sweep --write",
-                                    "config": "[BLOCK_N, BLOCK_K, num_warps, num_stages]",
-                                    "configs": tuned}, indent=1) + "\n")
+        path.write_text(table_json(name, tuned))
         print(f"wrote {path}")
     print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; µs per product (CUDA graphs of {args.calls} products, LM "
           "heads fewer); ours = tuned table or heuristic; cuBLAS = F.linear (+ bias) without the fused op")
-    print(f"{'matrix':<14}{'fused':<11}{'floor':>7}{'cuBLAS':>8}{'ours':>8}{'best':>8}{'cuBLAS/ours':>12}"
+    print(f"{'matrix':<19}{'fused':<11}{'floor':>7}{'cuBLAS':>8}{'ours':>8}{'best':>8}{'cuBLAS/ours':>12}"
           f"{'ours GB/s':>10}  best config")
     for name, op, floor, cb, mine, best, nbytes, cfg in table:
-        print(f"{name:<14}{op:<11}{floor:>7.1f}{cb:>8.1f}{mine:>8.1f}{best:>8.1f}{cb / mine:>12.2f}"
+        print(f"{name:<19}{op:<11}{floor:>7.1f}{cb:>8.1f}{mine:>8.1f}{best:>8.1f}{cb / mine:>12.2f}"
               f"{nbytes / mine / 1e3:>10.0f}  {cfg}")
 
 

@@ -6,7 +6,7 @@
 # humaneval and mt-bench datasets):
 #     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests p1 steps p2 p3 p4 p5 summary
 # Each step writes JSON under $OUT and prints its tables; `summary` prints the short P1–P5 table last.
-# Settings (environment): P2_TEMPS, P2_GAMMAS, P2_ACC (a folder of acceptance vectors measured earlier with
+# Settings (environment): P2_TEMPS, P2_GAMMAS, P2_DRAFT_WEIGHTS (bf16 int8), P2_ACC (a folder of acceptance vectors measured earlier with
 # the same models, [p2-]acc-<dataset>-t<temp>.json: reused instead of measured), P2_ACC_PROMPTS, P3_KV, P3_BATCH, P3_CONTEXT, P3_GAMMAS,
 # P3_GEN, P5_ACC (default: p2's HumanEval greedy vector), P5_BUDGETS, P5_DEPTH, P5_GEN, P5_TREE (extra
 # trees), GPU_TESTS, GPU_FLAGS. Each invocation must fit the machine's 10-minute call limit:
@@ -31,28 +31,37 @@ p1)  # batch-1 autoregressive decode vs the memory floor vs HF transformers, sam
   run $R bench ar --model "$T" $GPU --prompt-len 128 --gen-len 256 --repeats 3 --compare-hf --output "$OUT/p1" ;;
 steps)  # what one speculative step costs next to the forwards it runs (random 1.5B/0.5B-shaped models)
   run python3 benchmarks/spec_step.py --kernels --gen-len 64 2>&1 | tee "$OUT/spec-step.txt" | tail -40 ;;
-p2)  # batch-1 speculation with the 0.5B draft: chains and the hardware-aware DP tree, code and chat
+p2)  # batch-1 speculation with the 0.5B draft: chains and the hardware-aware DP tree, code and chat;
+     # once per draft weight format (P2_DRAFT_WEIGHTS: bf16, int8 = --draft-quant int8; acceptance vectors
+     # are measured once, with the bf16 draft)
   mkdir -p "$OUT/p2"
   for temp in ${P2_TEMPS:-0 0.6}; do
-    run $R profile --model "$T" --draft-model "$D" $GPU --temperature $temp --output "$OUT/p2/profile-t$temp.json"
     for ds in humaneval mt-bench; do
       acc="$OUT/p2/acc-$ds-t$temp.json"
       prior=$(ls ${P2_ACC:-/nonexistent}/acc-$ds-t$temp.json ${P2_ACC:-/nonexistent}/p2-acc-$ds-t$temp.json 2>/dev/null | head -1 || true)
       if [ -n "$prior" ]; then
         cp "$prior" "$acc"  # a vector measured earlier with the same models and dtype
-      else
+      elif [ ! -f "$acc" ]; then
         # code: teacher-forced on HumanEval's reference solutions; chat: MT-Bench has no references, so
         # the vector comes from real generation (depth-1 trees of width 8)
         mode=static; [ $ds = mt-bench ] && mode=dynamic
         run $R acceptance --model "$T" --draft-model "$D" $GPU --width 8 --mode $mode --temperature $temp \
             --dataset $ds --num-prompts ${P2_ACC_PROMPTS:-16} --gen-len 128 --output "$acc" --quiet
       fi
-      run $R tree-search --acceptance "$acc" --budget 64 --max-depth 10 \
-          --profile "$OUT/p2/profile-t$temp.json" --output "$OUT/p2/tree-$ds-t$temp.json" --json \
-          > "$OUT/p2/tree-$ds-t$temp.summary.json"
-      run $R bench standalone --model "$T" --draft-model "$D" $GPU --batch-size 1 --prefix-len 128 --gen-len 128 \
-          --gamma ${P2_GAMMAS:-2 3 4 6} --tree "$OUT/p2/tree-$ds-t$temp.json" --dataset $ds --temperature $temp \
-          --seed 1 --output "$OUT/p2/bench-$ds-t$temp"
+    done
+    for wq in ${P2_DRAFT_WEIGHTS:-bf16 int8}; do
+      sfx=""; quant=""
+      if [ $wq = int8 ]; then sfx="-int8"; quant="--draft-quant int8"; fi
+      run $R profile --model "$T" --draft-model "$D" $GPU $quant --temperature $temp \
+          --output "$OUT/p2/profile-t$temp$sfx.json"
+      for ds in humaneval mt-bench; do
+        run $R tree-search --acceptance "$OUT/p2/acc-$ds-t$temp.json" --budget 64 --max-depth 10 \
+            --profile "$OUT/p2/profile-t$temp$sfx.json" --output "$OUT/p2/tree-$ds-t$temp$sfx.json" --json \
+            > "$OUT/p2/tree-$ds-t$temp$sfx.summary.json"
+        run $R bench standalone --model "$T" --draft-model "$D" $GPU $quant --batch-size 1 --prefix-len 128 \
+            --gen-len 128 --gamma ${P2_GAMMAS:-2 3 4 6} --tree "$OUT/p2/tree-$ds-t$temp$sfx.json" --dataset $ds \
+            --temperature $temp --seed 1 --output "$OUT/p2/bench-$ds-t$temp$sfx"
+      done
     done
   done ;;
 p3)  # MagicDec self-speculation at long context (StreamingLLM budget 256, SnapKV budget 512), best γ per cell;

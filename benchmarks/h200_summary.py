@@ -35,34 +35,35 @@ def p1(out: Path) -> list[str]:
 
 def p2(out: Path) -> list[str]:
     lines = []
-    for ds in ("humaneval", "mt-bench"):
-        for temp in ("0", "0.6"):
-            r = load(out / "p2" / f"bench-{ds}-t{temp}")
-            if r is None:
+    for ds, temp, sfx in ((d, t, s) for d in ("humaneval", "mt-bench") for t in ("0", "0.6") for s in ("", "-int8")):
+        r = load(out / "p2" / f"bench-{ds}-t{temp}{sfx}")
+        if r is None:
+            if not sfx:
                 lines.append(f"P2 {ds} T={temp}: not run")
-                continue
-            summary_path = out / "p2" / f"tree-{ds}-t{temp}.summary.json"
-            text_ = summary_path.read_text() if summary_path.is_file() else ""
-            pred = json.loads(text_[text_.index("{"):]) if "{" in text_ else {}
-            runs = r["runs"]
-            chains = [x for x in runs if str(x["tree"]).startswith("chain:")]
-            trees = [x for x in runs if not str(x["tree"]).startswith("chain:")]
-            best_chain = max(chains, key=lambda x: x["speedup"], default=None)
-            tree = trees[0] if trees else None
-            text = f"P2 {ds:<9} T={temp:<3}: AR {runs[0]['ar_tokens_per_s']:.0f} tok/s"
-            if best_chain:
-                text += f"; best chain γ={best_chain['gamma']} {best_chain['speedup']:.2f}×"
-            if tree:
-                text += (f"; DP tree {tree['tree_size']} nodes {tree['speedup']:.2f}× "
-                         f"({tree['tokens_per_step']:.2f} tok/step")
-                if pred:
-                    text += (f" vs {pred['expected_tokens']:.2f} predicted = "
-                             f"{100 * tree['tokens_per_step'] / pred['expected_tokens']:.0f}%; "
-                             f"predicted speedup {pred.get('predicted_speedup', 0):.2f}×")
-                text += ")"
-            if r.get("aggregate", {}).get("greedy_identical_to_ar") is False:
-                text += " OUTPUT DIFFERS"
-            lines.append(text)
+            continue
+        summary_path = out / "p2" / f"tree-{ds}-t{temp}{sfx}.summary.json"
+        text_ = summary_path.read_text() if summary_path.is_file() else ""
+        pred = json.loads(text_[text_.index("{"):]) if "{" in text_ else {}
+        runs = r["runs"]
+        chains = [x for x in runs if str(x["tree"]).startswith("chain:")]
+        trees = [x for x in runs if not str(x["tree"]).startswith("chain:")]
+        best_chain = max(chains, key=lambda x: x["speedup"], default=None)
+        tree = trees[0] if trees else None
+        draft = " int8 draft" if sfx else ""
+        text = f"P2 {ds:<9} T={temp:<3}{draft}: AR {runs[0]['ar_tokens_per_s']:.0f} tok/s"
+        if best_chain:
+            text += f"; best chain γ={best_chain['gamma']} {best_chain['speedup']:.2f}×"
+        if tree:
+            text += (f"; DP tree {tree['tree_size']} nodes {tree['speedup']:.2f}× "
+                     f"({tree['tokens_per_step']:.2f} tok/step")
+            if pred:
+                text += (f" vs {pred['expected_tokens']:.2f} predicted = "
+                         f"{100 * tree['tokens_per_step'] / pred['expected_tokens']:.0f}%; "
+                         f"predicted speedup {pred.get('predicted_speedup', 0):.2f}×")
+            text += ")"
+        if r.get("aggregate", {}).get("greedy_identical_to_ar") is False:
+            text += " OUTPUT DIFFERS"
+        lines.append(text)
     return lines
 
 
