@@ -26,15 +26,17 @@ from benchmarks.decode_step import time_step
 from redwood.bench.ar import copy_bandwidth
 from redwood.kernels import gemv
 
-# (name, N, K, fused op): one layer's projections and the LM head, as the model's skinny path calls them
+# (name, N, K, fused op): one layer's projections and the LM head, as the model's skinny path calls them;
+# "rope": the q/k/v projection with RoPE and the cache write (gemv.qkv_rope_write; heads in ROPE_HEADS)
 MATRICES = [
-    ("1.5b qkv", 2048, 1536, "norm+bias"), ("1.5b o", 1536, 1536, "residual"),
+    ("1.5b qkv", 2048, 1536, "norm+bias+rope"), ("1.5b o", 1536, 1536, "residual"),
     ("1.5b gate_up", 8960, 1536, "norm+silu"), ("1.5b down", 1536, 8960, "residual"),
     ("1.5b lm_head", 151936, 1536, "norm"),
-    ("0.5b qkv", 1152, 896, "norm+bias"), ("0.5b o", 896, 896, "residual"),
+    ("0.5b qkv", 1152, 896, "norm+bias+rope"), ("0.5b o", 896, 896, "residual"),
     ("0.5b gate_up", 4864, 896, "norm+silu"), ("0.5b down", 896, 4864, "residual"),
     ("0.5b lm_head", 151936, 896, "norm"),
 ]
+ROPE_HEADS = {"1.5b": (12, 2, 128), "0.5b": (14, 2, 64)}  # (Hq, Hkv, D)
 SWEEP = dict(block_n=(1, 2, 4, 8, 16), block_k=(512, 1024, 2048, 4096), warps=(4, 8), stages=(1, 2))
 
 
@@ -93,8 +95,18 @@ def main() -> None:
         r = torch.randn(1, N, device=dev, dtype=torch.bfloat16)
         kw = dict(norm=(g, 1e-6) if "norm" in op else None, silu_mul=silu)
 
+        if "rope" in op:
+            hq, hkv, d = ROPE_HEADS[name.split()[0]]
+            rope = dict(cos=torch.rand(1, 1, d, device=dev, dtype=torch.bfloat16),
+                        sin=torch.rand(1, 1, d, device=dev, dtype=torch.bfloat16),
+                        k_cache=torch.zeros(1, hkv, 64, d, device=dev, dtype=torch.bfloat16),
+                        v_cache=torch.zeros(1, hkv, 64, d, device=dev, dtype=torch.bfloat16),
+                        slots=torch.tensor([[5]], device=dev), num_heads=hq)
+
         def ours(i, cfg=None):
             w, scale = qs[i]
+            if "rope" in op:
+                return gemv.qkv_rope_write(x, w, b, scale=scale, norm=kw["norm"], config=cfg, **rope)
             return gemv.linear(x, w, b, scale=scale, residual=r if op == "residual" else None, config=cfg, **kw)
 
         cublas = graph_time_us(lambda i: F.linear(x, ws[i], b), copies, calls)
@@ -102,13 +114,15 @@ def main() -> None:
             del ws  # only the int8 copies are read by ours
         mine = graph_time_us(ours, copies, calls)
         best, best_cfg = mine, None
+        two = silu or "rope" in op  # two weight-row streams per program (gate/up, or a rotation pair)
+        key_n = N // 2 if "rope" in op else N  # rope configs are looked up as a two-stream GEMV of N/2 pairs
         if args.sweep:
-            for cfg in sweep_configs(silu):
+            for cfg in sweep_configs(two):
                 us = graph_time_us(lambda i: ours(i, cfg), copies, calls)
                 if us < best:
                     best, best_cfg = us, cfg
-        used = gemv.config_for(N, K, silu, dev, int8=kind == "int8")
-        tuned.append({"N": N, "K": K, "silu": silu, "weight": kind, "config": list(best_cfg or used),
+        used = gemv.config_for(key_n, K, two, dev, int8=kind == "int8")
+        tuned.append({"N": key_n, "K": K, "silu": two, "weight": kind, "config": list(best_cfg or used),
                       "us": round(best, 2)})
         table.append((f"{name}{' int8' if kind == 'int8' else ''}", op, nbytes / bw * 1e6, cublas, mine, best,
                       nbytes, best_cfg or used))

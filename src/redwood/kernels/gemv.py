@@ -50,49 +50,76 @@ def available(device: torch.device | str, force_interpreter: bool = False) -> bo
 
 
 @_jit
-def _gemv_kernel(X, W, SCALE, BIAS, NW, RES, OUT, N, K, stride_w, inv_k, eps,
-                 QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESID: tl.constexpr,
-                 SILU: tl.constexpr,
-                 ROUND: tl.constexpr, INTERP: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    """Program p computes out[p*BLOCK_N : (p+1)*BLOCK_N] for one activation row x [K].
+def _row_sums(X, W, SCALE, BIAS, NW, rows, rows2, ok, K, stride_w, inv_k, eps,
+              QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, TWO: tl.constexpr,
+              INTERP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """Σ_k x'[k] · W[r, k] (+ bias[r]) in float32 for the weight rows `rows` [BLOCK_N] (and `rows2`
+    when TWO), over W tiles [BLOCK_N, BLOCK_K]; rows where `ok` is False read nothing.
 
-    acc[n] = Σ_k x[k] · W[n, k], over W tiles [BLOCK_N, BLOCK_K]; SILU also accumulates the up rows
-    W[N + n] (N is then F and W has 2F rows). NORM folds RMSNorm in without a second pass over x:
-    Σ_k (x_k · s · g_k) · W[n, k] = s · Σ_k (x_k · g_k) · W[n, k], with the row's mean square (→ s)
-    summed in the same loop (x_k · g_k is exact in float32 for 16-bit inputs). QUANT: W holds int8 with
-    a float32 scale per row, applied once to the row's sum."""
-    pid = tl.program_id(0)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    c_ok = cols < N
-    w_rows = W + cols.to(tl.int64)[:, None] * stride_w
+    x' = x, or with NORM its RMSNorm folded in without a second pass over x:
+    Σ_k (x_k · s · g_k) · W[r, k] = s · Σ_k (x_k · g_k) · W[r, k], the row's mean square (→ s) summed in
+    the same loop (x_k · g_k is exact in float32 for 16-bit inputs). QUANT: W holds int8 with a float32
+    scale per row, applied once to each row's sum."""
+    p1 = W + rows.to(tl.int64)[:, None] * stride_w
+    p2 = W + rows2.to(tl.int64)[:, None] * stride_w
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
     ss = tl.zeros([BLOCK_K], dtype=tl.float32)
     if STAGES > 1:  # software-pipelined loads (tl.range); triton 3.6's interpreter cannot run tl.range
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            acc, acc_up, ss = _gemv_tile(X, NW, w_rows, c_ok, k0, K, N, stride_w, acc, acc_up, ss,
-                                          NORM, SILU, BLOCK_K)
+            acc, acc2, ss = _tile(X, NW, p1, p2, ok, k0, K, acc, acc2, ss, NORM, TWO, BLOCK_K)
     else:
         for k0 in range(0, K, BLOCK_K):
-            acc, acc_up, ss = _gemv_tile(X, NW, w_rows, c_ok, k0, K, N, stride_w, acc, acc_up, ss,
-                                          NORM, SILU, BLOCK_K)
-
+            acc, acc2, ss = _tile(X, NW, p1, p2, ok, k0, K, acc, acc2, ss, NORM, TWO, BLOCK_K)
     if QUANT:
-        acc = acc * tl.load(SCALE + cols, mask=c_ok, other=0.0)
-        if SILU:
-            acc_up = acc_up * tl.load(SCALE + N + cols, mask=c_ok, other=0.0)
+        acc = acc * tl.load(SCALE + rows, mask=ok, other=0.0)
+        if TWO:
+            acc2 = acc2 * tl.load(SCALE + rows2, mask=ok, other=0.0)
     if NORM:
         if INTERP:  # CPU torch: sum / n, 1 / sqrt
             scale = 1.0 / tl.sqrt_rn(tl.math.div_rn(tl.sum(ss, 0), K.to(tl.float32)) + eps)
         else:  # CUDA torch: sum * float32(1/n), rsqrtf
             scale = libdevice.rsqrt(tl.sum(ss, 0) * inv_k + eps)
         acc = acc * scale
-        acc_up = acc_up * scale
+        acc2 = acc2 * scale
     if HAS_BIAS:
-        acc += tl.load(BIAS + cols, mask=c_ok, other=0.0).to(tl.float32)
-        if SILU:
-            acc_up += tl.load(BIAS + N + cols, mask=c_ok, other=0.0).to(tl.float32)
+        acc += tl.load(BIAS + rows, mask=ok, other=0.0).to(tl.float32)
+        if TWO:
+            acc2 += tl.load(BIAS + rows2, mask=ok, other=0.0).to(tl.float32)
+    return acc, acc2
+
+
+@_jit
+def _tile(X, NW, p1, p2, ok, k0, K, acc, acc2, ss,
+          NORM: tl.constexpr, TWO: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K tile of _row_sums: the weight tile(s) [BLOCK_N, BLOCK_K] times x[k0 : k0 + BLOCK_K]."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    x = tl.load(X + ks, mask=k_ok, other=0.0).to(tl.float32)
+    if NORM:
+        ss += x * x
+        x = x * tl.load(NW + ks, mask=k_ok, other=0.0).to(tl.float32)
+    w_ok = ok[:, None] & k_ok[None, :]  # [BLOCK_N, BLOCK_K]
+    w = tl.load(p1 + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
+    acc += tl.sum(w * x[None, :], 1)
+    if TWO:
+        u = tl.load(p2 + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
+        acc2 += tl.sum(u * x[None, :], 1)
+    return acc, acc2, ss
+
+
+@_jit
+def _gemv_kernel(X, W, SCALE, BIAS, NW, RES, OUT, N, K, stride_w, inv_k, eps,
+                 QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESID: tl.constexpr,
+                 SILU: tl.constexpr, ROUND: tl.constexpr, INTERP: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """Program p computes out[p*BLOCK_N : (p+1)*BLOCK_N] for one activation row x [K]; SILU: gate rows
+    n and up rows N + n (N is then F and W has 2F rows) → silu(gate) * up."""
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ok = cols < N
+    acc, acc_up = _row_sums(X, W, SCALE, BIAS, NW, cols, N + cols, c_ok, K, stride_w, inv_k, eps,
+                            QUANT, HAS_BIAS, NORM, SILU, INTERP, BLOCK_N, BLOCK_K, STAGES)
     y = _round(acc, ROUND, INTERP)
     if SILU:  # F.silu(g) * u: silu rounded, product rounded
         if INTERP:
@@ -107,22 +134,57 @@ def _gemv_kernel(X, W, SCALE, BIAS, NW, RES, OUT, N, K, stride_w, inv_k, eps,
 
 
 @_jit
-def _gemv_tile(X, NW, w_rows, c_ok, k0, K, N, stride_w, acc, acc_up, ss,
-               NORM: tl.constexpr, SILU: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One K tile of _gemv_kernel: the weight tile(s) [BLOCK_N, BLOCK_K] times x[k0 : k0 + BLOCK_K]."""
-    ks = k0 + tl.arange(0, BLOCK_K)
-    k_ok = ks < K
-    x = tl.load(X + ks, mask=k_ok, other=0.0).to(tl.float32)
-    if NORM:
-        ss += x * x
-        x = x * tl.load(NW + ks, mask=k_ok, other=0.0).to(tl.float32)
-    w_ok = c_ok[:, None] & k_ok[None, :]  # [BLOCK_N, BLOCK_K]
-    w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
-    acc += tl.sum(w * x[None, :], 1)
-    if SILU:
-        u = tl.load(w_rows + N * stride_w + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
-        acc_up += tl.sum(u * x[None, :], 1)
-    return acc, acc_up, ss
+def _qkv_rope_kernel(X, W, SCALE, BIAS, NW, COS, SIN, SLOTS, QO, KC, VC, K, stride_w, skc_h, skc_s,
+                     svc_h, svc_s, capacity, inv_k, eps,
+                     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
+                     QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, ROUND: tl.constexpr,
+                     INTERP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """The fused q/k/v projection of one token with rotate-half RoPE and the cache write folded in.
+
+    Rows of W: Hq query heads, then Hkv key heads, then Hkv value heads, D = 2·HALF rows each. The first
+    cdiv((Hq + Hkv)·HALF, BLOCK_N) programs each take BLOCK_N rotation pairs (rows h·D + j and
+    h·D + HALF + j of a query or key head h): both sums, rounded to the dtype as the projection's output
+    is, rotated as apply_rotary rounds (x1·c − x2·s, x2·c + x1·s, every product and sum rounded), then
+    stored to QO (queries) or the key cache at the token's slot. The remaining programs take BLOCK_N value
+    rows each and store them, rounded, into the value cache. A slot outside [0, capacity) is not written."""
+    pid = tl.program_id(0)
+    D: tl.constexpr = 2 * HALF
+    n_pairs: tl.constexpr = (HQ + HKV) * HALF
+    rot_programs: tl.constexpr = (n_pairs + BLOCK_N - 1) // BLOCK_N
+    slot = tl.load(SLOTS).to(tl.int64) + tl.zeros([BLOCK_N], dtype=tl.int64)  # as a vector: a mask operand
+    slot_ok = (slot >= 0) & (slot < capacity)
+    if pid < rot_programs:
+        pair = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = pair < n_pairs
+        head = pair // HALF
+        j = pair % HALF
+        r1 = head * D + j
+        x1, x2 = _row_sums(X, W, SCALE, BIAS, NW, r1, r1 + HALF, ok, K, stride_w, inv_k, eps,
+                           QUANT, HAS_BIAS, NORM, True, INTERP, BLOCK_N, BLOCK_K, STAGES)
+        x1 = _round(x1, ROUND, INTERP)
+        x2 = _round(x2, ROUND, INTERP)
+        c1 = tl.load(COS + j).to(tl.float32)
+        c2 = tl.load(COS + HALF + j).to(tl.float32)
+        s1 = tl.load(SIN + j).to(tl.float32)
+        s2 = tl.load(SIN + HALF + j).to(tl.float32)
+        o1 = _round(_round(x1 * c1, ROUND, INTERP) + _round(-x2 * s1, ROUND, INTERP), ROUND, INTERP)
+        o2 = _round(_round(x2 * c2, ROUND, INTERP) + _round(x1 * s2, ROUND, INTERP), ROUND, INTERP)
+        is_q = head < HQ
+        q_dst = QO + head * D + j
+        tl.store(q_dst, o1.to(QO.dtype.element_ty), mask=ok & is_q)
+        tl.store(q_dst + HALF, o2.to(QO.dtype.element_ty), mask=ok & is_q)
+        k_dst = KC + (head - HQ).to(tl.int64) * skc_h + slot * skc_s + j
+        k_ok = ok & (head >= HQ) & slot_ok
+        tl.store(k_dst, o1.to(KC.dtype.element_ty), mask=k_ok)
+        tl.store(k_dst + HALF, o2.to(KC.dtype.element_ty), mask=k_ok)
+    else:
+        i = (pid - rot_programs) * BLOCK_N + tl.arange(0, BLOCK_N)  # value row: head i // D, dim i % D
+        ok = i < HKV * D
+        v, _ = _row_sums(X, W, SCALE, BIAS, NW, (HQ + HKV) * D + i, i, ok, K, stride_w, inv_k, eps,
+                         QUANT, HAS_BIAS, NORM, False, INTERP, BLOCK_N, BLOCK_K, STAGES)
+        v = _round(v, ROUND, INTERP)
+        v_dst = VC + (i // D).to(tl.int64) * svc_h + slot * svc_s + i % D
+        tl.store(v_dst, v.to(VC.dtype.element_ty), mask=ok & slot_ok)
 
 
 Config = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
@@ -235,3 +297,55 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         ROUND=rnd, INTERP=_INTERPRET, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps,
     )
     return out
+
+
+def qkv_rope_write(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, cos: torch.Tensor,
+                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                   num_heads: int, scale: torch.Tensor | None = None,
+                   norm: tuple[torch.Tensor, float] | None = None,
+                   config: Config | None = None) -> torch.Tensor:
+    """`linear(x, weight, bias, norm=…)` for the fused q/k/v weight of one token, then what
+    `redwood.kernels.fused.rope_and_write` does with it — in one kernel.
+
+    x: [1, 1, H] (one row, one token); weight: [(Hq + 2·Hkv)·D, H] (or int8 with `scale`); cos, sin:
+    [1, 1, D] in x's dtype; k_cache, v_cache: one layer [1, Hkv, capacity, D]; slots: [1, 1] integer.
+    Returns the rotated queries [1, Hq, 1, D] (a transpose view of [1, 1, Hq, D], as rope_and_write)."""
+    B, T, H = x.shape
+    if B * T != 1:
+        raise ValueError(f"qkv_rope_write takes one token, got x of shape {tuple(x.shape)}")
+    _, Hkv, cap, D = k_cache.shape
+    if v_cache.shape != k_cache.shape or k_cache.shape[0] != 1 or D % 2:
+        raise ValueError(f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}: want [1, Hkv, capacity, even D]")
+    if weight.shape != ((num_heads + 2 * Hkv) * D, H):
+        raise ValueError(f"weight {tuple(weight.shape)} != [(Hq + 2·Hkv)·D, H] = {((num_heads + 2 * Hkv) * D, H)}")
+    if cos.shape[-1] != D or sin.shape[-1] != D or cos.numel() != D or sin.numel() != D:
+        raise ValueError(f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)}: want one row of D = {D}")
+    if cos.dtype != x.dtype or sin.dtype != x.dtype or k_cache.dtype != x.dtype or v_cache.dtype != x.dtype:
+        raise TypeError("x, cos, sin and the caches must share a dtype")
+    if slots.numel() != 1:
+        raise ValueError(f"slots {tuple(slots.shape)}: want one slot")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the caches need a unit last stride (they are written in place)")
+    int8 = weight.dtype == torch.int8
+    if int8 and (scale is None or scale.shape != (weight.shape[0],) or scale.dtype != torch.float32):
+        raise ValueError("int8 weights need a float32 scale per row")
+    if not int8 and (weight.dtype != x.dtype or scale is not None):
+        raise TypeError(f"weight {weight.dtype} must be x's dtype {x.dtype} (or int8 with scales)")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias {tuple(bias.shape)} does not match weight rows {weight.shape[0]}")
+    x2 = x.reshape(1, H).contiguous()
+    cos, sin = cos.reshape(D).contiguous(), sin.reshape(D).contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    qo = torch.empty(1, 1, num_heads, D, device=x.device, dtype=x.dtype)
+    half = D // 2
+    block_n, block_k, warps, stages = config or config_for(weight.shape[0] // 2, H, True, x.device, int8)
+    n_programs = triton.cdiv((num_heads + Hkv) * half, block_n) + triton.cdiv(Hkv * D, block_n)
+    nw, eps = (norm[0].contiguous(), float(norm[1])) if norm is not None else (weight, 0.0)
+    _qkv_rope_kernel[(n_programs,)](
+        x2, weight, scale if int8 else weight, bias if bias is not None else weight, nw, cos, sin, slots, qo,
+        k_cache, v_cache, H, weight.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1),
+        v_cache.stride(2), cap, _inv(H), eps, HQ=num_heads, HKV=Hkv, HALF=half, QUANT=int8,
+        HAS_BIAS=bias is not None, NORM=norm is not None, ROUND=_rounding(x.dtype), INTERP=_INTERPRET,
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps,
+    )
+    return qo.transpose(1, 2)

@@ -90,6 +90,12 @@ class Attention(nn.Module):
             v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             cache.write(self.layer, slots, k, v)
+        return self.attend_rotated(q, cache, meta)
+
+    def attend_rotated(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of rotated queries q [B, Hq, T, D] over the cache (the new K/V already written)
+        → [B, T, Hq*D]."""
+        B, _, T, _ = q.shape
         if meta.backend == "triton":
             out = self._fast_attention(q, cache, meta)  # [B, T, Hq, D]
         else:
@@ -183,16 +189,20 @@ class DecoderLayer(nn.Module):
         return self.mlp(normed), residual
 
     def forward_skinny(self, x, cos, sin, cache, slots, meta, int8: dict | None = None):
-        """The same layer for ≤ gemv.MAX_ROWS tokens, as four matrix-vector kernels with the norms,
-        residual adds and SiLU fused in (redwood.kernels.gemv) plus rope/cache-write and attention.
+        """The same layer for ≤ gemv.MAX_ROWS tokens (one), as four matrix-vector kernels with the norms,
+        residual adds, SiLU, the rotary embedding and the cache write fused in (redwood.kernels.gemv),
+        plus attention.
         x [B, T, H] is the residual stream, updated in place and returned. int8: {"qkv", "o", "gate_up",
         "down"} → (int8 weight, scale) read instead of the model-dtype weights (Transformer.quantize_skinny)."""
         attn, mlp = self.self_attn, self.mlp
         w = int8 or {"qkv": (attn.qkv[0], None), "o": (attn.o_proj.weight, None),
                      "gate_up": (mlp.gate_up[0], None), "down": (mlp.down_proj.weight, None)}
         norm = self.input_layernorm
-        qkv = gemv.linear(x, w["qkv"][0], attn.qkv[1], scale=w["qkv"][1], norm=(norm.weight, norm.eps))
-        out = attn.attend(*attn.split_qkv(qkv), cos, sin, cache, slots, meta)
+        # the projection rotates q and k and writes k and v into the cache itself (gemv.MAX_ROWS = 1 token)
+        q = gemv.qkv_rope_write(x, w["qkv"][0], attn.qkv[1], scale=w["qkv"][1], norm=(norm.weight, norm.eps),
+                                cos=cos, sin=sin, k_cache=cache.k[attn.layer], v_cache=cache.v[attn.layer],
+                                slots=slots, num_heads=attn.num_heads)
+        out = attn.attend_rotated(q, cache, meta)
         gemv.linear(out, w["o"][0], attn.o_proj.bias, scale=w["o"][1], residual=x)
         norm = self.post_attention_layernorm
         act = gemv.linear(x, w["gate_up"][0], mlp.gate_up[1], scale=w["gate_up"][1],
