@@ -2,7 +2,7 @@
 ablation without staging real weights (time per step does not depend on the weights' values).
 
 Usage: PYTHONPATH=src python benchmarks/decode_step.py [--shape 1.5b|0.5b] [--context 128] [--batch 1]
-    [--tokens 1 5] [--quick]
+    [--tokens 1 5] [--quick] [--skinny-rows 8]
 Prints, per variant (eager / graphs, reference / Triton attention, fused kernels on / off, skinny-matmul
 kernels on / off), the median time of one decode step, its tokens/s and its fraction of the weight-read
 floor, short table last. --quick: only the graphed variants with the Triton attention kernel.
@@ -66,6 +66,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1.5b")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--skinny-rows", type=int, default=None,
+                    help="tokens per forward the skinny variants take through the skinny kernels (default: the "
+                         "tuned table's max_rows); compare with --tokens 2 4 8 to choose max_rows")
     args = ap.parse_args()
     bw = copy_bandwidth(torch.device("cuda"))
     # (fused projections + small-op kernels, attention backend, graphs, skinny-matmul kernels)
@@ -80,6 +83,8 @@ def main() -> None:
         for _, backend, graphs, skinny in (v for v in variants if v[0] == fuse):
             model.attention_backend = backend
             model.skinny = skinny
+            if skinny and args.skinny_rows is not None:
+                model.skinny_rows = args.skinny_rows
             cache = model.new_cache(args.batch, args.context + 512)
             cache.lengths.fill_(args.context)
             runner = StepRunner(model, cache, use_graphs=graphs)

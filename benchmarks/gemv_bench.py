@@ -7,7 +7,10 @@ Each timing replays one CUDA graph of `--calls` products cycling through enough 
 weights come from HBM, not L2 (≥ 256 MB per shape) — launch gaps inside a graph included, as in a
 decode step. Usage:
     PYTHONPATH=src:. python benchmarks/gemv_bench.py [--sweep] [--int8] [--write src/redwood/kernels/gemv_configs]
---int8 also times every matrix with int8 weights (per-row scales; `--draft-quant int8`), vs bf16 cuBLAS.
+--int8 also times every matrix with int8 weights (per-row scales; `--draft-quant int8`), vs bf16 cuBLAS;
+--rows 1 2 4 8 times 2-8 activation rows too (the tensor-core tile kernel). --write merges into the
+existing table; its max_rows (how many tokens the model's skinny path takes) is set with --max-rows from
+what `decode_step.py --skinny-rows` measures.
 Prints, per matrix: floor, cuBLAS, ours (table or heuristic config), best of the sweep (µs per
 product), ours in GB/s and the best config; short table last.
 """
@@ -38,6 +41,7 @@ MATRICES = [
 ]
 ROPE_HEADS = {"1.5b": (12, 2, 128), "0.5b": (14, 2, 64)}  # (Hq, Hkv, D)
 SWEEP = dict(block_n=(1, 2, 4, 8, 16), block_k=(512, 1024, 2048, 4096), warps=(4, 8), stages=(1, 2))
+SWEEP_ROWS = dict(block_n=(16, 32, 64, 128), block_k=(64, 128, 256), warps=(4, 8), stages=(2, 3, 4))
 
 
 def graph_time_us(fn, copies: int, calls: int) -> float:
@@ -56,18 +60,36 @@ def graph_time_us(fn, copies: int, calls: int) -> float:
     return ms * 1e3 / calls
 
 
-def table_json(device_name: str, entries: list[dict]) -> str:
+def table_json(device_name: str, entries: list[dict], max_rows: int = 1) -> str:
     """The tuned table's text: a header, then one line per matrix."""
-    head = json.dumps({"device": device_name, "made_by": "benchmarks/gemv_bench.py --sweep [--int8] --write",
-                       "config": "[BLOCK_N, BLOCK_K, num_warps, num_stages]"}, indent=1)
+    head = json.dumps({"device": device_name, "made_by": "benchmarks/gemv_bench.py --sweep [--int8] [--rows …] --write",
+                       "config": "[BLOCK_N, BLOCK_K, num_warps, num_stages]",
+                       "max_rows": max_rows}, indent=1)
     body = ",\n  ".join(json.dumps(e) for e in entries)
     return head[:-2] + ',\n "configs": [\n  ' + body + "\n ]\n}\n"
 
 
-def sweep_configs(silu: bool):
+def sweep_configs(silu: bool, rows: int = 1):
+    if rows > 1:  # tensor-core tiles: 16 activation rows × BLOCK_N weight rows
+        for bn, bk, nw, st in itertools.product(*SWEEP_ROWS.values()):
+            if bn * bk * (2 if silu else 1) <= 16384:
+                yield bn, bk, nw, st
+        return
     for bn, bk, nw, st in itertools.product(*SWEEP.values()):
         if bn * bk * (2 if silu else 1) <= 64 * 32 * nw:  # ≤ 64 tile elements per thread
             yield bn, bk, nw, st
+
+
+def merged(path: Path, entries: list[dict]) -> tuple[list[dict], int]:
+    """The entries of an existing table at `path` with `entries` replacing those of the same key; and
+    its max_rows (1 if none)."""
+    def key(e):
+        return e["N"], e["K"], e["silu"], e.get("weight", "float"), e.get("rows", 1)
+
+    old = json.loads(path.read_text()) if path.exists() else {}
+    out = {key(e): e for e in old.get("configs", [])}
+    out.update({key(e): e for e in entries})
+    return list(out.values()), int(old.get("max_rows", 1))
 
 
 @torch.inference_mode()
@@ -77,11 +99,18 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time every tile config of SWEEP too")
     ap.add_argument("--write", type=Path, help="folder to write this GPU's table of best configs into")
     ap.add_argument("--int8", action="store_true", help="also time int8 weights (per-row scales)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1], help="activation rows to time (1-8; default 1)")
+    ap.add_argument("--max-rows", type=int, default=None,
+                    help="with --write: the table's max_rows (the model's skinny path takes forwards of up to "
+                         "this many tokens; set it from decode_step.py --skinny-rows; default: keep the file's)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     table, tuned = [], []
-    for (name, N, K, op), kind in itertools.product(MATRICES, ("float", "int8") if args.int8 else ("float",)):
+    kinds = ("float", "int8") if args.int8 else ("float",)
+    for (name, N, K, op), kind, M in itertools.product(MATRICES, kinds, args.rows):
+        if M > 1:
+            op = op.replace("+rope", "")  # the rope fusion is for one token
         silu = "silu" in op
         rows = 2 * N if silu else N
         nbytes = rows * K * (1 if kind == "int8" else 2)
@@ -89,10 +118,10 @@ def main() -> None:
         calls = args.calls if nbytes < (64 << 20) else max(4, args.calls // 8)
         ws = [torch.randn(rows, K, device=dev, dtype=torch.bfloat16) * K ** -0.5 for _ in range(copies)]
         qs = [gemv.quantize_int8(w) for w in ws] if kind == "int8" else [(w, None) for w in ws]
-        x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         g = torch.rand(K, device=dev, dtype=torch.bfloat16) + 0.5
         b = torch.randn(rows, device=dev, dtype=torch.bfloat16) if "bias" in op else None
-        r = torch.randn(1, N, device=dev, dtype=torch.bfloat16)
+        r = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
         kw = dict(norm=(g, 1e-6) if "norm" in op else None, silu_mul=silu)
 
         if "rope" in op:
@@ -117,15 +146,18 @@ def main() -> None:
         two = silu or "rope" in op  # two weight-row streams per program (gate/up, or a rotation pair)
         key_n = N // 2 if "rope" in op else N  # rope configs are looked up as a two-stream GEMV of N/2 pairs
         if args.sweep:
-            for cfg in sweep_configs(two):
+            for cfg in sweep_configs(two, M):
                 us = graph_time_us(lambda i: ours(i, cfg), copies, calls)
                 if us < best:
                     best, best_cfg = us, cfg
-        used = gemv.config_for(key_n, K, two, dev, int8=kind == "int8")
-        tuned.append({"N": key_n, "K": K, "silu": two, "weight": kind, "config": list(best_cfg or used),
-                      "us": round(best, 2)})
-        table.append((f"{name}{' int8' if kind == 'int8' else ''}", op, nbytes / bw * 1e6, cublas, mine, best,
-                      nbytes, best_cfg or used))
+        used = gemv.config_for(key_n, K, two, dev, int8=kind == "int8", rows=M)
+        entry = {"N": key_n, "K": K, "silu": two, "weight": kind, "config": list(best_cfg or used),
+                 "us": round(best, 2)}
+        if M > 1:
+            entry["rows"] = gemv.rows_bucket(M)
+        tuned.append(entry)
+        label = f"{name}{' int8' if kind == 'int8' else ''}{f' ×{M}' if M > 1 else ''}"
+        table.append((label, op, nbytes / bw * 1e6, cublas, mine, best, nbytes, best_cfg or used))
         print(table[-1], flush=True)
         del qs
         torch.cuda.empty_cache()
@@ -133,7 +165,8 @@ def main() -> None:
         name = torch.cuda.get_device_name(dev)
         args.write.mkdir(parents=True, exist_ok=True)
         path = args.write / (gemv._file_stem(name) + ".json")
-        path.write_text(table_json(name, tuned))
+        entries, max_rows = merged(path, tuned)
+        path.write_text(table_json(name, entries, args.max_rows or max_rows))
         print(f"wrote {path}")
     print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; µs per product (CUDA graphs of {args.calls} products, LM "
           "heads fewer); ours = tuned table or heuristic; cuBLAS = F.linear (+ bias) without the fused op")

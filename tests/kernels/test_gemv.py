@@ -54,9 +54,10 @@ def check(out, ref, ulps: int = 1):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("N,K", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear(dtype, N, K, bias):
-    g = gen(7 + N)
-    M = 1
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_linear(dtype, N, K, bias, M):
+    """One row through the GEMV kernel, 2-8 rows through the tensor-core tile kernel."""
+    g = gen(7 + N + M)
     x = randn(g, M, K, dtype=dtype)
     w = randn(g, N, K, dtype=dtype, scale=K ** -0.5)
     b = randn(g, N, dtype=dtype) if bias else None
@@ -79,10 +80,12 @@ def test_leading_dims_and_strided_rows(dtype):
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("N,K", SHAPES[:3])
-def test_norm_folded_in(dtype, N, K):
-    """linear(x, W, norm=(g, eps)) == RMSNorm(x) @ Wᵀ with the norm in float64 (not rounded between)."""
+@pytest.mark.parametrize("M", [1, 4])
+def test_norm_folded_in(dtype, N, K, M):
+    """linear(x, W, norm=(g, eps)) == RMSNorm(x) @ Wᵀ with the norm in float64 (not rounded between;
+    2-8 rows round x_k · g_k to the dot's 16-bit operands: a second rounding, so 2 ulp)."""
     g = gen(11)
-    x = randn(g, 1, K, dtype=dtype, scale=4.0)
+    x = randn(g, M, K, dtype=dtype, scale=4.0)
     w = randn(g, N, K, dtype=dtype, scale=K ** -0.5)
     norm = RMSNorm(K, 1e-6).to(DEVICE, dtype)
     with torch.no_grad():
@@ -90,14 +93,14 @@ def test_norm_folded_in(dtype, N, K):
     out = gemv.linear(x, w, norm=(norm.weight, norm.eps))
     xd = x.double()
     normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.double()
-    check(out, F.linear(normed, w.double()).to(dtype))
+    check(out, F.linear(normed, w.double()).to(dtype), ulps=1 if M == 1 else 3)
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("N,K", SHAPES[:3])
-def test_residual_epilogue_updates_in_place(dtype, N, K):
-    M = 1
+@pytest.mark.parametrize("M", [1, 5])
+def test_residual_epilogue_updates_in_place(dtype, N, K, M):
     g = gen(12)
     x = randn(g, M, K, dtype=dtype)
     w = randn(g, N, K, dtype=dtype, scale=K ** -0.5)
@@ -113,8 +116,8 @@ def test_residual_epilogue_updates_in_place(dtype, N, K):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("F_,K", [(40, 96), (72, 64)] if INTERPRET else [(8960, 1536), (4864, 896)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_silu_mul_epilogue(dtype, F_, K, bias):
-    M = 1
+@pytest.mark.parametrize("M", [1, 2])
+def test_silu_mul_epilogue(dtype, F_, K, bias, M):
     g = gen(13)
     x = randn(g, M, K, dtype=dtype)
     w = randn(g, 2 * F_, K, dtype=dtype, scale=2 * K ** -0.5)
@@ -144,12 +147,13 @@ def dequantized(q, scale):
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("op", ["plain", "norm", "residual", "silu"])
-def test_int8_weights(dtype, op):
+@pytest.mark.parametrize("M", [1, 3])
+def test_int8_weights(dtype, op, M):
     """int8 weights with per-row scales == the same product with the dequantized weights (float64)."""
     N, K = (40, 96) if INTERPRET else (2048, 1536)
     g = gen(41)
     rows = 2 * N if op == "silu" else N
-    x = randn(g, 1, K, dtype=dtype, scale=2.0)
+    x = randn(g, M, K, dtype=dtype, scale=2.0)
     q, scale = gemv.quantize_int8(randn(g, rows, K, dtype=dtype, scale=K ** -0.5))
     b = randn(g, rows, dtype=dtype)
     w = dequantized(q, scale)
@@ -158,9 +162,9 @@ def test_int8_weights(dtype, op):
         nw = randn(g, K, dtype=dtype)
         out = gemv.linear(x, q, b, scale=scale, norm=(nw, 1e-6))
         xd = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.double()
-        check(out, F.linear(xd, w, b.double()).to(dtype))
+        check(out, F.linear(xd, w, b.double()).to(dtype), ulps=1 if M == 1 else 3)
     elif op == "residual":
-        r = randn(g, 1, N, dtype=dtype)
+        r = randn(g, M, N, dtype=dtype)
         expect = r + F.linear(xd, w, b.double()).to(dtype)
         check(gemv.linear(x, q, b, scale=scale, residual=r), expect)
     elif op == "silu":
@@ -274,8 +278,8 @@ def test_qkv_rope_write_skips_slots_outside_the_cache_and_checks_shapes():
 
 @needs_kernel
 def test_model_skinny_path_matches_the_eager_model(tiny_model_dir):
-    """A float32 model's one-token forwards (after a 5-token prefill, which takes the other path) through
-    the matrix-vector kernels give the logits and cache of the model without them (plain layers on the
+    """A float32 model's forwards of 1-4 tokens (after a 5-token prefill, which takes the other path)
+    through the skinny kernels give the logits and cache of the model without them (plain layers on the
     CPU; cuBLAS matmuls + the fused small-op kernels on CUDA)."""
     from redwood.loading import load_model
 
@@ -287,10 +291,11 @@ def test_model_skinny_path_matches_the_eager_model(tiny_model_dir):
     for layer in skinny.layers:  # on the CPU the kernels run only in the interpreter: switch them on
         layer.self_attn.kernels = layer.mlp.kernels = True
     skinny.skinny = True
+    skinny.skinny_rows = 4  # 2-4-token forwards through the tile kernel too
     gen_ = torch.Generator().manual_seed(0)
     V = eager.config.vocab_size
     caches = [m.new_cache(1, 16) for m in (eager, skinny)]
-    for T in (5, 1, 1, 1):
+    for T in (5, 1, 3, 1, 4):
         ids = torch.randint(0, V, (1, T), generator=gen_).to(DEVICE)
         pos = (caches[0].lengths[:, None] + torch.arange(T, device=DEVICE)[None])
         with torch.inference_mode():
@@ -399,13 +404,17 @@ def test_tile_configs_from_the_table_else_the_heuristic():
     """The committed table is read by GPU name; shapes it lacks get the heuristic; every config is a
     (BLOCK_N, BLOCK_K, num_warps, num_stages) of powers of two."""
     table = gemv.tuned_configs("NVIDIA H200")
-    assert (2048, 1536, False, "float") in table and (8960, 1536, True, "float") in table  # 1.5B qkv, gate/up
+    assert (2048, 1536, False, "float", 1) in table and (8960, 1536, True, "float", 1) in table  # 1.5B qkv, gate/up
     assert gemv.tuned_configs("no such GPU") == {}
     assert gemv._file_stem("NVIDIA H200 NVL") == "NVIDIA_H200_NVL"
     for cfg in [*table.values(), gemv.heuristic_config(5, 3), gemv.heuristic_config(100_000, 8192, True),
                 gemv.heuristic_config(896, 4864, int8=True)]:
         assert len(cfg) == 4 and all(v > 0 and v & (v - 1) == 0 for v in cfg[:3]) and cfg[3] >= 1
     assert gemv.config_for(2048, 1536, False, torch.device("cpu")) == gemv.heuristic_config(2048, 1536)
+    assert gemv.config_for(2048, 1536, False, torch.device("cpu"), rows=3) == gemv.heuristic_config(2048, 1536, rows=4)
+    assert gemv.heuristic_config(2048, 1536, rows=4)[0] >= 16  # tl.dot's minimum tile
+    assert [gemv.rows_bucket(m) for m in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert gemv.max_rows("cpu") == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (tl.range pipelining)")

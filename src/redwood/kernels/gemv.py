@@ -40,7 +40,7 @@ from redwood.kernels.fused import available as _fused_available
 from redwood.kernels.triton_import import jit as _jit
 from redwood.kernels.triton_import import libdevice, tl, triton
 
-MAX_ROWS = 1  # measured (benchmarks/gemv_bench.py): from 2 rows on, cuBLAS's GEMM tiles beat a GEMV
+MAX_ROWS = 8  # activation rows `linear` takes: one through the GEMV kernel, 2-8 through a tensor-core tile
 CONFIG_DIR = Path(__file__).with_name("gemv_configs")  # tuned tile configs per GPU, by gemv_bench --write
 
 
@@ -187,39 +187,143 @@ def _qkv_rope_kernel(X, W, SCALE, BIAS, NW, COS, SIN, SLOTS, QO, KC, VC, K, stri
         tl.store(v_dst, v.to(VC.dtype.element_ty), mask=ok & slot_ok)
 
 
+@_jit
+def _rows_kernel(X, W, SCALE, BIAS, NW, RES, OUT, M, N, K, stride_x, stride_w, stride_r, stride_o, inv_k, eps,
+                 QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESID: tl.constexpr,
+                 SILU: tl.constexpr, ROUND: tl.constexpr, INTERP: tl.constexpr, DOT: tl.constexpr,
+                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 STAGES: tl.constexpr):
+    """2-8 activation rows: program p computes out[:, p*BLOCK_N : (p+1)*BLOCK_N] with tl.dot over tiles
+    x [BLOCK_M = 16, BLOCK_K] (rows past M are zeros) · W [BLOCK_N, BLOCK_K]ᵀ, operands in DOT (the model
+    dtype; float32 in the interpreter). The fused ops as in _gemv_kernel, per row; the folded norm rounds
+    x_k · g_k to DOT (the dot's operand) where the one-row kernel keeps it in float32."""
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    r_ok = rows < M
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ok = cols < N
+    xp = X + rows.to(tl.int64)[:, None] * stride_x
+    p1 = W + cols.to(tl.int64)[:, None] * stride_w
+    p2 = W + (N + cols).to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    if STAGES > 1:
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            acc, acc2, ss = _rows_tile(xp, NW, p1, p2, r_ok, c_ok, k0, K, acc, acc2, ss, NORM, SILU, DOT,
+                                       PRECISION, BLOCK_K)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            acc, acc2, ss = _rows_tile(xp, NW, p1, p2, r_ok, c_ok, k0, K, acc, acc2, ss, NORM, SILU, DOT,
+                                       PRECISION, BLOCK_K)
+    if QUANT:
+        acc = acc * tl.load(SCALE + cols, mask=c_ok, other=0.0)[None, :]
+        if SILU:
+            acc2 = acc2 * tl.load(SCALE + N + cols, mask=c_ok, other=0.0)[None, :]
+    if NORM:
+        if INTERP:
+            scale = 1.0 / tl.sqrt_rn(tl.math.div_rn(tl.sum(ss, 1), K.to(tl.float32)) + eps)
+        else:
+            scale = libdevice.rsqrt(tl.sum(ss, 1) * inv_k + eps)
+        acc = acc * scale[:, None]
+        acc2 = acc2 * scale[:, None]
+    if HAS_BIAS:
+        acc += tl.load(BIAS + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        if SILU:
+            acc2 += tl.load(BIAS + N + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    y = _round(acc, ROUND, INTERP)
+    if SILU:
+        if INTERP:
+            e = tl.exp(-y)
+        else:
+            e = libdevice.exp(-y)
+        s = _round(tl.math.div_rn(y, 1.0 + e), ROUND, INTERP)
+        y = _round(s * _round(acc2, ROUND, INTERP), ROUND, INTERP)
+    ok = r_ok[:, None] & c_ok[None, :]
+    if RESID:
+        r = tl.load(RES + rows.to(tl.int64)[:, None] * stride_r + cols[None, :], mask=ok, other=0.0)
+        y = _round(r.to(tl.float32) + y, ROUND, INTERP)
+    tl.store(OUT + rows.to(tl.int64)[:, None] * stride_o + cols[None, :], y.to(OUT.dtype.element_ty), mask=ok)
+
+
+@_jit
+def _rows_tile(xp, NW, p1, p2, r_ok, c_ok, k0, K, acc, acc2, ss, NORM: tl.constexpr, SILU: tl.constexpr,
+               DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K tile of _rows_kernel."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    x = tl.load(xp + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+    if NORM:
+        ss += x * x
+        x = x * tl.load(NW + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    x = x.to(DOT)
+    w_ok = c_ok[:, None] & k_ok[None, :]
+    w = tl.load(p1 + ks[None, :], mask=w_ok, other=0.0).to(tl.float32).to(DOT)  # int8 → DOT is exact
+    acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    if SILU:
+        u = tl.load(p2 + ks[None, :], mask=w_ok, other=0.0).to(tl.float32).to(DOT)
+        acc2 = tl.dot(x, tl.trans(u), acc2, input_precision=PRECISION)
+    return acc, acc2, ss
+
+
 Config = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 
 
-def heuristic_config(N: int, K: int, silu: bool = False, int8: bool = False) -> Config:
-    """A tile config for shapes the tuned table lacks: enough programs to keep every SM streaming
-    (few weight rows per program when N is small) and ~8K-element W tiles per iteration (twice the
-    elements for int8 weights: the same bytes)."""
+def heuristic_config(N: int, K: int, silu: bool = False, int8: bool = False, rows: int = 1) -> Config:
+    """A tile config for shapes the tuned table lacks. One row: enough programs to keep every SM
+    streaming (few weight rows per program when N is small) and ~8K-element W tiles per iteration (twice
+    the elements for int8 weights: the same bytes). 2-8 rows: tensor-core tiles of 16 weight rows or
+    more (tl.dot's minimum), pipelined over K except in the interpreter."""
+    if rows > 1:
+        block_n = 16 if N <= 4096 else (32 if silu or N <= 16384 else 64)
+        return block_n, min(128, max(16, triton.next_power_of_2(K))), 4, 1 if _INTERPRET else 3
     block_k = min(2048 if int8 else 1024, max(16, triton.next_power_of_2(K)))
     block_n = 2 if N <= 4096 else (4 if silu or N <= 16384 else 8)
     return block_n, block_k, 4, 1
 
 
+def rows_bucket(m: int) -> int:
+    """Activation rows → the table's bucket: 1, 2, 4 or 8."""
+    return 1 if m <= 1 else 1 << (m - 1).bit_length()
+
+
 @functools.lru_cache(maxsize=None)
-def tuned_configs(device_name: str) -> dict[tuple[int, int, bool, str], Config]:
-    """The table gemv_bench wrote for this GPU model: {(N, K, silu, weight kind): config}, weight kind
-    "int8" or "float" (16-bit; entries without one); {} if there is none."""
+def _table(device_name: str) -> dict:
     path = CONFIG_DIR / (_file_stem(device_name) + ".json")
-    if not path.exists():
-        return {}
-    table = json.loads(path.read_text())
-    return {(e["N"], e["K"], e["silu"], e.get("weight", "float")): tuple(e["config"]) for e in table["configs"]}
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+@functools.lru_cache(maxsize=None)
+def tuned_configs(device_name: str) -> dict[tuple[int, int, bool, str, int], Config]:
+    """The table gemv_bench wrote for this GPU model: {(N, K, silu, weight kind, rows bucket): config},
+    weight kind "int8" or "float" (16-bit; entries without one), rows bucket 1 / 2 / 4 / 8 (entries
+    without one: 1); {} if there is none."""
+    return {(e["N"], e["K"], e["silu"], e.get("weight", "float"), e.get("rows", 1)): tuple(e["config"])
+            for e in _table(device_name).get("configs", [])}
+
+
+def max_rows(device: torch.device | str) -> int:
+    """How many activation rows the model's fused one-token path should take on this device: the tuned
+    table's `max_rows` — where 2-8-row forwards measured faster through these kernels than through cuBLAS
+    + the small fused kernels — else 1."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1
+    return int(_table(torch.cuda.get_device_name(device)).get("max_rows", 1))
 
 
 def _file_stem(device_name: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_")
 
 
-def config_for(N: int, K: int, silu: bool, device: torch.device, int8: bool = False) -> Config:
+def config_for(N: int, K: int, silu: bool, device: torch.device, int8: bool = False, rows: int = 1) -> Config:
+    bucket = rows_bucket(rows)
     if device.type == "cuda":
-        tuned = tuned_configs(torch.cuda.get_device_name(device)).get((N, K, silu, "int8" if int8 else "float"))
+        key = (N, K, silu, "int8" if int8 else "float", bucket)
+        tuned = tuned_configs(torch.cuda.get_device_name(device)).get(key)
         if tuned is not None:
             return tuned
-    return heuristic_config(N, K, silu, int8)
+    return heuristic_config(N, K, silu, int8, bucket)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,7 +342,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            scale: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None,
            residual: torch.Tensor | None = None, silu_mul: bool = False,
            config: Config | None = None) -> torch.Tensor:
-    """x @ weightᵀ (+ bias) for x [..., K] holding one row (MAX_ROWS), with optional fused ops.
+    """x @ weightᵀ (+ bias) for x [..., K] holding at most MAX_ROWS rows, with optional fused ops.
 
     weight: [N, K] (or [2F, K] with silu_mul: gate rows then up rows) in x's dtype, or int8 with
     scale [N] / [2F] float32 per row (`quantize_int8`); bias: [N] / [2F].
@@ -246,7 +350,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     dtype in between as the eager RMSNorm's output is — folded into the product, see the kernel).
     residual: [..., N] tensor of x's dtype; the result is added into it in place, and it is returned.
     silu_mul: return silu(x @ W[:F]ᵀ) * (x @ W[F:]ᵀ), [..., F].
-    config: (BLOCK_N, BLOCK_K, num_warps, num_stages) overriding the tuned table / heuristic (benchmarks).
+    config: (BLOCK_N, BLOCK_K, num_warps, num_stages) overriding the tuned table / heuristic (benchmarks;
+    with 2-8 rows BLOCK_N ≥ 16).
     Returns a new [..., N] (or [..., F]) tensor in x's dtype, or `residual`.
     """
     K = x.shape[-1]
@@ -288,8 +393,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = torch.empty(*lead, N, device=x.device, dtype=x.dtype)
     if x2.shape[0] == 0 or N == 0:
         return out
-    block_n, block_k, warps, stages = config or config_for(N, K, silu_mul, x.device, int8)
+    M = x2.shape[0]
+    block_n, block_k, warps, stages = config or config_for(N, K, silu_mul, x.device, int8, M)
     nw, eps = (norm[0].contiguous(), float(norm[1])) if norm is not None else (weight, 0.0)
+    if M > 1:
+        dot = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(x.dtype, tl.float32)
+        if _INTERPRET:
+            dot = tl.float32  # the interpreter's dot treats 16-bit floats as integers
+        o2 = out.view(M, N)
+        _rows_kernel[(triton.cdiv(N, block_n),)](
+            x2, weight, scale if int8 else weight, bias if bias is not None else weight, nw, o2, o2, M, N, K,
+            x2.stride(0), weight.stride(0), o2.stride(0), o2.stride(0), _inv(K), eps, QUANT=int8,
+            HAS_BIAS=bias is not None, NORM=norm is not None, RESID=residual is not None, SILU=silu_mul,
+            ROUND=rnd, INTERP=_INTERPRET, DOT=dot, PRECISION="ieee" if dot == tl.float32 else "tf32",
+            BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps,
+        )
+        return out
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x2, weight, scale if int8 else weight, bias if bias is not None else weight, nw, out, out, N, K,
         weight.stride(0), _inv(K), eps, QUANT=int8, HAS_BIAS=bias is not None, NORM=norm is not None,

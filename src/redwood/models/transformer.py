@@ -189,20 +189,23 @@ class DecoderLayer(nn.Module):
         return self.mlp(normed), residual
 
     def forward_skinny(self, x, cos, sin, cache, slots, meta, int8: dict | None = None):
-        """The same layer for ≤ gemv.MAX_ROWS tokens (one), as four matrix-vector kernels with the norms,
-        residual adds, SiLU, the rotary embedding and the cache write fused in (redwood.kernels.gemv),
-        plus attention.
+        """The same layer for few tokens (Transformer.skinny_rows), as four skinny-matmul kernels with the
+        norms, residual adds, SiLU — and for one token the rotary embedding and the cache write — fused in
+        (redwood.kernels.gemv), plus attention (and rope_and_write for more tokens).
         x [B, T, H] is the residual stream, updated in place and returned. int8: {"qkv", "o", "gate_up",
         "down"} → (int8 weight, scale) read instead of the model-dtype weights (Transformer.quantize_skinny)."""
         attn, mlp = self.self_attn, self.mlp
         w = int8 or {"qkv": (attn.qkv[0], None), "o": (attn.o_proj.weight, None),
                      "gate_up": (mlp.gate_up[0], None), "down": (mlp.down_proj.weight, None)}
         norm = self.input_layernorm
-        # the projection rotates q and k and writes k and v into the cache itself (gemv.MAX_ROWS = 1 token)
-        q = gemv.qkv_rope_write(x, w["qkv"][0], attn.qkv[1], scale=w["qkv"][1], norm=(norm.weight, norm.eps),
-                                cos=cos, sin=sin, k_cache=cache.k[attn.layer], v_cache=cache.v[attn.layer],
-                                slots=slots, num_heads=attn.num_heads)
-        out = attn.attend_rotated(q, cache, meta)
+        if x.shape[0] * x.shape[1] == 1:  # one token: the projection rotates q, k and writes k, v itself
+            q = gemv.qkv_rope_write(x, w["qkv"][0], attn.qkv[1], scale=w["qkv"][1], norm=(norm.weight, norm.eps),
+                                    cos=cos, sin=sin, k_cache=cache.k[attn.layer], v_cache=cache.v[attn.layer],
+                                    slots=slots, num_heads=attn.num_heads)
+            out = attn.attend_rotated(q, cache, meta)
+        else:
+            qkv = gemv.linear(x, w["qkv"][0], attn.qkv[1], scale=w["qkv"][1], norm=(norm.weight, norm.eps))
+            out = attn.attend(*attn.split_qkv(qkv), cos, sin, cache, slots, meta)
         gemv.linear(out, w["o"][0], attn.o_proj.bias, scale=w["o"][1], residual=x)
         norm = self.post_attention_layernorm
         act = gemv.linear(x, w["gate_up"][0], mlp.gate_up[1], scale=w["gate_up"][1],
@@ -222,9 +225,11 @@ class Transformer(nn.Module):
         # "auto": the Triton kernel for decode/verify/tree steps on CUDA (reference SDPA for prefill, for
         # observed forwards and on the CPU); "reference": SDPA everywhere (tests, A/B benchmarks).
         self.attention_backend = "auto"
-        # Forwards of ≤ gemv.MAX_ROWS tokens through the skinny-matmul kernels (set by fuse_projections
+        # Forwards of ≤ skinny_rows tokens through the skinny-matmul kernels (set by fuse_projections
         # where they run; False: cuBLAS matmuls + the fused small-op kernels, for A/B benchmarks).
+        # skinny_rows: 1, or the tuned table's max_rows where 2-8-token forwards measured faster this way.
         self.skinny = False
+        self.skinny_rows = 1
         self.skinny_int8: dict | None = None  # int8 projection copies for the skinny path (quantize_skinny)
 
     def fuse_projections(self) -> None:
@@ -233,6 +238,7 @@ class Transformer(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
         self.skinny = self.layers[0].mlp.kernels and gemv.available(self.device)
+        self.skinny_rows = gemv.max_rows(self.device)
 
     def quantize_skinny(self, scheme: str = "int8") -> None:
         """Give the one-token (skinny) forwards int8 copies of every projection and of the LM head, with
@@ -311,7 +317,7 @@ class Transformer(nn.Module):
         x = self.embed_tokens(input_ids)  # [B, T, H]
         cos, sin = self.rotary(positions, x.dtype)
         if self.layers[0].self_attn.kernels and self.layers[0].mlp.kernels:
-            if self.skinny and B * T <= gemv.MAX_ROWS:
+            if self.skinny and B * T <= min(self.skinny_rows, gemv.MAX_ROWS):
                 return self._forward_skinny(x, cos, sin, cache, slots, meta, logits_at)
             return self._forward_fused(x, cos, sin, cache, slots, meta, logits_at)
         for layer in self.layers:
