@@ -62,7 +62,7 @@ def graph_time_us(fn, copies: int, calls: int) -> float:
 
 def table_json(device_name: str, entries: list[dict], max_rows: int = 1) -> str:
     """The tuned table's text: a header, then one line per matrix."""
-    head = json.dumps({"device": device_name, "made_by": "benchmarks/gemv_bench.py --sweep [--int8] [--rows …] --write",
+    head = json.dumps({"device": device_name, "made_by": "benchmarks/gemv_bench.py --sweep [--int8] [--rows R...] --write",
                        "config": "[BLOCK_N, BLOCK_K, num_warps, num_stages]",
                        "max_rows": max_rows}, indent=1)
     body = ",\n  ".join(json.dumps(e) for e in entries)
