@@ -4,12 +4,12 @@
 # On the GPU machine, from the repo root, after staging the GGUF chunks as /root/stage/t?? (1.5B) and
 # /root/stage/d?? (0.5B), carrying .whl (the gguf wheel) and .stage/home (REDWOOD_HOME with the essays,
 # humaneval and mt-bench datasets):
-#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests p1 steps p2 p3 p4 p5 summary
+#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests kernels p1 steps p2 p3 p4 p5 summary
 # Each step writes JSON under $OUT and prints its tables; `summary` prints the short P1–P5 table last.
 # Settings (environment): P2_TEMPS, P2_GAMMAS, P2_DRAFT_WEIGHTS (bf16 int8), P2_ACC (a folder of acceptance vectors measured earlier with
 # the same models, [p2-]acc-<dataset>-t<temp>.json: reused instead of measured), P2_ACC_PROMPTS, P3_KV, P3_BATCH, P3_CONTEXT, P3_GAMMAS,
 # P3_GEN, P5_ACC (default: p2's HumanEval greedy vector), P5_BUDGETS, P5_DEPTH, P5_GEN, P5_TREE (extra
-# trees), GPU_TESTS, GPU_FLAGS. Each invocation must fit the machine's 10-minute call limit:
+# trees), GEMV_ARGS, GPU_TESTS, GPU_FLAGS. Each invocation must fit the machine's 10-minute call limit:
 # e.g. `tests p1 steps` + greedy p2, then T = 0.6 p2 + p5, then p3 alone.
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
@@ -27,6 +27,14 @@ run() { echo >&2; echo "\$ $*" >&2; "$@"; }
 for step in "$@"; do case $step in
 tests)  # the GPU tests: Triton kernel vs float64, graphed steps == eager, speculation exact on CUDA
   run python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/attention tests/kernels tests/engine/test_runner.py tests/engine/test_random.py} 2>&1 | tail -15 ;;
+kernels)  # the skinny kernels vs cuBLAS (a sweep that merges into this GPU's tile table, copied to $OUT),
+          # then decode steps of random 1.5B / 0.5B models with the skinny path off / on at 1-8 tokens
+  run python3 benchmarks/gemv_bench.py ${GEMV_ARGS:---sweep --int8 --rows 1 4} --write src/redwood/kernels/gemv_configs \
+      2>&1 | tee "$OUT/gemv-bench.txt" | tail -50
+  cp src/redwood/kernels/gemv_configs/*.json "$OUT/"
+  run python3 benchmarks/decode_step.py --quick --tokens 1 2 5 8 --skinny-rows 8 2>&1 | tee "$OUT/decode-1.5b.txt" | tail -12
+  run python3 benchmarks/decode_step.py --quick --shape 0.5b --tokens 1 2 5 --skinny-rows 8 2>&1 \
+      | tee "$OUT/decode-0.5b.txt" | tail -10 ;;
 p1)  # batch-1 autoregressive decode vs the memory floor vs HF transformers, same weights, same run
   run $R bench ar --model "$T" $GPU --prompt-len 128 --gen-len 256 --repeats 3 --compare-hf --output "$OUT/p1" ;;
 steps)  # what one speculative step costs next to the forwards it runs (random 1.5B/0.5B-shaped models)
