@@ -1,5 +1,5 @@
-"""Matrix-vector products (one row of activations: batch-1 decoding and chain drafting) as one Triton
-kernel each, with the layer's small ops fused into their prologue or epilogue.
+"""Skinny matmuls — one to eight rows of activations: batch-1 decoding, chain drafting, short verifies —
+with the layer's small ops fused into their prologue or epilogue.
 
 At batch 1 a decoder layer is a chain of matrix-vector products whose cost is reading the weights, and
 every norm, residual add and activation between them is one more launch of a few microseconds inside a
@@ -9,21 +9,26 @@ CUDA graph. `linear` reads each weight row once and folds the neighbours in:
     linear(x, W, b, norm=(g, eps))               rms_norm(x; g) @ Wᵀ + b        (norm folded in)
     linear(x, W, b, residual=r)                  r += x @ Wᵀ + b, in place       (residual epilogue)
     linear(x, W, b, silu_mul=True)               silu(x @ W[:F]ᵀ) * (x @ W[F:]ᵀ) (W = [gate; up])
+    linear(x, Q, b, scale=s, …)                  the same with int8 weights Q and per-row scales s
+    qkv_rope_write(x, Wqkv, b, …)                one token's q/k/v projection + RoPE + K/V cache write
 
-so a pre-norm layer at batch 1 is four matrix-vector kernels (qkv with the input norm, o_proj with the
-residual, gate/up with the post-attention norm and SiLU, down with the residual) plus rope/cache-write
-and attention, instead of nine launches.
+so a pre-norm layer for one token is four kernels (q/k/v with the input norm, RoPE and the cache write;
+o_proj with the residual; gate/up with the post-attention norm and SiLU; down with the residual) plus
+attention, instead of nine launches. One row runs a GEMV kernel (CUDA cores, many programs of a few
+weight rows); 2-8 rows a tile kernel (tl.dot over 16 padded activation rows × ≥ 16 weight rows).
 
 Rounding: products are accumulated in float32 (in another order than cuBLAS, so a bf16 output can sit
 one ulp from F.linear's where the float32 sum lands near a rounding boundary) and rounded to the dtype;
-the epilogue ops round as eager PyTorch does (`r + y`, `F.silu(g) * u`). The folded norm is computed in
-float32 throughout (the eager RMSNorm rounds its output to the dtype before the matmul): closer to the
-exact value, and within the same one-ulp bound of the float64 reference.
+the epilogue ops round as eager PyTorch does (`r + y`, `F.silu(g) * u`, apply_rotary). The folded norm
+is s · Σ_k (x_k g_k) W[n, k] with s from the row's mean square: in float32 for one row (the eager RMSNorm
+rounds its output to the dtype before the matmul — this is closer to the exact value); with 2-8 rows
+x_k g_k is rounded to the dot's 16-bit operand type.
 
 Layout: x [..., K] with unit last stride; W [N, K] row-major (nn.Linear's), so each program reads
 BLOCK_N whole weight rows, contiguous along K. Grid: cdiv(N, BLOCK_N) programs, each looping over K.
-Tile configs: a per-GPU table measured by benchmarks/gemv_bench.py (`gemv_configs/<GPU name>.json`),
-else a heuristic. Graph-capturable (no host syncs; outputs allocated from shapes only).
+Tile configs: a per-GPU table measured by benchmarks/gemv_bench.py (`gemv_configs/<GPU name>.json`, keyed by
+shape, weight kind and rows), else a heuristic; the table's `max_rows` says how many tokens the model's
+skinny path takes (`max_rows`). Graph-capturable (no host syncs; outputs allocated from shapes only).
 """
 
 from __future__ import annotations
