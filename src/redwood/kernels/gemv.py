@@ -141,7 +141,7 @@ def _gemv_kernel(X, W, SCALE, BIAS, NW, RES, OUT, N, K, stride_w, inv_k, eps,
 @_jit
 def _qkv_rope_kernel(X, W, SCALE, BIAS, NW, COS, SIN, SLOTS, QO, KC, VC, K, stride_w, skc_h, skc_s,
                      svc_h, svc_s, capacity, inv_k, eps,
-                     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
+                     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, ROT_PROGRAMS: tl.constexpr,
                      QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, ROUND: tl.constexpr,
                      INTERP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """The fused q/k/v projection of one token with rotate-half RoPE and the cache write folded in.
@@ -153,12 +153,11 @@ def _qkv_rope_kernel(X, W, SCALE, BIAS, NW, COS, SIN, SLOTS, QO, KC, VC, K, stri
     stored to QO (queries) or the key cache at the token's slot. The remaining programs take BLOCK_N value
     rows each and store them, rounded, into the value cache. A slot outside [0, capacity) is not written."""
     pid = tl.program_id(0)
-    D: tl.constexpr = 2 * HALF
-    n_pairs: tl.constexpr = (HQ + HKV) * HALF
-    rot_programs: tl.constexpr = (n_pairs + BLOCK_N - 1) // BLOCK_N
+    D = 2 * HALF
+    n_pairs = (HQ + HKV) * HALF
     slot = tl.load(SLOTS).to(tl.int64) + tl.zeros([BLOCK_N], dtype=tl.int64)  # as a vector: a mask operand
     slot_ok = (slot >= 0) & (slot < capacity)
-    if pid < rot_programs:
+    if pid < ROT_PROGRAMS:  # cdiv((Hq + Hkv)·HALF, BLOCK_N), from the host
         pair = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = pair < n_pairs
         head = pair // HALF
@@ -183,7 +182,7 @@ def _qkv_rope_kernel(X, W, SCALE, BIAS, NW, COS, SIN, SLOTS, QO, KC, VC, K, stri
         tl.store(k_dst, o1.to(KC.dtype.element_ty), mask=k_ok)
         tl.store(k_dst + HALF, o2.to(KC.dtype.element_ty), mask=k_ok)
     else:
-        i = (pid - rot_programs) * BLOCK_N + tl.arange(0, BLOCK_N)  # value row: head i // D, dim i % D
+        i = (pid - ROT_PROGRAMS) * BLOCK_N + tl.arange(0, BLOCK_N)  # value row: head i // D, dim i % D
         ok = i < HKV * D
         v, _ = _row_sums(X, W, SCALE, BIAS, NW, (HQ + HKV) * D + i, i, ok, K, stride_w, inv_k, eps,
                          QUANT, HAS_BIAS, NORM, False, INTERP, BLOCK_N, BLOCK_K, STAGES)
@@ -463,12 +462,14 @@ def qkv_rope_write(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     qo = torch.empty(1, 1, num_heads, D, device=x.device, dtype=x.dtype)
     half = D // 2
     block_n, block_k, warps, stages = config or config_for(weight.shape[0] // 2, H, True, x.device, int8)
-    n_programs = triton.cdiv((num_heads + Hkv) * half, block_n) + triton.cdiv(Hkv * D, block_n)
+    rot_programs = triton.cdiv((num_heads + Hkv) * half, block_n)
+    n_programs = rot_programs + triton.cdiv(Hkv * D, block_n)
     nw, eps = (norm[0].contiguous(), float(norm[1])) if norm is not None else (weight, 0.0)
     _qkv_rope_kernel[(n_programs,)](
         x2, weight, scale if int8 else weight, bias if bias is not None else weight, nw, cos, sin, slots, qo,
         k_cache, v_cache, H, weight.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1),
-        v_cache.stride(2), cap, _inv(H), eps, HQ=num_heads, HKV=Hkv, HALF=half, QUANT=int8,
+        v_cache.stride(2), cap, _inv(H), eps, HQ=num_heads, HKV=Hkv, HALF=half, ROT_PROGRAMS=rot_programs,
+        QUANT=int8,
         HAS_BIAS=bias is not None, NORM=norm is not None, ROUND=_rounding(x.dtype), INTERP=_INTERPRET,
         BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps,
     )
