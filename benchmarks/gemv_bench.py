@@ -27,10 +27,10 @@ import torch.nn.functional as F
 
 from benchmarks.decode_step import time_step
 from redwood.bench.ar import copy_bandwidth
-from redwood.kernels import gemv
+from redwood.kernels import gemv, qkv_rope, skinny_configs
 
 # (name, N, K, fused op): one layer's projections and the LM head, as the model's skinny path calls them;
-# "rope": the q/k/v projection with RoPE and the cache write (gemv.qkv_rope_write; heads in ROPE_HEADS)
+# "rope": the q/k/v projection with RoPE and the cache write (qkv_rope.qkv_rope_write; heads in ROPE_HEADS)
 MATRICES = [
     ("1.5b qkv", 2048, 1536, "norm+bias+rope"), ("1.5b o", 1536, 1536, "residual"),
     ("1.5b gate_up", 8960, 1536, "norm+silu"), ("1.5b down", 1536, 8960, "residual"),
@@ -135,12 +135,10 @@ def main() -> None:
         def ours(i, cfg=None):
             w, scale = qs[i]
             if "rope" in op:
-                return gemv.qkv_rope_write(x, w, b, scale=scale, norm=kw["norm"], config=cfg, **rope)
+                return qkv_rope.qkv_rope_write(x, w, b, scale=scale, norm=kw["norm"], config=cfg, **rope)
             return gemv.linear(x, w, b, scale=scale, residual=r if op == "residual" else None, config=cfg, **kw)
 
         cublas = graph_time_us(lambda i: F.linear(x, ws[i], b), copies, calls)
-        if kind == "int8":
-            del ws  # only the int8 copies are read by ours
         mine = graph_time_us(ours, copies, calls)
         best, best_cfg = mine, None
         two = silu or "rope" in op  # two weight-row streams per program (gate/up, or a rotation pair)
@@ -150,21 +148,21 @@ def main() -> None:
                 us = graph_time_us(lambda i: ours(i, cfg), copies, calls)
                 if us < best:
                     best, best_cfg = us, cfg
-        used = gemv.config_for(key_n, K, two, dev, int8=kind == "int8", rows=M)
+        used = skinny_configs.config_for(key_n, K, two, dev, int8=kind == "int8", rows=M)
         entry = {"N": key_n, "K": K, "silu": two, "weight": kind, "config": list(best_cfg or used),
                  "us": round(best, 2)}
         if M > 1:
-            entry["rows"] = gemv.rows_bucket(M)
+            entry["rows"] = skinny_configs.rows_bucket(M)
         tuned.append(entry)
         label = f"{name}{' int8' if kind == 'int8' else ''}{f' ×{M}' if M > 1 else ''}"
         table.append((label, op, nbytes / bw * 1e6, cublas, mine, best, nbytes, best_cfg or used))
         print(table[-1], flush=True)
-        del qs
+        ws = qs = None  # free this matrix's copies before the next one's
         torch.cuda.empty_cache()
     if args.write:
         name = torch.cuda.get_device_name(dev)
         args.write.mkdir(parents=True, exist_ok=True)
-        path = args.write / (gemv._file_stem(name) + ".json")
+        path = args.write / (skinny_configs._file_stem(name) + ".json")
         entries, max_rows = merged(path, tuned)
         path.write_text(table_json(name, entries, args.max_rows or max_rows))
         print(f"wrote {path}")

@@ -20,7 +20,6 @@ Where they run:
 
 from __future__ import annotations
 
-import os
 import types
 
 import pytest

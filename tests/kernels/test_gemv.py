@@ -21,11 +21,9 @@ import torch.nn.functional as F
 triton = pytest.importorskip("triton")
 
 from tests.conftest import interpreter_broken, run_in_triton_interpreter  # noqa: E402
-from tests.kernels.test_fused import DEVICE, INTERPRET, gen, needs_kernel, randn  # noqa: E402
+from tests.kernels.test_fused import DEVICE, DTYPES, INTERPRET, gen, needs_kernel, randn  # noqa: E402
 from redwood.kernels import gemv  # noqa: E402
 from redwood.models.transformer import RMSNorm  # noqa: E402
-
-DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 if INTERPRET and (why := interpreter_broken()):  # the K loop's bound is a kernel argument
     pytest.skip(why, allow_module_level=True)
@@ -203,76 +201,6 @@ def test_bad_input():
 
 
 # ----------------------------------------------------------------------------------------------------
-# q/k/v projection with RoPE and the cache write
-
-
-def rope_case(dtype, Hq, Hkv, D, H, cap, seed, int8=False):
-    from redwood.models.rope import RotaryEmbedding
-    from redwood.config import ModelConfig
-
-    g = gen(seed)
-    x = randn(g, 1, 1, H, dtype=dtype, scale=2.0)
-    w = randn(g, (Hq + 2 * Hkv) * D, H, dtype=dtype, scale=H ** -0.5)
-    b = randn(g, (Hq + 2 * Hkv) * D, dtype=dtype)
-    nw = randn(g, H, dtype=dtype)
-    cfg = ModelConfig.from_hf_dict({"model_type": "qwen2", "vocab_size": 8, "hidden_size": Hq * D,
-                                    "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": Hq,
-                                    "num_key_value_heads": Hkv, "max_position_embeddings": 4096,
-                                    "rope_theta": 10000.0})
-    cos, sin = RotaryEmbedding(cfg).to(DEVICE)(torch.tensor([[cap // 2 + 3]], device=DEVICE), dtype)
-    kc = randn(g, 1, Hkv, cap, D, dtype=dtype)
-    vc = randn(g, 1, Hkv, cap, D, dtype=dtype)
-    q8 = gemv.quantize_int8(w) if int8 else (w, None)
-    return x, q8, b, nw, cos, sin, kc, vc
-
-
-@needs_kernel
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("Hq,Hkv,D,H", [(4, 2, 16, 48), (3, 1, 8, 40)] if INTERPRET else [(12, 2, 128, 1536), (14, 2, 64, 896)])
-@pytest.mark.parametrize("int8", [False, True])
-def test_qkv_rope_write_equals_linear_then_rope_and_write(dtype, Hq, Hkv, D, H, int8):
-    """One kernel == gemv.linear (norm folded, bias) followed by fused.rope_and_write, same tile config:
-    the same sums, rounded and rotated the same way (bit for bit); only the token's slot is written."""
-    from redwood.kernels import fused
-
-    cap = 12
-    x, (w, scale), b, nw, cos, sin, kc, vc = rope_case(dtype, Hq, Hkv, D, H, cap, seed=50 + Hq, int8=int8)
-    slots = torch.tensor([[7]], device=DEVICE)
-    cfg = (2, 64 if INTERPRET else 1024, 4, 1)
-    kc2, vc2 = kc.clone(), vc.clone()
-    q = gemv.qkv_rope_write(x, w, b, scale=scale, norm=(nw, 1e-6), cos=cos, sin=sin, k_cache=kc, v_cache=vc,
-                            slots=slots, num_heads=Hq, config=cfg)
-    qkv = gemv.linear(x, w, b, scale=scale, norm=(nw, 1e-6), config=cfg)
-    nq, nk = Hq * D, Hkv * D
-    shape = (1, 1, -1, D)
-    q_ref = fused.rope_and_write(qkv[..., :nq].reshape(shape), qkv[..., nq:nq + nk].reshape(shape),
-                                 qkv[..., nq + nk:].reshape(shape), cos, sin, kc2, vc2, slots)
-    assert q.shape == (1, Hq, 1, D)
-    if dtype == torch.float32 and not INTERPRET:  # fp32 rotation may contract to an FMA on the GPU
-        torch.testing.assert_close(q, q_ref, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(kc, kc2, rtol=1e-6, atol=1e-6)
-    else:
-        assert torch.equal(q, q_ref) and torch.equal(kc, kc2)
-    assert torch.equal(vc, vc2)
-
-
-@needs_kernel
-def test_qkv_rope_write_skips_slots_outside_the_cache_and_checks_shapes():
-    x, (w, _), b, nw, cos, sin, kc, vc = rope_case(torch.bfloat16, 4, 2, 16, 48, 12, seed=60)
-    before = kc.clone(), vc.clone()
-    gemv.qkv_rope_write(x, w, b, norm=(nw, 1e-6), cos=cos, sin=sin, k_cache=kc, v_cache=vc,
-                        slots=torch.tensor([[12]], device=DEVICE), num_heads=4)
-    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
-    kw = dict(cos=cos, sin=sin, k_cache=kc, v_cache=vc, slots=torch.tensor([[3]], device=DEVICE))
-    with pytest.raises(ValueError, match="one token"):
-        gemv.qkv_rope_write(x.expand(1, 2, 48), w, b, num_heads=4, **kw)
-    with pytest.raises(ValueError, match="Hq"):
-        gemv.qkv_rope_write(x, w, b, num_heads=5, **kw)
-    with pytest.raises(ValueError, match="int8 weights need"):
-        gemv.qkv_rope_write(x, gemv.quantize_int8(w)[0], b, num_heads=4, **kw)
-
-
-# ----------------------------------------------------------------------------------------------------
 # The model's skinny path
 
 
@@ -398,23 +326,6 @@ def test_available():
 def test_interpreter_suite():
     """Run this file's kernel cases on the CPU through Triton's interpreter, in a child pytest."""
     run_in_triton_interpreter(__file__)
-
-
-def test_tile_configs_from_the_table_else_the_heuristic():
-    """The committed table is read by GPU name; shapes it lacks get the heuristic; every config is a
-    (BLOCK_N, BLOCK_K, num_warps, num_stages) of powers of two."""
-    table = gemv.tuned_configs("NVIDIA H200")
-    assert (2048, 1536, False, "float", 1) in table and (8960, 1536, True, "float", 1) in table  # 1.5B qkv, gate/up
-    assert gemv.tuned_configs("no such GPU") == {}
-    assert gemv._file_stem("NVIDIA H200 NVL") == "NVIDIA_H200_NVL"
-    for cfg in [*table.values(), gemv.heuristic_config(5, 3), gemv.heuristic_config(100_000, 8192, True),
-                gemv.heuristic_config(896, 4864, int8=True)]:
-        assert len(cfg) == 4 and all(v > 0 and v & (v - 1) == 0 for v in cfg[:3]) and cfg[3] >= 1
-    assert gemv.config_for(2048, 1536, False, torch.device("cpu")) == gemv.heuristic_config(2048, 1536)
-    assert gemv.config_for(2048, 1536, False, torch.device("cpu"), rows=3) == gemv.heuristic_config(2048, 1536, rows=4)
-    assert gemv.heuristic_config(2048, 1536, rows=4)[0] >= 16  # tl.dot's minimum tile
-    assert [gemv.rows_bucket(m) for m in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
-    assert gemv.max_rows("cpu") == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA (tl.range pipelining)")

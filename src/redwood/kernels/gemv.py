@@ -10,7 +10,7 @@ CUDA graph. `linear` reads each weight row once and folds the neighbours in:
     linear(x, W, b, residual=r)                  r += x @ Wᵀ + b, in place       (residual epilogue)
     linear(x, W, b, silu_mul=True)               silu(x @ W[:F]ᵀ) * (x @ W[F:]ᵀ) (W = [gate; up])
     linear(x, Q, b, scale=s, …)                  the same with int8 weights Q and per-row scales s
-    qkv_rope_write(x, Wqkv, b, …)                one token's q/k/v projection + RoPE + K/V cache write
+    qkv_rope.qkv_rope_write(x, Wqkv, b, …)       one token's q/k/v projection + RoPE + K/V cache write
 
 so a pre-norm layer for one token is four kernels (q/k/v with the input norm, RoPE and the cache write;
 o_proj with the residual; gate/up with the post-attention norm and SiLU; down with the residual) plus
@@ -26,27 +26,21 @@ x_k g_k is rounded to the dot's 16-bit operand type.
 
 Layout: x [..., K] with unit last stride; W [N, K] row-major (nn.Linear's), so each program reads
 BLOCK_N whole weight rows, contiguous along K. Grid: cdiv(N, BLOCK_N) programs, each looping over K.
-Tile configs: a per-GPU table measured by benchmarks/gemv_bench.py (`gemv_configs/<GPU name>.json`, keyed by
-shape, weight kind and rows), else a heuristic; the table's `max_rows` says how many tokens the model's
-skinny path takes (`max_rows`). Graph-capturable (no host syncs; outputs allocated from shapes only).
+Tile configs: redwood.kernels.skinny_configs (a per-GPU table measured by benchmarks/gemv_bench.py, else a
+heuristic). Graph-capturable (no host syncs; outputs allocated from shapes only).
 """
 
 from __future__ import annotations
-
-import functools
-import json
-import re
-from pathlib import Path
 
 import torch
 
 from redwood.kernels.fused import _INTERPRET, _inv, _round, _rounding
 from redwood.kernels.fused import available as _fused_available
+from redwood.kernels.skinny_configs import Config, config_for
 from redwood.kernels.triton_import import jit as _jit
 from redwood.kernels.triton_import import libdevice, tl, triton
 
 MAX_ROWS = 8  # activation rows `linear` takes: one through the GEMV kernel, 2-8 through a tensor-core tile
-CONFIG_DIR = Path(__file__).with_name("gemv_configs")  # tuned tile configs per GPU, by gemv_bench --write
 
 
 def available(device: torch.device | str, force_interpreter: bool = False) -> bool:
@@ -139,59 +133,6 @@ def _gemv_kernel(X, W, SCALE, BIAS, NW, RES, OUT, N, K, stride_w, inv_k, eps,
 
 
 @_jit
-def _qkv_rope_kernel(X, W, SCALE, BIAS, NW, COS, SIN, SLOTS, QO, KC, VC, K, stride_w, skc_h, skc_s,
-                     svc_h, svc_s, capacity, inv_k, eps,
-                     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, ROT_PROGRAMS: tl.constexpr,
-                     QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, ROUND: tl.constexpr,
-                     INTERP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    """The fused q/k/v projection of one token with rotate-half RoPE and the cache write folded in.
-
-    Rows of W: Hq query heads, then Hkv key heads, then Hkv value heads, D = 2·HALF rows each. The first
-    cdiv((Hq + Hkv)·HALF, BLOCK_N) programs each take BLOCK_N rotation pairs (rows h·D + j and
-    h·D + HALF + j of a query or key head h): both sums, rounded to the dtype as the projection's output
-    is, rotated as apply_rotary rounds (x1·c − x2·s, x2·c + x1·s, every product and sum rounded), then
-    stored to QO (queries) or the key cache at the token's slot. The remaining programs take BLOCK_N value
-    rows each and store them, rounded, into the value cache. A slot outside [0, capacity) is not written."""
-    pid = tl.program_id(0)
-    D = 2 * HALF
-    n_pairs = (HQ + HKV) * HALF
-    slot = tl.load(SLOTS).to(tl.int64) + tl.zeros([BLOCK_N], dtype=tl.int64)  # as a vector: a mask operand
-    slot_ok = (slot >= 0) & (slot < capacity)
-    if pid < ROT_PROGRAMS:  # cdiv((Hq + Hkv)·HALF, BLOCK_N), from the host
-        pair = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        ok = pair < n_pairs
-        head = pair // HALF
-        j = pair % HALF
-        r1 = head * D + j
-        x1, x2 = _row_sums(X, W, SCALE, BIAS, NW, r1, r1 + HALF, ok, K, stride_w, inv_k, eps,
-                           QUANT, HAS_BIAS, NORM, True, INTERP, BLOCK_N, BLOCK_K, STAGES)
-        x1 = _round(x1, ROUND, INTERP)
-        x2 = _round(x2, ROUND, INTERP)
-        c1 = tl.load(COS + j).to(tl.float32)
-        c2 = tl.load(COS + HALF + j).to(tl.float32)
-        s1 = tl.load(SIN + j).to(tl.float32)
-        s2 = tl.load(SIN + HALF + j).to(tl.float32)
-        o1 = _round(_round(x1 * c1, ROUND, INTERP) + _round(-x2 * s1, ROUND, INTERP), ROUND, INTERP)
-        o2 = _round(_round(x2 * c2, ROUND, INTERP) + _round(x1 * s2, ROUND, INTERP), ROUND, INTERP)
-        is_q = head < HQ
-        q_dst = QO + head * D + j
-        tl.store(q_dst, o1.to(QO.dtype.element_ty), mask=ok & is_q)
-        tl.store(q_dst + HALF, o2.to(QO.dtype.element_ty), mask=ok & is_q)
-        k_dst = KC + (head - HQ).to(tl.int64) * skc_h + slot * skc_s + j
-        k_ok = ok & (head >= HQ) & slot_ok
-        tl.store(k_dst, o1.to(KC.dtype.element_ty), mask=k_ok)
-        tl.store(k_dst + HALF, o2.to(KC.dtype.element_ty), mask=k_ok)
-    else:
-        i = (pid - ROT_PROGRAMS) * BLOCK_N + tl.arange(0, BLOCK_N)  # value row: head i // D, dim i % D
-        ok = i < HKV * D
-        v, _ = _row_sums(X, W, SCALE, BIAS, NW, (HQ + HKV) * D + i, i, ok, K, stride_w, inv_k, eps,
-                         QUANT, HAS_BIAS, NORM, False, INTERP, BLOCK_N, BLOCK_K, STAGES)
-        v = _round(v, ROUND, INTERP)
-        v_dst = VC + (i // D).to(tl.int64) * svc_h + slot * svc_s + i % D
-        tl.store(v_dst, v.to(VC.dtype.element_ty), mask=ok & slot_ok)
-
-
-@_jit
 def _rows_kernel(X, W, SCALE, BIAS, NW, RES, OUT, M, N, K, stride_x, stride_w, stride_r, stride_o, inv_k, eps,
                  QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESID: tl.constexpr,
                  SILU: tl.constexpr, ROUND: tl.constexpr, INTERP: tl.constexpr, DOT: tl.constexpr,
@@ -268,66 +209,6 @@ def _rows_tile(xp, NW, p1, p2, r_ok, c_ok, k0, K, acc, acc2, ss, NORM: tl.conste
         u = tl.load(p2 + ks[None, :], mask=w_ok, other=0.0).to(tl.float32).to(DOT)
         acc2 = tl.dot(x, tl.trans(u), acc2, input_precision=PRECISION)
     return acc, acc2, ss
-
-
-Config = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
-
-
-def heuristic_config(N: int, K: int, silu: bool = False, int8: bool = False, rows: int = 1) -> Config:
-    """A tile config for shapes the tuned table lacks. One row: enough programs to keep every SM
-    streaming (few weight rows per program when N is small) and ~8K-element W tiles per iteration (twice
-    the elements for int8 weights: the same bytes). 2-8 rows: tensor-core tiles of 16 weight rows or
-    more (tl.dot's minimum), pipelined over K except in the interpreter."""
-    if rows > 1:
-        block_n = 16 if N <= 4096 else (32 if silu or N <= 16384 else 64)
-        return block_n, min(128, max(16, triton.next_power_of_2(K))), 4, 1 if _INTERPRET else 3
-    block_k = min(2048 if int8 else 1024, max(16, triton.next_power_of_2(K)))
-    block_n = 2 if N <= 4096 else (4 if silu or N <= 16384 else 8)
-    return block_n, block_k, 4, 1
-
-
-def rows_bucket(m: int) -> int:
-    """Activation rows → the table's bucket: 1, 2, 4 or 8."""
-    return 1 if m <= 1 else 1 << (m - 1).bit_length()
-
-
-@functools.lru_cache(maxsize=None)
-def _table(device_name: str) -> dict:
-    path = CONFIG_DIR / (_file_stem(device_name) + ".json")
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-@functools.lru_cache(maxsize=None)
-def tuned_configs(device_name: str) -> dict[tuple[int, int, bool, str, int], Config]:
-    """The table gemv_bench wrote for this GPU model: {(N, K, silu, weight kind, rows bucket): config},
-    weight kind "int8" or "float" (16-bit; entries without one), rows bucket 1 / 2 / 4 / 8 (entries
-    without one: 1); {} if there is none."""
-    return {(e["N"], e["K"], e["silu"], e.get("weight", "float"), e.get("rows", 1)): tuple(e["config"])
-            for e in _table(device_name).get("configs", [])}
-
-
-def max_rows(device: torch.device | str) -> int:
-    """How many activation rows the model's fused one-token path should take on this device: the tuned
-    table's `max_rows` — where 2-8-row forwards measured faster through these kernels than through cuBLAS
-    + the small fused kernels — else 1."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return 1
-    return int(_table(torch.cuda.get_device_name(device)).get("max_rows", 1))
-
-
-def _file_stem(device_name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_")
-
-
-def config_for(N: int, K: int, silu: bool, device: torch.device, int8: bool = False, rows: int = 1) -> Config:
-    bucket = rows_bucket(rows)
-    if device.type == "cuda":
-        key = (N, K, silu, "int8" if int8 else "float", bucket)
-        tuned = tuned_configs(torch.cuda.get_device_name(device)).get(key)
-        if tuned is not None:
-            return tuned
-    return heuristic_config(N, K, silu, int8, bucket)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -420,57 +301,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         ROUND=rnd, INTERP=_INTERPRET, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps,
     )
     return out
-
-
-def qkv_rope_write(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, cos: torch.Tensor,
-                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                   num_heads: int, scale: torch.Tensor | None = None,
-                   norm: tuple[torch.Tensor, float] | None = None,
-                   config: Config | None = None) -> torch.Tensor:
-    """`linear(x, weight, bias, norm=…)` for the fused q/k/v weight of one token, then what
-    `redwood.kernels.fused.rope_and_write` does with it — in one kernel.
-
-    x: [1, 1, H] (one row, one token); weight: [(Hq + 2·Hkv)·D, H] (or int8 with `scale`); cos, sin:
-    [1, 1, D] in x's dtype; k_cache, v_cache: one layer [1, Hkv, capacity, D]; slots: [1, 1] integer.
-    Returns the rotated queries [1, Hq, 1, D] (a transpose view of [1, 1, Hq, D], as rope_and_write)."""
-    B, T, H = x.shape
-    if B * T != 1:
-        raise ValueError(f"qkv_rope_write takes one token, got x of shape {tuple(x.shape)}")
-    _, Hkv, cap, D = k_cache.shape
-    if v_cache.shape != k_cache.shape or k_cache.shape[0] != 1 or D % 2:
-        raise ValueError(f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}: want [1, Hkv, capacity, even D]")
-    if weight.shape != ((num_heads + 2 * Hkv) * D, H):
-        raise ValueError(f"weight {tuple(weight.shape)} != [(Hq + 2·Hkv)·D, H] = {((num_heads + 2 * Hkv) * D, H)}")
-    if cos.shape[-1] != D or sin.shape[-1] != D or cos.numel() != D or sin.numel() != D:
-        raise ValueError(f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)}: want one row of D = {D}")
-    if cos.dtype != x.dtype or sin.dtype != x.dtype or k_cache.dtype != x.dtype or v_cache.dtype != x.dtype:
-        raise TypeError("x, cos, sin and the caches must share a dtype")
-    if slots.numel() != 1:
-        raise ValueError(f"slots {tuple(slots.shape)}: want one slot")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("the caches need a unit last stride (they are written in place)")
-    int8 = weight.dtype == torch.int8
-    if int8 and (scale is None or scale.shape != (weight.shape[0],) or scale.dtype != torch.float32):
-        raise ValueError("int8 weights need a float32 scale per row")
-    if not int8 and (weight.dtype != x.dtype or scale is not None):
-        raise TypeError(f"weight {weight.dtype} must be x's dtype {x.dtype} (or int8 with scales)")
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"bias {tuple(bias.shape)} does not match weight rows {weight.shape[0]}")
-    x2 = x.reshape(1, H).contiguous()
-    cos, sin = cos.reshape(D).contiguous(), sin.reshape(D).contiguous()
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    qo = torch.empty(1, 1, num_heads, D, device=x.device, dtype=x.dtype)
-    half = D // 2
-    block_n, block_k, warps, stages = config or config_for(weight.shape[0] // 2, H, True, x.device, int8)
-    rot_programs = triton.cdiv((num_heads + Hkv) * half, block_n)
-    n_programs = rot_programs + triton.cdiv(Hkv * D, block_n)
-    nw, eps = (norm[0].contiguous(), float(norm[1])) if norm is not None else (weight, 0.0)
-    _qkv_rope_kernel[(n_programs,)](
-        x2, weight, scale if int8 else weight, bias if bias is not None else weight, nw, cos, sin, slots, qo,
-        k_cache, v_cache, H, weight.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1),
-        v_cache.stride(2), cap, _inv(H), eps, HQ=num_heads, HKV=Hkv, HALF=half, ROT_PROGRAMS=rot_programs,
-        QUANT=int8,
-        HAS_BIAS=bias is not None, NORM=norm is not None, ROUND=_rounding(x.dtype), INTERP=_INTERPRET,
-        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps,
-    )
-    return qo.transpose(1, 2)

@@ -19,7 +19,7 @@ from redwood.attention import reference
 from redwood.attention.reference import AttentionMetadata, ContextView, Observer
 from redwood.config import ModelConfig
 from redwood.kernels import fused as fused_kernels
-from redwood.kernels import gemv
+from redwood.kernels import gemv, qkv_rope, skinny_configs
 from redwood.kv.cache import KVCache
 from redwood.models.rope import RotaryEmbedding, apply_rotary
 
@@ -199,9 +199,9 @@ class DecoderLayer(nn.Module):
                      "gate_up": (mlp.gate_up[0], None), "down": (mlp.down_proj.weight, None)}
         norm = self.input_layernorm
         if x.shape[0] * x.shape[1] == 1:  # one token: the projection rotates q, k and writes k, v itself
-            q = gemv.qkv_rope_write(x, w["qkv"][0], attn.qkv[1], scale=w["qkv"][1], norm=(norm.weight, norm.eps),
-                                    cos=cos, sin=sin, k_cache=cache.k[attn.layer], v_cache=cache.v[attn.layer],
-                                    slots=slots, num_heads=attn.num_heads)
+            q = qkv_rope.qkv_rope_write(x, w["qkv"][0], attn.qkv[1], scale=w["qkv"][1],
+                                        norm=(norm.weight, norm.eps), cos=cos, sin=sin, k_cache=cache.k[attn.layer],
+                                        v_cache=cache.v[attn.layer], slots=slots, num_heads=attn.num_heads)
             out = attn.attend_rotated(q, cache, meta)
         else:
             qkv = gemv.linear(x, w["qkv"][0], attn.qkv[1], scale=w["qkv"][1], norm=(norm.weight, norm.eps))
@@ -238,7 +238,7 @@ class Transformer(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
         self.skinny = self.layers[0].mlp.kernels and gemv.available(self.device)
-        self.skinny_rows = gemv.max_rows(self.device)
+        self.skinny_rows = skinny_configs.max_rows(self.device)
 
     def quantize_skinny(self, scheme: str = "int8") -> None:
         """Give the one-token (skinny) forwards int8 copies of every projection and of the LM head, with

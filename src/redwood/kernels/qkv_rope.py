@@ -1,0 +1,123 @@
+"""One token's fused q/k/v projection with rotate-half RoPE and the K/V cache write folded in: the
+first kernel of a skinny decoder layer (see redwood.kernels.gemv, whose row sums it shares).
+
+Bit-identical in bf16 / fp16 to `gemv.linear(x, Wqkv, b, norm=…)` followed by
+`redwood.kernels.fused.rope_and_write` with the same tile config. Graph-capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from redwood.kernels.fused import _INTERPRET, _inv, _round, _rounding
+from redwood.kernels.gemv import _row_sums
+from redwood.kernels.skinny_configs import Config, config_for
+from redwood.kernels.triton_import import jit as _jit
+from redwood.kernels.triton_import import tl, triton
+
+
+@_jit
+def _qkv_rope_kernel(X, W, SCALE, BIAS, NW, COS, SIN, SLOTS, QO, KC, VC, K, stride_w, skc_h, skc_s,
+                     svc_h, svc_s, capacity, inv_k, eps,
+                     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, ROT_PROGRAMS: tl.constexpr,
+                     QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, ROUND: tl.constexpr,
+                     INTERP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """The fused q/k/v projection of one token with rotate-half RoPE and the cache write folded in.
+
+    Rows of W: Hq query heads, then Hkv key heads, then Hkv value heads, D = 2·HALF rows each. The first
+    cdiv((Hq + Hkv)·HALF, BLOCK_N) programs each take BLOCK_N rotation pairs (rows h·D + j and
+    h·D + HALF + j of a query or key head h): both sums, rounded to the dtype as the projection's output
+    is, rotated as apply_rotary rounds (x1·c − x2·s, x2·c + x1·s, every product and sum rounded), then
+    stored to QO (queries) or the key cache at the token's slot. The remaining programs take BLOCK_N value
+    rows each and store them, rounded, into the value cache. A slot outside [0, capacity) is not written."""
+    pid = tl.program_id(0)
+    D = 2 * HALF
+    n_pairs = (HQ + HKV) * HALF
+    slot = tl.load(SLOTS).to(tl.int64) + tl.zeros([BLOCK_N], dtype=tl.int64)  # as a vector: a mask operand
+    slot_ok = (slot >= 0) & (slot < capacity)
+    if pid < ROT_PROGRAMS:  # cdiv((Hq + Hkv)·HALF, BLOCK_N), from the host
+        pair = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = pair < n_pairs
+        head = pair // HALF
+        j = pair % HALF
+        r1 = head * D + j
+        x1, x2 = _row_sums(X, W, SCALE, BIAS, NW, r1, r1 + HALF, ok, K, stride_w, inv_k, eps,
+                           QUANT, HAS_BIAS, NORM, True, INTERP, BLOCK_N, BLOCK_K, STAGES)
+        x1 = _round(x1, ROUND, INTERP)
+        x2 = _round(x2, ROUND, INTERP)
+        c1 = tl.load(COS + j).to(tl.float32)
+        c2 = tl.load(COS + HALF + j).to(tl.float32)
+        s1 = tl.load(SIN + j).to(tl.float32)
+        s2 = tl.load(SIN + HALF + j).to(tl.float32)
+        o1 = _round(_round(x1 * c1, ROUND, INTERP) + _round(-x2 * s1, ROUND, INTERP), ROUND, INTERP)
+        o2 = _round(_round(x2 * c2, ROUND, INTERP) + _round(x1 * s2, ROUND, INTERP), ROUND, INTERP)
+        is_q = head < HQ
+        q_dst = QO + head * D + j
+        tl.store(q_dst, o1.to(QO.dtype.element_ty), mask=ok & is_q)
+        tl.store(q_dst + HALF, o2.to(QO.dtype.element_ty), mask=ok & is_q)
+        k_dst = KC + (head - HQ).to(tl.int64) * skc_h + slot * skc_s + j
+        k_ok = ok & (head >= HQ) & slot_ok
+        tl.store(k_dst, o1.to(KC.dtype.element_ty), mask=k_ok)
+        tl.store(k_dst + HALF, o2.to(KC.dtype.element_ty), mask=k_ok)
+    else:
+        i = (pid - ROT_PROGRAMS) * BLOCK_N + tl.arange(0, BLOCK_N)  # value row: head i // D, dim i % D
+        ok = i < HKV * D
+        v, _ = _row_sums(X, W, SCALE, BIAS, NW, (HQ + HKV) * D + i, i, ok, K, stride_w, inv_k, eps,
+                         QUANT, HAS_BIAS, NORM, False, INTERP, BLOCK_N, BLOCK_K, STAGES)
+        v = _round(v, ROUND, INTERP)
+        v_dst = VC + (i // D).to(tl.int64) * svc_h + slot * svc_s + i % D
+        tl.store(v_dst, v.to(VC.dtype.element_ty), mask=ok & slot_ok)
+
+
+def qkv_rope_write(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, cos: torch.Tensor,
+                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                   num_heads: int, scale: torch.Tensor | None = None,
+                   norm: tuple[torch.Tensor, float] | None = None,
+                   config: Config | None = None) -> torch.Tensor:
+    """`linear(x, weight, bias, norm=…)` for the fused q/k/v weight of one token, then what
+    `redwood.kernels.fused.rope_and_write` does with it — in one kernel.
+
+    x: [1, 1, H] (one row, one token); weight: [(Hq + 2·Hkv)·D, H] (or int8 with `scale`); cos, sin:
+    [1, 1, D] in x's dtype; k_cache, v_cache: one layer [1, Hkv, capacity, D]; slots: [1, 1] integer.
+    Returns the rotated queries [1, Hq, 1, D] (a transpose view of [1, 1, Hq, D], as rope_and_write)."""
+    B, T, H = x.shape
+    if B * T != 1:
+        raise ValueError(f"qkv_rope_write takes one token, got x of shape {tuple(x.shape)}")
+    _, Hkv, cap, D = k_cache.shape
+    if v_cache.shape != k_cache.shape or k_cache.shape[0] != 1 or D % 2:
+        raise ValueError(f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}: want [1, Hkv, capacity, even D]")
+    if weight.shape != ((num_heads + 2 * Hkv) * D, H):
+        raise ValueError(f"weight {tuple(weight.shape)} != [(Hq + 2·Hkv)·D, H] = {((num_heads + 2 * Hkv) * D, H)}")
+    if cos.shape[-1] != D or sin.shape[-1] != D or cos.numel() != D or sin.numel() != D:
+        raise ValueError(f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)}: want one row of D = {D}")
+    if cos.dtype != x.dtype or sin.dtype != x.dtype or k_cache.dtype != x.dtype or v_cache.dtype != x.dtype:
+        raise TypeError("x, cos, sin and the caches must share a dtype")
+    if slots.numel() != 1:
+        raise ValueError(f"slots {tuple(slots.shape)}: want one slot")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the caches need a unit last stride (they are written in place)")
+    int8 = weight.dtype == torch.int8
+    if int8 and (scale is None or scale.shape != (weight.shape[0],) or scale.dtype != torch.float32):
+        raise ValueError("int8 weights need a float32 scale per row")
+    if not int8 and (weight.dtype != x.dtype or scale is not None):
+        raise TypeError(f"weight {weight.dtype} must be x's dtype {x.dtype} (or int8 with scales)")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias {tuple(bias.shape)} does not match weight rows {weight.shape[0]}")
+    x2 = x.reshape(1, H).contiguous()
+    cos, sin = cos.reshape(D).contiguous(), sin.reshape(D).contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    qo = torch.empty(1, 1, num_heads, D, device=x.device, dtype=x.dtype)
+    half = D // 2
+    block_n, block_k, warps, stages = config or config_for(weight.shape[0] // 2, H, True, x.device, int8)
+    rot_programs = triton.cdiv((num_heads + Hkv) * half, block_n)
+    n_programs = rot_programs + triton.cdiv(Hkv * D, block_n)
+    nw, eps = (norm[0].contiguous(), float(norm[1])) if norm is not None else (weight, 0.0)
+    _qkv_rope_kernel[(n_programs,)](
+        x2, weight, scale if int8 else weight, bias if bias is not None else weight, nw, cos, sin, slots, qo,
+        k_cache, v_cache, H, weight.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1),
+        v_cache.stride(2), cap, _inv(H), eps, HQ=num_heads, HKV=Hkv, HALF=half, ROT_PROGRAMS=rot_programs,
+        QUANT=int8,
+        HAS_BIAS=bias is not None, NORM=norm is not None, ROUND=_rounding(x.dtype), INTERP=_INTERPRET,
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps,
+    )
+    return qo.transpose(1, 2)

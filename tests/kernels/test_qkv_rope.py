@@ -1,0 +1,92 @@
+"""One token's q/k/v projection with RoPE and the K/V cache write in one kernel (redwood.kernels.qkv_rope)
+against the two kernels it replaces: gemv.linear (norm folded in, bias) then fused.rope_and_write.
+
+Runs on CUDA in this process when a GPU is there; on the CPU through Triton's interpreter in a child
+pytest of this file (`test_interpreter_suite`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from tests.conftest import interpreter_broken, run_in_triton_interpreter  # noqa: E402
+from tests.kernels.test_fused import DEVICE, DTYPES, INTERPRET, gen, needs_kernel, randn  # noqa: E402
+from redwood.kernels import gemv, qkv_rope  # noqa: E402
+
+if INTERPRET and (why := interpreter_broken()):  # the K loop's bound is a kernel argument
+    pytest.skip(why, allow_module_level=True)
+
+
+def rope_case(dtype, Hq, Hkv, D, H, cap, seed, int8=False):
+    from redwood.models.rope import RotaryEmbedding
+    from redwood.config import ModelConfig
+
+    g = gen(seed)
+    x = randn(g, 1, 1, H, dtype=dtype, scale=2.0)
+    w = randn(g, (Hq + 2 * Hkv) * D, H, dtype=dtype, scale=H ** -0.5)
+    b = randn(g, (Hq + 2 * Hkv) * D, dtype=dtype)
+    nw = randn(g, H, dtype=dtype)
+    cfg = ModelConfig.from_hf_dict({"model_type": "qwen2", "vocab_size": 8, "hidden_size": Hq * D,
+                                    "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": Hq,
+                                    "num_key_value_heads": Hkv, "max_position_embeddings": 4096,
+                                    "rope_theta": 10000.0})
+    cos, sin = RotaryEmbedding(cfg).to(DEVICE)(torch.tensor([[cap // 2 + 3]], device=DEVICE), dtype)
+    kc = randn(g, 1, Hkv, cap, D, dtype=dtype)
+    vc = randn(g, 1, Hkv, cap, D, dtype=dtype)
+    q8 = gemv.quantize_int8(w) if int8 else (w, None)
+    return x, q8, b, nw, cos, sin, kc, vc
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Hq,Hkv,D,H", [(4, 2, 16, 48), (3, 1, 8, 40)] if INTERPRET else [(12, 2, 128, 1536), (14, 2, 64, 896)])
+@pytest.mark.parametrize("int8", [False, True])
+def test_qkv_rope_write_equals_linear_then_rope_and_write(dtype, Hq, Hkv, D, H, int8):
+    """One kernel == gemv.linear (norm folded, bias) followed by fused.rope_and_write, same tile config:
+    the same sums, rounded and rotated the same way (bit for bit); only the token's slot is written."""
+    from redwood.kernels import fused
+
+    cap = 12
+    x, (w, scale), b, nw, cos, sin, kc, vc = rope_case(dtype, Hq, Hkv, D, H, cap, seed=50 + Hq, int8=int8)
+    slots = torch.tensor([[7]], device=DEVICE)
+    cfg = (2, 64 if INTERPRET else 1024, 4, 1)
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = qkv_rope.qkv_rope_write(x, w, b, scale=scale, norm=(nw, 1e-6), cos=cos, sin=sin, k_cache=kc, v_cache=vc,
+                            slots=slots, num_heads=Hq, config=cfg)
+    qkv = gemv.linear(x, w, b, scale=scale, norm=(nw, 1e-6), config=cfg)
+    nq, nk = Hq * D, Hkv * D
+    shape = (1, 1, -1, D)
+    q_ref = fused.rope_and_write(qkv[..., :nq].reshape(shape), qkv[..., nq:nq + nk].reshape(shape),
+                                 qkv[..., nq + nk:].reshape(shape), cos, sin, kc2, vc2, slots)
+    assert q.shape == (1, Hq, 1, D)
+    if dtype == torch.float32 and not INTERPRET:  # fp32 rotation may contract to an FMA on the GPU
+        torch.testing.assert_close(q, q_ref, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(kc, kc2, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(q, q_ref) and torch.equal(kc, kc2)
+    assert torch.equal(vc, vc2)
+
+
+@needs_kernel
+def test_qkv_rope_write_skips_slots_outside_the_cache_and_checks_shapes():
+    x, (w, _), b, nw, cos, sin, kc, vc = rope_case(torch.bfloat16, 4, 2, 16, 48, 12, seed=60)
+    before = kc.clone(), vc.clone()
+    qkv_rope.qkv_rope_write(x, w, b, norm=(nw, 1e-6), cos=cos, sin=sin, k_cache=kc, v_cache=vc,
+                        slots=torch.tensor([[12]], device=DEVICE), num_heads=4)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    kw = dict(cos=cos, sin=sin, k_cache=kc, v_cache=vc, slots=torch.tensor([[3]], device=DEVICE))
+    with pytest.raises(ValueError, match="one token"):
+        qkv_rope.qkv_rope_write(x.expand(1, 2, 48), w, b, num_heads=4, **kw)
+    with pytest.raises(ValueError, match="Hq"):
+        qkv_rope.qkv_rope_write(x, w, b, num_heads=5, **kw)
+    with pytest.raises(ValueError, match="int8 weights need"):
+        qkv_rope.qkv_rope_write(x, gemv.quantize_int8(w)[0], b, num_heads=4, **kw)
+
+
+@pytest.mark.skipif(INTERPRET, reason="this is the interpreter child run")
+def test_interpreter_suite():
+    """Run this file's kernel cases on the CPU through Triton's interpreter, in a child pytest."""
+    run_in_triton_interpreter(__file__)

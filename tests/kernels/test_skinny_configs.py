@@ -1,0 +1,27 @@
+"""Tile configs of the skinny kernels (redwood.kernels.skinny_configs): the committed table, the heuristic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from redwood.kernels import skinny_configs  # noqa: E402
+
+
+def test_tile_configs_from_the_table_else_the_heuristic():
+    """The committed table is read by GPU name; shapes it lacks get the heuristic; every config is a
+    (BLOCK_N, BLOCK_K, num_warps, num_stages) of powers of two."""
+    table = skinny_configs.tuned_configs("NVIDIA H200")
+    assert (2048, 1536, False, "float", 1) in table and (8960, 1536, True, "float", 1) in table  # 1.5B qkv, gate/up
+    assert skinny_configs.tuned_configs("no such GPU") == {}
+    assert skinny_configs._file_stem("NVIDIA H200 NVL") == "NVIDIA_H200_NVL"
+    for cfg in [*table.values(), skinny_configs.heuristic_config(5, 3), skinny_configs.heuristic_config(100_000, 8192, True),
+                skinny_configs.heuristic_config(896, 4864, int8=True)]:
+        assert len(cfg) == 4 and all(v > 0 and v & (v - 1) == 0 for v in cfg[:3]) and cfg[3] >= 1
+    assert skinny_configs.config_for(2048, 1536, False, torch.device("cpu")) == skinny_configs.heuristic_config(2048, 1536)
+    assert skinny_configs.config_for(2048, 1536, False, torch.device("cpu"), rows=3) == skinny_configs.heuristic_config(2048, 1536, rows=4)
+    assert skinny_configs.heuristic_config(2048, 1536, rows=4)[0] >= 16  # tl.dot's minimum tile
+    assert [skinny_configs.rows_bucket(m) for m in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert skinny_configs.max_rows("cpu") == 1
