@@ -83,6 +83,28 @@ def _round(x, ROUND: tl.constexpr, INTERP: tl.constexpr):
 
 
 @_jit
+def _rms_scale(ss, n, inv_n, eps, INTERP: tl.constexpr):
+    """RMSNorm's factor 1 / sqrt(mean + eps) from the float32 sum of squares ss of n elements, as torch
+    computes it: on CUDA the mean is ss · float32(1/n) (inv_n) and rsqrt is rsqrtf; on the CPU (the
+    interpreter) the mean is ss / n and rsqrt is 1 / sqrt. Works elementwise on a tensor of sums."""
+    if INTERP:
+        return 1.0 / tl.sqrt_rn(tl.math.div_rn(ss, n.to(tl.float32)) + eps)
+    return libdevice.rsqrt(ss * inv_n + eps)
+
+
+@_jit
+def _silu_mul(g, u, ROUND: tl.constexpr, INTERP: tl.constexpr):
+    """`F.silu(g) * u` on float32 values already rounded to the dtype: silu = g / (1 + exp(-g)) rounded,
+    then the product rounded."""
+    if INTERP:
+        e = tl.exp(-g)
+    else:
+        e = libdevice.exp(-g)  # expf, as torch's CUDA silu (tl.exp would be ex2.approx)
+    s = _round(tl.math.div_rn(g, 1.0 + e), ROUND, INTERP)
+    return _round(s * u, ROUND, INTERP)
+
+
+@_jit
 def _rms_norm_kernel(X, R, W, OUT, RES_OUT, stride_x, stride_r, stride_o, stride_ro, H, inv_h, eps,
                      HAS_RES: tl.constexpr, ROUND_X: tl.constexpr, ROUND_O: tl.constexpr,
                      INTERP: tl.constexpr, BLOCK: tl.constexpr):
@@ -96,12 +118,7 @@ def _rms_norm_kernel(X, R, W, OUT, RES_OUT, stride_x, stride_r, stride_o, stride
         h = _round(h + r, ROUND_X, INTERP)
         tl.store(RES_OUT + row * stride_ro + offs, h.to(RES_OUT.dtype.element_ty), mask=ok)
     ss = tl.sum(h * h, 0)  # xf.pow(2) is x * x; masked lanes are 0
-    if INTERP:  # CPU torch: sum(..).div_(n); rsqrt is 1 / sqrt
-        mean = tl.math.div_rn(ss, H.to(tl.float32))
-        scale = 1.0 / tl.sqrt_rn(mean + eps)
-    else:  # CUDA torch: MeanOps multiplies the sum by a float32 factor 1/n; rsqrt is rsqrtf
-        mean = ss * inv_h
-        scale = libdevice.rsqrt(mean + eps)
+    scale = _rms_scale(ss, H, inv_h, eps, INTERP)
     n = _round(h * scale, ROUND_X, INTERP)  # xf.to(x.dtype)
     w = tl.load(W + offs, mask=ok, other=0.0).to(tl.float32)
     out = _round(w * n, ROUND_O, INTERP)  # weight * normed, in the promoted dtype
@@ -117,12 +134,7 @@ def _silu_mul_kernel(GU, OUT, F, stride_gu, stride_o,
     ok = offs < F
     g = tl.load(GU + row * stride_gu + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(GU + row * stride_gu + F + offs, mask=ok, other=0.0).to(tl.float32)
-    if INTERP:
-        e = tl.exp(-g)
-    else:
-        e = libdevice.exp(-g)  # expf, as torch's CUDA silu (tl.exp would be ex2.approx)
-    s = _round(tl.math.div_rn(g, 1.0 + e), ROUND, INTERP)
-    out = _round(s * u, ROUND, INTERP)
+    out = _silu_mul(g, u, ROUND, INTERP)
     tl.store(OUT + row * stride_o + offs, out.to(OUT.dtype.element_ty), mask=ok)
 
 
