@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import torch
 
-from redwood.kernels.fused import _INTERPRET, _inv, _round, _rounding
+from redwood.kernels.fused import _INTERPRET, _inv, _rms_scale, _round, _rounding, _silu_mul
 from redwood.kernels.fused import available as _fused_available
 from redwood.kernels.skinny_configs import Config, config_for
 from redwood.kernels.triton_import import jit as _jit
-from redwood.kernels.triton_import import libdevice, tl, triton
+from redwood.kernels.triton_import import tl, triton
 
 MAX_ROWS = 8  # activation rows `linear` takes: one through the GEMV kernel, 2-8 through a tensor-core tile
 
@@ -75,10 +75,7 @@ def _row_sums(X, W, SCALE, BIAS, NW, rows, rows2, ok, K, stride_w, inv_k, eps,
         if TWO:
             acc2 = acc2 * tl.load(SCALE + rows2, mask=ok, other=0.0)
     if NORM:
-        if INTERP:  # CPU torch: sum / n, 1 / sqrt
-            scale = 1.0 / tl.sqrt_rn(tl.math.div_rn(tl.sum(ss, 0), K.to(tl.float32)) + eps)
-        else:  # CUDA torch: sum * float32(1/n), rsqrtf
-            scale = libdevice.rsqrt(tl.sum(ss, 0) * inv_k + eps)
+        scale = _rms_scale(tl.sum(ss, 0), K, inv_k, eps, INTERP)
         acc = acc * scale
         acc2 = acc2 * scale
     if HAS_BIAS:
@@ -120,13 +117,8 @@ def _gemv_kernel(X, W, SCALE, BIAS, NW, RES, OUT, N, K, stride_w, inv_k, eps,
     acc, acc_up = _row_sums(X, W, SCALE, BIAS, NW, cols, N + cols, c_ok, K, stride_w, inv_k, eps,
                             QUANT, HAS_BIAS, NORM, SILU, INTERP, BLOCK_N, BLOCK_K, STAGES)
     y = _round(acc, ROUND, INTERP)
-    if SILU:  # F.silu(g) * u: silu rounded, product rounded
-        if INTERP:
-            e = tl.exp(-y)
-        else:
-            e = libdevice.exp(-y)
-        s = _round(tl.math.div_rn(y, 1.0 + e), ROUND, INTERP)
-        y = _round(s * _round(acc_up, ROUND, INTERP), ROUND, INTERP)
+    if SILU:  # F.silu(g) * u on the rounded projections
+        y = _silu_mul(y, _round(acc_up, ROUND, INTERP), ROUND, INTERP)
     if RESID:  # r + y, rounded, back into r
         y = _round(tl.load(RES + cols, mask=c_ok, other=0.0).to(tl.float32) + y, ROUND, INTERP)
     tl.store(OUT + cols, y.to(OUT.dtype.element_ty), mask=c_ok)
@@ -166,10 +158,7 @@ def _rows_kernel(X, W, SCALE, BIAS, NW, RES, OUT, M, N, K, stride_x, stride_w, s
         if SILU:
             acc2 = acc2 * tl.load(SCALE + N + cols, mask=c_ok, other=0.0)[None, :]
     if NORM:
-        if INTERP:
-            scale = 1.0 / tl.sqrt_rn(tl.math.div_rn(tl.sum(ss, 1), K.to(tl.float32)) + eps)
-        else:
-            scale = libdevice.rsqrt(tl.sum(ss, 1) * inv_k + eps)
+        scale = _rms_scale(tl.sum(ss, 1), K, inv_k, eps, INTERP)
         acc = acc * scale[:, None]
         acc2 = acc2 * scale[:, None]
     if HAS_BIAS:
@@ -178,12 +167,7 @@ def _rows_kernel(X, W, SCALE, BIAS, NW, RES, OUT, M, N, K, stride_x, stride_w, s
             acc2 += tl.load(BIAS + N + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
     y = _round(acc, ROUND, INTERP)
     if SILU:
-        if INTERP:
-            e = tl.exp(-y)
-        else:
-            e = libdevice.exp(-y)
-        s = _round(tl.math.div_rn(y, 1.0 + e), ROUND, INTERP)
-        y = _round(s * _round(acc2, ROUND, INTERP), ROUND, INTERP)
+        y = _silu_mul(y, _round(acc2, ROUND, INTERP), ROUND, INTERP)
     ok = r_ok[:, None] & c_ok[None, :]
     if RESID:
         r = tl.load(RES + rows.to(tl.int64)[:, None] * stride_r + cols[None, :], mask=ok, other=0.0)
@@ -223,6 +207,26 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def check_weights(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  scale: torch.Tensor | None) -> bool:
+    """Clear errors for weights a skinny kernel cannot read with activations x; True for int8 weights.
+
+    weight: x's dtype (scale None), or int8 with a float32 scale per row; bias: one value per row."""
+    rows = weight.shape[0]
+    int8 = weight.dtype == torch.int8
+    if int8:
+        if scale is None or scale.shape != (rows,) or scale.dtype != torch.float32:
+            raise ValueError(f"int8 weights need a float32 scale per row ({rows}), got "
+                             f"{None if scale is None else (tuple(scale.shape), scale.dtype)}")
+    elif weight.dtype != x.dtype:
+        raise TypeError(f"x {x.dtype} and weight {weight.dtype} must share a dtype (or be int8 with scales)")
+    elif scale is not None:
+        raise ValueError("scale applies to int8 weights only")
+    if bias is not None and bias.shape != (rows,):
+        raise ValueError(f"bias {tuple(bias.shape)} does not match weight rows {rows}")
+    return int8
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            scale: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None,
            residual: torch.Tensor | None = None, silu_mul: bool = False,
@@ -242,23 +246,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     K = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != K:
         raise ValueError(f"weight {tuple(weight.shape)} does not match x's last dim {K}")
-    int8 = weight.dtype == torch.int8
-    if int8:
-        if scale is None or scale.shape != (weight.shape[0],) or scale.dtype != torch.float32:
-            raise ValueError(f"int8 weights need a float32 scale per row ({weight.shape[0]}), got "
-                             f"{None if scale is None else (tuple(scale.shape), scale.dtype)}")
-    elif weight.dtype != x.dtype:
-        raise TypeError(f"x {x.dtype} and weight {weight.dtype} must share a dtype (or be int8 with scales)")
-    elif scale is not None:
-        raise ValueError("scale applies to int8 weights only")
+    int8 = check_weights(x, weight, bias, scale)
     rnd = _rounding(x.dtype)
     N = weight.shape[0]
     if silu_mul:
         if N % 2:
             raise ValueError(f"silu_mul needs [gate; up] weights with an even row count, not {N}")
         N //= 2
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"bias {tuple(bias.shape)} does not match weight rows {weight.shape[0]}")
     if norm is not None and norm[0].shape != (K,):
         raise ValueError(f"norm weight {tuple(norm[0].shape)} does not match K = {K}")
     lead = x.shape[:-1]

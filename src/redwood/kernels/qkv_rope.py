@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from redwood.kernels.fused import _INTERPRET, _inv, _round, _rounding
-from redwood.kernels.gemv import _row_sums
+from redwood.kernels.gemv import _row_sums, check_weights
 from redwood.kernels.skinny_configs import Config, config_for
 from redwood.kernels.triton_import import jit as _jit
 from redwood.kernels.triton_import import tl, triton
@@ -96,13 +96,7 @@ def qkv_rope_write(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         raise ValueError(f"slots {tuple(slots.shape)}: want one slot")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the caches need a unit last stride (they are written in place)")
-    int8 = weight.dtype == torch.int8
-    if int8 and (scale is None or scale.shape != (weight.shape[0],) or scale.dtype != torch.float32):
-        raise ValueError("int8 weights need a float32 scale per row")
-    if not int8 and (weight.dtype != x.dtype or scale is not None):
-        raise TypeError(f"weight {weight.dtype} must be x's dtype {x.dtype} (or int8 with scales)")
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"bias {tuple(bias.shape)} does not match weight rows {weight.shape[0]}")
+    int8 = check_weights(x, weight, bias, scale)
     x2 = x.reshape(1, H).contiguous()
     cos, sin = cos.reshape(D).contiguous(), sin.reshape(D).contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
