@@ -170,6 +170,20 @@ def run_in_triton_interpreter(test_file: str) -> None:
         pytest.skip(f"interpreter run skipped: {log[-400:]}")
 
 
+def capture_cuda_graph(step):
+    """Run step() once on a side stream (kernels compile outside the capture), then capture a second call
+    into a CUDA graph. Returns (graph, what the captured call returned: tensors its replays refill)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    return graph, outs
+
+
 def interpreter_broken() -> str | None:
     """Why Triton's interpreter cannot run our kernels here, or None.
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from tests.conftest import import_without_triton, run_in_triton_interpreter  # noqa: E402
+from tests.conftest import capture_cuda_graph, import_without_triton, run_in_triton_interpreter  # noqa: E402
 from redwood.kernels import fused as fk  # noqa: E402
 from redwood.kv.cache import KVCache  # noqa: E402
 from redwood.models.rope import RotaryEmbedding, apply_rotary  # noqa: E402
@@ -255,14 +255,7 @@ def test_cuda_graph_capture():
         return (fk.rope_and_write(q, k, v, cos, sin, kc, vc, slots), *fk.add_rms_norm(x, res, w, 1e-6),
                 fk.silu_mul(gate_up))
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = capture_cuda_graph(step)
     fresh = rope_case(dtype, 1, 1, 12, 2, 128, cap=16, seed=9)
     for dst, src in zip(static, [*fresh[:5], fresh[7], randn(g, 1, 1, 1536, dtype=dtype),
                                  randn(g, 1, 1, 1536, dtype=dtype), randn(g, 1, 1, 2 * 8960, dtype=dtype)]):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from tests.conftest import interpreter_broken, run_in_triton_interpreter  # noqa: E402
+from tests.conftest import capture_cuda_graph, interpreter_broken, run_in_triton_interpreter  # noqa: E402
 from tests.kernels.test_fused import DEVICE, DTYPES, INTERPRET, gen, needs_kernel, randn  # noqa: E402
 from redwood.kernels import gemv  # noqa: E402
 from redwood.models.transformer import RMSNorm  # noqa: E402
@@ -299,14 +299,7 @@ def test_cuda_graph_capture():
     def step():
         return gemv.linear(x, wgu, norm=(nw, 1e-6), silu_mul=True), gemv.linear(x, w, residual=r)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        act, _ = step()
+    graph, (act, _) = capture_cuda_graph(step)
     x.copy_(randn(g, 1, 1536, dtype=dtype))
     r.copy_(randn(g, 1, 1536, dtype=dtype))
     r0 = r.clone()
