@@ -258,8 +258,7 @@ class Transformer(nn.Module):
             layers.append({"qkv": gemv.quantize_int8(attn.qkv[0]), "o": gemv.quantize_int8(attn.o_proj.weight),
                            "gate_up": gemv.quantize_int8(mlp.gate_up[0]),
                            "down": gemv.quantize_int8(mlp.down_proj.weight)})
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.skinny_int8 = {"layers": layers, "lm_head": gemv.quantize_int8(head)}
+        self.skinny_int8 = {"layers": layers, "lm_head": gemv.quantize_int8(self.head_weight)}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -286,9 +285,13 @@ class Transformer(nn.Module):
             raise ConfigError("the Triton attention kernel needs a CUDA device and an importable triton")
         return "reference"
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight [V, H]: the embeddings when they are tied."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(hidden), weight)
+        return F.linear(self.norm(hidden), self.head_weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 new_mask: torch.Tensor | None = None, logits_at: torch.Tensor | None = None,
@@ -334,8 +337,7 @@ class Transformer(nn.Module):
             idx = logits_at[..., None].expand(-1, -1, h.shape[-1])
             h, residual = torch.gather(h, 1, idx), torch.gather(residual, 1, idx)
         normed, _ = fused_kernels.add_rms_norm(h, residual, self.norm.weight, self.norm.eps)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(normed, weight).float()
+        return F.linear(normed, self.head_weight).float()
 
 
     def _forward_skinny(self, x, cos, sin, cache, slots, meta, logits_at):
@@ -344,8 +346,7 @@ class Transformer(nn.Module):
             x = layer.forward_skinny(x, cos, sin, cache, slots, meta, q8["layers"][i] if q8 else None)
         if logits_at is not None:
             x = torch.gather(x, 1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
-        weight, scale = q8["lm_head"] if q8 else (self.embed_tokens.weight if self.lm_head is None
-                                                   else self.lm_head.weight, None)
+        weight, scale = q8["lm_head"] if q8 else (self.head_weight, None)
         return gemv.linear(x, weight, scale=scale, norm=(self.norm.weight, self.norm.eps)).float()
 
 
