@@ -135,7 +135,8 @@ def main() -> None:
         def ours(i, cfg=None):
             w, scale = qs[i]
             if "rope" in op:
-                return qkv_rope.qkv_rope_write(x, w, b, scale=scale, norm=kw["norm"], config=cfg, **rope)
+                return qkv_rope.qkv_rope_write(x.view(1, 1, K), w, b, scale=scale, norm=kw["norm"], config=cfg,
+                                               **rope)
             return gemv.linear(x, w, b, scale=scale, residual=r if op == "residual" else None, config=cfg, **kw)
 
         cublas = graph_time_us(lambda i: F.linear(x, ws[i], b), copies, calls)

@@ -81,7 +81,7 @@ def test_leading_dims_and_strided_rows(dtype):
 @pytest.mark.parametrize("M", [1, 4])
 def test_norm_folded_in(dtype, N, K, M):
     """linear(x, W, norm=(g, eps)) == RMSNorm(x) @ Wᵀ with the norm in float64 (not rounded between;
-    2-8 rows round x_k · g_k to the dot's 16-bit operands: a second rounding, so 2 ulp)."""
+    2-8 rows feed x_k · g_k to the 16-bit dot as hi + lo parts, ~16 bits: within the same bound)."""
     g = gen(11)
     x = randn(g, M, K, dtype=dtype, scale=4.0)
     w = randn(g, N, K, dtype=dtype, scale=K ** -0.5)
@@ -91,7 +91,7 @@ def test_norm_folded_in(dtype, N, K, M):
     out = gemv.linear(x, w, norm=(norm.weight, norm.eps))
     xd = x.double()
     normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.double()
-    check(out, F.linear(normed, w.double()).to(dtype), ulps=1 if M == 1 else 3)
+    check(out, F.linear(normed, w.double()).to(dtype), ulps=1 if M == 1 else 2)
 
 
 @needs_kernel
@@ -107,7 +107,10 @@ def test_residual_epilogue_updates_in_place(dtype, N, K, M):
     out = gemv.linear(x, w, residual=r)
     assert out is r
     y = reference_linear(x, w)
-    check(r, before + y)  # r + y rounds as eager does, on a y that may be one ulp off
+    # r + y rounds as eager does, on a y that may be one ulp off: where r + y cancels, that ulp of |y| is
+    # all the difference (larger than an ulp of the small sum)
+    torch.testing.assert_close(r.float(), (before + y).float(), rtol=ULP[dtype],
+                               atol=ULP[dtype] * y.abs().max().item() + 2e-5)
 
 
 @needs_kernel
@@ -160,7 +163,7 @@ def test_int8_weights(dtype, op, M):
         nw = randn(g, K, dtype=dtype)
         out = gemv.linear(x, q, b, scale=scale, norm=(nw, 1e-6))
         xd = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.double()
-        check(out, F.linear(xd, w, b.double()).to(dtype), ulps=1 if M == 1 else 3)
+        check(out, F.linear(xd, w, b.double()).to(dtype), ulps=1 if M == 1 else 2)
     elif op == "residual":
         r = randn(g, M, N, dtype=dtype)
         expect = r + F.linear(xd, w, b.double()).to(dtype)

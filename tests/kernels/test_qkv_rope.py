@@ -14,6 +14,7 @@ triton = pytest.importorskip("triton")
 
 from tests.conftest import interpreter_broken, run_in_triton_interpreter  # noqa: E402
 from tests.kernels.test_fused import DEVICE, DTYPES, INTERPRET, gen, needs_kernel, randn  # noqa: E402
+from tests.kernels.test_gemv import ULP  # noqa: E402
 from redwood.kernels import gemv, qkv_rope  # noqa: E402
 
 if INTERPRET and (why := interpreter_broken()):  # the K loop's bound is a kernel argument
@@ -46,7 +47,8 @@ def rope_case(dtype, Hq, Hkv, D, H, cap, seed, int8=False):
 @pytest.mark.parametrize("int8", [False, True])
 def test_qkv_rope_write_equals_linear_then_rope_and_write(dtype, Hq, Hkv, D, H, int8):
     """One kernel == gemv.linear (norm folded, bias) followed by fused.rope_and_write, same tile config:
-    the same sums, rounded and rotated the same way (bit for bit); only the token's slot is written."""
+    the same sums, rounded and rotated the same way (bit for bit in the interpreter, within an ulp
+    compiled); only the token's slot is written."""
     from redwood.kernels import fused
 
     cap = 12
@@ -62,12 +64,16 @@ def test_qkv_rope_write_equals_linear_then_rope_and_write(dtype, Hq, Hkv, D, H, 
     q_ref = fused.rope_and_write(qkv[..., :nq].reshape(shape), qkv[..., nq:nq + nk].reshape(shape),
                                  qkv[..., nq + nk:].reshape(shape), cos, sin, kc2, vc2, slots)
     assert q.shape == (1, Hq, 1, D)
-    if dtype == torch.float32 and not INTERPRET:  # fp32 rotation may contract to an FMA on the GPU
-        torch.testing.assert_close(q, q_ref, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(kc, kc2, rtol=1e-6, atol=1e-6)
-    else:
+    if INTERPRET:  # numpy sums in one order: the same bits
         assert torch.equal(q, q_ref) and torch.equal(kc, kc2)
-    assert torch.equal(vc, vc2)
+    else:  # compiled reductions sum in a layout-dependent order: a projection may land one ulp away,
+        # which the rotation carries (x1·c − x2·s: up to an ulp of the head's largest value)
+        for got, ref in ((q, q_ref), (kc, kc2), (vc, vc2)):
+            tol = 2 * ULP[dtype] * ref.abs().amax(-1, keepdim=True)
+            assert ((got.float() - ref.float()).abs() <= tol).all()
+            assert (got != ref).float().mean() < 0.05  # nearly all the same bits
+    if INTERPRET:
+        assert torch.equal(vc, vc2)
 
 
 @needs_kernel

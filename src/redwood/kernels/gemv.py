@@ -127,13 +127,13 @@ def _gemv_kernel(X, W, SCALE, BIAS, NW, RES, OUT, N, K, stride_w, inv_k, eps,
 @_jit
 def _rows_kernel(X, W, SCALE, BIAS, NW, RES, OUT, M, N, K, stride_x, stride_w, stride_r, stride_o, inv_k, eps,
                  QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESID: tl.constexpr,
-                 SILU: tl.constexpr, ROUND: tl.constexpr, INTERP: tl.constexpr, DOT: tl.constexpr,
-                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SILU: tl.constexpr, ROUND: tl.constexpr, INTERP: tl.constexpr, SPLIT: tl.constexpr,
+                 DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  STAGES: tl.constexpr):
     """2-8 activation rows: program p computes out[:, p*BLOCK_N : (p+1)*BLOCK_N] with tl.dot over tiles
     x [BLOCK_M = 16, BLOCK_K] (rows past M are zeros) · W [BLOCK_N, BLOCK_K]ᵀ, operands in DOT (the model
-    dtype; float32 in the interpreter). The fused ops as in _gemv_kernel, per row; the folded norm rounds
-    x_k · g_k to DOT (the dot's operand) where the one-row kernel keeps it in float32."""
+    dtype; float32 in the interpreter). The fused ops as in _gemv_kernel, per row; with the folded norm,
+    x_k · g_k is not a DOT value: it enters as two (SPLIT, see _rows_tile)."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     r_ok = rows < M
@@ -147,12 +147,12 @@ def _rows_kernel(X, W, SCALE, BIAS, NW, RES, OUT, M, N, K, stride_x, stride_w, s
     ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     if STAGES > 1:
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            acc, acc2, ss = _rows_tile(xp, NW, p1, p2, r_ok, c_ok, k0, K, acc, acc2, ss, NORM, SILU, DOT,
-                                       PRECISION, BLOCK_K)
+            acc, acc2, ss = _rows_tile(xp, NW, p1, p2, r_ok, c_ok, k0, K, acc, acc2, ss, NORM, SILU, SPLIT,
+                                       DOT, PRECISION, BLOCK_K)
     else:
         for k0 in range(0, K, BLOCK_K):
-            acc, acc2, ss = _rows_tile(xp, NW, p1, p2, r_ok, c_ok, k0, K, acc, acc2, ss, NORM, SILU, DOT,
-                                       PRECISION, BLOCK_K)
+            acc, acc2, ss = _rows_tile(xp, NW, p1, p2, r_ok, c_ok, k0, K, acc, acc2, ss, NORM, SILU, SPLIT,
+                                       DOT, PRECISION, BLOCK_K)
     if QUANT:
         acc = acc * tl.load(SCALE + cols, mask=c_ok, other=0.0)[None, :]
         if SILU:
@@ -177,21 +177,29 @@ def _rows_kernel(X, W, SCALE, BIAS, NW, RES, OUT, M, N, K, stride_x, stride_w, s
 
 @_jit
 def _rows_tile(xp, NW, p1, p2, r_ok, c_ok, k0, K, acc, acc2, ss, NORM: tl.constexpr, SILU: tl.constexpr,
-               DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One K tile of _rows_kernel."""
+               SPLIT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K tile of _rows_kernel. SPLIT: x (float32 after the folded norm) enters the 16-bit dot as
+    hi + lo, two DOT values (hi = x rounded, lo = the remainder rounded): ~16 significant bits of x
+    instead of 8, as exact as the one-row kernel's float32 sums to within float32 accumulation. The
+    second dot costs tensor-core time only, which these memory-bound tiles have to spare."""
     ks = k0 + tl.arange(0, BLOCK_K)
     k_ok = ks < K
     x = tl.load(xp + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
     if NORM:
         ss += x * x
         x = x * tl.load(NW + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-    x = x.to(DOT)
+    hi = x.to(DOT)
+    lo = (x - hi.to(tl.float32)).to(DOT)  # unused (and dropped by the compiler) unless SPLIT
     w_ok = c_ok[:, None] & k_ok[None, :]
-    w = tl.load(p1 + ks[None, :], mask=w_ok, other=0.0).to(tl.float32).to(DOT)  # int8 → DOT is exact
-    acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    w = tl.trans(tl.load(p1 + ks[None, :], mask=w_ok, other=0.0).to(tl.float32).to(DOT))  # int8 → DOT: exact
+    acc = tl.dot(hi, w, acc, input_precision=PRECISION)
+    if SPLIT:
+        acc = tl.dot(lo, w, acc, input_precision=PRECISION)
     if SILU:
-        u = tl.load(p2 + ks[None, :], mask=w_ok, other=0.0).to(tl.float32).to(DOT)
-        acc2 = tl.dot(x, tl.trans(u), acc2, input_precision=PRECISION)
+        u = tl.trans(tl.load(p2 + ks[None, :], mask=w_ok, other=0.0).to(tl.float32).to(DOT))
+        acc2 = tl.dot(hi, u, acc2, input_precision=PRECISION)
+        if SPLIT:
+            acc2 = tl.dot(lo, u, acc2, input_precision=PRECISION)
     return acc, acc2, ss
 
 
@@ -284,7 +292,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             x2, weight, scale if int8 else weight, bias if bias is not None else weight, nw, o2, o2, M, N, K,
             x2.stride(0), weight.stride(0), o2.stride(0), o2.stride(0), _inv(K), eps, QUANT=int8,
             HAS_BIAS=bias is not None, NORM=norm is not None, RESID=residual is not None, SILU=silu_mul,
-            ROUND=rnd, INTERP=_INTERPRET, DOT=dot, PRECISION="ieee" if dot == tl.float32 else "tf32",
+            ROUND=rnd, INTERP=_INTERPRET, SPLIT=norm is not None and dot != tl.float32, DOT=dot,
+            PRECISION="ieee" if dot == tl.float32 else "tf32",
             BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps,
         )
         return out

@@ -1,8 +1,9 @@
 """One token's fused q/k/v projection with rotate-half RoPE and the K/V cache write folded in: the
 first kernel of a skinny decoder layer (see redwood.kernels.gemv, whose row sums it shares).
 
-Bit-identical in bf16 / fp16 to `gemv.linear(x, Wqkv, b, norm=…)` followed by
-`redwood.kernels.fused.rope_and_write` with the same tile config. Graph-capturable.
+The same arithmetic as `gemv.linear(x, Wqkv, b, norm=…)` followed by
+`redwood.kernels.fused.rope_and_write` with the same tile config (bit-identical in Triton's interpreter;
+compiled, the float32 sums may run in another order, so a value may sit one ulp away). Graph-capturable.
 """
 
 from __future__ import annotations
