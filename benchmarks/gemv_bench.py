@@ -100,6 +100,9 @@ def main() -> None:
     ap.add_argument("--write", type=Path, help="folder to write this GPU's table of best configs into")
     ap.add_argument("--int8", action="store_true", help="also time int8 weights (per-row scales)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1], help="activation rows to time (1-8; default 1)")
+    ap.add_argument("--only", default="", help="matrices whose name contains this (e.g. '0.5b', 'lm_head')")
+    ap.add_argument("--weights", choices=("all", "float", "int8"), default="all",
+                    help="with --int8: time only these weights (default: bf16 and int8)")
     ap.add_argument("--max-rows", type=int, default=None,
                     help="with --write: the table's max_rows (the model's skinny path takes forwards of up to "
                          "this many tokens; set it from decode_step.py --skinny-rows; default: keep the file's)")
@@ -108,7 +111,12 @@ def main() -> None:
     bw = copy_bandwidth(dev)
     table, tuned = [], []
     kinds = ("float", "int8") if args.int8 else ("float",)
-    for (name, N, K, op), kind, M in itertools.product(MATRICES, kinds, args.rows):
+    kinds = tuple(k for k in kinds if args.weights in ("all", k))
+    matrices = [m for m in MATRICES if args.only in m[0]]
+    if not matrices or not kinds:
+        ap.error(f"nothing to time: --only {args.only!r} matches none of {[m[0] for m in MATRICES]}, or "
+                 "--weights int8 without --int8")
+    for (name, N, K, op), kind, M in itertools.product(matrices, kinds, args.rows):
         if M > 1:
             op = op.replace("+rope", "")  # the rope fusion is for one token
         silu = "silu" in op
