@@ -107,15 +107,15 @@ def main() -> None:
                     help="with --write: the table's max_rows (the model's skinny path takes forwards of up to "
                          "this many tokens; set it from decode_step.py --skinny-rows; default: keep the file's)")
     args = ap.parse_args()
-    dev = torch.device("cuda")
-    bw = copy_bandwidth(dev)
-    table, tuned = [], []
     kinds = ("float", "int8") if args.int8 else ("float",)
     kinds = tuple(k for k in kinds if args.weights in ("all", k))
     matrices = [m for m in MATRICES if args.only in m[0]]
     if not matrices or not kinds:
         ap.error(f"nothing to time: --only {args.only!r} matches none of {[m[0] for m in MATRICES]}, or "
                  "--weights int8 without --int8")
+    dev = torch.device("cuda")
+    bw = copy_bandwidth(dev)
+    table, tuned = [], []
     for (name, N, K, op), kind, M in itertools.product(matrices, kinds, args.rows):
         if M > 1:
             op = op.replace("+rope", "")  # the rope fusion is for one token
