@@ -407,3 +407,44 @@ def test_mixed_greedy_and_sampled_rows(target_llm, draft_llm, ar_outputs, monkey
         alone, _ = run_speculative(target_llm, drafter, prompts[1:], sampled, 3, monkeypatch)
         assert [r.output_ids for r in requests[1:]] == [r.output_ids for r in alone]
         assert_target_cache_is_autoregressive(target_llm.model, cache, requests)
+
+
+@pytest.mark.parametrize("mode", ["autoregressive", "self", "standalone"])
+def test_timings_leave_out_one_time_graph_captures(mode, target_llm, draft_llm, monkeypatch):
+    """A graph capture (here: a forward that takes CAPTURE_S longer once and books it as the pool's
+    capture time, as StepRunner does on CUDA) is charged to no decode, step, draft or verify time — on
+    the eager / split path, where captures happen inside steps, as on the whole-step graph path."""
+    import time
+
+    from redwood.engine.runner import RunnerPool, StepRunner
+
+    CAPTURE_S = 1.0
+    forward = StepRunner.forward
+    first = [True]
+
+    def forward_capturing_once(self, *args, **kwargs):
+        if first[0]:
+            first[0] = False
+            time.sleep(CAPTURE_S)
+            pool.capture_s += CAPTURE_S  # (eager runners have no owner; the engine reads the pool's)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(StepRunner, "forward", forward_capturing_once)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 30, 21)]
+    requests = make_requests(FINISH_PROMPTS, params, target_llm.config, target_llm.tokenizer)
+    pool = RunnerPool(use_graphs=False)
+    if mode == "autoregressive":
+        steps = autoregressive(target_llm.model, requests, pool)
+    else:
+        drafter = make_drafter(mode, "streaming" if mode == "self" else "full", target_llm, draft_llm)
+        steps = speculative(target_llm.model, drafter, requests, Tree.chain(3), pool=pool)
+    t0 = time.perf_counter()
+    for _ in steps:
+        pass
+    assert not first[0] and pool.capture_s == CAPTURE_S
+    assert time.perf_counter() - t0 > CAPTURE_S  # the capture did happen in this generation
+    for r in requests:
+        assert 0 < r.stats.decode_s < CAPTURE_S
+        if mode != "autoregressive":
+            spec = r.stats.spec
+            assert 0 < spec.step_s < CAPTURE_S and spec.draft_s + spec.verify_s < CAPTURE_S

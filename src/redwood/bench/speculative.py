@@ -114,14 +114,11 @@ def sampling_params(batch_size: int, gen_len: int, temperature: float = 0.0, top
             for b in range(batch_size)]
 
 
-def aggregate_spec(requests: Sequence[RequestState], capture_s: float = 0.0) -> dict[str, Any]:
-    """Speculation stats over all rows: rates from summed counts; draft / verify time of the batch.
-
-    capture_s: one-time CUDA-graph capture inside this run's steps (every row was live in the first
-    steps, where shapes are new): taken out of each row's step time, and out of the draft time when
-    the draft is timed apart (the split path: there only the draft's forwards are captured)."""
+def aggregate_spec(requests: Sequence[RequestState]) -> dict[str, Any]:
+    """Speculation stats over all rows: rates from summed counts; draft / verify time of the batch
+    (the engine's timings already leave out one-time CUDA-graph captures)."""
     specs = [r.stats.spec for r in requests if r.stats.spec is not None]
-    step_s = [max(0.0, s.step_s - capture_s) for s in specs]
+    step_s = [s.step_s for s in specs]
     draft_s = max((s.draft_s for s in specs), default=0.0)
     steps = sum(s.steps for s in specs)
     drafted = sum(s.drafted for s in specs)
@@ -135,7 +132,7 @@ def aggregate_spec(requests: Sequence[RequestState], capture_s: float = 0.0) -> 
         "accepted_per_step": accepted / steps if steps else 0.0,
         "acceptance_by_position": [a / steps for a in at] if steps else [],
         # every active row shares each step's draft and verify forward: the batch's time is the longest row's
-        "draft_s": max(0.0, draft_s - capture_s) if draft_s > 0 else 0.0,
+        "draft_s": draft_s,
         "verify_s": max((s.verify_s for s in specs), default=0.0),
         # (0 / 0 above when each step ran as one CUDA graph: then only whole steps are timed)
         "step_s": max(step_s, default=0.0),
@@ -165,10 +162,10 @@ def measure(llm, prompts: list[list[int]], params: list[SamplingParams], drafter
         pass
     sync(device)
     wall = time.perf_counter() - t0
-    # CUDA-graph capture of a new step shape happens once per process, inside the first decode steps:
-    # a one-time cost like compilation, reported apart and not charged to decoding.
+    # CUDA-graph capture of a new step shape happens once per process, in the first decode steps: a
+    # one-time cost like compilation, which the engine leaves out of decode and step times; reported apart.
     capture_s = getattr(llm.runners, "capture_s", 0.0) - captured_before
-    decode_s = max(r.stats.decode_s for r in requests) - capture_s
+    decode_s = max(r.stats.decode_s for r in requests)
     decoded = sum(len(r.output_ids) - 1 for r in requests)
     computed, partial, reused = (b - a for a, b in zip(counts, llm.runners.prefills.snapshot()))
     out: dict[str, Any] = {
@@ -185,7 +182,7 @@ def measure(llm, prompts: list[list[int]], params: list[SamplingParams], drafter
     if device.type == "cuda":
         out["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(device))
     if drafter is not None:
-        out.update(aggregate_spec(requests, capture_s))
+        out.update(aggregate_spec(requests))
     return out
 
 

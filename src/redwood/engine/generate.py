@@ -196,13 +196,15 @@ def autoregressive(model: Transformer, requests: list[RequestState],
     """
     device = model.device
     sampler = Sampler([r.params for r in requests], device)
-    runner = (pool or RunnerPool(use_graphs=False)).get("target", model, len(requests), cache_capacity(requests))
+    pool = pool or RunnerPool(use_graphs=False)
+    runner = pool.get("target", model, len(requests), cache_capacity(requests))
     cache = runner.cache
     t0 = time.perf_counter()
     logits = prefill(model, cache, [r.prompt_ids for r in requests])
     tokens = sampler.sample(logits)
     token_list = tokens.tolist()
     t1 = time.perf_counter()
+    captured_at_t1 = pool.capture_s  # decode times leave out one-time graph captures (the first step's)
     for r in requests:
         r.stats.prefill_s = t1 - t0
     active = cache.live  # 1 per row still generating: what each step commits, and whom attention reads
@@ -213,7 +215,7 @@ def autoregressive(model: Transformer, requests: list[RequestState],
                 updated.append(b)
                 if r.append(token_list[b]):
                     active[b] = 0
-                    r.stats.decode_s = time.perf_counter() - t1
+                    r.stats.decode_s = time.perf_counter() - t1 - (pool.capture_s - captured_at_t1)
         yield updated
         if all(r.finished for r in requests):
             return

@@ -57,7 +57,7 @@ class RequestStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     prefill_s: float = 0.0
-    decode_s: float = 0.0
+    decode_s: float = 0.0  # first token to last, less one-time CUDA-graph captures (as step/draft/verify_s)
     spec: SpecStats | None = None
 
     @property

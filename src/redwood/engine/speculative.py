@@ -138,6 +138,7 @@ def speculative(target: Transformer, drafter: Drafter, requests: list[RequestSta
     prev = torch.tensor([p[-1] for p in prompts], device=device)
     last_list = last.tolist()
     t1 = time.perf_counter()
+    captured_at_t1 = pool.capture_s
     for r in requests:
         r.stats.prefill_s = t1 - t0
         r.stats.spec = SpecStats(gamma=tree.max_depth - 1, drafted_per_step=n - 1)
@@ -157,19 +158,23 @@ def speculative(target: Transformer, drafter: Drafter, requests: list[RequestSta
         step_fn, split = captured.replay, None
     else:
         split = SpecStep(target, runner, drafter, tree, kind, rule, sampler)
+    # Timings leave out one-time CUDA-graph captures (pool.capture_s grows by each one's seconds): the
+    # whole-step graph above, or, on the split path, forward graphs captured inside the first steps.
     while not all(r.finished for r in requests):
+        ca = pool.capture_s
         ta = time.perf_counter()
         if split is None:
             path, accepted, nxt, prev, host = step_fn(prev, last)
             host_list = host.tolist()  # the step's one host synchronization
             tb = tc = time.perf_counter()
+            cb = cc = pool.capture_s
         else:
             tokens, q = split.draft(prev, last)
             sync(device)
-            tb = time.perf_counter()
+            tb, cb = time.perf_counter(), pool.capture_s
             path, accepted, nxt, prev, host = split.verify(tokens, q)
             host_list = host.tolist()
-            tc = time.perf_counter()
+            tc, cc = time.perf_counter(), pool.capture_s
         last = nxt
         updated = []
         # Slots each row commits: a + 1 (last and the path), fewer when the row finishes within the step
@@ -183,12 +188,12 @@ def speculative(target: Transformer, drafter: Drafter, requests: list[RequestSta
             a, nxt_b, path_b = host_list[b][0], host_list[b][1], host_list[b][2:]
             spec = r.stats.spec
             spec.record(a)
-            spec.draft_s += tb - ta if split is not None else 0.0
-            spec.verify_s += tc - tb
+            spec.draft_s += (tb - ta) - (cb - ca) if split is not None else 0.0
+            spec.verify_s += (tc - tb) - (cc - cb)
             for tok in path_b[1: a + 1] + [nxt_b]:
                 kept[b] += 1
                 if r.append(tok):
-                    r.stats.decode_s = time.perf_counter() - t1
+                    r.stats.decode_s = time.perf_counter() - t1 - (pool.capture_s - captured_at_t1)
                     cache.live[b] = 0  # later steps read none of this row's KV
                     break
         kept_t = torch.tensor(kept, device=device)
@@ -200,5 +205,5 @@ def speculative(target: Transformer, drafter: Drafter, requests: list[RequestSta
         # tokens, detokenizing for stop strings, queueing the commit) — as an AR step's time includes its own.
         t_end = time.perf_counter()
         for b in updated:
-            requests[b].stats.spec.step_s += t_end - ta
+            requests[b].stats.spec.step_s += (t_end - ta) - (pool.capture_s - ca)
         yield updated
