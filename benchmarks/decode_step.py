@@ -2,15 +2,17 @@
 ablation without staging real weights (time per step does not depend on the weights' values).
 
 Usage: PYTHONPATH=src python benchmarks/decode_step.py [--shape 1.5b|0.5b] [--context 128] [--batch 1]
-    [--tokens 1 5] [--quick] [--skinny-rows 8]
+    [--tokens 1 5] [--quick] [--skinny-rows 8] [--pdl]
 Prints, per variant (eager / graphs, reference / Triton attention, fused kernels on / off, skinny-matmul
 kernels on / off), the median time of one decode step, its tokens/s and its fraction of the weight-read
-floor, short table last. --quick: only the graphed variants with the Triton attention kernel.
+floor, short table last. --quick: only the graphed variants with the Triton attention kernel. --pdl: each
+graphed variant also with programmatic dependent launch (REDWOOD_PDL=1, redwood.kernels.pdl), side by side.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import torch
@@ -69,6 +71,8 @@ def main() -> None:
     ap.add_argument("--skinny-rows", type=int, default=None,
                     help="tokens per forward the skinny variants take through the skinny kernels (default: the "
                          "tuned table's max_rows); compare with --tokens 2 4 8 to choose max_rows")
+    ap.add_argument("--pdl", action="store_true",
+                    help="also time each graphed variant with programmatic dependent launch (REDWOOD_PDL=1)")
     args = ap.parse_args()
     bw = copy_bandwidth(torch.device("cuda"))
     # (fused projections + small-op kernels, attention backend, graphs, skinny-matmul kernels)
@@ -80,11 +84,15 @@ def main() -> None:
     for fuse in (False, True):
         model = random_model(fuse, SHAPES[args.shape])
         floor_ms = weight_bytes(model) / bw * 1e3
-        for _, backend, graphs, skinny in (v for v in variants if v[0] == fuse):
+        runs = [(*v, False) for v in variants if v[0] == fuse]
+        if args.pdl:
+            runs += [(*v, True) for v in variants if v[0] == fuse and v[2]]
+        for _, backend, graphs, skinny, use_pdl in runs:
             model.attention_backend = backend
             model.skinny = skinny
             if skinny and args.skinny_rows is not None:
                 model.skinny_rows = args.skinny_rows
+            os.environ["REDWOOD_PDL"] = "1" if use_pdl else "0"  # read when the runner captures its graphs
             cache = model.new_cache(args.batch, args.context + 512)
             cache.lengths.fill_(args.context)
             runner = StepRunner(model, cache, use_graphs=graphs)
@@ -93,7 +101,8 @@ def main() -> None:
                 pos = cache.lengths[:, None] + torch.arange(T, device="cuda")
                 ms = time_step(lambda: runner.forward(ids, pos))
                 rows.append((f"fused={'yes' if fuse else 'no'} attn={backend} graphs={'yes' if graphs else 'no'}"
-                             f"{' skinny' if skinny else ''}", T, ms, args.batch * 1e3 / ms, floor_ms / ms))
+                             f"{' skinny' if skinny else ''}{' pdl' if use_pdl else ''}", T, ms,
+                             args.batch * 1e3 / ms, floor_ms / ms))
                 print(rows[-1], flush=True)
         del model
         torch.cuda.empty_cache()

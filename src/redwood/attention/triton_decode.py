@@ -31,6 +31,7 @@ import math
 
 import torch
 
+from redwood.kernels import pdl
 from redwood.kernels.triton_import import INTERPRET as _INTERPRET
 from redwood.kernels.triton_import import jit as _jit
 from redwood.kernels.triton_import import tl, triton
@@ -76,8 +77,11 @@ def _split_kv_kernel(
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_VIEW: tl.constexpr, HAS_NEW_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_LIVE: tl.constexpr,
-    SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # redwood.kernels.pdl: everything here depends on earlier kernels (q, the cache): wait first
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     mt = tl.program_id(0)
     split = tl.program_id(1)
     bh = tl.program_id(2)
@@ -183,8 +187,12 @@ def _split_kv_kernel(
 
 @_jit
 def _merge_kernel(WS_ACC, WS_M, WS_L, OUT, n_rows, num_splits,
-                  D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                  D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                  PDL: tl.constexpr):
     """Combine the num_splits partials of BLOCK_R output rows (b, t, hq) into OUT [n_rows, D]."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = rows < n_rows
     offs_d = tl.arange(0, BLOCK_D)
@@ -323,19 +331,23 @@ def decode_attention(q, k_cache, v_cache, lengths, *, pending=0, new_mask=None, 
     else:
         ws_acc = ws_m = ws_l = out  # unused
     upcast = _INTERPRET and q.dtype == torch.bfloat16
+    use_pdl = pdl.enabled(q.device)
     _split_kv_kernel[(m_tiles, num_splits, B * Hkv)](
         q, k_cache, v_cache, lengths, live if live is not None else lengths, nm, ci, cv, qp, out, ws_acc, ws_m, ws_l,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *nm_strides, *ci_strides, *cv_strides, *qp_strides,
         _LOG2E / math.sqrt(D), sliding_window if has_window else 0, Hkv, T, pending, C, num_splits,
         G=G, D=D, HAS_VIEW=has_view, HAS_NEW_MASK=new_mask is not None, HAS_WINDOW=has_window,
-        HAS_LIVE=live is not None, SPLIT=split, UPCAST=upcast, PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", **cfg,
+        HAS_LIVE=live is not None, SPLIT=split, UPCAST=upcast,
+        PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", PDL=use_pdl, **cfg,
+        **pdl.launch_options(use_pdl),
     )
     if split:
         n_rows = B * T * Hq
         block_r = _merge_rows(n_rows, _num_sms(q.device))
         _merge_kernel[(triton.cdiv(n_rows, block_r),)](
             ws_acc, ws_m, ws_l, out, n_rows, num_splits, D=D, BLOCK_R=block_r,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=cfg["BLOCK_D"], num_warps=4)
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=cfg["BLOCK_D"], PDL=use_pdl, num_warps=4,
+            **pdl.launch_options(use_pdl))
     return out
 
 

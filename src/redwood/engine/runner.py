@@ -30,6 +30,7 @@ from contextlib import contextmanager
 
 import torch
 
+from redwood.kernels import pdl
 from redwood.kv.cache import KVCache
 from redwood.kv.prefix import PrefillCounts, PrefixMemory
 from redwood.kv.policies import DraftKVPolicy
@@ -128,15 +129,21 @@ class StepRunner:
 
 
 def _warm_up_and_capture(graph: torch.cuda.CUDAGraph, pool, run: Callable[[], object]):
-    """Run `run` twice on a side stream (lazy initialization, Triton compilation), then capture it."""
+    """Run `run` twice on a side stream (lazy initialization, Triton compilation), then capture it.
+
+    Both under `pdl.launches()`: where REDWOOD_PDL=1 asks for it (redwood.kernels.pdl), the Triton
+    kernels are launched with programmatic dependent launch — compiled and loaded in the warm-up, so the
+    capture only records them. The callers synchronized the device first, so weights written before
+    (loading, quantization) are settled: the kernels read their first weight tile before waiting."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            run()
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph, pool=pool):
-        return run()
+    with pdl.launches():
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph, pool=pool):
+            return run()
 
 
 class CapturedStep:

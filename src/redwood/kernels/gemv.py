@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from redwood.kernels.fused import _INTERPRET, _inv, _rms_scale, _round, _rounding, _silu_mul
+from redwood.kernels import pdl
 from redwood.kernels.fused import available as _fused_available
 from redwood.kernels.skinny_configs import Config, config_for
 from redwood.kernels.triton_import import jit as _jit
@@ -51,24 +52,35 @@ def available(device: torch.device | str, force_interpreter: bool = False) -> bo
 @_jit
 def _row_sums(X, W, SCALE, BIAS, NW, rows, rows2, ok, K, stride_w, inv_k, eps,
               QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, TWO: tl.constexpr,
-              INTERP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+              INTERP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+              PDL: tl.constexpr):
     """Σ_k x'[k] · W[r, k] (+ bias[r]) in float32 for the weight rows `rows` [BLOCK_N] (and `rows2`
     when TWO), over W tiles [BLOCK_N, BLOCK_K]; rows where `ok` is False read nothing.
 
     x' = x, or with NORM its RMSNorm folded in without a second pass over x:
     Σ_k (x_k · s · g_k) · W[r, k] = s · Σ_k (x_k · g_k) · W[r, k], the row's mean square (→ s) summed in
     the same loop (x_k · g_k is exact in float32 for 16-bit inputs). QUANT: W holds int8 with a float32
-    scale per row, applied once to each row's sum."""
+    scale per row, applied once to each row's sum.
+    PDL (redwood.kernels.pdl): the first weight tile is loaded before waiting for the previous kernel
+    (weights are constant within a forward); everything else is read after the wait. Callers read and
+    write nothing before calling this."""
     p1 = W + rows.to(tl.int64)[:, None] * stride_w
     p2 = W + rows2.to(tl.int64)[:, None] * stride_w
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
     ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+    start = 0
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may be scheduled (it waits for us)
+        w0, u0 = _weight_tile(p1, p2, ok, 0, K, TWO, BLOCK_K)
+        tl.extra.cuda.gdc_wait()  # the previous kernel's writes (x, the norm's input) are visible now
+        acc, acc2, ss = _tile_with(X, NW, w0, u0, 0, K, acc, acc2, ss, NORM, TWO, BLOCK_K)
+        start = BLOCK_K
     if STAGES > 1:  # software-pipelined loads (tl.range); triton 3.6's interpreter cannot run tl.range
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        for k0 in tl.range(start, K, BLOCK_K, num_stages=STAGES):
             acc, acc2, ss = _tile(X, NW, p1, p2, ok, k0, K, acc, acc2, ss, NORM, TWO, BLOCK_K)
     else:
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(start, K, BLOCK_K):
             acc, acc2, ss = _tile(X, NW, p1, p2, ok, k0, K, acc, acc2, ss, NORM, TWO, BLOCK_K)
     if QUANT:
         acc = acc * tl.load(SCALE + rows, mask=ok, other=0.0)
@@ -86,36 +98,52 @@ def _row_sums(X, W, SCALE, BIAS, NW, rows, rows2, ok, K, stride_w, inv_k, eps,
 
 
 @_jit
-def _tile(X, NW, p1, p2, ok, k0, K, acc, acc2, ss,
-          NORM: tl.constexpr, TWO: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One K tile of _row_sums: the weight tile(s) [BLOCK_N, BLOCK_K] times x[k0 : k0 + BLOCK_K]."""
+def _weight_tile(p1, p2, ok, k0, K, TWO: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The weight tile(s) [BLOCK_N, BLOCK_K] at columns k0… of rows p1 (and p2 when TWO), as float32."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    w_ok = ok[:, None] & (ks < K)[None, :]
+    w = tl.load(p1 + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
+    u = w
+    if TWO:
+        u = tl.load(p2 + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
+    return w, u
+
+
+@_jit
+def _tile_with(X, NW, w, u, k0, K, acc, acc2, ss, NORM: tl.constexpr, TWO: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Add the weight tile(s) w (u) [BLOCK_N, BLOCK_K] times x[k0 : k0 + BLOCK_K] to acc (acc2)."""
     ks = k0 + tl.arange(0, BLOCK_K)
     k_ok = ks < K
     x = tl.load(X + ks, mask=k_ok, other=0.0).to(tl.float32)
     if NORM:
         ss += x * x
         x = x * tl.load(NW + ks, mask=k_ok, other=0.0).to(tl.float32)
-    w_ok = ok[:, None] & k_ok[None, :]  # [BLOCK_N, BLOCK_K]
-    w = tl.load(p1 + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
     acc += tl.sum(w * x[None, :], 1)
     if TWO:
-        u = tl.load(p2 + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
         acc2 += tl.sum(u * x[None, :], 1)
     return acc, acc2, ss
+
+
+@_jit
+def _tile(X, NW, p1, p2, ok, k0, K, acc, acc2, ss,
+          NORM: tl.constexpr, TWO: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K tile of _row_sums: the weight tile(s) [BLOCK_N, BLOCK_K] times x[k0 : k0 + BLOCK_K]."""
+    w, u = _weight_tile(p1, p2, ok, k0, K, TWO, BLOCK_K)
+    return _tile_with(X, NW, w, u, k0, K, acc, acc2, ss, NORM, TWO, BLOCK_K)
 
 
 @_jit
 def _gemv_kernel(X, W, SCALE, BIAS, NW, RES, OUT, N, K, stride_w, inv_k, eps,
                  QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESID: tl.constexpr,
                  SILU: tl.constexpr, ROUND: tl.constexpr, INTERP: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """Program p computes out[p*BLOCK_N : (p+1)*BLOCK_N] for one activation row x [K]; SILU: gate rows
     n and up rows N + n (N is then F and W has 2F rows) → silu(gate) * up."""
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     c_ok = cols < N
     acc, acc_up = _row_sums(X, W, SCALE, BIAS, NW, cols, N + cols, c_ok, K, stride_w, inv_k, eps,
-                            QUANT, HAS_BIAS, NORM, SILU, INTERP, BLOCK_N, BLOCK_K, STAGES)
+                            QUANT, HAS_BIAS, NORM, SILU, INTERP, BLOCK_N, BLOCK_K, STAGES, PDL)
     y = _round(acc, ROUND, INTERP)
     if SILU:  # F.silu(g) * u on the rounded projections
         y = _silu_mul(y, _round(acc_up, ROUND, INTERP), ROUND, INTERP)
@@ -128,12 +156,16 @@ def _gemv_kernel(X, W, SCALE, BIAS, NW, RES, OUT, N, K, stride_w, inv_k, eps,
 def _rows_kernel(X, W, SCALE, BIAS, NW, RES, OUT, M, N, K, stride_x, stride_w, stride_r, stride_o, inv_k, eps,
                  QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESID: tl.constexpr,
                  SILU: tl.constexpr, ROUND: tl.constexpr, INTERP: tl.constexpr, SPLIT: tl.constexpr,
-                 DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 STAGES: tl.constexpr):
+                 DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """2-8 activation rows: program p computes out[:, p*BLOCK_N : (p+1)*BLOCK_N] with tl.dot over tiles
     x [BLOCK_M = 16, BLOCK_K] (rows past M are zeros) · W [BLOCK_N, BLOCK_K]ᵀ, operands in DOT (the model
     dtype; float32 in the interpreter). The fused ops as in _gemv_kernel, per row; with the folded norm,
-    x_k · g_k is not a DOT value: it enters as two (SPLIT, see _rows_tile)."""
+    x_k · g_k is not a DOT value: it enters as two (SPLIT, see _rows_tile). PDL: waits for the previous
+    kernel before reading anything (no prefetch: this kernel is off by default, see skinny_configs)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     r_ok = rows < M
@@ -283,6 +315,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     M = x2.shape[0]
     block_n, block_k, warps, stages = config or config_for(N, K, silu_mul, x.device, int8, M)
     nw, eps = (norm[0].contiguous(), float(norm[1])) if norm is not None else (weight, 0.0)
+    use_pdl = pdl.enabled(x.device)
     if M > 1:
         dot = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(x.dtype, tl.float32)
         if _INTERPRET:
@@ -294,13 +327,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             HAS_BIAS=bias is not None, NORM=norm is not None, RESID=residual is not None, SILU=silu_mul,
             ROUND=rnd, INTERP=_INTERPRET, SPLIT=norm is not None and dot != tl.float32, DOT=dot,
             PRECISION="ieee" if dot == tl.float32 else "tf32",
-            BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps,
+            BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=use_pdl, num_warps=warps,
+            **pdl.launch_options(use_pdl),
         )
         return out
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x2, weight, scale if int8 else weight, bias if bias is not None else weight, nw, out, out, N, K,
         weight.stride(0), _inv(K), eps, QUANT=int8, HAS_BIAS=bias is not None, NORM=norm is not None,
         RESID=residual is not None, SILU=silu_mul,
-        ROUND=rnd, INTERP=_INTERPRET, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps,
+        ROUND=rnd, INTERP=_INTERPRET, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=use_pdl,
+        num_warps=warps, **pdl.launch_options(use_pdl),
     )
     return out

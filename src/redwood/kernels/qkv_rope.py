@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from redwood.kernels import pdl
 from redwood.kernels.fused import _INTERPRET, _inv, _round, _rounding
 from redwood.kernels.gemv import _row_sums, check_weights
 from redwood.kernels.skinny_configs import Config, config_for
@@ -22,7 +23,8 @@ def _qkv_rope_kernel(X, W, SCALE, BIAS, NW, COS, SIN, SLOTS, QO, KC, VC, K, stri
                      svc_h, svc_s, capacity, inv_k, eps,
                      HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, ROT_PROGRAMS: tl.constexpr,
                      QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, ROUND: tl.constexpr,
-                     INTERP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                     INTERP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                     PDL: tl.constexpr):
     """The fused q/k/v projection of one token with rotate-half RoPE and the cache write folded in.
 
     Rows of W: Hq query heads, then Hkv key heads, then Hkv value heads, D = 2·HALF rows each. The first
@@ -43,7 +45,8 @@ def _qkv_rope_kernel(X, W, SCALE, BIAS, NW, COS, SIN, SLOTS, QO, KC, VC, K, stri
         j = pair % HALF
         r1 = head * D + j
         x1, x2 = _row_sums(X, W, SCALE, BIAS, NW, r1, r1 + HALF, ok, K, stride_w, inv_k, eps,
-                           QUANT, HAS_BIAS, NORM, True, INTERP, BLOCK_N, BLOCK_K, STAGES)
+                           QUANT, HAS_BIAS, NORM, True, INTERP, BLOCK_N, BLOCK_K, STAGES, PDL)
+        slot, slot_ok = _slot(SLOTS, capacity, BLOCK_N)
         x1 = _round(x1, ROUND, INTERP)
         x2 = _round(x2, ROUND, INTERP)
         c1 = tl.load(COS + j).to(tl.float32)
@@ -64,10 +67,18 @@ def _qkv_rope_kernel(X, W, SCALE, BIAS, NW, COS, SIN, SLOTS, QO, KC, VC, K, stri
         i = (pid - ROT_PROGRAMS) * BLOCK_N + tl.arange(0, BLOCK_N)  # value row: head i // D, dim i % D
         ok = i < HKV * D
         v, _ = _row_sums(X, W, SCALE, BIAS, NW, (HQ + HKV) * D + i, i, ok, K, stride_w, inv_k, eps,
-                         QUANT, HAS_BIAS, NORM, False, INTERP, BLOCK_N, BLOCK_K, STAGES)
+                         QUANT, HAS_BIAS, NORM, False, INTERP, BLOCK_N, BLOCK_K, STAGES, PDL)
+        slot, slot_ok = _slot(SLOTS, capacity, BLOCK_N)
         v = _round(v, ROUND, INTERP)
         v_dst = VC + (i // D).to(tl.int64) * svc_h + slot * svc_s + i % D
         tl.store(v_dst, v.to(VC.dtype.element_ty), mask=ok & slot_ok)
+
+
+@_jit
+def _slot(SLOTS, capacity, BLOCK_N: tl.constexpr):
+    """The token's cache slot as a [BLOCK_N] vector (a mask operand) and whether it is in the cache."""
+    slot = tl.load(SLOTS).to(tl.int64) + tl.zeros([BLOCK_N], dtype=tl.int64)
+    return slot, (slot >= 0) & (slot < capacity)
 
 
 def qkv_rope_write(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, cos: torch.Tensor,
@@ -107,12 +118,14 @@ def qkv_rope_write(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     rot_programs = triton.cdiv((num_heads + Hkv) * half, block_n)
     n_programs = rot_programs + triton.cdiv(Hkv * D, block_n)
     nw, eps = (norm[0].contiguous(), float(norm[1])) if norm is not None else (weight, 0.0)
+    use_pdl = pdl.enabled(x.device)
     _qkv_rope_kernel[(n_programs,)](
         x2, weight, scale if int8 else weight, bias if bias is not None else weight, nw, cos, sin, slots, qo,
         k_cache, v_cache, H, weight.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1),
         v_cache.stride(2), cap, _inv(H), eps, HQ=num_heads, HKV=Hkv, HALF=half, ROT_PROGRAMS=rot_programs,
         QUANT=int8,
         HAS_BIAS=bias is not None, NORM=norm is not None, ROUND=_rounding(x.dtype), INTERP=_INTERPRET,
-        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps,
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=use_pdl, num_warps=warps,
+        **pdl.launch_options(use_pdl),
     )
     return qo.transpose(1, 2)
