@@ -4,12 +4,13 @@
 # On the GPU machine, from the repo root, after staging the GGUF chunks as /root/stage/t?? (1.5B) and
 # /root/stage/d?? (0.5B), carrying .whl (the gguf wheel) and .stage/home (REDWOOD_HOME with the essays,
 # humaneval and mt-bench datasets):
-#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests kernels p1 steps p2 p3 p4 p5 summary
+#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests kernels pdl p1 steps p2 p3 p4 p5 summary
 # Each step writes JSON under $OUT and prints its tables; `summary` prints the short P1–P5 table last.
 # Settings (environment): P2_TEMPS, P2_GAMMAS, P2_DRAFT_WEIGHTS (bf16 int8), P2_ACC (a folder of acceptance vectors measured earlier with
 # the same models, [p2-]acc-<dataset>-t<temp>.json: reused instead of measured), P2_ACC_PROMPTS, P3_KV, P3_BATCH, P3_CONTEXT, P3_GAMMAS,
 # P3_GEN, P5_ACC (default: p2's HumanEval greedy vector), P5_BUDGETS, P5_DEPTH, P5_GEN, P5_TREE (extra
-# trees), GEMV_ARGS, GPU_TESTS, GPU_FLAGS. Each invocation must fit the machine's 10-minute call limit:
+# trees), GEMV_ARGS, GPU_TESTS, GPU_FLAGS; REDWOOD_PDL=1 runs every step's captured graphs with programmatic
+# dependent launch (redwood.kernels.pdl). Each invocation must fit the machine's 10-minute call limit:
 # e.g. `tests p1 steps` + greedy p2, then T = 0.6 p2 + p5, then p3 alone.
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
@@ -36,6 +37,10 @@ kernels)  # the skinny kernels vs cuBLAS (a sweep that merges into this GPU's ti
   run python3 benchmarks/decode_step.py --quick --tokens 1 2 5 8 --skinny-rows 8 2>&1 | tee "$OUT/decode-1.5b.txt" | tail -12
   run python3 benchmarks/decode_step.py --quick --shape 0.5b --tokens 1 2 5 --skinny-rows 8 2>&1 \
       | tee "$OUT/decode-0.5b.txt" | tail -10 ;;
+pdl)  # programmatic dependent launch (REDWOOD_PDL=1) vs plain launches, side by side in one process: decode
+     # steps of random 1.5B / 0.5B models, one token (AR, a draft level) and seven (a chain-6 verify)
+  run python3 benchmarks/decode_step.py --quick --pdl --tokens 1 7 2>&1 | tee "$OUT/pdl-1.5b.txt" | tail -8
+  run python3 benchmarks/decode_step.py --quick --pdl --shape 0.5b --tokens 1 2>&1 | tee "$OUT/pdl-0.5b.txt" | tail -6 ;;
 p1)  # batch-1 autoregressive decode vs the memory floor vs HF transformers, same weights, same run
   run $R bench ar --model "$T" $GPU --prompt-len 128 --gen-len 256 --repeats 3 --compare-hf --output "$OUT/p1" ;;
 steps)  # what one speculative step costs next to the forwards it runs (random 1.5B/0.5B-shaped models)
