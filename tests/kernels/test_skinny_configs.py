@@ -25,3 +25,11 @@ def test_tile_configs_from_the_table_else_the_heuristic():
     assert skinny_configs.heuristic_config(2048, 1536, rows=4)[0] >= 16  # tl.dot's minimum tile
     assert [skinny_configs.rows_bucket(m) for m in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
     assert skinny_configs.max_rows("cpu") == 1
+
+
+def test_int8_heuristic_agrees_with_the_h200_sweeps_on_the_large_matrices():
+    """The int8 rule for gate/up and LM-head-sized matrices is what the committed int8 sweeps chose."""
+    table = skinny_configs.tuned_configs("NVIDIA H200")
+    for N, K, silu in [(151936, 896, False), (151936, 1536, False), (4864, 896, True), (8960, 1536, True)]:
+        tuned = table[(N, K, silu, "int8", 1)]
+        assert skinny_configs.heuristic_config(N, K, silu, int8=True)[:2] == tuned[:2]
