@@ -38,9 +38,11 @@ kernels)  # the skinny kernels vs cuBLAS (a sweep that merges into this GPU's ti
   run python3 benchmarks/decode_step.py --quick --shape 0.5b --tokens 1 2 5 --skinny-rows 8 2>&1 \
       | tee "$OUT/decode-0.5b.txt" | tail -10 ;;
 pdl)  # programmatic dependent launch (REDWOOD_PDL=1) vs plain launches, side by side in one process: decode
-     # steps of random 1.5B / 0.5B models, one token (AR, a draft level) and seven (a chain-6 verify)
-  run python3 benchmarks/decode_step.py --quick --pdl --tokens 1 7 2>&1 | tee "$OUT/pdl-1.5b.txt" | tail -8
-  run python3 benchmarks/decode_step.py --quick --pdl --shape 0.5b --tokens 1 2>&1 | tee "$OUT/pdl-0.5b.txt" | tail -6 ;;
+     # steps of random 1.5B / 0.5B models, one token (AR, a draft level) and 2-8 (verifies; tree draft levels),
+     # the skinny variants taking up to 8 tokens (the tile kernel) next to cuBLAS
+  run python3 benchmarks/decode_step.py --quick --pdl --skinny-rows 8 --tokens 1 7 2>&1 | tee "$OUT/pdl-1.5b.txt" | tail -14
+  run python3 benchmarks/decode_step.py --quick --pdl --skinny-rows 8 --shape 0.5b --tokens 1 2 4 8 2>&1 \
+      | tee "$OUT/pdl-0.5b.txt" | tail -26 ;;
 p1)  # batch-1 autoregressive decode vs the memory floor vs HF transformers, same weights, same run
   run $R bench ar --model "$T" $GPU --prompt-len 128 --gen-len 256 --repeats 3 --compare-hf --output "$OUT/p1" ;;
 steps)  # what one speculative step costs next to the forwards it runs (random 1.5B/0.5B-shaped models)
