@@ -8,7 +8,8 @@ weights come from HBM, not L2 (≥ 256 MB per shape) — launch gaps inside a gr
 decode step. Usage:
     PYTHONPATH=src:. python benchmarks/gemv_bench.py [--sweep] [--int8] [--write src/redwood/kernels/gemv_configs]
 --int8 also times every matrix with int8 weights (per-row scales; `--draft-quant int8`), vs bf16 cuBLAS;
---rows 1 2 4 8 times 2-8 activation rows too (the tensor-core tile kernel). --write merges into the
+--rows 1 2 4 8 times 2-8 activation rows too (the CUDA-core rows kernel and the tensor-core tile kernel,
+whichever config wins). --write merges into the
 existing table; its max_rows (how many tokens the model's skinny path takes) is set with --max-rows from
 what `decode_step.py --skinny-rows` measures.
 Prints, per matrix: floor, cuBLAS, ours (table or heuristic config), best of the sweep (µs per
@@ -41,7 +42,10 @@ MATRICES = [
 ]
 ROPE_HEADS = {"1.5b": (12, 2, 128), "0.5b": (14, 2, 64)}  # (Hq, Hkv, D)
 SWEEP = dict(block_n=(1, 2, 4, 8, 16), block_k=(512, 1024, 2048, 4096), warps=(4, 8), stages=(1, 2))
-SWEEP_ROWS = dict(block_n=(16, 32, 64, 128), block_k=(64, 128, 256), warps=(4, 8), stages=(2, 3, 4))
+# 2-8 rows: GEMV-shaped configs (BLOCK_N < 16: the CUDA-core rows kernel) and a few tensor-core tiles
+# (BLOCK_N ≥ 16: the tile kernel, which lost to cuBLAS everywhere but o_proj in session 5's full sweep)
+SWEEP_ROWS_GEMV = dict(block_n=(2, 4, 8), block_k=(512, 1024, 2048), warps=(4, 8), stages=(1, 2))
+SWEEP_ROWS = dict(block_n=(16, 64), block_k=(64, 128), warps=(4,), stages=(3,))
 
 
 def graph_time_us(fn, copies: int, calls: int) -> float:
@@ -70,8 +74,11 @@ def table_json(device_name: str, entries: list[dict], max_rows: int = 1) -> str:
 
 
 def sweep_configs(silu: bool, rows: int = 1):
-    if rows > 1:  # tensor-core tiles: 16 activation rows × BLOCK_N weight rows
-        for bn, bk, nw, st in itertools.product(*SWEEP_ROWS.values()):
+    if rows > 1:
+        for bn, bk, nw, st in itertools.product(*SWEEP_ROWS_GEMV.values()):
+            if bn * bk * (2 if silu else 1) <= 64 * 32 * nw:
+                yield bn, bk, nw, st
+        for bn, bk, nw, st in itertools.product(*SWEEP_ROWS.values()):  # tensor-core tiles
             if bn * bk * (2 if silu else 1) <= 16384:
                 yield bn, bk, nw, st
         return

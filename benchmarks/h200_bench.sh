@@ -42,7 +42,9 @@ pdl)  # programmatic dependent launch (REDWOOD_PDL=1) vs plain launches, side by
      # the skinny variants taking up to 8 tokens (the tile kernel) next to cuBLAS
   run python3 benchmarks/decode_step.py --quick --pdl --skinny-rows 8 --tokens 1 7 2>&1 | tee "$OUT/pdl-1.5b.txt" | tail -14
   run python3 benchmarks/decode_step.py --quick --pdl --skinny-rows 8 --shape 0.5b --tokens 1 2 4 8 2>&1 \
-      | tee "$OUT/pdl-0.5b.txt" | tail -26 ;;
+      | tee "$OUT/pdl-0.5b.txt" | tail -26
+  # the 2-8-row kernels per matrix (heuristic config: the CUDA-core rows kernel) vs cuBLAS, no sweep
+  run python3 benchmarks/gemv_bench.py --rows 2 4 8 2>&1 | tee "$OUT/gemv-rows.txt" | tail -34 ;;
 p1)  # batch-1 autoregressive decode vs the memory floor vs HF transformers, same weights, same run
   run $R bench ar --model "$T" $GPU --prompt-len 128 --gen-len 256 --repeats 3 --compare-hf --output "$OUT/p1" ;;
 steps)  # what one speculative step costs next to the forwards it runs (random 1.5B/0.5B-shaped models)

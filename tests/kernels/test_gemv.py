@@ -130,6 +130,61 @@ def test_silu_mul_epilogue(dtype, F_, K, bias, M):
     check(out, ref, ulps=3)  # an ulp in g or u moves the product by up to ~2 ulp, plus its own rounding
 
 
+# 2-8 rows: the CUDA-core rows kernel (configs with BLOCK_N < 16) and the tensor-core tile kernel (≥ 16)
+ROWS_GEMV = (4, 32 if INTERPRET else 512, 4, 1)
+ROWS_TILE = (16, 32 if INTERPRET else 128, 4, 1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [2, 5, 8])
+def test_rows_kernel_rows_are_the_one_row_kernels(dtype, M):
+    """Each row through the CUDA-core rows kernel is that row through the one-row kernel with the same
+    config: the same tile sums in the same order (bit for bit in the interpreter; compiled, within an
+    ulp), with bias, SiLU·up and int8 weights."""
+    N, K = (40, 96) if INTERPRET else (1536, 1536)
+    g = gen(70 + M)
+    x = randn(g, M, K, dtype=dtype)
+    w = randn(g, 2 * N, K, dtype=dtype, scale=K ** -0.5)
+    b = randn(g, 2 * N, dtype=dtype)
+    cases = [dict(weight=w, bias=b), dict(weight=w, bias=b, silu_mul=True)]
+    if dtype != torch.float32:
+        q, sc = gemv.quantize_int8(w)
+        cases.append(dict(weight=q, bias=b, scale=sc))
+    for kw in cases:
+        rows = gemv.linear(x, config=ROWS_GEMV, **kw)
+        one = torch.cat([gemv.linear(x[i:i + 1], config=ROWS_GEMV, **kw) for i in range(M)])
+        if INTERPRET:
+            assert torch.equal(rows, one)
+        else:
+            check(rows, one)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", [ROWS_GEMV, ROWS_TILE], ids=["rows-gemv", "tile"])
+@pytest.mark.parametrize("M", [3, 8])
+def test_both_rows_kernels_with_every_fused_op(dtype, config, M):
+    """norm + bias + SiLU·up, and the residual epilogue, through either 2-8-row kernel (float64 refs)."""
+    N, K = (24, 80) if INTERPRET else (2048, 1536)
+    g = gen(80 + M)
+    x = randn(g, M, K, dtype=dtype, scale=3.0)
+    w = randn(g, 2 * N, K, dtype=dtype, scale=K ** -0.5)
+    b = randn(g, 2 * N, dtype=dtype)
+    nw = (torch.rand(K, generator=g) + 0.5).to(dtype).to(DEVICE)
+    out = gemv.linear(x, w, b, norm=(nw, 1e-6), silu_mul=True, config=config)
+    xd = x.double()
+    normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.double()
+    gu = F.linear(normed, w.double(), b.double()).to(dtype)
+    check(out, F.silu(gu[:, :N]) * gu[:, N:], ulps=4)
+    r = randn(g, M, 2 * N, dtype=dtype, scale=4.0)
+    before = r.clone()
+    assert gemv.linear(x, w, residual=r, config=config) is r
+    y = reference_linear(x, w)
+    torch.testing.assert_close(r.float(), (before + y).float(), rtol=ULP[dtype],
+                               atol=ULP[dtype] * y.abs().max().item() + 2e-5)
+
+
 def test_quantize_int8_rows():
     """Per-row symmetric int8: every weight within half a step of its row's scale; zero rows stay zero."""
     w = torch.randn(6, 50, generator=gen(40)) * torch.tensor([1e-3, 0.1, 1.0, 10.0, 0.0, 3.0])[:, None]

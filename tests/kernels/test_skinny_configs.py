@@ -22,7 +22,8 @@ def test_tile_configs_from_the_table_else_the_heuristic():
         assert len(cfg) == 4 and all(v > 0 and v & (v - 1) == 0 for v in cfg[:3]) and cfg[3] >= 1
     assert skinny_configs.config_for(2048, 1536, False, torch.device("cpu")) == skinny_configs.heuristic_config(2048, 1536)
     assert skinny_configs.config_for(2048, 1536, False, torch.device("cpu"), rows=3) == skinny_configs.heuristic_config(2048, 1536, rows=4)
-    assert skinny_configs.heuristic_config(2048, 1536, rows=4)[0] >= 16  # tl.dot's minimum tile
+    # 2-8 rows: the CUDA-core rows kernel (BLOCK_N < 16; the tile kernel only from a tuned table)
+    assert all(skinny_configs.heuristic_config(n, 1536, rows=4, int8=q)[0] < 16 for n in (2048, 151936) for q in (0, 1))
     assert [skinny_configs.rows_bucket(m) for m in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
     assert skinny_configs.max_rows("cpu") == 1
 

@@ -15,14 +15,16 @@ CUDA graph. `linear` reads each weight row once and folds the neighbours in:
 so a pre-norm layer for one token is four kernels (q/k/v with the input norm, RoPE and the cache write;
 o_proj with the residual; gate/up with the post-attention norm and SiLU; down with the residual) plus
 attention, instead of nine launches. One row runs a GEMV kernel (CUDA cores, many programs of a few
-weight rows); 2-8 rows a tile kernel (tl.dot over 16 padded activation rows × ≥ 16 weight rows).
+weight rows); 2-8 rows the same shape of kernel with every weight tile applied to each row in turn
+(configs with BLOCK_N < 16), or a tile kernel (tl.dot over 16 padded activation rows × ≥ 16 weight rows;
+configs with BLOCK_N ≥ 16) — the tuned table picks per shape.
 
 Rounding: products are accumulated in float32 (in another order than cuBLAS, so a bf16 output can sit
 one ulp from F.linear's where the float32 sum lands near a rounding boundary) and rounded to the dtype;
 the epilogue ops round as eager PyTorch does (`r + y`, `F.silu(g) * u`, apply_rotary). The folded norm
 is s · Σ_k (x_k g_k) W[n, k] with s from the row's mean square: in float32 for one row (the eager RMSNorm
-rounds its output to the dtype before the matmul — this is closer to the exact value); with 2-8 rows
-x_k g_k is rounded to the dot's 16-bit operand type.
+rounds its output to the dtype before the matmul — this is closer to the exact value); the tile kernel
+feeds x_k g_k to its 16-bit dot as two parts (hi + lo), ~16 bits.
 
 Layout: x [..., K] with unit last stride; W [N, K] row-major (nn.Linear's), so each program reads
 BLOCK_N whole weight rows, contiguous along K. Grid: cdiv(N, BLOCK_N) programs, each looping over K.
@@ -185,12 +187,22 @@ def _rows_kernel(X, W, SCALE, BIAS, NW, RES, OUT, M, N, K, stride_x, stride_w, s
         for k0 in range(0, K, BLOCK_K):
             acc, acc2, ss = _rows_tile(xp, NW, p1, p2, r_ok, c_ok, k0, K, acc, acc2, ss, NORM, SILU, SPLIT,
                                        DOT, PRECISION, BLOCK_K)
+    _rows_epilogue(acc, acc2, tl.sum(ss, 1), rows, r_ok, cols, c_ok, SCALE, BIAS, RES, OUT, N, K, stride_r, stride_o,
+                   inv_k, eps, QUANT, HAS_BIAS, NORM, RESID, SILU, ROUND, INTERP)
+
+
+@_jit
+def _rows_epilogue(acc, acc2, ss, rows, r_ok, cols, c_ok, SCALE, BIAS, RES, OUT, N, K, stride_r, stride_o, inv_k, eps,
+                   QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESID: tl.constexpr,
+                   SILU: tl.constexpr, ROUND: tl.constexpr, INTERP: tl.constexpr):
+    """The 2-8-row kernels' ending, as _gemv_kernel's per row: row sums acc (acc2: up rows) [M, BN] and
+    each row's Σ x² (ss [M], with NORM) → int8 scales, norm scale, bias, rounding, SiLU·up, residual, store."""
     if QUANT:
         acc = acc * tl.load(SCALE + cols, mask=c_ok, other=0.0)[None, :]
         if SILU:
             acc2 = acc2 * tl.load(SCALE + N + cols, mask=c_ok, other=0.0)[None, :]
     if NORM:
-        scale = _rms_scale(tl.sum(ss, 1), K, inv_k, eps, INTERP)
+        scale = _rms_scale(ss, K, inv_k, eps, INTERP)
         acc = acc * scale[:, None]
         acc2 = acc2 * scale[:, None]
     if HAS_BIAS:
@@ -205,6 +217,72 @@ def _rows_kernel(X, W, SCALE, BIAS, NW, RES, OUT, M, N, K, stride_x, stride_w, s
         r = tl.load(RES + rows.to(tl.int64)[:, None] * stride_r + cols[None, :], mask=ok, other=0.0)
         y = _round(r.to(tl.float32) + y, ROUND, INTERP)
     tl.store(OUT + rows.to(tl.int64)[:, None] * stride_o + cols[None, :], y.to(OUT.dtype.element_ty), mask=ok)
+
+
+@_jit
+def _rows_gemv_kernel(X, W, SCALE, BIAS, NW, RES, OUT, M, N, K, stride_x, stride_w, stride_r, stride_o, inv_k, eps,
+                      QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESID: tl.constexpr,
+                      SILU: tl.constexpr, ROUND: tl.constexpr, INTERP: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+    """2-8 activation rows on CUDA cores, shaped like _gemv_kernel (many programs of a few weight rows,
+    long K tiles): each weight tile, loaded once, is multiplied with every row's x tile in turn (a static
+    loop over BLOCK_M ≥ M rows) — M FMAs per weight element, which the bytes leave room for at M ≤ 8.
+    Each row's sums are the one-row kernel's (the same tile sums in the same order); its Σ x² runs in
+    another order. The weight tiles past the first are pipelined (STAGES); PDL as in _row_sums."""
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    r_ok = rows < M
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ok = cols < N
+    p1 = W + cols.to(tl.int64)[:, None] * stride_w
+    p2 = W + (N + cols).to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    start = 0
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        w0, u0 = _weight_tile(p1, p2, c_ok, 0, K, SILU, BLOCK_K)
+        tl.extra.cuda.gdc_wait()
+        acc, acc2, ss = _rows_fma_tile(X, NW, w0, u0, rows, M, 0, K, stride_x, acc, acc2, ss, NORM, SILU,
+                                       BLOCK_M, BLOCK_K)
+        start = BLOCK_K
+    if STAGES > 1:
+        for k0 in tl.range(start, K, BLOCK_K, num_stages=STAGES):
+            w, u = _weight_tile(p1, p2, c_ok, k0, K, SILU, BLOCK_K)
+            acc, acc2, ss = _rows_fma_tile(X, NW, w, u, rows, M, k0, K, stride_x, acc, acc2, ss, NORM, SILU,
+                                           BLOCK_M, BLOCK_K)
+    else:
+        for k0 in range(start, K, BLOCK_K):
+            w, u = _weight_tile(p1, p2, c_ok, k0, K, SILU, BLOCK_K)
+            acc, acc2, ss = _rows_fma_tile(X, NW, w, u, rows, M, k0, K, stride_x, acc, acc2, ss, NORM, SILU,
+                                           BLOCK_M, BLOCK_K)
+    _rows_epilogue(acc, acc2, ss, rows, r_ok, cols, c_ok, SCALE, BIAS, RES, OUT, N, K, stride_r, stride_o,
+                   inv_k, eps, QUANT, HAS_BIAS, NORM, RESID, SILU, ROUND, INTERP)
+
+
+@_jit
+def _rows_fma_tile(X, NW, w, u, rows, M, k0, K, stride_x, acc, acc2, ss, NORM: tl.constexpr, SILU: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K tile of _rows_gemv_kernel: the weight tile(s) w (u) [BLOCK_N, BLOCK_K] times each row's
+    x[m, k0 : k0 + BLOCK_K], added into row m of acc (acc2) [BLOCK_M, BLOCK_N]."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    if NORM:
+        g = tl.load(NW + ks, mask=k_ok, other=0.0).to(tl.float32)
+    else:
+        g = tl.zeros([BLOCK_K], dtype=tl.float32)  # unused
+    for m in tl.static_range(BLOCK_M):
+        x_ok = k_ok & (tl.full([BLOCK_K], m, tl.int32) < M)  # rows past M read nothing
+        x = tl.load(X + m * stride_x + ks, mask=x_ok, other=0.0).to(tl.float32)
+        here = rows == m
+        if NORM:
+            ss = tl.where(here, ss + tl.sum(x * x, 0), ss)
+            x = x * g
+        acc = tl.where(here[:, None], acc + tl.sum(w * x[None, :], 1)[None, :], acc)
+        if SILU:
+            acc2 = tl.where(here[:, None], acc2 + tl.sum(u * x[None, :], 1)[None, :], acc2)
+    return acc, acc2, ss
 
 
 @_jit
@@ -316,7 +394,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     block_n, block_k, warps, stages = config or config_for(N, K, silu_mul, x.device, int8, M)
     nw, eps = (norm[0].contiguous(), float(norm[1])) if norm is not None else (weight, 0.0)
     use_pdl = pdl.enabled(x.device)
-    if M > 1:
+    if M > 1 and block_n < 16:  # CUDA-core rows (GEMV-shaped configs; tl.dot needs 16-row weight tiles)
+        o2 = out.view(M, N)
+        _rows_gemv_kernel[(triton.cdiv(N, block_n),)](
+            x2, weight, scale if int8 else weight, bias if bias is not None else weight, nw, o2, o2, M, N, K,
+            x2.stride(0), weight.stride(0), o2.stride(0), o2.stride(0), _inv(K), eps, QUANT=int8,
+            HAS_BIAS=bias is not None, NORM=norm is not None, RESID=residual is not None, SILU=silu_mul,
+            ROUND=rnd, INTERP=_INTERPRET, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k,
+            STAGES=stages, PDL=use_pdl, num_warps=warps, **pdl.launch_options(use_pdl),
+        )
+        return out
+    if M > 1:  # tensor-core tiles
         dot = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(x.dtype, tl.float32)
         if _INTERPRET:
             dot = tl.float32  # the interpreter's dot treats 16-bit floats as integers

@@ -28,17 +28,16 @@ def heuristic_config(N: int, K: int, silu: bool = False, int8: bool = False, row
     """A tile config for shapes the tuned table lacks. One row: enough programs to keep every SM
     streaming (few weight rows per program when N is small) and ~8K-element W tiles per iteration (twice
     the elements for int8 weights: the same bytes) — except int8 gate/up and LM-head-sized matrices, whose
-    sweeps on the H200 (1.5B and 0.5B shapes, session 5) all chose 8-16 rows × 512 columns. 2-8 rows:
-    tensor-core tiles of 16 weight rows or more (tl.dot's minimum), pipelined over K except in the
-    interpreter."""
-    if rows > 1:
-        block_n = 16 if N <= 4096 else (32 if silu or N <= 16384 else 64)
-        return block_n, min(128, max(16, triton.next_power_of_2(K))), 4, 1 if _INTERPRET else 3
+    sweeps on the H200 (1.5B and 0.5B shapes, session 5) all chose 8-16 rows × 512 columns. 2-8 rows
+    (the tensor-core tile kernel measured 1.5-3x slower than cuBLAS, session 5): the one-row config with
+    BLOCK_N ≤ 8, which runs the CUDA-core rows kernel (unmeasured); tile configs (BLOCK_N ≥ 16) come only
+    from a sweep's table."""
     if int8 and (silu or N > 16384) and N > 4096:
-        return (8 if silu else 16), min(512, max(16, triton.next_power_of_2(K))), 4, 1
-    block_k = min(2048 if int8 else 1024, max(16, triton.next_power_of_2(K)))
-    block_n = 2 if N <= 4096 else (4 if silu or N <= 16384 else 8)
-    return block_n, block_k, 4, 1
+        block_n, block_k = (8 if silu else 16), min(512, max(16, triton.next_power_of_2(K)))
+    else:
+        block_k = min(2048 if int8 else 1024, max(16, triton.next_power_of_2(K)))
+        block_n = 2 if N <= 4096 else (4 if silu or N <= 16384 else 8)
+    return (min(block_n, 8) if rows > 1 else block_n), block_k, 4, 1
 
 
 def rows_bucket(m: int) -> int:
