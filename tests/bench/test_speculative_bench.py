@@ -7,7 +7,7 @@ import json
 import pytest
 
 from redwood.cli import main
-from tests.conftest import CORPUS, random_hf_model, tiny_hf_config
+from tests.conftest import CORPUS
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from redwood.cli import main
 from redwood.spec.profile import parse_sizes, profile_tree

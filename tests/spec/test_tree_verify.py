@@ -158,7 +158,6 @@ def markov_round(verifier: str, P: torch.Tensor, Q: torch.Tensor, widths: list[i
     """One step over a full tree (widths per level) for a target and draft that are fixed functions of the
     previous token: p after token x is P[x], q after x is Q[x]. The root token is 0. Returns per-row
     emitted token lists."""
-    V = P.shape[0]
     draft_gen = torch.Generator().manual_seed(seed)
     parents, level_nodes = [-1], [[0]]
     tokens = [torch.zeros(rows, dtype=torch.long)]

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from redwood.kernels.triton_import import INTERPRET as _INTERPRET
 from redwood.kernels.triton_import import triton
 
 CONFIG_DIR = Path(__file__).with_name("gemv_configs")  # tuned tile configs per GPU, by gemv_bench --write
