@@ -8,7 +8,8 @@
 # Each step writes JSON under $OUT and prints its tables; `summary` prints the short P1–P5 table last.
 # Settings (environment): P2_TEMPS, P2_GAMMAS, P2_DRAFT_WEIGHTS (bf16 int8), P2_ACC (a folder of acceptance vectors measured earlier with
 # the same models, [p2-]acc-<dataset>-t<temp>.json: reused instead of measured), P2_ACC_PROMPTS, P3_KV, P3_BATCH, P3_CONTEXT, P3_GAMMAS,
-# P3_GEN, P5_ACC (default: p2's HumanEval greedy vector), P5_BUDGETS, P5_DEPTH, P5_GEN, P5_TREE (extra
+# P3_GEN, P3_PROFILE (1: also `redwood profile` each cell's verify and compressed draft forwards at the largest
+# batch), P5_ACC (default: p2's HumanEval greedy vector), P5_BUDGETS, P5_DEPTH, P5_GEN, P5_TREE (extra
 # trees), GEMV_ARGS, GPU_TESTS, GPU_FLAGS; REDWOOD_PDL=1 runs every step's captured graphs with programmatic
 # dependent launch (redwood.kernels.pdl). Each invocation must fit the machine's 10-minute call limit:
 # e.g. `tests p1 steps` + greedy p2, then T = 0.6 p2 + p5, then p3 alone.
@@ -90,6 +91,12 @@ p3)  # MagicDec self-speculation at long context (StreamingLLM budget 256, SnapK
       run $R bench selfspec --model "$T" $GPU --batch-size ${P3_BATCH:-1 16 32 64} --prefix-len $ctx \
           --gen-len ${P3_GEN:-64} --gamma ${P3_GAMMAS:-2 3 4} --draft-kv $kv --draft-budget $budget \
           --output "$OUT/p3-$kv-$ctx"
+      if [ -n "${P3_PROFILE:-}" ]; then  # where a step goes: verify of 1-5 tokens, a compressed draft level
+        b=$(echo ${P3_BATCH:-1 16 32 64} | awk '{print $NF}')
+        run $R profile --model "$T" $GPU --batch-size $b --context $ctx --tokens 1,2,3,4,5 --widths 1 \
+            --no-overhead --draft-kv $kv --draft-budget $budget --repeats 3 --warmup 1 \
+            --output "$OUT/p3-$kv-$ctx/profile-b$b.json"
+      fi
     done
   done ;;
 p4)  # the attention kernel against the KV-read floor and SDPA

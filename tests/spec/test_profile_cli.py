@@ -57,6 +57,31 @@ def test_profile_offloaded_target(tiny_model_dir, tmp_path):
     assert prof.notes["target_offloaded"] is True and all(ms > 0 for ms in prof.target_ms)
 
 
+@pytest.mark.parametrize("kv,flags,described", [
+    ("streaming", ["--draft-budget", "8"], "streaming(sinks=4, window=4)"),
+    ("snapkv", ["--draft-budget", "8", "--window", "4"], "snapkv(budget=8, window=4"),
+])
+def test_profile_with_a_compressed_draft_cache(kv, flags, described, tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """--draft-kv: every draft forward reads the context through that policy (MagicDec's draft cost; the
+    target's forwards still read it all); recorded in the profile's notes."""
+    from redwood.engine.runner import StepRunner
+
+    seen = []
+    forward = StepRunner.forward
+    monkeypatch.setattr(StepRunner, "forward", lambda self, *a, **k: seen.append(k.get("policy")) or forward(self, *a, **k))
+    out = tmp_path / "p.json"
+    rc = main(["profile", "--model", str(tiny_model_dir), "--tokens", "1,2", "--widths", "1,2", "--no-overhead",
+               "--draft-kv", kv, "--output", str(out)] + flags + FAST)
+    assert rc == 0
+    assert f"draft (= target), {described}" in capsys.readouterr().out
+    prof = load_profile(out)
+    assert prof.notes["draft_kv"].startswith(described) and all(ms > 0 for ms in prof.draft_ms)
+    # FAST: 1 warm-up + 2 timed forwards per size; the target's first (2 sizes), then the draft's
+    target_calls, draft_calls = seen[:6], seen[6:]
+    assert all(p is None for p in target_calls) and len(draft_calls) == 6
+    assert all(p is not None and p.describe().startswith(described) for p in draft_calls)
+
+
 def test_acceptance_profile_tree_search_end_to_end(tiny_model_dir, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(" ".join(CORPUS[(i + j) % 5].replace("\n", " ") for j in range(3))
@@ -94,6 +119,10 @@ def test_acceptance_profile_tree_search_end_to_end(tiny_model_dir, tmp_path, cap
     (["--offload", "--offload-prefetch", "0"], "prefetch"),
     (["--draft-quant", "int8"], "--draft-quant needs --draft-model"),
     (["--draft-quant", "int4"], "--draft-quant must be one of int8"),
+    (["--draft-kv", "lru"], "--draft-kv must be one of"),
+    (["--draft-kv", "snapkv"], "snapkv draft KV needs --draft-budget"),
+    (["--draft-kv", "streaming", "--draft-budget", "4"], "larger than --sinks"),
+    (["--draft-kv", "snapkv", "--draft-budget", "8", "--pool-kernel", "2"], "--pool-kernel must be odd"),
 ])
 def test_profile_errors_are_one_line(tiny_model_dir, tmp_path, capsys, argv, needle):
     out = tmp_path / "p.json"

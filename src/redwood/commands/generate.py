@@ -77,14 +77,9 @@ DEFAULT_GAMMA = 4
 DEFAULT_POOL_KERNEL = 5
 
 
-def add_draft_kv_args(p: argparse.ArgumentParser, sweep: bool = False, tree: bool = False) -> None:
-    """--draft-kv / --draft-budget / --sinks / --window / --pool-kernel / --gamma / --verifier.
-
-    Choices are checked by `speculative_config_from_args` (one-line errors, exit status 2), not by argparse.
-    sweep: --gamma takes several values (benchmarks run one configuration per value).
-    tree: also --tree (a token tree instead of a chain of --gamma drafts).
-    """
-    g = p.add_argument_group("speculation")
+def add_draft_cache_args(g) -> None:
+    """--draft-kv / --draft-budget / --sinks / --window / --pool-kernel: which committed tokens the draft
+    reads (a parser or argument group `g`; checked by `draft_policy_from_args` / SpeculativeConfig)."""
     g.add_argument("--draft-kv", default=None, metavar="{full,streaming,snapkv}",
                    help="which committed tokens the draft reads: the full cache (default), StreamingLLM "
                         "(sinks + recent window) or SnapKV (prefill-selected positions + recent tokens)")
@@ -95,6 +90,17 @@ def add_draft_kv_args(p: argparse.ArgumentParser, sweep: bool = False, tree: boo
                    help="streaming: recent window (default budget - sinks); snapkv: observation window (default 32)")
     g.add_argument("--pool-kernel", type=int, default=None, metavar="K",
                    help=f"snapkv: pooling kernel over the scores, odd (default {DEFAULT_POOL_KERNEL})")
+
+
+def add_draft_kv_args(p: argparse.ArgumentParser, sweep: bool = False, tree: bool = False) -> None:
+    """--draft-kv / --draft-budget / --sinks / --window / --pool-kernel / --gamma / --verifier.
+
+    Choices are checked by `speculative_config_from_args` (one-line errors, exit status 2), not by argparse.
+    sweep: --gamma takes several values (benchmarks run one configuration per value).
+    tree: also --tree (a token tree instead of a chain of --gamma drafts).
+    """
+    g = p.add_argument_group("speculation")
+    add_draft_cache_args(g)
     if sweep:
         g.add_argument("--gamma", type=int, nargs="+", default=None, metavar="G",
                        help=f"draft tokens per step; several values sweep (default {DEFAULT_GAMMA})")
@@ -133,23 +139,13 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def check_draft_kv_args(args) -> None:
-    """One-line errors (ConfigError) for bad draft KV / γ / verifier values, before any model loads."""
+def check_draft_cache_args(args) -> None:
+    """One-line errors (ConfigError) for bad --draft-kv / --draft-budget / --sinks / --window /
+    --pool-kernel values, before any model loads."""
     from redwood.errors import ConfigError
 
     if args.draft_kv is not None and args.draft_kv not in DRAFT_KV_CHOICES:
         raise ConfigError(f"--draft-kv must be one of {', '.join(DRAFT_KV_CHOICES)}, got {args.draft_kv!r}")
-    if args.verifier is not None and args.verifier not in VERIFIER_CHOICES:
-        raise ConfigError(f"--verifier must be one of {', '.join(VERIFIER_CHOICES)}, got {args.verifier!r}")
-    quant = getattr(args, "draft_quant", None)
-    if quant is not None and quant not in DRAFT_QUANT:
-        raise ConfigError(f"--draft-quant must be one of {', '.join(q for q in DRAFT_QUANT if q)}, got {quant!r}")
-    if quant and getattr(args, "self_speculate", False):
-        raise ConfigError("--draft-quant applies to a --draft-model; self-speculation drafts with the target's weights")
-    gammas = args.gamma if isinstance(args.gamma, list) else [args.gamma]
-    for gamma in gammas:
-        if gamma is not None and gamma < 1:
-            raise ConfigError(f"--gamma must be >= 1 (draft tokens per step), got {gamma}")
     for name in ("draft_budget", "window", "pool_kernel"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -169,6 +165,24 @@ def check_draft_kv_args(args) -> None:
         if budget < window:
             raise ConfigError(f"--draft-budget ({budget}) must be at least the snapkv observation --window "
                               f"({window}{'' if args.window is not None else ', the default'})")
+
+
+def check_draft_kv_args(args) -> None:
+    """One-line errors (ConfigError) for bad draft KV / γ / verifier values, before any model loads."""
+    from redwood.errors import ConfigError
+
+    if args.verifier is not None and args.verifier not in VERIFIER_CHOICES:
+        raise ConfigError(f"--verifier must be one of {', '.join(VERIFIER_CHOICES)}, got {args.verifier!r}")
+    quant = getattr(args, "draft_quant", None)
+    if quant is not None and quant not in DRAFT_QUANT:
+        raise ConfigError(f"--draft-quant must be one of {', '.join(q for q in DRAFT_QUANT if q)}, got {quant!r}")
+    if quant and getattr(args, "self_speculate", False):
+        raise ConfigError("--draft-quant applies to a --draft-model; self-speculation drafts with the target's weights")
+    gammas = args.gamma if isinstance(args.gamma, list) else [args.gamma]
+    for gamma in gammas:
+        if gamma is not None and gamma < 1:
+            raise ConfigError(f"--gamma must be >= 1 (draft tokens per step), got {gamma}")
+    check_draft_cache_args(args)
     if args.verifier == "greedy" and getattr(args, "temperature", 0) > 0:
         raise ConfigError("--verifier greedy is lossless only at --temperature 0; use --verifier sampling (or auto)")
     check_tree_arg(args)

@@ -6,7 +6,8 @@ import argparse
 import sys
 import time
 
-from redwood.commands.generate import add_graphs_arg, add_offload_args, offload_kwargs
+from redwood.commands.generate import (DEFAULT_POOL_KERNEL, add_draft_cache_args, add_graphs_arg, add_offload_args,
+                                      check_draft_cache_args, offload_kwargs)
 from redwood.errors import ConfigError
 
 
@@ -46,6 +47,9 @@ def register(subparsers) -> None:
     add_offload_args(p)  # profile the target as an offloaded run streams it (the draft stays resident)
     p.add_argument("--draft-quant", default=None, metavar="{int8}",
                    help="time the draft's one-token forwards on int8 weights, as `--draft-quant` runs them")
+    add_draft_cache_args(p.add_argument_group(
+        "draft KV (the draft forwards read the context through it, as a compressed draft runs: e.g. "
+        "MagicDec self-speculation with --draft-kv streaming --draft-budget 256)"))
     p.set_defaults(func=_run)
 
 
@@ -69,6 +73,11 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--verifier must be one of {', '.join(VERIFIERS)}, got {args.verifier!r}")
     if args.verifier == "greedy" and args.temperature > 0:
         raise ConfigError("--verifier greedy is exact only at --temperature 0")
+    check_draft_cache_args(args)
+    from redwood.kv.policies import make_policy
+
+    policy = make_policy(args.draft_kv or "full", budget=args.draft_budget, sinks=args.sinks, window=args.window,
+                         kernel=DEFAULT_POOL_KERNEL if args.pool_kernel is None else args.pool_kernel)
     if args.draft_quant is not None:
         from redwood.config import DRAFT_QUANT
 
@@ -96,12 +105,12 @@ def _run(args: argparse.Namespace) -> int:
         draft_name=draft.source if draft else None, tokens=tokens, widths=widths, batch=args.batch_size,
         context=args.context, repeats=args.repeats, warmup=args.warmup, overhead=not args.no_overhead,
         temperature=args.temperature, top_p=args.top_p, verifier=args.verifier, dtype=args.dtype, progress=say,
-        cuda_graphs=args.cuda_graphs,
+        cuda_graphs=args.cuda_graphs, draft_policy=None if policy.name == "full" else policy,
     )
     save_profile(prof, args.output)
     print(f"device: {prof.device}, {args.dtype}, batch {prof.batch}, context {prof.context}")
     print("target ms by tokens: " + "  ".join(f"{n}: {ms:.3f}" for n, ms in zip(prof.target_tokens, prof.target_ms)))
-    who = "draft" if draft else "draft (= target)"
+    who = ("draft" if draft else "draft (= target)") + ("" if policy.name == "full" else f", {policy.describe()}")
     print(f"{who} ms by width: " + "  ".join(f"{w}: {ms:.3f}" for w, ms in zip(prof.draft_width, prof.draft_ms)))
     if prof.overhead_tokens is not None:
         print("overhead ms by tokens: "

@@ -77,13 +77,19 @@ def time_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmup
     return float(statistics.median(times))
 
 
-def _prefilled_cache(model, batch: int, context: int, extra: int, generator: torch.Generator):
+def _prefilled_cache(model, batch: int, context: int, extra: int, generator: torch.Generator, policy=None):
+    """A cache holding `context` random tokens per row; with a draft KV `policy`, started for them and
+    shown the prefill (SnapKV selects its positions there)."""
     from redwood.engine.generate import prefill
 
     vocab = model.config.vocab_size
     prompts = torch.randint(0, vocab, (batch, context), generator=generator).tolist()
     cache = model.new_cache(batch, context + extra)
-    prefill(model, cache, prompts)
+    observer = None
+    if policy is not None:
+        policy.start(torch.full((batch,), context, device=model.device), model.config.num_layers)
+        observer = policy.prefill_observer()
+    prefill(model, cache, prompts, observer=observer)
     return cache
 
 
@@ -118,19 +124,21 @@ def target_latency(model, sizes: Sequence[int], batch: int, context: int, repeat
 
 @torch.inference_mode()
 def draft_latency(model, widths: Sequence[int], batch: int, context: int, repeats: int, warmup: int,
-                  seed: int = 1, cuda_graphs: bool = True) -> list[float]:
+                  seed: int = 1, cuda_graphs: bool = True, policy=None) -> list[float]:
+    """Draft forwards of w sibling nodes after a prefill of `context` tokens; `policy`: a draft KV policy
+    (redwood.kv.policies) whose view of the context the forwards read, as a compressed draft runs."""
     device = model.device
     _check_fits(model, "draft", context, max(widths) + 1)
     g = torch.Generator().manual_seed(seed)
-    cache = _prefilled_cache(model, batch, context, max(widths), g)
+    cache = _prefilled_cache(model, batch, context, max(widths), g, policy)
     runner = StepRunner(model, cache, use_graphs=cuda_graphs)
     out = []
     for w in widths:
         ids = torch.randint(0, model.config.vocab_size, (batch, w), generator=g).to(device)
         positions = (cache.lengths + 1)[:, None].expand(batch, w)  # siblings share a position
         mask = None if w == 1 else torch.eye(w, dtype=torch.bool, device=device)
-        out.append(time_ms(lambda: runner.forward(ids, positions, new_mask=mask, mask_key=("profile", w)),
-                           device, repeats, warmup))
+        out.append(time_ms(lambda: runner.forward(ids, positions, new_mask=mask, mask_key=("profile", w),
+                                                  policy=policy), device, repeats, warmup))
     return out
 
 
@@ -186,9 +194,10 @@ def measure_profile(target, draft=None, *, target_name: str = "", draft_name: st
                     batch: int = 1, context: int = 256, repeats: int = 5, warmup: int = 2,
                     overhead: bool = True, temperature: float = 0.6, top_p: float = 1.0,
                     verifier: str | None = None, dtype: str | None = None, progress=None,
-                    cuda_graphs: bool = True) -> LatencyProfile:
+                    cuda_graphs: bool = True, draft_policy=None) -> LatencyProfile:
     """Profile `target` (and `draft`, else the target again) on their device; see the module docstring.
-    cuda_graphs=False times eager steps (as `--no-cuda-graphs` runs them)."""
+    cuda_graphs=False times eager steps (as `--no-cuda-graphs` runs them). draft_policy: the draft reads
+    the context through this KV policy (MagicDec's compressed drafts; None or full: the whole cache)."""
     for name, v, lo in (("batch", batch, 1), ("context", context, 1), ("repeats", repeats, 1), ("warmup", warmup, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
@@ -204,7 +213,8 @@ def measure_profile(target, draft=None, *, target_name: str = "", draft_name: st
     t_ms = target_latency(target, tokens, batch, context, repeats, warmup, cuda_graphs=cuda_graphs)
     d_model = draft if draft is not None else target
     say(f"draft forward over {', '.join(map(str, widths))} nodes")
-    d_ms = draft_latency(d_model, widths, batch, context, repeats, warmup, cuda_graphs=cuda_graphs)
+    d_ms = draft_latency(d_model, widths, batch, context, repeats, warmup, cuda_graphs=cuda_graphs,
+                         policy=draft_policy)
     o_ms = None
     if overhead:
         say(f"sampling + {verifier} verification over {', '.join(map(str, tokens))} nodes")
@@ -214,6 +224,7 @@ def measure_profile(target, draft=None, *, target_name: str = "", draft_name: st
         "repeats": repeats, "warmup": warmup, "statistic": "median",
         "target_tree": "complete binary tree of n nodes (tree-attention mask); n = 1 a decode step",
         "draft_shape": "w sibling nodes, each attending to the context and itself",
+        "draft_kv": draft_policy.describe() if draft_policy is not None else "full",
         "draft_is_target": draft is None,
         "draft_weights": "int8" if getattr(draft, "skinny_int8", None) else "model dtype",
         "cuda_graphs": cuda_graphs and device.type == "cuda",
