@@ -275,3 +275,42 @@ def test_cli_missing_prompt_file(pair, tmp_path, capsys):
                "--temperature", "0", "--prompts", str(tmp_path / "nope.txt"), "--output", str(tmp_path / "x.json")])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "no such file" in err
+
+
+@pytest.mark.parametrize("kv,flags", [("streaming", ["--draft-budget", "8"]),
+                                      ("snapkv", ["--draft-budget", "8", "--window", "4"])])
+def test_dynamic_self_speculation_through_a_compressed_cache(kv, flags, pair, prompt_file, tmp_path):
+    """--self-speculate --draft-kv: MagicDec's draft (the target over a compressed cache) measured on
+    policy; the vector names the cache, so tree-search plans trees for that draft."""
+    out = tmp_path / "self.json"
+    rc = main(["acceptance", "--model", str(pair / "target"), "--self-speculate", "--draft-kv", kv, *flags,
+               "--width", "2", "--mode", "dynamic", "--temperature", "0.7", "--prompts", str(prompt_file),
+               "--num-prompts", "2", "--prompt-len", "24", "--gen-len", "10", "--output", str(out), "--quiet"])
+    assert rc == 0
+    vec = load_acceptance(out)
+    assert vec.models["draft"].startswith(f"{pair / 'target'} [{kv}(") and vec.notes["draft_kv"] == kv
+    assert sum(vec.values) + vec.p_none == pytest.approx(1.0) and vec.samples > 0
+
+
+def test_self_speculating_llm_measures_with_its_policy(pair):
+    spec = SpeculativeConfig(self_speculate=True, draft_kv="streaming", draft_budget=8, tree=star_tree_spec(2),
+                             verifier="sequoia")
+    llm = LLM(str(pair / "target"), speculative=spec)
+    assert llm.drafter.policy.name == "streaming"
+    res = measure_dynamic(llm, _prompts(2, 20, seed=3), 2, 0.8, 1.0, gen_len=10, seed=2)
+    assert res.steps == res.engine_steps > 0 and llm.drafter.policy.name == "streaming"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--self-speculate", "--width", "2", "--mode", "dynamic"], "needs --draft-kv streaming or snapkv"),
+    (["--self-speculate", "--draft-model", "x", "--draft-kv", "streaming", "--draft-budget", "8", "--width", "2",
+      "--mode", "dynamic"], "mutually exclusive"),
+    (["--draft-kv", "streaming", "--draft-budget", "8", "--width", "2", "--mode", "static"], "--mode dynamic"),
+    (["--draft-kv", "lru", "--width", "2", "--mode", "dynamic"], "--draft-kv must be one of"),
+])
+def test_draft_cache_errors_are_one_line(argv, needle, pair, prompt_file, tmp_path, capsys):
+    rc = main(["acceptance", "--quiet", "--model", str(pair / "target"), "--temperature", "0.5",
+               "--prompts", str(prompt_file), "--output", str(tmp_path / "x.json"), *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and needle in err
+    assert not (tmp_path / "x.json").exists()

@@ -12,7 +12,7 @@ import shlex
 import sys
 import time
 
-from redwood.commands.generate import add_graphs_arg
+from redwood.commands.generate import DEFAULT_POOL_KERNEL, add_draft_cache_args, add_graphs_arg, check_draft_cache_args
 from redwood.errors import ConfigError
 
 
@@ -27,8 +27,11 @@ def register(subparsers) -> None:
                     "prompts (the back of the dataset's seed-0 document order).",
     )
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"target model (default: {DEFAULT_MODEL})")
-    p.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL, metavar="D",
+    p.add_argument("--draft-model", default=None, metavar="D",
                    help=f"draft model sharing the target's tokenizer (default: {DEFAULT_DRAFT_MODEL})")
+    p.add_argument("--self-speculate", action="store_true",
+                   help="the target drafts for itself through a compressed cache (MagicDec; --mode dynamic with "
+                        "--draft-kv streaming or snapkv)")
     p.add_argument("--width", type=int, required=True, metavar="W", help="children of the root to rank")
     p.add_argument("--mode", required=True, metavar="{dynamic,static}",
                    help="dynamic: on-policy generation; static: teacher-forced expectation on real text")
@@ -50,6 +53,7 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     add_graphs_arg(p)
+    add_draft_cache_args(p.add_argument_group("draft KV (dynamic mode: the draft reads the context through it)"))
     p.add_argument("--output", "-o", required=True, metavar="FILE", help="write the vector here (JSON)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=_run)
@@ -72,6 +76,16 @@ def _check(args) -> str:
         raise ConfigError(f"--temperature must be >= 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
+    check_draft_cache_args(args)
+    compressed = args.draft_kv not in (None, "full")
+    if args.self_speculate and args.draft_model:
+        raise ConfigError("--draft-model and --self-speculate are mutually exclusive; pick one drafter")
+    if args.mode == "static" and (compressed or args.self_speculate):
+        raise ConfigError("a compressed draft cache (--draft-kv / --self-speculate) is measured in --mode dynamic "
+                          "(teacher-forced scoring has no draft cache)")
+    if args.self_speculate and not compressed:
+        raise ConfigError("--self-speculate needs --draft-kv streaming or snapkv: with the full cache the draft "
+                          "is the target and accepts everything")
     verifier = args.verifier or default_verifier(args.temperature)
     try:
         check_settings(args.width, args.temperature, args.top_p, verifier)
@@ -100,11 +114,14 @@ def _progress(quiet: bool, what: str):
 
 
 def _run(args: argparse.Namespace) -> int:
+    from redwood.llm import DEFAULT_DRAFT_MODEL
     from redwood.spec.acceptance import save_acceptance
     from redwood.spec.measure import (dataset_texts, file_texts, make_vector, measure_dynamic, measure_static,
                                       read_prompt_file, star_tree_spec)
 
     verifier = _check(args)
+    if not args.self_speculate and not args.draft_model:
+        args.draft_model = DEFAULT_DRAFT_MODEL
     static = args.mode == "static"
     t0 = time.perf_counter()
 
@@ -123,10 +140,16 @@ def _run(args: argparse.Namespace) -> int:
         from redwood.config import SpeculativeConfig
         from redwood.llm import LLM
 
-        spec = SpeculativeConfig(draft_model=args.draft_model, tree=star_tree_spec(args.width), verifier=verifier)
+        spec = SpeculativeConfig(
+            draft_model=args.draft_model, self_speculate=args.self_speculate, tree=star_tree_spec(args.width),
+            verifier=verifier, draft_kv=args.draft_kv or "full", draft_budget=args.draft_budget, sinks=args.sinks,
+            window=args.window, pool_kernel=DEFAULT_POOL_KERNEL if args.pool_kernel is None else args.pool_kernel)
         llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative=spec, **graphs_kwargs(args))
         tokenizer, max_pos = llm.tokenizer, llm.config.max_position_embeddings
-        target_name, draft_name = llm.model_name, args.draft_model
+        target_name = llm.model_name
+        draft_name = llm.model_name if args.self_speculate else args.draft_model
+        if spec.draft_kv != "full":  # the draft is the model *and* the cache it reads
+            draft_name += f" [{spec.make_policy().describe()}]"
     if tokenizer is None:
         raise ConfigError(f"{args.model} has no tokenizer, so text cannot be turned into prompts")
 
@@ -145,7 +168,7 @@ def _run(args: argparse.Namespace) -> int:
                           + f" exceed the model's context of {max_pos} tokens; lower --prompt-len / --gen-len")
 
     notes = {
-        "verifier": verifier, "prompt_len": args.prompt_len, "gen_len": args.gen_len, "num_prompts": len(texts),
+        "verifier": verifier, "draft_kv": args.draft_kv or "full", "prompt_len": args.prompt_len, "gen_len": args.gen_len, "num_prompts": len(texts),
         "seed": args.seed, "dtype": args.dtype, "device": args.device,
         "prompts": {"source": "dataset" if args.dataset else "file", "split": split,
                     "ids": [t.source for t in texts]},
