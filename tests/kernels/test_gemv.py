@@ -156,8 +156,8 @@ def test_rows_kernel_rows_are_the_one_row_kernels(dtype, M):
         one = torch.cat([gemv.linear(x[i:i + 1], config=ROWS_GEMV, **kw) for i in range(M)])
         if INTERPRET:
             assert torch.equal(rows, one)
-        else:
-            check(rows, one)
+        else:  # an ulp in gate and up moves SiLU·up by up to ~3
+            check(rows, one, ulps=3 if kw.get("silu_mul") else 1)
 
 
 @needs_kernel
