@@ -4,7 +4,7 @@
 # On the GPU machine, from the repo root, after staging the GGUF chunks as /root/stage/t?? (1.5B) and
 # /root/stage/d?? (0.5B), carrying .whl (the gguf wheel) and .stage/home (REDWOOD_HOME with the essays,
 # humaneval and mt-bench datasets):
-#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests kernels pdl p1 steps p2 p3 p4 p5 summary
+#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests kernels pdl p1 steps p2 p3 p3tree p4 p5 summary
 # Each step writes JSON under $OUT and prints its tables; `summary` prints the short P1–P5 table last.
 # Settings (environment): P2_TEMPS, P2_GAMMAS, P2_DRAFT_WEIGHTS (bf16 int8), P2_ACC (a folder of acceptance vectors measured earlier with
 # the same models, [p2-]acc-<dataset>-t<temp>.json: reused instead of measured), P2_ACC_PROMPTS, P3_KV, P3_BATCH, P3_CONTEXT, P3_GAMMAS,
@@ -99,6 +99,21 @@ p3)  # MagicDec self-speculation at long context (StreamingLLM budget 256, SnapK
       fi
     done
   done ;;
+p3tree)  # Sequoia trees for MagicDec self-speculation at one P3 serving point: the acceptance vector of the target
+         # drafting over its compressed cache (dynamic, held-out essay windows), the profile at batch × context,
+         # tree-search, then the bench with that tree next to chains
+  ctx=${P3_CONTEXT:-32704}; b=${P3_BATCH:-64}; kv=${P3_KV:-streaming}
+  budget=256; [ $kv = snapkv ] && budget=512
+  d="$OUT/p3tree-$kv-$ctx-b$b"; mkdir -p "$d"
+  run $R acceptance --model "$T" $GPU --self-speculate --draft-kv $kv --draft-budget $budget --width 4 \
+      --mode dynamic --temperature 0 --dataset essays --num-prompts ${P3_ACC_PROMPTS:-4} --prompt-len $((ctx - 8)) \
+      --gen-len ${P3_GEN:-64} --output "$d/acc.json" --quiet
+  run $R profile --model "$T" $GPU --batch-size $b --context $ctx --tokens 1,2,4,8,16 --widths 1,2,4 \
+      --no-overhead --draft-kv $kv --draft-budget $budget --repeats 3 --warmup 1 --output "$d/profile.json"
+  run $R tree-search --acceptance "$d/acc.json" --profile "$d/profile.json" --budget 16 --max-depth 6 \
+      --output "$d/tree.json" --json > "$d/tree.summary.json"
+  run $R bench selfspec --model "$T" $GPU --batch-size $b --prefix-len $ctx --gen-len ${P3_GEN:-64} --gamma 2 3 \
+      --tree "$d/tree.json" --draft-kv $kv --draft-budget $budget --output "$d/bench" ;;
 p4)  # the attention kernel against the KV-read floor and SDPA
   run python3 benchmarks/attention_bench.py --output "$OUT/p4.json" ;;
 p5)  # offloaded target (weights streamed from pinned host memory): AR vs large trees picked for that cost

@@ -139,3 +139,35 @@ def test_helpers():
     t = profile_tree(7)
     assert t.parents == (-1, 0, 0, 1, 1, 2, 2) and t.max_depth == 3
     assert profile_tree(1).size == 1
+
+
+def test_magicdec_tree_pipeline_end_to_end(tiny_model_dir, tmp_path, capsys):
+    """Sequoia planning for a MagicDec draft (h200_bench.sh p3tree, small): the acceptance vector of the
+    target drafting over a streaming cache, its profile through that cache at batch 2, tree-search, and
+    `bench selfspec --tree` with the searched tree — greedy output identical to autoregressive."""
+    text = tmp_path / "long.txt"
+    text.write_text("\n".join(CORPUS))
+    lines = tmp_path / "prompts.txt"
+    lines.write_text("\n".join(" ".join(CORPUS[(i + j) % 5].replace("\n", " ") for j in range(3))
+                               for i in range(4)) + "\n")
+    kv = ["--draft-kv", "streaming", "--draft-budget", "12", "--sinks", "2"]
+    acc, prof, tree = tmp_path / "acc.json", tmp_path / "prof.json", tmp_path / "tree.json"
+    assert main(["acceptance", "--model", str(tiny_model_dir), "--self-speculate", *kv, "--width", "3",
+                 "--mode", "dynamic", "--temperature", "0", "--prompts", str(lines), "--num-prompts", "2",
+                 "--prompt-len", "40", "--gen-len", "12", "--output", str(acc), "--quiet"]) == 0
+    assert main(["profile", "--model", str(tiny_model_dir), "--batch-size", "2", "--context", "40",
+                 "--tokens", "1,2,4,8", "--widths", "1,2,4", "--no-overhead", *kv, "--repeats", "2", "--warmup",
+                 "1", "--quiet", "--output", str(prof)]) == 0
+    assert load_profile(prof).notes["draft_kv"] == "streaming(sinks=2, window=10)"
+    capsys.readouterr()
+    assert main(["tree-search", "--acceptance", str(acc), "--profile", str(prof), "--budget", "8",
+                 "--max-depth", "4", "--json", "--output", str(tree)]) == 0
+    assert json.loads(capsys.readouterr().out)["size"] <= 8
+    rc = main(["bench", "selfspec", "--model", str(tiny_model_dir), "--prompts-file", str(text),
+               "--batch-size", "2", "--prefix-len", "40", "--gen-len", "8", "--gamma", "2", "--tree", str(tree),
+               *kv, "--json", "--output", str(tmp_path / "rep")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    runs = json.loads(out)["runs"]
+    assert [r["tree"] for r in runs] == ["chain:2", str(tree)]
+    assert all(r["identical_to_ar"] for r in runs)
