@@ -22,14 +22,15 @@ configs with BLOCK_N ≥ 16) — the tuned table picks per shape.
 Rounding: products are accumulated in float32 (in another order than cuBLAS, so a bf16 output can sit
 one ulp from F.linear's where the float32 sum lands near a rounding boundary) and rounded to the dtype;
 the epilogue ops round as eager PyTorch does (`r + y`, `F.silu(g) * u`, apply_rotary). The folded norm
-is s · Σ_k (x_k g_k) W[n, k] with s from the row's mean square: in float32 for one row (the eager RMSNorm
-rounds its output to the dtype before the matmul — this is closer to the exact value); the tile kernel
-feeds x_k g_k to its 16-bit dot as two parts (hi + lo), ~16 bits.
+is s · Σ_k (x_k g_k) W[n, k] with s from the row's mean square: in float32 in the CUDA-core kernels (the
+eager RMSNorm rounds its output to the dtype before the matmul — this is closer to the exact value); the
+tile kernel feeds x_k g_k to its 16-bit dot as two parts (hi + lo), ~16 bits.
 
 Layout: x [..., K] with unit last stride; W [N, K] row-major (nn.Linear's), so each program reads
 BLOCK_N whole weight rows, contiguous along K. Grid: cdiv(N, BLOCK_N) programs, each looping over K.
 Tile configs: redwood.kernels.skinny_configs (a per-GPU table measured by benchmarks/gemv_bench.py, else a
-heuristic). Graph-capturable (no host syncs; outputs allocated from shapes only).
+heuristic). Graph-capturable (no host syncs; outputs allocated from shapes only); inside a captured step
+the kernels may be launched with programmatic dependent launch (redwood.kernels.pdl).
 """
 
 from __future__ import annotations
