@@ -118,8 +118,6 @@ def aggregate_spec(requests: Sequence[RequestState]) -> dict[str, Any]:
     """Speculation stats over all rows: rates from summed counts; draft / verify time of the batch
     (the engine's timings already leave out one-time CUDA-graph captures)."""
     specs = [r.stats.spec for r in requests if r.stats.spec is not None]
-    step_s = [s.step_s for s in specs]
-    draft_s = max((s.draft_s for s in specs), default=0.0)
     steps = sum(s.steps for s in specs)
     drafted = sum(s.drafted for s in specs)
     accepted = sum(s.accepted for s in specs)
@@ -132,11 +130,11 @@ def aggregate_spec(requests: Sequence[RequestState]) -> dict[str, Any]:
         "accepted_per_step": accepted / steps if steps else 0.0,
         "acceptance_by_position": [a / steps for a in at] if steps else [],
         # every active row shares each step's draft and verify forward: the batch's time is the longest row's
-        "draft_s": draft_s,
+        "draft_s": max((s.draft_s for s in specs), default=0.0),
         "verify_s": max((s.verify_s for s in specs), default=0.0),
         # (0 / 0 above when each step ran as one CUDA graph: then only whole steps are timed)
-        "step_s": max(step_s, default=0.0),
-        "ms_per_step": max((1e3 * t / s.steps for t, s in zip(step_s, specs) if s.steps), default=0.0),
+        "step_s": max((s.step_s for s in specs), default=0.0),
+        "ms_per_step": max((1e3 * s.step_s / s.steps for s in specs if s.steps), default=0.0),
     }
 
 

@@ -168,7 +168,8 @@ def _run(args: argparse.Namespace) -> int:
                           + f" exceed the model's context of {max_pos} tokens; lower --prompt-len / --gen-len")
 
     notes = {
-        "verifier": verifier, "draft_kv": args.draft_kv or "full", "prompt_len": args.prompt_len, "gen_len": args.gen_len, "num_prompts": len(texts),
+        "verifier": verifier, "draft_kv": args.draft_kv or "full", "prompt_len": args.prompt_len,
+        "gen_len": args.gen_len, "num_prompts": len(texts),
         "seed": args.seed, "dtype": args.dtype, "device": args.device,
         "prompts": {"source": "dataset" if args.dataset else "file", "split": split,
                     "ids": [t.source for t in texts]},

@@ -79,7 +79,7 @@ DEFAULT_POOL_KERNEL = 5
 
 def add_draft_cache_args(g) -> None:
     """--draft-kv / --draft-budget / --sinks / --window / --pool-kernel: which committed tokens the draft
-    reads (a parser or argument group `g`; checked by `draft_policy_from_args` / SpeculativeConfig)."""
+    reads (a parser or argument group `g`; checked by `check_draft_cache_args`)."""
     g.add_argument("--draft-kv", default=None, metavar="{full,streaming,snapkv}",
                    help="which committed tokens the draft reads: the full cache (default), StreamingLLM "
                         "(sinks + recent window) or SnapKV (prefill-selected positions + recent tokens)")
@@ -167,16 +167,23 @@ def check_draft_cache_args(args) -> None:
                               f"({window}{'' if args.window is not None else ', the default'})")
 
 
+def check_draft_quant_arg(args) -> None:
+    """A one-line error (ConfigError) for an unknown --draft-quant."""
+    from redwood.errors import ConfigError
+
+    quant = getattr(args, "draft_quant", None)
+    if quant is not None and quant not in DRAFT_QUANT:
+        raise ConfigError(f"--draft-quant must be one of {', '.join(q for q in DRAFT_QUANT if q)}, got {quant!r}")
+
+
 def check_draft_kv_args(args) -> None:
     """One-line errors (ConfigError) for bad draft KV / γ / verifier values, before any model loads."""
     from redwood.errors import ConfigError
 
     if args.verifier is not None and args.verifier not in VERIFIER_CHOICES:
         raise ConfigError(f"--verifier must be one of {', '.join(VERIFIER_CHOICES)}, got {args.verifier!r}")
-    quant = getattr(args, "draft_quant", None)
-    if quant is not None and quant not in DRAFT_QUANT:
-        raise ConfigError(f"--draft-quant must be one of {', '.join(q for q in DRAFT_QUANT if q)}, got {quant!r}")
-    if quant and getattr(args, "self_speculate", False):
+    check_draft_quant_arg(args)
+    if getattr(args, "draft_quant", None) and getattr(args, "self_speculate", False):
         raise ConfigError("--draft-quant applies to a --draft-model; self-speculation drafts with the target's weights")
     gammas = args.gamma if isinstance(args.gamma, list) else [args.gamma]
     for gamma in gammas:

@@ -7,7 +7,7 @@ import sys
 import time
 
 from redwood.commands.generate import (DEFAULT_POOL_KERNEL, add_draft_cache_args, add_graphs_arg, add_offload_args,
-                                      check_draft_cache_args, offload_kwargs)
+                                      check_draft_cache_args, check_draft_quant_arg, offload_kwargs)
 from redwood.errors import ConfigError
 
 
@@ -78,14 +78,9 @@ def _run(args: argparse.Namespace) -> int:
 
     policy = make_policy(args.draft_kv or "full", budget=args.draft_budget, sinks=args.sinks, window=args.window,
                          kernel=DEFAULT_POOL_KERNEL if args.pool_kernel is None else args.pool_kernel)
-    if args.draft_quant is not None:
-        from redwood.config import DRAFT_QUANT
-
-        if args.draft_quant not in DRAFT_QUANT:
-            raise ConfigError(f"--draft-quant must be one of {', '.join(q for q in DRAFT_QUANT if q)}, "
-                              f"got {args.draft_quant!r}")
-        if not args.draft_model:
-            raise ConfigError("--draft-quant needs --draft-model")
+    check_draft_quant_arg(args)
+    if args.draft_quant is not None and not args.draft_model:
+        raise ConfigError("--draft-quant needs --draft-model")
 
     from redwood.loading import load_model
 

@@ -11,7 +11,8 @@ ones (CUDA is synchronised before and after every run):
   `redwood profile --offload`, whose forwards stream every layer's weights over the host link).
 - **draft** t_draft(w): one draft forward over w new sibling nodes (each sees the committed context and
   itself) after a prefill of `context` tokens: one level of tree drafting. Without a draft model the
-  target itself is timed (self-speculation over a compressed view is not modelled: an upper bound).
+  target itself is timed; with a draft KV policy (`draft_policy`, `redwood profile --draft-kv`) the draft
+  reads the context through that compressed view, as MagicDec's drafts run (else the whole cache).
 - **overhead** (optional) per step with an n-node tree: `probabilities` of the target's n and the draft's
   n distributions, then the verifier's walk (`verify_tree_paths`, device-side random numbers), on random
   logits of the target's vocabulary — the sampling / verification work outside the forwards. On CUDA it
@@ -107,10 +108,8 @@ def target_latency(model, sizes: Sequence[int], batch: int, context: int, repeat
     _check_fits(model, "target", context, max(sizes))
     g = torch.Generator().manual_seed(seed)
     cache = _prefilled_cache(model, batch, context, max(sizes), g)
-    from redwood.engine.offload import get_offload
-
     # as the engine runs its steps: graphs on CUDA, unless the weights stream from the host (offloading)
-    runner = StepRunner(model, cache, use_graphs=cuda_graphs and get_offload(model) is None)
+    runner = StepRunner(model, cache, use_graphs=cuda_graphs and not _offloaded(model))
     out = []
     for n in sizes:
         tree = profile_tree(n)
