@@ -64,26 +64,22 @@ def _row_sums(X, W, SCALE, BIAS, NW, rows, rows2, ok, K, stride_w, inv_k, eps,
     Σ_k (x_k · s · g_k) · W[r, k] = s · Σ_k (x_k · g_k) · W[r, k], the row's mean square (→ s) summed in
     the same loop (x_k · g_k is exact in float32 for 16-bit inputs). QUANT: W holds int8 with a float32
     scale per row, applied once to each row's sum.
-    PDL (redwood.kernels.pdl): the first weight tile is loaded before waiting for the previous kernel
-    (weights are constant within a forward); everything else is read after the wait. Callers read and
-    write nothing before calling this."""
+    PDL (redwood.kernels.pdl): the first weight tile is prefetched into L2 before waiting for the
+    previous kernel (weights are constant within a forward); everything is read after the wait, by the
+    same loop as without PDL (so the sums are the same, bit for bit). Callers read and write nothing
+    before calling this."""
     p1 = W + rows.to(tl.int64)[:, None] * stride_w
     p2 = W + rows2.to(tl.int64)[:, None] * stride_w
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
     ss = tl.zeros([BLOCK_K], dtype=tl.float32)
-    start = 0
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may be scheduled (it waits for us)
-        w0, u0 = _weight_tile(p1, p2, ok, 0, K, TWO, BLOCK_K)
-        tl.extra.cuda.gdc_wait()  # the previous kernel's writes (x, the norm's input) are visible now
-        acc, acc2, ss = _tile_with(X, NW, w0, u0, 0, K, acc, acc2, ss, NORM, TWO, BLOCK_K)
-        start = BLOCK_K
+        _pdl_prologue(p1, p2, ok, K, TWO, BLOCK_K)
     if STAGES > 1:  # software-pipelined loads (tl.range); triton 3.6's interpreter cannot run tl.range
-        for k0 in tl.range(start, K, BLOCK_K, num_stages=STAGES):
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             acc, acc2, ss = _tile(X, NW, p1, p2, ok, k0, K, acc, acc2, ss, NORM, TWO, BLOCK_K)
     else:
-        for k0 in range(start, K, BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):
             acc, acc2, ss = _tile(X, NW, p1, p2, ok, k0, K, acc, acc2, ss, NORM, TWO, BLOCK_K)
     if QUANT:
         acc = acc * tl.load(SCALE + rows, mask=ok, other=0.0)
@@ -101,6 +97,31 @@ def _row_sums(X, W, SCALE, BIAS, NW, rows, rows2, ok, K, stride_w, inv_k, eps,
 
 
 @_jit
+def _pdl_prologue(p1, p2, ok, K, TWO: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The start of a PDL kernel that reads weight rows p1 (and p2 when TWO) [BLOCK_N, 1]: let the next
+    kernel be scheduled, prefetch this program's first weight tile [BLOCK_N, BLOCK_K] into L2 (one hint
+    per 128-byte line; hints load nothing into registers, so the sums after are those of the kernel
+    without PDL), then wait until the previous kernel has finished and its writes are visible."""
+    tl.extra.cuda.gdc_launch_dependents()  # the next kernel may be scheduled (it waits for us)
+    _prefetch_l2(p1, ok, K, BLOCK_K)
+    if TWO:
+        _prefetch_l2(p2, ok, K, BLOCK_K)
+    tl.extra.cuda.gdc_wait()  # the previous kernel's writes (x, the norm's input) are visible now
+
+
+@_jit
+def _prefetch_l2(p, ok, K, BLOCK_K: tl.constexpr):
+    """L2 prefetch hints for columns [0, BLOCK_K) of the rows p [BLOCK_N, 1] where ok: one per 128-byte
+    line (a hint never faults, but addresses past the rows are not hinted)."""
+    LINE: tl.constexpr = 1024 // p.dtype.element_ty.primitive_bitwidth  # elements per 128 bytes
+    ks = tl.arange(0, BLOCK_K)
+    hint = ok[:, None] & ((ks < K) & (ks % LINE == 0))[None, :]
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.u32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [p + ks[None, :], hint.to(tl.int32)], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@_jit
 def _weight_tile(p1, p2, ok, k0, K, TWO: tl.constexpr, BLOCK_K: tl.constexpr):
     """The weight tile(s) [BLOCK_N, BLOCK_K] at columns k0… of rows p1 (and p2 when TWO), as float32."""
     ks = k0 + tl.arange(0, BLOCK_K)
@@ -113,8 +134,11 @@ def _weight_tile(p1, p2, ok, k0, K, TWO: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @_jit
-def _tile_with(X, NW, w, u, k0, K, acc, acc2, ss, NORM: tl.constexpr, TWO: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Add the weight tile(s) w (u) [BLOCK_N, BLOCK_K] times x[k0 : k0 + BLOCK_K] to acc (acc2)."""
+def _tile(X, NW, p1, p2, ok, k0, K, acc, acc2, ss,
+          NORM: tl.constexpr, TWO: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K tile of _row_sums: the weight tile(s) [BLOCK_N, BLOCK_K] times x[k0 : k0 + BLOCK_K], added
+    to acc (acc2)."""
+    w, u = _weight_tile(p1, p2, ok, k0, K, TWO, BLOCK_K)
     ks = k0 + tl.arange(0, BLOCK_K)
     k_ok = ks < K
     x = tl.load(X + ks, mask=k_ok, other=0.0).to(tl.float32)
@@ -125,14 +149,6 @@ def _tile_with(X, NW, w, u, k0, K, acc, acc2, ss, NORM: tl.constexpr, TWO: tl.co
     if TWO:
         acc2 += tl.sum(u * x[None, :], 1)
     return acc, acc2, ss
-
-
-@_jit
-def _tile(X, NW, p1, p2, ok, k0, K, acc, acc2, ss,
-          NORM: tl.constexpr, TWO: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One K tile of _row_sums: the weight tile(s) [BLOCK_N, BLOCK_K] times x[k0 : k0 + BLOCK_K]."""
-    w, u = _weight_tile(p1, p2, ok, k0, K, TWO, BLOCK_K)
-    return _tile_with(X, NW, w, u, k0, K, acc, acc2, ss, NORM, TWO, BLOCK_K)
 
 
 @_jit
@@ -229,7 +245,7 @@ def _rows_gemv_kernel(X, W, SCALE, BIAS, NW, RES, OUT, M, N, K, stride_x, stride
     long K tiles): each weight tile, loaded once, is multiplied with every row's x tile in turn (a static
     loop over BLOCK_M ≥ M rows) — M FMAs per weight element, which the bytes leave room for at M ≤ 8.
     Each row's sums are the one-row kernel's (the same tile sums in the same order); its Σ x² runs in
-    another order. The weight tiles past the first are pipelined (STAGES); PDL as in _row_sums."""
+    another order. The weight tiles are pipelined (STAGES); PDL as in _row_sums."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     r_ok = rows < M
@@ -240,21 +256,15 @@ def _rows_gemv_kernel(X, W, SCALE, BIAS, NW, RES, OUT, M, N, K, stride_x, stride
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-    start = 0
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        w0, u0 = _weight_tile(p1, p2, c_ok, 0, K, SILU, BLOCK_K)
-        tl.extra.cuda.gdc_wait()
-        acc, acc2, ss = _rows_fma_tile(X, NW, w0, u0, rows, M, 0, K, stride_x, acc, acc2, ss, NORM, SILU,
-                                       BLOCK_M, BLOCK_K)
-        start = BLOCK_K
+        _pdl_prologue(p1, p2, c_ok, K, SILU, BLOCK_K)
     if STAGES > 1:
-        for k0 in tl.range(start, K, BLOCK_K, num_stages=STAGES):
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             w, u = _weight_tile(p1, p2, c_ok, k0, K, SILU, BLOCK_K)
             acc, acc2, ss = _rows_fma_tile(X, NW, w, u, rows, M, k0, K, stride_x, acc, acc2, ss, NORM, SILU,
                                            BLOCK_M, BLOCK_K)
     else:
-        for k0 in range(start, K, BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):
             w, u = _weight_tile(p1, p2, c_ok, k0, K, SILU, BLOCK_K)
             acc, acc2, ss = _rows_fma_tile(X, NW, w, u, rows, M, k0, K, stride_x, acc, acc2, ss, NORM, SILU,
                                            BLOCK_M, BLOCK_K)

@@ -36,8 +36,6 @@ def _qkv_rope_kernel(X, W, SCALE, BIAS, NW, COS, SIN, SLOTS, QO, KC, VC, K, stri
     pid = tl.program_id(0)
     D = 2 * HALF
     n_pairs = (HQ + HKV) * HALF
-    slot = tl.load(SLOTS).to(tl.int64) + tl.zeros([BLOCK_N], dtype=tl.int64)  # as a vector: a mask operand
-    slot_ok = (slot >= 0) & (slot < capacity)
     if pid < ROT_PROGRAMS:  # cdiv((Hq + Hkv)·HALF, BLOCK_N), from the host
         pair = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = pair < n_pairs
