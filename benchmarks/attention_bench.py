@@ -56,14 +56,15 @@ class Case:
         self.lengths = torch.full((B,), CTX, device=dev, dtype=torch.int64)
         self.new_mask = None if new_mask is None else new_mask.to(dev)
         meta = AttentionMetadata(lengths=self.lengths, num_new=T, kv_len=CTX + T, new_mask=self.new_mask)
+        self.packed_mask = meta.packed_new_mask()  # as the model passes it: packed once per forward
         self.sdpa_mask = meta.full_mask()  # [B, 1, T, S]
         self.floor_us = self.kv_bytes / BANDWIDTH * 1e6
         # QK^T and PV: 4 * D flops per (query head, new token, key) — big trees are compute-bound
         self.compute_us = 4 * D * B * HQ * T * (CTX + T) / PEAK_FLOPS * 1e6
 
     def ours(self, layer: int, num_splits: int | None = None) -> torch.Tensor:
-        return td.decode_attention(self.q, self.k[layer], self.v[layer], self.lengths, new_mask=self.new_mask,
-                                   num_splits=num_splits)  # [B, T, Hq, D]
+        return td.decode_attention(self.q, self.k[layer], self.v[layer], self.lengths,
+                                   new_mask=self.packed_mask, num_splits=num_splits)  # [B, T, Hq, D]
 
     def sdpa(self, layer: int) -> torch.Tensor:
         S = CTX + self.T
@@ -98,9 +99,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def cases(gen: torch.Generator):
-    """(name, factory) of every configuration: chains at batch 64, then trees."""
+    """(name, factory) of every configuration: chains at batch 64, small trees at batch 64 (MagicDec
+    self-speculation with a tree draft: P3's long-context serving point), then trees at batch 1-8."""
     for T in (1, 2, 4, 5, 8):
         yield f"chain B=64 T={T}", lambda T=T: Case(f"chain B=64 T={T}", 64, T, None, gen)
+    for n in (4, 8, 16):
+        yield f"tree B=64 n={n}", lambda n=n: Case(f"tree B=64 n={n}", 64, n, random_tree(n, gen), gen)
     for B in (1, 4, 8):
         for n in (16, 32, 64, 128):
             yield f"tree B={B} n={n}", lambda B=B, n=n: Case(f"tree B={B} n={n}", B, n, random_tree(n, gen), gen)

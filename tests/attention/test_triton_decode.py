@@ -182,14 +182,37 @@ def test_causal_other_dtypes(dtype, Hq, Hkv, D, T, P):
 @pytest.mark.parametrize("P", [0, 3])
 @pytest.mark.parametrize("per_row", [False, True])
 def test_tree(T, P, per_row):
-    """Ancestor masks of random trees (one shared, or one per row), after P pending tokens."""
+    """Ancestor masks of random trees (one shared, or one per row), after P pending tokens; per-row
+    masks go in packed (pack_new_mask: what the model passes, one pack per forward)."""
     gen = torch.Generator().manual_seed(T * 10 + P + per_row)
     Hq, Hkv, B = (12, 2, 3) if T < 32 else (4, 2, 2)
     trees = [random_tree_mask(gen, T)[0] for _ in range(B if per_row else 1)]
     masks = [torch.cat([torch.ones(T, P, dtype=torch.bool), anc], dim=1) for anc in trees]
     new_mask = torch.stack(masks) if per_row else masks[0][None] if P else masks[0]  # [B|1, T, W] / [T, W]
     q, k, v, lengths = make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, T=T, D=64, lengths=lengths_for(B, T), P=P)
-    run_and_check(q, k, v, lengths, pending=P, new_mask=new_mask, num_splits=2)
+    if per_row:
+        ref = reference_attention(q, k, v, lengths, pending=P, new_mask=new_mask)
+        out = td.decode_attention(*to_device(q, k, v, lengths), pending=P, num_splits=2,
+                                  new_mask=td.pack_new_mask(new_mask.to(DEVICE))).double().cpu()
+        assert not out.isnan().any()
+        assert ((out - ref).norm() / ref.norm()).item() <= TOL[q.dtype]
+    else:
+        run_and_check(q, k, v, lengths, pending=P, new_mask=new_mask, num_splits=2)
+
+
+@pytest.mark.parametrize("shape", [(5, 1), (3, 64), (2, 4, 130)])
+def test_pack_new_mask_keeps_every_bit(shape):
+    """Bit j of word w of row t is mask[t, 64 w + j], the sign bit (j = 63) included; a partial last
+    word is zero-padded. (Plain torch: runs without the kernel.)"""
+    gen = torch.Generator().manual_seed(sum(shape))
+    mask = torch.rand(shape, generator=gen) < 0.5
+    mask[..., 63:64] = True  # the sign bit set where present
+    words = td.pack_new_mask(mask)
+    W = shape[-1]
+    assert words.dtype == torch.int64 and words.shape == (*shape[:-1], -(-W // 64))
+    bits = (words[..., :, None] >> torch.arange(64)) & 1  # [..., words, 64]
+    unpacked = bits.flatten(-2).bool()
+    assert torch.equal(unpacked[..., :W], mask) and not unpacked[..., W:].any()
 
 
 @needs_kernel
@@ -351,3 +374,12 @@ def test_supported_and_import_without_triton(monkeypatch):
 def test_interpreter_suite():
     """Run this file's kernel cases on the CPU through Triton's interpreter, in a child pytest."""
     run_in_triton_interpreter(__file__)
+
+
+def test_metadata_packs_the_mask_once_per_forward():
+    """Every layer's kernel call gets the same packed words (one pack per forward, not per layer)."""
+    mask = torch.tril(torch.ones(3, 5, dtype=torch.bool), diagonal=2)
+    meta = reference.AttentionMetadata(lengths=torch.tensor([4]), num_new=3, pending=2, new_mask=mask)
+    first = meta.packed_new_mask()
+    assert first is meta.packed_new_mask() and torch.equal(first, td.pack_new_mask(mask))
+    assert reference.AttentionMetadata(lengths=torch.tensor([4]), num_new=1).packed_new_mask() is None

@@ -51,6 +51,18 @@ class AttentionMetadata:
     live: torch.Tensor | None = None
     backend: str = "reference"  # "reference" (SDPA over a dense mask) or "triton" (attention.triton_decode)
     _full_mask: torch.Tensor | None = None
+    _packed_mask: torch.Tensor | None = None
+
+    def packed_new_mask(self) -> torch.Tensor | None:
+        """new_mask as the Triton kernel reads it (triton_decode.pack_new_mask), packed once per forward
+        for all layers."""
+        if self.new_mask is None:
+            return None
+        if self._packed_mask is None:
+            from redwood.attention.triton_decode import pack_new_mask
+
+            self._packed_mask = pack_new_mask(self.new_mask)
+        return self._packed_mask
 
     def read_len(self) -> int:
         """kv_len, computed from the lengths when not given."""

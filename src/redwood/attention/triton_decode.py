@@ -30,6 +30,7 @@ import functools
 import math
 
 import torch
+import torch.nn.functional as F
 
 from redwood.kernels import pdl
 from redwood.kernels.triton_import import INTERPRET as _INTERPRET
@@ -69,7 +70,7 @@ def _split_kv_kernel(
     sq_b, sq_h, sq_t, sq_d,
     sk_b, sk_h, sk_n, sk_d,
     sv_b, sv_h, sv_n, sv_d,
-    snm_b, snm_t, snm_r,
+    snm_b, snm_t, snm_w,
     sci_b, sci_h, sci_c,
     scv_b, scv_h, scv_c,
     sp_b, sp_t,
@@ -163,9 +164,10 @@ def _split_kv_kernel(
         if UPCAST:
             k, v = k.to(tl.float32), v.to(tl.float32)
         pair_ok = row_ok[:, None] & key_ok[None, :]
-        if HAS_NEW_MASK:
-            nm = NEW_MASK + b * snm_b + t[:, None] * snm_t + r[None, :] * snm_r
-            visible = pair_ok & (tl.load(nm, mask=pair_ok, other=0) != 0)
+        if HAS_NEW_MASK:  # bit r % 64 of word r // 64 of row t (a tile of BLOCK_N <= 64 keys is in one word)
+            word = tl.load(NEW_MASK + b * snm_b + t * snm_t + (r0 // 64) * snm_w, mask=row_ok, other=0)
+            bit = (word[:, None] >> (r % 64).to(tl.int64)[None, :]) & 1
+            visible = pair_ok & (bit != 0)
         else:  # all pending tokens, causal among the new ones
             visible = pair_ok & (r[None, :] <= P + t[:, None])
         if HAS_WINDOW:
@@ -294,8 +296,8 @@ def decode_attention(q, k_cache, v_cache, lengths, *, pending=0, new_mask=None, 
     """Attention of T new tokens per row over one layer of the KV cache.
 
     q: [B, Hq, T, D] (any strides); k_cache, v_cache: [B, Hkv, capacity, D]; lengths: [B] int (on the
-    device, never read on the host). pending: P. new_mask: [T, P + T] or [B or 1, T, P + T] bool,
-    None → causal. ctx_idx / ctx_valid: [B, H', C] (H' = 1 or Hkv) context view, None → slots [0, L_b).
+    device, never read on the host). pending: P. new_mask: [T, P + T] or [B or 1, T, P + T] bool (or
+    those bits packed by `pack_new_mask`), None → causal. ctx_idx / ctx_valid: [B, H', C] (H' = 1 or Hkv) context view, None → slots [0, L_b).
     q_positions: [B, T] positions for the sliding window (the window applies only with both given,
     as in the reference). live: [B] integer 0/1 or None: rows with 0 (finished) read none of their
     context, only the pending + new tokens. num_splits: None → `default_num_splits`.
@@ -318,7 +320,7 @@ def decode_attention(q, k_cache, v_cache, lengths, *, pending=0, new_mask=None, 
     num_splits = max(1, int(num_splits))
 
     out = torch.empty(B, T, Hq, D, device=q.device, dtype=q.dtype)
-    nm, nm_strides = _new_mask_arg(new_mask, lengths, T, pending)
+    nm, nm_strides = _new_mask_arg(new_mask, lengths, T, pending, cfg["BLOCK_N"])
     ci, ci_strides = _view_arg(ctx_idx, lengths, B, Hkv)
     cv, cv_strides = _view_arg(None if ctx_valid is None else ctx_valid.view(torch.uint8), lengths, B, Hkv)
     qp, qp_strides = (q_positions, q_positions.stride()) if has_window else (lengths, (0, 0))
@@ -351,12 +353,31 @@ def decode_attention(q, k_cache, v_cache, lengths, *, pending=0, new_mask=None, 
     return out
 
 
-def _new_mask_arg(new_mask, placeholder, T, P):
-    """new_mask [T, P+T], [1, T, P+T] or [B, T, P+T] bool → (uint8 tensor, (stride_b, stride_t, stride_r))."""
+def pack_new_mask(new_mask: torch.Tensor) -> torch.Tensor:
+    """A bool mask [..., T, W] as bits: int64 words [..., T, cdiv(W, 64)], bit j of word w = mask[..., t,
+    64 w + j]. The kernel reads one word per query row and key tile instead of a [rows, keys] tile of
+    bytes (whose pointer tile cost registers, and with them occupancy). Build it once per forward
+    (AttentionMetadata.packed_new_mask): every layer shares it."""
+    W = new_mask.shape[-1]
+    words = -(-W // 64)
+    m = F.pad(new_mask.to(torch.int64), (0, 64 * words - W)).unflatten(-1, (words, 64))
+    bits = torch.ones(64, dtype=torch.int64, device=m.device) << torch.arange(64, device=m.device)
+    return (m * bits).sum(-1)  # distinct bits never carry (bit 63 is the sign bit: same pattern)
+
+
+def _new_mask_arg(new_mask, placeholder, T, P, block_n):
+    """new_mask [T, P+T], [1, T, P+T] or [B, T, P+T] bool, or its packed words (pack_new_mask: int64
+    [.., T, cdiv(P+T, 64)]) → (int64 words, (stride_b, stride_t, stride_w))."""
     if new_mask is None:
         return placeholder, (0, 0, 0)
-    assert new_mask.shape[-2:] == (T, P + T), f"new_mask {tuple(new_mask.shape)} != [.., {T}, {P + T}]"
-    m = new_mask.view(torch.uint8) if new_mask.dtype == torch.bool else new_mask
+    assert 64 % block_n == 0, "a key tile must lie in one mask word"
+    if new_mask.dtype == torch.int64:
+        assert new_mask.shape[-2:] == (T, triton.cdiv(P + T, 64)), \
+            f"packed new_mask {tuple(new_mask.shape)} != [.., {T}, {triton.cdiv(P + T, 64)}]"
+        m = new_mask
+    else:
+        assert new_mask.shape[-2:] == (T, P + T), f"new_mask {tuple(new_mask.shape)} != [.., {T}, {P + T}]"
+        m = pack_new_mask(new_mask.bool())
     if m.dim() == 2:
         return m, (0, *m.stride())
     return m, (0 if m.shape[0] == 1 else m.stride(0), *m.stride()[1:])

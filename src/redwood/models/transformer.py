@@ -114,7 +114,7 @@ class Attention(nn.Module):
         window = meta.sliding_window
         return decode_attention(
             q, cache.k[self.layer], cache.v[self.layer], meta.lengths, pending=meta.pending,
-            new_mask=meta.new_mask, ctx_idx=ctx_idx, ctx_valid=ctx_valid,
+            new_mask=meta.packed_new_mask(), ctx_idx=ctx_idx, ctx_valid=ctx_valid,
             q_positions=meta.q_positions if window is not None else None, sliding_window=window,
             live=meta.live,
         )
