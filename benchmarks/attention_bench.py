@@ -111,9 +111,7 @@ def cases(gen: torch.Generator):
 
 
 def measure(case: Case) -> dict:
-    block_m = td._launch_config(HQ // HKV * case.T, D, torch.bfloat16)["BLOCK_M"]
-    m_tiles = math.ceil(HQ // HKV * case.T / block_m)
-    splits = td.default_num_splits(CTX + case.T, case.B * HKV * m_tiles, td._num_sms(torch.device("cuda")), block_m)
+    splits = td.num_splits_for(case.q, case.k[0], case.v[0], case.lengths, new_mask=case.packed_mask)
     ours_us = time_per_layer(case.ours, case.layers)
     sdpa_us = time_per_layer(case.sdpa, min(case.layers, 4))
     err = rel_err(case.ours(0), case.sdpa(0))

@@ -1,10 +1,11 @@
 """Registers, shared memory and resident programs per SM of the attention kernel's variants, compiled
 for sm_90 by this machine's Triton — no GPU needed (the cubin's resource usage via Triton's cuobjdump).
 
-Why: the split-KV heuristic (`triton_decode.default_num_splits`) assumes 3 resident programs per SM for
-tiles of ≤ 32 query rows and 2 for 64; a variant that needs more registers or shared memory than that
-runs an extra partial wave. Run it where the benchmarks run (the GPU machine's Triton may allocate
-differently from a newer one here):
+Why: split-KV attention sizes its grid to whole waves of resident programs (`decode_attention` reads
+the compiled variant's occupancy on the GPU; without it, `default_num_splits` assumes 3 programs of
+≤ 32 query rows or 2 of 64 per SM). A variant with more registers or shared memory than assumed runs a
+partial extra wave. Run it where the benchmarks run (the GPU machine's Triton may allocate differently
+from a newer one here):
 
     PYTHONPATH=src python benchmarks/kernel_resources.py
 """
@@ -23,22 +24,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from redwood.attention import triton_decode as td
+from redwood.kernels.occupancy import resident_programs
 
-# H100 / H200 (sm_90) per-SM limits
-REGS_PER_SM, SMEM_PER_SM, THREADS_PER_SM, BLOCKS_PER_SM = 65536, 233472, 2048, 32
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "OUT": "*bf16", "LENGTHS": "*i64", "LIVE": "*i64",
             "NEW_MASK": "*i64", "CTX_IDX": "*i64", "CTX_VALID": "*u8", "QPOS": "*i64", "WS_ACC": "*fp32",
             "WS_M": "*fp32", "WS_L": "*fp32", "qk_scale": "fp32"}
 UNIT_STRIDES = ("sq_d", "sk_d", "sv_d", "sci_c", "scv_c")  # 1 at run time: Triton specializes them
 ALIGNED = ("sq_b", "sq_h", "sq_t", "sk_b", "sk_h", "sk_n", "sv_b", "sv_h", "sv_n")  # multiples of 16
-
-
-def resident(regs: int, shared: int, warps: int) -> int:
-    """Programs of one kernel resident on an SM: registers (256 per warp granule), shared memory (+1 KB
-    reserved per block), threads, blocks."""
-    by_regs = REGS_PER_SM // (-(-regs * 32 // 256) * 256 * warps)
-    by_smem = SMEM_PER_SM // (shared + 1024)
-    return max(0, min(by_regs, by_smem, THREADS_PER_SM // (32 * warps), BLOCKS_PER_SM))
 
 
 def compile_variant(T: int, mask: bool, live: bool, G: int = 6, D: int = 128) -> dict:
@@ -65,15 +57,15 @@ def compile_variant(T: int, mask: bool, live: bool, G: int = 6, D: int = 128) ->
     spill = int(re.search(r"STACK:(\d+)", usage).group(1))
     shared = kernel.metadata.shared
     return dict(T=T, mask=mask, live=live, block_m=cfg["BLOCK_M"], stages=cfg["num_stages"], regs=regs,
-                stack=spill, shared=shared, per_sm=resident(regs, shared, cfg["num_warps"]),
+                stack=spill, shared=shared, per_sm=resident_programs(regs, shared, cfg["num_warps"]),
                 assumed=3 if cfg["BLOCK_M"] <= 32 else 2)
 
 
 def main() -> None:
     rows = [compile_variant(T, mask, live) for T, mask, live in
             itertools.product((1, 2, 4, 8, 16), (False, True), (False, True))]
-    print(f"triton {triton.__version__}, sm_90, bf16, G=6, D=128; per_sm = resident programs per SM "
-          f"(assumed: default_num_splits' guess)")
+    print(f"triton {triton.__version__}, sm_90 (H100/H200 limits), bf16, G=6, D=128; per_sm = resident "
+          f"programs per SM (decode_attention sizes its split grid with it; assumed: the estimate without it)")
     print(f"{'T':>3} {'mask':>5} {'live':>5} {'BLOCK_M':>7} {'stages':>6} {'regs':>5} {'stack B':>7} "
           f"{'smem KB':>7} {'per_sm':>6} {'assumed':>7}")
     for r in rows:

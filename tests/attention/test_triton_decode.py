@@ -360,6 +360,10 @@ def test_default_num_splits_from_static_shapes():
     assert td.default_num_splits(cap, 1 * 2 * 12, 132) == 11  # one 128-node tree: 264 programs
     assert td.default_num_splits(1400, 6, 132) == 1  # short caches: one split (≥ 1024 keys each)
     assert 48 <= td.default_num_splits(10**7, 1, 132) <= 64  # capped at 64
+    # with the compiled variant's occupancy: 32-row tiles at 2 per SM (264 slots) take 2 splits, not 3
+    assert td.default_num_splits(cap, 64 * 2, 132, block_m=32) == 3
+    assert td.default_num_splits(cap, 64 * 2, 132, block_m=32, per_sm=2) == 2
+    assert td.default_num_splits(cap, 64 * 2, 132, block_m=16, per_sm=4) == 4  # 512 of 528 slots
 
 
 def test_supported_and_import_without_triton(monkeypatch):
@@ -383,3 +387,19 @@ def test_metadata_packs_the_mask_once_per_forward():
     first = meta.packed_new_mask()
     assert first is meta.packed_new_mask() and torch.equal(first, td.pack_new_mask(mask))
     assert reference.AttentionMetadata(lengths=torch.tensor([4]), num_new=1).packed_new_mask() is None
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA (the occupancy of a compiled kernel)")
+def test_split_count_uses_the_compiled_variants_occupancy():
+    """On a GPU the split count comes from the compiled kernel's resident programs per SM (registers and
+    shared memory), read once per variant without launching it; the call's result is unchanged."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, lengths = make_inputs(gen, B=8, Hq=12, Hkv=2, T=4, D=128, lengths=[3000] * 8, cap=4096)
+    q, k, v, lengths = to_device(q, k, v, lengths)
+    splits = td.num_splits_for(q, k, v, lengths)
+    per_sm = [n for key, n in td._OCCUPANCY.items() if key[2] and dict(key[2])["BLOCK_M"] == 32]
+    assert per_sm and all(isinstance(n, int) and n >= 1 for n in per_sm)
+    assert splits == td.default_num_splits(4096, 8 * 2, td._num_sms(q.device), 32, per_sm[-1])
+    ref = reference_attention(*(x.cpu() for x in (q, k, v, lengths)))
+    out = td.decode_attention(q, k, v, lengths).double().cpu()
+    assert ((out - ref).norm() / ref.norm()).item() <= TOL[q.dtype]

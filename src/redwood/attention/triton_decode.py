@@ -32,7 +32,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from redwood.kernels import pdl
+from redwood.kernels import occupancy, pdl
 from redwood.kernels.triton_import import INTERPRET as _INTERPRET
 from redwood.kernels.triton_import import jit as _jit
 from redwood.kernels.triton_import import tl, triton
@@ -264,17 +264,19 @@ def _launch_config(M: int, D: int, dtype: torch.dtype, big_smem: bool = False) -
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, num_stages=stages)
 
 
-def default_num_splits(n_keys: int, programs: int, num_sms: int, block_m: int = 64) -> int:
+def default_num_splits(n_keys: int, programs: int, num_sms: int, block_m: int = 64,
+                       per_sm: int | None = None) -> int:
     """Splits of the context that fill whole waves of the GPU (flash-decoding's heuristic).
 
     n_keys: a static bound on a row's context keys (cache capacity, or C with a view) — never the
-    lengths themselves, so the call stays graph-capturable. programs: B * Hkv * M tiles. About 2
-    programs of 64 rows (3 of ≤ 32 rows) run at once per SM; a last, partial wave costs as much as a
-    full one (measured: 288 programs on 264 slots ran 1.5x slower than 256), so take the fewest splits
-    whose waves are ≥ 95% full — or, if none is, the best filled. Each split keeps ≥ 1024 keys of
-    the bound (short rows just leave later splits empty); at most 64 splits.
+    lengths themselves, so the call stays graph-capturable. programs: B * Hkv * M tiles. per_sm: the
+    compiled kernel's resident programs per SM (redwood.kernels.occupancy); None → the estimate of 2
+    programs of 64 rows, 3 of ≤ 32 rows. A last, partial wave costs about as much as a full one
+    (measured: 288 programs on 264 slots ran 1.5x slower than 256), so take the fewest splits whose
+    waves are ≥ 95% full — or, if none is, the best filled. Each split keeps ≥ 1024 keys of the bound
+    (short rows just leave later splits empty); at most 64 splits.
     """
-    slots = num_sms * (3 if block_m <= 32 else 2)
+    slots = num_sms * (per_sm or (3 if block_m <= 32 else 2))
     max_splits = max(1, min(64, n_keys // 1024))
 
     def filled(s: int) -> float:
@@ -283,6 +285,24 @@ def default_num_splits(n_keys: int, programs: int, num_sms: int, block_m: int = 
 
     best = max(filled(s) for s in range(1, max_splits + 1))
     return next(s for s in range(1, max_splits + 1) if filled(s) >= 0.95 * best)
+
+
+_OCCUPANCY: dict = {}
+
+
+def _resident_per_sm(device: torch.device, consts: dict, dtypes: tuple, args) -> int | None:
+    """Resident programs per SM of the attention kernel variant `consts` (compiled once, not launched:
+    Triton's warmup), cached per device and variant; None where it cannot be told. args(splits, ws…)
+    gives the run-time arguments; the probe compiles the split variant (the one whose grid this sizes)."""
+    key = (device, dtypes, tuple(sorted(consts.items())))
+    if key not in _OCCUPANCY:
+        ws = torch.empty(1, device=device, dtype=torch.float32)
+        try:
+            kernel = _split_kv_kernel.warmup(*args(2, ws, ws, ws), grid=(1,), SPLIT=True, **consts)
+        except Exception:  # a Triton without warmup: keep the estimate
+            kernel = None
+        _OCCUPANCY[key] = None if kernel is None else occupancy.compiled_occupancy(kernel, device)
+    return _OCCUPANCY[key]
 
 
 def _merge_rows(n_rows: int, num_sms: int) -> int:
@@ -297,60 +317,88 @@ def decode_attention(q, k_cache, v_cache, lengths, *, pending=0, new_mask=None, 
 
     q: [B, Hq, T, D] (any strides); k_cache, v_cache: [B, Hkv, capacity, D]; lengths: [B] int (on the
     device, never read on the host). pending: P. new_mask: [T, P + T] or [B or 1, T, P + T] bool (or
-    those bits packed by `pack_new_mask`), None → causal. ctx_idx / ctx_valid: [B, H', C] (H' = 1 or Hkv) context view, None → slots [0, L_b).
-    q_positions: [B, T] positions for the sliding window (the window applies only with both given,
-    as in the reference). live: [B] integer 0/1 or None: rows with 0 (finished) read none of their
-    context, only the pending + new tokens. num_splits: None → `default_num_splits`.
+    those bits packed by `pack_new_mask`), None → causal. ctx_idx / ctx_valid: [B, H', C] (H' = 1 or
+    Hkv) context view, None → slots [0, L_b). q_positions: [B, T] positions for the sliding window (the
+    window applies only with both given, as in the reference). live: [B] integer 0/1 or None: rows with
+    0 (finished) read none of their context, only the pending + new tokens. num_splits: None →
+    `default_num_splits` for this kernel variant's occupancy (`num_splits_for`).
     Returns [B, T, Hq, D] contiguous, q's dtype.
     """
+    plan = _Plan(q, k_cache, v_cache, lengths, pending, new_mask, ctx_idx, ctx_valid, q_positions, sliding_window,
+                 live, num_splits)
     B, Hq, T, D = q.shape
-    Bk, Hkv, cap, Dk = k_cache.shape
-    assert Bk == B and Dk == D and v_cache.shape == k_cache.shape and Hq % Hkv == 0, "shape mismatch"
-    assert q.dtype in _DTYPES and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, "dtype mismatch"
-    assert D <= _MAX_HEAD_DIM, f"head dim {D} > {_MAX_HEAD_DIM}"
-    G = Hq // Hkv
-    has_view = ctx_idx is not None
-    has_window = sliding_window is not None and q_positions is not None
-    cfg = _launch_config(G * T, D, q.dtype, _big_shared_memory(q.device))
-    m_tiles = triton.cdiv(G * T, cfg["BLOCK_M"])
-    C = ctx_idx.shape[2] if has_view else 0
-    if num_splits is None:
-        num_splits = default_num_splits(C if has_view else cap, B * Hkv * m_tiles, _num_sms(q.device),
-                                        cfg["BLOCK_M"])
-    num_splits = max(1, int(num_splits))
-
-    out = torch.empty(B, T, Hq, D, device=q.device, dtype=q.dtype)
-    nm, nm_strides = _new_mask_arg(new_mask, lengths, T, pending, cfg["BLOCK_N"])
-    ci, ci_strides = _view_arg(ctx_idx, lengths, B, Hkv)
-    cv, cv_strides = _view_arg(None if ctx_valid is None else ctx_valid.view(torch.uint8), lengths, B, Hkv)
-    qp, qp_strides = (q_positions, q_positions.stride()) if has_window else (lengths, (0, 0))
-    split = num_splits > 1
-    if split:
-        rows = B * T * Hq * num_splits
+    splits, out = plan.num_splits, plan.out
+    if splits > 1:
+        rows = B * T * Hq * splits
         ws_acc = torch.empty(rows, D, device=q.device, dtype=torch.float32)
         ws_ml = torch.empty(2, rows, device=q.device, dtype=torch.float32)
         ws_m, ws_l = ws_ml[0], ws_ml[1]
     else:
         ws_acc = ws_m = ws_l = out  # unused
-    upcast = _INTERPRET and q.dtype == torch.bfloat16
-    use_pdl = pdl.enabled(q.device)
-    _split_kv_kernel[(m_tiles, num_splits, B * Hkv)](
-        q, k_cache, v_cache, lengths, live if live is not None else lengths, nm, ci, cv, qp, out, ws_acc, ws_m, ws_l,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *nm_strides, *ci_strides, *cv_strides, *qp_strides,
-        _LOG2E / math.sqrt(D), sliding_window if has_window else 0, Hkv, T, pending, C, num_splits,
-        G=G, D=D, HAS_VIEW=has_view, HAS_NEW_MASK=new_mask is not None, HAS_WINDOW=has_window,
-        HAS_LIVE=live is not None, SPLIT=split, UPCAST=upcast,
-        PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", PDL=use_pdl, **cfg,
-        **pdl.launch_options(use_pdl),
-    )
-    if split:
+    _split_kv_kernel[plan.grid](*plan.args(splits, ws_acc, ws_m, ws_l), SPLIT=splits > 1, **plan.consts)
+    if splits > 1:
         n_rows = B * T * Hq
         block_r = _merge_rows(n_rows, _num_sms(q.device))
+        use_pdl = plan.consts["PDL"]
         _merge_kernel[(triton.cdiv(n_rows, block_r),)](
-            ws_acc, ws_m, ws_l, out, n_rows, num_splits, D=D, BLOCK_R=block_r,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=cfg["BLOCK_D"], PDL=use_pdl, num_warps=4,
+            ws_acc, ws_m, ws_l, out, n_rows, splits, D=D, BLOCK_R=block_r,
+            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=plan.consts["BLOCK_D"], PDL=use_pdl, num_warps=4,
             **pdl.launch_options(use_pdl))
     return out
+
+
+def num_splits_for(q, k_cache, v_cache, lengths, *, pending=0, new_mask=None, ctx_idx=None, ctx_valid=None,
+                   q_positions=None, sliding_window=None, live=None) -> int:
+    """The split count `decode_attention` takes for these arguments (benchmarks report it)."""
+    return _Plan(q, k_cache, v_cache, lengths, pending, new_mask, ctx_idx, ctx_valid, q_positions, sliding_window,
+                 live, None).num_splits
+
+
+class _Plan:
+    """One decode_attention call's launch: kernel variant (consts), run-time arguments, grid, splits."""
+
+    def __init__(self, q, k_cache, v_cache, lengths, pending, new_mask, ctx_idx, ctx_valid, q_positions,
+                 sliding_window, live, num_splits):
+        B, Hq, T, D = q.shape
+        Bk, Hkv, cap, Dk = k_cache.shape
+        assert Bk == B and Dk == D and v_cache.shape == k_cache.shape and Hq % Hkv == 0, "shape mismatch"
+        assert q.dtype in _DTYPES and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, "dtype mismatch"
+        assert D <= _MAX_HEAD_DIM, f"head dim {D} > {_MAX_HEAD_DIM}"
+        G = Hq // Hkv
+        has_view = ctx_idx is not None
+        has_window = sliding_window is not None and q_positions is not None
+        cfg = _launch_config(G * T, D, q.dtype, _big_shared_memory(q.device))
+        m_tiles = triton.cdiv(G * T, cfg["BLOCK_M"])
+        C = ctx_idx.shape[2] if has_view else 0
+        self.out = torch.empty(B, T, Hq, D, device=q.device, dtype=q.dtype)
+        nm, nm_strides = _new_mask_arg(new_mask, lengths, T, pending, cfg["BLOCK_N"])
+        ci, ci_strides = _view_arg(ctx_idx, lengths, B, Hkv)
+        cv, cv_strides = _view_arg(None if ctx_valid is None else ctx_valid.view(torch.uint8), lengths, B, Hkv)
+        qp, qp_strides = (q_positions, q_positions.stride()) if has_window else (lengths, (0, 0))
+        upcast = _INTERPRET and q.dtype == torch.bfloat16
+        use_pdl = pdl.enabled(q.device)
+        self.consts = dict(G=G, D=D, HAS_VIEW=has_view, HAS_NEW_MASK=new_mask is not None, HAS_WINDOW=has_window,
+                           HAS_LIVE=live is not None, UPCAST=upcast,
+                           PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", PDL=use_pdl, **cfg,
+                           **pdl.launch_options(use_pdl))
+        self._run_args = (q, k_cache, v_cache, lengths, live if live is not None else lengths, nm, ci, cv, qp,
+                          self.out)
+        self._scalars = (*q.stride(), *k_cache.stride(), *v_cache.stride(), *nm_strides, *ci_strides,
+                         *cv_strides, *qp_strides, _LOG2E / math.sqrt(D), sliding_window if has_window else 0, Hkv,
+                         T, pending, C)
+        if num_splits is None:
+            n_keys, programs = C if has_view else cap, B * Hkv * m_tiles
+            per_sm = None
+            if q.is_cuda and not _INTERPRET and n_keys >= 2048:  # (shorter contexts take one split anyway)
+                per_sm = _resident_per_sm(q.device, self.consts,
+                                          (q.dtype, lengths.dtype, nm.dtype, ci.dtype, qp.dtype), self.args)
+            num_splits = default_num_splits(n_keys, programs, _num_sms(q.device), cfg["BLOCK_M"], per_sm)
+        self.num_splits = max(1, int(num_splits))
+        self.grid = (m_tiles, self.num_splits, B * Hkv)
+
+    def args(self, splits, ws_acc, ws_m, ws_l) -> tuple:
+        """The kernel's run-time arguments for `splits` splits and these workspaces."""
+        return (*self._run_args, ws_acc, ws_m, ws_l, *self._scalars, splits)
 
 
 def pack_new_mask(new_mask: torch.Tensor) -> torch.Tensor:
