@@ -114,7 +114,9 @@ p3tree)  # Sequoia trees for MagicDec self-speculation at one P3 serving point: 
       --output "$d/tree.json" --json > "$d/tree.summary.json"
   run $R bench selfspec --model "$T" $GPU --batch-size $b --prefix-len $ctx --gen-len ${P3_GEN:-64} --gamma 2 3 \
       --tree "$d/tree.json" --draft-kv $kv --draft-budget $budget --output "$d/bench" ;;
-p4)  # the attention kernel against the KV-read floor and SDPA
+p4)  # the attention kernel against the KV-read floor and SDPA (chains and trees at batch 64 × 32K, trees at
+     # batch 1-8), after its variants' registers / shared memory / programs per SM on this machine's Triton
+  run python3 benchmarks/kernel_resources.py 2>&1 | tee "$OUT/kernel-resources.txt" | tail -22 || echo "(kernel_resources failed)"
   run python3 benchmarks/attention_bench.py --output "$OUT/p4.json" ;;
 p5)  # offloaded target (weights streamed from pinned host memory): AR vs large trees picked for that cost
      # profile: the offloaded target's forward is ~flat in tokens (host-link bound), so deep trees pay
