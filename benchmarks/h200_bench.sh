@@ -106,7 +106,7 @@ p3tree)  # Sequoia trees for MagicDec self-speculation at one P3 serving point: 
   budget=256; [ $kv = snapkv ] && budget=512
   d="$OUT/p3tree-$kv-$ctx-b$b"; mkdir -p "$d"
   run $R acceptance --model "$T" $GPU --self-speculate --draft-kv $kv --draft-budget $budget --width 4 \
-      --mode dynamic --temperature 0 --dataset essays --num-prompts ${P3_ACC_PROMPTS:-4} --prompt-len $((ctx - 8)) \
+      --mode dynamic --temperature 0 --dataset essays --num-prompts ${P3_ACC_PROMPTS:-8} --prompt-len $((ctx - 8)) \
       --gen-len ${P3_GEN:-64} --output "$d/acc.json" --quiet
   run $R profile --model "$T" $GPU --batch-size $b --context $ctx --tokens 1,2,4,8,16 --widths 1,2,4 \
       --no-overhead --draft-kv $kv --draft-budget $budget --repeats 3 --warmup 1 --output "$d/profile.json"

@@ -83,8 +83,33 @@ def p3(out: Path) -> list[str]:
                 lines.append(f"P3 selfspec {kv:<9} batch {b['batch_size']:>2} context {b['prefix_len']:>5}: "
                              f"best {b['tree']} {b['speedup']:.2f}× over AR ({run.get('ar_tokens_per_s', 0):.0f} → "
                              f"{b['tokens_per_s']:.0f} tok/s, {run.get('tokens_per_step', 0):.2f} tok/step"
-                             + (f", peak {mem / 2**30:.1f} GiB" if mem else "") + ")")
+                             + (f", peak {mem / 2**30:.1f} GiB" if mem else "") + ")"
+                             + _best_steady(r["runs"], b["batch_size"], b["prefix_len"]))
+    for d in sorted(out.glob("p3tree-*")):  # a Sequoia tree for the self-draft next to chains
+        r = load(d / "bench")
+        if r is None:
+            lines.append(f"P3 tree {d.name}: not run")
+            continue
+        for run in r["runs"]:
+            lines.append(f"P3 tree {d.name} {_shape(run['tree'])}: {run['speedup']:.2f}× end-to-end, "
+                         f"{run.get('steady_speedup') or 0:.2f}× steady ({run['tokens_per_step']:.2f} tok/step, "
+                         f"{run.get('ms_per_step', 0):.1f} ms/step)")
     return lines
+
+
+def _shape(tree: str) -> str:
+    """A run's draft shape: chain:γ, or a tree file's name."""
+    return tree if tree.startswith("chain:") else f"tree {Path(tree).name}"
+
+
+def _best_steady(runs: list[dict], batch: int, prefix: int) -> str:
+    """'; steady best …' over the runs at (batch, prefix): the rate while every row generates (MagicDec's
+    per-token measure; a server refilling finished rows sees it)."""
+    cell = [x for x in runs if x["batch_size"] == batch and x["prefix_len"] == prefix and x.get("steady_speedup")]
+    if not cell:
+        return ""
+    best = max(cell, key=lambda x: x["steady_speedup"])
+    return f"; steady best {_shape(best['tree'])} {best['steady_speedup']:.2f}×"
 
 
 def p4(out: Path) -> list[str]:
