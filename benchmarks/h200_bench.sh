@@ -8,7 +8,7 @@
 # Each step writes JSON under $OUT and prints its tables; `summary` prints the short P1–P5 table last.
 # Settings (environment): P2_TEMPS, P2_GAMMAS, P2_DRAFT_WEIGHTS (bf16 int8), P2_ACC (a folder of acceptance vectors measured earlier with
 # the same models, [p2-]acc-<dataset>-t<temp>.json: reused instead of measured), P2_ACC_PROMPTS, P3_KV, P3_BATCH, P3_CONTEXT, P3_GAMMAS,
-# P3_GEN, P3_PROFILE (1: also `redwood profile` each cell's verify and compressed draft forwards at the largest
+# P3_GEN, P3_ACC_PROMPTS (p3tree: essays for the self-draft's acceptance vector, default 8), P3_PROFILE (1: also `redwood profile` each cell's verify and compressed draft forwards at the largest
 # batch), P5_ACC (default: p2's HumanEval greedy vector), P5_BUDGETS, P5_DEPTH, P5_GEN, P5_TREE (extra
 # trees), GEMV_ARGS, GPU_TESTS, GPU_FLAGS; REDWOOD_PDL=1 runs every step's captured graphs with programmatic
 # dependent launch (redwood.kernels.pdl). Each invocation must fit the machine's 10-minute call limit:
