@@ -134,7 +134,7 @@ def _warm_up_and_capture(graph: torch.cuda.CUDAGraph, pool, run: Callable[[], ob
     Both under `pdl.launches()`: where REDWOOD_PDL=1 asks for it (redwood.kernels.pdl), the Triton
     kernels are launched with programmatic dependent launch — compiled and loaded in the warm-up, so the
     capture only records them. The callers synchronized the device first, so weights written before
-    (loading, quantization) are settled: the kernels read their first weight tile before waiting."""
+    (loading, quantization) are settled: the kernels prefetch their first weight tile before waiting."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with pdl.launches():

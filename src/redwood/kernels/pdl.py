@@ -6,14 +6,15 @@ little is bytes (NOTES.md: the 0.5B draft's layers run at ~3x their byte floor).
 PDL may start while the previous kernel in the stream is still running; it must execute `gdc_wait`
 (griddepcontrol.wait: the previous grid has completed and its writes are visible) before it reads
 anything an earlier kernel wrote, and before it writes anything. What it does before that wait is free
-to overlap: the skinny matmuls load their first weight tile there — weights, which nothing inside a
-forward writes. Each PDL kernel also signals `gdc_launch_dependents` at its start, so the next one may
+to overlap: the skinny matmuls prefetch their first weight tile into L2 there (hints only: the tile is
+then read and summed by the same loop as without PDL, so results are the same bit for bit) — weights,
+which nothing inside a forward writes. Each PDL kernel also signals `gdc_launch_dependents` at its start, so the next one may
 be scheduled as soon as this one's last programs are running.
 
 The launches are on only inside `launches()` — `StepRunner` opens it around the warm-up and the capture
 of its graphs, after a device synchronization (so weights loaded earlier are settled) — on a GPU of
-compute capability ≥ 9, with REDWOOD_PDL=1 (off by default until measured: benchmarks/decode_step.py
---pdl). Eager forwards never use it. Kernels take a PDL constexpr (`flag`) and the launch options from
+compute capability ≥ 9, with REDWOOD_PDL=1 (off by default: measured on an H200, a 0.5B draft level
+−4%, a 1.5B step −1%, nothing visible end to end; benchmarks/NOTES.md, session 6). Eager forwards never use it. Kernels take a PDL constexpr (`flag`) and the launch options from
 `launch_options` (Triton's `launch_pdl`).
 """
 
