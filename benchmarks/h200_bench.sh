@@ -9,7 +9,8 @@
 # Settings (environment): P2_TEMPS, P2_GAMMAS, P2_DRAFT_WEIGHTS (bf16 int8), P2_ACC (a folder of acceptance vectors measured earlier with
 # the same models, [p2-]acc-<dataset>-t<temp>.json: reused instead of measured), P2_ACC_PROMPTS, P3_KV, P3_BATCH, P3_CONTEXT, P3_GAMMAS,
 # P3_GEN, P3_ACC_PROMPTS (p3tree: essays for the self-draft's acceptance vector, default 8), P3_PROFILE (1: also `redwood profile` each cell's verify and compressed draft forwards at the largest
-# batch), P5_ACC (default: p2's HumanEval greedy vector), P5_BUDGETS, P5_DEPTH, P5_GEN, P5_TREE (extra
+# batch), P5_ACC (default: p2's HumanEval greedy vector), P5_BUDGETS, P5_DEPTH, P5_GEN, P5_PREFETCH (layers in the
+# offload ring, default 16), P5_TREE (extra
 # trees), GEMV_ARGS, GPU_TESTS, GPU_FLAGS; REDWOOD_PDL=1 runs every step's captured graphs with programmatic
 # dependent launch (redwood.kernels.pdl). Each invocation must fit the machine's 10-minute call limit:
 # e.g. `tests p1 steps` + greedy p2, then T = 0.6 p2 + p5, then p3 alone.
@@ -122,7 +123,8 @@ p5)  # offloaded target (weights streamed from pinned host memory): AR vs large 
      # profile: the offloaded target's forward is ~flat in tokens (host-link bound), so deep trees pay
   mkdir -p "$OUT/p5"
   acc=${P5_ACC:-$OUT/p2/acc-humaneval-t0.json}
-  run $R profile --model "$T" --draft-model "$D" $GPU --offload --temperature 0 --tokens 1,16,64,128,256 \
+  pf="--offload-prefetch ${P5_PREFETCH:-16}"  # ring depth: copies of the next verify's layers run during drafting
+  run $R profile --model "$T" --draft-model "$D" $GPU --offload $pf --temperature 0 --tokens 1,16,64,128,256 \
       --output "$OUT/p5/profile-offload.json"
   trees=""
   for budget in ${P5_BUDGETS:-64 128}; do
@@ -131,7 +133,7 @@ p5)  # offloaded target (weights streamed from pinned host memory): AR vs large 
         > "$OUT/p5/tree-$budget.summary.json"
     trees="$trees $OUT/p5/tree-$budget.json"
   done
-  run $R bench standalone --model "$T" --draft-model "$D" $GPU --offload --batch-size 1 --prefix-len 128 \
+  run $R bench standalone --model "$T" --draft-model "$D" $GPU --offload $pf --batch-size 1 --prefix-len 128 \
       --gen-len ${P5_GEN:-64} --gamma 4 --tree $trees ${P5_TREE:-} --dataset humaneval --output "$OUT/p5/bench" ;;
 summary)
   run python3 benchmarks/h200_summary.py "$OUT" ;;
