@@ -14,6 +14,7 @@ import torch
 
 # sm_80 / sm_90 defaults where torch's device properties lack a field
 _REGS_PER_SM = 65536
+_SMEM_PER_SM = 233472  # 228 KB (sm_90; sm_80: 164 KB, which torch's properties report)
 _THREADS_PER_SM = 2048
 _BLOCKS_PER_SM = 32
 _REG_GRANULE = 256  # registers are allocated per warp in units of 256
@@ -21,7 +22,7 @@ _SMEM_RESERVED = 1024  # shared memory the driver reserves per block (sm_80+)
 
 
 def resident_programs(regs: int, shared: int, num_warps: int, *, regs_per_sm: int = _REGS_PER_SM,
-                      smem_per_sm: int = 233472, threads_per_sm: int = _THREADS_PER_SM,
+                      smem_per_sm: int = _SMEM_PER_SM, threads_per_sm: int = _THREADS_PER_SM,
                       blocks_per_sm: int = _BLOCKS_PER_SM) -> int:
     """Blocks of `num_warps` warps using `regs` registers per thread and `shared` bytes of shared memory
     that fit on one SM at once (the smallest of the register, shared-memory, thread and block limits)."""
@@ -37,7 +38,7 @@ def device_limits(device: torch.device) -> dict:
     them, else the sm_80 / sm_90 values)."""
     props = torch.cuda.get_device_properties(device)
     return dict(regs_per_sm=getattr(props, "regs_per_multiprocessor", _REGS_PER_SM),
-                smem_per_sm=getattr(props, "shared_memory_per_multiprocessor", 233472),
+                smem_per_sm=getattr(props, "shared_memory_per_multiprocessor", _SMEM_PER_SM),
                 threads_per_sm=getattr(props, "max_threads_per_multi_processor", _THREADS_PER_SM))
 
 

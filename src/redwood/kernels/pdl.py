@@ -8,14 +8,15 @@ PDL may start while the previous kernel in the stream is still running; it must 
 anything an earlier kernel wrote, and before it writes anything. What it does before that wait is free
 to overlap: the skinny matmuls prefetch their first weight tile into L2 there (hints only: the tile is
 then read and summed by the same loop as without PDL, so results are the same bit for bit) — weights,
-which nothing inside a forward writes. Each PDL kernel also signals `gdc_launch_dependents` at its start, so the next one may
-be scheduled as soon as this one's last programs are running.
+which nothing inside a forward writes. Each PDL kernel also signals `gdc_launch_dependents` at its
+start, so the next one may be scheduled as soon as this one's last programs are running.
 
 The launches are on only inside `launches()` — `StepRunner` opens it around the warm-up and the capture
 of its graphs, after a device synchronization (so weights loaded earlier are settled) — on a GPU of
 compute capability ≥ 9, with REDWOOD_PDL=1 (off by default: measured on an H200, a 0.5B draft level
-−4%, a 1.5B step −1%, nothing visible end to end; benchmarks/NOTES.md, session 6). Eager forwards never use it. Kernels take a PDL constexpr (`flag`) and the launch options from
-`launch_options` (Triton's `launch_pdl`).
+−4%, a 1.5B step −1%, nothing visible end to end; benchmarks/NOTES.md, session 6). Eager forwards
+never use it. Kernels take a PDL constexpr (`flag`) and the launch options from `launch_options`
+(Triton's `launch_pdl`).
 """
 
 from __future__ import annotations
