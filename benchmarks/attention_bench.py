@@ -4,7 +4,9 @@ Run on the GPU machine from the repo root:
     PYTHONPATH=src:. python benchmarks/attention_bench.py --output out/attention_bench.json
 Configurations (Hq=12, Hkv=2, D=128, bf16, 32K committed tokens per row):
     chains: batch 64, T = 1, 2, 4, 5, 8 new tokens per row (causal);
-    trees:  16/32/64/128 nodes (random tree masks) at batch 1, 4, 8.
+    trees:  16/32/64/128 nodes (random tree masks) at batch 1, 4, 8;
+    short:  a few hundred committed tokens — a batch-1 decode / 7-token verify (P1, P2) and a batch-64
+            draft level through a 256-token compressed cache (P3): latency-bound, few programs.
 Each time is one layer's attention: a CUDA graph replays the call over enough distinct layers that
 their K/V (more than the 60 MB L2) come from HBM, as in a real forward. The floor is the K and V bytes
 read divided by 4.29e12 B/s (the device-to-device copy rate measured on an H200). SDPA gets the
@@ -44,30 +46,31 @@ def random_tree(T: int, gen: torch.Generator) -> torch.Tensor:
 class Case:
     """One configuration's inputs: `layers` distinct caches [B, Hkv, cap, D], q, lengths, mask."""
 
-    def __init__(self, name: str, B: int, T: int, new_mask: torch.Tensor | None, gen: torch.Generator):
-        self.name, self.B, self.T = name, B, T
-        cap = CTX + T
-        self.kv_bytes = 2 * B * HKV * (CTX + T) * D * 2  # K and V of one layer that the call reads
+    def __init__(self, name: str, B: int, T: int, new_mask: torch.Tensor | None, gen: torch.Generator,
+                 ctx: int = CTX):
+        self.name, self.B, self.T, self.ctx = name, B, T, ctx
+        cap = ctx + T
+        self.kv_bytes = 2 * B * HKV * (ctx + T) * D * 2  # K and V of one layer that the call reads
         self.layers = max(1, min(32, math.ceil(L2_DEFEAT_BYTES / self.kv_bytes)))
         dev = "cuda"
         self.k = torch.randn(self.layers, B, HKV, cap, D, device=dev, dtype=torch.bfloat16)
         self.v = torch.randn(self.layers, B, HKV, cap, D, device=dev, dtype=torch.bfloat16)
         self.q = torch.randn(B, T, HQ, D, device=dev, dtype=torch.bfloat16).transpose(1, 2)
-        self.lengths = torch.full((B,), CTX, device=dev, dtype=torch.int64)
+        self.lengths = torch.full((B,), ctx, device=dev, dtype=torch.int64)
         self.new_mask = None if new_mask is None else new_mask.to(dev)
-        meta = AttentionMetadata(lengths=self.lengths, num_new=T, kv_len=CTX + T, new_mask=self.new_mask)
+        meta = AttentionMetadata(lengths=self.lengths, num_new=T, kv_len=ctx + T, new_mask=self.new_mask)
         self.packed_mask = meta.packed_new_mask()  # as the model passes it: packed once per forward
         self.sdpa_mask = meta.full_mask()  # [B, 1, T, S]
         self.floor_us = self.kv_bytes / BANDWIDTH * 1e6
         # QK^T and PV: 4 * D flops per (query head, new token, key) — big trees are compute-bound
-        self.compute_us = 4 * D * B * HQ * T * (CTX + T) / PEAK_FLOPS * 1e6
+        self.compute_us = 4 * D * B * HQ * T * (ctx + T) / PEAK_FLOPS * 1e6
 
     def ours(self, layer: int, num_splits: int | None = None) -> torch.Tensor:
         return td.decode_attention(self.q, self.k[layer], self.v[layer], self.lengths,
                                    new_mask=self.packed_mask, num_splits=num_splits)  # [B, T, Hq, D]
 
     def sdpa(self, layer: int) -> torch.Tensor:
-        S = CTX + self.T
+        S = self.ctx + self.T
         out = F.scaled_dot_product_attention(self.q, self.k[layer, :, :, :S], self.v[layer, :, :, :S],
                                              attn_mask=self.sdpa_mask, enable_gqa=True)
         return out.transpose(1, 2)
@@ -108,6 +111,9 @@ def cases(gen: torch.Generator):
     for B in (1, 4, 8):
         for n in (16, 32, 64, 128):
             yield f"tree B={B} n={n}", lambda B=B, n=n: Case(f"tree B={B} n={n}", B, n, random_tree(n, gen), gen)
+    for B, T, ctx in ((1, 1, 384), (1, 7, 384), (64, 1, 256)):
+        name = f"short B={B} T={T} S={ctx}"
+        yield name, lambda B=B, T=T, ctx=ctx, name=name: Case(name, B, T, None, gen, ctx)
 
 
 def measure(case: Case) -> dict:
@@ -124,15 +130,19 @@ def measure(case: Case) -> dict:
 def sweep(case: Case) -> list[dict]:
     """Our kernel at several num_splits and block configurations (for the heuristics)."""
     rows = []
-    for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
+    short = case.name.startswith("short")
+    for s in (1, 2, 3, 4, 6, 8) if short else (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
         us = time_per_layer(lambda layer: case.ours(layer, s), case.layers, reps=5)
         rows.append(dict(name=case.name, knob="num_splits", value=s, us=us))
     base = td._launch_config
-    for block_n, stages, warps, max_m in ((64, 2, 4, 64), (64, 3, 4, 64), (64, 4, 4, 64), (128, 2, 4, 64),
-                                          (128, 3, 8, 64), (32, 3, 4, 64), (64, 2, 4, 32), (64, 3, 4, 16),
-                                          (64, 2, 8, 128), (64, 3, 8, 128), (128, 2, 8, 128)):
-        def cfg(M, Dh, dtype, big_smem=False, bn=block_n, st=stages, w=warps, mm=max_m):
-            c = base(M, Dh, dtype, big_smem)
+    configs = ((64, 2, 4, 64), (64, 3, 4, 64), (64, 4, 4, 64), (128, 2, 4, 64), (128, 3, 8, 64), (32, 3, 4, 64),
+               (64, 2, 4, 32), (64, 3, 4, 16), (64, 2, 8, 128), (64, 3, 8, 128), (128, 2, 8, 128))
+    if short:  # fewer, wider key steps: the few programs each walk the whole context
+        configs = ((64, 2, 4, 64), (64, 3, 4, 64), (32, 2, 4, 64), (32, 4, 4, 64), (128, 1, 4, 64), (128, 2, 4, 64),
+                   (128, 2, 8, 64), (256, 1, 8, 64), (64, 2, 8, 64))
+    for block_n, stages, warps, max_m in configs:
+        def cfg(M, Dh, dtype, big_smem=False, n_keys=None, bn=block_n, st=stages, w=warps, mm=max_m):
+            c = base(M, Dh, dtype, big_smem, n_keys)
             c.update(BLOCK_N=bn, num_stages=st, num_warps=w, BLOCK_M=max(16, min(td.triton.next_power_of_2(M), mm)))
             return c
         td._launch_config = cfg
@@ -168,8 +178,8 @@ def main() -> None:
         print(f"{r['name']}: ours {r['ours_us']:.1f} us, floor {r['floor_us']:.1f} us, sdpa {r['sdpa_us']:.1f} us, "
               f"rel err {r['rel_err_vs_sdpa']:.1e}", flush=True)
         results.append(r)
-        if args.sweep and case.name in ("chain B=64 T=1", "chain B=64 T=8", "tree B=1 n=16", "tree B=1 n=128",
-                                        "tree B=8 n=16", "tree B=8 n=128"):
+        if args.sweep and (case.name.startswith("short") or case.name in (
+                "chain B=64 T=1", "chain B=64 T=8", "tree B=1 n=16", "tree B=1 n=128", "tree B=8 n=16", "tree B=8 n=128")):
             sweeps += sweep(case)
         del case
         torch.cuda.empty_cache()
@@ -181,10 +191,10 @@ def main() -> None:
     print(f"\n{info['device']}, torch {info['torch']}, triton {info['triton']}; per layer, "
           f"Hq={HQ} Hkv={HKV} D={D} bf16, context {CTX}")
     print("floor: K/V bytes / 4.29e12 B/s; flops: 4*D*Hq*T*S / 790e12 (trees of 64+ nodes are compute-bound)")
-    print(f"{'config':<18}{'splits':>7}{'KV MB':>8}{'floor us':>10}{'flops us':>10}{'ours us':>10}{'%floor':>8}"
+    print(f"{'config':<22}{'splits':>7}{'KV MB':>8}{'floor us':>10}{'flops us':>10}{'ours us':>10}{'%floor':>8}"
           f"{'SDPA us':>10}{'vs SDPA':>9}{'rel err':>9}")
     for r in results:
-        print(f"{r['name']:<18}{r['num_splits']:>7}{r['kv_mb']:>8.1f}{r['floor_us']:>10.1f}{r['compute_us']:>10.1f}"
+        print(f"{r['name']:<22}{r['num_splits']:>7}{r['kv_mb']:>8.1f}{r['floor_us']:>10.1f}{r['compute_us']:>10.1f}"
               f"{r['ours_us']:>10.1f}{100 * r['floor_frac']:>7.0f}%{r['sdpa_us']:>10.1f}"
               f"{r['speedup_vs_sdpa']:>8.1f}x{r['rel_err_vs_sdpa']:>9.1e}")
 

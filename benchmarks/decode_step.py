@@ -2,11 +2,15 @@
 ablation without staging real weights (time per step does not depend on the weights' values).
 
 Usage: PYTHONPATH=src python benchmarks/decode_step.py [--shape 1.5b|0.5b] [--context 128] [--batch 1]
-    [--tokens 1 5] [--quick] [--skinny-rows 8] [--pdl]
+    [--tokens 1 5] [--quick] [--skinny-rows 8] [--pdl] [--int8] [--kernels]
 Prints, per variant (eager / graphs, reference / Triton attention, fused kernels on / off, skinny-matmul
 kernels on / off), the median time of one decode step, its tokens/s and its fraction of the weight-read
 floor, short table last. --quick: only the graphed variants with the Triton attention kernel. --pdl: each
 graphed variant also with programmatic dependent launch (REDWOOD_PDL=1, redwood.kernels.pdl), side by side.
+--int8: the skinny path reads int8 weight copies (as `--draft-quant int8` does for the draft). --kernels: per
+variant and token count, the kernels of one forward (profiled eagerly: each kernel's GPU time is the same
+in a graph) — count, their summed time, and the largest — so the graphed step's time splits into kernel
+work and the gaps between kernels.
 """
 
 from __future__ import annotations
@@ -45,6 +49,28 @@ def random_model(fuse: bool, shape: dict = QWEN_1_5B):
     return model
 
 
+def kernel_table(forward) -> list[tuple[str, int, float]]:
+    """[(kernel name, calls, total µs)] of one eager forward(), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        forward()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        forward()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    return sorted(((e.key, e.count, e.device_time_total) for e in events), key=lambda r: -r[2])
+
+
+def print_kernels(label: str, table: list[tuple[str, int, float]], step_ms: float) -> None:
+    calls, total = sum(r[1] for r in table), sum(r[2] for r in table) / 1e3
+    print(f"{label}: {calls} kernels, {total:.3f} ms of kernel time; graphed step {step_ms:.3f} ms "
+          f"→ {1e3 * (step_ms - total) / max(calls, 1):.2f} µs of gap per kernel")
+    for name, n, us in table[:10]:
+        print(f"  {us:9.1f} µs {n:5d}x {us / n:7.2f} µs each  {name[:80]}")
+
+
 def time_step(fn, repeats: int = 50, warmup: int = 5) -> float:
     """Median ms of fn() over `repeats` runs timed with CUDA events, after `warmup` untimed runs."""
     for _ in range(warmup):
@@ -71,6 +97,8 @@ def main() -> None:
     ap.add_argument("--skinny-rows", type=int, default=None,
                     help="tokens per forward the skinny variants take through the skinny kernels (default: the "
                          "tuned table's max_rows); compare with --tokens 2 4 8 to choose max_rows")
+    ap.add_argument("--int8", action="store_true", help="skinny variants read int8 weight copies")
+    ap.add_argument("--kernels", action="store_true", help="list each variant's kernels per forward")
     ap.add_argument("--pdl", action="store_true",
                     help="also time each graphed variant with programmatic dependent launch (REDWOOD_PDL=1)")
     args = ap.parse_args()
@@ -83,6 +111,8 @@ def main() -> None:
     rows = []
     for fuse in (False, True):
         model = random_model(fuse, SHAPES[args.shape])
+        if fuse and args.int8:
+            model.quantize_skinny("int8")
         floor_ms = weight_bytes(model) / bw * 1e3
         runs = [(*v, False) for v in variants if v[0] == fuse]
         if args.pdl:
@@ -104,6 +134,9 @@ def main() -> None:
                              f"{' skinny' if skinny else ''}{' pdl' if use_pdl else ''}", T, ms,
                              args.batch * 1e3 / ms, floor_ms / ms))
                 print(rows[-1], flush=True)
+                if args.kernels and not use_pdl:
+                    eager = StepRunner(model, cache, use_graphs=False)
+                    print_kernels(f"{rows[-1][0]} T={T}", kernel_table(lambda: eager.forward(ids, pos)), ms)
         del model
         torch.cuda.empty_cache()
     print(f"\nweight-read floor {floor_ms:.3f} ms/step at {bw / 1e12:.2f} TB/s; {args.shape}, batch {args.batch}, context {args.context}")

@@ -41,7 +41,9 @@ MATRICES = [
     ("0.5b lm_head", 151936, 896, "norm"),
 ]
 ROPE_HEADS = {"1.5b": (12, 2, 128), "0.5b": (14, 2, 64)}  # (Hq, Hkv, D)
-SWEEP = dict(block_n=(1, 2, 4, 8, 16), block_k=(512, 1024, 2048, 4096), warps=(4, 8), stages=(1, 2))
+# BLOCK_K up to 16384 and 16 warps: one K step per program for the down projections (K 4864 / 8960), so
+# each program's loads are all in flight at once (these small matrices are latency-bound)
+SWEEP = dict(block_n=(1, 2, 4, 8, 16), block_k=(512, 1024, 2048, 4096, 8192, 16384), warps=(4, 8, 16), stages=(1, 2))
 # 2-8 rows: GEMV-shaped configs (BLOCK_N < 16: the CUDA-core rows kernel) and a few tensor-core tiles
 # (BLOCK_N ≥ 16: the tile kernel, which lost to cuBLAS everywhere but o_proj in session 5's full sweep)
 SWEEP_ROWS_GEMV = dict(block_n=(2, 4, 8), block_k=(512, 1024, 2048), warps=(4, 8), stages=(1, 2))
@@ -110,10 +112,13 @@ def main() -> None:
     ap.add_argument("--only", default="", help="matrices whose name contains this (e.g. '0.5b', 'lm_head')")
     ap.add_argument("--weights", choices=("all", "float", "int8"), default="all",
                     help="with --int8: time only these weights (default: bf16 and int8)")
+    ap.add_argument("--block-k", type=int, nargs="+", help="with --sweep: only these BLOCK_K values (one row)")
     ap.add_argument("--max-rows", type=int, default=None,
                     help="with --write: the table's max_rows (the model's skinny path takes forwards of up to "
                          "this many tokens; set it from decode_step.py --skinny-rows; default: keep the file's)")
     args = ap.parse_args()
+    if args.block_k:
+        SWEEP["block_k"] = tuple(args.block_k)
     kinds = ("float", "int8") if args.int8 else ("float",)
     kinds = tuple(k for k in kinds if args.weights in ("all", k))
     matrices = [m for m in MATRICES if args.only in m[0]]

@@ -8,7 +8,7 @@
 # Each step writes JSON under $OUT and prints its tables; `summary` prints the short P1–P5 table last.
 # Settings (environment): P2_TEMPS, P2_GAMMAS, P2_DRAFT_WEIGHTS (bf16 int8), P2_ACC (a folder of acceptance vectors measured earlier with
 # the same models, [p2-]acc-<dataset>-t<temp>.json: reused instead of measured), P2_ACC_PROMPTS, P3_KV, P3_BATCH, P3_CONTEXT, P3_GAMMAS,
-# P3_GEN, P3_ACC_PROMPTS (p3tree: essays for the self-draft's acceptance vector, default 8), P3_PROFILE (1: also `redwood profile` each cell's verify and compressed draft forwards at the largest
+# P3_GEN, P3_BUDGET (the draft cache's budget; default 256 streaming, 512 snapkv), P3_ACC_PROMPTS (p3tree: essays for the self-draft's acceptance vector, default 8), P3_PROFILE (1: also `redwood profile` each cell's verify and compressed draft forwards at the largest
 # batch), P5_ACC (default: p2's HumanEval greedy vector), P5_BUDGETS, P5_DEPTH, P5_GEN, P5_PREFETCH (layers in the
 # offload ring, default 16), P5_TREE (extra
 # trees), GEMV_ARGS, GPU_TESTS, GPU_FLAGS; REDWOOD_PDL=1 runs every step's captured graphs with programmatic
@@ -89,6 +89,7 @@ p3)  # MagicDec self-speculation at long context (StreamingLLM budget 256, SnapK
   for ctx in ${P3_CONTEXT:-32704 16384 8192}; do  # 32704 + 64 generated = the models' 32K window
     for kv in ${P3_KV:-streaming snapkv}; do
       budget=256; [ $kv = snapkv ] && budget=512
+      budget=${P3_BUDGET:-$budget}
       run $R bench selfspec --model "$T" $GPU --batch-size ${P3_BATCH:-1 16 32 64} --prefix-len $ctx \
           --gen-len ${P3_GEN:-64} --gamma ${P3_GAMMAS:-2 3 4} --draft-kv $kv --draft-budget $budget \
           --output "$OUT/p3-$kv-$ctx"
@@ -105,6 +106,7 @@ p3tree)  # Sequoia trees for MagicDec self-speculation at one P3 serving point: 
          # tree-search, then the bench with that tree next to chains
   ctx=${P3_CONTEXT:-32704}; b=${P3_BATCH:-64}; kv=${P3_KV:-streaming}
   budget=256; [ $kv = snapkv ] && budget=512
+  budget=${P3_BUDGET:-$budget}
   d="$OUT/p3tree-$kv-$ctx-b$b"; mkdir -p "$d"
   run $R acceptance --model "$T" $GPU --self-speculate --draft-kv $kv --draft-budget $budget --width 4 \
       --mode dynamic --temperature 0 --dataset essays --num-prompts ${P3_ACC_PROMPTS:-8} --prompt-len $((ctx - 8)) \

@@ -38,7 +38,7 @@ def compile_variant(T: int, mask: bool, live: bool, G: int = 6, D: int = 128) ->
     fn = td._split_kv_kernel
     cfg = td._launch_config(G * T, D, torch.bfloat16, big_smem=True)
     consts = {**{name: 1 for name in UNIT_STRIDES}, "G": G, "D": D, "BLOCK_M": cfg["BLOCK_M"],
-              "BLOCK_N": cfg["BLOCK_N"], "BLOCK_D": cfg["BLOCK_D"], "HAS_VIEW": False, "HAS_NEW_MASK": mask,
+              "BLOCK_N": cfg["BLOCK_N"], "BLOCK_R": cfg["BLOCK_R"], "BLOCK_D": cfg["BLOCK_D"], "HAS_VIEW": False, "HAS_NEW_MASK": mask,
               "HAS_WINDOW": False, "HAS_LIVE": live, "SPLIT": True, "UPCAST": False, "PRECISION": "tf32",
               "PDL": False}
     names = fn.arg_names

@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from benchmarks.decode_step import QWEN_1_5B, time_step
+from benchmarks.decode_step import QWEN_1_5B, kernel_table, print_kernels, time_step
 from redwood.config import ModelConfig
 from redwood.engine.generate import autoregressive, make_requests
 from redwood.engine.runner import RunnerPool, StepRunner
@@ -51,28 +51,17 @@ def run(loop_fn, model, prompts, temperature, gen_len):
     return max(r.stats.decode_s for r in requests), sum(len(r.output_ids) - 1 for r in requests), requests
 
 
-def kernel_table(label: str, model, batch: int, context: int) -> None:
-    """Kernel time of one decode forward (eager, so the profiler sees each kernel; the GPU time of each
-    kernel is the same inside a graph): the sum says how much of the graphed step is kernel work."""
-    from torch.profiler import ProfilerActivity, profile
-
+def forward_kernels(label: str, model, batch: int, context: int) -> None:
+    """The kernels of one decode forward (eager: each kernel's GPU time is the same inside a graph)."""
     cache = model.new_cache(batch, context + 64)
     cache.lengths.fill_(context)
-    runner = StepRunner(model, cache, use_graphs=False)
     ids = torch.randint(0, 1000, (batch, 1), device="cuda")
     pos = cache.lengths[:, None]
-    for _ in range(3):
-        runner.forward(ids, pos)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        runner.forward(ids, pos)
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    total = sum(e.device_time_total for e in events) / 1e3
-    count = sum(e.count for e in events)
-    print(f"\n{label}: {count} kernels, {total:.3f} ms of kernel time per decode forward")
-    for e in sorted(events, key=lambda e: -e.device_time_total)[:8]:
-        print(f"  {e.device_time_total / 1e3:8.3f} ms {e.count:5d}x  {e.key[:90]}")
+    graphed = StepRunner(model, cache, use_graphs=True)
+    ms = time_step(lambda: graphed.forward(ids, pos))
+    eager = StepRunner(model, cache, use_graphs=False)
+    print()
+    print_kernels(label, kernel_table(lambda: eager.forward(ids, pos)), ms)
 
 
 @torch.inference_mode()
@@ -120,7 +109,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     if args.kernels:
         for label, model in (("draft 0.5B", draft), ("target 1.5B", target)):
-            kernel_table(label, model, args.batch, args.context)
+            forward_kernels(label, model, args.batch, args.context)
     print(f"\nbatch {args.batch}, context {args.context}, random Qwen2.5-Coder 1.5B / 0.5B-shaped bf16 models; "
           f"draft forward alone {d1:.3f} ms")
     print(f"{'shape':<16}{'sampling':>9}{'ms/step':>9}{'forwards ms':>13}{'rest ms':>9}{'draft levels':>14}")

@@ -358,7 +358,11 @@ def test_default_num_splits_from_static_shapes():
     assert td.default_num_splits(cap, 64 * 2, 132, block_m=64) == 2  # T = 8: 256 programs, one wave
     assert td.default_num_splits(cap, 8 * 2 * 2, 132) == 8  # 16-node trees at batch 8
     assert td.default_num_splits(cap, 1 * 2 * 12, 132) == 11  # one 128-node tree: 264 programs
-    assert td.default_num_splits(1400, 6, 132) == 1  # short caches: one split (≥ 1024 keys each)
+    assert td.default_num_splits(1400, 64 * 2, 132, block_m=16) == 1  # short caches, full grid: one split
+    # short caches, few programs (batch 1-4: latency-bound): up to 8 splits of ≥ 64 keys
+    assert td.default_num_splits(1400, 6, 132) == 8
+    assert td.default_num_splits(256, 2, 132, block_m=16) == 4
+    assert td.default_num_splits(40, 2, 132, block_m=16) == 1
     assert 48 <= td.default_num_splits(10**7, 1, 132) <= 64  # capped at 64
     # with the compiled variant's occupancy: 32-row tiles at 2 per SM (264 slots) take 2 splits, not 3
     assert td.default_num_splits(cap, 64 * 2, 132, block_m=32) == 3
@@ -397,9 +401,9 @@ def test_split_count_uses_the_compiled_variants_occupancy():
     q, k, v, lengths = make_inputs(gen, B=8, Hq=12, Hkv=2, T=4, D=128, lengths=[3000] * 8, cap=4096)
     q, k, v, lengths = to_device(q, k, v, lengths)
     splits = td.num_splits_for(q, k, v, lengths)
-    per_sm = [n for key, n in td._OCCUPANCY.items() if key[2] and dict(key[2])["BLOCK_M"] == 32]
+    per_sm = [n for key, n in td._OCCUPANCY.items() if key[2] and dict(key[2])["BLOCK_M"] == 64]
     assert per_sm and all(isinstance(n, int) and n >= 1 for n in per_sm)
-    assert splits == td.default_num_splits(4096, 8 * 2, td._num_sms(q.device), 32, per_sm[-1])
+    assert splits == td.default_num_splits(4096, 8 * 2, td._num_sms(q.device), 64, per_sm[-1])
     ref = reference_attention(*(x.cpu() for x in (q, k, v, lengths)))
     out = td.decode_attention(q, k, v, lengths).double().cpu()
     assert ((out - ref).norm() / ref.norm()).item() <= TOL[q.dtype]

@@ -76,7 +76,7 @@ def _split_kv_kernel(
     sp_b, sp_t,
     qk_scale, window, Hkv, T, P, C, num_splits,
     G: tl.constexpr, D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_VIEW: tl.constexpr, HAS_NEW_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_LIVE: tl.constexpr,
     SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -154,8 +154,8 @@ def _split_kv_kernel(
     # Recent keys (pending + new, slots L + r): only the last split reads them.
     W = P + T
     w_end = tl.where(split == num_splits - 1, W, 0)
-    for r0 in range(0, w_end, BLOCK_N):
-        r = r0 + tl.arange(0, BLOCK_N)
+    for r0 in range(0, w_end, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
         key_ok = r < W
         slot = L + r
         kv_mask = key_ok[:, None] & d_ok[None, :]
@@ -164,7 +164,7 @@ def _split_kv_kernel(
         if UPCAST:
             k, v = k.to(tl.float32), v.to(tl.float32)
         pair_ok = row_ok[:, None] & key_ok[None, :]
-        if HAS_NEW_MASK:  # bit r % 64 of word r // 64 of row t (a tile of BLOCK_N <= 64 keys is in one word)
+        if HAS_NEW_MASK:  # bit r % 64 of word r // 64 of row t (a tile of BLOCK_R <= 64 keys is in one word)
             word = tl.load(NEW_MASK + b * snm_b + t * snm_t + (r0 // 64) * snm_w, mask=row_ok, other=0)
             bit = (word[:, None] >> (r % 64).to(tl.int64)[None, :]) & 1
             visible = pair_ok & (bit != 0)
@@ -247,21 +247,28 @@ def _big_shared_memory(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) in ((8, 0), (9, 0))
 
 
-def _launch_config(M: int, D: int, dtype: torch.dtype, big_smem: bool = False) -> dict:
+def _launch_config(M: int, D: int, dtype: torch.dtype, big_smem: bool = False, n_keys: int | None = None) -> dict:
     """Block sizes and launch options, from static shapes (measured on an H200: attention_bench.py).
 
-    BLOCK_M: the G*T packed rows, a power of two ≥ 16 (tl.dot's minimum), at most 64 per tile —
-    larger M (big trees) tiles over M, and adjacent M tiles share the K/V tile through L2 (64 beat
-    32 and 128 rows; 128 rows with 8 warps was slower for trees).
-    BLOCK_N: 64 keys per step (32 where the K/V tiles would be large: fp32 or D > 128).
-    num_stages: 3 for full 64-row tiles where shared memory allows (the compute-heavier tree and
-    T = 8 steps gained 10-20%), else 2 (decode at T ≤ 5 is at the HBM floor either way).
+    BLOCK_M: the G*T packed rows: 16 (tl.dot's minimum) for ≤ 16 rows, else 64 — larger M (big trees)
+    tiles over M, and adjacent M tiles share the K/V tile through L2. At batch 64 × 32K the 64-row
+    tiles read K/V at the floor for 8 causal tokens and 8-node trees (101%) where 32-row ones took
+    94% (4-5 causal tokens) and 85% (4-node trees); 128 rows with 8 warps was slower for trees.
+    BLOCK_N: 64 context keys per step (32 where the K/V tiles would be large: fp32 or D > 128).
+    BLOCK_R: keys per step over the pending + new tokens, ≤ 64 so that a tile's tree-mask bits lie
+    in one int64 word (pack_new_mask).
+    num_stages: 3 for 64-row tiles where shared memory allows (the compute-heavier tree and T = 8
+    steps gained 10-20%), and for short contexts (n_keys, the static bound on a row's context keys,
+    < 2048: a batch-64 draft level through a 256-token cache took 10.1 µs instead of 12.5); else 2
+    (decode at T ≤ 2 over long contexts is at the HBM floor either way, with more programs per SM).
     """
     block_d = max(16, triton.next_power_of_2(D))
-    block_m = max(16, min(triton.next_power_of_2(M), 64))
+    block_m = 16 if M <= 16 else 64
     block_n = 32 if (dtype == torch.float32 or block_d > 128) else 64
-    stages = 3 if (big_smem and block_m == 64 and block_n * block_d <= 64 * 128 and dtype != torch.float32) else 2
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, num_stages=stages)
+    deep = block_m == 64 or (n_keys is not None and n_keys < 2048)
+    stages = 3 if (big_smem and deep and block_n * block_d <= 64 * 128 and dtype != torch.float32) else 2
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=min(block_n, 64), BLOCK_D=block_d, num_warps=4,
+                num_stages=stages)
 
 
 def default_num_splits(n_keys: int, programs: int, num_sms: int, block_m: int = 64,
@@ -275,6 +282,9 @@ def default_num_splits(n_keys: int, programs: int, num_sms: int, block_m: int = 
     (measured: 288 programs on 264 slots ran 1.5x slower than 256), so take the fewest splits whose
     waves are ≥ 95% full — or, if none is, the best filled. Each split keeps ≥ 1024 keys of the bound
     (short rows just leave later splits empty); at most 64 splits.
+    A grid that fills ≤ 1/8 of the GPU (batch 1-4) is latency-bound instead: its few programs walk
+    their keys one tile after another. There the context splits into up to 8 pieces of ≥ 64 keys even
+    when short (batch 1, 384 keys: 10.1 µs as one split, 5.3 µs as 8 with the merge kernel).
     """
     slots = num_sms * (per_sm or (3 if block_m <= 32 else 2))
     max_splits = max(1, min(64, n_keys // 1024))
@@ -284,7 +294,10 @@ def default_num_splits(n_keys: int, programs: int, num_sms: int, block_m: int = 
         return waves / math.ceil(waves)
 
     best = max(filled(s) for s in range(1, max_splits + 1))
-    return next(s for s in range(1, max_splits + 1) if filled(s) >= 0.95 * best)
+    splits = next(s for s in range(1, max_splits + 1) if filled(s) >= 0.95 * best)
+    if programs * 8 <= slots:
+        splits = max(splits, min(8, n_keys // 64))
+    return max(1, splits)
 
 
 _OCCUPANCY: dict = {}
@@ -367,11 +380,11 @@ class _Plan:
         G = Hq // Hkv
         has_view = ctx_idx is not None
         has_window = sliding_window is not None and q_positions is not None
-        cfg = _launch_config(G * T, D, q.dtype, _big_shared_memory(q.device))
-        m_tiles = triton.cdiv(G * T, cfg["BLOCK_M"])
         C = ctx_idx.shape[2] if has_view else 0
+        cfg = _launch_config(G * T, D, q.dtype, _big_shared_memory(q.device), C if has_view else cap)
+        m_tiles = triton.cdiv(G * T, cfg["BLOCK_M"])
         self.out = torch.empty(B, T, Hq, D, device=q.device, dtype=q.dtype)
-        nm, nm_strides = _new_mask_arg(new_mask, lengths, T, pending, cfg["BLOCK_N"])
+        nm, nm_strides = _new_mask_arg(new_mask, lengths, T, pending, cfg["BLOCK_R"])
         ci, ci_strides = _view_arg(ctx_idx, lengths, B, Hkv)
         cv, cv_strides = _view_arg(None if ctx_valid is None else ctx_valid.view(torch.uint8), lengths, B, Hkv)
         qp, qp_strides = (q_positions, q_positions.stride()) if has_window else (lengths, (0, 0))
@@ -389,7 +402,7 @@ class _Plan:
         if num_splits is None:
             n_keys, programs = C if has_view else cap, B * Hkv * m_tiles
             per_sm = None
-            if q.is_cuda and not _INTERPRET and n_keys >= 2048:  # (shorter contexts take one split anyway)
+            if q.is_cuda and not _INTERPRET and n_keys >= 2048:  # (shorter ones: ≤ 1 split per 1024 keys)
                 per_sm = _resident_per_sm(q.device, self.consts,
                                           (q.dtype, lengths.dtype, nm.dtype, ci.dtype, qp.dtype), self.args)
             num_splits = default_num_splits(n_keys, programs, _num_sms(q.device), cfg["BLOCK_M"], per_sm)
