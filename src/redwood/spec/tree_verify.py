@@ -216,7 +216,9 @@ def verify_tree_paths(verifier: str, parents: list[int], tokens: torch.Tensor, t
 
     Cost: the walk is vectorized over rows; Python loops run over depth × the widest node's child slots,
     each step a handful of [B, V] float32 operations (sequoia/specinfer recompute the residual for every
-    slot). Random numbers take one generator call per row.
+    slot; sequoia updates q only where a later sibling can read it). The correction / bonus draw runs
+    once, after the walk, from each row's final distribution (inside a CUDA graph the walk cannot exit
+    early, so a draw per level would run at every level). Random numbers take one generator call per row.
     """
     if verifier not in VERIFIERS:
         raise ValueError(f"unknown verifier {verifier!r}; expected one of {VERIFIERS}")
@@ -249,6 +251,9 @@ def verify_tree_paths(verifier: str, parents: list[int], tokens: torch.Tensor, t
     alive = torch.ones(B, dtype=torch.bool, device=device)
     path = torch.full((B, max_depth), -1, dtype=torch.long, device=device)
     next_token = torch.zeros(B, dtype=torch.long, device=device)
+    if stochastic:  # each row's final distribution and uniform, drawn from once after the walk
+        p_end = torch.zeros(B, V, dtype=torch.float32, device=device)
+        u_end = torch.zeros(B, dtype=torch.float32, device=device)
 
     for level in range(max_depth + 1):
         if not _any(alive):
@@ -297,21 +302,24 @@ def verify_tree_paths(verifier: str, parents: list[int], tokens: torch.Tensor, t
                 # A rejection implies p ≠ q, so mass > 0 but for round-off; then keep p.
                 residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p)
                 p = torch.where(reject[:, None], residual, p)
-                if verifier == "sequoia":
+                if verifier == "sequoia" and j + 1 < max_children:  # q matters only to a later sibling
                     untried = untried & ~(reject[:, None] & (torch.arange(V, device=device) == x[:, None]))
                     q_left = q.scatter(1, x[:, None], 0.0)
                     q_mass = q_left.sum(-1, keepdim=True)
                     uniform = untried.float() / untried.sum(-1, keepdim=True).clamp(min=1)
                     q_left = torch.where(q_mass > 0, q_left / q_mass.clamp(min=1e-30), uniform)
                     q = torch.where(reject[:, None], q_left, q)
+            # a row that stops here emits its correction / bonus from what is left of p: keep p and the
+            # row's uniform, draw once after the walk (every row stops at exactly one level)
             done = alive & ~moved
-            if _any(done):
-                drawn = inverse_cdf(p, u[rows, 1, cur])
-                next_token = torch.where(done, drawn, next_token)
+            p_end = torch.where(done[:, None], p, p_end)
+            u_end = torch.where(done, u[rows, 1, cur], u_end)
 
         if level < max_depth:
             path[:, level] = torch.where(moved, new_cur, path[:, level])
         cur = new_cur
         alive = moved
 
+    if stochastic:
+        next_token = inverse_cdf(p_end, u_end)
     return path, next_token
