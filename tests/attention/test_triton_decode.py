@@ -370,6 +370,23 @@ def test_default_num_splits_from_static_shapes():
     assert td.default_num_splits(cap, 64 * 2, 132, block_m=16, per_sm=4) == 4  # 512 of 528 slots
 
 
+def test_launch_config_tiles_and_stages():
+    """Packed rows ≤ 16 take 16-row tiles, more take 64 (measured at the KV floor for 4-8 causal tokens
+    and 4-8-node trees at batch 64 × 32K, where 32-row tiles reached 85-94%); 3 stages for 64-row tiles
+    and for short contexts on large-shared-memory GPUs, never for float32; recent-key steps ≤ 64 keys
+    (one tree-mask word)."""
+    bf16 = torch.bfloat16
+    assert [td._launch_config(m, 128, bf16)["BLOCK_M"] for m in (1, 6, 16, 17, 24, 48, 96)] == [16] * 3 + [64] * 4
+    assert td._launch_config(6, 128, bf16, big_smem=True, n_keys=32768)["num_stages"] == 2
+    assert td._launch_config(6, 128, bf16, big_smem=True, n_keys=512)["num_stages"] == 3
+    assert td._launch_config(6, 128, bf16, big_smem=False, n_keys=512)["num_stages"] == 2
+    assert td._launch_config(24, 128, bf16, big_smem=True, n_keys=32768)["num_stages"] == 3
+    assert td._launch_config(24, 128, torch.float32, big_smem=True, n_keys=512)["num_stages"] == 2
+    for m, d, dt in itertools.product((1, 24), (64, 128, 256), (bf16, torch.float32)):
+        cfg = td._launch_config(m, d, dt, big_smem=True)
+        assert cfg["BLOCK_R"] <= 64 and 64 % cfg["BLOCK_R"] == 0 and cfg["BLOCK_R"] <= cfg["BLOCK_N"]
+
+
 def test_supported_and_import_without_triton(monkeypatch):
     q = torch.zeros(1, 2, 1, 64)
     assert not td.supported(q, torch.zeros(1, 2, 8, 64))  # CPU tensors: the caller falls back
