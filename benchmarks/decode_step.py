@@ -2,11 +2,12 @@
 ablation without staging real weights (time per step does not depend on the weights' values).
 
 Usage: PYTHONPATH=src python benchmarks/decode_step.py [--shape 1.5b|0.5b] [--context 128] [--batch 1]
-    [--tokens 1 5] [--quick] [--skinny-rows 8] [--pdl] [--int8] [--kernels]
+    [--tokens 1 5] [--quick] [--skinny-rows 8] [--pdl] [--fused-merge] [--int8] [--kernels]
 Prints, per variant (eager / graphs, reference / Triton attention, fused kernels on / off, skinny-matmul
 kernels on / off), the median time of one decode step, its tokens/s and its fraction of the weight-read
 floor, short table last. --quick: only the graphed variants with the Triton attention kernel. --pdl: each
-graphed variant also with programmatic dependent launch (REDWOOD_PDL=1, redwood.kernels.pdl), side by side.
+graphed variant also with programmatic dependent launch (REDWOOD_PDL=1, redwood.kernels.pdl), side by side;
+--fused-merge: the same with split attention merging inside its split kernel (REDWOOD_FUSED_MERGE=1).
 --int8: the skinny path reads int8 weight copies (as `--draft-quant int8` does for the draft). --kernels: per
 variant and token count, the kernels of one forward (profiled eagerly: each kernel's GPU time is the same
 in a graph) — count, their summed time, and the largest — so the graphed step's time splits into kernel
@@ -101,6 +102,9 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true", help="list each variant's kernels per forward")
     ap.add_argument("--pdl", action="store_true",
                     help="also time each graphed variant with programmatic dependent launch (REDWOOD_PDL=1)")
+    ap.add_argument("--fused-merge", action="store_true",
+                    help="also time each graphed variant with split attention merging in its own kernel "
+                         "(REDWOOD_FUSED_MERGE=1)")
     args = ap.parse_args()
     bw = copy_bandwidth(torch.device("cuda"))
     # (fused projections + small-op kernels, attention backend, graphs, skinny-matmul kernels)
@@ -114,15 +118,18 @@ def main() -> None:
         if fuse and args.int8:
             model.quantize_skinny("int8")
         floor_ms = weight_bytes(model) / bw * 1e3
-        runs = [(*v, False) for v in variants if v[0] == fuse]
-        if args.pdl:
-            runs += [(*v, True) for v in variants if v[0] == fuse and v[2]]
-        for _, backend, graphs, skinny, use_pdl in runs:
+        runs = [(*v, "") for v in variants if v[0] == fuse]
+        for flag, on in (("pdl", args.pdl), ("fused-merge", args.fused_merge)):
+            if on:
+                runs += [(*v, flag) for v in variants if v[0] == fuse and v[2]]
+        for _, backend, graphs, skinny, mode in runs:
+            use_pdl = mode == "pdl"
             model.attention_backend = backend
             model.skinny = skinny
             if skinny and args.skinny_rows is not None:
                 model.skinny_rows = args.skinny_rows
             os.environ["REDWOOD_PDL"] = "1" if use_pdl else "0"  # read when the runner captures its graphs
+            os.environ["REDWOOD_FUSED_MERGE"] = "1" if mode == "fused-merge" else "0"
             cache = model.new_cache(args.batch, args.context + 512)
             cache.lengths.fill_(args.context)
             runner = StepRunner(model, cache, use_graphs=graphs)
@@ -131,10 +138,10 @@ def main() -> None:
                 pos = cache.lengths[:, None] + torch.arange(T, device="cuda")
                 ms = time_step(lambda: runner.forward(ids, pos))
                 rows.append((f"fused={'yes' if fuse else 'no'} attn={backend} graphs={'yes' if graphs else 'no'}"
-                             f"{' skinny' if skinny else ''}{' pdl' if use_pdl else ''}", T, ms,
+                             f"{' skinny' if skinny else ''}{' ' + mode if mode else ''}", T, ms,
                              args.batch * 1e3 / ms, floor_ms / ms))
                 print(rows[-1], flush=True)
-                if args.kernels and not use_pdl:
+                if args.kernels and not mode:
                     eager = StepRunner(model, cache, use_graphs=False)
                     print_kernels(f"{rows[-1][0]} T={T}", kernel_table(lambda: eager.forward(ids, pos)), ms)
         del model

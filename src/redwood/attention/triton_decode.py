@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -66,7 +67,7 @@ def _softmax_step(acc, m_i, l_i, q, k, v, visible, qk_scale, PRECISION: tl.const
 
 @_jit
 def _split_kv_kernel(
-    Q, K, V, LENGTHS, LIVE, NEW_MASK, CTX_IDX, CTX_VALID, QPOS, OUT, WS_ACC, WS_M, WS_L,
+    Q, K, V, LENGTHS, LIVE, NEW_MASK, CTX_IDX, CTX_VALID, QPOS, OUT, WS_ACC, WS_M, WS_L, LOCKS,
     sq_b, sq_h, sq_t, sq_d,
     sk_b, sk_h, sk_n, sk_d,
     sv_b, sv_h, sv_n, sv_d,
@@ -78,7 +79,8 @@ def _split_kv_kernel(
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_VIEW: tl.constexpr, HAS_NEW_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_LIVE: tl.constexpr,
-    SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     if PDL:  # redwood.kernels.pdl: everything here depends on earlier kernels (q, the cache): wait first
         tl.extra.cuda.gdc_launch_dependents()
@@ -182,9 +184,39 @@ def _split_kv_kernel(
         tl.store(WS_ACC + ws[:, None] * D + offs_d[None, :], acc, mask=st_mask)
         tl.store(WS_M + ws, m_i, mask=row_ok)
         tl.store(WS_L + ws, l_i, mask=row_ok)
+        if FUSED_MERGE:  # the tile's last split to finish merges all of them: no second kernel
+            tl.debug_barrier()  # every thread's partials are written before the count is released
+            tile = bh * tl.num_programs(0) + mt
+            arrived = tl.atomic_add(LOCKS + tile, 1, sem="acq_rel", scope="gpu")  # once per program
+            if arrived == num_splits - 1:
+                out = _merge_partials(WS_ACC, WS_M, WS_L, row, row_ok, offs_d, d_ok, num_splits, D, BLOCK_S)
+                tl.store(OUT + row[:, None] * D + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=st_mask)
+                tl.store(LOCKS + tile, 0)  # zero again for the next launch (or graph replay)
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no visible key → acc = 0 → 0
         tl.store(OUT + row[:, None] * D + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=st_mask)
+
+
+@_jit
+def _merge_partials(WS_ACC, WS_M, WS_L, rows, r_ok, offs_d, d_ok, num_splits, D: tl.constexpr,
+                    BLOCK_S: tl.constexpr):
+    """Combine the num_splits (≤ BLOCK_S) partials — running max m, sum l, unnormalised acc — of output
+    rows `rows` [R] (valid where r_ok) → [R, BLOCK_D] fp32; the same sums wherever it runs. Loads bypass
+    L1 (.cg): inside the split kernel the partials come from other programs of the same launch."""
+    s = tl.arange(0, BLOCK_S)
+    ml = rows[:, None] * num_splits + s[None, :]  # [R, BS]
+    ml_mask = r_ok[:, None] & (s < num_splits)[None, :]
+    m = tl.load(WS_M + ml, mask=ml_mask, other=-1.0e30, cache_modifier=".cg")  # as empty splits: finite, l = 0
+    m_max = tl.max(m, 1)
+    l_tot = tl.sum(tl.exp2(m - m_max[:, None]) * tl.load(WS_L + ml, mask=ml_mask, other=0.0, cache_modifier=".cg"), 1)
+    mask = r_ok[:, None] & d_ok[None, :]
+    acc = tl.zeros([rows.shape[0], offs_d.shape[0]], dtype=tl.float32)
+    for i in range(num_splits):
+        ws = rows * num_splits + i
+        w = tl.exp2(tl.load(WS_M + ws, mask=r_ok, other=-1.0e30, cache_modifier=".cg") - m_max)
+        acc += w[:, None] * tl.load(WS_ACC + ws[:, None] * D + offs_d[None, :], mask=mask, other=0.0,
+                                    cache_modifier=".cg")
+    return acc / tl.where(l_tot > 0, l_tot, 1.0)[:, None]  # no visible key anywhere → 0
 
 
 @_jit
@@ -198,20 +230,9 @@ def _merge_kernel(WS_ACC, WS_M, WS_L, OUT, n_rows, num_splits,
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = rows < n_rows
     offs_d = tl.arange(0, BLOCK_D)
-    mask = r_ok[:, None] & (offs_d < D)[None, :]
-    s = tl.arange(0, BLOCK_S)
-    ml = rows[:, None] * num_splits + s[None, :]  # [BR, BS]
-    ml_mask = r_ok[:, None] & (s < num_splits)[None, :]
-    m = tl.load(WS_M + ml, mask=ml_mask, other=-1.0e30)  # as empty splits: finite, l = 0
-    m_max = tl.max(m, 1)
-    l_tot = tl.sum(tl.exp2(m - m_max[:, None]) * tl.load(WS_L + ml, mask=ml_mask, other=0.0), 1)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    for i in range(num_splits):
-        ws = rows * num_splits + i
-        w = tl.exp2(tl.load(WS_M + ws, mask=r_ok, other=-1.0e30) - m_max)
-        acc += w[:, None] * tl.load(WS_ACC + ws[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
-    out = acc / tl.where(l_tot > 0, l_tot, 1.0)[:, None]  # no visible key anywhere → 0
-    tl.store(OUT + rows[:, None] * D + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=mask)
+    d_ok = offs_d < D
+    out = _merge_partials(WS_ACC, WS_M, WS_L, rows, r_ok, offs_d, d_ok, num_splits, D, BLOCK_S)
+    tl.store(OUT + rows[:, None] * D + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -311,11 +332,34 @@ def _resident_per_sm(device: torch.device, consts: dict, dtypes: tuple, args) ->
     if key not in _OCCUPANCY:
         ws = torch.empty(1, device=device, dtype=torch.float32)
         try:
-            kernel = _split_kv_kernel.warmup(*args(2, ws, ws, ws), grid=(1,), SPLIT=True, **consts)
+            locks = torch.empty(1, device=device, dtype=torch.int32)
+            kernel = _split_kv_kernel.warmup(*args(2, ws, ws, ws, locks), grid=(1,), SPLIT=True, BLOCK_S=2, **consts)
         except Exception:  # a Triton without warmup: keep the estimate
             kernel = None
         _OCCUPANCY[key] = None if kernel is None else occupancy.compiled_occupancy(kernel, device)
     return _OCCUPANCY[key]
+
+
+def fused_merge_enabled() -> bool:
+    """Whether split programs may merge their partials themselves (REDWOOD_FUSED_MERGE=1; used for grids
+    of at most one program per SM): the last split of each tile to finish — told by an arrival counter —
+    reads the others' partials and writes the output, so a split call is one kernel instead of two. Off
+    by default until measured on the GPU."""
+    return os.environ.get("REDWOOD_FUSED_MERGE", "0") == "1"
+
+
+_LOCKS: dict = {}
+
+
+def _locks(device: torch.device, n: int) -> torch.Tensor:
+    """≥ n int32 arrival counters on `device`, all zero between launches (each tile's merging program
+    zeroes its counter again). One buffer per device, grown on demand: kernels on one stream run one at a
+    time, so calls can share it."""
+    buf = _LOCKS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1 << 16), device=device, dtype=torch.int32)
+        _LOCKS[device] = buf
+    return buf
 
 
 def _merge_rows(n_rows: int, num_sms: int) -> int:
@@ -348,8 +392,11 @@ def decode_attention(q, k_cache, v_cache, lengths, *, pending=0, new_mask=None, 
         ws_m, ws_l = ws_ml[0], ws_ml[1]
     else:
         ws_acc = ws_m = ws_l = out  # unused
-    _split_kv_kernel[plan.grid](*plan.args(splits, ws_acc, ws_m, ws_l), SPLIT=splits > 1, **plan.consts)
-    if splits > 1:
+    fused = plan.consts["FUSED_MERGE"] and splits > 1
+    locks = _locks(q.device, plan.grid[0] * plan.grid[2]) if fused else lengths
+    _split_kv_kernel[plan.grid](*plan.args(splits, ws_acc, ws_m, ws_l, locks), SPLIT=splits > 1,
+                                BLOCK_S=triton.next_power_of_2(splits), **plan.consts)
+    if splits > 1 and not fused:
         n_rows = B * T * Hq
         block_r = _merge_rows(n_rows, _num_sms(q.device))
         use_pdl = plan.consts["PDL"]
@@ -391,7 +438,7 @@ class _Plan:
         upcast = _INTERPRET and q.dtype == torch.bfloat16
         use_pdl = pdl.enabled(q.device)
         self.consts = dict(G=G, D=D, HAS_VIEW=has_view, HAS_NEW_MASK=new_mask is not None, HAS_WINDOW=has_window,
-                           HAS_LIVE=live is not None, UPCAST=upcast,
+                           HAS_LIVE=live is not None, UPCAST=upcast, FUSED_MERGE=False,
                            PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", PDL=use_pdl, **cfg,
                            **pdl.launch_options(use_pdl))
         self._run_args = (q, k_cache, v_cache, lengths, live if live is not None else lengths, nm, ci, cv, qp,
@@ -408,10 +455,15 @@ class _Plan:
             num_splits = default_num_splits(n_keys, programs, _num_sms(q.device), cfg["BLOCK_M"], per_sm)
         self.num_splits = max(1, int(num_splits))
         self.grid = (m_tiles, self.num_splits, B * Hkv)
+        # The split programs merge themselves only where the grid is at most one program per SM: there
+        # the merge kernel's launch is a large share of a latency-bound call, and the merge's registers
+        # (T = 1: 106 → 141 on sm_90) cannot cost occupancy.
+        self.consts["FUSED_MERGE"] = (fused_merge_enabled() and self.num_splits > 1
+                                      and m_tiles * self.num_splits * B * Hkv <= _num_sms(q.device))
 
-    def args(self, splits, ws_acc, ws_m, ws_l) -> tuple:
-        """The kernel's run-time arguments for `splits` splits and these workspaces."""
-        return (*self._run_args, ws_acc, ws_m, ws_l, *self._scalars, splits)
+    def args(self, splits, ws_acc, ws_m, ws_l, locks) -> tuple:
+        """The kernel's run-time arguments for `splits` splits, these workspaces and arrival counters."""
+        return (*self._run_args, ws_acc, ws_m, ws_l, locks, *self._scalars, splits)
 
 
 def pack_new_mask(new_mask: torch.Tensor) -> torch.Tensor:
