@@ -102,6 +102,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
+SWEPT = ("chain B=64 T=1", "chain B=64 T=8", "tree B=1 n=16", "tree B=1 n=128", "tree B=8 n=16", "tree B=8 n=128")
+
+
 def cases(gen: torch.Generator):
     """(name, factory) of every configuration: chains at batch 64, small trees at batch 64 (MagicDec
     self-speculation with a tree draft: P3's long-context serving point), then trees at batch 1-8."""
@@ -186,8 +189,7 @@ def main() -> None:
         print(f"{r['name']}: ours {r['ours_us']:.1f} us, floor {r['floor_us']:.1f} us, sdpa {r['sdpa_us']:.1f} us, "
               f"rel err {r['rel_err_vs_sdpa']:.1e}", flush=True)
         results.append(r)
-        if args.sweep and (case.name.startswith("short") or case.name in (
-                "chain B=64 T=1", "chain B=64 T=8", "tree B=1 n=16", "tree B=1 n=128", "tree B=8 n=16", "tree B=8 n=128")):
+        if args.sweep and (case.name.startswith("short") or case.name in SWEPT):
             sweeps += sweep(case)
         del case
         torch.cuda.empty_cache()

@@ -146,7 +146,8 @@ def main() -> None:
                     print_kernels(f"{rows[-1][0]} T={T}", kernel_table(lambda: eager.forward(ids, pos)), ms)
         del model
         torch.cuda.empty_cache()
-    print(f"\nweight-read floor {floor_ms:.3f} ms/step at {bw / 1e12:.2f} TB/s; {args.shape}, batch {args.batch}, context {args.context}")
+    print(f"\nweight-read floor {floor_ms:.3f} ms/step at {bw / 1e12:.2f} TB/s; {args.shape}, batch {args.batch}, "
+          f"context {args.context}")
     print(f"{'variant':<51}{'T':>4}{'ms/step':>9}{'tok/s (T=1)':>13}{'floor/time':>11}")
     for name, T, ms, tps, frac in rows:
         print(f"{name:<51}{T:>4}{ms:>9.3f}{tps:>13.0f}{frac:>11.2f}")

@@ -38,8 +38,8 @@ def compile_variant(T: int, mask: bool, live: bool, G: int = 6, D: int = 128, fu
     fn = td._split_kv_kernel
     cfg = td._launch_config(G * T, D, torch.bfloat16, big_smem=True)
     consts = {**{name: 1 for name in UNIT_STRIDES}, "G": G, "D": D, "BLOCK_M": cfg["BLOCK_M"],
-              "BLOCK_N": cfg["BLOCK_N"], "BLOCK_R": cfg["BLOCK_R"], "BLOCK_D": cfg["BLOCK_D"], "HAS_VIEW": False, "HAS_NEW_MASK": mask,
-              "HAS_WINDOW": False, "HAS_LIVE": live, "SPLIT": True, "FUSED_MERGE": fused_merge, "BLOCK_S": 4,
+              "BLOCK_N": cfg["BLOCK_N"], "BLOCK_R": cfg["BLOCK_R"], "BLOCK_D": cfg["BLOCK_D"], "HAS_VIEW": False,
+              "HAS_NEW_MASK": mask, "HAS_WINDOW": False, "HAS_LIVE": live, "SPLIT": True, "FUSED_MERGE": fused_merge, "BLOCK_S": 4,
               "UPCAST": False, "PRECISION": "tf32",
               "PDL": False}
     names = fn.arg_names
@@ -57,8 +57,8 @@ def compile_variant(T: int, mask: bool, live: bool, G: int = 6, D: int = 128, fu
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     spill = int(re.search(r"STACK:(\d+)", usage).group(1))
     shared = kernel.metadata.shared
-    return dict(T=T, mask=mask, live=live, fused=fused_merge, block_m=cfg["BLOCK_M"], stages=cfg["num_stages"], regs=regs,
-                stack=spill, shared=shared, per_sm=resident_programs(regs, shared, cfg["num_warps"]),
+    return dict(T=T, mask=mask, live=live, fused=fused_merge, block_m=cfg["BLOCK_M"], stages=cfg["num_stages"],
+                regs=regs, stack=spill, shared=shared, per_sm=resident_programs(regs, shared, cfg["num_warps"]),
                 assumed=3 if cfg["BLOCK_M"] <= 32 else 2)
 
 
@@ -71,7 +71,8 @@ def main() -> None:
     print(f"{'T':>3} {'mask':>5} {'live':>5} {'fused':>5} {'BLOCK_M':>7} {'stages':>6} {'regs':>5} {'stack B':>7} "
           f"{'smem KB':>7} {'per_sm':>6} {'assumed':>7}")
     for r in rows:
-        print(f"{r['T']:>3} {r['mask']!s:>5} {r['live']!s:>5} {r['fused']!s:>5} {r['block_m']:>7} {r['stages']:>6} {r['regs']:>5} "
+        print(f"{r['T']:>3} {r['mask']!s:>5} {r['live']!s:>5} {r['fused']!s:>5} {r['block_m']:>7} {r['stages']:>6} "
+              f"{r['regs']:>5} "
               f"{r['stack']:>7} {r['shared'] / 1024:>7.1f} {r['per_sm']:>6} {r['assumed']:>7}")
 
 

@@ -12,8 +12,10 @@ Design (flash-decoding with GQA packing):
     K/V tile is read once for all of them and QK^T is a real matrix product even at T = 1.
   * Split-KV: the context keys of a row are cut into `num_splits` chunks, one program each; every
     program writes a partial (running max, running sum, unnormalised acc) to a fp32 workspace and a
-    second kernel merges them. The chunk size is computed in the kernel from the row's length, so
-    the host never reads `lengths`; the recent keys (P + T of them) go to the last split.
+    second kernel merges them (or, with REDWOOD_FUSED_MERGE=1 on small grids, the last program of the
+    tile to finish does, told by an arrival counter). The chunk size is computed in the kernel from
+    the row's length, so the host never reads `lengths`; the recent keys (P + T of them) go to the
+    last split.
   * num_splits is chosen on the host from static shapes only (capacity or C, B, Hkv, SM count), so a
     call has no host sync and allocates only from shapes: it can be captured in a CUDA graph.
   * Online softmax in base 2, fp32 accumulation; rows that see no key output 0 (never NaN).
@@ -79,8 +81,8 @@ def _split_kv_kernel(
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_VIEW: tl.constexpr, HAS_NEW_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_LIVE: tl.constexpr,
-    SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # redwood.kernels.pdl: everything here depends on earlier kernels (q, the cache): wait first
         tl.extra.cuda.gdc_launch_dependents()
@@ -208,7 +210,8 @@ def _merge_partials(WS_ACC, WS_M, WS_L, rows, r_ok, offs_d, d_ok, num_splits, D:
     ml_mask = r_ok[:, None] & (s < num_splits)[None, :]
     m = tl.load(WS_M + ml, mask=ml_mask, other=-1.0e30, cache_modifier=".cg")  # as empty splits: finite, l = 0
     m_max = tl.max(m, 1)
-    l_tot = tl.sum(tl.exp2(m - m_max[:, None]) * tl.load(WS_L + ml, mask=ml_mask, other=0.0, cache_modifier=".cg"), 1)
+    l = tl.load(WS_L + ml, mask=ml_mask, other=0.0, cache_modifier=".cg")
+    l_tot = tl.sum(tl.exp2(m - m_max[:, None]) * l, 1)
     mask = r_ok[:, None] & d_ok[None, :]
     acc = tl.zeros([rows.shape[0], offs_d.shape[0]], dtype=tl.float32)
     for i in range(num_splits):
@@ -232,7 +235,8 @@ def _merge_kernel(WS_ACC, WS_M, WS_L, OUT, n_rows, num_splits,
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     out = _merge_partials(WS_ACC, WS_M, WS_L, rows, r_ok, offs_d, d_ok, num_splits, D, BLOCK_S)
-    tl.store(OUT + rows[:, None] * D + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+    mask = r_ok[:, None] & d_ok[None, :]
+    tl.store(OUT + rows[:, None] * D + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -333,7 +337,8 @@ def _resident_per_sm(device: torch.device, consts: dict, dtypes: tuple, args) ->
         ws = torch.empty(1, device=device, dtype=torch.float32)
         try:
             locks = torch.empty(1, device=device, dtype=torch.int32)
-            kernel = _split_kv_kernel.warmup(*args(2, ws, ws, ws, locks), grid=(1,), SPLIT=True, BLOCK_S=2, **consts)
+            kernel = _split_kv_kernel.warmup(*args(2, ws, ws, ws, locks), grid=(1,), SPLIT=True, BLOCK_S=2,
+                                             **consts)
         except Exception:  # a Triton without warmup: keep the estimate
             kernel = None
         _OCCUPANCY[key] = None if kernel is None else occupancy.compiled_occupancy(kernel, device)
