@@ -4,7 +4,7 @@
 # On the GPU machine, from the repo root, after staging the GGUF chunks as /root/stage/t?? (1.5B) and
 # /root/stage/d?? (0.5B), carrying .whl (the gguf wheel) and .stage/home (REDWOOD_HOME with the essays,
 # humaneval and mt-bench datasets):
-#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests kernels pdl p1 steps p2 p3 p3tree p4 p5 summary
+#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests kernels pdl fused p1 steps p2 p3 p3tree p4 p5 summary
 # Each step writes JSON under $OUT and prints its tables; `summary` prints the short P1–P5 table last.
 # Settings (environment): P2_TEMPS, P2_GAMMAS, P2_DRAFT_WEIGHTS (bf16 int8), P2_ACC (a folder of acceptance vectors measured earlier with
 # the same models, [p2-]acc-<dataset>-t<temp>.json: reused instead of measured), P2_ACC_PROMPTS, P3_KV, P3_BATCH, P3_CONTEXT, P3_GAMMAS,
@@ -48,6 +48,14 @@ pdl)  # programmatic dependent launch (REDWOOD_PDL=1) vs plain launches, side by
       | tee "$OUT/pdl-0.5b.txt" | tail -26
   # the 2-8-row kernels per matrix (heuristic config: the CUDA-core rows kernel) vs cuBLAS, no sweep
   run python3 benchmarks/gemv_bench.py --rows 2 4 8 2>&1 | tee "$OUT/gemv-rows.txt" | tail -34 ;;
+fused)  # split attention merging inside its split kernel (REDWOOD_FUSED_MERGE=1) vs the merge kernel, side by
+        # side: one-token and 7-token forwards of random 1.5B / 0.5B (int8) models, then the short-context
+        # attention sweep (splits with and without the fused merge)
+  run python3 benchmarks/decode_step.py --quick --fused-merge --tokens 1 7 2>&1 | tee "$OUT/fused-1.5b.txt" | tail -8
+  run python3 benchmarks/decode_step.py --quick --fused-merge --shape 0.5b --int8 --tokens 1 2>&1 \
+      | tee "$OUT/fused-0.5b.txt" | tail -6
+  run python3 benchmarks/attention_bench.py --only short --sweep --output "$OUT/p4-short.json" 2>&1 \
+      | tee "$OUT/p4-short.txt" | grep -E "sweep|short" | cut -c1-100 ;;
 p1)  # batch-1 autoregressive decode vs the memory floor vs HF transformers, same weights, same run
   run $R bench ar --model "$T" $GPU --prompt-len 128 --gen-len 256 --repeats 3 --compare-hf --output "$OUT/p1" ;;
 steps)  # what one speculative step costs next to the forwards it runs (random 1.5B/0.5B-shaped models)
