@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--pdl", action="store_true",
                     help="also time each graphed variant with programmatic dependent launch (REDWOOD_PDL=1)")
     ap.add_argument("--fused-merge", action="store_true",
-                    help="also time each graphed variant with split attention merging in its own kernel "
+                    help="also time each graphed variant with split attention merging inside its split kernel "
                          "(REDWOOD_FUSED_MERGE=1)")
     args = ap.parse_args()
     bw = copy_bandwidth(torch.device("cuda"))

@@ -13,8 +13,8 @@
 # offload ring, default 16), P5_TREE (extra
 # trees), GEMV_ARGS, GPU_TESTS, GPU_FLAGS; REDWOOD_PDL=1 runs every step's captured graphs with programmatic
 # dependent launch (redwood.kernels.pdl); REDWOOD_FUSED_MERGE=1 lets split attention merge inside its split
-# kernel where the grid is ≤ one program per SM (redwood.attention.triton_decode). Each invocation must fit the machine's 10-minute call limit:
-# e.g. `tests p1 steps` + greedy p2, then T = 0.6 p2 + p5, then p3 alone.
+# kernel where the grid is ≤ one program per SM (redwood.attention.triton_decode). Each invocation must fit
+# the machine's 10-minute call limit: e.g. `tests p1 steps` + greedy p2, then T = 0.6 p2 + p5, then p3 alone.
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

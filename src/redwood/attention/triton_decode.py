@@ -397,7 +397,7 @@ def decode_attention(q, k_cache, v_cache, lengths, *, pending=0, new_mask=None, 
         ws_m, ws_l = ws_ml[0], ws_ml[1]
     else:
         ws_acc = ws_m = ws_l = out  # unused
-    fused = plan.consts["FUSED_MERGE"] and splits > 1
+    fused = plan.consts["FUSED_MERGE"]  # (only ever set for more than one split)
     locks = _locks(q.device, plan.grid[0] * plan.grid[2]) if fused else lengths
     _split_kv_kernel[plan.grid](*plan.args(splits, ws_acc, ws_m, ws_l, locks), SPLIT=splits > 1,
                                 BLOCK_S=triton.next_power_of_2(splits), **plan.consts)
@@ -464,7 +464,7 @@ class _Plan:
         # the merge kernel's launch is a large share of a latency-bound call, and the merge's registers
         # (T = 1: 106 → 141 on sm_90) cannot cost occupancy.
         self.consts["FUSED_MERGE"] = (fused_merge_enabled() and self.num_splits > 1
-                                      and m_tiles * self.num_splits * B * Hkv <= _num_sms(q.device))
+                                      and math.prod(self.grid) <= _num_sms(q.device))
 
     def args(self, splits, ws_acc, ws_m, ws_l, locks) -> tuple:
         """The kernel's run-time arguments for `splits` splits, these workspaces and arrival counters."""
@@ -483,12 +483,12 @@ def pack_new_mask(new_mask: torch.Tensor) -> torch.Tensor:
     return (m * bits).sum(-1)  # distinct bits never carry (bit 63 is the sign bit: same pattern)
 
 
-def _new_mask_arg(new_mask, placeholder, T, P, block_n):
+def _new_mask_arg(new_mask, placeholder, T, P, block_r):
     """new_mask [T, P+T], [1, T, P+T] or [B, T, P+T] bool, or its packed words (pack_new_mask: int64
     [.., T, cdiv(P+T, 64)]) → (int64 words, (stride_b, stride_t, stride_w))."""
     if new_mask is None:
         return placeholder, (0, 0, 0)
-    assert 64 % block_n == 0, "a key tile must lie in one mask word"
+    assert 64 % block_r == 0, "a recent-key tile must lie in one mask word"
     if new_mask.dtype == torch.int64:
         assert new_mask.shape[-2:] == (T, triton.cdiv(P + T, 64)), \
             f"packed new_mask {tuple(new_mask.shape)} != [.., {T}, {triton.cdiv(P + T, 64)}]"
