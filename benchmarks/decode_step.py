@@ -2,7 +2,7 @@
 ablation without staging real weights (time per step does not depend on the weights' values).
 
 Usage: PYTHONPATH=src python benchmarks/decode_step.py [--shape 1.5b|0.5b] [--context 128] [--batch 1]
-    [--tokens 1 5] [--quick] [--skinny-rows 8] [--pdl] [--fused-merge] [--int8] [--kernels]
+    [--tokens 1 5] [--quick] [--skinny-rows 8] [--tile-rows 9 64] [--pdl] [--fused-merge] [--int8] [--kernels]
 Prints, per variant (eager / graphs, reference / Triton attention, fused kernels on / off, skinny-matmul
 kernels on / off), the median time of one decode step, its tokens/s and its fraction of the weight-read
 floor, short table last. --quick: only the graphed variants with the Triton attention kernel. --pdl: each
@@ -98,6 +98,9 @@ def main() -> None:
     ap.add_argument("--skinny-rows", type=int, default=None,
                     help="tokens per forward the skinny variants take through the skinny kernels (default: the "
                          "tuned table's max_rows); compare with --tokens 2 4 8 to choose max_rows")
+    ap.add_argument("--tile-rows", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                    help="batch × tokens in [LO, HI] (within 9-64) that the skinny variants take through the tile "
+                         "kernel (default: the tuned table's tile_rows); compare with --batch 64 to choose tile_rows")
     ap.add_argument("--int8", action="store_true", help="skinny variants read int8 weight copies")
     ap.add_argument("--kernels", action="store_true", help="list each variant's kernels per forward")
     ap.add_argument("--pdl", action="store_true",
@@ -128,6 +131,8 @@ def main() -> None:
             model.skinny = skinny
             if skinny and args.skinny_rows is not None:
                 model.skinny_rows = args.skinny_rows
+            if skinny and args.tile_rows is not None:
+                model.skinny_tile_rows = tuple(args.tile_rows)
             os.environ["REDWOOD_PDL"] = "1" if use_pdl else "0"  # read when the runner captures its graphs
             os.environ["REDWOOD_FUSED_MERGE"] = "1" if mode == "fused-merge" else "0"
             cache = model.new_cache(args.batch, args.context + 512)

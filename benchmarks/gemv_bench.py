@@ -9,9 +9,12 @@ decode step. Usage:
     PYTHONPATH=src:. python benchmarks/gemv_bench.py [--sweep] [--int8] [--write src/redwood/kernels/gemv_configs]
 --int8 also times every matrix with int8 weights (per-row scales; `--draft-quant int8`), vs bf16 cuBLAS;
 --rows 1 2 4 8 times 2-8 activation rows too (the CUDA-core rows kernel and the tensor-core tile kernel,
-whichever config wins). --write merges into the
-existing table; its max_rows (how many tokens the model's skinny path takes) is set with --max-rows from
-what `decode_step.py --skinny-rows` measures.
+whichever config wins); --rows 16 32 64 the tile kernel at batched-decoding sizes (P3's batch-64 draft
+levels), where the cuBLAS+ops column adds the small kernels the fused op replaces on that path (the norm
+before, SiLU·up after; the residual add is folded into the next norm there, so it adds nothing).
+--write merges into the existing table; its max_rows (how many tokens the model's skinny path takes) is
+set with --max-rows, its tile_rows with --tile-rows, from what `decode_step.py --skinny-rows / --tile-rows`
+measures.
 Prints, per matrix: floor, cuBLAS, ours (table or heuristic config), best of the sweep (µs per
 product), ours in GB/s and the best config; short table last.
 """
@@ -28,7 +31,7 @@ import torch.nn.functional as F
 
 from benchmarks.decode_step import time_step
 from redwood.bench.ar import copy_bandwidth
-from redwood.kernels import gemv, qkv_rope, skinny_configs
+from redwood.kernels import fused, gemv, qkv_rope, skinny_configs
 
 # (name, N, K, fused op): one layer's projections and the LM head, as the model's skinny path calls them;
 # "rope": the q/k/v projection with RoPE and the cache write (qkv_rope.qkv_rope_write; heads in ROPE_HEADS)
@@ -48,6 +51,8 @@ SWEEP = dict(block_n=(1, 2, 4, 8, 16), block_k=(512, 1024, 2048, 4096, 8192, 163
 # (BLOCK_N ≥ 16: the tile kernel, which lost to cuBLAS everywhere but o_proj in session 5's full sweep)
 SWEEP_ROWS_GEMV = dict(block_n=(2, 4, 8), block_k=(512, 1024, 2048), warps=(4, 8), stages=(1, 2))
 SWEEP_ROWS = dict(block_n=(16, 64), block_k=(64, 128), warps=(4,), stages=(3,))
+# 9-64 rows: tensor-core tiles only (a tile's weight elements ≤ 16K: registers and shared memory)
+SWEEP_TILE = dict(block_n=(16, 32, 64), block_k=(64, 128), warps=(4, 8), stages=(3,))
 
 
 def graph_time_us(fn, copies: int, calls: int) -> float:
@@ -66,16 +71,32 @@ def graph_time_us(fn, copies: int, calls: int) -> float:
     return ms * 1e3 / calls
 
 
-def table_json(device_name: str, entries: list[dict], max_rows: int = 1) -> str:
+def cublas_path(x, w, b, kw):
+    """x @ wᵀ (+ b) as the model's non-skinny path computes it: the fused RMSNorm kernel before the cuBLAS
+    product where the skinny kernel folds a norm in, the SiLU·up kernel after it where it fuses SiLU."""
+    if kw["norm"] is not None:
+        x = fused.rms_norm(x, *kw["norm"])
+    y = F.linear(x, w, b)
+    return fused.silu_mul(y) if kw["silu_mul"] else y
+
+
+def table_json(device_name: str, entries: list[dict], max_rows: int = 1, tile_rows=None) -> str:
     """The tuned table's text: a header, then one line per matrix."""
-    head = json.dumps({"device": device_name, "made_by": "benchmarks/gemv_bench.py --sweep [--int8] [--rows R...] --write",
-                       "config": "[BLOCK_N, BLOCK_K, num_warps, num_stages]",
-                       "max_rows": max_rows}, indent=1)
+    header = {"device": device_name, "made_by": "benchmarks/gemv_bench.py --sweep [--int8] [--rows R...] --write",
+              "config": "[BLOCK_N, BLOCK_K, num_warps, num_stages]", "max_rows": max_rows}
+    if tile_rows:
+        header["tile_rows"] = list(tile_rows)
+    head = json.dumps(header, indent=1)
     body = ",\n  ".join(json.dumps(e) for e in entries)
     return head[:-2] + ',\n "configs": [\n  ' + body + "\n ]\n}\n"
 
 
 def sweep_configs(silu: bool, rows: int = 1):
+    if rows > 8:
+        for bn, bk, nw, st in itertools.product(*SWEEP_TILE.values()):
+            if bn * bk * (2 if silu else 1) <= 16384:
+                yield bn, bk, nw, st
+        return
     if rows > 1:
         for bn, bk, nw, st in itertools.product(*SWEEP_ROWS_GEMV.values()):
             if bn * bk * (2 if silu else 1) <= 64 * 32 * nw:
@@ -89,16 +110,16 @@ def sweep_configs(silu: bool, rows: int = 1):
             yield bn, bk, nw, st
 
 
-def merged(path: Path, entries: list[dict]) -> tuple[list[dict], int]:
+def merged(path: Path, entries: list[dict]) -> tuple[list[dict], int, list[int] | None]:
     """The entries of an existing table at `path` with `entries` replacing those of the same key; and
-    its max_rows (1 if none)."""
+    its max_rows (1 if none) and tile_rows (None if none)."""
     def key(e):
         return e["N"], e["K"], e["silu"], e.get("weight", "float"), e.get("rows", 1)
 
     old = json.loads(path.read_text()) if path.exists() else {}
     out = {key(e): e for e in old.get("configs", [])}
     out.update({key(e): e for e in entries})
-    return list(out.values()), int(old.get("max_rows", 1))
+    return list(out.values()), int(old.get("max_rows", 1)), old.get("tile_rows")
 
 
 @torch.inference_mode()
@@ -108,11 +129,14 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time every tile config of SWEEP too")
     ap.add_argument("--write", type=Path, help="folder to write this GPU's table of best configs into")
     ap.add_argument("--int8", action="store_true", help="also time int8 weights (per-row scales)")
-    ap.add_argument("--rows", type=int, nargs="+", default=[1], help="activation rows to time (1-8; default 1)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1], help="activation rows to time (1-64; default 1)")
     ap.add_argument("--only", default="", help="matrices whose name contains this (e.g. '0.5b', 'lm_head')")
     ap.add_argument("--weights", choices=("all", "float", "int8"), default="all",
                     help="with --int8: time only these weights (default: bf16 and int8)")
     ap.add_argument("--block-k", type=int, nargs="+", help="with --sweep: only these BLOCK_K values (one row)")
+    ap.add_argument("--tile-rows", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                    help="with --write: the table's tile_rows (batch × tokens in [LO, HI] within 9-64 take the tile "
+                         "kernel; set it from decode_step.py --tile-rows)")
     ap.add_argument("--max-rows", type=int, default=None,
                     help="with --write: the table's max_rows (the model's skinny path takes forwards of up to "
                          "this many tokens; set it from decode_step.py --skinny-rows; default: keep the file's)")
@@ -160,6 +184,8 @@ def main() -> None:
             return gemv.linear(x, w, b, scale=scale, residual=r if op == "residual" else None, config=cfg, **kw)
 
         cublas = graph_time_us(lambda i: F.linear(x, ws[i], b), copies, calls)
+        # the same product as the model's other path runs it: cuBLAS plus the small kernels it needs around
+        cublas_ops = graph_time_us(lambda i: cublas_path(x, ws[i], b, kw), copies, calls)
         mine = graph_time_us(ours, copies, calls)
         best, best_cfg = mine, None
         two = silu or "rope" in op  # two weight-row streams per program (gate/up, or a rotation pair)
@@ -176,7 +202,7 @@ def main() -> None:
             entry["rows"] = skinny_configs.rows_bucket(M)
         tuned.append(entry)
         label = f"{name}{' int8' if kind == 'int8' else ''}{f' ×{M}' if M > 1 else ''}"
-        table.append((label, op, nbytes / bw * 1e6, cublas, mine, best, nbytes, best_cfg or used))
+        table.append((label, op, nbytes / bw * 1e6, cublas, cublas_ops, mine, best, nbytes, best_cfg or used))
         print(table[-1], flush=True)
         ws = qs = None  # free this matrix's copies before the next one's
         torch.cuda.empty_cache()
@@ -184,15 +210,15 @@ def main() -> None:
         name = torch.cuda.get_device_name(dev)
         args.write.mkdir(parents=True, exist_ok=True)
         path = args.write / (skinny_configs._file_stem(name) + ".json")
-        entries, max_rows = merged(path, tuned)
-        path.write_text(table_json(name, entries, args.max_rows or max_rows))
+        entries, max_rows, tile_rows = merged(path, tuned)
+        path.write_text(table_json(name, entries, args.max_rows or max_rows, args.tile_rows or tile_rows))
         print(f"wrote {path}")
     print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; µs per product (CUDA graphs of {args.calls} products, LM "
           "heads fewer); ours = tuned table or heuristic; cuBLAS = F.linear (+ bias) without the fused op")
-    print(f"{'matrix':<19}{'fused':<11}{'floor':>7}{'cuBLAS':>8}{'ours':>8}{'best':>8}{'cuBLAS/ours':>12}"
-          f"{'ours GB/s':>10}  best config")
-    for name, op, floor, cb, mine, best, nbytes, cfg in table:
-        print(f"{name:<19}{op:<11}{floor:>7.1f}{cb:>8.1f}{mine:>8.1f}{best:>8.1f}{cb / mine:>12.2f}"
+    print(f"{'matrix':<19}{'fused':<15}{'floor':>7}{'cuBLAS':>8}{'+ops':>8}{'ours':>8}{'best':>8}"
+          f"{'(cuBLAS+ops)/best':>18}{'ours GB/s':>10}  best config")
+    for name, op, floor, cb, cb_ops, mine, best, nbytes, cfg in table:
+        print(f"{name:<19}{op:<15}{floor:>7.1f}{cb:>8.1f}{cb_ops:>8.1f}{mine:>8.1f}{best:>8.1f}{cb_ops / best:>18.2f}"
               f"{nbytes / mine / 1e3:>10.0f}  {cfg}")
 
 

@@ -4,7 +4,7 @@
 # On the GPU machine, from the repo root, after staging the GGUF chunks as /root/stage/t?? (1.5B) and
 # /root/stage/d?? (0.5B), carrying .whl (the gguf wheel) and .stage/home (REDWOOD_HOME with the essays,
 # humaneval and mt-bench datasets):
-#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests kernels pdl fused p1 steps p2 p3 p3tree p4 p5 summary
+#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests kernels pdl fused tile p1 steps p2 p3 p3tree p4 p5 summary
 # Each step writes JSON under $OUT and prints its tables; `summary` prints the short P1–P5 table last.
 # Settings (environment): P2_TEMPS, P2_GAMMAS, P2_DRAFT_WEIGHTS (bf16 int8), P2_ACC (a folder of acceptance vectors measured earlier with
 # the same models, [p2-]acc-<dataset>-t<temp>.json: reused instead of measured), P2_ACC_PROMPTS, P3_KV, P3_BATCH, P3_CONTEXT, P3_GAMMAS,
@@ -56,6 +56,18 @@ fused)  # split attention merging inside its split kernel (REDWOOD_FUSED_MERGE=1
       | tee "$OUT/fused-0.5b.txt" | tail -6
   run python3 benchmarks/attention_bench.py --only short --sweep --output "$OUT/p4-short.json" 2>&1 \
       | tee "$OUT/p4-short.txt" | grep -E "sweep|short" | cut -c1-100 ;;
+tile)  # batched one-token forwards (P3's batch-64 draft levels, AR at batch 16-64) through the skinny path's
+       # tile kernel vs cuBLAS + the small fused kernels: the 1.5B matrices at 32 / 64 rows (a sweep
+       # merged into this GPU's table with tile_rows TILE_ROWS, copied to $OUT), the tile kernel's GPU tests,
+       # then graphed decode steps of a random 1.5B model at batch 16 / 32 / 64 over 512 keys, both paths
+  run python3 benchmarks/gemv_bench.py --sweep --rows ${TILE_SWEEP_ROWS:-32 64} --only 1.5b \
+      --write src/redwood/kernels/gemv_configs --tile-rows ${TILE_ROWS:-17 64} 2>&1 | tee "$OUT/gemv-tile.txt" | tail -20
+  cp src/redwood/kernels/gemv_configs/*.json "$OUT/"
+  run python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py 2>&1 | tail -4 || echo "GEMV TESTS FAILED"
+  for b in 64 32 16; do
+    run python3 benchmarks/decode_step.py --quick --batch $b --context 512 --tokens 1 2>&1 \
+        | tee "$OUT/tile-b$b.txt" | tail -3
+  done ;;
 p1)  # batch-1 autoregressive decode vs the memory floor vs HF transformers, same weights, same run
   run $R bench ar --model "$T" $GPU --prompt-len 128 --gen-len 256 --repeats 3 --compare-hf --output "$OUT/p1" ;;
 steps)  # what one speculative step costs next to the forwards it runs (random 1.5B/0.5B-shaped models)

@@ -52,9 +52,10 @@ def check(out, ref, ulps: int = 1):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("N,K", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("M", [1, 3, 8, 33])
 def test_linear(dtype, N, K, bias, M):
-    """One row through the GEMV kernel, 2-8 rows through the tensor-core tile kernel."""
+    """One row through the GEMV kernel, 2-64 rows through the tensor-core tile kernel (33: 64-row tiles,
+    rows past M masked)."""
     g = gen(7 + N + M)
     x = randn(g, M, K, dtype=dtype)
     w = randn(g, N, K, dtype=dtype, scale=K ** -0.5)
@@ -78,7 +79,7 @@ def test_leading_dims_and_strided_rows(dtype):
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("N,K", SHAPES[:3])
-@pytest.mark.parametrize("M", [1, 4])
+@pytest.mark.parametrize("M", [1, 4, 64])
 def test_norm_folded_in(dtype, N, K, M):
     """linear(x, W, norm=(g, eps)) == RMSNorm(x) @ Wᵀ with the norm in float64 (not rounded between;
     2-8 rows feed x_k · g_k to the 16-bit dot as hi + lo parts, ~16 bits: within the same bound)."""
@@ -97,7 +98,7 @@ def test_norm_folded_in(dtype, N, K, M):
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("N,K", SHAPES[:3])
-@pytest.mark.parametrize("M", [1, 5])
+@pytest.mark.parametrize("M", [1, 5, 20])
 def test_residual_epilogue_updates_in_place(dtype, N, K, M):
     g = gen(12)
     x = randn(g, M, K, dtype=dtype)
@@ -117,7 +118,7 @@ def test_residual_epilogue_updates_in_place(dtype, N, K, M):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("F_,K", [(40, 96), (72, 64)] if INTERPRET else [(8960, 1536), (4864, 896)])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("M", [1, 2])
+@pytest.mark.parametrize("M", [1, 2, 64])
 def test_silu_mul_epilogue(dtype, F_, K, bias, M):
     g = gen(13)
     x = randn(g, M, K, dtype=dtype)
@@ -162,10 +163,12 @@ def test_rows_kernel_rows_are_the_one_row_kernels(dtype, M):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", [ROWS_GEMV, ROWS_TILE], ids=["rows-gemv", "tile"])
-@pytest.mark.parametrize("M", [3, 8])
+@pytest.mark.parametrize("config,M", [(ROWS_GEMV, 3), (ROWS_GEMV, 8), (ROWS_TILE, 3), (ROWS_TILE, 8),
+                                      (ROWS_TILE, 17), (ROWS_TILE, 64)],
+                         ids=["rows-gemv-3", "rows-gemv-8", "tile-3", "tile-8", "tile-17", "tile-64"])
 def test_both_rows_kernels_with_every_fused_op(dtype, config, M):
-    """norm + bias + SiLU·up, and the residual epilogue, through either 2-8-row kernel (float64 refs)."""
+    """norm + bias + SiLU·up, and the residual epilogue, through either 2-8-row kernel and the tile
+    kernel's 32- and 64-row tiles (float64 refs)."""
     N, K = (24, 80) if INTERPRET else (2048, 1536)
     g = gen(80 + M)
     x = randn(g, M, K, dtype=dtype, scale=3.0)
@@ -239,6 +242,8 @@ def test_bad_input():
         gemv.linear(x, torch.zeros(4, 16, device=DEVICE, dtype=torch.float16))
     with pytest.raises(ValueError, match="at most"):
         gemv.linear(torch.zeros(gemv.MAX_ROWS + 1, 16, device=DEVICE), torch.zeros(4, 16, device=DEVICE))
+    with pytest.raises(ValueError, match="tile kernel"):  # > 8 rows: no CUDA-core rows configs
+        gemv.linear(torch.zeros(9, 16, device=DEVICE), torch.zeros(4, 16, device=DEVICE), config=ROWS_GEMV)
     with pytest.raises(ValueError, match="contiguous"):
         gemv.linear(x, torch.zeros(4, 16, device=DEVICE), residual=torch.zeros(1, 8, device=DEVICE)[:, ::2])
     with pytest.raises(ValueError, match="even row count"):
@@ -291,6 +296,38 @@ def test_model_skinny_path_matches_the_eager_model(tiny_model_dir):
         for c in caches:
             c.commit(torch.full((1,), T, device=DEVICE))
     torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_model_batched_forwards_through_the_tile_kernel(tiny_model_dir):
+    """skinny_tile_rows: batched forwards of batch × tokens within the range (here 12 and 18 rows) take
+    the skinny path's tile kernel and give the logits and cache of the model without it; 6 rows (below
+    the range, above skinny_rows) take the other path."""
+    from redwood.loading import load_model
+
+    eager = load_model(tiny_model_dir, dtype="float32", device=DEVICE).model
+    eager.skinny = False
+    tiled = copy.deepcopy(eager)
+    if tiled.layers[0].self_attn.qkv is None:
+        tiled.fuse_projections()
+    for layer in tiled.layers:
+        layer.self_attn.kernels = layer.mlp.kernels = True
+    tiled.skinny, tiled.skinny_rows, tiled.skinny_tile_rows = True, 1, (9, 64)
+    assert [tiled.takes_skinny(n) for n in (1, 2, 8, 9, 64, 65)] == [True, False, False, True, True, False]
+    gen_ = torch.Generator().manual_seed(1)
+    B, V = 6, eager.config.vocab_size
+    caches = [m.new_cache(B, 16) for m in (eager, tiled)]
+    for T in (4, 2, 1, 3):
+        ids = torch.randint(0, V, (B, T), generator=gen_).to(DEVICE)
+        pos = caches[0].lengths[:, None] + torch.arange(T, device=DEVICE)[None]
+        with torch.inference_mode():
+            ref = eager(ids, pos, caches[0])
+            out = tiled(ids, pos, caches[1])
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        for c in caches:
+            c.commit(torch.full((B,), T, device=DEVICE))
+    torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(caches[1].v, caches[0].v, rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel

@@ -24,8 +24,12 @@ def test_tile_configs_from_the_table_else_the_heuristic():
     assert skinny_configs.config_for(2048, 1536, False, torch.device("cpu"), rows=3) == skinny_configs.heuristic_config(2048, 1536, rows=4)
     # 2-8 rows: the CUDA-core rows kernel (BLOCK_N < 16; the tile kernel only from a tuned table)
     assert all(skinny_configs.heuristic_config(n, 1536, rows=4, int8=q)[0] < 16 for n in (2048, 151936) for q in (0, 1))
-    assert [skinny_configs.rows_bucket(m) for m in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
-    assert skinny_configs.max_rows("cpu") == 1
+    assert [skinny_configs.rows_bucket(m) for m in (1, 2, 3, 5, 8, 9, 33, 64)] == [1, 2, 4, 8, 8, 16, 64, 64]
+    assert skinny_configs.max_rows("cpu") == 1 and skinny_configs.tile_rows("cpu") is None
+    # 9-64 rows: only the tile kernel takes them (BLOCK_N ≥ 16), pipelined
+    for n, k, silu in [(2048, 1536, False), (8960, 1536, True), (3, 20, False)]:
+        bn, bk, _, stages = skinny_configs.heuristic_config(n, k, silu, rows=64)
+        assert bn >= 16 and bk <= max(16, k * 2) and stages > 1
 
 
 def test_int8_heuristic_agrees_with_the_h200_sweeps_on_the_large_matrices():

@@ -17,7 +17,9 @@ o_proj with the residual; gate/up with the post-attention norm and SiLU; down wi
 attention, instead of nine launches. One row runs a GEMV kernel (CUDA cores, many programs of a few
 weight rows); 2-8 rows the same shape of kernel with every weight tile applied to each row in turn
 (configs with BLOCK_N < 16), or a tile kernel (tl.dot over 16 padded activation rows × ≥ 16 weight rows;
-configs with BLOCK_N ≥ 16) — the tuned table picks per shape.
+configs with BLOCK_N ≥ 16) — the tuned table picks per shape; 9-64 rows (batched decoding and drafting:
+MagicDec's batch-64 draft levels) the tile kernel over 16 / 32 / 64 padded rows, which saves the separate
+norm, SiLU and residual kernels cuBLAS needs around it.
 
 Rounding: products are accumulated in float32 (in another order than cuBLAS, so a bf16 output can sit
 one ulp from F.linear's where the float32 sum lands near a rounding boundary) and rounded to the dtype;
@@ -44,7 +46,8 @@ from redwood.kernels.skinny_configs import Config, config_for
 from redwood.kernels.triton_import import jit as _jit
 from redwood.kernels.triton_import import tl, triton
 
-MAX_ROWS = 8  # activation rows `linear` takes: one through the GEMV kernel, 2-8 through a tensor-core tile
+MAX_ROWS = 64  # activation rows `linear` takes: one through the GEMV kernel, 2-64 through a tensor-core tile
+GEMV_ROWS = 8  # ... or 2-8 through the CUDA-core rows kernel (configs with BLOCK_N < 16)
 
 
 def available(device: torch.device | str, force_interpreter: bool = False) -> bool:
@@ -177,10 +180,11 @@ def _rows_kernel(X, W, SCALE, BIAS, NW, RES, OUT, M, N, K, stride_x, stride_w, s
                  SILU: tl.constexpr, ROUND: tl.constexpr, INTERP: tl.constexpr, SPLIT: tl.constexpr,
                  DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
-    """2-8 activation rows: program p computes out[:, p*BLOCK_N : (p+1)*BLOCK_N] with tl.dot over tiles
-    x [BLOCK_M = 16, BLOCK_K] (rows past M are zeros) · W [BLOCK_N, BLOCK_K]ᵀ, operands in DOT (the model
-    dtype; float32 in the interpreter). The fused ops as in _gemv_kernel, per row; with the folded norm,
-    x_k · g_k is not a DOT value: it enters as two (SPLIT, see _rows_tile). PDL: waits for the previous
+    """2-64 activation rows: program p computes out[:, p*BLOCK_N : (p+1)*BLOCK_N] with tl.dot over tiles
+    x [BLOCK_M = 16 / 32 / 64, BLOCK_K] (rows past M are zeros) · W [BLOCK_N, BLOCK_K]ᵀ, operands in DOT
+    (the model dtype; float32 in the interpreter). Every program reads all M rows of x (from L2). The fused
+    ops as in _gemv_kernel, per row; with the folded norm, x_k · g_k is not a DOT value: it enters as two
+    (SPLIT, see _rows_tile). PDL: waits for the previous
     kernel before reading anything (no prefetch: this kernel is off by default, see skinny_configs)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -195,7 +199,7 @@ def _rows_kernel(X, W, SCALE, BIAS, NW, RES, OUT, M, N, K, stride_x, stride_w, s
     p2 = W + (N + cols).to(tl.int64)[:, None] * stride_w
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     if STAGES > 1:
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             acc, acc2, ss = _rows_tile(xp, NW, p1, p2, r_ok, c_ok, k0, K, acc, acc2, ss, NORM, SILU, SPLIT,
@@ -204,7 +208,7 @@ def _rows_kernel(X, W, SCALE, BIAS, NW, RES, OUT, M, N, K, stride_x, stride_w, s
         for k0 in range(0, K, BLOCK_K):
             acc, acc2, ss = _rows_tile(xp, NW, p1, p2, r_ok, c_ok, k0, K, acc, acc2, ss, NORM, SILU, SPLIT,
                                        DOT, PRECISION, BLOCK_K)
-    _rows_epilogue(acc, acc2, tl.sum(ss, 1), rows, r_ok, cols, c_ok, SCALE, BIAS, RES, OUT, N, K, stride_r, stride_o,
+    _rows_epilogue(acc, acc2, ss, rows, r_ok, cols, c_ok, SCALE, BIAS, RES, OUT, N, K, stride_r, stride_o,
                    inv_k, eps, QUANT, HAS_BIAS, NORM, RESID, SILU, ROUND, INTERP)
 
 
@@ -307,21 +311,31 @@ def _rows_tile(xp, NW, p1, p2, r_ok, c_ok, k0, K, acc, acc2, ss, NORM: tl.conste
     k_ok = ks < K
     x = tl.load(xp + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
     if NORM:
-        ss += x * x
+        ss += tl.sum(x * x, 1)
         x = x * tl.load(NW + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
     hi = x.to(DOT)
     lo = (x - hi.to(tl.float32)).to(DOT)  # unused (and dropped by the compiler) unless SPLIT
     w_ok = c_ok[:, None] & k_ok[None, :]
-    w = tl.trans(tl.load(p1 + ks[None, :], mask=w_ok, other=0.0).to(tl.float32).to(DOT))  # int8 → DOT: exact
+    w = tl.trans(_dot_operand(tl.load(p1 + ks[None, :], mask=w_ok, other=0.0), DOT))
     acc = tl.dot(hi, w, acc, input_precision=PRECISION)
     if SPLIT:
         acc = tl.dot(lo, w, acc, input_precision=PRECISION)
     if SILU:
-        u = tl.trans(tl.load(p2 + ks[None, :], mask=w_ok, other=0.0).to(tl.float32).to(DOT))
+        u = tl.trans(_dot_operand(tl.load(p2 + ks[None, :], mask=w_ok, other=0.0), DOT))
         acc2 = tl.dot(hi, u, acc2, input_precision=PRECISION)
         if SPLIT:
             acc2 = tl.dot(lo, u, acc2, input_precision=PRECISION)
     return acc, acc2, ss
+
+
+@_jit
+def _dot_operand(w, DOT: tl.constexpr):
+    """A loaded weight tile as a dot operand of type DOT: int8 → DOT is exact (through float32); a tile
+    already of type DOT is used as loaded (no conversion in between, so the loads can stream straight into
+    the dot's shared-memory buffers)."""
+    if w.dtype == DOT:
+        return w
+    return w.to(tl.float32).to(DOT)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -360,7 +374,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            scale: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None,
            residual: torch.Tensor | None = None, silu_mul: bool = False,
            config: Config | None = None) -> torch.Tensor:
-    """x @ weightᵀ (+ bias) for x [..., K] holding at most MAX_ROWS rows, with optional fused ops.
+    """x @ weightᵀ (+ bias) for x [..., K] holding at most MAX_ROWS (64) rows, with optional fused ops.
 
     weight: [N, K] (or [2F, K] with silu_mul: gate rows then up rows) in x's dtype, or int8 with
     scale [N] / [2F] float32 per row (`quantize_int8`); bias: [N] / [2F].
@@ -369,7 +383,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     residual: [..., N] tensor of x's dtype; the result is added into it in place, and it is returned.
     silu_mul: return silu(x @ W[:F]ᵀ) * (x @ W[F:]ᵀ), [..., F].
     config: (BLOCK_N, BLOCK_K, num_warps, num_stages) overriding the tuned table / heuristic (benchmarks;
-    with 2-8 rows BLOCK_N ≥ 16).
+    2-8 rows: BLOCK_N < 16 runs the CUDA-core rows kernel, ≥ 16 the tile kernel; 9-64 rows: BLOCK_N ≥ 16).
     Returns a new [..., N] (or [..., F]) tensor in x's dtype, or `residual`.
     """
     K = x.shape[-1]
@@ -403,6 +417,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return out
     M = x2.shape[0]
     block_n, block_k, warps, stages = config or config_for(N, K, silu_mul, x.device, int8, M)
+    if M > GEMV_ROWS and block_n < 16:
+        raise ValueError(f"{M} rows take the tile kernel, whose configs have BLOCK_N ≥ 16 (got {block_n})")
+    if _INTERPRET:
+        stages = 1  # the interpreter runs the plain K loop (tl.range's pipelining is a compiled feature)
     nw, eps = (norm[0].contiguous(), float(norm[1])) if norm is not None else (weight, 0.0)
     use_pdl = pdl.enabled(x.device)
     if M > 1 and block_n < 16:  # CUDA-core rows (GEMV-shaped configs; tl.dot needs 16-row weight tiles)
@@ -426,7 +444,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             HAS_BIAS=bias is not None, NORM=norm is not None, RESID=residual is not None, SILU=silu_mul,
             ROUND=rnd, INTERP=_INTERPRET, SPLIT=norm is not None and dot != tl.float32, DOT=dot,
             PRECISION="ieee" if dot == tl.float32 else "tf32",
-            BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PDL=use_pdl, num_warps=warps,
+            BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
+            PDL=use_pdl, num_warps=warps,
             **pdl.launch_options(use_pdl),
         )
         return out

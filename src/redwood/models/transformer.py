@@ -227,9 +227,12 @@ class Transformer(nn.Module):
         self.attention_backend = "auto"
         # Forwards of ≤ skinny_rows tokens through the skinny-matmul kernels (set by fuse_projections
         # where they run; False: cuBLAS matmuls + the fused small-op kernels, for A/B benchmarks).
-        # skinny_rows: 1, or the tuned table's max_rows where 2-8-token forwards measured faster this way.
+        # skinny_rows: 1, or the tuned table's max_rows where 2-8-token forwards measured faster this way;
+        # skinny_tile_rows: a range [lo, hi] of batch × tokens within 9-64 (batched decoding and drafting)
+        # that also takes it, through the tile kernel (the tuned table's tile_rows), or None.
         self.skinny = False
         self.skinny_rows = 1
+        self.skinny_tile_rows: tuple[int, int] | None = None
         self.skinny_int8: dict | None = None  # int8 projection copies for the skinny path (quantize_skinny)
 
     def fuse_projections(self) -> None:
@@ -239,12 +242,14 @@ class Transformer(nn.Module):
             layer.mlp.fuse()
         self.skinny = self.layers[0].mlp.kernels and gemv.available(self.device)
         self.skinny_rows = skinny_configs.max_rows(self.device)
+        self.skinny_tile_rows = skinny_configs.tile_rows(self.device)
 
     def quantize_skinny(self, scheme: str = "int8") -> None:
         """Give the one-token (skinny) forwards int8 copies of every projection and of the LM head, with
         a float32 scale per output row (`gemv.quantize_int8`): the matrix-vector kernels then read half
-        the bytes. Forwards of more tokens keep the model-dtype weights. Meant for a draft model: the
-        target verifies exactly, so the output stays the target's and only acceptance can move."""
+        the bytes. Forwards the skinny path does not take (takes_skinny) keep the model-dtype weights.
+        Meant for a draft model: the target verifies exactly, so the output stays the target's and only
+        acceptance can move."""
         from redwood.errors import ConfigError
 
         if scheme != "int8":
@@ -320,7 +325,7 @@ class Transformer(nn.Module):
         x = self.embed_tokens(input_ids)  # [B, T, H]
         cos, sin = self.rotary(positions, x.dtype)
         if self.layers[0].self_attn.kernels and self.layers[0].mlp.kernels:
-            if self.skinny and B * T <= min(self.skinny_rows, gemv.MAX_ROWS):
+            if self.skinny and self.takes_skinny(B * T):
                 return self._forward_skinny(x, cos, sin, cache, slots, meta, logits_at)
             return self._forward_fused(x, cos, sin, cache, slots, meta, logits_at)
         for layer in self.layers:
@@ -339,6 +344,11 @@ class Transformer(nn.Module):
         normed, _ = fused_kernels.add_rms_norm(h, residual, self.norm.weight, self.norm.eps)
         return F.linear(normed, self.head_weight).float()
 
+
+    def takes_skinny(self, rows: int) -> bool:
+        """Whether a forward of `rows` = batch × new tokens goes through the skinny-matmul kernels."""
+        lo, hi = self.skinny_tile_rows or (0, 0)
+        return rows <= min(self.skinny_rows, gemv.MAX_ROWS) or lo <= rows <= min(hi, gemv.MAX_ROWS)
 
     def _forward_skinny(self, x, cos, sin, cache, slots, meta, logits_at):
         q8 = self.skinny_int8
