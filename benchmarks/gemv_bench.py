@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from benchmarks.decode_step import time_step
 from redwood.bench.ar import copy_bandwidth
 from redwood.kernels import fused, gemv, qkv_rope, skinny_configs
+from redwood.kernels.triton_import import triton
 
 # (name, N, K, fused op): one layer's projections and the LM head, as the model's skinny path calls them;
 # "rope": the q/k/v projection with RoPE and the cache write (qkv_rope.qkv_rope_write; heads in ROPE_HEADS)
@@ -192,7 +193,11 @@ def main() -> None:
         key_n = N // 2 if "rope" in op else N  # rope configs are looked up as a two-stream GEMV of N/2 pairs
         if args.sweep:
             for cfg in sweep_configs(two, M):
-                us = graph_time_us(lambda i: ours(i, cfg), copies, calls)
+                try:  # a config may not fit this GPU (shared memory, registers): raised at the warm-up call
+                    us = graph_time_us(lambda i: ours(i, cfg), copies, calls)
+                except triton.runtime.errors.OutOfResources as e:
+                    print(f"  {cfg}: {e}", flush=True)
+                    continue
                 if us < best:
                     best, best_cfg = us, cfg
         used = skinny_configs.config_for(key_n, K, two, dev, int8=kind == "int8", rows=M)

@@ -56,18 +56,26 @@ fused)  # split attention merging inside its split kernel (REDWOOD_FUSED_MERGE=1
       | tee "$OUT/fused-0.5b.txt" | tail -6
   run python3 benchmarks/attention_bench.py --only short --sweep --output "$OUT/p4-short.json" 2>&1 \
       | tee "$OUT/p4-short.txt" | grep -E "sweep|short" | cut -c1-100 ;;
-tile)  # batched one-token forwards (P3's batch-64 draft levels, AR at batch 16-64) through the skinny path's
-       # tile kernel vs cuBLAS + the small fused kernels: the 1.5B matrices at 32 / 64 rows (a sweep
-       # merged into this GPU's table with tile_rows TILE_ROWS, copied to $OUT), the tile kernel's GPU tests,
-       # then graphed decode steps of a random 1.5B model at batch 16 / 32 / 64 over 512 keys, both paths
-  run python3 benchmarks/gemv_bench.py --sweep --rows ${TILE_SWEEP_ROWS:-32 64} --only 1.5b \
-      --write src/redwood/kernels/gemv_configs --tile-rows ${TILE_ROWS:-17 64} 2>&1 | tee "$OUT/gemv-tile.txt" | tail -20
-  cp src/redwood/kernels/gemv_configs/*.json "$OUT/"
-  run python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py 2>&1 | tail -4 || echo "GEMV TESTS FAILED"
-  for b in 64 32 16; do
+tile)  # batched one-token forwards (P3's batch-64 draft levels, AR at batch 64) through the skinny path's
+       # tile kernel vs cuBLAS + the small fused kernels: the 1.5B matrices at TILE_SWEEP_ROWS (64) rows (a
+       # sweep merged into this GPU's table with tile_rows TILE_ROWS, 33-64), the tile kernel's GPU tests,
+       # then graphed decode steps of a random 1.5B model at TILE_BATCHES (64) over 512 keys, both paths; the
+       # table (copied to $OUT) keeps tile_rows only if the tile kernel's step was faster. Run it in the same
+       # call before p3 to measure P3 with it (each call starts from the committed table)
+  run python3 benchmarks/gemv_bench.py --sweep --rows ${TILE_SWEEP_ROWS:-64} --only 1.5b \
+      --write src/redwood/kernels/gemv_configs --tile-rows ${TILE_ROWS:-33 64} 2>&1 | tee "$OUT/gemv-tile.txt" \
+      | tail -20 || echo "TILE SWEEP FAILED"
+  run python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py -k "tile or batched or linear" 2>&1 \
+      | tail -4 || echo "GEMV TESTS FAILED"
+  for b in ${TILE_BATCHES:-64}; do
     run python3 benchmarks/decode_step.py --quick --batch $b --context 512 --tokens 1 2>&1 \
-        | tee "$OUT/tile-b$b.txt" | tail -3
-  done ;;
+        | tee "$OUT/tile-b$b.txt" | tail -5 || echo "DECODE STEP FAILED"
+  done
+  # the table keeps tile_rows only if the largest batch's step measured faster through the tile kernel
+  b=$(echo ${TILE_BATCHES:-64} | cut -d' ' -f1)
+  run python3 benchmarks/tile_rows_decide.py "$OUT/tile-b$b.txt" src/redwood/kernels/gemv_configs/NVIDIA_H200.json \
+      || git checkout src/redwood/kernels/gemv_configs  # no comparison: the committed table
+  cp src/redwood/kernels/gemv_configs/*.json "$OUT/" ;;
 p1)  # batch-1 autoregressive decode vs the memory floor vs HF transformers, same weights, same run
   run $R bench ar --model "$T" $GPU --prompt-len 128 --gen-len 256 --repeats 3 --compare-hf --output "$OUT/p1" ;;
 steps)  # what one speculative step costs next to the forwards it runs (random 1.5B/0.5B-shaped models)
