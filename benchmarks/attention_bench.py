@@ -6,7 +6,7 @@ Configurations (Hq=12, Hkv=2, D=128, bf16, 32K committed tokens per row):
     chains: batch 64, T = 1, 2, 4, 5, 8 new tokens per row (causal);
     trees:  16/32/64/128 nodes (random tree masks) at batch 1, 4, 8;
     short:  a few hundred committed tokens — a batch-1 decode / 7-token verify (P1, P2) and a batch-64
-            draft level through a 256-token compressed cache (P3): latency-bound, few programs.
+            draft level through a 256- or 512-token compressed cache (P3): latency-bound, few programs.
 Each time is one layer's attention: a CUDA graph replays the call over enough distinct layers that
 their K/V (more than the 60 MB L2) come from HBM, as in a real forward. The floor is the K and V bytes
 read divided by 4.29e12 B/s (the device-to-device copy rate measured on an H200). SDPA gets the
@@ -115,7 +115,7 @@ def cases(gen: torch.Generator):
     for B in (1, 4, 8):
         for n in (16, 32, 64, 128):
             yield f"tree B={B} n={n}", lambda B=B, n=n: Case(f"tree B={B} n={n}", B, n, random_tree(n, gen), gen)
-    for B, T, ctx in ((1, 1, 384), (1, 7, 384), (64, 1, 256)):
+    for B, T, ctx in ((1, 1, 384), (1, 7, 384), (64, 1, 256), (64, 1, 512)):
         name = f"short B={B} T={T} S={ctx}"
         yield name, lambda B=B, T=T, ctx=ctx, name=name: Case(name, B, T, None, gen, ctx)
 
