@@ -344,7 +344,6 @@ class Transformer(nn.Module):
         normed, _ = fused_kernels.add_rms_norm(h, residual, self.norm.weight, self.norm.eps)
         return F.linear(normed, self.head_weight).float()
 
-
     def takes_skinny(self, rows: int) -> bool:
         """Whether a forward of `rows` = batch × new tokens goes through the skinny-matmul kernels."""
         lo, hi = self.skinny_tile_rows or (0, 0)
