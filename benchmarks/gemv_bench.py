@@ -81,10 +81,11 @@ def cublas_path(x, w, b, kw):
     return fused.silu_mul(y) if kw["silu_mul"] else y
 
 
-def table_json(device_name: str, entries: list[dict], max_rows: int = 1, tile_rows=None) -> str:
+def table_json(device_name: str, entries: list[dict], max_rows: int = 1, tile_rows=None,
+               made_by: str = "benchmarks/gemv_bench.py --sweep [--int8] [--rows R...] --write") -> str:
     """The tuned table's text: a header, then one line per matrix."""
-    header = {"device": device_name, "made_by": "benchmarks/gemv_bench.py --sweep [--int8] [--rows R...] --write",
-              "config": "[BLOCK_N, BLOCK_K, num_warps, num_stages]", "max_rows": max_rows}
+    header = {"device": device_name, "made_by": made_by, "config": "[BLOCK_N, BLOCK_K, num_warps, num_stages]",
+              "max_rows": max_rows}
     if tile_rows:
         header["tile_rows"] = list(tile_rows)
     head = json.dumps(header, indent=1)

@@ -71,7 +71,7 @@ tile)  # batched one-token forwards (P3's batch-64 draft levels, AR at batch 64)
     run python3 benchmarks/decode_step.py --quick --batch $b --context 512 --tokens 1 2>&1 \
         | tee "$OUT/tile-b$b.txt" | tail -5 || echo "DECODE STEP FAILED"
   done
-  # the table keeps tile_rows only if the largest batch's step measured faster through the tile kernel
+  # the table keeps tile_rows only if the first of TILE_BATCHES measured faster through the tile kernel
   b=$(echo ${TILE_BATCHES:-64} | cut -d' ' -f1)
   run python3 benchmarks/tile_rows_decide.py "$OUT/tile-b$b.txt" src/redwood/kernels/gemv_configs/NVIDIA_H200.json \
       || git checkout src/redwood/kernels/gemv_configs  # no comparison: the committed table

@@ -14,6 +14,8 @@ import re
 import sys
 from pathlib import Path
 
+from benchmarks.gemv_bench import table_json
+
 ROW = re.compile(r"^fused=yes attn=auto graphs=yes( skinny)?\s+1\s+([0-9.]+)\s")
 
 
@@ -38,7 +40,8 @@ def main() -> None:
     keep = times[True] < times[False]
     if not keep and "tile_rows" in table:
         del table["tile_rows"]
-        path.write_text(json.dumps(table, indent=1) + "\n")
+        path.write_text(table_json(table["device"], table["configs"], table.get("max_rows", 1),
+                                   made_by=table["made_by"]))
     print(f"batched step: tile kernel {times[True]:.3f} ms, cuBLAS + small kernels {times[False]:.3f} ms → "
           f"{'keep' if keep else 'drop'} tile_rows {table.get('tile_rows')}")
 

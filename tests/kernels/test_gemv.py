@@ -300,7 +300,7 @@ def test_model_skinny_path_matches_the_eager_model(tiny_model_dir):
 
 @needs_kernel
 def test_model_batched_forwards_through_the_tile_kernel(tiny_model_dir):
-    """skinny_tile_rows: batched forwards of batch × tokens within the range (here 12 and 18 rows) take
+    """skinny_tile_rows: batched forwards of batch × tokens within the range (here 24, 12 and 18 rows) take
     the skinny path's tile kernel and give the logits and cache of the model without it; 6 rows (below
     the range, above skinny_rows) take the other path."""
     from redwood.loading import load_model
