@@ -104,6 +104,13 @@ class RowRandom:
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Draw from each row of probs [M, V] with uniforms u [M] or [M, k] → indices of u's shape.
 
+    Token i is drawn for u in [c_{i-1}, c_i) / c_V, c the cumulative sum of the row. The sums and the
+    comparison are float64: with float32 sums a token's interval would be rounded to the float32 spacing
+    of the sum before it (~6e-8 near 1, the size of a whole low-probability token); in float64 every
+    interval is its token's float32 probability to ~1e-16. Pass float64 uniforms (`RowRandom`'s 53
+    bits): float32 uniforms have a 2^-24 spacing, coarser than the probabilities of a large vocabulary's
+    tail (benchmarks/inverse_cdf_bias.py).
+
     A token of probability 0 is never returned (its cumulative sum equals its predecessor's, so the first
     index whose cumulative sum exceeds the target value is never it; the end is clamped to the last token
     with mass). A row without mass is treated as uniform.
@@ -113,8 +120,8 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         u = u[:, None]
     mass = probs.sum(-1, keepdim=True)
     probs = torch.where(mass > 0, probs, torch.ones_like(probs))
-    cdf = probs.cumsum(-1)
-    idx = torch.searchsorted(cdf, (u * cdf[:, -1:]).contiguous(), right=True)
+    cdf = probs.double().cumsum(-1)
+    idx = torch.searchsorted(cdf, (u.double() * cdf[:, -1:]).contiguous(), right=True)
     V = probs.shape[-1]
     last = (V - 1) - (probs > 0).flip(-1).float().argmax(-1, keepdim=True)
     idx = torch.minimum(idx, last)

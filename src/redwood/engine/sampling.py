@@ -95,5 +95,5 @@ class Sampler:
         """logits: [B, V] → next tokens [B] (argmax for greedy rows, a draw from `probs` otherwise)."""
         if self.all_greedy:
             return logits.argmax(-1)
-        drawn = inverse_cdf(self.probs(logits), self.random.uniform(None, (), torch.float32))
+        drawn = inverse_cdf(self.probs(logits), self.random.uniform(None, (), torch.float64))
         return torch.where(self.temperature == 0, logits.argmax(-1), drawn) if self.any_greedy else drawn

@@ -39,7 +39,8 @@ case (a residual that sums to 0 can only come from float round-off) falls back t
 Randomness. `rand` is either a list of `torch.Generator`s, one per batch row, or a `RowRandom`
 (counter-based, drawn on the device — what the engine uses, so that a whole speculative step can be
 captured in a CUDA graph). Every call draws fresh numbers for each row, so a row's result does not depend
-on what else is in the batch. All probability math is float32.
+on what else is in the batch. Probability math is float32; uniforms (53-bit) and the comparisons with
+them are float64 (`inverse_cdf`).
 
 Host synchronization. The walks never read a device value on the host while a CUDA graph is being
 captured (their early exits are skipped then), and `verify_tree_paths` returns tensors.
@@ -145,7 +146,7 @@ def draw_children(q: torch.Tensor, k: int, rule: str, rand, rows: torch.Tensor |
     if rows.numel() != N:
         raise ValueError(f"rows has {rows.numel()} entries for {N} nodes")
     if rule == "replacement" or k == 1:  # (one draw without replacement is a plain draw from q)
-        u = per_row_uniforms(rand, rows, (k,), torch.float32, q.device)
+        u = per_row_uniforms(rand, rows, (k,), torch.float64, q.device)
         return inverse_cdf(q, u)
     # swor: keys in float64 so that ties (probability ~2^-53 per pair) are negligible.
     u = per_row_uniforms(rand, rows, (V,), torch.float64, q.device)
@@ -245,7 +246,7 @@ def verify_tree_paths(verifier: str, parents: list[int], tokens: torch.Tensor, t
     if verifier == "greedy":
         u = None
     else:
-        u = per_row_uniforms(rand, torch.arange(B, device=device), (2, n), torch.float32, device)
+        u = per_row_uniforms(rand, torch.arange(B, device=device), (2, n), torch.float64, device)
 
     cur = torch.zeros(B, dtype=torch.long, device=device)
     alive = torch.ones(B, dtype=torch.bool, device=device)
@@ -253,7 +254,7 @@ def verify_tree_paths(verifier: str, parents: list[int], tokens: torch.Tensor, t
     next_token = torch.zeros(B, dtype=torch.long, device=device)
     if stochastic:  # each row's final distribution and uniform, drawn from once after the walk
         p_end = torch.zeros(B, V, dtype=torch.float32, device=device)
-        u_end = torch.zeros(B, dtype=torch.float32, device=device)
+        u_end = torch.zeros(B, dtype=torch.float64, device=device)
 
     for level in range(max_depth + 1):
         if not _any(alive):
@@ -291,7 +292,7 @@ def verify_tree_paths(verifier: str, parents: list[int], tokens: torch.Tensor, t
                 px = p.gather(1, x[:, None])[:, 0]
                 qx = q.gather(1, x[:, None])[:, 0]
                 r = u[rows, 0, child]
-                accept = active & (px > r * qx)  # probability min(1, p/q), no division
+                accept = active & (px.double() > r * qx.double())  # probability min(1, p/q), no division
                 new_cur = torch.where(accept, child, new_cur)
                 moved |= accept
                 reject = active & ~accept

@@ -44,9 +44,10 @@ def verify_sampling(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft
     p = target_probs.float()
     q = draft_probs.float()
     rows = torch.arange(B, device=p.device)
-    u = per_row_uniforms(rand, rows, (gamma + 1,), torch.float32, p.device)  # γ tests, then one draw
-    p_d = p[:, :-1].gather(2, drafts[..., None])[..., 0]  # [B, γ]
-    q_d = q.gather(2, drafts[..., None])[..., 0]
+    # γ acceptance tests, then the correction / bonus draw; float64 (53-bit) uniforms, see inverse_cdf
+    u = per_row_uniforms(rand, rows, (gamma + 1,), torch.float64, p.device)
+    p_d = p[:, :-1].gather(2, drafts[..., None])[..., 0].double()  # [B, γ]
+    q_d = q.gather(2, drafts[..., None])[..., 0].double()
     ok = (u[:, :gamma] * q_d < p_d).long()  # u < p/q without dividing (q_d > 0 for a drawn token)
     accepted = ok.cumprod(dim=1).sum(dim=1)  # [B]
     p_at = p[rows, accepted]  # [B, V] target distribution at the first unaccepted position
