@@ -114,3 +114,18 @@ def test_cuda_draws_equal_cpu_draws():
     for dtype in (torch.float32, torch.float64):
         assert torch.equal(cpu.uniform(rows, (300,), dtype), gpu.uniform(rows, (300,), dtype).cpu())
     assert not math.isnan(float(gpu.uniform(None, (5,)).sum()))
+
+
+def test_a_rows_counter_advances_only_with_its_own_draws_and_reseed_restarts_it():
+    """Per-row counters: a draw that skips a row leaves its stream where it was, and `reseed` gives a
+    batch row a new request's stream from its start — as a request admitted to a freed slot needs."""
+    alone = RowRandom([42], "cpu")
+    batch = RowRandom([7, 42], "cpu")
+    first = batch.uniform(None, (5,))
+    assert torch.equal(first[1], alone.uniform(None, (5,))[0])
+    batch.uniform(torch.tensor([0, 0]), (5,))  # row 0 only (two items): row 1's counter stays
+    assert batch.counter.tolist() == [2, 1]
+    assert torch.equal(batch.uniform(torch.tensor([1]), (5,))[0], alone.uniform(None, (5,))[0])
+    batch.reseed(0, 42)
+    assert batch.counter.tolist() == [0, 2]
+    assert torch.equal(batch.uniform(torch.tensor([0]), (5,))[0], first[1])  # 42's first draw again

@@ -2,10 +2,12 @@
 
 A `torch.Generator` keeps its state on the host, so drawing from one generator per row means one call
 (and, for some ops, a host synchronization) per row, and a graph replay would repeat the same numbers.
-`RowRandom` instead derives every number from (row seed, draw counter, item, element) by an integer hash
-evaluated with ordinary tensor ops: the counter is a device tensor advanced in place by each draw, so a
-captured step draws fresh numbers on every replay, and a row's numbers depend only on its own seed and
-on how many draws came before — never on the other rows of the batch.
+`RowRandom` instead derives every number from (row seed, row draw counter, item, element) by an integer
+hash evaluated with ordinary tensor ops. Each row has its own counter, a device tensor advanced in place
+by every draw the row takes part in, so a captured step draws fresh numbers on every replay, and a row's
+numbers depend only on its own seed and on how many draws it took part in — never on the other rows of
+the batch, on draws that skipped it, or on when it joined (`reseed` gives a batch row a new request's
+seed and a zero counter).
 
 Hash: Chris Wellons' "lowbias32" integer finalizer (xor-shift / multiply rounds on 32-bit words), with
 multipliers below 2^31 so that every product fits an int64 exactly on every device (no reliance on
@@ -28,6 +30,16 @@ _M1, _M2 = 0x7FEB352D, 0x5BD1E995  # odd multipliers < 2^31: x · m < 2^63 for 3
 _GOLDEN = 0x9E3779B9
 
 
+def _seed_keys(seeds: list[int | None], device) -> torch.Tensor:
+    """One 32-bit key per seed (None → a random seed), from both 32-bit halves of it: [len(seeds)]."""
+    words = []
+    for s in seeds:
+        s = random.getrandbits(63) if s is None else int(s)
+        words.append([(s >> 32) & _MASK32, s & _MASK32])
+    w = torch.tensor(words, dtype=torch.long, device=device).view(-1, 2)
+    return mix32(mix32(w[:, 0] ^ 0x2545F491) ^ w[:, 1])
+
+
 def mix32(x: torch.Tensor) -> torch.Tensor:
     """Hash int64 values holding 32-bit words → 32-bit words (int64), elementwise."""
     x = x ^ (x >> 16)
@@ -41,14 +53,8 @@ class RowRandom:
     """Random numbers for B rows, row b seeded by seeds[b] (None → a random seed)."""
 
     def __init__(self, seeds: list[int | None], device: torch.device | str):
-        words = []
-        for s in seeds:
-            s = random.getrandbits(63) if s is None else int(s)
-            words.append([(s >> 32) & _MASK32, s & _MASK32])
-        w = torch.tensor(words, dtype=torch.long, device=device).view(-1, 2)
-        # One 32-bit key per row from both halves of its seed.
-        self.key = mix32(mix32(w[:, 0] ^ 0x2545F491) ^ w[:, 1])  # [B]
-        self.counter = torch.zeros((), dtype=torch.long, device=device)  # draws so far (all rows in step)
+        self.key = _seed_keys(seeds, device)  # [B] one 32-bit key per row
+        self.counter = torch.zeros(len(seeds), dtype=torch.long, device=device)  # [B] draws each row took
         self.batch_size = len(seeds)
 
     @property
@@ -58,7 +64,7 @@ class RowRandom:
     def uniform(self, rows: torch.Tensor | None, shape: tuple[int, ...],
                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Fresh U[0, 1) numbers [N, *shape]: item i belongs to batch row rows[i] (None → N = B, item b
-        is row b). Advances the counter (one draw for the whole call)."""
+        is row b). Advances the counter of every row that has an item (one draw per row per call)."""
         dev = self.key.device
         if rows is None:
             rows = torch.arange(self.batch_size, device=dev)
@@ -68,13 +74,13 @@ class RowRandom:
         ordered, order = rows.sort(stable=True)
         first = torch.searchsorted(ordered, ordered)  # [N] first position of each item's row in `ordered`
         lane = torch.empty_like(rows).scatter_(0, order, torch.arange(N, device=dev) - first)
-        item = mix32(self.key[rows] ^ mix32((self.counter * 0x10001 + lane) & _MASK32))  # [N]
+        item = mix32(self.key[rows] ^ mix32((self.counter[rows] * 0x10001 + lane) & _MASK32))  # [N]
         numel = 1
         for s in shape:
             numel *= s
         elem = torch.arange(numel, device=dev)
         h = mix32((item[:, None] + elem[None] * _GOLDEN) & _MASK32)  # [N, numel]
-        self.counter += 1
+        self.counter += torch.zeros_like(self.counter).index_fill_(0, rows, 1)  # (no host sync)
         if dtype == torch.float64:
             h2 = mix32(h ^ 0x68BC21EB)
             u = ((h << 21) | (h2 >> 11)).double() * 2.0**-53
@@ -83,6 +89,11 @@ class RowRandom:
         else:
             raise ValueError(f"uniforms are float32 or float64, not {dtype}")
         return u.view(N, *shape)
+
+    def reseed(self, row: int, seed: int | None) -> None:
+        """Batch row `row` starts a new stream: `seed`'s key, counter 0 (a request admitted to a slot)."""
+        self.key[row] = _seed_keys([seed], self.key.device)[0]
+        self.counter[row] = 0
 
     def copy(self) -> "RowRandom":
         other = RowRandom.__new__(RowRandom)
