@@ -1,0 +1,282 @@
+"""Which requests run in each step: an FCFS queue, batch slots, chunked prefill, preemption. No tensors.
+
+Terms.
+- `all_token_ids` = prompt + output so far. `num_computed`: how many of them (from the start) have their
+  KV in the request's blocks.
+- A request is *prefilling* while num_computed < `prefill_len`, the length of all_token_ids when it was
+  (re)admitted: a prefill computes the KV of every known token, and the logits of the last one sample the
+  next token. Prefill runs in *chunks* (request, start, length) with start == num_computed.
+- A *decode row* is a running request whose prefill is done. It holds num_computed == len(all_token_ids)
+  - 1: its newest token is known, its KV not yet computed. A step feeds that token (and, speculating,
+  draft tokens after it), writing KV at positions num_computed .. num_computed + `lookahead` - 1
+  (lookahead = 1 for an AR step, the tree size for a speculative one), then commits k tokens: the
+  newest one plus the accepted drafts get their KV kept (num_computed += k) and k new tokens (accepted
+  drafts + the bonus) join the output — so the invariant holds again.
+- *Preemption* (recompute): when the pool cannot give a decode row its lookahead room, the running
+  request that arrived last loses its blocks and slot, and waits again, in arrival order (ahead of every
+  request never admitted); on readmission it prefills prompt + output so far from scratch.
+
+Policy.
+- FCFS by arrival: the waiting queue stays sorted by arrival, only its head is admitted, and preemption
+  picks the latest arrival, so the oldest running request is never preempted while others run.
+- Each step: every decode row first gets its lookahead room (preempting as needed); then at most ONE
+  prefill chunk — the running request whose prefill is unfinished, else the waiting head if a slot is
+  free (lowest slot first) and no preemption happened this step. `max_num_batched_tokens` bounds the
+  prefill tokens of a step only; decode rows are bounded by max_num_seqs * lookahead on their own.
+  A chunk is the rest of the prefill, capped by that budget and by what the free blocks can hold.
+- Lengths: len(all_token_ids) never exceeds max_model_len nor prompt + max_new_tokens; reaching either
+  finishes the request with FINISHED_LENGTH. A prompt of max_model_len tokens or more is refused at
+  `add`, as is a request the whole pool could not hold even alone.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from redwood.errors import ConfigError, ContextLengthError
+from redwood.kv.blocks import BlockPool, BlockTable
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"  # a stop condition (EOS, stop string), seen by the Engine
+    FINISHED_LENGTH = "length"  # max_new_tokens or max_model_len reached
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (Status.WAITING, Status.RUNNING)
+
+
+@dataclass(eq=False)
+class SeqState:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_new_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0  # leading tokens of all_token_ids whose KV is in block_table
+    prefill_len: int = 0  # len(all_token_ids) at the last admission
+    slot: int | None = None  # batch row while running
+    block_table: BlockTable | None = None
+    arrival: int = -1  # order of `add`
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.status is Status.RUNNING and self.num_computed < self.prefill_len
+
+
+@dataclass
+class PrefillChunk:
+    request: SeqState
+    start: int  # == request.num_computed when scheduled
+    length: int  # prefill the KV of all_token_ids[start:start + length]
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this chunk ends the prefill (its last logits sample the next token)."""
+        return self.start + self.length == self.request.prefill_len
+
+
+@dataclass
+class SchedulerOutput:
+    prefill: list[PrefillChunk]  # at most one
+    decode: list[SeqState]  # decode rows, oldest first; each has its slot and lookahead room
+    preempted: list[SeqState]  # lost their slot this step
+    admitted: list[SeqState]  # got a slot this step (new, or back after a preemption)
+    num_waiting: int
+    num_running: int
+    num_blocks_used: int
+    num_blocks_free: int
+
+
+class Scheduler:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, pool: BlockPool,
+                 lookahead: int, max_model_len: int):
+        for name, value, low in (("max_num_seqs", max_num_seqs, 1), ("lookahead", lookahead, 1),
+                                 ("max_num_batched_tokens", max_num_batched_tokens, 1),
+                                 ("max_model_len", max_model_len, 2)):
+            if value < low:
+                raise ConfigError(f"{name} must be at least {low}, got {value}")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.pool = pool
+        self.lookahead = lookahead
+        self.max_model_len = max_model_len
+        self.waiting: list[SeqState] = []  # sorted by arrival
+        self.running: list[SeqState] = []  # sorted by arrival
+        self._free_slots = list(range(max_num_seqs))  # a heap
+        self._requests: dict[str, SeqState] = {}  # unfinished, by id
+        self._arrivals = 0
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def get(self, request_id: str) -> SeqState | None:
+        return self._requests.get(request_id)
+
+    def add(self, request: SeqState) -> None:
+        n = len(request.prompt_token_ids)
+        if request.request_id in self._requests:
+            raise ConfigError(f"request id {request.request_id!r} is already in use")
+        if n == 0:
+            raise ConfigError(f"request {request.request_id!r} has an empty prompt")
+        if request.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be at least 1, got {request.max_new_tokens}")
+        if n >= self.max_model_len:
+            raise ContextLengthError(
+                f"the prompt has {n} tokens; the model's context is {self.max_model_len} tokens, which "
+                f"leaves no room to generate: shorten the prompt to at most {self.max_model_len - 1} tokens")
+        final = min(n + request.max_new_tokens, self.max_model_len)
+        # Most KV it can ever hold: its last prefill covers <= final - 1 tokens, its last decode step
+        # starts at num_computed <= final - 2 and writes lookahead positions.
+        need = self.pool.blocks_for(max(final - 1, final - 2 + self.lookahead))
+        if need > self.pool.num_blocks:
+            raise ContextLengthError(
+                f"request {request.request_id!r} may need {need} KV blocks ({n} prompt + up to "
+                f"{final - n} new tokens), more than the whole pool's {self.pool.num_blocks} blocks of "
+                f"{self.pool.block_size} tokens: give the KV cache more memory or ask for fewer tokens")
+        request.status = Status.WAITING
+        request.arrival = self._arrivals
+        request.num_computed = request.prefill_len = 0
+        request.block_table = BlockTable(self.pool.block_size)
+        self._arrivals += 1
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        preempted: list[SeqState] = []
+        decode: list[SeqState] = []
+        for req in list(self.running):  # oldest first; victims come off the newest end
+            if req.status is not Status.RUNNING or req.is_prefilling:
+                continue
+            while not req.block_table.ensure(req.num_computed + self.lookahead, self.pool):
+                victim = self.running[-1]
+                if victim is req and len(self.running) == 1:
+                    raise RuntimeError(f"the KV pool ({self.pool.num_blocks} blocks) cannot hold request "
+                                       f"{req.request_id!r} alone")
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                decode.append(req)
+
+        admitted: list[SeqState] = []
+        prefill: list[PrefillChunk] = []
+        pending = next((r for r in self.running if r.is_prefilling), None)
+        if pending is not None:
+            chunk = self._chunk(pending)
+            if chunk is not None:
+                prefill.append(chunk)
+        elif self.waiting and self._free_slots and not preempted:
+            req = self.waiting[0]
+            req.prefill_len = req.num_tokens
+            if self.pool.enable_prefix_cache:
+                req.num_computed = req.block_table.match_prefix(req.all_token_ids, self.pool)
+            chunk = self._chunk(req)
+            if chunk is None:  # not even one token fits: stay at the head
+                req.block_table.release(self.pool)
+                req.num_computed = 0
+            else:
+                self.waiting.pop(0)
+                req.status = Status.RUNNING
+                req.slot = heapq.heappop(self._free_slots)
+                bisect.insort(self.running, req, key=lambda r: r.arrival)
+                admitted.append(req)
+                prefill.append(chunk)
+        return SchedulerOutput(prefill, decode, preempted, admitted, len(self.waiting), len(self.running),
+                               self.pool.num_used, self.pool.num_free)
+
+    def _chunk(self, req: SeqState) -> PrefillChunk | None:
+        """The next prefill chunk of req, its blocks allocated; None if no token fits."""
+        table, start = req.block_table, req.num_computed
+        room = (len(table.blocks) + self.pool.num_free) * self.pool.block_size - start
+        length = min(req.prefill_len - start, self.max_num_batched_tokens, room)
+        if length <= 0:
+            return None
+        if not table.ensure(start + length, self.pool):  # cannot happen: room counts the free blocks
+            raise RuntimeError("prefill chunk blocks vanished")
+        return PrefillChunk(req, start, length)
+
+    def _preempt(self, req: SeqState) -> None:
+        self._release(req)
+        req.status = Status.WAITING
+        req.num_computed = req.prefill_len = 0
+        req.num_preemptions += 1
+        bisect.insort(self.waiting, req, key=lambda r: r.arrival)
+
+    def _release(self, req: SeqState) -> None:
+        """Take req out of the running or waiting set, freeing its blocks and slot."""
+        req.block_table.release(self.pool)
+        if req.slot is not None:
+            heapq.heappush(self._free_slots, req.slot)
+            req.slot = None
+        (self.running if req.status is Status.RUNNING else self.waiting).remove(req)
+
+    def update_after_step(self, request: SeqState, num_computed: int,
+                          new_token_ids: Sequence[int] = (), stopped: bool = False) -> list[int]:
+        """Record a step's result for a running request; returns the tokens appended to its output.
+
+        num_computed: tokens whose KV this step wrote and keeps (a chunk's length; for a decode row, the
+        fed token plus the accepted drafts, i.e. len(new_token_ids)). new_token_ids: tokens it generated
+        (none for a chunk that does not end the prefill; the sampled token for the last chunk; accepted
+        drafts + bonus for a decode row). The Engine cuts them after a stop token (and num_computed with
+        them) and says stopped=True; the scheduler cuts them at the length limits, and finishes the
+        request (freeing its blocks and slot) on either.
+        """
+        if request.status is not Status.RUNNING:
+            raise ValueError(f"update_after_step: request {request.request_id!r} is {request.status.value}")
+        before, computed = request.num_tokens, request.num_computed + num_computed
+        prefilling = computed < request.prefill_len  # still, after this step
+        if num_computed < 0 or computed > request.block_table.capacity:
+            raise ValueError(f"request {request.request_id!r} cannot have computed {computed} tokens: its "
+                             f"blocks hold {request.block_table.capacity} positions")
+        if request.is_prefilling and computed > request.prefill_len:
+            raise ValueError(f"a prefill chunk of {request.request_id!r} ran past its prefill")
+        if prefilling and new_token_ids:
+            raise ValueError("only the chunk that ends a prefill samples a token")
+        if not prefilling and computed != before + len(new_token_ids) - 1:
+            raise ValueError(f"request {request.request_id!r}: {num_computed} computed tokens do not match "
+                             f"{len(new_token_ids)} new tokens (a token would be dropped or duplicated)")
+        request.num_computed = computed
+        room = min(request.max_new_tokens - len(request.output_token_ids), self.max_model_len - before)
+        kept = list(new_token_ids[:room])
+        request.output_token_ids.extend(kept)
+        if self.pool.enable_prefix_cache:
+            request.block_table.register_full(request.prompt_token_ids, request.num_computed, self.pool)
+        if len(kept) == room:
+            self.finish(request, Status.FINISHED_LENGTH if len(kept) < len(new_token_ids) or not stopped
+                        else Status.FINISHED_STOPPED)
+        elif stopped:
+            self.finish(request, Status.FINISHED_STOPPED)
+        return kept
+
+    def finish(self, request: SeqState, reason: Status) -> bool:
+        """End an unfinished request (any state), freeing its blocks and slot; False if already ended."""
+        if not reason.finished:
+            raise ValueError(f"finish: {reason} is not a finish reason")
+        if self._requests.get(request.request_id) is not request:
+            return False
+        self._release(request)
+        request.status = reason
+        del self._requests[request.request_id]
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        req = self._requests.get(request_id)
+        return req is not None and self.finish(req, Status.FINISHED_ABORTED)
