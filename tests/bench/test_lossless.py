@@ -1,0 +1,128 @@
+"""The end-to-end lossless check (`redwood.bench.lossless`) at CPU scale, and proof that it can fail.
+
+The full matrix at 10^6 rows per configuration runs on the GPU (`benchmarks/lossless_bench.py`); here a
+few configurations that cover every drafter, KV policy, tree shape and verifier run at 12k rows each,
+and a deliberately lossy verifier must be caught at the same scale.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from redwood.bench import lossless as L
+
+GENERATED = 4  # K: 16^3 prefixes to score exactly; three tokens through the verifiers
+SAMPLES = 12_000
+BATCH = 1000  # rows per generate call (smaller batches run faster per row on the CPU)
+
+CASES = [
+    L.Case(L.METHODS["plain"], L.Sampling(0.6, 0.8, 5)),
+    L.Case(L.METHODS["far-chain3"], L.Sampling(1.0)),
+    L.Case(L.METHODS["self-stream-chain3"], L.Sampling(0.6, 0.8)),
+    L.Case(L.METHODS["close-g16-sequoia"], L.Sampling(1.5, 1.0, 5)),
+    L.Case(L.METHODS["far-wide-topk"], L.Sampling(1.0, 0.8)),
+    L.Case(L.METHODS["self-snapkv-g16-specinfer"], L.Sampling(0.6, 0.8, 5)),
+]
+
+
+def settings(samples: int = SAMPLES) -> L.Settings:
+    return L.Settings(samples=samples, generated=GENERATED, batch=BATCH, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    return L.prepare(tmp_path_factory.mktemp("lossless"), settings())
+
+
+# ------------------------------------------------------------------------------------------ statistics
+def test_chi2_sf_matches_closed_forms():
+    for x in (0.1, 1.0, 4.0, 20.0):
+        assert L.chi2_sf(x, 2) == pytest.approx(math.exp(-x / 2), rel=1e-12)  # df 2: exponential
+        assert L.chi2_sf(x, 1) == pytest.approx(math.erfc(math.sqrt(x / 2)), rel=1e-10)
+    assert L.chi2_sf(math.inf, 3) == 0.0 and L.chi2_sf(5.0, 0) == 1.0
+
+
+def test_holm_step_down():
+    # sorted p 0.01, 0.02, 0.04, 0.5 → ×4, ×3, ×2, ×1, then running max, capped at 1
+    assert L.holm([0.04, 0.01, 0.5, 0.02]) == pytest.approx([0.08, 0.04, 0.5, 0.06])
+    assert L.holm([0.3, 0.2]) == pytest.approx([0.4, 0.4])  # 0.2·2, then max(0.4, 0.3)
+    assert L.holm([0.9, 0.8]) == [1.0, 1.0]
+
+
+def test_pooling_and_forbidden_cells():
+    expected = torch.tensor([0.0, 1.0, 2.0, 3.0, 50.0, 100.0], dtype=torch.float64)
+    group = L.pooled_cells(expected)
+    assert group[0] == -1  # probability 0: no group
+    assert len(set(group[1:4].tolist())) == 1  # 1 + 2 + 3 = 6 ≥ 5: one pool
+    assert len(set(group[1:].tolist())) == 3
+    probs = expected / expected.sum()
+    assert L.chi2_fit(torch.tensor([0, 1, 2, 3, 50, 100]), probs)["p"] > 0.5
+    impossible = L.chi2_fit(torch.tensor([1, 1, 2, 3, 50, 99]), probs)
+    assert impossible["forbidden"] == 1 and impossible["p"] == 0.0
+
+
+def test_projections_and_batches():
+    joint = torch.rand(L.VOCAB ** 3, dtype=torch.float64)
+    cube = joint.view(L.VOCAB, L.VOCAB, L.VOCAB)
+    assert torch.allclose(L.marginals(joint, 3)[1], cube.sum(dim=(0, 2)))
+    assert torch.allclose(L.adjacent_pairs(joint, 3)[1], cube.sum(dim=0).reshape(-1))
+    assert torch.equal(L.adjacent_pairs(joint[: L.VOCAB ** 2], 2)[0], joint[: L.VOCAB ** 2])  # nothing summed
+    assert L.encode(torch.tensor([[1, 2, 3]])).item() == (1 * L.VOCAB + 2) * L.VOCAB + 3
+    assert L.batch_sizes(1_000_000, 4096) == [4000] * 250  # a divisor: one batch shape
+    assert L.batch_sizes(10_007, 4096) == [3336, 3336, 3335]  # a prime: near-equal
+
+
+def test_exact_joint_is_a_distribution_matching_its_marginals(prepared):
+    s = L.Sampling(0.6, 0.8, 5)
+    joint = L.exact_joint(prepared.levels, s)
+    assert joint.shape == (L.VOCAB ** GENERATED,)
+    assert float(joint.sum()) == pytest.approx(1.0, abs=1e-9)
+    first = L.marginals(joint, GENERATED)[0]
+    assert torch.allclose(first, L.level_probs(prepared.levels[0], s)[0].double(), atol=1e-7)
+    assert int((first > 0).sum()) <= 5  # top-k 5 (and top-p) cut the first token's support
+    assert L.near_cut(prepared.levels, s)["mass"] == 0.0  # no cut close enough for rounding to flip
+
+
+# ------------------------------------------------------------------------------------------ end to end
+def test_every_method_follows_the_target_distribution(prepared):
+    """Marginals and adjacent pairs of 4 generated tokens, against the exact distribution and against
+    plain sampling, no deviation after Holm's correction over all tests."""
+    report = L.run_cases(CASES, settings(), prepared, log=lambda line: None)
+    table = L.format_table(report)
+    assert report["verdict"] == "PASS", table
+    for row in report["cases"]:
+        assert row["samples"] == SAMPLES
+        assert all(t["forbidden"] == 0 for t in row["tests"] if "forbidden" in t), row["case"]
+        if row["method"]["draft"] is not None:  # drafts are accepted sometimes, rejected sometimes
+            assert 0.02 < row["acceptance_rate"] < 0.95, table
+    # the one plain case gives the two-sample reference for its own setting only
+    compared = [r["case"] for r in report["cases"] if any(t["test"].startswith("vs plain") for t in r["tests"])]
+    assert compared == [c.name for c in CASES[1:] if c.sampling == CASES[0].sampling]
+
+
+def lossy(real_verify, eps: float):
+    """A chain verifier that accepts against (1 − eps)·p + eps·q instead of the target's p (at the drafted
+    positions): it emits tokens from that mixture — a small, plausible bug."""
+
+    def verify(target_probs, draft_probs, *args, **kwargs):
+        gamma = draft_probs.shape[1]
+        biased = target_probs.clone()
+        biased[:, :gamma] = (1 - eps) * target_probs[:, :gamma] + eps * draft_probs
+        return real_verify(biased, draft_probs, *args, **kwargs)
+
+    return verify
+
+
+def test_a_lossy_verifier_is_caught(prepared, monkeypatch):
+    import redwood.engine.speculative as engine_speculative
+
+    monkeypatch.setattr(engine_speculative, "verify_sampling", lossy(engine_speculative.verify_sampling, 0.05))
+    case = L.Case(L.METHODS["far-chain3"], L.Sampling(1.0))
+    report = L.run_cases([case], settings(8000), prepared, log=lambda line: None)
+    assert report["verdict"] == "FAIL", L.format_table(report)
+    assert report["min_p_holm"] < 1e-6
+    tests = {t["test"]: t for t in report["cases"][0]["tests"]}
+    assert tests["fit marginal t1"]["p_holm"] > 0.01  # the first token comes from the prefill: untouched
