@@ -16,6 +16,9 @@ policy, chain or tree and verifier — at one sampling setting. It generates N s
 - two-sample homogeneity (χ²) of the same marginals and pairs against plain sampling's rows at the same
   setting (when the run has them; the same pooling), an independent check that needs no exact model.
 
+The "control" method draws its rows from the exact distribution itself (torch's generator, no engine):
+its p-values show how the tests behave on perfect samples.
+
 p-values come from the χ² survival function, `torch.special.gammaincc(df / 2, stat / 2)`. Holm's step-down
 correction runs over *every* test of the run (valid under any dependence between the tests); the run
 passes when the smallest corrected p is ≥ α. Effect sizes say what the N could see: per marginal the
@@ -127,7 +130,8 @@ class Method:
     """How rows are generated: plain sampling (draft None) or speculation.
 
     draft: "self" (self-speculation), "close" or "far" (a draft model, see `Models`); tree: None (a
-    chain of `gamma`), a shipped tree name, or "wide" (WIDE_TREE).
+    chain of `gamma`), a shipped tree name, or "wide" (WIDE_TREE). source "exact": no engine at all —
+    rows drawn from the exact distribution itself (`sample_exact`), a control of the statistics.
     """
 
     name: str
@@ -139,6 +143,7 @@ class Method:
     gamma: int = 3
     tree: str | None = None
     verifier: str = "sampling"
+    source: str = "engine"
 
     def speculative(self, models: Models):
         from redwood.config import SpeculativeConfig
@@ -155,6 +160,7 @@ STREAM = dict(draft_kv="streaming", budget=6, sinks=2)  # 2 sinks + 4 recent tok
 SNAP = dict(draft_kv="snapkv", budget=6, window=2)  # 4 prompt positions per KV head + 2 recent
 
 METHODS = {m.name: m for m in (
+    Method("control", source="exact"),
     Method("plain"),
     Method("close-chain1", "close", gamma=1),
     Method("close-chain3", "close"),
@@ -174,7 +180,7 @@ METHODS = {m.name: m for m in (
 
 FULL_GRID = tuple(Sampling(t, p, k) for t in (0.6, 1.0, 1.5) for p in (1.0, 0.8) for k in (0, 5))
 SMALL_GRID = (Sampling(1.0), Sampling(0.6, 0.8, 5))
-FULL_GRID_METHODS = ("plain", "self-stream-chain3", "far-wide-sequoia")
+FULL_GRID_METHODS = ("control", "plain", "self-stream-chain3", "far-wide-sequoia")
 
 
 @dataclass(frozen=True)
@@ -304,6 +310,13 @@ class Sample:
         return Sample(torch.cat([p.codes for p in parts]), sum(p.seconds for p in parts),
                       sum(p.steps for p in parts), sum(p.drafted for p in parts),
                       sum(p.accepted for p in parts), parts[0].draft_name)
+
+
+def sample_exact(joint: torch.Tensor, n: int, seed: int) -> Sample:
+    """n rows drawn from the exact joint [V^K] by torch's generator: what a perfect engine would give."""
+    t0 = time.perf_counter()
+    codes = torch.multinomial(joint, n, replacement=True, generator=torch.Generator().manual_seed(seed))
+    return Sample(codes, time.perf_counter() - t0, draft_name="exact draws")
 
 
 def batch_sizes(n: int, batch: int) -> list[int]:
@@ -584,12 +597,12 @@ def evaluate(cases: list[Case], samples: list[Sample | None], levels: list[torch
     K = settings.generated
     sampled = [(case, s) for case, s in zip(cases, samples) if s is not None]
     skipped = [case.name for case, s in zip(cases, samples) if s is None]  # (past the time limit)
-    plain = {case.sampling: s for case, s in sampled if case.method.draft is None}
+    plain = {case.sampling: s for case, s in sampled if case.method.name == "plain"}
     rows, all_tests = [], []
     for case, s in sampled:
         joint = exact_joint(levels, case.sampling)
         counts = torch.bincount(s.codes, minlength=VOCAB ** K)
-        ref = plain.get(case.sampling) if case.method.draft is not None else None
+        ref = plain.get(case.sampling) if case.method.name != "plain" else None
         ref_counts = None if ref is None else torch.bincount(ref.codes, minlength=VOCAB ** K)
         tests, effects = case_tests(counts, joint, K, ref_counts)
         for t in tests:
@@ -612,9 +625,12 @@ def evaluate(cases: list[Case], samples: list[Sample | None], levels: list[torch
         row["min_p_holm"] = min(t["p_holm"] for t in row["tests"])
         row["worst_test"] = min(row["tests"], key=lambda t: t["p"])["test"]
     min_holm = min(adjusted) if adjusted else 1.0
+    # Under the null each raw p is (about) uniform: the share below a level should be about the level.
+    below = {str(a): round(sum(p < a for p in (t["p"] for t in all_tests)) / max(1, len(all_tests)), 4)
+             for a in (0.001, 0.01, 0.05, 0.1)}
     return dict(
         format="redwood.lossless/1", settings=asdict(settings), vocab=VOCAB, prompt=list(PROMPT),
-        tests=len(all_tests), min_p_holm=min_holm, alpha=settings.alpha,
+        tests=len(all_tests), min_p_holm=min_holm, alpha=settings.alpha, share_of_p_below=below,
         verdict="PASS" if min_holm >= settings.alpha and rows else "FAIL", cases=rows, skipped=skipped,
     )
 
@@ -641,7 +657,14 @@ def run_cases(cases: list[Case], settings: Settings, prepared: Prepared,
     """Sample and test every case; returns the report."""
     t0 = time.perf_counter()
     log(f"sampling {len(cases)} cases × {settings.samples} rows")
-    samples = sample_all(cases, prepared.models, settings, log)
+    engine = [i for i, case in enumerate(cases) if case.method.source == "engine"]
+    samples: list[Sample | None] = [None] * len(cases)
+    for i, sample in zip(engine, sample_all([cases[i] for i in engine], prepared.models, settings, log)):
+        samples[i] = sample
+    for i, case in enumerate(cases):
+        if case.method.source == "exact":
+            samples[i] = sample_exact(exact_joint(prepared.levels, case.sampling), settings.samples,
+                                      settings.seed_base + i)
     report = evaluate(cases, samples, prepared.levels, settings)
     report["seconds"] = round(time.perf_counter() - t0, 1)
     return report
@@ -672,6 +695,8 @@ def format_table(report: dict) -> str:
     near = [r["case"] for r in report["cases"] if r["near_cut"]["mass"] > 0]
     if near:
         lines.append(f"warning: a top-k / top-p cut within {NEAR_CUT} of rounding in: {', '.join(near)}")
+    shares = ", ".join(f"{float(v):.1%} < {a}" for a, v in report["share_of_p_below"].items())
+    lines.append(f"raw p-values: {shares} (about the level each, if nothing deviates)")
     lines.append(f"{report['tests']} tests; min Holm-adjusted p = {report['min_p_holm']:.3g}; "
                  f"{report['verdict']} at alpha = {report['alpha']} after correction")
     return "\n".join(lines)
