@@ -508,21 +508,27 @@ def effect(counts: torch.Tensor, probs: torch.Tensor) -> dict:
     return dict(max_abs=float(diff.abs().max()), tv=0.5 * float(diff.abs().sum()), tv_noise=noise)
 
 
-def case_tests(counts: torch.Tensor, joint: torch.Tensor, generated: int,
-               reference: torch.Tensor | None) -> tuple[list[dict], list[dict]]:
-    """All tests of one case (counts, joint: [V^K]; reference: plain sampling's counts or None), and the
-    effect sizes per marginal / pair."""
+def families(generated: int) -> list[tuple[str, tuple[int, ...]]]:
+    """What each case tests: (name, positions) — every marginal, then every adjacent pair."""
+    out = [(f"marginal t{i + 1}", (i,)) for i in range(generated)]
+    return out + [(f"pair t{i + 1},t{i + 2}", (i, i + 1)) for i in range(generated - 1)]
+
+
+def projections(x: torch.Tensor, generated: int) -> dict[tuple[int, ...], torch.Tensor]:
+    """[V^K] (a joint or counts) → its projection on each family's positions."""
+    return {keep: project(x, generated, keep) for _, keep in families(generated)}
+
+
+def case_tests(counts: dict, exact: dict, reference: dict | None, generated: int) -> tuple[list[dict], list[dict]]:
+    """All tests of one case, and the effect sizes per marginal / pair. counts, exact, reference:
+    `projections` of the case's counts, of the exact joint, of plain sampling's counts (or None)."""
     tests, effects = [], []
-    families = [("marginal", f"t{i + 1}", i) for i in range(generated)]
-    families += [("pair", f"t{i + 1},t{i + 2}", i) for i in range(generated - 1)]
-    for kind, where, i in families:
-        keep = (i,) if kind == "marginal" else (i, i + 1)
-        c, p = project(counts, generated, keep), project(joint, generated, keep)
-        tests.append(dict(test=f"fit {kind} {where}", **chi2_fit(c, p)))
-        effects.append(dict(of=f"{kind} {where}", **effect(c, p)))
+    for name, keep in families(generated):
+        c, p = counts[keep], exact[keep]
+        tests.append(dict(test=f"fit {name}", **chi2_fit(c, p)))
+        effects.append(dict(of=name, **effect(c, p)))
         if reference is not None:
-            tests.append(dict(test=f"vs plain {kind} {where}",
-                              **chi2_homogeneity(c, project(reference, generated, keep), p)))
+            tests.append(dict(test=f"vs plain {name}", **chi2_homogeneity(c, reference[keep], p)))
     return tests, effects
 
 
@@ -597,14 +603,19 @@ def evaluate(cases: list[Case], samples: list[Sample | None], levels: list[torch
     K = settings.generated
     sampled = [(case, s) for case, s in zip(cases, samples) if s is not None]
     skipped = [case.name for case, s in zip(cases, samples) if s is None]  # (past the time limit)
-    plain = {case.sampling: s for case, s in sampled if case.method.name == "plain"}
+
+    def counted(sample: Sample) -> dict:
+        return projections(torch.bincount(sample.codes, minlength=VOCAB ** K), K)
+
+    # (several cases share each sampling setting: its exact distribution and plain rows are read once)
+    plain = {case.sampling: counted(s) for case, s in sampled if case.method.name == "plain"}
+    settings_used = dict.fromkeys(case.sampling for case, _ in sampled)  # (unique, in order)
+    exact = {setting: projections(exact_joint(levels, setting), K) for setting in settings_used}
+    near = {setting: near_cut(levels, setting) for setting in settings_used}
     rows, all_tests = [], []
     for case, s in sampled:
-        joint = exact_joint(levels, case.sampling)
-        counts = torch.bincount(s.codes, minlength=VOCAB ** K)
-        ref = plain.get(case.sampling) if case.method.name != "plain" else None
-        ref_counts = None if ref is None else torch.bincount(ref.codes, minlength=VOCAB ** K)
-        tests, effects = case_tests(counts, joint, K, ref_counts)
+        reference = plain.get(case.sampling) if case.method.name != "plain" else None
+        tests, effects = case_tests(counted(s), exact[case.sampling], reference, K)
         for t in tests:
             t["case"] = case.name
         all_tests += tests
@@ -613,7 +624,7 @@ def evaluate(cases: list[Case], samples: list[Sample | None], levels: list[torch
             seconds=round(s.seconds, 2), draft=s.draft_name,
             acceptance_rate=round(s.accepted / s.drafted, 4) if s.drafted else None,
             tokens_per_step=round((s.accepted + s.steps) / s.steps, 4) if s.steps else None,
-            near_cut=near_cut(levels, case.sampling), tests=tests, effects=effects,
+            near_cut=near[case.sampling], tests=tests, effects=effects,
             max_tv=max(e["tv"] for e in effects if e["of"].startswith("marginal")),
             max_tv_noise=max(e["tv_noise"] for e in effects if e["of"].startswith("marginal")),
         ))
