@@ -549,13 +549,15 @@ class Settings:
 
 
 def make_jobs(cases: list[Case], models: Models, settings: Settings) -> list[Job]:
-    """Case c takes seeds seed_base + c·N … + N − 1, in parts of at most `settings.part` rows."""
+    """Case c takes seeds seed_base + c·N … + N − 1, in parts of at most `settings.part` rows. Jobs go
+    round-robin over the cases (every case's first part, then every case's second, …), so a run cut short
+    by `time_limit` leaves every case with about the same number of rows."""
     N, part = settings.samples, settings.part or settings.samples
     jobs = []
-    for c, case in enumerate(cases):
-        first = settings.seed_base + c * N
-        for start in range(first, first + N, part):
-            jobs.append(Job(c, case, models, range(start, min(start + part, first + N)), settings.generated,
+    for offset in range(0, N, part):
+        for c, case in enumerate(cases):
+            start = settings.seed_base + c * N + offset
+            jobs.append(Job(c, case, models, range(start, start + min(part, N - offset)), settings.generated,
                             settings.batch, settings.device, settings.cuda_graphs))
     return jobs
 
