@@ -11,7 +11,10 @@ seed and a zero counter).
 
 Hash: Chris Wellons' "lowbias32" integer finalizer (xor-shift / multiply rounds on 32-bit words), with
 multipliers below 2^31 so that every product fits an int64 exactly on every device (no reliance on
-wrap-around). Uniforms: float32 from 24 hash bits, float64 from 53 bits of two hashes.
+wrap-around). A row's seed gives it two 32-bit keys; every item of a draw gets two words from them, its
+counter and its lane; every element one or two hashes of those words. Uniforms: float32 from 24 hash
+bits, float64 from 53 bits of two hashes (32 + 21). `tests/engine/test_random_streams.py` and
+`benchmarks/random_battery.py` (dieharder) test the streams along every axis.
 
 Streams. A draw gives each *item* (a node or a row) a block of elements; items of the same batch row get
 consecutive lanes (0, 1, … in item order), so item i of row b always reads the same stream whatever else
@@ -31,13 +34,15 @@ _GOLDEN = 0x9E3779B9
 
 
 def _seed_keys(seeds: list[int | None], device) -> torch.Tensor:
-    """One 32-bit key per seed (None → a random seed), from both 32-bit halves of it: [len(seeds)]."""
+    """Two 32-bit keys per seed (None → a random seed), each from both 32-bit halves of it: [len(seeds), 2].
+    Key 0 makes every uniform's high 32 bits, key 1 the low 21 bits of a float64 uniform."""
     words = []
     for s in seeds:
         s = random.getrandbits(63) if s is None else int(s)
         words.append([(s >> 32) & _MASK32, s & _MASK32])
     w = torch.tensor(words, dtype=torch.long, device=device).view(-1, 2)
-    return mix32(mix32(w[:, 0] ^ 0x2545F491) ^ w[:, 1])
+    return torch.stack([mix32(mix32(w[:, 0] ^ 0x2545F491) ^ w[:, 1]),
+                        mix32(mix32(w[:, 1] ^ 0x6C8E9CF5) ^ w[:, 0])], dim=1)
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
@@ -53,7 +58,7 @@ class RowRandom:
     """Random numbers for B rows, row b seeded by seeds[b] (None → a random seed)."""
 
     def __init__(self, seeds: list[int | None], device: torch.device | str):
-        self.key = _seed_keys(seeds, device)  # [B] one 32-bit key per row
+        self.key = _seed_keys(seeds, device)  # [B, 2] two 32-bit keys per row
         self.counter = torch.zeros(len(seeds), dtype=torch.long, device=device)  # [B] draws each row took
         self.batch_size = len(seeds)
 
@@ -74,15 +79,24 @@ class RowRandom:
         ordered, order = rows.sort(stable=True)
         first = torch.searchsorted(ordered, ordered)  # [N] first position of each item's row in `ordered`
         lane = torch.empty_like(rows).scatter_(0, order, torch.arange(N, device=dev) - first)
-        item = mix32(self.key[rows] ^ mix32((self.counter[rows] * 0x10001 + lane) & _MASK32))  # [N]
+        # Two 32-bit words per item from (row keys, row draw counter, lane), each through two rounds of
+        # the bijective mixer: an item's stream is fixed by 64 bits, so no two items (other draws, other
+        # lanes, other rows' seeds) share one but by a 2^-64 accident — no arithmetic relation between
+        # (counter, lane) pairs aliases them, as counter · 0x10001 + lane did after 65,535 draws.
+        c = self.counter[rows] & _MASK32
+        x = mix32(mix32(self.key[rows, 0] ^ c) ^ lane)[:, None]  # [N, 1]
+        y = mix32(mix32(self.key[rows, 1] ^ c) ^ ((lane * _GOLDEN) & _MASK32))[:, None]
         numel = 1
         for s in shape:
             numel *= s
-        elem = torch.arange(numel, device=dev)
-        h = mix32((item[:, None] + elem[None] * _GOLDEN) & _MASK32)  # [N, numel]
+        elem = torch.arange(numel, device=dev)[None]  # [1, numel]
+        # Element e: mix32(x ^ e) is distinct for every e of the item, and xor-ing the item's other word
+        # before the last round keeps two items' element streams from being shifted copies of each other
+        # (which item + e · const made them whenever two item words differed by a multiple of the const).
+        h = mix32(mix32(x ^ elem) ^ y)  # [N, numel]
         self.counter += torch.zeros_like(self.counter).index_fill_(0, rows, 1)  # (no host sync)
         if dtype == torch.float64:
-            h2 = mix32(h ^ 0x68BC21EB)
+            h2 = mix32(mix32(y ^ elem) ^ x)  # the low 21 bits: not a function of h's 32
             u = ((h << 21) | (h2 >> 11)).double() * 2.0**-53
         elif dtype == torch.float32:
             u = (h >> 8).float() * 2.0**-24
@@ -92,7 +106,7 @@ class RowRandom:
 
     def reseed(self, row: int, seed: int | None) -> None:
         """Batch row `row` starts a new stream: `seed`'s key, counter 0 (a request admitted to a slot)."""
-        self.key[row] = _seed_keys([seed], self.key.device)[0]
+        self.key[row] = _seed_keys([seed], self.key.device)[0]  # (both words)
         self.counter[row] = 0
 
     def copy(self) -> "RowRandom":
