@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from redwood.bench.lattice import first_true, grid_uniform
 from redwood.engine.random import RowRandom, inverse_cdf, mix32
 from redwood.engine.sampling import probabilities
 
@@ -57,18 +58,11 @@ def inverse_cdf_float32_sums(probs: torch.Tensor, u: torch.Tensor) -> torch.Tens
 
 def boundaries(fn, probs: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
     """b_i (i = 0 … V): the first k in [0, 2^bits] with fn(probs, k · 2^-bits) ≥ i (2^bits if none)."""
-    V, N = probs.numel(), 1 << bits
+    V = probs.numel()
     target = torch.arange(1, V + 1)
-    lo, hi = torch.zeros(V, dtype=torch.long), torch.full((V,), N, dtype=torch.long)
     row = probs[None]
-    while bool((lo < hi).any()):
-        mid = (lo + hi) // 2
-        u = (mid.clamp(max=N - 1).double() * 2.0**-bits).to(dtype)
-        reached = fn(row, u[None])[0] >= target
-        active = lo < hi
-        hi = torch.where(active & reached, mid, hi)
-        lo = torch.where(active & ~reached, mid + 1, lo)
-    return torch.cat([torch.zeros(1, dtype=torch.long), lo])
+    first = first_true(lambda k: fn(row, grid_uniform(k, bits).to(dtype)[None])[0] >= target, V, bits)
+    return torch.cat([torch.zeros(1, dtype=torch.long), first])
 
 
 def lattice_below(b: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ import math
 import pytest
 import torch
 
+from redwood.bench.lattice import first_true, grid_uniform
 from redwood.engine.random import RowRandom, inverse_cdf
 from redwood.engine.sampling import Sampler, probabilities
 from redwood.sampling_params import SamplingParams
@@ -444,16 +445,9 @@ def exact_token_probabilities(probs: torch.Tensor, dtype: torch.dtype) -> torch.
     w = 24 if dtype == torch.float32 else 53
     V, N = probs.numel(), 1 << w
     target = torch.arange(1, V + 1)  # b_i = first k with inverse_cdf(k · 2^-w) ≥ i, i = 1 … V
-    lo, hi = torch.zeros(V, dtype=torch.long), torch.full((V,), N, dtype=torch.long)
     row = probs[None]
-    while bool((lo < hi).any()):
-        mid = (lo + hi) // 2
-        u = (mid.clamp(max=N - 1).double() * 2.0**-w).to(dtype)
-        reached = inverse_cdf(row, u[None])[0] >= target
-        active = lo < hi
-        hi = torch.where(active & reached, mid, hi)
-        lo = torch.where(active & ~reached, mid + 1, lo)
-    bounds = torch.cat([torch.zeros(1, dtype=torch.long), lo])
+    first = first_true(lambda k: inverse_cdf(row, grid_uniform(k, w).to(dtype)[None])[0] >= target, V, w)
+    bounds = torch.cat([torch.zeros(1, dtype=torch.long), first])
     return (bounds[1:] - bounds[:-1]).double() / N
 
 

@@ -26,6 +26,7 @@ import math
 import pytest
 import torch
 
+from redwood.bench.lattice import first_true, grid_uniform as lattice
 from redwood.engine.random import RowRandom
 from redwood.engine.sampling import probabilities
 from redwood.spec.tree_verify import CHILD_RULE, draw_children, verify_tree_paths
@@ -49,24 +50,6 @@ class Scripted(RowRandom):
         B = self.u.shape[0]
         assert rows is None or torch.equal(rows.cpu(), torch.arange(B))
         return self.u.reshape(B, *shape)
-
-
-def lattice(k: torch.Tensor) -> torch.Tensor:
-    return k.double() * 2.0**-53  # exact: k < 2^53
-
-
-def first_true(pred, rows: int) -> torch.Tensor:
-    """Per row, the smallest k in [0, 2^53] with pred(k) true (2^53: none below it), for pred monotone in
-    k (false … false, true … true). pred: k [rows] int64 → [rows] bool; one call per bisection step."""
-    lo = torch.zeros(rows, dtype=torch.long)
-    hi = torch.full((rows,), LATTICE, dtype=torch.long)  # the answer lies in [lo, hi]
-    while bool((lo < hi).any()):
-        active = lo < hi
-        mid = (lo + hi) // 2
-        t = pred(mid)
-        hi = torch.where(active & t, mid, hi)
-        lo = torch.where(active & ~t, mid + 1, lo)
-    return lo
 
 
 # ------------------------------------------------------------------------------------------ distributions
