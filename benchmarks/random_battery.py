@@ -202,7 +202,7 @@ def summarize(out: Path, streams: list[str], tests: list[tuple], texts: dict[str
              f"dieharder {meta['dieharder']}, -g 200 (raw uint32 on stdin), -Y 1 (resolve ambiguity: a WEAK "
              f"result is re-run with more p-samples until it reads PASSED or FAILED); {meta['seconds']:.0f} s "
              f"on {meta['cores']} cores. Words checked equal to RowRandom's own (float64 top 32 bits, float32 "
-             "24 bits) before the run.", "",
+             "24 bits; `low`: float64 low 21 bits) before the run.", "",
              "Counts are over each test's final round; `lines` also counts the rounds a WEAK result was re-run.", "",
              "| stream | results | PASSED | WEAK | FAILED | lowest p | highest p | lines |",
              "|---|---|---|---|---|---|---|---|"]
