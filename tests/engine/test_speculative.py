@@ -425,8 +425,11 @@ def test_timings_leave_out_one_time_graph_captures(mode, target_llm, draft_llm, 
     def forward_capturing_once(self, *args, **kwargs):
         if first[0]:
             first[0] = False
+            t = time.perf_counter()
             time.sleep(CAPTURE_S)
-            pool.capture_s += CAPTURE_S  # (eager runners have no owner; the engine reads the pool's)
+            # book what the "capture" took, as StepRunner times a real one (a sleep on a loaded machine
+            # overruns); the engine reads the pool's total (eager runners have no owner)
+            pool.capture_s += time.perf_counter() - t
         return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(StepRunner, "forward", forward_capturing_once)
@@ -441,7 +444,7 @@ def test_timings_leave_out_one_time_graph_captures(mode, target_llm, draft_llm, 
     t0 = time.perf_counter()
     for _ in steps:
         pass
-    assert not first[0] and pool.capture_s == CAPTURE_S
+    assert not first[0] and pool.capture_s >= CAPTURE_S
     assert time.perf_counter() - t0 > CAPTURE_S  # the capture did happen in this generation
     for r in requests:
         assert 0 < r.stats.decode_s < CAPTURE_S
