@@ -35,7 +35,7 @@ _GOLDEN = 0x9E3779B9
 
 def _seed_keys(seeds: list[int | None], device) -> torch.Tensor:
     """Two 32-bit keys per seed (None → a random seed), each from both 32-bit halves of it: [len(seeds), 2].
-    Key 0 makes every uniform's high 32 bits, key 1 the low 21 bits of a float64 uniform."""
+    Together they fix the row's streams (each item word is drawn from one of them, every element from both)."""
     words = []
     for s in seeds:
         s = random.getrandbits(63) if s is None else int(s)
