@@ -201,7 +201,7 @@ def test_out_of_order_and_failed_forwards_restart_the_ring():
     cos, sin = model.rotary(pos, x.dtype)
     from redwood.attention.reference import AttentionMetadata
 
-    slots = cache.slots(3)
+    slots = cache.physical(cache.slots(3))
     meta = AttentionMetadata(lengths=cache.lengths, num_new=3, kv_len=3, q_positions=pos)
     with torch.inference_mode():
         model.layers[3](x, cos, sin, cache, slots, meta)

@@ -105,24 +105,23 @@ class AttentionMetadata:
         return allowed & (q - key_positions < self.sliding_window)
 
 
-def read_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int, meta: AttentionMetadata):
-    """Keys, values and mask one layer attends over.
+def read_kv(cache, layer: int, meta: AttentionMetadata):
+    """Keys, values and mask one layer attends over, in logical slot order.
 
-    k_cache, v_cache: [B, Hkv, capacity, D] (one layer). Returns k, v [B, Hkv, S, D] and a mask
-    broadcastable to [B, Hkv or 1, T, S].
+    cache: a `redwood.kv.cache.KVCache` (read through its page table). Returns k, v [B, Hkv, S, D] and a
+    mask broadcastable to [B, Hkv or 1, T, S].
     """
     if meta.view is None:
         S = meta.read_len()
-        return k_cache[:, :, :S], v_cache[:, :, :S], meta.full_mask()
+        k, v = cache.context(layer, S)
+        return k, v, meta.full_mask()
     ctx_idx, ctx_valid = meta.view(layer)  # [B, H', C]
-    B, Hkv, _, D = k_cache.shape
+    B = ctx_idx.shape[0]
     W = meta.pending + meta.num_new
     recent = meta.lengths[:, None] + torch.arange(W, device=ctx_idx.device)  # [B, W]
     H = ctx_idx.shape[1]
     idx = torch.cat([ctx_idx, recent[:, None, :].expand(B, H, W)], dim=2)  # [B, H', C + W]
-    gidx = idx[..., None].expand(B, Hkv, idx.shape[2], D)
-    k = torch.gather(k_cache, 2, gidx)
-    v = torch.gather(v_cache, 2, gidx)
+    k, v = cache.gather(layer, idx)
     T = meta.num_new
     if meta.live is not None:
         ctx_valid = ctx_valid & (meta.live[:, None, None] > 0)

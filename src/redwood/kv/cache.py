@@ -1,17 +1,30 @@
-"""A preallocated KV cache with per-row lengths.
+"""The KV cache: fixed-size pages, a page table per row, and per-row lengths.
 
-Layout: k, v: [num_layers, B, Hkv, capacity, head_dim]. Row b holds its committed tokens in slots
-[0, lengths[b]); a forward over T new tokens writes them at slots lengths[b] + t (t < T) without moving
-`lengths` — the caller then `commit`s how many of them each row keeps (all of them for autoregressive
-decoding, the accepted prefix for speculation). Slots past `lengths` are scratch and never read as
-context.
-Every write (compaction too) lands at or after the committed length, so a row's committed slots change
-only after someone lowers `lengths` (a prefill; a standalone drafter's one-token rewind) — which is what
-lets a kept cache reuse the prompts it holds (`redwood.kv.prefix`).
+Layout: k, v: [num_layers, P, Hkv, page_size, head_dim] — P physical pages. `block_table` [B, W] names
+the pages of each row: row b's logical slot s (slot == the token's position) lives in page
+block_table[b, s // page_size] at offset s % page_size. Everything above this module speaks logical
+slots: lengths, the slots a forward writes, the draft KV policies' views; the attention paths (the
+reference gather here, the Triton kernel) translate through the table.
 
-`live` [B] is 1 while a row generates and 0 once it has finished: a finished row stays in the batch
-until every row is done, and its forwards attend to none of its context (their outputs are discarded),
-so the finished rows of a long-context batch stop costing KV reads.
+Two ways to build one:
+- dense (`KVCache(config, B, capacity, ...)`): one page of `capacity` slots per row, table = row → page b.
+  What offline tools (profiling, acceptance measurement) use: no allocator involved.
+- paged (`KVCache.paged(...)`): `num_pages` pages shared by all rows through a `redwood.kv.blocks.BlockPool`
+  (the Engine fills the table as requests grow). One extra physical page, the *trash page*, backs every
+  table entry no request owns: the forwards of an idle slot (or a row's scratch writes past its pages)
+  land there and never in another request's page.
+
+Row b holds its committed tokens in slots [0, lengths[b]); a forward over T new tokens writes them at slots
+lengths[b] + t (t < T) without moving `lengths` — the caller then `commit`s how many of them each row keeps
+(all of them for autoregressive decoding, the accepted prefix for speculation). Slots past `lengths` are
+scratch and never read as context.
+
+`live` [B] is 1 while a row generates and 0 otherwise (a finished row, an idle slot, a slot whose request is
+still prefilling): such a row's forwards attend to none of its context (their outputs are discarded), so it
+costs no KV reads.
+
+`rows(n)` is the cache of the first n rows: the same pages, views of the first n rows of the table, lengths
+and live (so commits through it land in this cache) — what a step over a batch-size bucket runs on.
 """
 
 from __future__ import annotations
@@ -25,19 +38,65 @@ from redwood.errors import ContextLengthError
 class KVCache:
     def __init__(self, config: ModelConfig, batch_size: int, capacity: int,
                  dtype: torch.dtype, device: torch.device | str):
+        """A dense cache: one page of `capacity` slots per row."""
         shape = (config.num_layers, batch_size, config.num_kv_heads, capacity, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_table = torch.arange(batch_size, dtype=torch.int32, device=device)[:, None]
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self.live = torch.ones(batch_size, dtype=torch.long, device=device)  # 0: finished (see module doc)
-        self.capacity = capacity
-        # The prompts of the last prefill, for exact prefix reuse (`redwood.kv.prefix`): a PrefixMemory
-        # on caches a RunnerPool keeps with reuse_prefixes on; None (nothing remembered) otherwise.
+        self.live = torch.ones(batch_size, dtype=torch.long, device=device)  # 0: reads no context
+        self.dense = True  # block_table[b, 0] == b: the reference path slices instead of gathering
+        self.trash_page: int | None = None
+        self.prefix = None  # a PrefixMemory (redwood.kv.prefix) on dense caches kept by a RunnerPool
+
+    @classmethod
+    def paged(cls, config: ModelConfig, batch_size: int, num_pages: int, page_size: int, max_len: int,
+              dtype: torch.dtype, device: torch.device | str) -> "KVCache":
+        """`num_pages` pages of `page_size` slots (plus the trash page) for `batch_size` rows of at most
+        `max_len` slots each; every table entry starts on the trash page and every row live 0."""
+        self = cls.__new__(cls)
+        shape = (config.num_layers, num_pages + 1, config.num_kv_heads, page_size, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        width = -(-max_len // page_size)
+        self.trash_page = num_pages
+        self.block_table = torch.full((batch_size, width), num_pages, dtype=torch.int32, device=device)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.live = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.dense = False
         self.prefix = None
+        return self
+
+    def rows(self, n: int) -> "KVCache":
+        """The cache of rows [0, n): shared pages, views of the table / lengths / live."""
+        if n == self.batch_size:
+            return self
+        sub = KVCache.__new__(KVCache)
+        sub.__dict__.update(self.__dict__)
+        sub.block_table, sub.lengths, sub.live = self.block_table[:n], self.lengths[:n], self.live[:n]
+        return sub
+
+    def row(self, b: int) -> "KVCache":
+        """The cache of row b alone (a prefill's): shared pages, views of row b's state."""
+        sub = KVCache.__new__(KVCache)
+        sub.__dict__.update(self.__dict__)
+        sub.block_table, sub.lengths, sub.live = (self.block_table[b:b + 1], self.lengths[b:b + 1],
+                                                  self.live[b:b + 1])
+        sub.dense = False  # row b's page is page b, not page 0
+        return sub
 
     @property
     def batch_size(self) -> int:
-        return self.k.shape[1]
+        return self.lengths.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def capacity(self) -> int:
+        """Logical slots a row can hold."""
+        return self.block_table.shape[1] * self.page_size
 
     def slots(self, num_new: int, offset: int = 0) -> torch.Tensor:
         """[B, T] cache slots for T new tokens placed after `offset` pending (uncommitted) ones."""
@@ -50,12 +109,51 @@ class KVCache:
             )
         return idx
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new keys/values. slots: [B, T]; k, v: [B, Hkv, T, D]."""
-        rows = torch.arange(self.batch_size, device=slots.device)[:, None]
-        # Advanced indices (rows, slots) around a slice put [B, T] first: values are [B, T, Hkv, D].
-        self.k[layer][rows, :, slots] = k.transpose(1, 2)
-        self.v[layer][rows, :, slots] = v.transpose(1, 2)
+    def physical(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logical slots [B, ...] of each row → (page, offset) of the same shape (long). Slots past a
+        row's table go to the trash page (a dense cache: offsets past its page, which no writer stores)."""
+        B = slots.shape[0]
+        if self.dense:
+            pages = self.block_table[:, :1].long().reshape(B, *([1] * (slots.dim() - 1)))
+            return pages.expand(slots.shape), slots
+        ps, width = self.page_size, self.block_table.shape[1]
+        raw = slots // ps
+        pages = self.block_table.gather(1, raw.clamp(max=width - 1).reshape(B, -1)).reshape(slots.shape).long()
+        return torch.where(raw < width, pages, self.trash_page), slots % ps
+
+    def write(self, layer: int, dest: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new keys/values at dest = physical(slots [B, T]); k, v: [B, Hkv, T, D]."""
+        pages, offsets = dest
+        # Advanced indices (pages, offsets) around a slice put [B, T] first: values are [B, T, Hkv, D].
+        self.k[layer][pages, :, offsets] = k.transpose(1, 2)
+        self.v[layer][pages, :, offsets] = v.transpose(1, 2)
+
+    def context(self, layer: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's keys and values of slots [0, num_slots) of every row: [B, Hkv, num_slots, D]
+        (a view for a dense cache, a gather of the pages otherwise)."""
+        k, v = self.k[layer], self.v[layer]
+        B = self.batch_size
+        if self.dense:
+            return k[:B, :, :num_slots], v[:B, :, :num_slots]
+        n = -(-num_slots // self.page_size)
+        pages = self.block_table[:, :n].long()  # [B, n]
+
+        def gather(buf: torch.Tensor) -> torch.Tensor:
+            g = buf[pages]  # [B, n, Hkv, ps, D]
+            return g.transpose(1, 2).reshape(B, g.shape[2], n * self.page_size, g.shape[4])[:, :, :num_slots]
+
+        return gather(k), gather(v)
+
+    def gather(self, layer: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of logical slots idx [B, H', C] (H' = 1: the same slots for every KV head, or
+        Hkv) → [B, Hkv, C, D] each."""
+        pages, offsets = self.physical(idx)
+        k, v = self.k[layer], self.v[layer]
+        if idx.shape[1] == 1:  # [B, C] per row → values [B, C, Hkv, D]
+            return (k[pages[:, 0], :, offsets[:, 0]].transpose(1, 2),
+                    v[pages[:, 0], :, offsets[:, 0]].transpose(1, 2))
+        heads = torch.arange(k.shape[1], device=idx.device)[None, :, None]
+        return k[pages, heads, offsets], v[pages, heads, offsets]
 
     def compact(self, src: torch.Tensor, count: torch.Tensor) -> None:
         """Move accepted tree nodes' KV into place before committing them.
@@ -70,11 +168,12 @@ class KVCache:
         ar = torch.arange(A, device=src.device)
         keep = ar[None, :] < count[:, None]
         src = torch.where(keep, src, ar[None, :])  # rows/entries not kept move onto themselves
-        rows = torch.arange(B, device=src.device)[:, None]
         base = self.lengths[:, None]
+        sp, so = self.physical(base + src)
+        dp, do = self.physical(base + ar)
         for buf in (self.k, self.v):
-            # [L, B, A, Hkv, D] gathered first (a copy), then written: overlapping moves are safe.
-            buf[:, rows, :, base + ar] = buf[:, rows, :, base + src]
+            # [B, A, L, Hkv, D] gathered first (a copy), then written: overlapping moves are safe.
+            buf[:, dp, :, do] = buf[:, sp, :, so]
 
     def commit(self, num_kept: torch.Tensor | int) -> None:
         """Advance each row's length by the number of new tokens it keeps ([B] tensor or int)."""

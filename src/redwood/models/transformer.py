@@ -62,12 +62,12 @@ class Attention(nn.Module):
         self.kernels = fused_kernels.available(self.qkv[0].device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                slots: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                dest: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         if self.qkv is not None:
             qkv = self.split_qkv(F.linear(x, *self.qkv))
         else:
             qkv = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        return self.o_proj(self.attend(*qkv, cos, sin, cache, slots, meta))
+        return self.o_proj(self.attend(*qkv, cos, sin, cache, dest, meta))
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The fused projection's output [B, T, (Hq + 2 Hkv) D] → views q, k, v."""
@@ -75,21 +75,21 @@ class Attention(nn.Module):
         return qkv[..., :nq], qkv[..., nq:nq + nk], qkv[..., nq + nk:]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, cache: KVCache, slots: torch.Tensor,
+               sin: torch.Tensor, cache: KVCache, dest: tuple[torch.Tensor, torch.Tensor],
                meta: AttentionMetadata) -> torch.Tensor:
-        """Rotate q and k, write k and v into the cache, attend. q: [B, T, Hq*D]; k, v: [B, T, Hkv*D]
-        → [B, T, Hq*D] (before o_proj)."""
+        """Rotate q and k, write k and v into the cache, attend. q: [B, T, Hq*D]; k, v: [B, T, Hkv*D];
+        dest: the new tokens' (pages, offsets) [B, T] each (`KVCache.physical`) → [B, T, Hq*D] (before o_proj)."""
         B, T, _ = q.shape
         if self.kernels:  # one kernel: rotate q and k, write k and v into the cache → q [B, Hq, T, D]
             shape = (B, T, -1, self.head_dim)
             q = fused_kernels.rope_and_write(q.view(shape), k.view(shape), v.view(shape), cos, sin,
-                                             cache.k[self.layer], cache.v[self.layer], slots)
+                                             cache.k[self.layer], cache.v[self.layer], *dest)
         else:
             q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
             k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
             v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            cache.write(self.layer, slots, k, v)
+            cache.write(self.layer, dest, k, v)
         return self.attend_rotated(q, cache, meta)
 
     def attend_rotated(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -99,7 +99,7 @@ class Attention(nn.Module):
         if meta.backend == "triton":
             out = self._fast_attention(q, cache, meta)  # [B, T, Hq, D]
         else:
-            k_all, v_all, mask = reference.read_kv(cache.k[self.layer], cache.v[self.layer], self.layer, meta)
+            k_all, v_all, mask = reference.read_kv(cache, self.layer, meta)
             if meta.observer is not None:
                 meta.observer(self.layer, q, k_all, mask)
             out = reference.attention(q, k_all, v_all, mask).transpose(1, 2)  # [B, T, Hq, D]
@@ -113,7 +113,8 @@ class Attention(nn.Module):
             ctx_idx, ctx_valid = meta.view(self.layer)
         window = meta.sliding_window
         return decode_attention(
-            q, cache.k[self.layer], cache.v[self.layer], meta.lengths, pending=meta.pending,
+            q, cache.k[self.layer], cache.v[self.layer], meta.lengths, block_table=cache.block_table,
+            pending=meta.pending,
             new_mask=meta.packed_new_mask(), ctx_idx=ctx_idx, ctx_valid=ctx_valid,
             q_positions=meta.q_positions if window is not None else None, sliding_window=window,
             live=meta.live,
@@ -171,11 +172,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, cache, slots, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, meta)
+    def forward(self, x, cos, sin, cache, dest, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, dest, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_fused(self, h, residual, cos, sin, cache, slots, meta):
+    def forward_fused(self, h, residual, cos, sin, cache, dest, meta):
         """The same layer with each residual add fused into the next RMSNorm (one Triton kernel):
         the stream is carried as (h, residual) whose sum is `x` above. residual None: the first layer."""
         if residual is None:
@@ -183,12 +184,12 @@ class DecoderLayer(nn.Module):
         else:
             normed, residual = fused_kernels.add_rms_norm(h, residual, self.input_layernorm.weight,
                                                           self.input_layernorm.eps)
-        h = self.self_attn(normed, cos, sin, cache, slots, meta)
+        h = self.self_attn(normed, cos, sin, cache, dest, meta)
         norm = self.post_attention_layernorm
         normed, residual = fused_kernels.add_rms_norm(h, residual, norm.weight, norm.eps)
         return self.mlp(normed), residual
 
-    def forward_skinny(self, x, cos, sin, cache, slots, meta, int8: dict | None = None):
+    def forward_skinny(self, x, cos, sin, cache, dest, meta, int8: dict | None = None):
         """The same layer for few tokens (Transformer.skinny_rows), as four skinny-matmul kernels with the
         norms, residual adds, SiLU — and for one token the rotary embedding and the cache write — fused in
         (redwood.kernels.gemv), plus attention (and rope_and_write for more tokens).
@@ -201,11 +202,12 @@ class DecoderLayer(nn.Module):
         if x.shape[0] * x.shape[1] == 1:  # one token: the projection rotates q, k and writes k, v itself
             q = qkv_rope.qkv_rope_write(x, w["qkv"][0], attn.qkv[1], scale=w["qkv"][1],
                                         norm=(norm.weight, norm.eps), cos=cos, sin=sin, k_cache=cache.k[attn.layer],
-                                        v_cache=cache.v[attn.layer], slots=slots, num_heads=attn.num_heads)
+                                        v_cache=cache.v[attn.layer], pages=dest[0], offsets=dest[1],
+                                        num_heads=attn.num_heads)
             out = attn.attend_rotated(q, cache, meta)
         else:
             qkv = gemv.linear(x, w["qkv"][0], attn.qkv[1], scale=w["qkv"][1], norm=(norm.weight, norm.eps))
-            out = attn.attend(*attn.split_qkv(qkv), cos, sin, cache, slots, meta)
+            out = attn.attend(*attn.split_qkv(qkv), cos, sin, cache, dest, meta)
         gemv.linear(out, w["o"][0], attn.o_proj.bias, scale=w["o"][1], residual=x)
         norm = self.post_attention_layernorm
         act = gemv.linear(x, w["gate_up"][0], mlp.gate_up[1], scale=w["gate_up"][1],
@@ -313,7 +315,7 @@ class Transformer(nn.Module):
         Returns logits [B, T or K, vocab] in float32.
         """
         B, T = input_ids.shape
-        slots = cache.slots(T, offset=pending)
+        dest = cache.physical(cache.slots(T, offset=pending))  # (pages, offsets) [B, T]: where the new K/V go
         capturing = cache.k.is_cuda and torch.cuda.is_current_stream_capturing()
         meta = AttentionMetadata(
             # inside a CUDA graph the reference path reads every slot (masked) rather than sync for the max
@@ -326,18 +328,18 @@ class Transformer(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         if self.layers[0].self_attn.kernels and self.layers[0].mlp.kernels:
             if self.skinny and self.takes_skinny(B * T):
-                return self._forward_skinny(x, cos, sin, cache, slots, meta, logits_at)
-            return self._forward_fused(x, cos, sin, cache, slots, meta, logits_at)
+                return self._forward_skinny(x, cos, sin, cache, dest, meta, logits_at)
+            return self._forward_fused(x, cos, sin, cache, dest, meta, logits_at)
         for layer in self.layers:
-            x = layer(x, cos, sin, cache, slots, meta)
+            x = layer(x, cos, sin, cache, dest, meta)
         if logits_at is not None:
             x = torch.gather(x, 1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
         return self.logits(x).float()
 
-    def _forward_fused(self, h, cos, sin, cache, slots, meta, logits_at):
+    def _forward_fused(self, h, cos, sin, cache, dest, meta, logits_at):
         residual = None
         for layer in self.layers:
-            h, residual = layer.forward_fused(h, residual, cos, sin, cache, slots, meta)
+            h, residual = layer.forward_fused(h, residual, cos, sin, cache, dest, meta)
         if logits_at is not None:
             idx = logits_at[..., None].expand(-1, -1, h.shape[-1])
             h, residual = torch.gather(h, 1, idx), torch.gather(residual, 1, idx)
@@ -349,10 +351,10 @@ class Transformer(nn.Module):
         lo, hi = self.skinny_tile_rows or (0, 0)
         return rows <= min(self.skinny_rows, gemv.MAX_ROWS) or lo <= rows <= min(hi, gemv.MAX_ROWS)
 
-    def _forward_skinny(self, x, cos, sin, cache, slots, meta, logits_at):
+    def _forward_skinny(self, x, cos, sin, cache, dest, meta, logits_at):
         q8 = self.skinny_int8
         for i, layer in enumerate(self.layers):
-            x = layer.forward_skinny(x, cos, sin, cache, slots, meta, q8["layers"][i] if q8 else None)
+            x = layer.forward_skinny(x, cos, sin, cache, dest, meta, q8["layers"][i] if q8 else None)
         if logits_at is not None:
             x = torch.gather(x, 1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
         weight, scale = q8["lm_head"] if q8 else (self.head_weight, None)
