@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,15 +10,9 @@ from pathlib import Path
 import torch
 
 from redwood.config import SpeculativeConfig
-from redwood.engine.generate import autoregressive, make_requests
-from redwood.engine.request import RequestState
-from redwood.engine.runner import RunnerPool
-from redwood.errors import ConfigError
-from redwood.loading import load_model
+from redwood.engine.engine import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, Engine  # noqa: F401 (re-exported)
+from redwood.errors import ConfigError, ContextLengthError
 from redwood.sampling_params import SamplingParams
-
-DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
-DEFAULT_DRAFT_MODEL = "qwen2.5-coder-0.5b-instruct"  # shares the target's tokenizer
 
 Prompt = str | Sequence[int]
 
@@ -46,7 +41,7 @@ class StreamDelta:
 
 
 class LLM:
-    """A loaded model ready to generate.
+    """A loaded model ready to generate: a thin driver of its `Engine` (`llm.engine`).
 
     model: a zoo name (`redwood models list`), a Hugging Face folder, or a .gguf file.
     dtype: "float32" | "bfloat16" | "float16"; device: "cpu" | "cuda".
@@ -54,86 +49,30 @@ class LLM:
     None decodes autoregressively. Either way the output is the target model's.
     offload: keep the target's decoder-layer weights in (pinned) host memory and stream them to the
     device, `offload_prefetch` layers at a time (see `redwood.engine.offload`).
-    cuda_graphs: capture decode / draft / verify steps in CUDA graphs, once per step shape, and keep the
-    KV caches across calls (`redwood.engine.runner`); None → on for CUDA. An offloaded target always runs
-    eagerly (its weights stream in between kernels); a draft model next to it still runs graphed.
+    cuda_graphs: capture each step shape in a CUDA graph, once per batch bucket (`redwood.engine.runner`);
+    None → on for CUDA. An offloaded target always runs eagerly; a draft model next to it still runs graphed.
+    engine_args: the Engine's scheduling and memory knobs (max_num_seqs, max_model_len, block_size,
+    max_num_batched_tokens, kv_cache_memory, enable_prefix_caching; see `redwood.Engine`).
     """
 
     def __init__(self, model: str | Path = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", speculative: SpeculativeConfig | None = None,
-                 offload: bool = False, offload_prefetch: int = 2, cuda_graphs: bool | None = None):
-        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
-            raise ConfigError(f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}")
-        if offload:
-            from redwood.engine.offload import check_prefetch, offload_layers
-            from redwood.loading import parse_device
+                 offload: bool = False, offload_prefetch: int = 2, cuda_graphs: bool | None = None,
+                 **engine_args):
+        self.engine = Engine(model, dtype=dtype, device=device, speculative=speculative, offload=offload,
+                             offload_prefetch=offload_prefetch, cuda_graphs=cuda_graphs, **engine_args)
+        e = self.engine
+        self.model, self.tokenizer, self.config = e.model, e.tokenizer, e.config
+        self.model_name, self.model_path = e.model_name, e.model_path
+        self.speculative, self.drafter, self.draft_name, self.tree = e.speculative, e.drafter, e.draft_name, e.tree
+        self._calls = itertools.count()
 
-            check_prefetch(offload_prefetch)
-            parse_device(device)
-        loaded = load_model(model, dtype=dtype, device="cpu" if offload else device)
-        if offload:  # loaded on the host: the layers stay there, the rest moves to the device
-            offload_layers(loaded.model, device, prefetch=offload_prefetch)
-        self.model = loaded.model
-        on_cuda = self.model.device.type == "cuda"  # (load_model fused its projections there)
-        if cuda_graphs and not on_cuda:
-            raise ConfigError("cuda_graphs needs device='cuda'")
-        # With offloading the target's forwards run eagerly; a draft model (resident) still uses graphs.
-        self.runners = RunnerPool(use_graphs=on_cuda if cuda_graphs is None else cuda_graphs)
-        self.tokenizer = loaded.tokenizer
-        self.config = loaded.config
-        self.model_name = loaded.source
-        self.model_path = loaded.path
-        self.speculative = speculative
-        self.drafter = None
-        self.draft_name = None
-        self.tree = None
-        if speculative is not None:
-            self.tree = speculative.make_tree()
-            self.drafter = self._make_drafter(speculative, dtype, device)
-
-    def _make_drafter(self, spec: SpeculativeConfig, dtype, device):
-        from redwood.spec.drafters import ModelDrafter, SelfDrafter, check_compatible
-
-        policy = spec.make_policy()
-        if spec.self_speculate:
-            self.draft_name = f"self ({policy.describe()})"
-            return SelfDrafter(self.model, policy)
-        draft = load_model(spec.draft_model, dtype=dtype, device=device)
-        check_compatible(self.tokenizer, draft.tokenizer, self.config.vocab_size, draft.config.vocab_size)
-        if spec.draft_quant:
-            draft.model.quantize_skinny(spec.draft_quant)
-        quant = f", {spec.draft_quant} weights" if spec.draft_quant else ""
-        self.draft_name = f"{draft.source} ({policy.describe()}{quant})"
-        return ModelDrafter(draft.model, policy, self.config.vocab_size)
-
-    def _run(self, requests: list[RequestState]):
-        """The generation loop for these requests: speculative when configured, else autoregressive."""
-        if self.drafter is None:
-            return autoregressive(self.model, requests, self.runners)
-        from redwood.engine.speculative import speculative
-
-        spec = self.speculative
-        return speculative(self.model, self.drafter, requests, self.tree, spec.verifier, self.runners)
-
-    # ------------------------------------------------------------------ prompts
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
         """Token ids for a text prompt (through the chat template when `chat`), or ids as given."""
-        if not isinstance(prompt, str):
-            if chat:
-                raise ConfigError("chat=True needs text prompts, not token ids")
-            return [int(t) for t in prompt]
-        if self.tokenizer is None:
-            raise ConfigError(f"{self.model_name} has no tokenizer; pass token ids instead of text")
-        if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise ConfigError(f"{self.model_name} has no chat template; drop --chat / chat=True")
-            return list(self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
-                return_dict=False,
-            ))
-        return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        return self.engine.encode(prompt, chat)
 
-    def _requests(self, prompts, params, chat) -> tuple[list, list[RequestState]]:
+    def _add(self, prompts, params, chat) -> tuple[list, list[str]]:
+        """Queue every prompt (all or none: a bad one aborts those queued before it) → (prompts, ids)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -144,38 +83,67 @@ class LLM:
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ConfigError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
-        for p in plist:
-            if not isinstance(p, SamplingParams):
-                raise ConfigError(f"expected SamplingParams, got {type(p).__name__}")
-            if p.stop and self.tokenizer is None:
-                raise ConfigError("stop strings need a tokenizer; this model has none")
-        ids = [self.encode(p, chat) for p in prompts]
-        return prompts, make_requests(ids, plist, self.config, self.tokenizer)
+        call = next(self._calls)
+        ids: list[str] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, plist)):
+                try:
+                    ids.append(self.engine.add_request(prompt, p, request_id=f"llm{call}-{i}", chat=chat))
+                except ContextLengthError as e:
+                    raise type(e)(f"prompt {i}: {e}") from None
+        except BaseException:
+            for rid in ids:
+                self.engine.abort(rid, notify=False)
+            raise
+        return prompts, ids
 
     # ------------------------------------------------------------------ generation
     def stream(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
                chat: bool = False) -> Iterator[StreamDelta]:
         """Yield each request's new text and tokens as they are generated."""
-        _, requests = self._requests(prompts, params, chat)
-        sent = [0] * len(requests)
-        for rows in self._run(requests):
-            for b in rows:
-                r = requests[b]
-                delta_ids = r.output_ids[sent[b]:]
-                sent[b] = len(r.output_ids)
-                yield StreamDelta(index=b, text=r.pop_delta(), token_ids=delta_ids, finish_reason=r.finish_reason,
-                                  stats=r.stats.to_dict() if r.finished else None)
+        _, ids = self._add(prompts, params, chat)
+        index = {rid: i for i, rid in enumerate(ids)}
+        left = set(ids)
+        try:
+            while left:
+                for d in self.engine.step():
+                    if d.request_id in index:
+                        if d.finish_reason is not None:
+                            left.discard(d.request_id)
+                        yield StreamDelta(index=index[d.request_id], text=d.text, token_ids=d.token_ids,
+                                          finish_reason=d.finish_reason, stats=d.stats)
+        finally:  # a consumer that stops early (or an error) leaves nothing running
+            for rid in left:
+                self.engine.abort(rid, notify=False)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  chat: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt (a batch); one RequestOutput per prompt, in order."""
-        prompt_list, requests = self._requests(prompts, params, chat)
-        for _ in self._run(requests):
-            pass
-        return [
-            RequestOutput(
-                prompt=p if isinstance(p, str) else None, prompt_token_ids=r.prompt_ids, text=r.text,
-                token_ids=list(r.output_ids), finish_reason=r.finish_reason, stats=r.stats.to_dict(),
-            )
-            for p, r in zip(prompt_list, requests)
-        ]
+        """Generate for every prompt (continuously batched); one RequestOutput per prompt, in order."""
+        prompt_list, ids = self._add(prompts, params, chat)
+        outs: list[RequestOutput | None] = [None] * len(ids)
+        tokens: list[list[int]] = [[] for _ in ids]
+        texts: list[list[str]] = [[] for _ in ids]
+        index = {rid: i for i, rid in enumerate(ids)}
+        left = len(ids)
+        try:
+            while left:
+                for d in self.engine.step():
+                    i = index.get(d.request_id)
+                    if i is None:
+                        continue
+                    tokens[i] += d.token_ids
+                    texts[i].append(d.text)
+                    if d.finish_reason is not None:
+                        p = prompt_list[i]
+                        outs[i] = RequestOutput(
+                            prompt=p if isinstance(p, str) else None,
+                            prompt_token_ids=d.prompt_token_ids,
+                            text="".join(texts[i]), token_ids=tokens[i], finish_reason=d.finish_reason,
+                            stats=d.stats or {})
+                        left -= 1
+        finally:
+            if left:
+                for rid, i in index.items():
+                    if outs[i] is None:
+                        self.engine.abort(rid, notify=False)
+        return outs

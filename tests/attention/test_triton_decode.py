@@ -4,6 +4,11 @@ Cases: GQA shapes, ragged lengths (0, not a multiple of the key block), causal c
 trees with pending tokens, context views (shared or per KV head, with invalid entries), sliding
 windows, several split counts, rows with no visible key; bf16 within 1e-2 relative error, fp32 (IEEE
 dots) within 1e-5; never NaN. Cache slots the kernel must not read hold NaN.
+Paged caches (block_table): the same caches cut into pages (1, 3, 16, 64, 128, 256 slots; ones that do
+and do not divide the 64-key tile), placed at a random permutation of physical pages among NaN pages no
+row owns (the table's unused entries name one too): the same result as the dense layout (bit for bit
+in the interpreter) and the float64 reference, for chains, trees, views, windows, finished rows and
+int32/int64 tables.
 
 Where they run:
   * on CUDA, in this process, when a GPU is there;
@@ -124,18 +129,48 @@ def reference_attention(q, k, v, lengths, *, pending=0, new_mask=None, ctx_idx=N
     return out
 
 
+def paginate(gen, k, v, lengths, reach, page_size, spare=3, dtype=torch.int32):
+    """The dense caches k, v [B, Hkv, cap, D] as a paged cache: row b's slots [0, L_b + reach) — what a
+    call reads — cut into pages of page_size slots, placed at a random permutation of the physical pages
+    among `spare` pages of NaN that no row owns. The table's entries past a row's pages name a NaN page
+    (a kernel must not read them), as do the slots past L_b + reach within a row's last page (from the
+    dense caches' NaN). → k_pages [num_pages, Hkv, page_size, D] (rows padded: non-trivial strides),
+    v_pages (one layer of two), block_table [B, cdiv(cap, page_size)]."""
+    B, Hkv, cap, D = k.shape
+    width = -(-cap // page_size)
+    need = [-(-(int(L) + reach) // page_size) for L in lengths]
+    n_pages = sum(need) + spare
+    perm = torch.randperm(n_pages, generator=gen)
+    kp = torch.full((n_pages, Hkv, page_size, D + 8), float("nan"), dtype=k.dtype)[..., :D]
+    vp = torch.full((2, n_pages, Hkv, page_size, D), float("nan"), dtype=v.dtype)[1]
+    table = torch.full((B, width), int(perm[-1]), dtype=dtype)  # a spare page (NaN)
+    i = 0
+    for b in range(B):
+        for j in range(need[b]):
+            page, s0 = int(perm[i]), j * page_size
+            i += 1
+            n = min(page_size, cap - s0)
+            table[b, j] = page
+            kp[page, :, :n] = k[b, :, s0:s0 + n]
+            vp[page, :, :n] = v[b, :, s0:s0 + n]
+    return kp, vp, table
+
+
 def to_device(*xs):
     return [x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in xs]
 
 
-def run_and_check(q, k, v, lengths, pack_mask=False, **kw) -> torch.Tensor:
+def run_and_check(q, k, v, lengths, pack_mask=False, paged=None, **kw) -> torch.Tensor:
     """The kernel on DEVICE vs the float64 reference: no NaN, relative error within TOL. pack_mask: the
-    kernel gets new_mask as packed words (pack_new_mask: what the model passes), the reference as bools."""
+    kernel gets new_mask as packed words (pack_new_mask: what the model passes), the reference as bools.
+    paged: (k_pages, v_pages, block_table) holding k, v (paginate): the kernel reads those instead."""
     num_splits = kw.pop("num_splits", None)
     ref = reference_attention(q, k, v, lengths, **kw)
     dev_kw = {name: to_device(x)[0] for name, x in kw.items()}
     if pack_mask:
         dev_kw["new_mask"] = td.pack_new_mask(dev_kw["new_mask"])
+    if paged is not None:
+        k, v, dev_kw["block_table"] = to_device(*paged)
     out = td.decode_attention(*to_device(q, k, v, lengths), num_splits=num_splits, **dev_kw)
     B, Hq, T, D = q.shape
     assert out.shape == (B, T, Hq, D) and out.dtype == q.dtype and out.is_contiguous()
@@ -352,7 +387,140 @@ def test_cuda_graph_capture_and_replay(fused_merge, monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Paged caches: K/V [pages, Hkv, page_size, D] read through a block table
+
+PAGE_SIZES = [1, 3, 16, 64, 128, 256]  # 1 and 3: per-key lookups; 64k: one lookup per 64-key tile
+
+
+def assert_same(out: torch.Tensor, dense: torch.Tensor) -> None:
+    """Paged vs dense result: the same bits in the interpreter (the same values in the same order); on
+    CUDA (another compiled variant) within a fraction of the bf16 tolerance."""
+    if INTERPRET:
+        assert torch.equal(out, dense)
+    else:
+        assert ((out - dense).norm() / dense.norm().clamp_min(1e-30)).item() <= 2.5e-3
+
+
+@needs_kernel
+@pytest.mark.parametrize("page_size", PAGE_SIZES + ["dense"])
+@pytest.mark.parametrize("T,P,tree", [(1, 0, False), (5, 2, False), (7, 3, True)])
+def test_paged_cache_equals_dense(page_size, T, P, tree):
+    """Through a random block table (rows of different lengths, pages shuffled among NaN pages no row
+    owns): the dense layout's result and the float64 reference's — for decode, chains after pending
+    tokens and trees. "dense": the dense caches themselves with the identity table (page_size =
+    capacity, an arbitrary integer) through the paged variant."""
+    gen = torch.Generator().manual_seed(hash((page_size, T, P)) % 2**31)
+    B, Hq, Hkv, D = 3, 12, 2, 64
+    lens = lengths_for(B, T)
+    q, k, v, lengths = make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, T=T, D=D, lengths=lens, P=P)
+    kw = dict(pending=P, num_splits=3)
+    if tree:
+        kw["new_mask"] = torch.cat([torch.ones(T, P, dtype=torch.bool), random_tree_mask(gen, T)[0]], dim=1)
+    dense = run_and_check(q, k, v, lengths, **kw)
+    if page_size == "dense":
+        paged = (k, v, torch.arange(B, dtype=torch.int32)[:, None])
+    else:
+        paged = paginate(gen, k, v, lens, P + T, page_size)
+    assert_same(run_and_check(q, k, v, lengths, paged=paged, **kw), dense)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,table_dtype,page_size", [
+    (torch.float32, torch.int64, 32), (torch.float32, torch.int32, 48), (torch.float16, torch.int64, 64),
+    (torch.bfloat16, torch.int32, 96)])
+def test_paged_other_dtypes_tables_and_default_splits(dtype, table_dtype, page_size):
+    """fp32 (32-key tiles: 32 takes one lookup per tile, 48 one per key), fp16, int32 and int64 tables,
+    a page size (96) that is no multiple of the 64-key tile; the default split count and a few."""
+    gen = torch.Generator().manual_seed(page_size)
+    B, Hq, Hkv, T, P, D = 3, 8, 2, 3, 1, 64
+    lens = lengths_for(B, 2)
+    q, k, v, lengths = make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, T=T, D=D, lengths=lens, P=P, dtype=dtype)
+    paged = paginate(gen, k, v, lens, P + T, page_size, dtype=table_dtype)
+    for splits in (None, 1, 4):
+        dense = run_and_check(q, k, v, lengths, pending=P, num_splits=splits)
+        assert_same(run_and_check(q, k, v, lengths, paged=paged, pending=P, num_splits=splits), dense)
+
+
+@needs_kernel
+@pytest.mark.parametrize("page_size", [1, 3, 64])
+@pytest.mark.parametrize("shared", [True, False])
+def test_paged_context_view(page_size, shared):
+    """ctx_idx holds logical slots (with invalid junk: -1, past the capacity, never-written slots): each
+    valid one is looked up through the table, as are the pending + new keys."""
+    gen = torch.Generator().manual_seed(page_size + 1000 * shared)
+    B, Hq, Hkv, T, P, D = 3, 12, 2, 4, 2, 64
+    lens = lengths_for(B, page_size)
+    q, k, v, lengths = make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, T=T, D=D, lengths=lens, P=P)
+    ctx_idx, ctx_valid = make_view(gen, lens, 1 if shared else Hkv, 50 if SMALL else 300, k.shape[2])
+    new_mask = torch.cat([torch.ones(T, P, dtype=torch.bool), random_tree_mask(gen, T)[0]], dim=1)
+    kw = dict(pending=P, new_mask=new_mask, ctx_idx=ctx_idx, ctx_valid=ctx_valid, num_splits=3)
+    dense = run_and_check(q, k, v, lengths, **kw)
+    assert_same(run_and_check(q, k, v, lengths, paged=paginate(gen, k, v, lens, P + T, page_size), **kw), dense)
+
+
+@needs_kernel
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("window", [3, 100])
+def test_paged_sliding_window_and_finished_rows(page_size, window):
+    """The window's skipped leading tiles and a finished row (live 0, its context NaN) through the table."""
+    gen = torch.Generator().manual_seed(page_size * window)
+    B, Hq, Hkv, T, P, D = 3, 8, 2, 6, 2, 64
+    lens = [40, 130, 77] if SMALL else [400, 1300, 770]
+    q, k, v, lengths = make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, T=T, D=D, lengths=lens, P=P)
+    k[1, :, :lens[1]] = float("nan")
+    v[1, :, :lens[1]] = float("nan")
+    kw = dict(pending=P, sliding_window=window, q_positions=lengths[:, None] + P + torch.arange(T)[None, :],
+              live=torch.tensor([1, 0, 1]), num_splits=2)
+    dense = run_and_check(q, k, v, lengths, **kw)
+    out = run_and_check(q, k, v, lengths, paged=paginate(gen, k, v, lens, P + T, page_size), **kw)
+    assert_same(out, dense)
+    assert not out[1].isnan().any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA")
+def test_paged_cuda_graph_capture_and_replay():
+    """The table is read on the device: capture once, then move every page elsewhere (new table, the
+    pages' contents moved with it) and change the lengths in place; each replay reads the new layout."""
+    gen = torch.Generator().manual_seed(4)
+    B, Hq, Hkv, T, D, cap, ps = 3, 12, 2, 4, 128, 1408, 128
+    q, k, v, lengths = make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, T=T, D=D, lengths=[1300] * B, cap=cap)
+    # every row owns all of its pages (lengths 0 + reach cap): the same page count for every layout
+    kp, vp, table = to_device(*paginate(gen, k, v, [0] * B, cap, ps))
+    q, lengths = to_device(q, lengths)
+    lengths.copy_(torch.tensor([500, 900, 1300]))
+    for splits in (None, 4):
+        td.decode_attention(q, kp, vp, lengths, num_splits=splits, block_table=table)  # compile first
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = td.decode_attention(q, kp, vp, lengths, num_splits=splits, block_table=table)
+        for new in ([500, 900, 1300], [7, 1200, 64]):
+            for dst, src in zip((kp, vp, table), paginate(gen, k, v, [0] * B, cap, ps)):
+                dst.copy_(src)
+            lengths.copy_(torch.tensor(new))
+            graph.replay()
+            torch.cuda.synchronize()
+            ref = reference_attention(q, k, v, lengths)
+            assert not out.isnan().any()
+            assert ((out.double().cpu() - ref).norm() / ref.norm()).item() <= 1e-2
+
+
+# ----------------------------------------------------------------------------------------------------
 # Host-side checks (no kernel launch) and the interpreter child run
+
+
+class _DenseLayer:
+    """What reference.read_kv reads of a KVCache, for one dense layer k, v [B, Hkv, cap, D]."""
+
+    def __init__(self, k, v):
+        self.k, self.v = k, v
+
+    def context(self, layer, num_slots):
+        return self.k[:, :, :num_slots], self.v[:, :, :num_slots]
+
+    def gather(self, layer, idx):  # logical slots idx [B, H', C] → [B, Hkv, C, D]
+        B, Hkv, _, D = self.k.shape
+        gidx = idx[..., None].expand(B, Hkv, idx.shape[2], D)
+        return torch.gather(self.k, 2, gidx), torch.gather(self.v, 2, gidx)
 
 
 def test_float64_reference_matches_project_reference():
@@ -372,7 +540,7 @@ def test_float64_reference_matches_project_reference():
         meta = reference.AttentionMetadata(lengths=lengths, num_new=T, kv_len=max(lens) + P + T, pending=P,
                                            new_mask=new_mask, q_positions=q_positions, sliding_window=30,
                                            view=view, live=live)
-        kk, vv, mask = reference.read_kv(k, v, 0, meta)
+        kk, vv, mask = reference.read_kv(_DenseLayer(k, v), 0, meta)
         expected = reference.attention(q, kk, vv, mask).transpose(1, 2)
         view_kw = dict(ctx_idx=ctx_idx, ctx_valid=ctx_valid) if view else {}
         got = reference_attention(q, k, v, lengths, pending=P, new_mask=new_mask, q_positions=q_positions,
@@ -433,6 +601,35 @@ def test_fused_merge_only_for_grids_within_one_program_per_sm(monkeypatch):
     assert fused(1, 4) == (True, (1, 4, 2))  # 8 programs on 8 SMs
     assert fused(2, 4)[0] is False  # 16 programs
     assert fused(1, 1)[0] is False  # nothing to merge
+
+
+def test_plan_picks_the_paged_variant():
+    """No table: the dense variant. A table: per-key lookups, or one per context tile where page_size is
+    a multiple of the key tile (64 for bf16 at D = 64, 32 for fp32) and the context is not a gathered
+    view; the split count's static bound is the table's logical capacity (W · page_size)."""
+    gen = torch.Generator().manual_seed(6)
+
+    def plan(page_size, dtype=torch.bfloat16, view=False, width=4):
+        q, k, v, lengths = make_inputs(gen, B=2, Hq=4, Hkv=2, T=1, D=64, lengths=[5, 9], dtype=dtype)
+        table = None
+        if page_size:
+            k = v = torch.zeros(7, 2, page_size, 64, dtype=dtype)
+            table = torch.zeros(2, width, dtype=torch.int32)
+        ci = torch.zeros(2, 1, 3, dtype=torch.int64) if view else None
+        p = td._Plan(q, k, v, lengths, 0, None, ci, None if ci is None else ci.bool(), None, None, None, None,
+                     table)
+        return p.consts["PAGED"], p.consts["PAGE_TILES"]
+
+    assert plan(None) == (False, False)
+    assert [plan(ps) for ps in (1, 3, 48, 96)] == [(True, False)] * 4
+    assert [plan(ps) for ps in (64, 128, 256)] == [(True, True)] * 3
+    assert plan(32) == (True, False) and plan(32, torch.float32) == (True, True)
+    assert plan(128, view=True) == (True, False)
+    q = torch.zeros(64, 12, 1, 128, dtype=torch.bfloat16)
+    pages = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16).expand(64 * 128, 2, 256, 128)  # 32K per row
+    splits = td.num_splits_for(q, pages, pages, torch.zeros(64, dtype=torch.int64),
+                               block_table=torch.zeros(64, 128, dtype=torch.int32))
+    assert splits == td.default_num_splits(128 * 256, 64 * 2, td._num_sms(q.device), 16)
 
 
 def test_supported_and_import_without_triton(monkeypatch):

@@ -13,13 +13,12 @@ import torch
 
 from redwood import LLM, SamplingParams
 from redwood.config import SpeculativeConfig
-from redwood.engine.generate import autoregressive, make_requests, prefill
-from redwood.engine.speculative import speculative
 from redwood.spec.trees import Tree
 from redwood.errors import ConfigError
 from redwood.kv.policies import make_policy
 from redwood.spec.drafters import ModelDrafter, SelfDrafter
 from tests.conftest import clear_margin_model, make_tokenizer, perturbed, random_hf_model, tiny_hf_config
+from tests.engine.driver import prefill_kv, run_engine
 
 POLICIES = {
     "full": dict(),
@@ -102,79 +101,53 @@ def make_drafter(kind: str, policy_name: str, target_llm, draft_llm):
     return ModelDrafter(draft_llm.model, policy, target_llm.config.vocab_size)
 
 
-def run_speculative(llm, drafter, prompts, params, gamma, monkeypatch, verifier="auto", configure=None):
-    """Run the loop directly (no LLM wrapper) and keep the target's cache for inspection."""
-    requests = make_requests(prompts, params if isinstance(params, list) else [params] * len(prompts),
-                             llm.config, llm.tokenizer)
-    if configure is not None:
-        configure(requests)
-    caches = []
-    new_cache = llm.model.new_cache
-
-    def capture(*args, **kwargs):
-        caches.append(new_cache(*args, **kwargs))
-        return caches[-1]
-
-    monkeypatch.setattr(llm.model, "new_cache", capture)
+def run_speculative(llm, drafter, prompts, params, gamma, monkeypatch=None, verifier="auto", configure=None, **kw):
+    """Run prompts through an Engine with this drafter; → (RequestStates, {row: [Snapshot…]})."""
     tree = gamma if isinstance(gamma, Tree) else Tree.chain(gamma)
-    for _ in speculative(llm.model, drafter, requests, tree, verifier):
-        pass
-    monkeypatch.undo()
-    assert len(caches) == 1
-    return requests, caches[0]
+    _, states, snaps = run_engine(llm.model, llm.tokenizer, prompts, params, drafter=drafter, tree=tree,
+                                  verifier=verifier, configure=configure, **kw)
+    return states, snaps
 
 
-def run_ar(llm, prompts, params, configure=None):
-    requests = make_requests(prompts, params if isinstance(params, list) else [params] * len(prompts),
-                             llm.config, llm.tokenizer)
-    if configure is not None:
-        configure(requests)
-    for _ in autoregressive(llm.model, requests):
-        pass
-    return requests
+def run_ar(llm, prompts, params, configure=None, **kw):
+    _, states, _ = run_engine(llm.model, llm.tokenizer, prompts, params, configure=configure, **kw)
+    return states
 
 
-@torch.inference_mode()
-def prefill_kv(model, tokens: list[int]):
-    """k, v [layers, Hkv, len, D] of a fresh prefill of `tokens`."""
-    cache = model.new_cache(1, len(tokens))
-    prefill(model, cache, [tokens])
-    return cache.k[:, 0], cache.v[:, 0]
-
-
-def assert_target_cache_is_autoregressive(model, cache, requests):
-    """Each row's committed slots [0, L) hold the KV a prefill of its prompt + output[:-1] computes — the
-    newest token is sampled but not yet fed — and L is exactly that many tokens."""
+def assert_target_cache_is_autoregressive(model, snaps, requests):
+    """When each request ends, its committed slots [0, L) hold the KV a prefill of prompt + output[:L − p]
+    computes (the newest token is sampled but not yet fed; the last step commits nothing)."""
     for b, r in enumerate(requests):
-        tokens = r.prompt_ids + r.output_ids[:-1]
-        L = int(cache.lengths[b])
-        assert L == len(tokens), f"row {b}: cache holds {L} tokens, its output implies {len(tokens)}"
-        k, v = prefill_kv(model, tokens)
-        torch.testing.assert_close(cache.k[:, b, :, :L], k, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(cache.v[:, b, :, :L], v, rtol=1e-4, atol=1e-5)
+        snap = snaps[b][-1]
+        L = snap.length
+        tokens = r.prompt_ids + r.output_ids
+        assert len(r.prompt_ids) <= L < len(tokens), f"row {b}: cache holds {L} of {len(tokens)} tokens"
+        k, v = prefill_kv(model, tokens[:L])
+        torch.testing.assert_close(snap.k, k, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(snap.v, v, rtol=1e-4, atol=1e-5)
 
 
-def assert_draft_cache_consistent(drafter: ModelDrafter, target_cache, requests, policy_name):
-    """The standalone draft's cache, up to the tokens it has been fed (target length − 1): with the full
-    policy, exactly the draft model's own prefill KV of the same tokens. With a compressed policy the
-    generated tokens' KV is the draft's own compressed-view forward (the policy's definition), so there
-    we check the prompt part (minus its last token, which the first step re-feeds) in every layer and
-    token/position placement everywhere through layer 0 (whose K/V depend on nothing else)."""
-    cache = drafter.cache
+def assert_draft_cache_consistent(drafter: ModelDrafter, snaps, requests, policy_name):
+    """The standalone draft's cache, up to the tokens it has been fed: with the full policy, exactly the
+    draft model's own prefill KV of the same tokens. With a compressed policy the generated tokens' KV is
+    the draft's own compressed-view forward (the policy's definition), so there we check the prompt part
+    (minus its last token, which the first step re-feeds) in every layer and token/position placement
+    everywhere through layer 0 (whose K/V depend on nothing else)."""
     for b, r in enumerate(requests):
-        tokens = (r.prompt_ids + r.output_ids[:-1])[: int(target_cache.lengths[b]) - 1]
-        n = len(tokens)
-        assert int(cache.lengths[b]) <= n
+        snap = snaps[b][-1]
+        n = snap.draft_length
+        assert n <= snap.length
+        tokens = (r.prompt_ids + r.output_ids)[:n]
         k, v = prefill_kv(drafter.model, tokens)
         if policy_name == "full":
-            torch.testing.assert_close(cache.k[:, b, :, :n], k, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(cache.v[:, b, :, :n], v, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(snap.draft_k, k, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(snap.draft_v, v, rtol=1e-4, atol=1e-5)
         else:
             p = len(r.prompt_ids) - 1
-            torch.testing.assert_close(cache.k[:, b, :, :p], k[:, :, :p], rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(cache.v[:, b, :, :p], v[:, :, :p], rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(cache.k[0, b, :, :n], k[0], rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(cache.v[0, b, :, :n], v[0], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(snap.draft_k[:, :, :p], k[:, :, :p], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(snap.draft_v[:, :, :p], v[:, :, :p], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(snap.draft_k[0], k[0], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(snap.draft_v[0], v[0], rtol=1e-4, atol=1e-5)
 
 
 def assert_stats_sane(stats: dict, gamma: int, generated: int, agreeing: bool = True):
@@ -280,26 +253,65 @@ def test_rows_finish_independently_max_new_tokens(kind, policy_name, target_llm,
         assert_target_cache_is_autoregressive(target_llm.model, cache, requests)
 
 
-@pytest.mark.parametrize("mode", ["autoregressive", "self", "standalone"])
-def test_finished_rows_are_marked_dead_in_the_cache(mode, target_llm, draft_llm, monkeypatch):
-    """From the step a row finishes on, the target cache marks it dead (live 0: its forwards read none of
-    its context, redwood.kv.cache) — and only then; the outputs stay the AR ones (tests above)."""
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 30, 21)]
-    requests = make_requests(FINISH_PROMPTS, params, target_llm.config, target_llm.tokenizer)
-    caches = []
-    new_cache = target_llm.model.new_cache
-    monkeypatch.setattr(target_llm.model, "new_cache", lambda *a, **k: caches.append(new_cache(*a, **k)) or caches[-1])
+def _mode(mode, target_llm, draft_llm):
     if mode == "autoregressive":
-        steps = autoregressive(target_llm.model, requests)
-    else:
-        drafter = make_drafter(mode, "streaming" if mode == "self" else "full", target_llm, draft_llm)
-        steps = speculative(target_llm.model, drafter, requests, Tree.chain(3))
-    mixed = False  # some step ran with a dead row next to live ones
-    for _ in steps:
-        live = caches[0].live.tolist()
-        assert live == [0 if r.finished else 1 for r in requests]
-        mixed |= 0 < sum(live) < len(live)
-    assert mixed and caches[0].live.tolist() == [0, 0, 0]
+        return dict()
+    drafter = make_drafter(mode, "streaming" if mode == "self" else "full", target_llm, draft_llm)
+    return dict(drafter=drafter, tree=Tree.chain(3))
+
+
+@pytest.mark.parametrize("mode", ["autoregressive", "self", "standalone"])
+def test_finished_rows_are_marked_dead_in_the_cache(mode, target_llm, draft_llm):
+    """After every step the target cache marks exactly the generating rows live (live 0: its forwards read
+    none of its context, redwood.kv.cache): finished rows' slots are vacated on the step they finish."""
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 30, 21)]
+    seen = {"mixed": False}
+
+    def check(engine, states):
+        live = engine.cache.live.tolist()
+        running = {r.slot: r for r in engine._requests.values() if r.slot is not None}
+        for row, flag in enumerate(live):
+            rec = running.get(row)
+            assert flag == (1 if rec is not None and not rec.seq.is_prefilling else 0), (row, live)
+        seen["mixed"] |= 0 < sum(live) < len(live)
+
+    engine, _, _ = run_engine(target_llm.model, target_llm.tokenizer, FINISH_PROMPTS, params, on_step=check,
+                              **_mode(mode, target_llm, draft_llm))
+    assert seen["mixed"] and engine.cache.live.tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("mode", ["autoregressive", "self", "standalone"])
+def test_timings_leave_out_one_time_graph_captures(mode, target_llm, draft_llm, monkeypatch):
+    """A graph capture (here: a forward that takes CAPTURE_S longer once and books it as the runner's
+    capture time, as StepRunner does on CUDA) is charged to no decode, step, draft or verify time."""
+    import time
+
+    from redwood.engine.runner import StepRunner
+
+    CAPTURE_S = 1.0
+    forward = StepRunner.forward
+    first = [True]
+
+    def forward_capturing_once(self, *args, **kwargs):
+        if first[0]:
+            first[0] = False
+            t = time.perf_counter()
+            time.sleep(CAPTURE_S)
+            self.capture_s += time.perf_counter() - t  # what the "capture" took, as StepRunner books one
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(StepRunner, "forward", forward_capturing_once)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 30, 21)]
+    t0 = time.perf_counter()
+    engine, states, _ = run_engine(target_llm.model, target_llm.tokenizer, FINISH_PROMPTS, params,
+                                   **_mode(mode, target_llm, draft_llm))
+    assert not first[0] and engine.capture_s >= CAPTURE_S
+    assert time.perf_counter() - t0 > CAPTURE_S  # the capture did happen in this run
+    for r in states:
+        assert 0 < r.stats.decode_s < CAPTURE_S
+        if mode != "autoregressive":
+            spec = r.stats.spec
+            assert 0 < spec.step_s < CAPTURE_S and spec.draft_s + spec.verify_s < CAPTURE_S
 
 
 @pytest.mark.parametrize("kind,policy_name", DRAFT_CASES)
@@ -409,45 +421,3 @@ def test_mixed_greedy_and_sampled_rows(target_llm, draft_llm, ar_outputs, monkey
         assert_target_cache_is_autoregressive(target_llm.model, cache, requests)
 
 
-@pytest.mark.parametrize("mode", ["autoregressive", "self", "standalone"])
-def test_timings_leave_out_one_time_graph_captures(mode, target_llm, draft_llm, monkeypatch):
-    """A graph capture (here: a forward that takes CAPTURE_S longer once and books it as the pool's
-    capture time, as StepRunner does on CUDA) is charged to no decode, step, draft or verify time — on
-    the eager / split path, where captures happen inside steps, as on the whole-step graph path."""
-    import time
-
-    from redwood.engine.runner import RunnerPool, StepRunner
-
-    CAPTURE_S = 1.0
-    forward = StepRunner.forward
-    first = [True]
-
-    def forward_capturing_once(self, *args, **kwargs):
-        if first[0]:
-            first[0] = False
-            t = time.perf_counter()
-            time.sleep(CAPTURE_S)
-            # book what the "capture" took, as StepRunner times a real one (a sleep on a loaded machine
-            # overruns); the engine reads the pool's total (eager runners have no owner)
-            pool.capture_s += time.perf_counter() - t
-        return forward(self, *args, **kwargs)
-
-    monkeypatch.setattr(StepRunner, "forward", forward_capturing_once)
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 30, 21)]
-    requests = make_requests(FINISH_PROMPTS, params, target_llm.config, target_llm.tokenizer)
-    pool = RunnerPool(use_graphs=False)
-    if mode == "autoregressive":
-        steps = autoregressive(target_llm.model, requests, pool)
-    else:
-        drafter = make_drafter(mode, "streaming" if mode == "self" else "full", target_llm, draft_llm)
-        steps = speculative(target_llm.model, drafter, requests, Tree.chain(3), pool=pool)
-    t0 = time.perf_counter()
-    for _ in steps:
-        pass
-    assert not first[0] and pool.capture_s >= CAPTURE_S
-    assert time.perf_counter() - t0 > CAPTURE_S  # the capture did happen in this generation
-    for r in requests:
-        assert 0 < r.stats.decode_s < CAPTURE_S
-        if mode != "autoregressive":
-            spec = r.stats.spec
-            assert 0 < spec.step_s < CAPTURE_S and spec.draft_s + spec.verify_s < CAPTURE_S

@@ -1,8 +1,10 @@
 """The fused Triton kernels (redwood.kernels.fused) against the PyTorch code they replace.
 
 References are the model's own code: RMSNorm, `F.silu(g) * u` (MLP), apply_rotary + RotaryEmbedding,
-KVCache.write. Exactness required (bf16, fp16, fp32 inputs):
-  * rope_and_write: bit-identical q, cache (slots not written are untouched) — everywhere;
+and the cache write as an index_put at (page, offset), as KVCache.write does it. Exactness required
+(bf16, fp16, fp32 inputs):
+  * rope_and_write: bit-identical q, cache (slots not written are untouched) — everywhere, for a dense
+    cache and a paged one (a random block table, page sizes 1, 3, 16; untouched pages bit-identical);
   * add_rms_norm's residual sum: bit-identical;
   * silu_mul: bit-identical on CUDA (libdevice expf + IEEE division, as torch's CUDA silu); in the
     interpreter exp is numpy's, not CPU torch's (there fp32 ≤ 4 ulp, bf16/fp16 ≤ 2 ulp);
@@ -30,7 +32,6 @@ triton = pytest.importorskip("triton")
 
 from tests.conftest import capture_cuda_graph, import_without_triton, run_in_triton_interpreter  # noqa: E402
 from redwood.kernels import fused as fk  # noqa: E402
-from redwood.kv.cache import KVCache  # noqa: E402
 from redwood.models.rope import RotaryEmbedding, apply_rotary  # noqa: E402
 from redwood.models.transformer import RMSNorm  # noqa: E402
 
@@ -164,9 +165,14 @@ def test_silu_mul(dtype, shape):
 # RoPE + KV-cache write
 
 
-def rope_case(dtype, B, T, Hq, Hkv, D, cap, seed):
-    """Views of one fused QKV projection (non-contiguous), cos/sin from RotaryEmbedding, random
-    caches, distinct random slots per row."""
+def rope_case(dtype, B, T, Hq, Hkv, D, cap, seed, page_size=None):
+    """Views of one fused QKV projection (non-contiguous), cos/sin from RotaryEmbedding, random caches,
+    distinct random logical slots per row → their (pages, offsets).
+
+    page_size None: a dense cache [B, Hkv, cap, D], pages = arange(B) expanded, offsets = the slots.
+    Else a paged one [B · cdiv(cap, page_size) + 2, Hkv, page_size, D]: each row's logical pages at a
+    random permutation of the physical ones (two pages belong to no row), pages/offsets through that
+    table as KVCache.physical translates slots."""
     g = gen(seed)
     qkv = randn(g, B, T, (Hq + 2 * Hkv) * D, dtype=dtype)
     q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
@@ -175,20 +181,41 @@ def rope_case(dtype, B, T, Hq, Hkv, D, cap, seed):
     rotary = RotaryEmbedding(cfg).to(DEVICE)
     positions = torch.randint(0, 30000, (B, T), generator=g).to(DEVICE)
     cos, sin = rotary(positions, dtype)
-    k_cache = randn(g, B, Hkv, cap, D, dtype=dtype)
-    v_cache = randn(g, B, Hkv, cap, D, dtype=dtype)
-    slots = torch.stack([torch.randperm(cap, generator=g)[:T] for _ in range(B)]).to(DEVICE)
-    return q, k, v, cos, sin, k_cache, v_cache, slots
+    slots = torch.stack([torch.randperm(cap, generator=g)[:T] for _ in range(B)])
+    if page_size is None:
+        n_pages, page_size = B, cap
+        pages = torch.arange(B)[:, None].expand(B, T)
+        offsets = slots
+    else:
+        width = -(-cap // page_size)
+        n_pages = B * width + 2
+        table = torch.randperm(n_pages, generator=g)[:B * width].view(B, width)
+        pages = table.gather(1, slots // page_size)
+        offsets = slots % page_size
+    k_cache = randn(g, n_pages, Hkv, page_size, D, dtype=dtype)
+    v_cache = randn(g, n_pages, Hkv, page_size, D, dtype=dtype)
+    return q, k, v, cos, sin, k_cache, v_cache, pages.to(DEVICE), offsets.to(DEVICE)
 
 
-def rope_reference(q, k, v, cos, sin, k_cache, v_cache, slots):
-    """Attention.forward's eager path: rotate [B, H, T, D] views, KVCache.write into copies."""
+def rope_reference(q, k, v, cos, sin, k_cache, v_cache, pages, offsets):
+    """Attention.forward's eager path: rotate [B, H, T, D] views, write (rotated k, v) into copies of the
+    caches at (pages, offsets) as KVCache.write does (an index_put; destinations outside the cache are
+    left out, as the kernel leaves them)."""
     q_rot = apply_rotary(q.transpose(1, 2), cos, sin)
     k_rot = apply_rotary(k.transpose(1, 2), cos, sin)
     kc, vc = k_cache.clone(), v_cache.clone()
-    fake = types.SimpleNamespace(k=kc[None], v=vc[None], batch_size=q.shape[0])
-    KVCache.write(fake, 0, slots, k_rot, v.transpose(1, 2))
+    ok = (pages >= 0) & (pages < kc.shape[0]) & (offsets >= 0) & (offsets < kc.shape[2])
+    # advanced indices around a slice put [N] first: values [N, Hkv, D]
+    kc[pages[ok], :, offsets[ok]] = k_rot.transpose(1, 2)[ok]
+    vc[pages[ok], :, offsets[ok]] = v[ok]
     return q_rot, kc, vc
+
+
+def untouched(cache, before, pages, offsets):
+    """Whether every (page, offset) of `cache` other than the destinations equals `before` bit for bit."""
+    keep = torch.ones(cache.shape[0], cache.shape[2], dtype=torch.bool, device=cache.device)
+    keep[pages.flatten(), offsets.flatten()] = False
+    return torch.equal(cache.transpose(1, 2)[keep], before.transpose(1, 2)[keep])
 
 
 if INTERPRET:  # a few cases covering every value (the interpreter runs each program in Python)
@@ -199,42 +226,75 @@ else:
 
 
 @needs_kernel
+@pytest.mark.parametrize("page_size", [None, 3])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,T,Hq,Hkv,D", ROPE_CASES)
-def test_rope_and_write(dtype, B, T, Hq, Hkv, D):
-    args = rope_case(dtype, B, T, Hq, Hkv, D, cap=12, seed=5 + T + D)
+def test_rope_and_write(dtype, B, T, Hq, Hkv, D, page_size):
+    args = rope_case(dtype, B, T, Hq, Hkv, D, cap=12, seed=5 + T + D, page_size=page_size)
     q_ref, kc_ref, vc_ref = rope_reference(*args)
-    q, k, v, cos, sin, kc, vc, slots = args
-    q_rot = fk.rope_and_write(q, k, v, cos, sin, kc, vc, slots)
+    q, k, v, cos, sin, kc, vc, pages, offsets = args
+    kc0, vc0 = kc.clone(), vc.clone()
+    q_rot = fk.rope_and_write(q, k, v, cos, sin, kc, vc, pages, offsets)
     assert q_rot.shape == (B, Hq, T, D) and q_rot.dtype == dtype
     assert q_rot.transpose(1, 2).is_contiguous()
     assert torch.equal(q_rot, q_ref)
     assert torch.equal(kc, kc_ref)  # written slots rotated exactly, all others untouched
     assert torch.equal(vc, vc_ref)
+    assert untouched(kc, kc0, pages, offsets) and untouched(vc, vc0, pages, offsets)
 
 
 @needs_kernel
-def test_rope_and_write_contiguous_inputs_and_bad_slots():
-    args = rope_case(torch.bfloat16, 2, 3, 4, 2, 64, cap=8, seed=11)
-    q, k, v, cos, sin, kc, vc, slots = args
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    q_ref, kc_ref, vc_ref = rope_reference(q, k, v, cos, sin, kc, vc, slots)
-    assert torch.equal(fk.rope_and_write(q, k, v, cos, sin, kc, vc, slots), q_ref)
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_rope_and_write_paged_lands_in_the_right_page(page_size):
+    """Rows' tokens through a random block table land at (table[b, s // ps], s % ps) and nowhere else:
+    every other page, and every other offset of the written pages, is bit-identical afterwards."""
+    B, T, Hq, Hkv, D = 3, 4, 4, 2, 64
+    args = rope_case(torch.bfloat16, B, T, Hq, Hkv, D, cap=20, seed=30 + page_size, page_size=page_size)
+    q, k, v, cos, sin, kc, vc, pages, offsets = args
+    q_ref, kc_ref, vc_ref = rope_reference(*args)
+    kc0, vc0 = kc.clone(), vc.clone()
+    assert torch.equal(fk.rope_and_write(q, k, v, cos, sin, kc, vc, pages, offsets), q_ref)
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
-    # slots outside [0, capacity) are skipped, never written out of bounds
+    assert untouched(kc, kc0, pages, offsets) and untouched(vc, vc0, pages, offsets)
+    written = torch.zeros(kc.shape[0], dtype=torch.bool, device=kc.device)
+    written[pages.flatten()] = True
+    assert torch.equal(kc[~written], kc0[~written]) and torch.equal(vc[~written], vc0[~written])
+    k_rot = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+    for b in range(B):
+        for t in range(T):
+            assert torch.equal(kc[pages[b, t], :, offsets[b, t]], k_rot[b, :, t])
+            assert torch.equal(vc[pages[b, t], :, offsets[b, t]], v[b, t])
+
+
+@needs_kernel
+@pytest.mark.parametrize("page_size", [None, 4])
+def test_rope_and_write_contiguous_inputs_and_bad_destinations(page_size):
+    args = rope_case(torch.bfloat16, 2, 3, 4, 2, 64, cap=8, seed=11, page_size=page_size)
+    q, k, v, cos, sin, kc, vc, pages, offsets = args
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q_ref, kc_ref, vc_ref = rope_reference(q, k, v, cos, sin, kc, vc, pages, offsets)
+    assert torch.equal(fk.rope_and_write(q, k, v, cos, sin, kc, vc, pages, offsets), q_ref)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    # pages outside [0, P) or offsets outside [0, page_size) are skipped, never written out of bounds
     before_k, before_v = kc.clone(), vc.clone()
-    bad = torch.tensor([[-1, 8, 9], [100, -5, 8]], device=DEVICE)
-    assert torch.equal(fk.rope_and_write(q, k, v, cos, sin, kc, vc, bad), q_ref)
+    P, ps = kc.shape[0], kc.shape[2]
+    bad_pages = torch.tensor([[-1, P, 0], [P + 5, 1, -3]], device=DEVICE)
+    bad_offsets = torch.tensor([[0, 1, ps], [2, -1, 100]], device=DEVICE)
+    assert torch.equal(fk.rope_and_write(q, k, v, cos, sin, kc, vc, bad_pages, bad_offsets), q_ref)
     assert torch.equal(kc, before_k) and torch.equal(vc, before_v)
 
 
 @needs_kernel
 def test_rope_and_write_checks_shapes():
-    q, k, v, cos, sin, kc, vc, slots = rope_case(torch.float32, 1, 2, 4, 2, 64, cap=4, seed=0)
+    q, k, v, cos, sin, kc, vc, pages, offsets = rope_case(torch.float32, 1, 2, 4, 2, 64, cap=4, seed=0)
     with pytest.raises(ValueError):
-        fk.rope_and_write(q, k, v, cos[:, :1], sin, kc, vc, slots)
+        fk.rope_and_write(q, k, v, cos[:, :1], sin, kc, vc, pages, offsets)
+    with pytest.raises(ValueError):
+        fk.rope_and_write(q, k, v, cos, sin, kc, vc, pages, offsets[:, :1])
+    with pytest.raises(ValueError):
+        fk.rope_and_write(q, k, v, cos, sin, kc[:, :1], vc[:, :1], pages, offsets)  # Hkv mismatch
     with pytest.raises(TypeError):
-        fk.rope_and_write(q, k, v, cos.half(), sin.half(), kc, vc, slots)
+        fk.rope_and_write(q, k, v, cos.half(), sin.half(), kc, vc, pages, offsets)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -244,26 +304,26 @@ def test_rope_and_write_checks_shapes():
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA")
 def test_cuda_graph_capture():
     dtype = torch.bfloat16
-    q, k, v, cos, sin, kc, vc, slots = rope_case(dtype, 1, 1, 12, 2, 128, cap=16, seed=7)
+    q, k, v, cos, sin, kc, vc, pages, offsets = rope_case(dtype, 1, 1, 12, 2, 128, cap=64, seed=7, page_size=16)
     g = gen(8)
     x, res = randn(g, 1, 1, 1536, dtype=dtype), randn(g, 1, 1, 1536, dtype=dtype)
     w = randn(g, 1536, dtype=dtype)
     gate_up = randn(g, 1, 1, 2 * 8960, dtype=dtype)
-    static = [q, k, v, cos, sin, slots, x, res, gate_up]
+    static = [q, k, v, cos, sin, pages, offsets, x, res, gate_up]
 
     def step():
-        return (fk.rope_and_write(q, k, v, cos, sin, kc, vc, slots), *fk.add_rms_norm(x, res, w, 1e-6),
+        return (fk.rope_and_write(q, k, v, cos, sin, kc, vc, pages, offsets), *fk.add_rms_norm(x, res, w, 1e-6),
                 fk.silu_mul(gate_up))
 
     graph, outs = capture_cuda_graph(step)
-    fresh = rope_case(dtype, 1, 1, 12, 2, 128, cap=16, seed=9)
-    for dst, src in zip(static, [*fresh[:5], fresh[7], randn(g, 1, 1, 1536, dtype=dtype),
+    fresh = rope_case(dtype, 1, 1, 12, 2, 128, cap=64, seed=9, page_size=16)  # another page and offset
+    for dst, src in zip(static, [*fresh[:5], *fresh[7:], randn(g, 1, 1, 1536, dtype=dtype),
                                  randn(g, 1, 1, 1536, dtype=dtype), randn(g, 1, 1, 2 * 8960, dtype=dtype)]):
         dst.copy_(src)
     kc0, vc0 = kc.clone(), vc.clone()
     graph.replay()
     torch.cuda.synchronize()
-    q_ref, kc_ref, vc_ref = rope_reference(q, k, v, cos, sin, kc0, vc0, slots)
+    q_ref, kc_ref, vc_ref = rope_reference(q, k, v, cos, sin, kc0, vc0, pages, offsets)
     assert torch.equal(outs[0], q_ref) and torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
     assert torch.equal(outs[2], x + res)
     expect = fk.add_rms_norm(x, res, w, 1e-6)[0]

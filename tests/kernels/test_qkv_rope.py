@@ -21,7 +21,7 @@ if INTERPRET and (why := interpreter_broken()):  # the K loop's bound is a kerne
     pytest.skip(why, allow_module_level=True)
 
 
-def rope_case(dtype, Hq, Hkv, D, H, cap, seed, int8=False):
+def rope_case(dtype, Hq, Hkv, D, H, cap, seed, int8=False, num_pages=1):
     from redwood.models.rope import RotaryEmbedding
     from redwood.config import ModelConfig
 
@@ -35,35 +35,49 @@ def rope_case(dtype, Hq, Hkv, D, H, cap, seed, int8=False):
                                     "num_key_value_heads": Hkv, "max_position_embeddings": 4096,
                                     "rope_theta": 10000.0})
     cos, sin = RotaryEmbedding(cfg).to(DEVICE)(torch.tensor([[cap // 2 + 3]], device=DEVICE), dtype)
-    kc = randn(g, 1, Hkv, cap, D, dtype=dtype)
-    vc = randn(g, 1, Hkv, cap, D, dtype=dtype)
+    kc = randn(g, num_pages, Hkv, cap, D, dtype=dtype)  # [P, Hkv, page_size = cap, D]
+    vc = randn(g, num_pages, Hkv, cap, D, dtype=dtype)
     q8 = gemv.quantize_int8(w) if int8 else (w, None)
     return x, q8, b, nw, cos, sin, kc, vc
+
+
+# (physical pages, page size, the token's page, its offset): a dense one-row cache (page 0, offset =
+# the slot), and a paged one whose page is neither the first nor the last
+LAYOUTS = [(1, 12, 0, 7), (5, 3, 3, 2)]
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("Hq,Hkv,D,H", [(4, 2, 16, 48), (3, 1, 8, 40)] if INTERPRET else [(12, 2, 128, 1536), (14, 2, 64, 896)])
 @pytest.mark.parametrize("int8", [False, True])
-def test_qkv_rope_write_equals_linear_then_rope_and_write(dtype, Hq, Hkv, D, H, int8):
+@pytest.mark.parametrize("num_pages,page_size,page,offset", LAYOUTS)
+def test_qkv_rope_write_equals_linear_then_rope_and_write(dtype, Hq, Hkv, D, H, int8, num_pages, page_size, page,
+                                                          offset):
     """One kernel == gemv.linear (norm folded, bias) followed by fused.rope_and_write, same tile config:
     the same sums, rounded and rotated the same way (bit for bit in the interpreter, within an ulp
-    compiled); only the token's slot is written."""
+    compiled); only the token's (page, offset) is written, every other slot of every page is
+    bit-identical."""
     from redwood.kernels import fused
 
-    cap = 12
-    x, (w, scale), b, nw, cos, sin, kc, vc = rope_case(dtype, Hq, Hkv, D, H, cap, seed=50 + Hq, int8=int8)
-    slots = torch.tensor([[7]], device=DEVICE)
+    x, (w, scale), b, nw, cos, sin, kc, vc = rope_case(dtype, Hq, Hkv, D, H, page_size, seed=50 + Hq, int8=int8,
+                                                       num_pages=num_pages)
+    pages, offsets = torch.tensor([[page]], device=DEVICE), torch.tensor([[offset]], device=DEVICE)
     cfg = (2, 64 if INTERPRET else 1024, 4, 1)
+    kc0, vc0 = kc.clone(), vc.clone()
     kc2, vc2 = kc.clone(), vc.clone()
     q = qkv_rope.qkv_rope_write(x, w, b, scale=scale, norm=(nw, 1e-6), cos=cos, sin=sin, k_cache=kc, v_cache=vc,
-                            slots=slots, num_heads=Hq, config=cfg)
+                                pages=pages, offsets=offsets, num_heads=Hq, config=cfg)
     qkv = gemv.linear(x, w, b, scale=scale, norm=(nw, 1e-6), config=cfg)
     nq, nk = Hq * D, Hkv * D
     shape = (1, 1, -1, D)
     q_ref = fused.rope_and_write(qkv[..., :nq].reshape(shape), qkv[..., nq:nq + nk].reshape(shape),
-                                 qkv[..., nq + nk:].reshape(shape), cos, sin, kc2, vc2, slots)
+                                 qkv[..., nq + nk:].reshape(shape), cos, sin, kc2, vc2, pages, offsets)
     assert q.shape == (1, Hq, 1, D)
+    keep = torch.ones(num_pages, page_size, dtype=torch.bool, device=kc.device)
+    keep[page, offset] = False
+    for got, before in ((kc, kc0), (vc, vc0)):
+        assert torch.equal(got.transpose(1, 2)[keep], before.transpose(1, 2)[keep])
+        assert not torch.equal(got[page, :, offset], before[page, :, offset])
     if INTERPRET:  # numpy sums in one order: the same bits
         assert torch.equal(q, q_ref) and torch.equal(kc, kc2)
     else:  # compiled reductions sum in a layout-dependent order: a projection may land one ulp away,
@@ -76,13 +90,18 @@ def test_qkv_rope_write_equals_linear_then_rope_and_write(dtype, Hq, Hkv, D, H, 
 
 
 @needs_kernel
-def test_qkv_rope_write_skips_slots_outside_the_cache_and_checks_shapes():
-    x, (w, _), b, nw, cos, sin, kc, vc = rope_case(torch.bfloat16, 4, 2, 16, 48, 12, seed=60)
+def test_qkv_rope_write_skips_destinations_outside_the_cache_and_checks_shapes():
+    x, (w, _), b, nw, cos, sin, kc, vc = rope_case(torch.bfloat16, 4, 2, 16, 48, 12, seed=60, num_pages=3)
     before = kc.clone(), vc.clone()
-    qkv_rope.qkv_rope_write(x, w, b, norm=(nw, 1e-6), cos=cos, sin=sin, k_cache=kc, v_cache=vc,
-                        slots=torch.tensor([[12]], device=DEVICE), num_heads=4)
-    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
-    kw = dict(cos=cos, sin=sin, k_cache=kc, v_cache=vc, slots=torch.tensor([[3]], device=DEVICE))
+    for page, offset in ((0, 12), (1, -1), (3, 0), (-1, 5)):  # offsets outside [0, 12), pages outside [0, 3)
+        qkv_rope.qkv_rope_write(x, w, b, norm=(nw, 1e-6), cos=cos, sin=sin, k_cache=kc, v_cache=vc,
+                                pages=torch.tensor([[page]], device=DEVICE),
+                                offsets=torch.tensor([[offset]], device=DEVICE), num_heads=4)
+        assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    one = torch.tensor([[1]], device=DEVICE)
+    kw = dict(cos=cos, sin=sin, k_cache=kc, v_cache=vc, pages=one, offsets=torch.tensor([[3]], device=DEVICE))
+    with pytest.raises(ValueError, match="want one"):
+        qkv_rope.qkv_rope_write(x, w, b, num_heads=4, **{**kw, "pages": one.expand(1, 2)})
     with pytest.raises(ValueError, match="one token"):
         qkv_rope.qkv_rope_write(x.expand(1, 2, 48), w, b, num_heads=4, **kw)
     with pytest.raises(ValueError, match="Hq"):

@@ -18,6 +18,13 @@ Design (flash-decoding with GQA packing):
     last split.
   * num_splits is chosen on the host from static shapes only (capacity or C, B, Hkv, SM count), so a
     call has no host sync and allocates only from shapes: it can be captured in a CUDA graph.
+  * Paged caches: K/V are [pages, Hkv, page_size, D] and a block table [B, W] maps row b's logical
+    page j to a physical one (read in the kernel, like the lengths). Slots stay logical everywhere
+    (lengths, views, windows, the recent keys); only the K/V loads translate them. A context tile starts
+    at a multiple of BLOCK_N, so where page_size is one too it lies in one page: one table lookup per
+    tile, the same contiguous [BLOCK_N, D] loads as the dense layout. Other page sizes, gathered views
+    and the recent keys look up each key's page (each key's D values are still contiguous). Without a
+    table the cache is dense [B, Hkv, capacity, D] and the kernel is the unpaged variant.
   * Online softmax in base 2, fp32 accumulation; rows that see no key output 0 (never NaN).
 
 triton is imported guarded (`redwood.kernels.triton_import`): without it this module still imports, and
@@ -68,8 +75,20 @@ def _softmax_step(acc, m_i, l_i, q, k, v, visible, qk_scale, PRECISION: tl.const
 
 
 @_jit
+def _kv_rows(k_base, v_base, bt_row, slot, ok, sbt_w, page_size, sk_b, sk_n, sv_b, sv_n, PAGED: tl.constexpr):
+    """Pointers [N, 1] to the K and V rows of logical slots `slot` [N] (read where ok): through the block
+    table (one lookup per key) when PAGED, else slot-strided from the row's base."""
+    if PAGED:
+        page = tl.load(bt_row + (slot // page_size) * sbt_w, mask=ok, other=0).to(tl.int64)
+        within = slot % page_size
+        return (k_base + page[:, None] * sk_b + within[:, None] * sk_n,
+                v_base + page[:, None] * sv_b + within[:, None] * sv_n)
+    return k_base + slot[:, None] * sk_n, v_base + slot[:, None] * sv_n
+
+
+@_jit
 def _split_kv_kernel(
-    Q, K, V, LENGTHS, LIVE, NEW_MASK, CTX_IDX, CTX_VALID, QPOS, OUT, WS_ACC, WS_M, WS_L, LOCKS,
+    Q, K, V, LENGTHS, LIVE, NEW_MASK, CTX_IDX, CTX_VALID, QPOS, BLOCK_TABLE, OUT, WS_ACC, WS_M, WS_L, LOCKS,
     sq_b, sq_h, sq_t, sq_d,
     sk_b, sk_h, sk_n, sk_d,
     sv_b, sv_h, sv_n, sv_d,
@@ -77,10 +96,12 @@ def _split_kv_kernel(
     sci_b, sci_h, sci_c,
     scv_b, scv_h, scv_c,
     sp_b, sp_t,
+    sbt_b, sbt_w, page_size,
     qk_scale, window, Hkv, T, P, C, num_splits,
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_VIEW: tl.constexpr, HAS_NEW_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_LIVE: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_TILES: tl.constexpr, PREFETCH: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -110,8 +131,14 @@ def _split_kv_kernel(
     if UPCAST:  # the interpreter's tl.dot treats bf16 (held as uint16) as integers: dot in fp32
         q = q.to(tl.float32)
     L = tl.load(LENGTHS + b).to(tl.int32)
-    k_base = K + b * sk_b + kvh * sk_h
-    v_base = V + b * sv_b + kvh * sv_h
+    if PAGED:  # K/V [pages, Hkv, page_size, D]: slot s of row b is at page BLOCK_TABLE[b, s // page_size]
+        k_base = K + kvh * sk_h
+        v_base = V + kvh * sv_h
+        bt_row = BLOCK_TABLE + b * sbt_b
+    else:  # K/V [B, Hkv, capacity, D]: row b's slot s
+        k_base = K + b * sk_b + kvh * sk_h
+        v_base = V + b * sv_b + kvh * sv_h
+        bt_row = BLOCK_TABLE  # unused
     if HAS_WINDOW:
         qpos = tl.load(QPOS + b * sp_b + t * sp_t, mask=row_ok, other=0).to(tl.int32)
 
@@ -135,6 +162,8 @@ def _split_kv_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: fully masked tiles never give inf - inf
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
+    if PAGE_TILES and PREFETCH:  # the first tile's page; each step loads the next one's
+        next_page = tl.load(bt_row + (lo // page_size) * sbt_w, mask=lo < hi, other=0).to(tl.int64)
     for j0 in range(lo, hi, BLOCK_N):  # context keys: visible to every row (but for the window)
         j = j0 + tl.arange(0, BLOCK_N)
         key_ok = j < hi
@@ -146,8 +175,21 @@ def _split_kv_kernel(
         else:
             slot = j
         kv_mask = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + slot[:, None] * sk_n + offs_d[None, :] * sk_d, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + slot[:, None] * sv_n + offs_d[None, :] * sv_d, mask=kv_mask, other=0.0)
+        if PAGE_TILES:  # the tile [j0, j0 + BLOCK_N) lies in one page (j0 and page_size: multiples of BLOCK_N)
+            if PREFETCH:
+                page = next_page
+                j1 = j0 + BLOCK_N
+                next_page = tl.load(bt_row + (j1 // page_size) * sbt_w, mask=j1 < hi, other=0).to(tl.int64)
+            else:
+                page = tl.load(bt_row + (j0 // page_size) * sbt_w).to(tl.int64)
+            within = slot - (j0 // page_size) * page_size
+            k_ptr = k_base + page * sk_b + within[:, None] * sk_n
+            v_ptr = v_base + page * sv_b + within[:, None] * sv_n
+        else:
+            k_ptr, v_ptr = _kv_rows(k_base, v_base, bt_row, slot, key_ok, sbt_w, page_size, sk_b, sk_n, sv_b, sv_n,
+                                    PAGED)
+        k = tl.load(k_ptr + offs_d[None, :] * sk_d, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + offs_d[None, :] * sv_d, mask=kv_mask, other=0.0)
         if UPCAST:
             k, v = k.to(tl.float32), v.to(tl.float32)
         visible = key_ok[None, :] & row_ok[:, None]
@@ -163,8 +205,9 @@ def _split_kv_kernel(
         key_ok = r < W
         slot = L + r
         kv_mask = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + slot[:, None] * sk_n + offs_d[None, :] * sk_d, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + slot[:, None] * sv_n + offs_d[None, :] * sv_d, mask=kv_mask, other=0.0)
+        k_ptr, v_ptr = _kv_rows(k_base, v_base, bt_row, slot, key_ok, sbt_w, page_size, sk_b, sk_n, sv_b, sv_n, PAGED)
+        k = tl.load(k_ptr + offs_d[None, :] * sk_d, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + offs_d[None, :] * sv_d, mask=kv_mask, other=0.0)
         if UPCAST:
             k, v = k.to(tl.float32), v.to(tl.float32)
         pair_ok = row_ok[:, None] & key_ok[None, :]
@@ -326,6 +369,11 @@ def default_num_splits(n_keys: int, programs: int, num_sms: int, block_m: int = 
 
 
 _OCCUPANCY: dict = {}
+# How a paged cache whose page size is a multiple of the key tile finds a context tile's page:
+# "tile": one table load per tile; "prefetch": the same, loaded one tile ahead; "key": one per key, as
+# for other page sizes. _PAGED_STAGES: num_stages for paged calls (None: as dense). Both for measuring.
+_PAGE_LOOKUP = "tile"
+_PAGED_STAGES = None
 
 
 def _resident_per_sm(device: torch.device, consts: dict, dtypes: tuple, args) -> int | None:
@@ -377,20 +425,27 @@ def _merge_rows(n_rows: int, num_sms: int) -> int:
 
 
 def decode_attention(q, k_cache, v_cache, lengths, *, pending=0, new_mask=None, ctx_idx=None, ctx_valid=None,
-                     q_positions=None, sliding_window=None, live=None, num_splits=None) -> torch.Tensor:
+                     q_positions=None, sliding_window=None, live=None, num_splits=None,
+                     block_table=None) -> torch.Tensor:
     """Attention of T new tokens per row over one layer of the KV cache.
 
-    q: [B, Hq, T, D] (any strides); k_cache, v_cache: [B, Hkv, capacity, D]; lengths: [B] int (on the
-    device, never read on the host). pending: P. new_mask: [T, P + T] or [B or 1, T, P + T] bool (or
-    those bits packed by `pack_new_mask`), None → causal. ctx_idx / ctx_valid: [B, H', C] (H' = 1 or
-    Hkv) context view, None → slots [0, L_b). q_positions: [B, T] positions for the sliding window (the
-    window applies only with both given, as in the reference). live: [B] integer 0/1 or None: rows with
-    0 (finished) read none of their context, only the pending + new tokens. num_splits: None →
+    q: [B, Hq, T, D] (any strides); lengths: [B] int (on the device, never read on the host).
+    k_cache, v_cache: one layer of a paged cache [pages, Hkv, page_size, D] with block_table [B, W]
+    (int32/int64, on the device, read only in the kernel): logical slot s of row b lives at
+    k_cache[block_table[b, s // page_size], :, s % page_size]; the table covers every slot the call
+    reads (s < L_b + P + T) — entries past that are never read. block_table None: the dense layout
+    [B, Hkv, capacity, D], row b's slot s at k_cache[b, :, s] (the table arange(B)[:, None], page_size =
+    capacity). Everything else is in logical slots: lengths, ctx_idx, q_positions and the pending + new
+    tokens at L_b + r. pending: P. new_mask: [T, P + T] or [B or 1, T, P + T] bool (or those bits
+    packed by `pack_new_mask`), None → causal. ctx_idx / ctx_valid: [B, H', C] (H' = 1 or Hkv) context
+    view, None → slots [0, L_b). q_positions: [B, T] positions for the sliding window (the window
+    applies only with both given, as in the reference). live: [B] integer 0/1 or None: rows with 0
+    (finished) read none of their context, only the pending + new tokens. num_splits: None →
     `default_num_splits` for this kernel variant's occupancy (`num_splits_for`).
     Returns [B, T, Hq, D] contiguous, q's dtype.
     """
     plan = _Plan(q, k_cache, v_cache, lengths, pending, new_mask, ctx_idx, ctx_valid, q_positions, sliding_window,
-                 live, num_splits)
+                 live, num_splits, block_table)
     B, Hq, T, D = q.shape
     splits, out = plan.num_splits, plan.out
     if splits > 1:
@@ -416,20 +471,30 @@ def decode_attention(q, k_cache, v_cache, lengths, *, pending=0, new_mask=None, 
 
 
 def num_splits_for(q, k_cache, v_cache, lengths, *, pending=0, new_mask=None, ctx_idx=None, ctx_valid=None,
-                   q_positions=None, sliding_window=None, live=None) -> int:
+                   q_positions=None, sliding_window=None, live=None, block_table=None) -> int:
     """The split count `decode_attention` takes for these arguments (benchmarks report it)."""
     return _Plan(q, k_cache, v_cache, lengths, pending, new_mask, ctx_idx, ctx_valid, q_positions, sliding_window,
-                 live, None).num_splits
+                 live, None, block_table).num_splits
 
 
 class _Plan:
     """One decode_attention call's launch: kernel variant (consts), run-time arguments, grid, splits."""
 
     def __init__(self, q, k_cache, v_cache, lengths, pending, new_mask, ctx_idx, ctx_valid, q_positions,
-                 sliding_window, live, num_splits):
+                 sliding_window, live, num_splits, block_table=None):
         B, Hq, T, D = q.shape
-        Bk, Hkv, cap, Dk = k_cache.shape
-        assert Bk == B and Dk == D and v_cache.shape == k_cache.shape and Hq % Hkv == 0, "shape mismatch"
+        Bk, Hkv, page_size, Dk = k_cache.shape
+        assert Dk == D and v_cache.shape == k_cache.shape and Hq % Hkv == 0, "shape mismatch"
+        paged = block_table is not None
+        if paged:
+            assert block_table.dim() == 2 and block_table.shape[0] == B, \
+                f"block_table {tuple(block_table.shape)} != [B = {B}, W]"
+            assert block_table.dtype in (torch.int32, torch.int64), f"block_table dtype {block_table.dtype}"
+            assert block_table.device == q.device, "block_table must be on q's device"
+            cap = block_table.shape[1] * page_size  # logical capacity of a row
+        else:
+            assert Bk == B, f"dense caches {tuple(k_cache.shape)}: want [B = {B}, Hkv, capacity, D]"
+            cap = page_size
         assert q.dtype in _DTYPES and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, "dtype mismatch"
         assert D <= _MAX_HEAD_DIM, f"head dim {D} > {_MAX_HEAD_DIM}"
         G = Hq // Hkv
@@ -443,23 +508,30 @@ class _Plan:
         ci, ci_strides = _view_arg(ctx_idx, lengths, B, Hkv)
         cv, cv_strides = _view_arg(None if ctx_valid is None else ctx_valid.view(torch.uint8), lengths, B, Hkv)
         qp, qp_strides = (q_positions, q_positions.stride()) if has_window else (lengths, (0, 0))
+        bt, bt_strides = (block_table, block_table.stride()) if paged else (lengths, (0, 0))
         upcast = _INTERPRET and q.dtype == torch.bfloat16
         use_pdl = pdl.enabled(q.device)
+        # One table lookup per context tile where no tile crosses a page (tiles start at multiples of
+        # BLOCK_N); else, and for gathered views and the recent keys, one lookup per key.
+        page_tiles = paged and not has_view and page_size % cfg["BLOCK_N"] == 0 and _PAGE_LOOKUP != "key"
+        if paged and _PAGED_STAGES:
+            cfg["num_stages"] = _PAGED_STAGES
         self.consts = dict(G=G, D=D, HAS_VIEW=has_view, HAS_NEW_MASK=new_mask is not None, HAS_WINDOW=has_window,
-                           HAS_LIVE=live is not None, UPCAST=upcast, FUSED_MERGE=False,
-                           PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32", PDL=use_pdl, **cfg,
-                           **pdl.launch_options(use_pdl))
-        self._run_args = (q, k_cache, v_cache, lengths, live if live is not None else lengths, nm, ci, cv, qp,
+                           HAS_LIVE=live is not None, PAGED=paged, PAGE_TILES=page_tiles,
+                           PREFETCH=page_tiles and _PAGE_LOOKUP == "prefetch", UPCAST=upcast,
+                           FUSED_MERGE=False, PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
+                           PDL=use_pdl, **cfg, **pdl.launch_options(use_pdl))
+        self._run_args = (q, k_cache, v_cache, lengths, live if live is not None else lengths, nm, ci, cv, qp, bt,
                           self.out)
         self._scalars = (*q.stride(), *k_cache.stride(), *v_cache.stride(), *nm_strides, *ci_strides,
-                         *cv_strides, *qp_strides, _LOG2E / math.sqrt(D), sliding_window if has_window else 0, Hkv,
-                         T, pending, C)
+                         *cv_strides, *qp_strides, *bt_strides, page_size, _LOG2E / math.sqrt(D),
+                         sliding_window if has_window else 0, Hkv, T, pending, C)
         if num_splits is None:
             n_keys, programs = C if has_view else cap, B * Hkv * m_tiles
             per_sm = None
             if q.is_cuda and not _INTERPRET and n_keys >= 2048:  # (shorter ones: ≤ 1 split per 1024 keys)
                 per_sm = _resident_per_sm(q.device, self.consts,
-                                          (q.dtype, lengths.dtype, nm.dtype, ci.dtype, qp.dtype), self.args)
+                                          (q.dtype, lengths.dtype, nm.dtype, ci.dtype, qp.dtype, bt.dtype), self.args)
             num_splits = default_num_splits(n_keys, programs, _num_sms(q.device), cfg["BLOCK_M"], per_sm)
         self.num_splits = max(1, int(num_splits))
         self.grid = (m_tiles, self.num_splits, B * Hkv)

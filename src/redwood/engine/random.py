@@ -109,6 +109,13 @@ class RowRandom:
         self.key[row] = _seed_keys([seed], self.key.device)[0]  # (both words)
         self.counter[row] = 0
 
+    def state(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row `row`'s (keys [2], counter) — to carry a preempted request's stream to its next slot."""
+        return self.key[row].clone(), self.counter[row].clone()
+
+    def set_state(self, row: int, state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.key[row], self.counter[row] = state
+
     def copy(self) -> "RowRandom":
         other = RowRandom.__new__(RowRandom)
         other.key, other.counter, other.batch_size = self.key.clone(), self.counter.clone(), self.batch_size

@@ -64,6 +64,40 @@ class Sampler:
         self.any_filter = any(p.top_k > 0 or p.top_p < 1 for p in params)
         self.random = RowRandom([p.seed for p in params], device)
 
+    @classmethod
+    def slots(cls, num_rows: int, device: torch.device) -> "Sampler":
+        """A sampler for `num_rows` batch slots, every row greedy until `set_row` gives it a request."""
+        return cls([SamplingParams()] * num_rows, device)
+
+    def set_row(self, row: int, params: SamplingParams, seed_state=None) -> None:
+        """Row `row` now samples for a request with `params`: its settings, and a fresh random stream from
+        params.seed (or the stream `seed_state` = RowRandom.state(...) it had before a preemption). The
+        flags are not updated: `view` sets them for the rows a step runs."""
+        self.params[row] = params
+        self.temperature[row] = params.temperature
+        self.top_k[row] = params.top_k
+        self.top_p[row] = params.top_p
+        if seed_state is None:
+            self.random.reseed(row, params.seed)
+        else:
+            self.random.set_state(row, seed_state)
+
+    def view(self, lo: int, hi: int, active: list[SamplingParams]) -> "Sampler":
+        """The sampler of rows [lo, hi), sharing this one's tensors, with flags from `active` — the
+        parameters of the rows whose results count (the others' draws are discarded)."""
+        other = Sampler.__new__(Sampler)
+        other.device = self.device
+        other.params = self.params[lo:hi]
+        other.temperature, other.top_k, other.top_p = self.temperature[lo:hi], self.top_k[lo:hi], self.top_p[lo:hi]
+        active = active or other.params
+        other.all_greedy = all(p.greedy for p in active)
+        other.any_greedy = any(p.greedy for p in active)
+        other.any_filter = any(p.top_k > 0 or p.top_p < 1 for p in active)
+        rnd = RowRandom.__new__(RowRandom)
+        rnd.key, rnd.counter, rnd.batch_size = self.random.key[lo:hi], self.random.counter[lo:hi], hi - lo
+        other.random = rnd
+        return other
+
     def copy(self) -> "Sampler":
         """A sampler with the same settings and random state in separate device tensors."""
         other = Sampler.__new__(Sampler)

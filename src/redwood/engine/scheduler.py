@@ -66,6 +66,9 @@ class SeqState:
     block_table: BlockTable | None = None
     arrival: int = -1  # order of `add`
     num_preemptions: int = 0
+    # At most this many leading tokens may come from the prefix cache (None: any; SnapKV must compute
+    # its observation window, see DraftKVPolicy.prefix_limit).
+    prefix_limit: int | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -187,7 +190,10 @@ class Scheduler:
             req = self.waiting[0]
             req.prefill_len = req.num_tokens
             if self.pool.enable_prefix_cache:
-                req.num_computed = req.block_table.match_prefix(req.all_token_ids, self.pool)
+                ids = req.all_token_ids
+                if req.prefix_limit is not None:
+                    ids = ids[:req.prefix_limit + 1]  # (a match covers at most len(ids) − 1 tokens)
+                req.num_computed = req.block_table.match_prefix(ids, self.pool)
             chunk = self._chunk(req)
             if chunk is None:  # not even one token fits: stay at the head
                 req.block_table.release(self.pool)

@@ -3,9 +3,9 @@
     rms_norm(x, w, eps)                  RMSNorm (≈6 kernels in eager)
     add_rms_norm(x, residual, w, eps)    x + residual, then RMSNorm of the sum (≈7 kernels)
     silu_mul(gate_up, F)                 silu(gate) * up over a fused [.., 2F] projection (2 kernels)
-    rope_and_write(q, k, v, cos, sin, k_cache, v_cache, slots)
-                                         rotate-half RoPE of q and k, k and v written into the cache
-                                         (≈10 + 2 index_put kernels); one program per token
+    rope_and_write(q, k, v, cos, sin, k_cache, v_cache, pages, offsets)
+                                         rotate-half RoPE of q and k, k and v written into the (paged)
+                                         cache (≈10 + 2 index_put kernels); one program per token
 
 Each reproduces the rounding of the PyTorch code it replaces (redwood.models.transformer.RMSNorm,
 `F.silu(g) * u`, redwood.models.rope.apply_rotary, KVCache.write): math in float32 with a rounding to
@@ -150,15 +150,16 @@ def _rotate(X, c1, c2, s1, s2, ok, HALF: tl.constexpr, ROUND: tl.constexpr, INTE
 
 
 @_jit
-def _rope_write_kernel(Q, K, V, COS, SIN, KC, VC, SLOTS, QO,
+def _rope_write_kernel(Q, K, V, COS, SIN, KC, VC, PAGES, OFFSETS, QO,
                        sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
-                       sc_b, sc_t, ss_b, ss_t, skc_b, skc_h, skc_s, svc_b, svc_h, svc_s,
-                       sl_b, sl_t, so_b, so_t, so_h, T, capacity,
+                       sc_b, sc_t, ss_b, ss_t, skc_p, skc_h, skc_s, svc_p, svc_h, svc_s,
+                       spg_b, spg_t, sof_b, sof_t, so_b, so_t, so_h, T, num_pages, page_size,
                        HQ: tl.constexpr, HKV: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
                        HALF: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr,
                        INTERP: tl.constexpr):
     """One program per token (b * T + t): rotates its Hq query heads into QO, rotates its Hkv key
-    heads and writes them and the value heads into the caches at slot slots[b, t]."""
+    heads and writes them and the value heads into the caches at page pages[b, t], offset
+    offsets[b, t] (nowhere if either is outside the cache)."""
     bt = tl.program_id(0)
     b = (bt // T).to(tl.int64)
     t = bt % T
@@ -180,18 +181,20 @@ def _rope_write_kernel(Q, K, V, COS, SIN, KC, VC, SLOTS, QO,
     tl.store(dst + HALF, o2.to(QO.dtype.element_ty), mask=q_ok)
 
     hk = tl.arange(0, HKV_PAD)
-    slot = tl.load(SLOTS + b * sl_b + t * sl_t).to(tl.int64) + tl.zeros([HKV_PAD], dtype=tl.int64)
+    page = tl.load(PAGES + b * spg_b + t * spg_t).to(tl.int64) + tl.zeros([HKV_PAD], dtype=tl.int64)
+    off = tl.load(OFFSETS + b * sof_b + t * sof_t).to(tl.int64) + tl.zeros([HKV_PAD], dtype=tl.int64)
     k_ok = (hk < HKV)[:, None] & d_ok[None, :]
-    w_ok = k_ok & ((slot >= 0) & (slot < capacity))[:, None]  # never write outside the cache
+    in_cache = (page >= 0) & (page < num_pages) & (off >= 0) & (off < page_size)
+    w_ok = k_ok & in_cache[:, None]  # never write outside the cache
     o1, o2 = _rotate(K + b * sk_b + t * sk_t + hk[:, None] * sk_h + d[None, :], c1, c2, s1, s2, k_ok,
                      HALF, ROUND, INTERP)
-    dst = KC + b * skc_b + hk[:, None] * skc_h + slot[:, None] * skc_s + d[None, :]
+    dst = KC + page[:, None] * skc_p + hk[:, None] * skc_h + off[:, None] * skc_s + d[None, :]
     tl.store(dst, o1.to(KC.dtype.element_ty), mask=w_ok)
     tl.store(dst + HALF, o2.to(KC.dtype.element_ty), mask=w_ok)
     src = V + b * sv_b + t * sv_t + hk[:, None] * sv_h + d[None, :]
     v1 = tl.load(src, mask=k_ok, other=0.0)
     v2 = tl.load(src + HALF, mask=k_ok, other=0.0)
-    dst = VC + b * svc_b + hk[:, None] * svc_h + slot[:, None] * svc_s + d[None, :]
+    dst = VC + page[:, None] * svc_p + hk[:, None] * svc_h + off[:, None] * svc_s + d[None, :]
     tl.store(dst, v1.to(VC.dtype.element_ty), mask=w_ok)
     tl.store(dst + HALF, v2.to(VC.dtype.element_ty), mask=w_ok)
 
@@ -301,13 +304,17 @@ def silu_mul(gate_up: torch.Tensor, F: int | None = None) -> torch.Tensor:  # no
 
 def rope_and_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slots: torch.Tensor) -> torch.Tensor:
+                   pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """apply_rotary to q and k, KVCache.write of (rotated k, v), in one kernel.
 
     q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] (any strides with a unit last stride, e.g. views of one
     fused QKV projection); cos, sin: [B, T, D] as RotaryEmbedding returns them (q's dtype);
-    k_cache, v_cache: one layer's cache [B, Hkv, capacity, D]; slots: [B, T] integer cache slots
-    (slots outside [0, capacity) are not written). Rounds as apply_rotary does in q's dtype.
+    k_cache, v_cache: one layer of a paged cache [P, Hkv, page_size, D] (P physical pages);
+    pages, offsets: [B, T] integers (any strides, e.g. expanded) — token (b, t) goes to
+    k_cache[pages[b, t], :, offsets[b, t]] (likewise v): the physical place of its logical slot, as
+    KVCache.physical gives it. Pages outside [0, P) or offsets outside [0, page_size) are not written.
+    A dense cache [B, Hkv, capacity, D] is the case pages = arange(B)[:, None].expand(B, T),
+    offsets = slots. Rounds as apply_rotary does in q's dtype.
 
     Returns rotated q of shape [B, Hq, T, D]: a transpose(1, 2) view of a new contiguous
     [B, T, Hq, D] tensor (so `.transpose(1, 2).reshape(B, T, Hq * D)` is free).
@@ -321,11 +328,11 @@ def rope_and_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
         raise ValueError(f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)} != [B, T, D] = {(B, T, D)}")
     if D % 2:
         raise ValueError(f"head dim {D} is odd")
-    cap = k_cache.shape[2]
-    if k_cache.shape != (B, Hkv, cap, D) or v_cache.shape != k_cache.shape:
-        raise ValueError(f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} != [B, Hkv, cap, D]")
-    if slots.shape != (B, T):
-        raise ValueError(f"slots {tuple(slots.shape)} != [B, T] = {(B, T)}")
+    num_pages, page_size = k_cache.shape[0], k_cache.shape[2]
+    if k_cache.shape != (num_pages, Hkv, page_size, D) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} != [P, Hkv, page_size, D]")
+    if pages.shape != (B, T) or offsets.shape != (B, T):
+        raise ValueError(f"pages {tuple(pages.shape)} / offsets {tuple(offsets.shape)} != [B, T] = {(B, T)}")
     if not (k.dtype == v.dtype == cos.dtype == sin.dtype == q.dtype):
         raise TypeError(f"q, k, v, cos, sin must share a dtype: {q.dtype}, {k.dtype}, {v.dtype}, "
                         f"{cos.dtype}, {sin.dtype}")
@@ -340,9 +347,10 @@ def rope_and_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     block = triton.next_power_of_2(half)
     hq_pad, hkv_pad = triton.next_power_of_2(Hq), triton.next_power_of_2(Hkv)
     _rope_write_kernel[(B * T,)](
-        q, k, v, cos, sin, k_cache, v_cache, slots, qo,
+        q, k, v, cos, sin, k_cache, v_cache, pages, offsets, qo,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *cos.stride()[:2], *sin.stride()[:2],
-        *k_cache.stride()[:3], *v_cache.stride()[:3], *slots.stride(), *qo.stride()[:3], T, cap,
+        *k_cache.stride()[:3], *v_cache.stride()[:3], *pages.stride(), *offsets.stride(), *qo.stride()[:3], T,
+        num_pages, page_size,
         HQ=Hq, HKV=Hkv, HQ_PAD=hq_pad, HKV_PAD=hkv_pad, HALF=half, BLOCK=block, ROUND=rnd,
         INTERP=_INTERPRET, num_warps=max(1, min(4, hq_pad * block // 256)), **_LAUNCH,
     )

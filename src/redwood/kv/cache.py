@@ -77,11 +77,13 @@ class KVCache:
         return sub
 
     def row(self, b: int) -> "KVCache":
-        """The cache of row b alone (a prefill's): shared pages, views of row b's state."""
+        """The cache of row b alone (a prefill's): shared pages, views of row b's table and length."""
         sub = KVCache.__new__(KVCache)
         sub.__dict__.update(self.__dict__)
-        sub.block_table, sub.lengths, sub.live = (self.block_table[b:b + 1], self.lengths[b:b + 1],
-                                                  self.live[b:b + 1])
+        # live: its own 1 — a prefilling row is not live in the batch (it does not decode yet), but its
+        # prefill attends to its context
+        sub.block_table, sub.lengths = self.block_table[b:b + 1], self.lengths[b:b + 1]
+        sub.live = torch.ones(1, dtype=torch.long, device=self.lengths.device)
         sub.dense = False  # row b's page is page b, not page 0
         return sub
 
@@ -118,7 +120,10 @@ class KVCache:
             return pages.expand(slots.shape), slots
         ps, width = self.page_size, self.block_table.shape[1]
         raw = slots // ps
-        pages = self.block_table.gather(1, raw.clamp(max=width - 1).reshape(B, -1)).reshape(slots.shape).long()
+        idx = raw.clamp(max=width - 1)
+        pages = self.block_table.gather(1, idx.reshape(B, -1)).reshape(slots.shape).long()
+        if self.trash_page is None:  # (a row of a dense cache: past its page = past its capacity)
+            return pages, slots - idx * ps
         return torch.where(raw < width, pages, self.trash_page), slots % ps
 
     def write(self, layer: int, dest: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor) -> None:

@@ -91,6 +91,20 @@ class DraftKVPolicy:
         """The context view for a draft forward given committed lengths [B]; None = full context."""
         return None
 
+    # Per-row use (the Engine: rows are batch slots that requests join and leave).
+    def allocate(self, num_rows: int, num_layers: int, num_kv_heads: int, device: torch.device) -> None:
+        """Hold per-row state for `num_rows` slots (views over rows [0, n) read its first n rows)."""
+
+    def admit(self, row: int, prompt_length: int) -> PrefillObserver | None:
+        """A request whose prefill covers `prompt_length` tokens takes slot `row`: the observer its
+        prefill must run with (its result lands in row `row`), or None."""
+        return None
+
+    def prefix_limit(self, prompt_length: int) -> int:
+        """How many leading prompt tokens may come from a prefix cache instead of being computed (SnapKV
+        must see its observation window's queries attend, so those are always computed)."""
+        return prompt_length
+
     def describe(self) -> str:
         return self.name
 
@@ -305,16 +319,47 @@ class SnapKVPolicy(DraftKVPolicy):
             self.selected_valid[layer].copy_(valid)
         self._observed[layer] = True
 
+    # ------------------------------------------------------------------ per-row use (the Engine)
+    def allocate(self, num_rows: int, num_layers: int, num_kv_heads: int, device: torch.device) -> None:
+        self.version += 1
+        K = self.budget - self.window
+        self.prompt_lengths = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self.obs_start = torch.zeros(num_rows, dtype=torch.long, device=device)
+        shape = (num_rows, num_kv_heads, K)
+        self.selected = [torch.zeros(shape, dtype=torch.long, device=device) for _ in range(num_layers)]
+        self.selected_valid = [torch.zeros(shape, dtype=torch.bool, device=device) for _ in range(num_layers)]
+        self._observed = [True] * num_layers
+        self._serial = None
+
+    def admit(self, row: int, prompt_length: int) -> PrefillObserver:
+        # One row's prefill is observed by a one-row SnapKV of the same settings, whose selection is
+        # copied into row `row` when the prefill ends (_RowObserver.finish).
+        one = SnapKVPolicy(self.budget, self.window, self.kernel, self.pool)
+        dev = self.obs_start.device
+        one.start(torch.tensor([prompt_length], device=dev), len(self.selected))
+        self.prompt_lengths[row] = prompt_length
+        self.obs_start[row] = max(prompt_length - self.window, 0)
+        return _RowObserver(one, self, row)
+
+    def prefix_limit(self, prompt_length: int) -> int:
+        return max(prompt_length - self.window, 0)
+
+    def _take_row(self, row: int, one: "SnapKVPolicy") -> None:
+        for layer, (idx, valid) in enumerate(zip(one.selected, one.selected_valid)):
+            self.selected[layer][row] = idx[0]
+            self.selected_valid[layer][row] = valid[0]
+
     def view(self, lengths: torch.Tensor) -> ContextView:
         assert self.obs_start is not None and all(self._observed), "snapkv: no prefill seen"
         dev = lengths.device
-        sel = torch.stack(self.selected)  # [L, B, Hkv, K]
-        sel_valid = torch.stack(self.selected_valid)
+        n = lengths.shape[0]  # a view over rows [0, n) of the policy's rows
+        sel = torch.stack([s[:n] for s in self.selected])  # [L, B, Hkv, K]
+        sel_valid = torch.stack([s[:n] for s in self.selected_valid])
         n_sel = sel_valid.sum(-1)  # [L, B, Hkv]
         recent_n = self.budget - n_sel  # [L, B, Hkv] slots left for the recent part
         R = self.budget  # ≥ every recent_n: a static width (no host sync); extra entries are invalid
         recent = lengths[:, None] - R + torch.arange(R, device=dev)  # [B, R]
-        lo = torch.maximum(lengths[None, :, None] - recent_n, self.obs_start[None, :, None])  # [L, B, Hkv]
+        lo = torch.maximum(lengths[None, :, None] - recent_n, self.obs_start[None, :n, None])  # [L, B, Hkv]
         recent_valid = recent[None, :, None, :] >= lo[..., None]
         recent = recent.clamp(min=0)[None, :, None, :].expand_as(recent_valid)
         idx = torch.cat([sel, recent], dim=-1)
@@ -323,6 +368,27 @@ class SnapKVPolicy(DraftKVPolicy):
 
     def describe(self) -> str:
         return f"snapkv(budget={self.budget}, window={self.window}, kernel={self.kernel}, pool={self.pool})"
+
+
+class _RowObserver:
+    """The PrefillObserver of one row's prefill (`SnapKVPolicy.admit`): a one-row SnapKV observes it;
+    at `finish` its selection moves into the slot's row of the per-row policy."""
+
+    def __init__(self, one: SnapKVPolicy, owner: SnapKVPolicy, row: int):
+        self.one, self.owner, self.row = one, owner, row
+
+    def observes(self, start: int, stop: int) -> bool:
+        return self.one.observes(start, stop)
+
+    def at(self, start: int) -> Observer:
+        return self.one.at(start)
+
+    def finish(self, serial: int) -> None:
+        self.one.finish(serial)
+        self.owner._take_row(self.row, self.one)
+
+    def resume(self, serial: int) -> bool:
+        return False
 
 
 def make_policy(name: str, budget: int | None = None, sinks: int | None = None, window: int | None = None,

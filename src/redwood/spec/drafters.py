@@ -28,8 +28,6 @@ import torch
 
 from redwood.engine.sampling import Sampler
 from redwood.errors import ConfigError
-from redwood.kv.cache import KVCache
-from redwood.engine.runner import RunnerPool, StepRunner
 from redwood.kv.policies import DraftKVPolicy, FullPolicy
 from redwood.models.transformer import Transformer
 from redwood.spec.tree_verify import draw_children
@@ -120,26 +118,24 @@ class Drafter:
         # reads these tensors on every replay.
         self._device_plans: dict[tuple, DevicePlan] = {}
 
-    def target_prefill_observer(self):
-        """Observer to pass to the target's prefill (self-speculation with SnapKV), else None."""
-        return None
+    # A runner (`redwood.engine.runner.StepRunner`: .forward(ids, positions, ...) and .cache) runs a model
+    # over a batch of rows of its cache; the Engine passes the target's and, for a drafter with its own
+    # model, the draft's for the rows a step runs.
+    own_model: Transformer | None = None  # a standalone draft model (its own cache), else None
 
-    def prefill(self, prompts: list[list[int]], capacity: int, pool: RunnerPool) -> None:
-        """Prepare for a new batch (a drafter with its own cache takes it from `pool`); called just
-        before the target's prefill."""
-
-    def propose(self, target: StepRunner, prev: torch.Tensor, last: torch.Tensor, tree: Tree,
+    def propose(self, target, draft, prev: torch.Tensor, last: torch.Tensor, tree: Tree,
                 sampler: Sampler, rule: str, need_q: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft a tree after `last` [B] (`prev` [B]: the newest committed token); `target` runs the
-        target over its cache.
+        target over its cache, `draft` the draft model over its own (None for self-speculation).
 
         Returns node tokens [B, n] (column 0 = last) and, when `need_q`, the draft distribution at every
         node [B, n, V_target] (zeros at leaves).
         """
         raise NotImplementedError
 
-    def commit(self, path_src: torch.Tensor, count: torch.Tensor) -> None:
-        """The target accepted these paths (node indices [B, A] incl. the root, `count` [B] of them)."""
+    def commit(self, draft, path_src: torch.Tensor, count: torch.Tensor) -> None:
+        """The target accepted these paths (node indices [B, A] incl. the root, `count` [B] of them);
+        `draft`: the draft runner the step drafted with (None for self-speculation)."""
 
     def graph_key(self) -> tuple:
         """What a captured step that drafts with this drafter depends on besides the tree and batch."""
@@ -152,7 +148,7 @@ class Drafter:
             self._device_plans[key] = device_plan(tree, m, device)
         return self._device_plans[key]
 
-    def _draft(self, runner: StepRunner, lead: torch.Tensor | None, last: torch.Tensor,
+    def _draft(self, runner, lead: torch.Tensor | None, last: torch.Tensor,
                tree: Tree, sampler: Sampler, rule: str, need_q: bool, vocab: int):
         """Level-by-level drafting into the runner's cache after its committed length, reading the
         context through `self.policy`. No host synchronization (graph-capturable).
@@ -196,52 +192,39 @@ class Drafter:
 
 
 class SelfDrafter(Drafter):
+    """The target drafts over its own cache through the policy's compressed view."""
+
     def __init__(self, model: Transformer, policy: DraftKVPolicy):
         super().__init__(policy)
-        self.model = model
+        self.target = model
 
-    def target_prefill_observer(self):
-        return self.policy.prefill_observer()
-
-    def prefill(self, prompts, capacity, pool):
-        lens = torch.tensor([len(p) for p in prompts], device=self.model.device)
-        self.policy.start(lens, self.model.config.num_layers)
-
-    def propose(self, target, prev, last, tree, sampler, rule, need_q):
-        return self._draft(target, None, last, tree, sampler, rule, need_q, self.model.config.vocab_size)
+    def propose(self, target, draft, prev, last, tree, sampler, rule, need_q):
+        return self._draft(target, None, last, tree, sampler, rule, need_q, self.target.config.vocab_size)
 
 
 class ModelDrafter(Drafter):
+    """A standalone draft model over its own cache (the Engine keeps it: same rows, same page table as
+    the target's, the draft model's own pages)."""
+
     def __init__(self, model: Transformer, policy: DraftKVPolicy, target_vocab: int):
         super().__init__(policy)
-        self.model = model
+        self.own_model = model
         self.target_vocab = target_vocab
         # Tokens the two models share; the draft never proposes a token outside this range.
         self.shared_vocab = min(target_vocab, model.config.vocab_size)
-        self.runner: StepRunner | None = None
         self._plan: DevicePlan | None = None  # the latest proposal's (for commit)
 
     @property
-    def cache(self) -> KVCache | None:
-        return None if self.runner is None else self.runner.cache
+    def model(self) -> Transformer:
+        return self.own_model
 
-    def graph_key(self) -> tuple:
-        return super().graph_key() + (id(self.runner), id(self.cache.k) if self.cache is not None else None)
-
-    def prefill(self, prompts, capacity, pool):
-        from redwood.engine.generate import prefill
-
-        self.runner = pool.get("draft", self.model, len(prompts), capacity)
-        lens = torch.tensor([len(p) for p in prompts], device=self.model.device)
-        self.policy.start(lens, self.model.config.num_layers)
-        prefill(self.model, self.runner.cache, prompts, observer=self.policy.prefill_observer())
-
-    def propose(self, target, prev, last, tree, sampler, rule, need_q):
-        assert self.runner is not None
-        self.cache.lengths.copy_(target.cache.lengths - 1)  # rewind: re-feed the newest committed token
+    def propose(self, target, draft, prev, last, tree, sampler, rule, need_q):
+        # Rewind every generating row by one (re-feed the newest committed token, which may be an
+        # accepted leaf the draft never fed); rows that do not generate (live 0: idle, prefilling)
+        # keep their length, so this step's scratch writes land past their prefilled tokens.
+        draft.cache.lengths.copy_(target.cache.lengths - target.cache.live)
         self._plan = self._plan_for(tree, 1, last.device)  # (one lead token: prev)
-        tokens, q = self._draft(self.runner, prev[:, None], last, tree, sampler, rule, need_q,
-                                self.shared_vocab)
+        tokens, q = self._draft(draft, prev[:, None], last, tree, sampler, rule, need_q, self.shared_vocab)
         return tokens, None if q is None else self.pad_to_target(q)
 
     def pad_to_target(self, q: torch.Tensor) -> torch.Tensor:
@@ -250,15 +233,16 @@ class ModelDrafter(Drafter):
             return q
         return torch.cat([q, q.new_zeros(*q.shape[:-1], self.target_vocab - self.shared_vocab)], dim=-1)
 
-    def commit(self, path_src, count):
+    def commit(self, draft, path_src, count):
         # Draft slots (from the rewound length): 0 = prev, 1 + fed_pos[v] = node v. The accepted path's
         # internal nodes all have children, so all were fed; its last node may be an unfed leaf, but the
-        # next step re-feeds it as `prev`, so it need not move.
-        assert self.cache is not None and self._plan is not None
+        # next step re-feeds it as `prev`, so it need not move. The draft's lengths stay rewound: the
+        # next proposal sets them from the target's.
+        assert self._plan is not None
         if self._plan.chain:
             return  # a chain: every accepted node is already in place
         src = torch.cat([torch.zeros_like(path_src[:, :1]), 1 + self._plan.fed_pos[path_src].clamp(min=0)], dim=1)
-        self.cache.compact(src, count)  # entries past count (incl. the path's last node) stay put
+        draft.cache.compact(src, count)  # entries past count (incl. the path's last node) stay put
 
 
 def check_compatible(target_tokenizer, draft_tokenizer, target_vocab: int, draft_vocab: int) -> None:

@@ -1,0 +1,121 @@
+"""The device work of one decoding step over a batch of rows: autoregressive, or draft → verify.
+
+State per row between steps: the target cache holds the committed tokens except the newest one, `last`
+(sampled but not yet fed), and `prev` is the newest committed token. A step maps
+
+    (prev [B], last [B]) → path [B, A], accepted [B], next token [B], new prev [B],
+                           host [B, 2 + A] (accepted, next token, the path's tokens: one transfer)
+
+- `ARStep`: one target forward over `last`, the next token sampled from it (A = 1, accepted 0).
+- `SpecStep`, for a token tree whose root is `last` (a chain of γ drafts is the tree with one child per
+  node): the drafter fills the tree's other nodes (and their draft distributions q); one target forward
+  over all n nodes (slots L…L+n−1, positions L + depth, the tree's ancestor mask) gives p at every node;
+  the verifier picks each row's accepted path (a nodes below the root) and the next token (the
+  correction, or the bonus after a fully accepted path).
+Committing (moving the accepted path's KV into place, advancing lengths) is the Engine's: it knows which
+rows generate and where each stops. Nothing in a step reads a device value on the host, so on CUDA a step
+is captured whole into one graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from redwood.engine.sampling import Sampler
+from redwood.errors import ConfigError
+from redwood.models.transformer import Transformer
+from redwood.spec.drafters import Drafter
+from redwood.spec.tree_verify import CHILD_RULE, verify_tree_paths
+from redwood.spec.trees import Tree
+from redwood.spec.verifiers import verify_greedy, verify_sampling
+
+# Chain verifiers are vectorized special cases of the tree walks: with one child per node, Sequoia's
+# sampling without replacement and SpecInfer are both plain speculative rejection sampling.
+STOCHASTIC = ("sampling", "sequoia", "specinfer")
+
+
+def resolve_verifier(verifier: str, tree: Tree, all_greedy: bool) -> str:
+    """The verifier to run: 'auto' → greedy when every request is greedy, else rejection sampling."""
+    if verifier == "auto":
+        return "greedy" if all_greedy else ("sampling" if tree.is_chain else "sequoia")
+    if verifier == "greedy" and not all_greedy:
+        raise ConfigError("the greedy verifier is lossless only at temperature 0; use verifier='sampling' "
+                          "(or 'sequoia' / 'specinfer' / 'topk' for trees, or 'auto') for sampled requests")
+    if verifier == "sampling" and not tree.is_chain:
+        return "sequoia"
+    return verifier
+
+
+def child_rule(kind: str) -> str:
+    """How a drafter draws children for verifier `kind`."""
+    return "topk" if kind == "greedy" else ("swor" if kind == "sampling" else CHILD_RULE[kind])
+
+
+def _verify(kind: str, tree: Tree, tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,
+            sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """→ path [B, A] (root then accepted nodes, padded with 0), accepted count a [B], next token [B].
+
+    p: [B, n, V] target probabilities (for the greedy verifier, logits do as well: only argmax matters).
+    """
+    B, n = tokens.shape
+    if tree.is_chain and n > 1 and kind in ("greedy", *STOCHASTIC):  # (no drafts, chain:0: the tree walk)
+        drafts = tokens[:, 1:]
+        if kind == "greedy":
+            a, nxt = verify_greedy(p, drafts)
+        else:
+            a, nxt = verify_sampling(p, q[:, :-1], drafts, sampler.random)
+        return torch.arange(n, device=tokens.device)[None].expand(B, n), a, nxt
+    walk = "sequoia" if kind == "sampling" else kind
+    nodes, nxt = verify_tree_paths(walk, list(tree.parents), tokens, p, q, sampler.random)  # [B, depth]
+    path = torch.cat([nodes.new_zeros(B, 1), nodes.clamp(min=0)], dim=1)
+    return path, (nodes >= 0).sum(1), nxt
+
+
+class ARStep:
+    """One autoregressive step: feed `last`, sample the next token."""
+
+    def __init__(self, runner, sampler: Sampler):
+        self.runner, self.sampler = runner, sampler
+
+    def __call__(self, prev: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        positions = self.runner.cache.lengths[:, None]
+        logits = self.runner.forward(last[:, None], positions)[:, 0]
+        nxt = self.sampler.sample(logits)
+        zeros = torch.zeros_like(last)
+        host = torch.stack([zeros, nxt, last], dim=1)
+        return zeros[:, None], zeros, nxt, last, host
+
+
+class SpecStep:
+    """One speculative step for a fixed batch, tree and verifier (see the module docstring)."""
+
+    def __init__(self, target: Transformer, runner, draft_runner, drafter: Drafter, tree: Tree, kind: str,
+                 sampler: Sampler):
+        self.runner, self.draft_runner, self.drafter, self.tree = runner, draft_runner, drafter, tree
+        self.kind, self.rule, self.sampler = kind, child_rule(kind), sampler
+        self.need_q = kind in STOCHASTIC
+        device = target.device
+        self.mask = None if tree.is_chain else tree.ancestor_mask(device)
+        self.depth = tree.depths_tensor(device)
+
+    def draft(self, prev: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.drafter.propose(self.runner, self.draft_runner, prev, last, self.tree, self.sampler,
+                                    self.rule, self.need_q)
+
+    def verify(self, tokens: torch.Tensor, q: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        B, n = tokens.shape
+        positions = self.runner.cache.lengths[:, None] + self.depth[None]
+        logits = self.runner.forward(tokens, positions, new_mask=self.mask, mask_key=("verify", self.tree))
+        if self.kind == "greedy":
+            p = logits  # [B, n, V]: argmax is all the greedy verifier reads
+        else:
+            rows = torch.arange(B, device=tokens.device).repeat_interleave(n)
+            p = self.sampler.probs(logits.reshape(B * n, -1), rows).view(B, n, -1)
+        path, accepted, nxt = _verify(self.kind, self.tree, tokens, p, q, self.sampler)
+        path_tokens = tokens.gather(1, path)  # [B, A]
+        prev = path_tokens.gather(1, accepted[:, None])[:, 0]
+        host = torch.cat([accepted[:, None], nxt[:, None], path_tokens], dim=1)
+        return path, accepted, nxt, prev, host
+
+    def __call__(self, prev: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.verify(*self.draft(prev, last))

@@ -1,0 +1,571 @@
+"""The Engine: one step-level loop with continuous batching over a paged KV cache.
+
+    engine = Engine("qwen2.5-coder-1.5b-instruct", speculative=SpeculativeConfig(...))
+    engine.add_request("def fib(n):", SamplingParams(max_new_tokens=64), request_id="a")
+    while engine.has_unfinished():
+        for delta in engine.step():        # RequestDelta(request_id, token_ids, text, finish_reason, stats)
+            ...
+
+A step is: schedule (`Scheduler`: which rows decode, at most one prefill chunk, preemptions) → run (one
+decoding step — autoregressive or draft → verify — over the rows that generate, then the prefill chunk)
+→ postprocess (emit tokens, check stops, commit KV, free what finished). Requests join at step
+boundaries; a row that finishes is refilled at the next one.
+
+Rows are batch *slots* [0, max_num_seqs). Device state per slot: the cache's page-table row, length and
+live flag (`KVCache`), `prev` / `last` (the newest committed token / the sampled token not yet fed), the
+sampler's settings and random stream (`Sampler.set_row`), the draft KV policy's per-row state (SnapKV's
+selection). A decoding step runs on the first n slots, n the smallest batch bucket (1, 2, 4, …,
+max_num_seqs) holding every generating row — slots are handed out lowest first, so n tracks the
+running count — and each bucket has its own runners and CUDA graphs. Rows in the bucket that do not
+generate (idle slots, a request still prefilling) have live 0: they read no KV, their writes land in
+scratch slots or the trash page, their results are dropped and their random counters restored — so a
+request's output does not depend on what runs beside it.
+
+A request's prefill runs in chunks into its slot alone (`engine.prefill`); with a standalone draft model
+each chunk also runs through the draft into its own cache, which shares the target's page table (same
+block ids, the draft model's pages).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from redwood.config import SpeculativeConfig
+from redwood.engine.decode import ARStep, SpecStep, resolve_verifier
+from redwood.engine.prefill import prefill_row
+from redwood.engine.request import RequestState, SpecStats
+from redwood.engine.runner import StepRunner
+from redwood.engine.sampling import Sampler
+from redwood.engine.scheduler import Scheduler, SeqState, Status
+from redwood.errors import ConfigError, ContextLengthError
+from redwood.kv.blocks import BlockPool
+from redwood.kv.cache import KVCache
+from redwood.loading import load_model
+from redwood.sampling_params import SamplingParams
+
+DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT_MODEL = "qwen2.5-coder-0.5b-instruct"  # shares the target's tokenizer
+
+# Special tokens that end a generation wherever a vocabulary has them (as llama.cpp's end-of-generation
+# set): e.g. Qwen instruct files name only <|im_end|> as EOS, yet the model may also emit <|endoftext|>.
+END_OF_GENERATION = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "</s>",
+                     "<|end|>", "<end_of_turn>")
+
+DEFAULT_BLOCK_SIZE = 128
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_PREFILL_CHUNK = 2048  # max_num_batched_tokens: prefill tokens per step
+CPU_KV_MEMORY_GIB = 4.0  # as vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE)
+GPU_KV_MEMORY_FRACTION = 0.9  # of the device memory free after loading
+
+
+def eos_token_ids(config, tokenizer) -> frozenset[int]:
+    """EOS ids: the model config's, the tokenizer's EOS, and its end-of-generation special tokens."""
+    ids = set(config.eos_token_ids)
+    if tokenizer is not None:
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            ids.add(int(tokenizer.eos_token_id))
+        special = set(getattr(tokenizer, "all_special_tokens", []) or [])
+        added = getattr(tokenizer, "added_tokens_encoder", {}) or {}
+        for text in END_OF_GENERATION:
+            if text in special or text in added:
+                tid = tokenizer.convert_tokens_to_ids(text)
+                if isinstance(tid, int) and 0 <= tid < config.vocab_size:
+                    ids.add(tid)
+    return frozenset(ids)
+
+
+@dataclass
+class RequestDelta:
+    """What one step produced for one request."""
+
+    request_id: str
+    token_ids: list[int]  # new tokens
+    text: str  # new text (held back while it could begin a stop string)
+    finish_reason: str | None  # None while running; "stop", "length" or "abort" on its last delta
+    stats: dict | None = None  # on the last delta: RequestStats.to_dict()
+    prompt_token_ids: list[int] | None = None  # on the last delta
+
+
+@dataclass
+class _Request:
+    seq: SeqState  # the scheduler's view
+    state: RequestState  # output, text, stop conditions, stats
+    params: SamplingParams
+    slot: int | None = None
+    observers: tuple = (None, None)  # (target's, draft model's) prefill observers while prefilling
+    seed_state: tuple | None = None  # the random stream kept across a preemption
+    t_added: float = 0.0
+    t_first: float | None = None
+    capture_at_first: float = 0.0  # Engine.capture_s when the first token came (decode_s leaves captures out)
+    sent: int = 0  # output tokens already in deltas
+    synced: int = 0  # block-table entries already copied to the device table
+
+
+def _check_knobs(max_num_seqs, block_size, max_num_batched_tokens, kv_cache_memory) -> None:
+    for name, value in (("max_num_seqs", max_num_seqs), ("block_size", block_size),
+                        ("max_num_batched_tokens", max_num_batched_tokens)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    if kv_cache_memory is not None and (isinstance(kv_cache_memory, bool) or
+                                        not isinstance(kv_cache_memory, (int, float)) or not kv_cache_memory > 0):
+        raise ConfigError(f"kv_cache_memory must be a positive number of GiB, got {kv_cache_memory!r}")
+
+
+class Engine:
+    """A loaded model (and drafter) serving requests step by step.
+
+    model / dtype / device / speculative / offload / offload_prefetch / cuda_graphs: as `redwood.LLM`.
+    max_num_seqs: batch slots (requests generating at once). max_model_len: prompt + output limit per
+    request (default: the model's context). block_size: tokens per KV page. max_num_batched_tokens:
+    prefill tokens per step (a longer prompt is prefilled in chunks over several steps, beside the
+    decoding rows). kv_cache_memory: GiB for the KV pages (target + draft model); default: on CUDA 90%
+    of the memory free after loading, on the CPU 4 GiB — never more than max_num_seqs full-length
+    requests need. enable_prefix_caching: share the KV blocks of identical prompt prefixes across
+    requests (refcounted; off by default).
+    """
+
+    def __init__(self, model: str | Path = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
+                 device: str | torch.device = "cpu", speculative: SpeculativeConfig | None = None,
+                 offload: bool = False, offload_prefetch: int = 2, cuda_graphs: bool | None = None,
+                 max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, max_model_len: int | None = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE, max_num_batched_tokens: int = DEFAULT_PREFILL_CHUNK,
+                 kv_cache_memory: float | None = None, enable_prefix_caching: bool = False):
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise ConfigError(f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}")
+        _check_knobs(max_num_seqs, block_size, max_num_batched_tokens, kv_cache_memory)
+        if offload:
+            from redwood.engine.offload import check_prefetch, offload_layers
+            from redwood.loading import parse_device
+
+            check_prefetch(offload_prefetch)
+            parse_device(device)
+        loaded = load_model(model, dtype=dtype, device="cpu" if offload else device)
+        if offload:  # loaded on the host: the layers stay there, the rest moves to the device
+            offload_layers(loaded.model, device, prefetch=offload_prefetch)
+        on_cuda = loaded.model.device.type == "cuda"
+        if cuda_graphs and not on_cuda:
+            raise ConfigError("cuda_graphs needs device='cuda'")
+        self.tokenizer, self.model = loaded.tokenizer, loaded.model
+        self.config = loaded.config
+        drafter = tree = None
+        self.draft_name = None
+        if speculative is not None:
+            tree = speculative.make_tree()
+            drafter = self._make_drafter(speculative, dtype, device)
+        self._setup(loaded.model, loaded.tokenizer, loaded.source, loaded.path, drafter, tree,
+                    "auto" if speculative is None else speculative.verifier,
+                    on_cuda if cuda_graphs is None else bool(cuda_graphs), max_num_seqs, max_model_len,
+                    block_size, max_num_batched_tokens, kv_cache_memory, enable_prefix_caching)
+        self.speculative = speculative
+
+    @classmethod
+    def build(cls, model, tokenizer=None, *, drafter=None, tree=None, verifier: str = "auto",
+              cuda_graphs: bool | None = None, model_name: str = "model", max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+              max_model_len: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+              max_num_batched_tokens: int = DEFAULT_PREFILL_CHUNK, kv_cache_memory: float | None = None,
+              enable_prefix_caching: bool = False) -> "Engine":
+        """An Engine over an already loaded target `Transformer` (and a `Drafter` with its `Tree`):
+        what tools holding models (benchmarks, tests) use instead of loading them again."""
+        from redwood.spec.trees import Tree
+
+        _check_knobs(max_num_seqs, block_size, max_num_batched_tokens, kv_cache_memory)
+        if (drafter is None) != (tree is None):
+            raise ConfigError("a drafter needs a tree (Tree.chain(γ) for a chain) and a tree needs a drafter")
+        if isinstance(tree, int):
+            tree = Tree.chain(tree)
+        self = cls.__new__(cls)
+        self.model, self.tokenizer, self.config = model, tokenizer, model.config
+        self.draft_name = None if drafter is None else type(drafter).__name__
+        self.speculative = None
+        on_cuda = model.device.type == "cuda"
+        self._setup(model, tokenizer, model_name, None, drafter, tree, verifier,
+                    on_cuda if cuda_graphs is None else bool(cuda_graphs) and on_cuda, max_num_seqs,
+                    max_model_len, block_size, max_num_batched_tokens, kv_cache_memory, enable_prefix_caching)
+        return self
+
+    def _setup(self, model, tokenizer, name, path, drafter, tree, verifier, use_graphs, max_num_seqs,
+               max_model_len, block_size, max_num_batched_tokens, kv_cache_memory, enable_prefix_caching) -> None:
+        self.model, self.tokenizer, self.config = model, tokenizer, model.config
+        self.model_name, self.model_path = name, path
+        self.drafter, self.tree, self.verifier = drafter, tree, verifier
+        self.use_graphs = use_graphs
+        context = self.config.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = context
+        if not isinstance(max_model_len, int) or isinstance(max_model_len, bool) or not 2 <= max_model_len <= context:
+            raise ConfigError(f"max_model_len must be an integer in [2, {context}] (the model's context), "
+                              f"got {max_model_len!r}")
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.block_size = block_size
+        self.lookahead = 1 if self.tree is None else self.tree.size
+        self.eos_ids = eos_token_ids(self.config, self.tokenizer)
+        self._allocate(kv_cache_memory, enable_prefix_caching, max_num_batched_tokens)
+        self._requests: dict[str, _Request] = {}
+        self._aborted: list[RequestDelta] = []
+        self._ids = itertools.count()
+        self._runners: dict[tuple, StepRunner] = {}
+        self.capture_s = 0.0  # one-time CUDA-graph captures (left out of request timings)
+        self.num_steps = 0
+
+    def _make_drafter(self, spec: SpeculativeConfig, dtype, device):
+        from redwood.spec.drafters import ModelDrafter, SelfDrafter, check_compatible
+
+        policy = spec.make_policy()
+        if spec.self_speculate:
+            self.draft_name = f"self ({policy.describe()})"
+            return SelfDrafter(self.model, policy)
+        draft = load_model(spec.draft_model, dtype=dtype, device=device)
+        check_compatible(self.tokenizer, draft.tokenizer, self.config.vocab_size, draft.config.vocab_size)
+        if spec.draft_quant:
+            draft.model.quantize_skinny(spec.draft_quant)
+        quant = f", {spec.draft_quant} weights" if spec.draft_quant else ""
+        self.draft_name = f"{draft.source} ({policy.describe()}{quant})"
+        return ModelDrafter(draft.model, policy, self.config.vocab_size)
+
+    # ------------------------------------------------------------------ memory
+    def _allocate(self, kv_gib: float | None, prefix_caching: bool, prefill_tokens: int) -> None:
+        models = [self.model] + ([self.drafter.own_model] if self.drafter is not None and
+                                 self.drafter.own_model is not None else [])
+        dtype_bytes = self.model.dtype.itemsize
+        page_bytes = sum(2 * m.config.num_layers * m.config.num_kv_heads * m.config.head_dim * self.block_size
+                         * m.dtype.itemsize for m in models)
+        del dtype_bytes
+        row_len = self.max_model_len + self.lookahead  # logical slots a row may touch
+        per_row = -(-row_len // self.block_size)
+        need = self.max_num_seqs * per_row
+        device = self.model.device
+        if kv_gib is not None:
+            budget = int(kv_gib * 2**30)
+        elif device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * GPU_KV_MEMORY_FRACTION)
+        else:
+            budget = int(CPU_KV_MEMORY_GIB * 2**30)
+        num_pages = min(need, budget // page_bytes - 1)  # (one page more: the trash page)
+        if num_pages < 1:
+            raise ConfigError(f"the KV cache memory ({budget / 2**30:.3g} GiB) holds no {self.block_size}-token "
+                              f"page ({page_bytes / 2**20:.3g} MiB); give kv_cache_memory more or a smaller block_size")
+        self.num_pages = num_pages
+        S = self.max_num_seqs
+        self.cache = KVCache.paged(self.config, S, num_pages, self.block_size, row_len, self.model.dtype, device)
+        self.draft_cache = None
+        if len(models) > 1:
+            d = models[1]
+            self.draft_cache = KVCache.paged(d.config, S, num_pages, self.block_size, row_len, d.dtype, device)
+            self.draft_cache.block_table = self.cache.block_table  # the same blocks, the draft's pages
+            self.draft_cache.live = self.cache.live
+        if self.drafter is not None:
+            owner = self.drafter.own_model or self.model
+            self.drafter.policy.allocate(S, owner.config.num_layers, owner.config.num_kv_heads, device)
+        self.pool = BlockPool(num_pages, self.block_size, enable_prefix_cache=prefix_caching)
+        self.scheduler = Scheduler(S, prefill_tokens, self.pool, self.lookahead, self.max_model_len)
+        self.sampler = Sampler.slots(S, device)
+        self.prev = torch.zeros(S, dtype=torch.long, device=device)
+        self.last = torch.zeros(S, dtype=torch.long, device=device)
+        self.buckets = sorted({min(2**i, S) for i in range(S.bit_length() + 1)})
+
+    # ------------------------------------------------------------------ requests
+    def encode(self, prompt, chat: bool = False) -> list[int]:
+        """Token ids for a text prompt (through the chat template when `chat`), or ids as given."""
+        if not isinstance(prompt, str):
+            if chat:
+                raise ConfigError("chat=True needs text prompts, not token ids")
+            try:
+                return [int(t) for t in prompt]
+            except (TypeError, ValueError):
+                raise ConfigError("a prompt is a string or a sequence of token ids") from None
+        if self.tokenizer is None:
+            raise ConfigError(f"{self.model_name} has no tokenizer; pass token ids instead of text")
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ConfigError(f"{self.model_name} has no chat template; drop --chat / chat=True")
+            return list(self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
+                return_dict=False,
+            ))
+        return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    chat: bool = False) -> str:
+        """Queue a request (text or token ids); returns its id. It joins the batch at a step boundary."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ConfigError(f"expected SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ConfigError("stop strings need a tokenizer; this model has none")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        request_id = str(request_id)
+        if request_id in self._requests:
+            raise ConfigError(f"request id {request_id!r} is already in use")
+        ids = self.encode(prompt, chat)
+        if not ids:
+            raise ContextLengthError("the prompt is empty; give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ContextLengthError(f"the prompt has token ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ContextLengthError(
+                f"the prompt has {len(ids)} tokens but the context is {self.max_model_len} tokens "
+                f"(at most {self.max_model_len - 1} prompt tokens leave room to generate)")
+        max_new = min(params.max_new_tokens, self.max_model_len - len(ids))
+        state = RequestState(prompt_ids=list(ids), params=params, tokenizer=self.tokenizer, eos_ids=self.eos_ids,
+                             max_new_tokens=max_new)
+        state.stats.prompt_tokens = len(ids)
+        if self.tree is not None:
+            state.stats.spec = SpecStats(gamma=self.tree.max_depth - 1, drafted_per_step=self.tree.size - 1)
+        seq = SeqState(request_id, list(ids), max_new)
+        if self.drafter is not None:
+            seq.prefix_limit = self.drafter.policy.prefix_limit(len(ids))
+        self.scheduler.add(seq)  # (validates against the pool)
+        self._requests[request_id] = _Request(seq, state, params, t_added=time.perf_counter())
+        return request_id
+
+    def abort(self, request_id: str, notify: bool = True) -> bool:
+        """Stop a request now (its blocks are freed); its last delta (finish_reason "abort") comes with
+        the next step unless notify is False. False if it is unknown or already finished."""
+        rec = self._requests.get(str(request_id))
+        if rec is None or not self.scheduler.abort(rec.seq.request_id):
+            return False
+        self._vacate(rec)
+        del self._requests[rec.seq.request_id]
+        rec.state.finish_reason = "abort"
+        if notify:
+            self._aborted.append(self._delta(rec))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ------------------------------------------------------------------ the step
+    @torch.inference_mode()
+    def step(self) -> list[RequestDelta]:
+        """Run one step; → the deltas of the requests that got tokens (or ended) in it."""
+        out = self.scheduler.schedule()
+        self.num_steps += 1
+        deltas, self._aborted = self._aborted, []
+        for seq in out.preempted:
+            rec = self._requests[seq.request_id]
+            rec.seed_state = self.sampler.random.state(rec.slot)
+            self._vacate(rec)
+        for seq in out.admitted:
+            self._admit(self._requests[seq.request_id])
+        self._sync_tables([*out.decode, *(c.request for c in out.prefill)])
+        if out.decode:
+            deltas += self._decode([self._requests[s.request_id] for s in out.decode])
+        for chunk in out.prefill:
+            delta = self._prefill(self._requests[chunk.request.request_id], chunk)
+            if delta is not None:
+                deltas.append(delta)
+        return deltas
+
+    def _admit(self, rec: _Request) -> None:
+        seq, row = rec.seq, rec.seq.slot
+        rec.slot = row
+        self.sampler.set_row(row, rec.params, rec.seed_state)
+        self.cache.lengths[row] = seq.num_computed  # (prefix-cache hits): scratch writes go past them
+        if self.draft_cache is not None:
+            self.draft_cache.lengths[row] = seq.num_computed
+        target_obs = draft_obs = None
+        if self.drafter is not None:
+            obs = self.drafter.policy.admit(row, seq.prefill_len)
+            if self.drafter.own_model is None:
+                target_obs = obs
+            else:
+                draft_obs = obs
+        rec.observers = (target_obs, draft_obs)
+
+    def _vacate(self, rec: _Request) -> None:
+        """Free the request's slot on the device: every later forward of that row reads and writes nothing
+        of anyone's (trash page, live 0)."""
+        row = rec.slot
+        if row is None:
+            return
+        self.cache.block_table[row] = self.cache.trash_page
+        self.cache.live[row] = 0
+        self.cache.lengths[row] = 0
+        if self.draft_cache is not None:
+            self.draft_cache.lengths[row] = 0
+        rec.slot = None
+        rec.synced = 0
+
+    def _sync_tables(self, seqs: list[SeqState]) -> None:
+        """Copy grown block tables into the device table (only the new entries)."""
+        for seq in seqs:
+            rec = self._requests[seq.request_id]
+            blocks = seq.block_table.blocks
+            done = rec.synced
+            if len(blocks) > done:
+                self.cache.block_table[rec.slot, done:len(blocks)] = torch.tensor(
+                    blocks[done:], dtype=torch.int32).to(self.cache.block_table.device, non_blocking=True)
+                rec.synced = len(blocks)
+
+    def _prefill(self, rec: _Request, chunk) -> RequestDelta | None:
+        seq, row = rec.seq, rec.slot
+        t0 = time.perf_counter()
+        ids = seq.all_token_ids[:seq.prefill_len]
+        stop = chunk.start + chunk.length
+        target_obs, draft_obs = rec.observers
+        logits = prefill_row(self.model, self.cache.row(row), ids, chunk.start, stop, target_obs,
+                             want_logits=chunk.is_last)
+        if self.draft_cache is not None:
+            prefill_row(self.drafter.own_model, self.draft_cache.row(row), ids, chunk.start, stop, draft_obs)
+        if not chunk.is_last:
+            self.scheduler.update_after_step(seq, chunk.length)
+            rec.state.stats.prefill_s += time.perf_counter() - t0
+            return None
+        for obs in rec.observers:
+            if obs is not None:
+                obs.finish(0)
+        rec.observers = (None, None)
+        token = int(self.sampler.view(row, row + 1, [rec.params]).sample(logits[None])[0])
+        self.prev[row] = ids[-1]
+        self.last[row] = token
+        self.cache.live[row] = 1
+        now = time.perf_counter()
+        rec.state.stats.prefill_s += now - t0
+        if rec.t_first is None:
+            rec.t_first, rec.capture_at_first = now, self.capture_s
+        delta = self._emit(rec, [token], prefill=chunk)
+        if rec.seq.status.finished:
+            self._vacate(rec)
+        return delta
+
+    def _emit(self, rec: _Request, tokens: list[int], prefill=None) -> RequestDelta:
+        """Give the request its new tokens (up to a stop) and tell the scheduler (which frees its blocks
+        when it finishes; the caller vacates its slot once the step's commits are done)."""
+        state, seq = rec.state, rec.seq
+        kept = []
+        for tok in tokens:
+            kept.append(tok)
+            if state.append(tok):
+                break
+        stopped = state.finish_reason == "stop"
+        if prefill is not None:
+            self.scheduler.update_after_step(seq, prefill.length, kept, stopped=stopped)
+        else:
+            self.scheduler.update_after_step(seq, len(kept), kept, stopped=stopped)
+        if seq.status.finished:
+            if state.finish_reason is None:  # the scheduler's length limits
+                state.finish_reason = "length"
+            now = time.perf_counter()
+            state.stats.decode_s = now - (rec.t_first or now) - (self.capture_s - rec.capture_at_first)
+            del self._requests[seq.request_id]
+        return self._delta(rec)
+
+    def _delta(self, rec: _Request) -> RequestDelta:
+        state = rec.state
+        new = state.output_ids[rec.sent:]
+        rec.sent = len(state.output_ids)
+        done = state.finish_reason is not None
+        return RequestDelta(rec.seq.request_id, list(new), state.pop_delta(), state.finish_reason,
+                            state.stats.to_dict() if done else None, state.prompt_ids if done else None)
+
+    # ------------------------------------------------------------------ decoding
+    def _runner(self, role: str, n: int) -> StepRunner:
+        key = (role, n)
+        runner = self._runners.get(key)
+        if runner is None:
+            from redwood.engine.offload import get_offload
+
+            if role == "target":
+                model, cache = self.model, self.cache
+            else:
+                model, cache = self.drafter.own_model, self.draft_cache
+            graphs = self.use_graphs and get_offload(model) is None
+            runner = StepRunner(model, cache.rows(n), use_graphs=graphs)
+            self._runners[key] = runner
+        return runner
+
+    def _decode(self, recs: list[_Request]) -> list[RequestDelta]:
+        rows = [r.slot for r in recs]
+        n = next(b for b in self.buckets if b > max(rows))
+        active = [r.params for r in recs]
+        sampler = self.sampler.view(0, n, active)
+        target = self._runner("target", n)
+        draft = self._runner("draft", n) if self.draft_cache is not None else None
+        if self.tree is None:
+            kind = "ar"
+            build = lambda: ARStep(target, sampler)  # noqa: E731
+        else:
+            kind = resolve_verifier(self.verifier, self.tree, sampler.all_greedy)
+            build = lambda: SpecStep(self.model, target, draft, self.drafter, self.tree, kind, sampler)  # noqa: E731
+        saved = sampler.random.counter.clone()
+        t_draft = None
+        t0 = time.perf_counter()
+        capture0 = target.capture_s + (draft.capture_s if draft is not None else 0.0)
+        prev, last = self.prev[:n], self.last[:n]
+        if target.use_graphs:
+            key = (kind, sampler.all_greedy, sampler.any_greedy, sampler.any_filter,
+                   None if self.drafter is None else self.drafter.graph_key())
+            captured = target.captured_step(key, build, (prev, last), restore=sampler.random.checkpoint)
+            path, accepted, nxt, new_prev, host = captured.replay(prev, last)
+        elif self.tree is None:
+            path, accepted, nxt, new_prev, host = build()(prev, last)
+        else:  # eager: the draft and the verification timed apart
+            step = build()
+            tokens, q = step.draft(prev, last)
+            _sync(self.model.device)
+            t_draft = time.perf_counter()
+            self._captures_until_draft = target.capture_s + (draft.capture_s if draft is not None else 0.0) - capture0
+            path, accepted, nxt, new_prev, host = step.verify(tokens, q)
+        host_list = host.tolist()  # the step's one host synchronization
+        # Rows that did not generate keep their random counters (their draws are discarded).
+        generating = torch.zeros(n, dtype=torch.bool)
+        generating[rows] = True
+        generating = generating.to(self.prev.device)
+        sampler.random.counter.copy_(torch.where(generating, sampler.random.counter, saved))
+        self.prev[:n] = torch.where(generating, new_prev, prev)
+        self.last[:n] = torch.where(generating, nxt, last)
+        t1 = time.perf_counter()
+        captured_s = target.capture_s + (draft.capture_s if draft is not None else 0.0) - capture0
+        draft_capture_s = captured_s if t_draft is None else min(captured_s, self._captures_until_draft)
+        self.capture_s += captured_s
+        kept = [0] * n
+        deltas, done = [], []
+        for rec in recs:
+            b = rec.slot
+            a, nxt_b, path_b = host_list[b][0], host_list[b][1], host_list[b][2:]
+            spec = rec.state.stats.spec
+            if spec is not None:
+                spec.record(a)
+                spec.step_s += (t1 - t0) - captured_s
+                if t_draft is not None:
+                    spec.draft_s += t_draft - t0 - draft_capture_s
+                    spec.verify_s += t1 - t_draft - (captured_s - draft_capture_s)
+            before = len(rec.state.output_ids)
+            deltas.append(self._emit(rec, path_b[1:a + 1] + [nxt_b]))
+            if rec.seq.status.finished:
+                done.append(rec)  # (its row commits nothing; vacated below)
+            else:
+                kept[b] = len(rec.state.output_ids) - before
+        kept_t = torch.tensor(kept).to(self.prev.device)
+        cache = target.cache
+        if self.tree is not None and not self.tree.is_chain:
+            cache.compact(path, kept_t)
+        if self.drafter is not None:
+            self.drafter.commit(draft, path, accepted + 1)
+        cache.commit(kept_t)
+        for rec in done:
+            self._vacate(rec)
+        return deltas
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work (timing on CUDA); a no-op on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,83 @@
+"""Prefill: one chunk of one request's known tokens into its slot of the cache.
+
+The Engine prefills a request in chunks (the scheduler's token budget per step) while other rows decode;
+each chunk runs on the one-row cache of the request's slot (`KVCache.row`: the shared pages through that
+row's page table) from slot `start` on — what earlier chunks (or the prefix cache) left in slots
+[0, start) is its context. Within a chunk the forwards are bounded twice:
+- attention work: a forward of T new tokens over S context slots scores T·Hq·S elements (the reference
+  path materializes them), kept near PREFILL_SCORE_BUDGET;
+- an observer (SnapKV's observation window) watches only the forwards that hold window queries; those
+  attend through the reference path in pieces small enough for its scores, the others as usual.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from redwood.kv.cache import KVCache
+from redwood.kv.policies import PrefillObserver
+from redwood.models.transformer import Transformer
+
+# About this many attention score elements per prefill forward (T new tokens × Hq heads × S slots).
+PREFILL_SCORE_BUDGET = 1 << 28
+MIN_PREFILL_CHUNK = 256
+
+
+def prefill_chunk(batch: int, heads: int, total: int) -> int:
+    """Tokens per prefill forward for `batch` rows of `total` tokens (a multiple of 256, or all)."""
+    chunk = PREFILL_SCORE_BUDGET // max(1, batch * heads * total)
+    chunk = max(MIN_PREFILL_CHUNK, chunk // MIN_PREFILL_CHUNK * MIN_PREFILL_CHUNK)
+    return min(chunk, total)
+
+
+def prefill_row(model: Transformer, cache: KVCache, token_ids: list[int], start: int, stop: int,
+                observer: PrefillObserver | None = None, want_logits: bool = False) -> torch.Tensor | None:
+    """Compute the KV of token_ids[start:stop] into the one-row `cache` (its slots [0, start) already
+    hold token_ids[:start]) and commit them; → the logits [V] float32 of token stop − 1 when asked.
+
+    observer: watches the forwards holding its queries (`PrefillObserver.observes`); the caller calls its
+    `finish` once the whole prefill is done.
+    """
+    device = model.device
+    ids = torch.tensor(token_ids[start:stop], device=device)[None]  # [1, stop − start]
+    cache.lengths.fill_(start)
+    logits = None
+    heads = model.config.num_heads
+    a = start
+    while a < stop:
+        b = min(stop, a + prefill_chunk(1, heads, stop))
+        for fa, fb, watched in _forwards(a, b, observer, heads):
+            positions = torch.arange(fa, fb, device=device)[None]
+            last = want_logits and fb == stop
+            out = model(ids[:, fa - start:fb - start], positions, cache,
+                        logits_at=torch.tensor([[fb - fa - 1]], device=device) if last else
+                        torch.zeros(1, 1, dtype=torch.long, device=device),
+                        observer=observer.at(fa) if watched else None)
+            if last:
+                logits = out[0, 0]
+            cache.commit(fb - fa)
+        a = b
+    return logits
+
+
+def _forwards(start: int, stop: int, observer: PrefillObserver | None,
+              rows_heads: int) -> list[tuple[int, int, bool]]:
+    """The forwards (a, b, observed) that prefill positions [start, stop).
+
+    Unwatched positions: one forward. Watched ones go in observed forwards of at most
+    PREFILL_SCORE_BUDGET / (B·Hq·stop) tokens — observed forwards attend through the reference path,
+    whose [B, Hq, T, stop] scores the budget bounds — and each run of unwatched positions between them in
+    one unobserved forward.
+    """
+    if observer is None or not observer.observes(start, stop):
+        return [(start, stop, False)]
+    fine = max(1, PREFILL_SCORE_BUDGET // (rows_heads * stop))
+    out: list[tuple[int, int, bool]] = []
+    for a in range(start, stop, fine):
+        b = min(a + fine, stop)
+        watched = observer.observes(a, b)
+        if not watched and out and not out[-1][2]:
+            out[-1] = (out[-1][0], b, False)  # extend the unobserved run
+        else:
+            out.append((a, b, watched))
+    return out
