@@ -413,15 +413,33 @@ def test_paged_cache_equals_dense(page_size, T, P, tree):
     B, Hq, Hkv, D = 3, 12, 2, 64
     lens = lengths_for(B, T)
     q, k, v, lengths = make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, T=T, D=D, lengths=lens, P=P)
-    kw = dict(pending=P, num_splits=3)
+    kw = dict(pending=P)
     if tree:
         kw["new_mask"] = torch.cat([torch.ones(T, P, dtype=torch.bool), random_tree_mask(gen, T)[0]], dim=1)
-    dense = run_and_check(q, k, v, lengths, **kw)
     if page_size == "dense":
         paged = (k, v, torch.arange(B, dtype=torch.int32)[:, None])
     else:
         paged = paginate(gen, k, v, lens, P + T, page_size)
-    assert_same(run_and_check(q, k, v, lengths, paged=paged, **kw), dense)
+    for splits in (1, 3):  # one split walks many tiles (and pages) in a row
+        dense = run_and_check(q, k, v, lengths, num_splits=splits, **kw)
+        assert_same(run_and_check(q, k, v, lengths, paged=paged, num_splits=splits, **kw), dense)
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["prefetch", "tile", "key"])
+def test_page_lookup_modes_agree(mode, monkeypatch):
+    """The three ways to find a context tile's page (td._PAGE_LOOKUP: a tile ahead — the default —, in
+    the tile's step, per key) read the same keys: the dense result, with a window's skipped tiles too."""
+    monkeypatch.setattr(td, "_PAGE_LOOKUP", mode)
+    gen = torch.Generator().manual_seed(77)
+    B, Hq, Hkv, T, P, D = 3, 12, 2, 5, 1, 64
+    lens = lengths_for(B, 1)
+    q, k, v, lengths = make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, T=T, D=D, lengths=lens, P=P)
+    paged = paginate(gen, k, v, lens, P + T, 64)
+    for kw in (dict(num_splits=2), dict(num_splits=3, sliding_window=70,
+                                        q_positions=lengths[:, None] + P + torch.arange(T)[None, :])):
+        dense = run_and_check(q, k, v, lengths, pending=P, **kw)
+        assert_same(run_and_check(q, k, v, lengths, paged=paged, pending=P, **kw), dense)
 
 
 @needs_kernel
@@ -618,6 +636,7 @@ def test_plan_picks_the_paged_variant():
         ci = torch.zeros(2, 1, 3, dtype=torch.int64) if view else None
         p = td._Plan(q, k, v, lengths, 0, None, ci, None if ci is None else ci.bool(), None, None, None, None,
                      table)
+        assert p.consts["PREFETCH"] == p.consts["PAGE_TILES"]  # (the default lookup: a tile ahead)
         return p.consts["PAGED"], p.consts["PAGE_TILES"]
 
     assert plan(None) == (False, False)
