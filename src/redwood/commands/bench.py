@@ -82,6 +82,48 @@ def register(sub) -> None:
     for kind in ("baseline", "standalone", "selfspec"):
         _add_spec_bench(bench, kind)
 
+    from redwood.commands.options import add_engine_args, add_speculative_args
+
+    tp = bench.add_parser(
+        "throughput", help="a stream of requests through the Engine: speculation vs. autoregressive",
+        description="Serving throughput and latency: --num-requests prompts of --prompt-len tokens cut from "
+                    "long text, each generating a length uniform in [--min-new-tokens, --max-new-tokens] (EOS "
+                    "ignored), arriving as a Poisson process at each --request-rate (requests/s; inf = all at "
+                    "once) through the continuous-batching Engine — autoregressive and speculative (--draft-model "
+                    "D or --self-speculate) on the same prompts, lengths and arrivals. Reports output tokens/s, "
+                    "TTFT, inter-token latency, TPOT, end-to-end latency (p50/p99) and KV blocks in use.")
+    add_model_args(tp)
+    tp.add_argument("--num-requests", type=int, default=64, metavar="N", help="requests in the stream (default 64)")
+    tp.add_argument("--prompt-len", type=int, default=1024, metavar="L",
+                    help="prompt tokens per request (default 1024)")
+    tp.add_argument("--min-new-tokens", type=int, default=64, metavar="N",
+                    help="fewest tokens a request generates (default 64)")
+    tp.add_argument("--max-new-tokens", type=int, default=256, metavar="N",
+                    help="most tokens a request generates (default 256)")
+    tp.add_argument("--request-rate", nargs="+", default=["inf"], metavar="R",
+                    help="requests/s of Poisson arrivals, or inf (all at t=0; default); several values: one "
+                         "measurement each")
+    tp.add_argument("--workload-seed", type=int, default=0, metavar="S",
+                    help="seed of the output lengths and the arrival times (default 0)")
+    tp.add_argument("--no-spec", action="store_true", help="measure autoregressive decoding only")
+    add_speculative_args(tp)
+    add_offload_args(tp)
+    add_engine_args(tp)
+    tsrc = tp.add_argument_group("prompts")
+    tsrc.add_argument("--dataset", default=None, metavar="NAME",
+                      help="cut prompts from this dataset's concatenated text (`redwood data list`; default essays)")
+    tsrc.add_argument("--prompts-file", default=None, metavar="FILE",
+                      help="cut prompts from this text file instead of a dataset")
+    tsrc.add_argument("--prompt-seed", type=int, default=0, help="seed of the window offsets (default 0)")
+    tsmp = tp.add_argument_group("sampling")
+    tsmp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    tsmp.add_argument("--top-p", type=float, default=1.0)
+    tsmp.add_argument("--seed", type=int, default=None, help="sampling seed (request i uses seed + i)")
+    tp.add_argument("--output", default=None, metavar="DIR",
+                    help="write report.json and throughput.png into this folder")
+    tp.add_argument("--json", action="store_true", help="print the result as JSON (no progress bar)")
+    tp.set_defaults(func=run_throughput)
+
     try:
         from redwood.bench.report import add_report_parser
     except ImportError:
@@ -187,4 +229,94 @@ def run_spec_bench(args) -> int:
         if not args.json:
             print(f"wrote {path}", file=sys.stderr)
     print(json.dumps(result, indent=2) if args.json else format_result(result))
+    return 0
+
+
+def run_throughput(args) -> int:
+    """`redwood bench throughput`: validate everything, load the models once, stream AR then spec, report."""
+    import sys
+
+    from redwood.bench import throughput as tput
+    from redwood.bench.speculative import DEFAULT_DATASET, PromptSource, make_prompts
+    from redwood.commands.options import engine_kwargs, speculative_config_from_args
+    from redwood.errors import ConfigError
+    from redwood.llm import LLM
+    from redwood.sampling_params import SamplingParams
+
+    tput.check_workload(args.num_requests, args.prompt_len, args.min_new_tokens, args.max_new_tokens,
+                        args.max_model_len)
+    rates = tput.parse_rates(args.request_rate)
+    engine_args = engine_kwargs(args)
+    for name in ("max_num_seqs", "block_size", "max_num_batched_tokens"):
+        if name in engine_args and engine_args[name] < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {engine_args[name]}")
+    if args.kv_cache_memory is not None and not args.kv_cache_memory > 0:
+        raise ConfigError(f"--kv-cache-memory must be > 0 GiB, got {args.kv_cache_memory}")
+    engine_args.setdefault("max_num_seqs", tput.DEFAULT_MAX_NUM_SEQS)
+    SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)  # validates them
+    if args.dataset and args.prompts_file:
+        raise ConfigError("--dataset and --prompts-file are alternatives; give one")
+    source = PromptSource(dataset=None if args.prompts_file else (args.dataset or DEFAULT_DATASET),
+                          prompts_file=args.prompts_file)
+    source.check()
+    if args.no_spec:
+        if args.draft_model or args.self_speculate:
+            raise ConfigError("--no-spec measures autoregressive decoding only: drop --draft-model / --self-speculate")
+        spec = speculative_config_from_args(args)  # (errors for speculation flags without a drafter)
+    else:
+        if not args.draft_model and not args.self_speculate:
+            raise ConfigError("bench throughput compares speculation with autoregressive decoding: give "
+                              "--draft-model D or --self-speculate (or --no-spec for autoregressive only)")
+        if args.self_speculate and args.draft_kv is None:
+            # as bench selfspec: a self-draft over the full cache is the target itself
+            args.draft_kv = "streaming"
+            if args.draft_budget is None and args.window is None:
+                args.draft_budget = SELFSPEC_DEFAULT_BUDGET
+        spec = speculative_config_from_args(args)
+    # The LLM only loads the models (its own engine is kept minimal and dropped); the bench builds its own.
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative=spec, **graphs_kwargs(args),
+              **offload_kwargs(args), max_num_seqs=1, kv_cache_memory=engine_args.get("kv_cache_memory"))
+    target, tokenizer, drafter, tree = llm.model, llm.tokenizer, llm.drafter, llm.tree
+    model_name, draft_name = llm.model_name, llm.draft_name
+    contexts = [("the model", target.config.max_position_embeddings)]
+    own = getattr(drafter, "own_model", None)
+    if own is not None:
+        contexts.append(("the draft model", own.config.max_position_embeddings))
+    llm.engine = None
+    del llm
+    tput.check_context(contexts, args.prompt_len, args.max_new_tokens)
+    prompts = make_prompts(tokenizer, source, args.num_requests, args.prompt_len, args.prompt_seed)
+    lengths = tput.output_lengths(args.num_requests, args.min_new_tokens, args.max_new_tokens, args.workload_seed)
+    workload = tput.make_workload(prompts, lengths, args.temperature, args.top_p, args.seed)
+    result = tput.run_bench(target, tokenizer, workload, rates, drafter=drafter, tree=tree,
+                            verifier=spec.verifier if spec else "auto", spec=spec is not None,
+                            engine_args=engine_args, model_name=model_name,
+                            cuda_graphs=None if args.cuda_graphs else False,
+                            workload_seed=args.workload_seed, progress=not args.json)
+    result.update(draft=draft_name, tree=(args.tree or f"chain:{spec.num_draft_tokens}") if spec else None,
+                  verifier=spec.verifier if spec else None)
+    result["settings"] = {
+        "prompts": source.label, "num_requests": args.num_requests, "prompt_len": args.prompt_len,
+        "min_new_tokens": args.min_new_tokens, "max_new_tokens": args.max_new_tokens,
+        "request_rates": result["request_rates"], "temperature": args.temperature, "top_p": args.top_p,
+        "seed": args.seed, "prompt_seed": args.prompt_seed, "workload_seed": args.workload_seed,
+        "ignore_eos": True, "dtype": args.dtype, "device": str(target.device),
+        **({"draft_kv": spec.draft_kv, "draft_budget": spec.draft_budget, "sinks": spec.sinks,
+            "window": spec.window, "gamma": spec.num_draft_tokens} if spec else {}),
+    }
+    if args.output:
+        from pathlib import Path
+
+        from redwood.bench.report import write_report
+
+        out = Path(args.output)
+        out.mkdir(parents=True, exist_ok=True)
+        tput.write_plot(out / tput.PLOT_FILE, result)
+        cli = {k: v for k, v in vars(args).items() if k != "func" and isinstance(v, (str, int, float, bool, list,
+                                                                                       type(None)))}
+        path = write_report(out, tput.to_report(result, cli))
+        tput.add_plot_to_report(path, tput.PLOT_FILE)
+        if not args.json:
+            print(f"wrote {path} and {out / tput.PLOT_FILE}", file=sys.stderr)
+    print(json.dumps(result, indent=2) if args.json else tput.format_result(result))
     return 0

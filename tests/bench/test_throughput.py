@@ -1,0 +1,147 @@
+"""`redwood bench throughput` on tiny random models: a request stream through the Engine, AR vs. speculation."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from redwood.bench.throughput import (RequestRecord, latency_samples, output_lengths, parse_rates,
+                                      poisson_arrivals)
+from redwood.cli import main
+from tests.conftest import CORPUS
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "long.txt"
+    path.write_text("\n".join(CORPUS))
+    return path
+
+
+def _base(model_dir, text_file, *more):
+    return ["bench", "throughput", "--model", str(model_dir), "--prompts-file", str(text_file),
+            "--num-requests", "6", "--prompt-len", "24", "--min-new-tokens", "3", "--max-new-tokens", "9",
+            "--max-num-seqs", "4", "--block-size", "8", *more]
+
+
+def test_cli_self_speculation_two_rates(tiny_model_dir, text_file, tmp_path, capsys):
+    out_dir = tmp_path / "rep"
+    rc = main(_base(tiny_model_dir, text_file, "--self-speculate", "--draft-budget", "12", "--sinks", "2",
+                    "--gamma", "3", "--request-rate", "inf", "40", "--output", str(out_dir)))
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    table = captured.out
+    assert table.startswith("throughput: ") and "spec tok/s" in table and "ITL p50/p99" in table
+    assert "spec: self (streaming(sinks=2, window=10))" in table
+    rows = [line.split() for line in table.splitlines() if line.split()[:1] in (["inf"], ["40"])]
+    assert [r[0] for r in rows] == ["40", "inf"] and all(r[-1] == "yes" for r in rows)
+
+    rep = json.loads((out_dir / "report.json").read_text())
+    assert rep["schema"].startswith("redwood.bench/") and rep["kind"] == "throughput"
+    assert [(r["method"], r["request_rate"]) for r in rep["runs"]] == [
+        ("ar", 40.0), ("spec", 40.0), ("ar", "inf"), ("spec", "inf")]
+    lengths = output_lengths(6, 3, 9, 0)
+    for r in rep["runs"]:
+        assert r["tokens_per_s"] > 0 and r["request_throughput"] > 0 and r["steps"] > 0
+        for key in ("ttft", "itl", "chunk_itl", "tpot", "e2e"):
+            assert 0 <= r[f"{key}_ms_p50"] <= r[f"{key}_ms_p99"], key
+        assert r["all_completed"] is True and r["kv_blocks_used_at_end"] == 0
+        assert 0 < r["kv_blocks_max"] <= r["kv_blocks_total"] and r["kv_blocks_mean"] <= r["kv_blocks_max"]
+        assert [p["output_tokens"] for p in r["per_request"]] == lengths
+        assert all(p["finish_reason"] == "length" for p in r["per_request"])
+        if r["method"] == "spec":
+            assert r["identical_to_ar"] is True and r["requests_identical_to_ar"] == 6
+            assert 0 <= r["acceptance_rate"] <= 1 and 1 <= r["mean_accepted_length"] <= 4
+        else:
+            assert "identical_to_ar" not in r and "acceptance_rate" not in r
+    assert [c["request_rate"] for c in rep["comparison"]] == [40.0, "inf"]
+    for c in rep["comparison"]:
+        assert c["tokens_per_s_ratio"] > 0 and c["ttft_ms_p99_ratio"] > 0 and c["identical_to_ar"] is True
+    assert rep["aggregate"]["greedy_identical_to_ar"] is True
+    assert rep["config"]["num_requests"] == 6 and rep["config"]["draft_kv"] == "streaming"
+    assert rep["config"]["cli"]["request_rate"] == ["inf", "40"]
+    # arrivals at 40 req/s are spread out; at inf they all come at t = 0
+    finite = [p["arrival_s"] for p in rep["runs"][0]["per_request"]]
+    assert finite == pytest.approx(poisson_arrivals(6, 40.0, 0)) and finite[-1] > 0
+    assert all(p["arrival_s"] == 0 for p in rep["runs"][2]["per_request"])
+    assert "throughput.png" in rep["plots"]
+    assert (out_dir / "throughput.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_cli_draft_model_json_single_rate(tiny_model_dir, tiny_draft_dir, text_file, tmp_path, capsys):
+    rc = main(_base(tiny_model_dir, text_file, "--draft-model", str(tiny_draft_dir), "--gamma", "2",
+                    "--json", "--output", str(tmp_path / "rep")))
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    res = json.loads(captured.out)
+    assert res["request_rates"] == ["inf"] and [r["method"] for r in res["runs"]] == ["ar", "spec"]
+    assert res["all_identical"] is True and res["gamma"] == 2
+    assert (tmp_path / "rep" / "throughput.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_cli_no_spec(tiny_model_dir, text_file, capsys):
+    rc = main(_base(tiny_model_dir, text_file, "--no-spec", "--request-rate", "100", "--json"))
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    res = json.loads(captured.out)
+    assert [r["method"] for r in res["runs"]] == ["ar"] and res["comparison"] == [] and res["all_identical"] is None
+
+
+def test_poisson_arrivals_seeded_with_the_right_mean_gap():
+    a = poisson_arrivals(20_000, 4.0, seed=7)
+    assert a == poisson_arrivals(20_000, 4.0, seed=7) and a != poisson_arrivals(20_000, 4.0, seed=8)
+    assert a[0] == 0.0 and all(x <= y for x, y in zip(a, a[1:]))
+    gaps = [y - x for x, y in zip(a, a[1:])]
+    mean = sum(gaps) / len(gaps)
+    assert mean == pytest.approx(0.25, rel=0.03)
+    # exponential gaps: the standard deviation equals the mean
+    sd = math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps))
+    assert sd == pytest.approx(mean, rel=0.05)
+    assert poisson_arrivals(5, math.inf) == [0.0] * 5
+
+
+def test_output_lengths_and_rates():
+    n = output_lengths(1000, 3, 9, seed=1)
+    assert n == output_lengths(1000, 3, 9, seed=1) and set(n) == set(range(3, 10))
+    assert output_lengths(4, 5, 5) == [5, 5, 5, 5]
+    assert parse_rates(["inf", "2", "2.0", "0.5"]) == [0.5, 2.0, math.inf]
+
+
+def test_latency_samples_per_token_and_per_chunk():
+    r = RequestRecord(arrival=1.0, requested=6, first=1.5, finish=2.1, times=[1.5, 1.7, 2.1], counts=[1, 2, 3],
+                      token_ids=[0] * 6, finish_reason="length")
+    s = latency_samples([r])
+    assert s["ttft"] == pytest.approx([0.5]) and s["e2e"] == pytest.approx([1.1])
+    assert s["chunk_itl"] == pytest.approx([0.2, 0.4])
+    assert s["itl"] == pytest.approx([0.1, 0.1, 0.4 / 3, 0.4 / 3, 0.4 / 3])
+    assert s["tpot"] == pytest.approx([0.6 / 5])
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--num-requests", "0"], "--num-requests must be >= 1"),
+    (["--request-rate", "0"], "--request-rate must be > 0"),
+    (["--request-rate", "-2"], "--request-rate must be > 0"),
+    (["--request-rate", "fast"], "--request-rate must be a positive number"),
+    (["--min-new-tokens", "10", "--max-new-tokens", "5"], "--min-new-tokens (10) is more than --max-new-tokens"),
+    (["--min-new-tokens", "0"], "--min-new-tokens must be >= 1"),
+    (["--prompt-len", "0"], "--prompt-len must be >= 1"),
+    (["--max-model-len", "20"], "is more than --max-model-len 20"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+    (["--kv-cache-memory", "0"], "--kv-cache-memory must be > 0"),
+    ([], "give --draft-model D or --self-speculate"),
+    (["--no-spec", "--self-speculate"], "--no-spec measures autoregressive decoding only"),
+    (["--no-spec", "--gamma", "3"], "only applies when speculating"),
+    (["--self-speculate", "--gamma", "0"], "--gamma must be >= 1"),
+    (["--self-speculate", "--max-new-tokens", "5000"], "more than the model's context"),
+])
+def test_bad_input_one_line_status_2(tiny_model_dir, text_file, extra, message, capsys):
+    argv = ["bench", "throughput", "--model", str(tiny_model_dir), "--prompts-file", str(text_file),
+            "--prompt-len", "24", "--min-new-tokens", "2", "--max-new-tokens", "4", *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("redwood: error:") and message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
