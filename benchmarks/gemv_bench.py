@@ -176,7 +176,8 @@ def main() -> None:
                         sin=torch.rand(1, 1, d, device=dev, dtype=torch.bfloat16),
                         k_cache=torch.zeros(1, hkv, 64, d, device=dev, dtype=torch.bfloat16),
                         v_cache=torch.zeros(1, hkv, 64, d, device=dev, dtype=torch.bfloat16),
-                        slots=torch.tensor([[5]], device=dev), num_heads=hq)
+                        pages=torch.zeros(1, 1, dtype=torch.long, device=dev),
+                        offsets=torch.tensor([[5]], device=dev), num_heads=hq)
 
         def ours(i, cfg=None):
             w, scale = qs[i]

@@ -119,7 +119,7 @@ def lossy(real_verify, eps: float):
 
 
 def test_a_lossy_verifier_is_caught(prepared, monkeypatch):
-    import redwood.engine.speculative as engine_speculative
+    import redwood.engine.decode as engine_speculative
 
     monkeypatch.setattr(engine_speculative, "verify_sampling", lossy(engine_speculative.verify_sampling, 0.05))
     case = L.Case(L.METHODS["far-chain3"], L.Sampling(1.0))

@@ -52,15 +52,16 @@ def test_rows_finish_independently(tiny_llm):
 
 def test_eos_stops_a_row(tiny_llm):
     """Declare a token the free run produces an EOS: that row ends right at it, the other runs on."""
-    from redwood.engine.generate import autoregressive, make_requests
+    from tests.engine.driver import run_engine
 
     free = tiny_llm.generate([PROMPTS[0]], SamplingParams(max_new_tokens=30, ignore_eos=True))[0].token_ids
-    reqs = make_requests([PROMPTS[0], PROMPTS[1]], [SamplingParams(max_new_tokens=30)] * 2, tiny_llm.config,
-                         tiny_llm.tokenizer)
-    reqs[0].eos_ids = frozenset({free[3]})
-    reqs[1].eos_ids = frozenset()
-    for _ in autoregressive(tiny_llm.model, reqs):
-        pass
+
+    def configure(reqs):
+        reqs[0].eos_ids = frozenset({free[3]})
+        reqs[1].eos_ids = frozenset()
+
+    _, reqs, _ = run_engine(tiny_llm.model, tiny_llm.tokenizer, [PROMPTS[0], PROMPTS[1]],
+                            SamplingParams(max_new_tokens=30), configure=configure)
     assert reqs[0].output_ids == free[: free.index(free[3]) + 1] and reqs[0].finish_reason == "stop"
     assert len(reqs[1].output_ids) == 30 and reqs[1].finish_reason == "length"
 
@@ -128,18 +129,18 @@ def test_bad_inputs(tiny_llm):
 def test_chunked_prefill_equals_one_forward(tiny_llm, monkeypatch):
     """Ragged prompts prefilled in 256-token chunks give the same last-token logits and cache as one
     forward (rows end in different chunks; padding never leaks into a row)."""
-    import redwood.engine.generate as gen
+    import redwood.engine.prefill as gen
 
     model = tiny_llm.model
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (700, 255, 513)]
     whole = model.new_cache(3, 800)
     monkeypatch.setattr(gen, "PREFILL_SCORE_BUDGET", 1 << 40)
-    expected = gen.prefill(model, whole, prompts)
+    expected = gen.prefill_batch(model, whole, prompts)
     monkeypatch.setattr(gen, "PREFILL_SCORE_BUDGET", 1)  # → the minimum chunk, 256 tokens
     assert gen.prefill_chunk(3, model.config.num_heads, 700) == 256
     chunked = model.new_cache(3, 800)
-    logits = gen.prefill(model, chunked, prompts)
+    logits = gen.prefill_batch(model, chunked, prompts)
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
     assert chunked.lengths.tolist() == [700, 255, 513]
     for b, n in enumerate((700, 255, 513)):

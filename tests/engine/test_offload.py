@@ -15,7 +15,7 @@ import torch
 
 from redwood import LLM, SamplingParams
 from redwood.config import ModelConfig, SpeculativeConfig
-from redwood.engine.generate import prefill
+from redwood.engine.prefill import prefill_batch as prefill
 from redwood.engine.offload import get_offload, offload_layers, restore_layers
 from redwood.errors import ConfigError
 from redwood.models.transformer import build_model

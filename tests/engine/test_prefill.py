@@ -1,4 +1,4 @@
-"""Prefill: SnapKV observation through a chunked prefill, and exact prefix reuse in a pooled runner.
+"""Prefill: SnapKV observation through a chunked prefill, and the Engine's prefix cache.
 
 Tiny random Qwen2-style models on the CPU in float32 (the target's greedy choices have clear margins; the
 standalone draft is a noisy copy of it). Small prefill chunks are forced by monkeypatching
@@ -11,15 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import redwood.engine.generate as gen
+import redwood.engine.prefill as gen
 from redwood import LLM, SamplingParams
-from redwood.engine.generate import autoregressive, make_requests, prefill
-from redwood.engine.runner import CAPACITY_STEP, RunnerPool
-from redwood.engine.speculative import speculative
+from redwood.engine.prefill import prefill_batch
 from redwood.kv.policies import SnapKVPolicy, StreamingPolicy
 from redwood.spec.drafters import ModelDrafter, SelfDrafter
 from redwood.spec.trees import Tree
 from tests.conftest import save_target_and_draft
+from tests.engine.driver import run_engine
 from tests.kv.test_policies import assert_same_selection
 
 CHUNK = 16
@@ -70,17 +69,11 @@ class PrefillForwards:
         monkeypatch.setattr(model, "forward", counted)
 
 
-def generate(model, prompts, params, pool, drafter=None, tree=None) -> list[list[int]]:
-    """Output token ids of one generation (autoregressive when no drafter) through `pool`."""
-    plist = params if isinstance(params, list) else [params] * len(prompts)
-    requests = make_requests(prompts, plist, model.config, None)
-    if drafter is None:
-        loop = autoregressive(model, requests, pool)
-    else:
-        loop = speculative(model, drafter, requests, tree or Tree.chain(3), "auto", pool)
-    for _ in loop:
-        pass
-    return [r.output_ids for r in requests]
+def generate(model, prompts, params, drafter=None, tree=None, **kw) -> list[list[int]]:
+    """Output token ids of the prompts through an Engine (autoregressive when no drafter)."""
+    _, states, _ = run_engine(model, None, prompts, params, drafter=drafter,
+                              tree=None if drafter is None else (tree or Tree.chain(3)), **kw)
+    return [r.output_ids for r in states]
 
 
 # ------------------------------------------------------------------------------- chunked observation
@@ -125,7 +118,7 @@ def observed_prefill(model, prompts, window, kernel, pool_kind):
     policy = ScoringSnapKV(window + 12, window=window, kernel=kernel, pool=pool_kind)
     policy.start(torch.tensor([len(p) for p in prompts]), model.config.num_layers)
     cache = model.new_cache(len(prompts), 128)
-    logits = prefill(model, cache, prompts, observer=policy.prefill_observer())
+    logits = prefill_batch(model, cache, prompts, observer=policy.prefill_observer())
     return policy, logits, cache
 
 
@@ -189,191 +182,65 @@ def test_snapkv_self_speculation_with_chunked_prefill_equals_autoregressive(mode
     model = models[0]
     shape = resolve_tree(tree)
     small_chunks(monkeypatch)
-    ar = generate(model, PROMPTS, GREEDY, RunnerPool(use_graphs=False))
-    runs = [make_requests(PROMPTS, [GREEDY] * len(PROMPTS), model.config, None) for _ in range(2)]
-    for requests, setup in zip(runs, (small_chunks, whole_prompts)):
-        setup(monkeypatch)
+    ar = generate(model, PROMPTS, GREEDY)
+    runs = []
+    for setup, step_tokens in ((small_chunks, 16), (small_chunks, 2048), (whole_prompts, 2048)):
+        setup(monkeypatch)  # forwards of 16 tokens or whole prompts; steps of 16 prompt tokens or all
         drafter = SelfDrafter(model, SnapKVPolicy(16, window=8))
-        for _ in speculative(model, drafter, requests, shape):
-            pass
-    chunked, whole = runs
+        _, states, _ = run_engine(model, None, PROMPTS, GREEDY, drafter=drafter, tree=shape,
+                                  max_num_batched_tokens=step_tokens)
+        runs.append(states)
     for b in range(len(PROMPTS)):
-        assert chunked[b].output_ids == ar[b], f"row {b}"
-        assert whole[b].output_ids == ar[b], f"row {b}"
-        assert chunked[b].stats.spec.accepted_at == whole[b].stats.spec.accepted_at
+        for states in runs:
+            assert states[b].output_ids == ar[b], f"row {b}"
+            assert states[b].stats.spec.accepted_at == runs[-1][b].stats.spec.accepted_at
 
 
-# ------------------------------------------------------------------------------------- prefix reuse
+# ------------------------------------------------------------------------------------- prefix cache
 
 
-def test_identical_generation_reuses_the_prefill(models, monkeypatch):
-    """The second generation of the same prompts runs no prefill forward and gives the same tokens;
-    the pool counts it as reused."""
-    model = models[0]
-    pool = RunnerPool(use_graphs=False, reuse_prefixes=True)
-    forwards = PrefillForwards(monkeypatch, model)
-    first = generate(model, PROMPTS, GREEDY, pool)
-    assert len(forwards.calls) == 1
-    (runner,) = pool.runners()
-    assert runner.cache.capacity % CAPACITY_STEP == 0 and runner.cache.prefix is not None
-    second = generate(model, PROMPTS, GREEDY, pool)
-    assert len(forwards.calls) == 1 and second == first
-    assert pool.prefills.snapshot() == (1, 0, 1)  # computed, partial, reused
-    assert pool.runners() == [runner]
+def _shared_prompts():
+    """Two prompts sharing a 48-token prefix (three 16-token blocks) and one unrelated prompt."""
+    g = torch.Generator().manual_seed(9)
+    common = torch.randint(3, 300, (48,), generator=g).tolist()
+    return [common + [5, 6, 7, 8, 9], common + [11, 12], torch.randint(3, 300, (30,), generator=g).tolist()]
 
 
-def test_reuse_is_off_by_default(models, monkeypatch):
-    """Without reuse_prefixes a CPU pool keeps nothing: every generation prefills a fresh cache."""
-    model = models[0]
-    pool = RunnerPool(use_graphs=True)
-    forwards = PrefillForwards(monkeypatch, model)
-    assert generate(model, PROMPTS, GREEDY, pool) == generate(model, PROMPTS, GREEDY, pool)
-    assert len(forwards.calls) == 2 and pool.runners() == [] and pool.prefills.snapshot() == (0, 0, 0)
+@pytest.mark.parametrize("mode", ["ar", "self-streaming", "self-snapkv", "standalone-snapkv"])
+def test_prefix_cache_shares_blocks_and_changes_nothing(models, monkeypatch, mode):
+    """With prefix caching, a request whose prompt starts with a finished request's full blocks prefills
+    only the rest (SnapKV: never its observation window) and generates exactly what it does without."""
+    target, draft = models
+    prompts = _shared_prompts()
+
+    def drafter():
+        if mode == "ar":
+            return None
+        policy = StreamingPolicy(4, 12) if mode == "self-streaming" else SnapKVPolicy(16, window=8)
+        return SelfDrafter(target, policy) if mode.startswith("self") else ModelDrafter(draft, policy, target.config.vocab_size)
+
+    plain = generate(target, prompts, GREEDY, drafter())
+    forwards = PrefillForwards(monkeypatch, target)
+    # request 1 arrives after request 0 has finished (its blocks are cached, refcount 0)
+    engine, states, _ = run_engine(target, None, prompts, GREEDY, drafter=drafter(),
+                                   tree=None if mode == "ar" else Tree.chain(3), arrivals=[0, 30, 31],
+                                   enable_prefix_caching=True, block_size=16, max_num_seqs=2)
+    assert [r.output_ids for r in states] == plain
+    starts = [s for s, _, _ in forwards.calls]
+    limit = 48 if "snapkv" not in mode else (50 - 8) // 16 * 16  # SnapKV computes the last 8 prompt tokens
+    assert limit in starts, starts  # request 1's prefill began after its cached blocks
+    assert engine.pool.num_used == 0 and engine.pool.num_cached > 0
 
 
-@pytest.mark.parametrize("chunked", [False, True])
-def test_ar_then_self_speculation_reuses_and_equals_ar(models, monkeypatch, chunked):
-    """AR, then streaming and SnapKV self-speculation, then AR again on the same prompts: each reuses
-    the prefill — except SnapKV's first run, which re-runs it from its first watched chunk (here the
-    first: the 5-token row's window starts at 0); its second run reuses that — and equals the AR output."""
-    model = models[0]
-    (small_chunks if chunked else whole_prompts)(monkeypatch)
-    pool = RunnerPool(use_graphs=False, reuse_prefixes=True)
-    forwards = PrefillForwards(monkeypatch, model)
-    ar = generate(model, PROMPTS, GREEDY, pool)
-    n_chunks = len(forwards.calls)
-    assert n_chunks == (-(-max(LENGTHS) // CHUNK) if chunked else 1)
-
-    streaming = SelfDrafter(model, StreamingPolicy(4, 12))
-    assert generate(model, PROMPTS, GREEDY, pool, streaming) == ar
-    assert len(forwards.calls) == n_chunks
-
-    snapkv = SelfDrafter(model, SnapKVPolicy(16, window=8))
-    assert generate(model, PROMPTS, GREEDY, pool, snapkv) == ar
-    rerun = forwards.calls[n_chunks:]
-    # the earliest window starts at position 0 (the 5-token row): the whole prompt is prefilled again
-    assert rerun[0][0] == 0 and sum(t for _, t, _ in rerun) == max(LENGTHS)
-    assert pool.prefills.snapshot() == (2, 0, 1)
-
-    calls = len(forwards.calls)
-    assert generate(model, PROMPTS, GREEDY, pool, snapkv, Tree.chain(2)) == ar
-    assert generate(model, PROMPTS, GREEDY, pool) == ar
-    assert len(forwards.calls) == calls and pool.prefills.snapshot() == (2, 0, 3)
-
-
-def test_snapkv_rerun_starts_at_the_first_watched_chunk(models, monkeypatch):
-    """Equal-length prompts (the benchmark's case): after AR, SnapKV re-runs only the last chunk (the one
-    holding the observation window: its first 2 tokens in one forward, then the 8 window tokens observed)
-    and selects exactly as a SnapKV run with no reuse."""
-    model = models[0]
-    small_chunks(monkeypatch)
-    prompts = _prompts([90] * 3, seed=2)  # windows [82, 90): chunks 80.. only
-    pool = RunnerPool(use_graphs=False, reuse_prefixes=True)
-    forwards = PrefillForwards(monkeypatch, model)
-    ar = generate(model, prompts, GREEDY, pool)
-    reused = SelfDrafter(model, SnapKVPolicy(16, window=8))
-    assert generate(model, prompts, GREEDY, pool, reused) == ar
-    assert [(s, obs) for s, _, obs in forwards.calls[6:]] == expected_forwards([(82, 90)] * 3, 90)[5:]
-    assert forwards.calls[6][0] == 80 and len(forwards.calls) == 6 + 1 + 8
-    assert pool.prefills.snapshot() == (1, 1, 0)
-
-    fresh = SelfDrafter(model, SnapKVPolicy(16, window=8))
-    assert generate(model, prompts, GREEDY, RunnerPool(use_graphs=False), fresh) == ar
-    for layer in range(model.config.num_layers):
-        assert torch.equal(reused.policy.selected[layer], fresh.policy.selected[layer])
-        assert torch.equal(reused.policy.selected_valid[layer], fresh.policy.selected_valid[layer])
-
-
-@pytest.mark.parametrize("policy", ["streaming", "snapkv"])
-def test_standalone_draft_reuses_both_prefills(models, monkeypatch, policy):
-    """A standalone draft keeps its own runner ("draft"). Run again with the same drafter, both prefills
-    are reused (its SnapKV policy still holds its observation of that very draft prefill); the draft
-    cache's prompt slots — the last one included, which the first draft step rewrote through the draft
-    view — are put back exactly; the output is the target's."""
-    target, draft_model = models
-    small_chunks(monkeypatch)
-    pool = RunnerPool(use_graphs=False, reuse_prefixes=True)
-
-    def kv_policy():
-        return StreamingPolicy(2, 10) if policy == "streaming" else SnapKVPolicy(12, window=4)
-
-    drafter = ModelDrafter(draft_model, kv_policy(), target.config.vocab_size)
-    ar = generate(target, PROMPTS, GREEDY, pool)
-    assert generate(target, PROMPTS, GREEDY, pool, drafter) == ar
-    assert pool.prefills.snapshot() == (2, 0, 1)  # target (AR) and draft computed; target reused
-    cache = drafter.cache
-    fresh = draft_model.new_cache(len(PROMPTS), 128)  # the draft's prefill, as its first run computed it
-    reference = kv_policy()
-    reference.start(torch.tensor(LENGTHS), draft_model.config.num_layers)
-    with torch.inference_mode():
-        prefill(draft_model, fresh, PROMPTS, observer=reference.prefill_observer())
-    rows = range(len(PROMPTS))
-    assert not all(torch.equal(cache.k[:, b, :, n - 1], fresh.k[:, b, :, n - 1]) for b, n in zip(rows, LENGTHS))
-
-    t_calls, d_calls = PrefillForwards(monkeypatch, target), PrefillForwards(monkeypatch, draft_model)
-    requests = make_requests(PROMPTS, [GREEDY] * len(PROMPTS), target.config, None)
-    loop = speculative(target, drafter, requests, Tree.chain(3), "auto", pool)
-    next(loop)  # the prefills are done and the first token is out; no draft step yet
-    assert t_calls.calls == d_calls.calls == [] and drafter.cache is cache
-    for b, n in zip(rows, LENGTHS):
-        assert torch.equal(cache.k[:, b, :, :n], fresh.k[:, b, :, :n])
-        assert torch.equal(cache.v[:, b, :, :n], fresh.v[:, b, :, :n])
-    for _ in loop:
-        pass
-    assert [r.output_ids for r in requests] == ar
-    assert pool.prefills.snapshot() == (2, 0, 3)
-
-
-def test_changes_that_prefill_again(models, monkeypatch):
-    """Other prompts (one token, or the row order), another batch size, a larger capacity than the kept
-    cache, a reset, turning reuse off: the prefill runs again; back to the remembered prompts: reused."""
-    model = models[0]
-    pool = RunnerPool(use_graphs=False, reuse_prefixes=True)
-    forwards = PrefillForwards(monkeypatch, model)
-
-    def run(prompts, capacity=200):
-        runner = pool.get("target", model, len(prompts), capacity)
-        n = len(forwards.calls)
-        with torch.inference_mode():
-            logits = prefill(model, runner.cache, prompts)
-        assert runner.cache.lengths.tolist() == [len(p) for p in prompts]
-        return runner, logits, len(forwards.calls) > n
-
-    runner, logits, ran = run(PROMPTS)
-    assert ran
-    again, same, ran = run(PROMPTS)
-    assert not ran and again is runner and torch.equal(same, logits)
-    changed = [list(p) for p in PROMPTS]
-    changed[2][17] += 1
-    assert run(changed)[2]
-    assert run(PROMPTS)[2]
-    assert run(PROMPTS[::-1])[2]
-    assert run(PROMPTS)[2]
-    assert run(PROMPTS[:3])[2]  # another batch size: another runner…
-    assert not run(PROMPTS)[2]  # …and the first one still holds PROMPTS
-    bigger, _, ran = run(PROMPTS, capacity=CAPACITY_STEP + 1)
-    assert ran and bigger is not runner
-    bigger.reset()
-    assert run(PROMPTS)[2]
-    pool.forget_prefixes()
-    assert run(PROMPTS)[2]
-    pool.reuse_prefixes = False
-    assert pool.runners() == [] and run(PROMPTS)[2] and pool.runners() == []
-
-
-def test_seeded_sampling_is_the_same_with_reuse(models):
-    """Seeded sampling: the same tokens whether the prefill is computed or reused (AR and SnapKV
-    self-speculation), and the same as without reuse."""
-    model = models[0]
-    params = [SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.9, top_p=0.95, seed=10 + b)
-              for b in range(len(PROMPTS))]
-    plain = RunnerPool(use_graphs=False)
-    pool = RunnerPool(use_graphs=False, reuse_prefixes=True)
-    ar = generate(model, PROMPTS, params, plain)
-    assert generate(model, PROMPTS, params, pool) == ar
-    assert generate(model, PROMPTS, params, pool) == ar
-    spec = generate(model, PROMPTS, params, plain, SelfDrafter(model, SnapKVPolicy(16, window=8)))
-    drafter = SelfDrafter(model, SnapKVPolicy(16, window=8))
-    assert generate(model, PROMPTS, params, pool, drafter) == spec
-    assert generate(model, PROMPTS, params, pool, drafter) == spec
-    assert pool.prefills.snapshot() == (2, 0, 2)  # AR: computed, reused; SnapKV: observed anew, reused
+def test_blocks_are_all_free_after_finish_and_abort(models):
+    """Every block returns to the pool whether requests finish or are aborted mid-way (prefilling or
+    decoding), and the untouched requests' outputs are unchanged."""
+    target, _ = models
+    plain = generate(target, PROMPTS, GREEDY)
+    engine, states, _ = run_engine(target, None, PROMPTS, GREEDY, aborts={1: 3, 3: 0}, block_size=16,
+                                   max_num_batched_tokens=16)
+    for b in (0, 2, 4):
+        assert states[b].output_ids == plain[b]
+    assert states[3].finish_reason == "abort" and states[1].finish_reason == "abort"
+    assert engine.pool.num_used == 0 and engine.pool.num_free == engine.pool.num_blocks
+    assert engine.cache.live.sum() == 0

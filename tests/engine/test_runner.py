@@ -7,7 +7,7 @@ import torch
 
 from redwood import LLM, SamplingParams
 from redwood.config import SpeculativeConfig
-from redwood.engine.runner import CAPACITY_STEP, RunnerPool, StepRunner
+from redwood.engine.runner import StepRunner
 from redwood.errors import ConfigError
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -17,11 +17,12 @@ GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 SAMPLED = SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.8, top_p=0.9, seed=7)
 
 
-def test_pool_without_graphs_gives_fresh_exact_caches(tiny_llm):
-    pool = RunnerPool(use_graphs=True)  # on the CPU graphs are off whatever the setting
-    a = pool.get("target", tiny_llm.model, 2, 40)
-    b = pool.get("target", tiny_llm.model, 2, 40)
-    assert a.cache is not b.cache and a.cache.capacity == 40 and not a.use_graphs
+def test_engine_runners_are_eager_on_the_cpu(tiny_llm):
+    tiny_llm.generate(PROMPTS, GREEDY)
+    runners = list(tiny_llm.engine._runners.values())
+    assert runners and not any(r.use_graphs for r in runners)
+    # one runner per batch bucket, over the first rows of the engine's cache
+    assert all(r.cache.k is tiny_llm.engine.cache.k for r in runners)
 
 
 @torch.inference_mode()
@@ -50,12 +51,12 @@ def test_graphed_autoregressive_matches_eager_and_reuses_graphs(tiny_model_dir):
     eager.model.attention_backend = "reference"
     graphed = LLM(str(tiny_model_dir), device="cuda")
     assert _outputs(graphed, PROMPTS, GREEDY) == _outputs(eager, PROMPTS, GREEDY)
-    (runner,) = graphed.runners.runners()
-    assert runner.captures == 1 and runner.cache.capacity % CAPACITY_STEP == 0
-    # A second generation reuses the cache and its graph, and still matches.
+    captures = {key: r.captures for key, r in graphed.engine._runners.items()}
+    assert captures and all(n == 1 for n in captures.values())  # one step graph per batch bucket
+    # A second generation reuses the runners and their graphs, and still matches.
     again = [p[::-1] for p in PROMPTS]
     assert _outputs(graphed, again, GREEDY) == _outputs(eager, again, GREEDY)
-    assert runner.captures == 1
+    assert all(graphed.engine._runners[key].captures == 1 for key in captures)
 
 
 SPECS = {
@@ -99,7 +100,8 @@ def test_offloaded_target_runs_eager_while_its_draft_model_is_graphed(tiny_model
     ar.model.attention_backend = "reference"
     offloaded = LLM(str(tiny_model_dir), device="cuda", speculative=spec, offload=True)
     assert _outputs(offloaded, PROMPTS, GREEDY) == _outputs(ar, PROMPTS, GREEDY)
-    pooled = offloaded.runners.runners()
-    # the offloaded target gets a fresh eager runner per call (nothing to keep); the draft's is pooled
-    assert [r.model for r in pooled] == [offloaded.drafter.model]
-    assert pooled[0].use_graphs and pooled[0].captures > 0
+    runners = offloaded.engine._runners
+    # the offloaded target runs eagerly; the draft model's forwards are graphed
+    assert all(not r.use_graphs for (role, _), r in runners.items() if role == "target")
+    drafts = [r for (role, _), r in runners.items() if role == "draft"]
+    assert drafts and all(r.use_graphs and r.captures > 0 for r in drafts)

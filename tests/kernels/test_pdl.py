@@ -72,13 +72,14 @@ def test_pdl_chain_in_a_graph_equals_eager_without_pdl(int8, monkeypatch):
     v0 = torch.randn(1, Hkv, cap, D, device=dev, generator=g).to(dt)
     rows = torch.randn(4, H, device=dev, generator=g).to(dt)
     lengths = torch.tensor([300], device=dev, dtype=torch.int32)
-    slots = torch.tensor([[300]], device=dev)
+    pages, offsets = torch.zeros(1, 1, dtype=torch.long, device=dev), torch.tensor([[300]], device=dev)
     x, kc, vc = x0.clone(), k0.clone(), v0.clone()
 
     def chain():
         for _ in range(3):
             q = qkv_rope.qkv_rope_write(x, Wqkv[0], bqkv, scale=Wqkv[1], norm=(g1, 1e-6), cos=cos, sin=sin,
-                                        k_cache=kc, v_cache=vc, slots=slots, num_heads=Hq)
+                                        k_cache=kc, v_cache=vc, pages=pages, offsets=offsets,
+                                        num_heads=Hq)
             att = decode_attention(q, kc, vc, lengths).reshape(1, 1, Hq * D)
             gemv.linear(att, Wo[0], scale=Wo[1], residual=x)
             act = gemv.linear(x, Wgu[0], scale=Wgu[1], norm=(g2, 1e-6), silu_mul=True)

@@ -165,7 +165,7 @@ def test_snapkv_chunked_observation_matches_loop_reference(chunk, window, kernel
     if chunk <= 5:
         assert len(watched) < -(-S // chunk)  # some forwards are not observed
     assert all(v is None for v in policy._votes)
-    policy.finish(serial=1)
+    policy.finish()
     for layer in range(2):
         ref = snapkv_reference(qs[layer], ks[layer], lengths, window + 10, window, kernel, pool)
         for b in range(len(lengths)):
@@ -180,8 +180,7 @@ def test_snapkv_finish_needs_every_window_query():
     qs, ks = random_qk(2, 4, 2, 20, 8, layers=1, seed=0)
     policy.at(0)(0, qs[0][:, :, :16], ks[0][:, :, :16], None)  # the forward of [16, 20) never comes
     with pytest.raises(RuntimeError, match="saw every observation-window query"):
-        policy.finish(serial=1)
-    assert not policy.resume(1)
+        policy.finish()
 
 
 def test_snapkv_heads_and_layers_select_differently():
@@ -291,7 +290,7 @@ class RecordingSnapKV(SnapKVPolicy):
 def test_snapkv_through_a_model_prefill():
     """The observer sees each layer's prefill q/k; the selection equals the reference on those; a budget
     ≥ the prompt gives the same logits as the full cache."""
-    from redwood.engine.generate import prefill
+    from redwood.engine.prefill import prefill_batch as prefill
 
     model = tiny_transformer()
     prompts = [list(range(3, 43)), list(range(10, 27))]

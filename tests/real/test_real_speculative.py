@@ -64,7 +64,7 @@ def ar_outputs(target, prompt_ids):
 @torch.inference_mode()
 def top2_gap(model, tokens: list[int]) -> tuple[float, list[int]]:
     """The target's gap between its two largest logits after `tokens`, and those two token ids."""
-    from redwood.engine.generate import prefill
+    from redwood.engine.prefill import prefill_batch as prefill
 
     cache = model.new_cache(1, len(tokens))
     logits = prefill(model, cache, [tokens])[0]
@@ -86,15 +86,13 @@ def check_equal_or_tie(target, prompt_ids, ar_outputs, outputs, label):
 
 def run_speculative(target, drafter, prompt_ids, gamma):
     from redwood import SamplingParams
-    from redwood.engine.generate import make_requests
-    from redwood.engine.speculative import speculative
     from redwood.spec.trees import Tree
+    from tests.engine.driver import run_engine
 
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    requests = make_requests(prompt_ids, [params] * len(prompt_ids), target.config, target.tokenizer)
     t = time.perf_counter()
-    for _ in speculative(target.model, drafter, requests, Tree.chain(gamma)):
-        pass
+    _, requests, _ = run_engine(target.model, target.tokenizer, prompt_ids, params, drafter=drafter,
+                                tree=Tree.chain(gamma), kv_cache_memory=1.0)
     elapsed = time.perf_counter() - t
     return [r.output_ids for r in requests], [r.stats.spec.to_dict() for r in requests], elapsed
 

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from redwood.engine.generate import sync
+from redwood.engine.runner import sync
 from redwood.sampling_params import SamplingParams
 
 

@@ -342,11 +342,8 @@ def sample_rows(llm, sampling: Sampling, seeds: range, generated: int, batch: in
     """Generate len(seeds) rows (row i seeded seeds[i]) through `llm.generate`, `batch` rows per call."""
     t0 = time.perf_counter()
     codes, steps, drafted, accepted = [], 0, 0, 0
-    start, previous = seeds.start, None
+    start = seeds.start
     for size in batch_sizes(len(seeds), batch):
-        if previous is not None and size != previous:
-            llm.runners.clear()  # (one pooled cache per batch size: keep only the current one)
-        previous = size
         params = [sampling.params(seed, generated) for seed in range(start, start + size)]
         start += size
         gc.disable()  # the engine makes a few objects per row and step; none are cyclic
@@ -388,8 +385,6 @@ def _llm_for(job: Job):
 
     if _loaded.get("method") != job.case.method.name:
         old = _loaded.pop("llm", None)
-        if old is not None:
-            old.runners.clear()
         del old
         _loaded.clear()
         gc.collect()

@@ -18,25 +18,24 @@ i = fraction of steps whose draft token i was accepted (so it also counts all to
 Greedy speculative output must equal the autoregressive output token for token; every run reports
 whether it does (`identical_to_ar`; None when sampling, where outputs legitimately differ).
 
-Prefill: the baseline's is computed and timed (`prefill_s`, copied to each speculative run as
-`ar_prefill_s`). The speculative runs reuse the prompts the baseline left in the pooled caches instead
-of prefilling them again (exact: `redwood.kv.prefix`); a run whose prefills all reused the cache reports
-`prefill_reused: true` — its `prefill_s` is then not a prefill time — and `prefill_partial: true` when
-some prefill re-ran only the chunks of a SnapKV observation window.
+Each measurement is one static batch through an Engine of its own (every prompt added at once, a slot
+each; prefills run one prompt per step beside the rows already decoding). `prefill_s` sums the rows'
+prefill times (copied to each speculative run as `ar_prefill_s`); `end_to_end_tokens_per_s` counts every
+generated token over the whole run (less graph captures), where the batch drains row by row — what
+`bench throughput` fixes by refilling finished rows.
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from redwood.engine.generate import autoregressive, make_requests, prefill, sync
-from redwood.engine.request import RequestState
+from redwood.engine.prefill import prefill_batch
+from redwood.engine.runner import sync
 from redwood.errors import ConfigError
 from redwood.sampling_params import SamplingParams
 
@@ -114,15 +113,16 @@ def sampling_params(batch_size: int, gen_len: int, temperature: float = 0.0, top
             for b in range(batch_size)]
 
 
-def aggregate_spec(requests: Sequence[RequestState]) -> dict[str, Any]:
-    """Speculation stats over all rows: rates from summed counts; draft / verify time of the batch
-    (the engine's timings already leave out one-time CUDA-graph captures)."""
-    specs = [r.stats.spec for r in requests if r.stats.spec is not None]
-    steps = sum(s.steps for s in specs)
-    drafted = sum(s.drafted for s in specs)
-    accepted = sum(s.accepted for s in specs)
-    width = max((len(s.accepted_at) for s in specs), default=0)
-    at = [sum(s.accepted_at[i] for s in specs if i < len(s.accepted_at)) for i in range(width)]
+def aggregate_spec(stats: Sequence[dict]) -> dict[str, Any]:
+    """Speculation stats over all rows (their final RequestStats dicts): rates from summed counts; draft /
+    verify time of the batch (the engine's timings already leave out one-time CUDA-graph captures)."""
+    specs = [s["speculative"] for s in stats if s.get("speculative")]
+    steps = sum(s["steps"] for s in specs)
+    drafted = sum(s["drafted"] for s in specs)
+    accepted = sum(s["accepted"] for s in specs)
+    width = max((len(s["acceptance_by_position"]) for s in specs), default=0)
+    at = [sum(round(s["acceptance_by_position"][i] * s["steps"]) for s in specs
+              if i < len(s["acceptance_by_position"])) for i in range(width)]
     return {
         "steps": steps, "drafted": drafted, "accepted": accepted,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
@@ -130,57 +130,62 @@ def aggregate_spec(requests: Sequence[RequestState]) -> dict[str, Any]:
         "accepted_per_step": accepted / steps if steps else 0.0,
         "acceptance_by_position": [a / steps for a in at] if steps else [],
         # every active row shares each step's draft and verify forward: the batch's time is the longest row's
-        "draft_s": max((s.draft_s for s in specs), default=0.0),
-        "verify_s": max((s.verify_s for s in specs), default=0.0),
+        "draft_s": max((s["draft_s"] for s in specs), default=0.0),
+        "verify_s": max((s["verify_s"] for s in specs), default=0.0),
         # (0 / 0 above when each step ran as one CUDA graph: then only whole steps are timed)
-        "step_s": max((s.step_s for s in specs), default=0.0),
-        "ms_per_step": max((1e3 * s.step_s / s.steps for s in specs if s.steps), default=0.0),
+        "step_s": max((s["step_s"] for s in specs), default=0.0),
+        "ms_per_step": max((1e3 * s["step_s"] / s["steps"] for s in specs if s["steps"]), default=0.0),
     }
 
 
 def measure(llm, prompts: list[list[int]], params: list[SamplingParams], drafter=None, tree=None,
             verifier: str = "auto") -> dict[str, Any]:
-    """One generation of `prompts`: autoregressive (drafter None) or speculative over `tree` (a Tree)."""
+    """One generation of `prompts` as one batch through a fresh Engine over llm's models (a slot per
+    prompt, every request added at once): autoregressive (drafter None) or speculative over `tree`."""
+    from redwood.engine.engine import Engine
+
     model = llm.model
     device = model.device
-    requests = make_requests(prompts, params, llm.config, llm.tokenizer)
+    lookahead = 1 if tree is None else tree.size
+    longest = max(len(p) + q.max_new_tokens for p, q in zip(prompts, params))
+    engine = Engine.build(model, llm.tokenizer, drafter=drafter, tree=tree, verifier=verifier,
+                          model_name=llm.model_name, max_num_seqs=len(prompts),
+                          max_model_len=min(longest + lookahead, model.config.max_position_embeddings),
+                          max_num_batched_tokens=max(len(p) for p in prompts))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    counts = llm.runners.prefills.snapshot()
+    ids = [engine.add_request(p, q) for p, q in zip(prompts, params)]
+    token_ids: dict[str, list[int]] = {i: [] for i in ids}
+    stats: dict[str, dict] = {}
     sync(device)
     t0 = time.perf_counter()
-    captured_before = getattr(llm.runners, "capture_s", 0.0)
-    if drafter is None:
-        loop = autoregressive(model, requests, llm.runners)
-    else:
-        from redwood.engine.speculative import speculative
-
-        loop = speculative(model, drafter, requests, tree, verifier, llm.runners)
-    for _ in loop:
-        pass
+    while engine.has_unfinished():
+        for d in engine.step():
+            token_ids[d.request_id] += d.token_ids
+            if d.finish_reason is not None:
+                stats[d.request_id] = d.stats
     sync(device)
     wall = time.perf_counter() - t0
-    # CUDA-graph capture of a new step shape happens once per process, in the first decode steps: a
+    rows = [token_ids[i] for i in ids]
+    # CUDA-graph capture of a new step shape happens once per engine, in the first decode steps: a
     # one-time cost like compilation, which the engine leaves out of decode and step times; reported apart.
-    capture_s = getattr(llm.runners, "capture_s", 0.0) - captured_before
-    decode_s = max(r.stats.decode_s for r in requests)
-    decoded = sum(len(r.output_ids) - 1 for r in requests)
-    computed, partial, reused = (b - a for a, b in zip(counts, llm.runners.prefills.snapshot()))
+    decode_s = max(stats[i]["decode_s"] for i in ids)
+    decoded = sum(len(t) - 1 for t in rows)
     out: dict[str, Any] = {
-        "prefill_s": requests[0].stats.prefill_s,
-        # True: no prefill of this run went over the whole prompt (the cache held these prompts, see
-        # redwood.kv.prefix), so prefill_s is not a prefill time; partial: some prefill re-ran only the
-        # chunks of a SnapKV observation window
-        "prefill_reused": computed == 0 and partial + reused > 0, "prefill_partial": partial > 0,
-        "decode_s": decode_s, "capture_s": capture_s, "wall_s": wall,
+        "prefill_s": sum(stats[i]["prefill_s"] for i in ids),
+        "decode_s": decode_s, "capture_s": engine.capture_s, "wall_s": wall,
         "tokens_per_s": decoded / decode_s if decode_s > 0 else 0.0,
-        "generated_tokens": sum(len(r.output_ids) for r in requests),
-        "token_ids": [list(r.output_ids) for r in requests],
+        "end_to_end_tokens_per_s": sum(len(t) for t in rows) / (wall - engine.capture_s),
+        "generated_tokens": sum(len(t) for t in rows),
+        "token_ids": rows,
     }
     if device.type == "cuda":
         out["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(device))
     if drafter is not None:
-        out.update(aggregate_spec(requests))
+        out.update(aggregate_spec([stats[i] for i in ids]))
+    del engine
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 
@@ -222,9 +227,6 @@ def run_bench(llm, kind: str, batch_sizes: Sequence[int], prefix_lens: Sequence[
     each of `trees`) for every (batch size, prefix length); `llm` is an `LLM` built with the matching
     SpeculativeConfig (its `drafter` is used directly, so the draft shape varies without reloading).
 
-    Speculative runs reuse the prefill the baseline left in the cache (same prompts; exact, see
-    `redwood.kv.prefix`) and say so (`prefill_reused`); the baseline's prefill is always computed.
-
     Returns {"kind", "model", "draft", "gen_len", …, "runs": [one per (batch, prefix[, γ])],
     "best": [best γ per (batch, prefix)], "all_identical": bool | None}.
     """
@@ -248,42 +250,36 @@ def run_bench(llm, kind: str, batch_sizes: Sequence[int], prefix_lens: Sequence[
                    for b in batch_sizes for n in prefix_lens}
     runs: list[dict[str, Any]] = []
     best: list[dict[str, Any]] = []
-    with _reusing_prefixes(llm.runners, speculating):
-        # warm-up (not timed): each code path once, on short prompts
-        warm = [p[:WARMUP_PREFIX] for p in prompt_sets[batch_sizes[0], prefix_lens[0]]]
-        warm_params = sampling_params(len(warm), min(gen_len, WARMUP_TOKENS), temperature, top_p, seed)
-        measure(llm, warm, warm_params)
-        if speculating:
-            llm.runners.forget_prefixes()  # (warm the speculative prefill path too)
-            measure(llm, warm, warm_params, drafter, shapes[0][1], verifier)
-        for batch in batch_sizes:
-            # Caches of the previous batch size are not needed again: free them, so that each
-            # configuration's peak memory is its own (and a long-context grid fits the device).
-            llm.runners.clear()
-            for prefix in prefix_lens:
-                params = sampling_params(batch, gen_len, temperature, top_p, seed)
-                say(f"batch {batch}, prefix {prefix}: autoregressive")
-                llm.runners.forget_prefixes()  # the baseline's prefill is timed for real
-                ar = measure(llm, prompt_sets[batch, prefix], params)
-                base = {"method": kind if speculating else "ar", "batch_size": batch, "prefix_len": prefix}
-                if not speculating:
-                    runs.append({**base, **{k: v for k, v in ar.items() if k != "token_ids"}})
-                    continue
-                group = []
-                for label, tree in shapes:
-                    say(f"batch {batch}, prefix {prefix}: {kind}, {label}")
-                    sp = measure(llm, prompt_sets[batch, prefix], params, drafter, tree, verifier)
-                    run = _spec_run(base, label, tree, sp, ar, greedy=temperature == 0)
-                    if "first_divergence" in run:
-                        d = run["first_divergence"]
-                        d.update(divergence_logits(llm.model, prompt_sets[batch, prefix][d["row"]],
-                                                   ar["token_ids"][d["row"]], sp["token_ids"][d["row"]],
-                                                   d["position"]))
-                    group.append(run)
-                runs += group
-                top = max(group, key=lambda r: r["speedup"] or 0.0)
-                best.append({"batch_size": batch, "prefix_len": prefix, "gamma": top["gamma"], "tree": top["tree"],
-                             "speedup": top["speedup"], "tokens_per_s": top["tokens_per_s"]})
+    # warm-up (not timed): each code path once, on short prompts
+    warm = [p[:WARMUP_PREFIX] for p in prompt_sets[batch_sizes[0], prefix_lens[0]]]
+    warm_params = sampling_params(len(warm), min(gen_len, WARMUP_TOKENS), temperature, top_p, seed)
+    measure(llm, warm, warm_params)
+    if speculating:
+        measure(llm, warm, warm_params, drafter, shapes[0][1], verifier)
+    for batch in batch_sizes:
+        for prefix in prefix_lens:
+            params = sampling_params(batch, gen_len, temperature, top_p, seed)
+            say(f"batch {batch}, prefix {prefix}: autoregressive")
+            ar = measure(llm, prompt_sets[batch, prefix], params)
+            base = {"method": kind if speculating else "ar", "batch_size": batch, "prefix_len": prefix}
+            if not speculating:
+                runs.append({**base, **{k: v for k, v in ar.items() if k != "token_ids"}})
+                continue
+            group = []
+            for label, tree in shapes:
+                say(f"batch {batch}, prefix {prefix}: {kind}, {label}")
+                sp = measure(llm, prompt_sets[batch, prefix], params, drafter, tree, verifier)
+                run = _spec_run(base, label, tree, sp, ar, greedy=temperature == 0)
+                if "first_divergence" in run:
+                    d = run["first_divergence"]
+                    d.update(divergence_logits(llm.model, prompt_sets[batch, prefix][d["row"]],
+                                               ar["token_ids"][d["row"]], sp["token_ids"][d["row"]],
+                                               d["position"]))
+                group.append(run)
+            runs += group
+            top = max(group, key=lambda r: r["speedup"] or 0.0)
+            best.append({"batch_size": batch, "prefix_len": prefix, "gamma": top["gamma"], "tree": top["tree"],
+                         "speedup": top["speedup"], "tokens_per_s": top["tokens_per_s"]})
 
     identical = [r["identical_to_ar"] for r in runs if r.get("identical_to_ar") is not None]
     return {
@@ -315,24 +311,13 @@ def divergence_logits(model, prompt: list[int], ar_ids: list[int], spec_ids: lis
     """
     context = list(prompt) + list(ar_ids[:position])
     cache = model.new_cache(1, len(context) + 1)
-    logits = prefill(model, cache, [context])[0].float()  # [V]
+    logits = prefill_batch(model, cache, [context])[0].float()  # [V]
     top = logits.topk(2)
     out = {"top2_gap": float(top.values[0] - top.values[1])}
     if position < min(len(ar_ids), len(spec_ids)):
         a, b = ar_ids[position], spec_ids[position]
         out.update(ar_token=a, spec_token=b, logit_gap=float(logits[a] - logits[b]))
     return out
-
-
-@contextmanager
-def _reusing_prefixes(pool, on: bool):
-    """Turn the runner pool's prefix reuse on (when `on`) for the block; back as it was after."""
-    was = pool.reuse_prefixes
-    pool.reuse_prefixes = was or on
-    try:
-        yield
-    finally:
-        pool.reuse_prefixes = was
 
 
 def _spec_run(base: dict[str, Any], label: str, tree, sp: dict[str, Any], ar: dict[str, Any],

@@ -12,7 +12,7 @@ import shlex
 import sys
 import time
 
-from redwood.commands.generate import DEFAULT_POOL_KERNEL, add_draft_cache_args, add_graphs_arg, check_draft_cache_args
+from redwood.commands.options import DEFAULT_POOL_KERNEL, add_draft_cache_args, add_graphs_arg, check_draft_cache_args
 from redwood.errors import ConfigError
 
 
@@ -136,7 +136,7 @@ def _run(args: argparse.Namespace) -> int:
                                                  drf.config.max_position_embeddings)
         target_name, draft_name = tgt.source, drf.source
     else:
-        from redwood.commands.generate import graphs_kwargs
+        from redwood.commands.options import graphs_kwargs
         from redwood.config import SpeculativeConfig
         from redwood.llm import LLM
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from redwood.commands.generate import (add_draft_kv_args, add_model_args, add_offload_args, graphs_kwargs,
+from redwood.commands.options import (add_draft_kv_args, add_model_args, add_offload_args, graphs_kwargs,
                                       offload_kwargs)
 
 _SPEC_HELP = {
@@ -176,7 +176,7 @@ def run_spec_bench(args) -> int:
 
     from redwood.bench.speculative import (DEFAULT_DATASET, PromptSource, check_sizes, format_result, run_bench,
                                            to_report)
-    from redwood.commands.generate import check_draft_kv_args, make_speculative_config
+    from redwood.commands.options import check_draft_kv_args, make_speculative_config
     from redwood.errors import ConfigError
     from redwood.llm import LLM
     from redwood.sampling_params import SamplingParams

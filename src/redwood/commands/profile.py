@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from redwood.commands.generate import (DEFAULT_POOL_KERNEL, add_draft_cache_args, add_graphs_arg, add_offload_args,
+from redwood.commands.options import (DEFAULT_POOL_KERNEL, add_draft_cache_args, add_graphs_arg, add_offload_args,
                                       check_draft_cache_args, check_draft_quant_arg, offload_kwargs)
 from redwood.errors import ConfigError
 

@@ -299,6 +299,8 @@ class Engine:
             raise ConfigError(f"expected SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
             raise ConfigError("stop strings need a tokenizer; this model has none")
+        if self.tree is not None:
+            resolve_verifier(self.verifier, self.tree, params.greedy)  # (the greedy verifier: greedy only)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         request_id = str(request_id)
@@ -430,7 +432,7 @@ class Engine:
             return None
         for obs in rec.observers:
             if obs is not None:
-                obs.finish(0)
+                obs.finish()
         rec.observers = (None, None)
         token = int(self.sampler.view(row, row + 1, [rec.params]).sample(logits[None])[0])
         self.prev[row] = ids[-1]
@@ -557,8 +559,8 @@ class Engine:
         cache = target.cache
         if self.tree is not None and not self.tree.is_chain:
             cache.compact(path, kept_t)
-        if self.drafter is not None:
-            self.drafter.commit(draft, path, accepted + 1)
+        if self.drafter is not None:  # (rows that did not generate commit nothing)
+            self.drafter.commit(draft, path, torch.where(generating, accepted + 1, 0))
         cache.commit(kept_t)
         for rec in done:
             self._vacate(rec)

@@ -81,3 +81,45 @@ def _forwards(start: int, stop: int, observer: PrefillObserver | None,
         else:
             out.append((a, b, watched))
     return out
+
+
+def prefill_batch(model: Transformer, cache: KVCache, prompts: list[list[int]],
+                  observer: PrefillObserver | None = None) -> torch.Tensor:
+    """Prefill a whole batch of prompts (right-padded to the longest) into a dense cache from slot 0 and
+    commit them; → the logits [B, V] float32 of each row's last prompt token. For offline tools
+    (profiling, tests) that hold a fixed batch; the Engine prefills one row at a time (`prefill_row`).
+
+    observer: as in `prefill_row`, over the batch (it is finished here). Padding slots lie past each row's
+    length, so they are never read and get overwritten by the row's next tokens.
+    """
+    device = model.device
+    B = len(prompts)
+    if B != cache.batch_size:
+        raise ValueError(f"prefill: {B} prompts for a cache of {cache.batch_size} rows")
+    lengths = [len(p) for p in prompts]
+    if min(lengths) < 1:
+        raise ValueError(f"prefill: prompt {lengths.index(0)} is empty")
+    cache.live.fill_(1)
+    T = max(lengths)
+    ids = torch.zeros(B, T, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = torch.tensor(p, device=device)
+    lens = torch.tensor(lengths, device=device)
+    last = lens - 1  # [B] index of each row's last prompt token
+    chunk = prefill_chunk(B, model.config.num_heads, T)
+    cache.lengths.zero_()
+    logits = None
+    for start in range(0, T, chunk):
+        stop = min(start + chunk, T)
+        for a, b, watched in _forwards(start, stop, observer, B * model.config.num_heads):
+            positions = torch.arange(a, b, device=device)[None].expand(B, -1)
+            at = (last - a).clamp(0, b - a - 1)
+            out = model(ids[:, a:b], positions, cache, logits_at=at[:, None],
+                        observer=observer.at(a) if watched else None)[:, 0]
+            here = ((last >= a) & (last < b))[:, None]
+            logits = out if logits is None else torch.where(here, out, logits)
+            cache.commit(b - a)
+    cache.lengths.copy_(lens)
+    if observer is not None:
+        observer.finish()
+    return logits

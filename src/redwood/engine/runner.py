@@ -17,9 +17,8 @@ level, the verification forward, sampling and the verifier — into one graph (t
 inline, not as graphs of their own), so a step costs one replay and one host synchronization.
 
 The logits a replay returns live in the graph's static output: consume them before the same step shape
-runs again. A `RunnerPool` keeps runners (cache + graphs) across generations, one per role and batch size,
-so graphs are captured once per process, not once per request. With `reuse_prefixes` on it keeps them on
-every device, and a kept cache skips the prefill of prompts it already holds (`redwood.kv.prefix`).
+runs again. The Engine keeps one runner per (role, batch bucket) over the rows [0, bucket) of its cache
+for its lifetime, so graphs are captured once per engine, not once per request.
 """
 
 from __future__ import annotations
@@ -32,13 +31,8 @@ import torch
 
 from redwood.kernels import pdl
 from redwood.kv.cache import KVCache
-from redwood.kv.prefix import PrefillCounts, PrefixMemory
 from redwood.kv.policies import DraftKVPolicy
 from redwood.models.transformer import Transformer
-
-# Cache capacities are rounded up to this many slots, so that a pooled cache (and its graphs) serves
-# every later generation that fits.
-CAPACITY_STEP = 1024
 
 _inline = [0]  # > 0: forwards run directly (they are being captured as part of a larger graph)
 
@@ -56,9 +50,8 @@ def inline_forwards() -> Iterator[None]:
 class StepRunner:
     """Runs decode / draft / verify forwards of `model` over `cache`."""
 
-    def __init__(self, model: Transformer, cache: KVCache, use_graphs: bool, pool: "RunnerPool | None" = None):
+    def __init__(self, model: Transformer, cache: KVCache, use_graphs: bool):
         self.model, self.cache = model, cache
-        self.owner = pool
         self.use_graphs = use_graphs and cache.k.is_cuda
         self._graphs: dict[Hashable, _Captured] = {}
         # One memory pool for all of this runner's graphs: they replay one at a time, and each graph's
@@ -67,13 +60,6 @@ class StepRunner:
         self.captures = 0  # graphs captured so far (reported by benchmarks)
         self.capture_s = 0.0  # seconds spent warming up and capturing them (one-time costs, not steps)
         self._steps: dict[Hashable, CapturedStep] = {}
-
-    def reset(self) -> None:
-        """Empty the cache for a new generation (its buffers, and so the graphs, stay; a remembered
-        prefix is forgotten: whatever runs next may write from slot 0)."""
-        self.cache.lengths.zero_()
-        if self.cache.prefix is not None:
-            self.cache.prefix.forget()
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, *, pending: int = 0,
                 new_mask: torch.Tensor | None = None, mask_key: Hashable = None,
@@ -108,8 +94,6 @@ class StepRunner:
         dt = time.perf_counter() - t0
         self.captures += 1
         self.capture_s += dt
-        if self.owner is not None:
-            self.owner.capture_s += dt
 
     def captured_step(self, key: Hashable, build: Callable[[], Callable[..., tuple]],
                       inputs: tuple[torch.Tensor, ...], restore: Callable[[], Callable[[], None]]) -> "CapturedStep":
@@ -192,79 +176,7 @@ class _Captured:
         return self.out
 
 
-class RunnerPool:
-    """Caches and their graphs, kept across generations: one runner per (role, model, batch size).
-
-    Roles: "target" (the target's cache: autoregressive decoding, verification, self-speculation's
-    drafts) and "draft" (a standalone draft model's). A request that needs more cache than the pooled
-    runner holds replaces it (a larger cache, graphs captured anew). Without graphs (the CPU,
-    offloading) every generation gets a fresh, exactly sized cache, as before — unless prefixes are reused.
-
-    reuse_prefixes (off by default; `bench selfspec|standalone` turn it on): keep every runner, on any
-    device (the CPU too, without graphs), and let each cache remember its last prefill, so that a
-    prefill of the same prompts into the same runner runs no forward (`redwood.kv.prefix` says why that
-    is exact). Kept caches hold their memory until `clear` or until reuse is turned off; `prefills`
-    counts what prefills into them did (computed / partial / reused), for benchmarks to report.
-    """
-
-    def __init__(self, use_graphs: bool, reuse_prefixes: bool = False):
-        self.use_graphs = use_graphs
-        self._runners: dict[tuple, StepRunner] = {}
-        # Seconds its runners spent capturing graphs (one-time; benchmarks take it out of step timings).
-        self.capture_s = 0.0
-        self.prefills = PrefillCounts()
-        self._reuse = False
-        self.reuse_prefixes = reuse_prefixes
-
-    @property
-    def reuse_prefixes(self) -> bool:
-        return self._reuse
-
-    @reuse_prefixes.setter
-    def reuse_prefixes(self, on: bool) -> None:
-        self._reuse = bool(on)
-        if not self._reuse:  # forget every prefix; drop the runners kept only to remember one
-            self._runners = {key: r for key, r in self._runners.items() if r.use_graphs}
-            for r in self._runners.values():
-                r.cache.prefix = None
-
-    def get(self, role: str, model: Transformer, batch_size: int, capacity: int) -> StepRunner:
-        """A runner with an empty cache of at least `capacity` slots for `batch_size` rows (its prefix
-        memory, if any, kept for `prefill` to check: fill the cache with `prefill` first)."""
-        from redwood.engine.offload import get_offload
-
-        # (an offloaded model streams its weights from the host between kernels: not capturable; a
-        # resident draft model next to it still gets graphs)
-        graphs = self.use_graphs and model.device.type == "cuda" and get_offload(model) is None
-        if not (graphs or self._reuse):
-            return StepRunner(model, model.new_cache(batch_size, capacity), use_graphs=False)
-        key = (role, id(model), batch_size)
-        runner = self._runners.get(key)
-        if runner is None or runner.cache.capacity < capacity:
-            runner = self._runners.pop(key, None)  # free the old cache before allocating the new one
-            del runner
-            if model.device.type == "cuda":
-                torch.cuda.empty_cache()
-            rounded = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
-            runner = StepRunner(model, model.new_cache(batch_size, rounded), use_graphs=graphs, pool=self)
-            self._runners[key] = runner
-        if self._reuse and runner.cache.prefix is None:
-            runner.cache.prefix = PrefixMemory(self.prefills)
-        runner.cache.lengths.zero_()  # (not `reset`, which forgets the prefix)
-        return runner
-
-    def forget_prefixes(self) -> None:
-        """Forget every kept cache's prefix: the next prefill of each runner computes (e.g. to time one)."""
-        for r in self._runners.values():
-            if r.cache.prefix is not None:
-                r.cache.prefix.forget()
-
-    def runners(self) -> list[StepRunner]:
-        """The pooled runners (to inspect: captures, cache sizes)."""
-        return list(self._runners.values())
-
-    def clear(self) -> None:
-        """Drop every pooled cache and graph (frees their device memory)."""
-        self._runners.clear()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (timing on CUDA); a no-op on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -47,7 +47,6 @@ class KVCache:
         self.live = torch.ones(batch_size, dtype=torch.long, device=device)  # 0: reads no context
         self.dense = True  # block_table[b, 0] == b: the reference path slices instead of gathering
         self.trash_page: int | None = None
-        self.prefix = None  # a PrefixMemory (redwood.kv.prefix) on dense caches kept by a RunnerPool
 
     @classmethod
     def paged(cls, config: ModelConfig, batch_size: int, num_pages: int, page_size: int, max_len: int,
@@ -64,7 +63,6 @@ class KVCache:
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.live = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.dense = False
-        self.prefix = None
         return self
 
     def rows(self, n: int) -> "KVCache":

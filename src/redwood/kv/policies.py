@@ -47,12 +47,9 @@ OBSERVE_SCORE_BUDGET = 1 << 28
 class PrefillObserver(Protocol):
     """Watches a prefill's attention, chunk by chunk (SnapKV's observation window).
 
-    A prefill (`engine.generate.prefill`) runs its forwards over positions [a, b) in order and, for each
-    forward where `observes(a, b)`, passes `at(a)` as that forward's observer; after the last forward it
-    calls `finish(serial)`, naming the prefill. A prefill into a cache that already holds
-    the same prompts (`redwood.kv.prefix`) asks `resume(serial)` first: True when the observer still
-    holds its result for that very prefill, so no forward runs; else the prefill re-runs its chunks from
-    the first watched one (the slots before it already hold the same prompts).
+    A prefill (`redwood.engine.prefill`) runs its forwards over positions [a, b) in order and, for each
+    forward where `observes(a, b)`, passes `at(a)` as that forward's observer; after the last forward
+    `finish()` is called.
     """
 
     def observes(self, start: int, stop: int) -> bool:
@@ -63,12 +60,8 @@ class PrefillObserver(Protocol):
         """The observer of a forward whose first query position is `start`."""
         ...
 
-    def finish(self, serial: int) -> None:
-        """The prefill `serial` is done: its result is complete."""
-        ...
-
-    def resume(self, serial: int) -> bool:
-        """Make the result of prefill `serial` current again if it is still held; whether it was."""
+    def finish(self) -> None:
+        """The prefill is done: its result is complete."""
         ...
 
 
@@ -165,7 +158,6 @@ class SnapKVPolicy(DraftKVPolicy):
         self._lengths: list[int] = []  # prompt lengths on the host (which prefill chunks are watched)
         # Per layer, while a chunked prefill is observed: [B, Hkv, G, T] float32 window votes so far.
         self._votes: list[torch.Tensor | None] = []
-        self._serial: int | None = None  # the prefill whose selection the buffers hold (None: unknown)
 
     def start(self, prompt_lengths: torch.Tensor, num_layers: int) -> None:
         # The selection lives in buffers that are reused (filled in place) while the batch shape stays
@@ -177,7 +169,6 @@ class SnapKVPolicy(DraftKVPolicy):
             self.obs_start = torch.zeros_like(prompt_lengths)
             self.selected = [None] * num_layers
             self.selected_valid = [None] * num_layers
-            self._serial = None
         self.prompt_lengths.copy_(prompt_lengths)
         self.obs_start.copy_((prompt_lengths - self.window).clamp(min=0))
         self._observed = [False] * num_layers
@@ -195,18 +186,11 @@ class SnapKVPolicy(DraftKVPolicy):
     def at(self, start: int) -> Observer:
         return partial(self.observe, q_start=start)
 
-    def finish(self, serial: int) -> None:
+    def finish(self) -> None:
         if not all(self._observed):
             missing = [i for i, done in enumerate(self._observed) if not done]
             raise RuntimeError(f"snapkv: the prefill ended before layers {missing} saw every observation-window "
                                f"query (were its prompts the ones given to start()?)")
-        self._serial = serial
-
-    def resume(self, serial: int) -> bool:
-        if self._serial is None or self._serial != serial or len(self._observed) == 0:
-            return False
-        self._observed = [True] * len(self._observed)
-        return True
 
     def observe(self, layer: int, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None,
                 q_start: int = 0) -> None:
@@ -218,7 +202,6 @@ class SnapKVPolicy(DraftKVPolicy):
         votes are freed. (One forward over the whole prompt: q_start 0, T the longest prompt.)
         """
         assert self.obs_start is not None and q.shape[0] == len(self._lengths), "snapkv: start() first"
-        self._serial = None  # the selection buffers no longer hold a finished prefill's result
         total = max(self._lengths)
         votes = self.window_votes(q, k, q_start)[..., :total]  # [B, Hkv, G, ≤ total]
         acc = self._votes[layer]
@@ -329,7 +312,6 @@ class SnapKVPolicy(DraftKVPolicy):
         self.selected = [torch.zeros(shape, dtype=torch.long, device=device) for _ in range(num_layers)]
         self.selected_valid = [torch.zeros(shape, dtype=torch.bool, device=device) for _ in range(num_layers)]
         self._observed = [True] * num_layers
-        self._serial = None
 
     def admit(self, row: int, prompt_length: int) -> PrefillObserver:
         # One row's prefill is observed by a one-row SnapKV of the same settings, whose selection is
@@ -383,12 +365,9 @@ class _RowObserver:
     def at(self, start: int) -> Observer:
         return self.one.at(start)
 
-    def finish(self, serial: int) -> None:
-        self.one.finish(serial)
+    def finish(self) -> None:
+        self.one.finish()
         self.owner._take_row(self.row, self.one)
-
-    def resume(self, serial: int) -> bool:
-        return False
 
 
 def make_policy(name: str, budget: int | None = None, sinks: int | None = None, window: int | None = None,

@@ -113,7 +113,8 @@ class Attention(nn.Module):
             ctx_idx, ctx_valid = meta.view(self.layer)
         window = meta.sliding_window
         return decode_attention(
-            q, cache.k[self.layer], cache.v[self.layer], meta.lengths, block_table=cache.block_table,
+            q, cache.k[self.layer], cache.v[self.layer], meta.lengths,
+            block_table=None if cache.dense else cache.block_table,  # (dense: row b's page is page b)
             pending=meta.pending,
             new_mask=meta.packed_new_mask(), ctx_idx=ctx_idx, ctx_valid=ctx_valid,
             q_positions=meta.q_positions if window is not None else None, sliding_window=window,

@@ -227,24 +227,23 @@ class _RankRecorder(Drafter):
             raise AttributeError(name)
         return getattr(self._inner, name)
 
-    def target_prefill_observer(self):
-        return self._inner.target_prefill_observer()
-
-    def prefill(self, prompts, capacity, pool):
-        self.pending = {}
-        return self._inner.prefill(prompts, capacity, pool)
+    @property
+    def own_model(self):  # (a class attribute of Drafter: __getattr__ would not reach it)
+        return self._inner.own_model
 
     def propose(self, *args, **kwargs):
         return self._inner.propose(*args, **kwargs)
 
-    def commit(self, path_src, count):
-        # count = accepted + 1 (the root); in a depth-1 tree node k is the rank-k child
+    def commit(self, draft, path_src, count):
+        # count = accepted + 1 (the root) for each generating batch row, 0 for the others; in a depth-1
+        # tree node k is the rank-k child
         first = path_src[:, 1] if path_src.shape[1] > 1 else torch.zeros_like(path_src[:, 0])
         ranks = torch.where(count > 1, first, torch.zeros_like(first)).tolist()
+        rows = count.tolist()
         if any(not 0 <= r <= self._width for r in ranks):
             raise RuntimeError(f"accepted rank out of range 0..{self._width}: {ranks}")
-        self.pending = dict(enumerate(ranks))
-        return self._inner.commit(path_src, count)
+        self.pending = {b: r for b, (r, c) in enumerate(zip(ranks, rows)) if c > 0}
+        return self._inner.commit(draft, path_src, count)
 
 
 @dataclass
@@ -296,14 +295,18 @@ def measure_dynamic(llm, prompts: Sequence[list[int]], width: int, temperature: 
     engine_steps = 0
     generated = 0
     stats: list[dict] = []
-    original = llm.drafter
+    engine = llm.engine
+    if engine.has_unfinished():
+        raise ConfigError("dynamic measurement needs an idle engine")
+    original = engine.drafter
     recorder = _RankRecorder(original, width)
-    llm.drafter = recorder
+    engine.drafter = recorder
     try:
         for start in range(0, len(prompts), batch_size):
             batch = [list(p) for p in prompts[start:start + batch_size]]
             params = [SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=gen_len,
                                      ignore_eos=True, seed=int(seed) + start + b) for b in range(len(batch))]
+            # an idle engine gives the batch's requests slots 0, 1, … in order: slot == delta.index
             for delta in llm.stream(batch, params):
                 rank = recorder.pending.pop(delta.index, None)
                 if rank is not None:  # a speculation step of this row (the prefill's delta has none)
@@ -319,7 +322,7 @@ def measure_dynamic(llm, prompts: Sequence[list[int]], width: int, temperature: 
             if progress is not None:
                 progress(min(start + batch_size, len(prompts)), len(prompts), sum(counts) + none)
     finally:
-        llm.drafter = original
+        engine.drafter = original
     res = DynamicResult(counts=counts, none=none, engine_steps=engine_steps, generated_tokens=generated,
                         request_stats=stats)
     if res.steps != engine_steps:

@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from redwood.engine.generate import sync
+from redwood.engine.runner import sync
 from redwood.engine.random import RowRandom
 from redwood.engine.runner import CapturedStep, StepRunner
 from redwood.engine.sampling import probabilities
@@ -81,7 +81,7 @@ def time_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmup
 def _prefilled_cache(model, batch: int, context: int, extra: int, generator: torch.Generator, policy=None):
     """A cache holding `context` random tokens per row; with a draft KV `policy`, started for them and
     shown the prefill (SnapKV selects its positions there)."""
-    from redwood.engine.generate import prefill
+    from redwood.engine.prefill import prefill_batch
 
     vocab = model.config.vocab_size
     prompts = torch.randint(0, vocab, (batch, context), generator=generator).tolist()
@@ -90,7 +90,7 @@ def _prefilled_cache(model, batch: int, context: int, extra: int, generator: tor
     if policy is not None:
         policy.start(torch.full((batch,), context, device=model.device), model.config.num_layers)
         observer = policy.prefill_observer()
-    prefill(model, cache, prompts, observer=observer)
+    prefill_batch(model, cache, prompts, observer=observer)
     return cache
 
 

@@ -1,0 +1,283 @@
+"""The flag groups commands share: model (--model/--dtype/--device), engine (scheduling and KV memory),
+offloading, sampling, and speculation (`add_speculative_args` + `speculative_config_from_args`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from redwood.config import DRAFT_QUANT
+from redwood.llm import DEFAULT_MODEL
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model / --dtype / --device, shared by every command that loads a model."""
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"zoo name, Hugging Face folder or .gguf file (default: {DEFAULT_MODEL})")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    add_graphs_arg(p)
+
+
+def add_graphs_arg(p: argparse.ArgumentParser) -> None:
+    """--no-cuda-graphs (args.cuda_graphs, default True)."""
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="on CUDA, launch every step's kernels eagerly instead of replaying captured CUDA graphs")
+
+
+def graphs_kwargs(args) -> dict:
+    """LLM(...) keyword for --no-cuda-graphs (default: graphs wherever they apply)."""
+    return {} if getattr(args, "cuda_graphs", True) else {"cuda_graphs": False}
+
+
+def add_offload_args(p: argparse.ArgumentParser) -> None:
+    """--offload / --offload-prefetch N: stream the target's layer weights from host memory."""
+    p.add_argument("--offload", action="store_true",
+                   help="keep the target's layer weights in pinned host memory and stream them to the device")
+    p.add_argument("--offload-prefetch", type=int, default=None, metavar="N",
+                   help="with --offload: layers held on the device at a time, copied ahead (default 2)")
+
+
+def offload_kwargs(args) -> dict:
+    """LLM(...) keyword arguments from the offload flags (ConfigError for bad values)."""
+    from redwood.engine.offload import check_prefetch
+    from redwood.errors import ConfigError
+
+    if args.offload_prefetch is not None and not args.offload:
+        raise ConfigError("--offload-prefetch only applies with --offload")
+    prefetch = 2 if args.offload_prefetch is None else args.offload_prefetch
+    return {"offload": args.offload, "offload_prefetch": check_prefetch(prefetch)}
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = no limit")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+
+
+def sampling_params_from_args(args):
+    from redwood.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_new_tokens=args.max_new_tokens, seed=args.seed, stop=tuple(args.stop),
+                          ignore_eos=args.ignore_eos)
+
+
+DRAFT_KV_CHOICES = ("full", "streaming", "snapkv")
+VERIFIER_CHOICES = ("auto", "greedy", "sampling", "sequoia", "specinfer", "topk")
+DEFAULT_GAMMA = 4
+DEFAULT_POOL_KERNEL = 5
+
+
+def add_draft_cache_args(g) -> None:
+    """--draft-kv / --draft-budget / --sinks / --window / --pool-kernel: which committed tokens the draft
+    reads (a parser or argument group `g`; checked by `check_draft_cache_args`)."""
+    g.add_argument("--draft-kv", default=None, metavar="{full,streaming,snapkv}",
+                   help="which committed tokens the draft reads: the full cache (default), StreamingLLM "
+                        "(sinks + recent window) or SnapKV (prefill-selected positions + recent tokens)")
+    g.add_argument("--draft-budget", type=int, default=None, metavar="N",
+                   help="draft KV budget in tokens (streaming: sinks + window; snapkv: required)")
+    g.add_argument("--sinks", type=int, default=None, metavar="N", help="streaming: attention sinks kept (default 4)")
+    g.add_argument("--window", type=int, default=None, metavar="N",
+                   help="streaming: recent window (default budget - sinks); snapkv: observation window (default 32)")
+    g.add_argument("--pool-kernel", type=int, default=None, metavar="K",
+                   help=f"snapkv: pooling kernel over the scores, odd (default {DEFAULT_POOL_KERNEL})")
+
+
+def add_draft_kv_args(p: argparse.ArgumentParser, sweep: bool = False, tree: bool = False) -> None:
+    """--draft-kv / --draft-budget / --sinks / --window / --pool-kernel / --gamma / --verifier.
+
+    Choices are checked by `speculative_config_from_args` (one-line errors, exit status 2), not by argparse.
+    sweep: --gamma takes several values (benchmarks run one configuration per value).
+    tree: also --tree (a token tree instead of a chain of --gamma drafts).
+    """
+    g = p.add_argument_group("speculation")
+    add_draft_cache_args(g)
+    if sweep:
+        g.add_argument("--gamma", type=int, nargs="+", default=None, metavar="G",
+                       help=f"draft tokens per step; several values sweep (default {DEFAULT_GAMMA})")
+    else:
+        g.add_argument("--gamma", type=int, default=None, metavar="G",
+                       help=f"draft tokens per step (default {DEFAULT_GAMMA})")
+    g.add_argument("--verifier", default=None, metavar="{" + ",".join(VERIFIER_CHOICES) + "}",
+                   help="greedy (temperature 0 only), sampling (rejection sampling; Sequoia's on a tree), "
+                        "sequoia (children drawn without replacement), specinfer (with replacement), topk "
+                        "(the draft's top children; the target samples) or auto (default: greedy when every "
+                        "request is greedy, else sampling)")
+    g.add_argument("--draft-quant", default=None, metavar="{int8}",
+                   help="a draft model's one-token forwards read int8 copies of its weights (CUDA; half the "
+                        "bytes per draft step; outputs unchanged — verification is exact)")
+    if tree:
+        g.add_argument("--tree", default=None, metavar="FILE.json|chain:G|chains:KxL|NAME",
+                       help="speculate over a token tree instead of a chain of --gamma drafts: a tree file "
+                            "(`redwood tree-search`), chain:G, K independent chains of L tokens (chains:KxL) "
+                            "or a shipped tree (generic-16, generic-64)")
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """--draft-model M | --self-speculate, plus the draft KV / γ / verifier flags."""
+    p.add_argument("--draft-model", default=None, metavar="M",
+                   help="speculate with this draft model (same tokenizer as --model)")
+    p.add_argument("--self-speculate", action="store_true",
+                   help="speculate with the target itself reading a compressed view of its KV cache")
+    add_draft_kv_args(p, tree=True)
+
+
+_SPEC_FLAGS = ("draft_kv", "draft_budget", "sinks", "window", "pool_kernel", "gamma", "tree", "verifier",
+               "draft_quant")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_draft_cache_args(args) -> None:
+    """One-line errors (ConfigError) for bad --draft-kv / --draft-budget / --sinks / --window /
+    --pool-kernel values, before any model loads."""
+    from redwood.errors import ConfigError
+
+    if args.draft_kv is not None and args.draft_kv not in DRAFT_KV_CHOICES:
+        raise ConfigError(f"--draft-kv must be one of {', '.join(DRAFT_KV_CHOICES)}, got {args.draft_kv!r}")
+    for name in ("draft_budget", "window", "pool_kernel"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ConfigError(f"{_flag(name)} must be >= 1, got {v}")
+    if args.sinks is not None and args.sinks < 0:
+        raise ConfigError(f"--sinks must be >= 0, got {args.sinks}")
+    if args.pool_kernel is not None and args.pool_kernel % 2 == 0:
+        raise ConfigError(f"--pool-kernel must be odd, got {args.pool_kernel}")
+    budget = args.draft_budget
+    if args.draft_kv == "streaming" and budget is not None:
+        sinks = 4 if args.sinks is None else args.sinks
+        if budget <= sinks:
+            raise ConfigError(f"--draft-budget ({budget}) must be larger than --sinks ({sinks}): the streaming "
+                              f"draft cache holds the sinks plus a recent window of at least one token")
+    if args.draft_kv == "snapkv" and budget is not None:
+        window = 32 if args.window is None else args.window
+        if budget < window:
+            raise ConfigError(f"--draft-budget ({budget}) must be at least the snapkv observation --window "
+                              f"({window}{'' if args.window is not None else ', the default'})")
+
+
+def check_draft_quant_arg(args) -> None:
+    """A one-line error (ConfigError) for an unknown --draft-quant."""
+    from redwood.errors import ConfigError
+
+    quant = getattr(args, "draft_quant", None)
+    if quant is not None and quant not in DRAFT_QUANT:
+        raise ConfigError(f"--draft-quant must be one of {', '.join(q for q in DRAFT_QUANT if q)}, got {quant!r}")
+
+
+def check_draft_kv_args(args) -> None:
+    """One-line errors (ConfigError) for bad draft KV / γ / verifier values, before any model loads."""
+    from redwood.errors import ConfigError
+
+    if args.verifier is not None and args.verifier not in VERIFIER_CHOICES:
+        raise ConfigError(f"--verifier must be one of {', '.join(VERIFIER_CHOICES)}, got {args.verifier!r}")
+    check_draft_quant_arg(args)
+    if getattr(args, "draft_quant", None) and getattr(args, "self_speculate", False):
+        raise ConfigError("--draft-quant applies to a --draft-model; self-speculation drafts with the target's weights")
+    gammas = args.gamma if isinstance(args.gamma, list) else [args.gamma]
+    for gamma in gammas:
+        if gamma is not None and gamma < 1:
+            raise ConfigError(f"--gamma must be >= 1 (draft tokens per step), got {gamma}")
+    check_draft_cache_args(args)
+    if args.verifier == "greedy" and getattr(args, "temperature", 0) > 0:
+        raise ConfigError("--verifier greedy is lossless only at --temperature 0; use --verifier sampling (or auto)")
+    check_tree_arg(args)
+
+
+def check_tree_arg(args):
+    """The tree --tree names (None without --tree); a ConfigError for a bad spec or one that contradicts
+    --gamma (both may be given only when the tree is a chain of that many draft tokens)."""
+    from redwood.errors import ConfigError
+    from redwood.spec.trees import resolve_tree
+
+    spec = getattr(args, "tree", None)
+    if spec is None:
+        return None
+    try:
+        tree = resolve_tree(spec)
+    except ConfigError as e:
+        raise ConfigError(f"--tree: {e}") from None
+    gammas = args.gamma if isinstance(args.gamma, list) else [args.gamma]
+    for gamma in gammas:
+        if gamma is not None and not (tree.is_chain and tree.size - 1 == gamma):
+            shape = f"a chain of {tree.size - 1} draft tokens" if tree.is_chain else \
+                f"a tree of {tree.size} nodes, {tree.max_depth} levels"
+            raise ConfigError(f"--tree {spec} ({shape}) contradicts --gamma {gamma}: a tree sets the drafts per "
+                              f"step itself; drop --gamma (or use --tree chain:{gamma})")
+    return tree
+
+
+def make_speculative_config(args, *, draft_model: str | None = None, self_speculate: bool = False,
+                            gamma: int | None = None):
+    """A SpeculativeConfig from the draft KV / verifier flags in `args` (γ given or from --gamma)."""
+    from redwood.config import SpeculativeConfig
+
+    if gamma is None:
+        gamma = args.gamma[0] if isinstance(args.gamma, list) else args.gamma
+    return SpeculativeConfig(
+        draft_model=draft_model, self_speculate=self_speculate, draft_kv=args.draft_kv or "full",
+        draft_budget=args.draft_budget, sinks=args.sinks, window=args.window,
+        pool_kernel=DEFAULT_POOL_KERNEL if args.pool_kernel is None else args.pool_kernel,
+        num_draft_tokens=DEFAULT_GAMMA if gamma is None else gamma, tree=getattr(args, "tree", None),
+        verifier=args.verifier or "auto", draft_quant=getattr(args, "draft_quant", None),
+    )
+
+
+def speculative_config_from_args(args):
+    """The SpeculativeConfig the flags ask for, or None (no --draft-model / --self-speculate).
+
+    Raises ConfigError for conflicting or bad values — call it before loading any model.
+    """
+    from redwood.errors import ConfigError
+
+    if args.draft_model and args.self_speculate:
+        raise ConfigError("--draft-model and --self-speculate are mutually exclusive; pick one drafter")
+    check_draft_kv_args(args)
+    if not args.draft_model and not args.self_speculate:
+        given = [_flag(n) for n in _SPEC_FLAGS if getattr(args, n, None) is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} when speculating: "
+                              f"add --draft-model M or --self-speculate")
+        return None
+    return make_speculative_config(args, draft_model=args.draft_model or None,
+                                   self_speculate=bool(args.self_speculate))
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The Engine's scheduling and memory knobs (redwood.Engine): --max-num-seqs, --max-model-len,
+    --block-size, --max-num-batched-tokens, --kv-cache-memory, --enable-prefix-caching."""
+    from redwood.engine.engine import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFILL_CHUNK
+
+    g = p.add_argument_group("engine")
+    g.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                   help=f"requests generating at once (batch slots; default {DEFAULT_MAX_NUM_SEQS})")
+    g.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="prompt + output tokens per request (default: the model's context)")
+    g.add_argument("--block-size", type=int, default=None, metavar="N",
+                   help=f"tokens per KV-cache page (default {DEFAULT_BLOCK_SIZE})")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help=f"prefill tokens per step: longer prompts prefill in chunks beside the decoding rows "
+                        f"(default {DEFAULT_PREFILL_CHUNK})")
+    g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                   help="memory for the KV pages in GiB (default: 90%% of the free GPU memory after loading; "
+                        "4 on the CPU)")
+    g.add_argument("--enable-prefix-caching", action="store_true",
+                   help="share the KV blocks of identical prompt prefixes across requests")
+
+
+def engine_kwargs(args) -> dict:
+    """LLM(...) / Engine(...) keywords from the engine flags that were given."""
+    out = {name: getattr(args, name) for name in ("max_num_seqs", "max_model_len", "block_size",
+                                                  "max_num_batched_tokens", "kv_cache_memory")
+           if getattr(args, name, None) is not None}
+    if getattr(args, "enable_prefix_caching", False):
+        out["enable_prefix_caching"] = True
+    return out
