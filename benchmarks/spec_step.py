@@ -17,14 +17,13 @@ import torch
 
 from benchmarks.decode_step import QWEN_1_5B, kernel_table, print_kernels, time_step
 from redwood.config import ModelConfig
-from redwood.engine.generate import autoregressive, make_requests
-from redwood.engine.runner import RunnerPool, StepRunner
-from redwood.engine.speculative import speculative
+from redwood.engine.engine import Engine
+from redwood.engine.runner import StepRunner
 from redwood.kv.policies import FullPolicy
 from redwood.models.transformer import Transformer, build_model
 from redwood.sampling_params import SamplingParams
-from redwood.spec.drafters import ModelDrafter, draft_plan
-from redwood.spec.trees import resolve_tree
+from redwood.speculation.drafters import ModelDrafter, draft_plan
+from redwood.speculation.trees import resolve_tree
 
 QWEN_0_5B = dict(QWEN_1_5B, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                  num_attention_heads=14, num_key_value_heads=2)
@@ -41,14 +40,16 @@ def random_model(config: dict, seed: int):
     return model
 
 
-def run(loop_fn, model, prompts, temperature, gen_len):
-    """(decode seconds, tokens decoded, requests) of one generation."""
+def run(engine, prompts, temperature, gen_len):
+    """(decode seconds, tokens decoded, final stats per request) of one batch through `engine`."""
     params = [SamplingParams(temperature=temperature, max_new_tokens=gen_len, ignore_eos=True, seed=b)
               for b in range(len(prompts))]
-    requests = make_requests(prompts, params, model.config, None)
-    for _ in loop_fn(requests):
-        pass
-    return max(r.stats.decode_s for r in requests), sum(len(r.output_ids) - 1 for r in requests), requests
+    for p, q in zip(prompts, params):
+        engine.add_request(p, q)
+    stats = []
+    while engine.has_unfinished():
+        stats += [d.stats for d in engine.step() if d.finish_reason is not None]
+    return max(s["decode_s"] for s in stats), sum(s["generated_tokens"] - 1 for s in stats), stats
 
 
 def forward_kernels(label: str, model, batch: int, context: int) -> None:
@@ -75,7 +76,6 @@ def main() -> None:
                                                    "generic-64"])
     args = ap.parse_args()
     target, draft = random_model(QWEN_1_5B, 0), random_model(QWEN_0_5B, 1)
-    pool = RunnerPool(use_graphs=True)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 150000, (args.batch, args.context), generator=g).tolist()
 
@@ -89,8 +89,11 @@ def main() -> None:
         return time_step(lambda: runner.forward(ids, pos, new_mask=mask, mask_key=("t", T)))
 
     rows = []
-    ar_s, ar_n, _ = run(lambda rq: autoregressive(target, rq, pool), target, prompts, 0.0, args.gen_len)
-    ar_s, ar_n, _ = run(lambda rq: autoregressive(target, rq, pool), target, prompts, 0.0, args.gen_len)
+    knobs = dict(max_num_seqs=args.batch, max_model_len=args.context + args.gen_len + 128, block_size=128)
+    ar_engine = Engine.build(target, None, **knobs)
+    run(ar_engine, prompts, 0.0, args.gen_len)  # (captures)
+    ar_s, ar_n, _ = run(ar_engine, prompts, 0.0, args.gen_len)
+    del ar_engine
     ar_ms = 1e3 * ar_s / (ar_n / args.batch)
     d1 = forward_ms(draft, 1)
     rows.append(("autoregressive", "greedy", ar_ms, forward_ms(target, 1), 1))
@@ -101,10 +104,11 @@ def main() -> None:
         fwd = levels * d1 + forward_ms(target, tree.size, mask)
         for temperature in (0.0, 0.6):
             drafter = ModelDrafter(draft, FullPolicy(), target.config.vocab_size)
-            loop = lambda rq: speculative(target, drafter, rq, tree, "auto", pool)  # noqa: E731
-            run(loop, target, prompts, temperature, 8)  # capture
-            s, n, reqs = run(loop, target, prompts, temperature, args.gen_len)
-            steps = max(r.stats.spec.steps for r in reqs)
+            engine = Engine.build(target, None, drafter=drafter, tree=tree, **knobs)
+            run(engine, prompts, temperature, 8)  # capture
+            s, n, stats = run(engine, prompts, temperature, args.gen_len)
+            del engine
+            steps = max(st["speculative"]["steps"] for st in stats)
             rows.append((name, "greedy" if temperature == 0 else f"T={temperature}", 1e3 * s / steps, fwd, levels))
             print(rows[-1], flush=True)
     if args.kernels:

@@ -217,7 +217,7 @@ def test_generate_tree_flags_greedy(tiny_model_dir, tiny_llm, capsys, flags, tmp
 
 @pytest.mark.parametrize("verifier", ["sequoia", "specinfer", "topk", "sampling"])
 def test_generate_tree_sampling_verifiers(tiny_model_dir, tiny_draft_dir, capsys, verifier, tmp_path):
-    from redwood.spec.trees import Tree
+    from redwood.speculation.trees import Tree
 
     tree = Tree((-1, 0, 0, 0, 1, 1)).save(tmp_path / "tree.json")
     argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "for i in", "--max-new-tokens", "6",

@@ -230,7 +230,7 @@ class SpeculativeConfig:
 
     def make_tree(self):
         """The token tree each step drafts: `tree` if given, else a chain of num_draft_tokens."""
-        from redwood.spec.trees import Tree, resolve_tree
+        from redwood.speculation.trees import Tree, resolve_tree
 
         return resolve_tree(self.tree) if self.tree else Tree.chain(self.num_draft_tokens)
 

@@ -170,7 +170,7 @@ def test_standalone_sweeps_trees_and_chains(tiny_model_dir, tiny_draft_dir, text
 
 def test_spec_run_steady_state_rate_and_first_divergence():
     from redwood.bench.speculative import _spec_run
-    from redwood.spec.trees import Tree
+    from redwood.speculation.trees import Tree
 
     ar = {"tokens_per_s": 1000.0, "prefill_s": 0.1, "decode_s": 1.0, "token_ids": [[1, 2, 3], [4, 5, 6]]}
     sp = {"tokens_per_s": 900.0, "mean_accepted_length": 2.5, "ms_per_step": 4.0,

@@ -14,8 +14,8 @@ import torch
 from redwood import Engine, SamplingParams
 from redwood.errors import ConfigError, ContextLengthError
 from redwood.kv.policies import FullPolicy, SnapKVPolicy, StreamingPolicy
-from redwood.spec.drafters import ModelDrafter, SelfDrafter
-from redwood.spec.trees import Tree, resolve_tree
+from redwood.speculation.drafters import ModelDrafter, SelfDrafter
+from redwood.speculation.trees import Tree, resolve_tree
 from tests.conftest import save_target_and_draft
 from tests.engine.driver import run_engine
 

@@ -15,8 +15,8 @@ import redwood.engine.prefill as gen
 from redwood import LLM, SamplingParams
 from redwood.engine.prefill import prefill_batch
 from redwood.kv.policies import SnapKVPolicy, StreamingPolicy
-from redwood.spec.drafters import ModelDrafter, SelfDrafter
-from redwood.spec.trees import Tree
+from redwood.speculation.drafters import ModelDrafter, SelfDrafter
+from redwood.speculation.trees import Tree
 from tests.conftest import save_target_and_draft
 from tests.engine.driver import run_engine
 from tests.kv.test_policies import assert_same_selection
@@ -177,7 +177,7 @@ def test_observation_window_scores_are_bounded_per_row_group(models, monkeypatch
 def test_snapkv_self_speculation_with_chunked_prefill_equals_autoregressive(models, monkeypatch, tree):
     """Greedy self-speculation with SnapKV observed through 16-token chunks: the target's own output,
     and the same drafts (acceptance) as with the prompt observed in one forward."""
-    from redwood.spec.trees import resolve_tree
+    from redwood.speculation.trees import resolve_tree
 
     model = models[0]
     shape = resolve_tree(tree)

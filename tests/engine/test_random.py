@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from redwood.engine.random import RowRandom, inverse_cdf, mix32
-from redwood.spec.verifiers import verify_sampling
+from redwood.speculation.verifiers import verify_sampling
 
 
 def _mix32_reference(x: int) -> int:

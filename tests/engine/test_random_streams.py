@@ -36,8 +36,8 @@ from redwood.bench.lattice import first_true, grid_uniform
 from redwood.engine.random import RowRandom, inverse_cdf
 from redwood.engine.sampling import Sampler, probabilities
 from redwood.sampling_params import SamplingParams
-from redwood.spec.tree_verify import draw_children, verify_tree_paths
-from redwood.spec.verifiers import verify_sampling
+from redwood.speculation.tree_verify import draw_children, verify_tree_paths
+from redwood.speculation.verifiers import verify_sampling
 
 ALPHA = 1e-4  # false-alarm probability per test
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])

@@ -86,7 +86,7 @@ def check_equal_or_tie(target, prompt_ids, ar_outputs, outputs, label):
 
 def run_speculative(target, drafter, prompt_ids, gamma):
     from redwood import SamplingParams
-    from redwood.spec.trees import Tree
+    from redwood.speculation.trees import Tree
     from tests.engine.driver import run_engine
 
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
@@ -99,7 +99,7 @@ def run_speculative(target, drafter, prompt_ids, gamma):
 
 def test_standalone_draft_greedy_equals_autoregressive(target, draft, prompt_ids, ar_outputs):
     from redwood.kv.policies import make_policy
-    from redwood.spec.drafters import ModelDrafter, check_compatible
+    from redwood.speculation.drafters import ModelDrafter, check_compatible
 
     check_compatible(target.tokenizer, draft.tokenizer, target.config.vocab_size, draft.config.vocab_size)
     drafter = ModelDrafter(draft.model, make_policy("full"), target.config.vocab_size)
@@ -115,7 +115,7 @@ def test_standalone_draft_greedy_equals_autoregressive(target, draft, prompt_ids
 ])
 def test_self_speculation_greedy_equals_autoregressive(target, prompt_ids, ar_outputs, policy_name, settings):
     from redwood.kv.policies import make_policy
-    from redwood.spec.drafters import SelfDrafter
+    from redwood.speculation.drafters import SelfDrafter
 
     drafter = SelfDrafter(target.model, make_policy(policy_name, **settings))
     outputs, stats, elapsed = run_speculative(target, drafter, prompt_ids, gamma=3)

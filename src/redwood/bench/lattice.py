@@ -4,7 +4,7 @@
 that is monotone in its uniform (an acceptance test, an inverse-CDF draw) changes outcome at grid points;
 `first_true` finds them by bisection through the code itself, so the measure of every outcome — the exact
 probability the code gives it — is a difference of grid indices over 2^bits. Used by the exactness tests
-of the verifiers (`tests/spec/test_verifiers_exact.py`), of the inverse CDF
+of the verifiers (`tests/speculation/test_verifiers_exact.py`), of the inverse CDF
 (`tests/engine/test_random_streams.py`) and `benchmarks/inverse_cdf_bias.py`.
 """
 

@@ -91,7 +91,7 @@ def build_models(root: str | Path, seed: int = 0, close_noise: float = 0.01) -> 
     """Write the target, the two drafts and the wide tree under `root`."""
     import transformers
 
-    from redwood.spec.trees import Tree
+    from redwood.speculation.trees import Tree
 
     root = Path(root)
     target = transformers.AutoModelForCausalLM.from_config(_hf_config("llama", 2)).eval()

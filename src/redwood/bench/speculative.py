@@ -235,7 +235,7 @@ def run_bench(llm, kind: str, batch_sizes: Sequence[int], prefix_lens: Sequence[
     batch_sizes, prefix_lens, gammas = _unique(batch_sizes), _unique(prefix_lens), _unique(gammas)
     speculating = kind != "baseline"
     check_sizes(batch_sizes, prefix_lens, gen_len, gammas if speculating else ())
-    from redwood.spec.trees import Tree, resolve_tree
+    from redwood.speculation.trees import Tree, resolve_tree
 
     shapes = [(f"chain:{g}", Tree.chain(g)) for g in gammas] + [(t, resolve_tree(t)) for t in _unique(trees)]
     drafter = llm.drafter if speculating else None

@@ -1,7 +1,7 @@
 """`redwood acceptance`: measure a draft's per-rank acceptance vector against a target (Sequoia §6).
 
 Writes a ``redwood.acceptance/1`` record that `redwood tree-search --acceptance` reads. See
-`redwood.spec.measure` for the two methods and for which slice of a dataset is used (held out from
+`redwood.tuning.measure` for the two methods and for which slice of a dataset is used (held out from
 evaluation prompts).
 """
 
@@ -60,7 +60,7 @@ def register(subparsers) -> None:
 
 
 def _check(args) -> str:
-    from redwood.spec.measure import MODES, check_settings, default_verifier
+    from redwood.tuning.measure import MODES, check_settings, default_verifier
 
     if args.mode not in MODES:
         raise ConfigError(f"--mode must be one of {', '.join(MODES)}, got {args.mode!r}")
@@ -96,7 +96,7 @@ def _check(args) -> str:
 
         get_recipe(args.dataset)
     else:
-        from redwood.spec.measure import read_prompt_file
+        from redwood.tuning.measure import read_prompt_file
 
         read_prompt_file(args.prompts)
     return verifier
@@ -115,8 +115,8 @@ def _progress(quiet: bool, what: str):
 
 def _run(args: argparse.Namespace) -> int:
     from redwood.llm import DEFAULT_DRAFT_MODEL
-    from redwood.spec.acceptance import save_acceptance
-    from redwood.spec.measure import (dataset_texts, file_texts, make_vector, measure_dynamic, measure_static,
+    from redwood.tuning.acceptance import save_acceptance
+    from redwood.tuning.measure import (dataset_texts, file_texts, make_vector, measure_dynamic, measure_static,
                                       read_prompt_file, star_tree_spec)
 
     verifier = _check(args)
@@ -127,7 +127,7 @@ def _run(args: argparse.Namespace) -> int:
 
     if static:
         from redwood.loading import load_model
-        from redwood.spec.drafters import check_compatible
+        from redwood.speculation.drafters import check_compatible
 
         tgt = load_model(args.model, dtype=args.dtype, device=args.device)
         drf = load_model(args.draft_model, dtype=args.dtype, device=args.device)

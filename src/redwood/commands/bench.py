@@ -188,7 +188,7 @@ def run_spec_bench(args) -> int:
     gammas = (args.gamma or ([] if trees else [4])) if speculating else []
     check_sizes(args.batch_size, args.prefix_len, args.gen_len, gammas)
     if trees:
-        from redwood.spec.trees import resolve_tree
+        from redwood.speculation.trees import resolve_tree
 
         for t in trees:
             resolve_tree(t)  # a bad tree fails before any model loads

@@ -196,7 +196,7 @@ def check_tree_arg(args):
     """The tree --tree names (None without --tree); a ConfigError for a bad spec or one that contradicts
     --gamma (both may be given only when the tree is a chain of that many draft tokens)."""
     from redwood.errors import ConfigError
-    from redwood.spec.trees import resolve_tree
+    from redwood.speculation.trees import resolve_tree
 
     spec = getattr(args, "tree", None)
     if spec is None:

@@ -13,7 +13,7 @@ from redwood.errors import ConfigError
 
 def register(subparsers) -> None:
     from redwood.llm import DEFAULT_MODEL
-    from redwood.spec.profile import DEFAULT_TOKENS, DEFAULT_WIDTHS
+    from redwood.tuning.profile import DEFAULT_TOKENS, DEFAULT_WIDTHS
 
     p = subparsers.add_parser(
         "profile", help="measure forward latencies on this device (for tree-search --profile)",
@@ -54,9 +54,9 @@ def register(subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from redwood.spec.profile import measure_profile, parse_sizes
-    from redwood.spec.tree_search import save_profile
-    from redwood.spec.tree_verify import VERIFIERS
+    from redwood.tuning.profile import measure_profile, parse_sizes
+    from redwood.tuning.tree_search import save_profile
+    from redwood.speculation.tree_verify import VERIFIERS
 
     tokens = parse_sizes(args.tokens, "--tokens")
     widths = parse_sizes(args.widths, "--widths")

@@ -46,8 +46,8 @@ def _parse_values(text: str) -> list[float]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from redwood.spec.acceptance import AcceptanceVector, load_acceptance
-    from redwood.spec.tree_search import load_profile, select_tree, solve_tree_dp, _provenance
+    from redwood.tuning.acceptance import AcceptanceVector, load_acceptance
+    from redwood.tuning.tree_search import load_profile, select_tree, solve_tree_dp, _provenance
 
     if args.budget < 1:
         raise ConfigError(f"--budget must be at least 1, got {args.budget}")

@@ -24,10 +24,10 @@ import torch
 from redwood.engine.sampling import Sampler
 from redwood.errors import ConfigError
 from redwood.models.transformer import Transformer
-from redwood.spec.drafters import Drafter
-from redwood.spec.tree_verify import CHILD_RULE, verify_tree_paths
-from redwood.spec.trees import Tree
-from redwood.spec.verifiers import verify_greedy, verify_sampling
+from redwood.speculation.drafters import Drafter
+from redwood.speculation.tree_verify import CHILD_RULE, verify_tree_paths
+from redwood.speculation.trees import Tree
+from redwood.speculation.verifiers import verify_greedy, verify_sampling
 
 # Chain verifiers are vectorized special cases of the tree walks: with one child per node, Sequoia's
 # sampling without replacement and SpecInfer are both plain speculative rejection sampling.

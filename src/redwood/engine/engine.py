@@ -171,7 +171,7 @@ class Engine:
               enable_prefix_caching: bool = False) -> "Engine":
         """An Engine over an already loaded target `Transformer` (and a `Drafter` with its `Tree`):
         what tools holding models (benchmarks, tests) use instead of loading them again."""
-        from redwood.spec.trees import Tree
+        from redwood.speculation.trees import Tree
 
         _check_knobs(max_num_seqs, block_size, max_num_batched_tokens, kv_cache_memory)
         if (drafter is None) != (tree is None):
@@ -214,7 +214,7 @@ class Engine:
         self.num_steps = 0
 
     def _make_drafter(self, spec: SpeculativeConfig, dtype, device):
-        from redwood.spec.drafters import ModelDrafter, SelfDrafter, check_compatible
+        from redwood.speculation.drafters import ModelDrafter, SelfDrafter, check_compatible
 
         policy = spec.make_policy()
         if spec.self_speculate:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from redwood.errors import ConfigError
-from redwood.spec.acceptance import (
+from redwood.tuning.acceptance import (
     FORMAT, AcceptanceVector, acceptance_from_legacy, load_acceptance, save_acceptance,
 )
 

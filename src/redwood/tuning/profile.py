@@ -18,7 +18,7 @@ ones (CUDA is synchronised before and after every run):
   logits of the target's vocabulary — the sampling / verification work outside the forwards. On CUDA it
   is timed as a captured graph, as the engine runs it inside each step's graph.
 
-`redwood tree-search --profile FILE` reads the result (`redwood.spec.tree_search.load_profile`).
+`redwood tree-search --profile FILE` reads the result (`redwood.tuning.tree_search.load_profile`).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from redwood.engine.random import RowRandom
 from redwood.engine.runner import CapturedStep, StepRunner
 from redwood.engine.sampling import probabilities
 from redwood.errors import ConfigError
-from redwood.spec.tree_search import LatencyProfile
-from redwood.spec.tree_verify import VERIFIERS, verify_tree_paths
-from redwood.spec.trees import Tree
+from redwood.tuning.tree_search import LatencyProfile
+from redwood.speculation.tree_verify import VERIFIERS, verify_tree_paths
+from redwood.speculation.trees import Tree
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16, 32, 64)

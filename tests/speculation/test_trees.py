@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from redwood.errors import ConfigError, RedwoodError
-from redwood.spec.acceptance import AcceptanceVector
-from redwood.spec.trees import FORMAT, Tree, load_shipped_tree, resolve_tree, shipped_trees
+from redwood.tuning.acceptance import AcceptanceVector
+from redwood.speculation.trees import FORMAT, Tree, load_shipped_tree, resolve_tree, shipped_trees
 
 # root 0 → 1, 2; 1 → 3, 4; 2 → 5; 3 → 6
 HAND = (-1, 0, 0, 1, 1, 2, 3)
@@ -205,7 +205,7 @@ def test_resolve_tree_errors(spec, message):
 
 
 def test_shipped_trees_load_and_carry_vectors():
-    from redwood.spec.tree_search import optimal_tree
+    from redwood.tuning.tree_search import optimal_tree
 
     names = shipped_trees()
     assert names, "at least one shipped tree"

@@ -30,8 +30,8 @@ from redwood.engine.sampling import Sampler
 from redwood.errors import ConfigError
 from redwood.kv.policies import DraftKVPolicy, FullPolicy
 from redwood.models.transformer import Transformer
-from redwood.spec.tree_verify import draw_children
-from redwood.spec.trees import Tree
+from redwood.speculation.tree_verify import draw_children
+from redwood.speculation.trees import Tree
 
 
 @dataclass(frozen=True)

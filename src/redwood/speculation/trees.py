@@ -204,7 +204,7 @@ class Tree:
 
         `acceptance`: p_1..p_W (children of rank k get p_k), a per-depth table (row d-1 for children at
         depth d; deeper depths reuse the last row), or an `AcceptanceVector`. Ranks past W get 0."""
-        from redwood.spec.tree_search import acceptance_rows
+        from redwood.tuning.tree_search import acceptance_rows
 
         rows = acceptance_rows(acceptance, self.max_depth)
         f = [1.0] * self.size

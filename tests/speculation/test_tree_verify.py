@@ -1,4 +1,4 @@
-"""Tree verifiers and child-drawing rules (redwood.spec.tree_verify).
+"""Tree verifiers and child-drawing rules (redwood.speculation.tree_verify).
 
 Distribution tests are χ² goodness-of-fit tests at the 0.1 % level (quantiles hardcoded below), over many
 independent rows per call — every row with its own seeded verifier generator, so each test is
@@ -15,7 +15,7 @@ import torch
 
 from redwood.engine.random import RowRandom
 from redwood.engine.sampling import probabilities
-from redwood.spec.tree_verify import CHILD_RULE, draw_children, verify_tree
+from redwood.speculation.tree_verify import CHILD_RULE, draw_children, verify_tree
 
 # Upper 0.1 % points of χ²(df), df = 1…64 (standard tables).
 CHI2_999 = [

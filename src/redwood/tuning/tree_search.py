@@ -50,8 +50,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from redwood.errors import ConfigError
 from redwood.jsonfile import check_format, read_json, write_json
-from redwood.spec.acceptance import AcceptanceVector, _prob_row
-from redwood.spec.trees import Tree
+from redwood.tuning.acceptance import AcceptanceVector, _prob_row
+from redwood.speculation.trees import Tree
 
 NEG = -np.inf
 

@@ -19,7 +19,7 @@ import torch
 from redwood import SamplingParams
 from redwood.engine.sampling import probabilities
 from redwood.errors import ConfigError
-from redwood.spec.verifiers import verify_greedy, verify_sampling
+from redwood.speculation.verifiers import verify_greedy, verify_sampling
 from tests.conftest import random_hf_model, tiny_hf_config
 
 

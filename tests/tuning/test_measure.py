@@ -11,11 +11,11 @@ import torch
 from redwood import LLM
 from redwood.cli import main
 from redwood.config import SpeculativeConfig
-from redwood.spec.acceptance import load_acceptance
-from redwood.spec.measure import (dataset_texts, expected_acceptance, held_out_order, measure_dynamic,
+from redwood.tuning.acceptance import load_acceptance
+from redwood.tuning.measure import (dataset_texts, expected_acceptance, held_out_order, measure_dynamic,
                                   static_acceptance, star_tree_spec)
-from redwood.spec.tree_verify import CHILD_RULE, draw_children, verify_tree
-from redwood.spec.trees import Tree
+from redwood.speculation.tree_verify import CHILD_RULE, draw_children, verify_tree
+from redwood.speculation.trees import Tree
 from tests.conftest import CORPUS, save_target_and_draft
 
 

@@ -1,6 +1,6 @@
 """Measuring acceptance vectors (`redwood acceptance`): per-rank acceptance of a draft against a target.
 
-Both methods write a ``redwood.acceptance/1`` record (see `redwood.spec.acceptance`): values[k-1] is the
+Both methods write a ``redwood.acceptance/1`` record (see `redwood.tuning.acceptance`): values[k-1] is the
 unconditional probability that the draft's rank-k child of a node is the one the verifier accepts.
 
 **Dynamic (on-policy).** Real speculative generation through the normal engine (`LLM` with a
@@ -49,9 +49,9 @@ import torch
 
 from redwood.engine.sampling import probabilities
 from redwood.errors import ConfigError
-from redwood.spec.acceptance import AcceptanceVector
-from redwood.spec.drafters import Drafter
-from redwood.spec.tree_verify import CHILD_RULE, VERIFIERS, draw_children
+from redwood.tuning.acceptance import AcceptanceVector
+from redwood.speculation.drafters import Drafter
+from redwood.speculation.tree_verify import CHILD_RULE, VERIFIERS, draw_children
 
 MODES = ("dynamic", "static")
 EVAL_SHUFFLE_SEED = 0  # the document order evaluation prompts are taken from (front)
@@ -280,7 +280,7 @@ def measure_dynamic(llm, prompts: Sequence[list[int]], width: int, temperature: 
 
     Row i samples with seed + i. Prompts are run `batch_size` at a time (rows are independent)."""
     from redwood.sampling_params import SamplingParams
-    from redwood.spec.trees import Tree
+    from redwood.speculation.trees import Tree
 
     tree = getattr(llm, "tree", None)
     if llm.drafter is None or tree is None:

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from redwood.cli import main
-from redwood.spec.profile import parse_sizes, profile_tree
-from redwood.spec.tree_search import load_profile
-from redwood.spec.trees import Tree
+from redwood.tuning.profile import parse_sizes, profile_tree
+from redwood.tuning.tree_search import load_profile
+from redwood.speculation.trees import Tree
 from tests.conftest import CORPUS
 
 
