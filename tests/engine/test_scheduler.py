@@ -17,9 +17,9 @@ def token(rid: str, j: int) -> int:
 
 
 def make(max_num_seqs=4, budget=8, num_blocks=64, block_size=4, lookahead=1, max_model_len=1000,
-         prefix=False):
+         prefix=False, prefills=1):
     pool = BlockPool(num_blocks, block_size, enable_prefix_cache=prefix)
-    return Scheduler(max_num_seqs, budget, pool, lookahead, max_model_len)
+    return Scheduler(max_num_seqs, budget, pool, lookahead, max_model_len, max_prefill_requests=prefills)
 
 
 def req(rid, n_prompt, max_new=10, base=0):
@@ -265,6 +265,21 @@ def test_admission_waits_when_no_block_is_free():
     assert out.admitted == [b] and b.slot == 0
 
 
+def test_several_prefills_share_the_step_budget():
+    """With max_prefill_requests > 1 an unfinished prefill continues first, then waiting heads start in
+    arrival order while the step's token budget and the slots last."""
+    s = make(budget=10, max_num_seqs=3, prefills=4)
+    a, b, c, d = req("a", 6), req("b", 3), req("c", 5), req("d", 2)
+    for r in (a, b, c, d):
+        s.add(r)
+    out = s.schedule()
+    assert [(ch.request, ch.start, ch.length) for ch in out.prefill] == [(a, 0, 6), (b, 0, 3), (c, 0, 1)]
+    assert [r.slot for r in (a, b, c)] == [0, 1, 2] and out.admitted == [a, b, c]
+    run_step(s, out)
+    out = s.schedule()  # c continues; no slot for d
+    assert [(ch.request, ch.start, ch.length) for ch in out.prefill] == [(c, 1, 4)] and out.decode == [a, b]
+
+
 # --- randomized simulation --------------------------------------------------------------------------
 
 def check_invariants(s: Scheduler, out, kv: dict, admitted_order: list, prefix: bool):
@@ -278,7 +293,7 @@ def check_invariants(s: Scheduler, out, kv: dict, admitted_order: list, prefix: 
     # Preempted requests wait ahead of every request never admitted.
     flags = [r.num_preemptions > 0 for r in s.waiting]
     assert flags == sorted(flags, reverse=True)
-    assert len(out.prefill) <= 1 and sum(c.length for c in out.prefill) <= s.max_num_batched_tokens
+    assert len(out.prefill) <= s.max_prefill_requests and sum(c.length for c in out.prefill) <= s.max_num_batched_tokens
     owners: dict[int, list] = {}
     for r in s.running:
         for i, b in enumerate(r.block_table.blocks):
@@ -301,16 +316,17 @@ def check_invariants(s: Scheduler, out, kv: dict, admitted_order: list, prefix: 
     assert admitted_order == sorted(admitted_order)
 
 
+@pytest.mark.parametrize("prefills", [1, 3])
 @pytest.mark.parametrize("prefix", [False, True])
 @pytest.mark.parametrize("num_blocks,lookahead,max_num_seqs,budget", [
     (12, 1, 3, 8),  # tiny pool: constant preemption
     (16, 5, 4, 6),  # speculative lookahead, small chunks, preemption
     (200, 3, 8, 32),  # roomy: no preemption
 ])
-def test_random_simulation(prefix, num_blocks, lookahead, max_num_seqs, budget):
+def test_random_simulation(prefix, num_blocks, lookahead, max_num_seqs, budget, prefills):
     rng = random.Random(1234 + num_blocks + lookahead)
     block_size, max_model_len = 4, 40
-    s = make(max_num_seqs, budget, num_blocks, block_size, lookahead, max_model_len, prefix)
+    s = make(max_num_seqs, budget, num_blocks, block_size, lookahead, max_model_len, prefix, prefills)
     bases = [[rng.randrange(50) for _ in range(20)] for _ in range(3)]  # shared prompt stems
     kv: dict = {}  # (block, offset) -> token: the simulated paged cache
     reqs, stop_at, first_admission = [], {}, []

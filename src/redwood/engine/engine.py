@@ -37,7 +37,7 @@ import torch
 
 from redwood.config import SpeculativeConfig
 from redwood.engine.decode import ARStep, SpecStep, resolve_verifier
-from redwood.engine.prefill import prefill_row
+from redwood.engine.prefill import prefill_row, prefill_rows
 from redwood.engine.request import RequestState, SpecStats
 from redwood.engine.runner import StepRunner
 from redwood.engine.sampling import Sampler
@@ -205,7 +205,9 @@ class Engine:
         self.block_size = block_size
         self.lookahead = 1 if self.tree is None else self.tree.size
         self.eos_ids = eos_token_ids(self.config, self.tokenizer)
-        self._allocate(kv_cache_memory, enable_prefix_caching, max_num_batched_tokens)
+        # The KV pages, scheduler and slot state are allocated on first use (`__getattr__`): an LLM whose
+        # models a tool borrows (benchmarks build engines of their own) never holds a KV pool.
+        self._pending_allocation = (kv_cache_memory, enable_prefix_caching, max_num_batched_tokens)
         self._requests: dict[str, _Request] = {}
         self._aborted: list[RequestDelta] = []
         self._ids = itertools.count()
@@ -229,6 +231,18 @@ class Engine:
         return ModelDrafter(draft.model, policy, self.config.vocab_size)
 
     # ------------------------------------------------------------------ memory
+    _LAZY = frozenset({"cache", "draft_cache", "pool", "scheduler", "sampler", "prev", "last", "buckets",
+                       "num_pages"})
+
+    def __getattr__(self, name: str):
+        # (only reached for attributes not set yet)
+        if name in Engine._LAZY and self.__dict__.get("_pending_allocation") is not None:
+            args, self._pending_allocation = self._pending_allocation, None
+            with torch.inference_mode(False):  # normal tensors: updated both inside steps and outside
+                self._allocate(*args)
+            return getattr(self, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def _allocate(self, kv_gib: float | None, prefix_caching: bool, prefill_tokens: int) -> None:
         models = [self.model] + ([self.drafter.own_model] if self.drafter is not None and
                                  self.drafter.own_model is not None else [])
@@ -264,7 +278,8 @@ class Engine:
             owner = self.drafter.own_model or self.model
             self.drafter.policy.allocate(S, owner.config.num_layers, owner.config.num_kv_heads, device)
         self.pool = BlockPool(num_pages, self.block_size, enable_prefix_cache=prefix_caching)
-        self.scheduler = Scheduler(S, prefill_tokens, self.pool, self.lookahead, self.max_model_len)
+        self.scheduler = Scheduler(S, prefill_tokens, self.pool, self.lookahead, self.max_model_len,
+                                   max_prefill_requests=S)
         self.sampler = Sampler.slots(S, device)
         self.prev = torch.zeros(S, dtype=torch.long, device=device)
         self.last = torch.zeros(S, dtype=torch.long, device=device)
@@ -343,6 +358,8 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
+        if self.__dict__.get("_pending_allocation") is not None:
+            return False  # (nothing was ever added)
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
     @property
@@ -369,10 +386,8 @@ class Engine:
         self._sync_tables([*out.decode, *(c.request for c in out.prefill)])
         if out.decode:
             deltas += self._decode([self._requests[s.request_id] for s in out.decode])
-        for chunk in out.prefill:
-            delta = self._prefill(self._requests[chunk.request.request_id], chunk)
-            if delta is not None:
-                deltas.append(delta)
+        if out.prefill:
+            deltas += self._prefill([(self._requests[c.request.request_id], c) for c in out.prefill])
         return deltas
 
     def _admit(self, rec: _Request) -> None:
@@ -416,9 +431,51 @@ class Engine:
                     blocks[done:], dtype=torch.int32).to(self.cache.block_table.device, non_blocking=True)
                 rec.synced = len(blocks)
 
-    def _prefill(self, rec: _Request, chunk) -> RequestDelta | None:
-        seq, row = rec.seq, rec.slot
+    def _prefill(self, work: list[tuple[_Request, object]]) -> list[RequestDelta]:
+        """This step's prefill chunks: observed ones (SnapKV) one request at a time, the others in one
+        batch; a chunk that ends its prefill samples the request's first token."""
         t0 = time.perf_counter()
+        logits: dict[int, torch.Tensor] = {}
+        plain = [(i, rec, c) for i, (rec, c) in enumerate(work) if rec.observers == (None, None)]
+        for i, (rec, c) in enumerate(work):
+            if rec.observers != (None, None):
+                logits[i] = self._prefill_one(rec, c)
+        if plain:
+            rows = [rec.slot for _, rec, _ in plain]
+            ids = [rec.seq.all_token_ids[:rec.seq.prefill_len] for _, rec, _ in plain]
+            starts = [c.start for _, _, c in plain]
+            stops = [c.start + c.length for _, _, c in plain]
+            out = prefill_rows(self.model, self.cache, rows, ids, starts, stops)
+            if self.draft_cache is not None:
+                prefill_rows(self.drafter.own_model, self.draft_cache, rows, ids, starts, stops)
+            for k, (i, _, _) in enumerate(plain):
+                logits[i] = out[k]
+        spent = (time.perf_counter() - t0) / len(work)  # (the step's prefill time, shared)
+        deltas = []
+        for i, (rec, chunk) in enumerate(work):
+            rec.state.stats.prefill_s += spent
+            seq, row = rec.seq, rec.slot
+            if not chunk.is_last:
+                self.scheduler.update_after_step(seq, chunk.length)
+                continue
+            for obs in rec.observers:
+                if obs is not None:
+                    obs.finish()
+            rec.observers = (None, None)
+            token = int(self.sampler.view(row, row + 1, [rec.params]).sample(logits[i][None])[0])
+            self.prev[row] = seq.all_token_ids[seq.prefill_len - 1]
+            self.last[row] = token
+            self.cache.live[row] = 1
+            if rec.t_first is None:
+                rec.t_first, rec.capture_at_first = time.perf_counter(), self.capture_s
+            deltas.append(self._emit(rec, [token], prefill=chunk))
+            if rec.seq.status.finished:
+                self._vacate(rec)
+        return deltas
+
+    def _prefill_one(self, rec: _Request, chunk) -> torch.Tensor | None:
+        """A chunk of one request whose prefill is observed (SnapKV), alone; → its last logits."""
+        seq, row = rec.seq, rec.slot
         ids = seq.all_token_ids[:seq.prefill_len]
         stop = chunk.start + chunk.length
         target_obs, draft_obs = rec.observers
@@ -426,26 +483,7 @@ class Engine:
                              want_logits=chunk.is_last)
         if self.draft_cache is not None:
             prefill_row(self.drafter.own_model, self.draft_cache.row(row), ids, chunk.start, stop, draft_obs)
-        if not chunk.is_last:
-            self.scheduler.update_after_step(seq, chunk.length)
-            rec.state.stats.prefill_s += time.perf_counter() - t0
-            return None
-        for obs in rec.observers:
-            if obs is not None:
-                obs.finish()
-        rec.observers = (None, None)
-        token = int(self.sampler.view(row, row + 1, [rec.params]).sample(logits[None])[0])
-        self.prev[row] = ids[-1]
-        self.last[row] = token
-        self.cache.live[row] = 1
-        now = time.perf_counter()
-        rec.state.stats.prefill_s += now - t0
-        if rec.t_first is None:
-            rec.t_first, rec.capture_at_first = now, self.capture_s
-        delta = self._emit(rec, [token], prefill=chunk)
-        if rec.seq.status.finished:
-            self._vacate(rec)
-        return delta
+        return logits
 
     def _emit(self, rec: _Request, tokens: list[int], prefill=None) -> RequestDelta:
         """Give the request its new tokens (up to a stop) and tell the scheduler (which frees its blocks

@@ -60,6 +60,41 @@ def prefill_row(model: Transformer, cache: KVCache, token_ids: list[int], start:
     return logits
 
 
+def prefill_rows(model: Transformer, cache: KVCache, rows: list[int], token_ids: list[list[int]],
+                 starts: list[int], stops: list[int]) -> torch.Tensor:
+    """One prefill chunk for each of several rows at once (no observer): row rows[i] computes the KV of
+    token_ids[i][starts[i]:stops[i]] (its slots below starts[i] already hold the tokens before) and
+    commits them. → logits [len(rows), V] float32 of each row's token stops[i] − 1.
+
+    The chunks are right-padded to the longest: a padding token of row i lands in a scratch slot past
+    stops[i] (in the row's own pages or the trash page) and is never read as context; the causal mask
+    keeps real tokens from seeing it.
+    """
+    device = model.device
+    B = len(rows)
+    sub = cache.select(rows)
+    n = [b - a for a, b in zip(starts, stops)]
+    T = max(n)
+    ids = torch.zeros(B, T, dtype=torch.long, device=device)
+    for i, (toks, a, b) in enumerate(zip(token_ids, starts, stops)):
+        ids[i, : b - a] = torch.tensor(toks[a:b], device=device)
+    start_t = torch.tensor(starts, device=device)
+    last = torch.tensor(n, device=device) - 1  # [B] offset of each row's last chunk token
+    sub.lengths.copy_(start_t)
+    logits = None
+    step = prefill_chunk(B, model.config.num_heads, max(stops))
+    for a in range(0, T, step):
+        b = min(a + step, T)
+        positions = start_t[:, None] + torch.arange(a, b, device=device)
+        at = (last - a).clamp(0, b - a - 1)
+        out = model(ids[:, a:b], positions, sub, logits_at=at[:, None])[:, 0]
+        here = ((last >= a) & (last < b))[:, None]
+        logits = out if logits is None else torch.where(here, out, logits)
+        sub.commit(b - a)
+    cache.lengths[torch.tensor(rows, device=device)] = torch.tensor(stops, device=device)
+    return logits
+
+
 def _forwards(start: int, stop: int, observer: PrefillObserver | None,
               rows_heads: int) -> list[tuple[int, int, bool]]:
     """The forwards (a, b, observed) that prefill positions [start, stop).

@@ -19,11 +19,12 @@ Terms.
 Policy.
 - FCFS by arrival: the waiting queue stays sorted by arrival, only its head is admitted, and preemption
   picks the latest arrival, so the oldest running request is never preempted while others run.
-- Each step: every decode row first gets its lookahead room (preempting as needed); then at most ONE
-  prefill chunk — the running request whose prefill is unfinished, else the waiting head if a slot is
-  free (lowest slot first) and no preemption happened this step. `max_num_batched_tokens` bounds the
-  prefill tokens of a step only; decode rows are bounded by max_num_seqs * lookahead on their own.
-  A chunk is the rest of the prefill, capped by that budget and by what the free blocks can hold.
+- Each step: every decode row first gets its lookahead room (preempting as needed); then up to
+  `max_prefill_requests` prefill chunks (one per request) within the step's `max_num_batched_tokens`
+  budget — first the running requests whose prefill is unfinished (oldest first), then waiting heads
+  while a slot is free (lowest slot first) and no preemption happened this step. The budget bounds the
+  prefill tokens of a step only; decode rows are bounded by max_num_seqs * lookahead on their own. A
+  chunk is the rest of the prefill, capped by the budget left and by what the free blocks can hold.
 - Lengths: len(all_token_ids) never exceeds max_model_len nor prompt + max_new_tokens; reaching either
   finishes the request with FINISHED_LENGTH. A prompt of max_model_len tokens or more is refused at
   `add`, as is a request the whole pool could not hold even alone.
@@ -97,7 +98,7 @@ class PrefillChunk:
 
 @dataclass
 class SchedulerOutput:
-    prefill: list[PrefillChunk]  # at most one
+    prefill: list[PrefillChunk]  # at most max_prefill_requests, one per request
     decode: list[SeqState]  # decode rows, oldest first; each has its slot and lookahead room
     preempted: list[SeqState]  # lost their slot this step
     admitted: list[SeqState]  # got a slot this step (new, or back after a preemption)
@@ -109,7 +110,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, pool: BlockPool,
-                 lookahead: int, max_model_len: int):
+                 lookahead: int, max_model_len: int, max_prefill_requests: int = 1):
         for name, value, low in (("max_num_seqs", max_num_seqs, 1), ("lookahead", lookahead, 1),
                                  ("max_num_batched_tokens", max_num_batched_tokens, 1),
                                  ("max_model_len", max_model_len, 2)):
@@ -120,6 +121,7 @@ class Scheduler:
         self.pool = pool
         self.lookahead = lookahead
         self.max_model_len = max_model_len
+        self.max_prefill_requests = max(1, max_prefill_requests)  # prefill chunks (one per request) per step
         self.waiting: list[SeqState] = []  # sorted by arrival
         self.running: list[SeqState] = []  # sorted by arrival
         self._free_slots = list(range(max_num_seqs))  # a heap
@@ -181,12 +183,18 @@ class Scheduler:
 
         admitted: list[SeqState] = []
         prefill: list[PrefillChunk] = []
-        pending = next((r for r in self.running if r.is_prefilling), None)
-        if pending is not None:
-            chunk = self._chunk(pending)
-            if chunk is not None:
+        budget = self.max_num_batched_tokens
+        blocked = False  # an unfinished prefill got no room: nobody behind it starts
+        for req in self.running:  # unfinished prefills first, oldest first
+            if req.is_prefilling and len(prefill) < self.max_prefill_requests and budget > 0:
+                chunk = self._chunk(req, budget)
+                if chunk is None:
+                    blocked = True
+                    break
                 prefill.append(chunk)
-        elif self.waiting and self._free_slots and not preempted:
+                budget -= chunk.length
+        while (not blocked and not preempted and self.waiting and self._free_slots and budget > 0
+               and len(prefill) < self.max_prefill_requests):
             req = self.waiting[0]
             req.prefill_len = req.num_tokens
             if self.pool.enable_prefix_cache:
@@ -194,25 +202,27 @@ class Scheduler:
                 if req.prefix_limit is not None:
                     ids = ids[:req.prefix_limit + 1]  # (a match covers at most len(ids) − 1 tokens)
                 req.num_computed = req.block_table.match_prefix(ids, self.pool)
-            chunk = self._chunk(req)
+            chunk = self._chunk(req, budget)
             if chunk is None:  # not even one token fits: stay at the head
                 req.block_table.release(self.pool)
                 req.num_computed = 0
-            else:
-                self.waiting.pop(0)
-                req.status = Status.RUNNING
-                req.slot = heapq.heappop(self._free_slots)
-                bisect.insort(self.running, req, key=lambda r: r.arrival)
-                admitted.append(req)
-                prefill.append(chunk)
+                break
+            self.waiting.pop(0)
+            req.status = Status.RUNNING
+            req.slot = heapq.heappop(self._free_slots)
+            bisect.insort(self.running, req, key=lambda r: r.arrival)
+            admitted.append(req)
+            prefill.append(chunk)
+            budget -= chunk.length
         return SchedulerOutput(prefill, decode, preempted, admitted, len(self.waiting), len(self.running),
                                self.pool.num_used, self.pool.num_free)
 
-    def _chunk(self, req: SeqState) -> PrefillChunk | None:
-        """The next prefill chunk of req, its blocks allocated; None if no token fits."""
+    def _chunk(self, req: SeqState, budget: int) -> PrefillChunk | None:
+        """The next prefill chunk of req (at most `budget` tokens), its blocks allocated; None if no
+        token fits."""
         table, start = req.block_table, req.num_computed
         room = (len(table.blocks) + self.pool.num_free) * self.pool.block_size - start
-        length = min(req.prefill_len - start, self.max_num_batched_tokens, room)
+        length = min(req.prefill_len - start, budget, room)
         if length <= 0:
             return None
         if not table.ensure(start + length, self.pool):  # cannot happen: room counts the free blocks

@@ -85,6 +85,17 @@ class KVCache:
         sub.dense = False  # row b's page is page b, not page 0
         return sub
 
+    def select(self, rows: list[int]) -> "KVCache":
+        """The cache of these rows (a batched prefill's): shared pages, a copy of their table rows and
+        lengths (the caller writes the lengths back), live 1 (their forwards attend to their context)."""
+        idx = torch.tensor(rows, device=self.lengths.device)
+        sub = KVCache.__new__(KVCache)
+        sub.__dict__.update(self.__dict__)
+        sub.block_table, sub.lengths = self.block_table[idx], self.lengths[idx]
+        sub.live = torch.ones(len(rows), dtype=torch.long, device=self.lengths.device)
+        sub.dense = False
+        return sub
+
     @property
     def batch_size(self) -> int:
         return self.lengths.shape[0]
