@@ -384,8 +384,7 @@ def _llm_for(job: Job):
     from redwood import LLM
 
     if _loaded.get("method") != job.case.method.name:
-        old = _loaded.pop("llm", None)
-        del old
+        _loaded.pop("llm", None)  # (freed before the next model loads)
         _loaded.clear()
         gc.collect()
         if job.device.startswith("cuda"):

@@ -4,8 +4,6 @@ offloading, sampling, and speculation (`add_speculative_args` + `speculative_con
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
 from redwood.config import DRAFT_QUANT
 from redwood.llm import DEFAULT_MODEL

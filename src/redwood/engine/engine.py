@@ -6,8 +6,9 @@
         for delta in engine.step():        # RequestDelta(request_id, token_ids, text, finish_reason, stats)
             ...
 
-A step is: schedule (`Scheduler`: which rows decode, at most one prefill chunk, preemptions) → run (one
-decoding step — autoregressive or draft → verify — over the rows that generate, then the prefill chunk)
+A step is: schedule (`Scheduler`: which rows decode, which prefill chunks run within the step's token
+budget, preemptions) → run (one decoding step — autoregressive or draft → verify — over the rows that
+generate, then the prefill chunks: unobserved ones batched in one forward, SnapKV-observed ones alone)
 → postprocess (emit tokens, check stops, commit KV, free what finished). Requests join at step
 boundaries; a row that finishes is refilled at the next one.
 
@@ -21,16 +22,16 @@ generate (idle slots, a request still prefilling) have live 0: they read no KV, 
 scratch slots or the trash page, their results are dropped and their random counters restored — so a
 request's output does not depend on what runs beside it.
 
-A request's prefill runs in chunks into its slot alone (`engine.prefill`); with a standalone draft model
-each chunk also runs through the draft into its own cache, which shares the target's page table (same
-block ids, the draft model's pages).
+A request's prefill runs in chunks into its slot (`engine.prefill`); with a standalone draft model each
+chunk also runs through the draft into its own cache, which shares the target's page table (same block
+ids, the draft model's pages).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,7 +42,7 @@ from redwood.engine.prefill import prefill_row, prefill_rows
 from redwood.engine.request import RequestState, SpecStats
 from redwood.engine.runner import StepRunner
 from redwood.engine.sampling import Sampler
-from redwood.engine.scheduler import Scheduler, SeqState, Status
+from redwood.engine.scheduler import Scheduler, SeqState
 from redwood.errors import ConfigError, ContextLengthError
 from redwood.kv.blocks import BlockPool
 from redwood.kv.cache import KVCache
@@ -246,10 +247,8 @@ class Engine:
     def _allocate(self, kv_gib: float | None, prefix_caching: bool, prefill_tokens: int) -> None:
         models = [self.model] + ([self.drafter.own_model] if self.drafter is not None and
                                  self.drafter.own_model is not None else [])
-        dtype_bytes = self.model.dtype.itemsize
         page_bytes = sum(2 * m.config.num_layers * m.config.num_kv_heads * m.config.head_dim * self.block_size
                          * m.dtype.itemsize for m in models)
-        del dtype_bytes
         row_len = self.max_model_len + self.lookahead  # logical slots a row may touch
         per_row = -(-row_len // self.block_size)
         need = self.max_num_seqs * per_row
