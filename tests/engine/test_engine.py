@@ -59,9 +59,9 @@ def _alone(models, mode, prompts, params):
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_continuous_batching_greedy_equals_each_request_alone(models, mode):
-    """Ragged prompts arriving at random steps, mixed max_new_tokens, two aborted mid-way (one while
-    prefilling in 16-token chunks, one while decoding), 3 slots for 8 requests: every request that ran to
-    the end equals its greedy output alone, and every block is free afterwards."""
+    """Ragged prompts arriving at random steps, mixed max_new_tokens, 16-token prefill budgets per step,
+    two requests aborted a few steps after arriving, 3 slots for 8 requests: every request that ran to the
+    end equals its greedy output alone, an aborted one holds a prefix of it, every block is free after."""
     target, draft, tok = models
     prompts = _prompts(8, seed=1)
     rng = random.Random(2)
