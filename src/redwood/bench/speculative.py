@@ -151,7 +151,7 @@ def measure(llm, prompts: list[list[int]], params: list[SamplingParams], drafter
     engine = Engine.build(model, llm.tokenizer, drafter=drafter, tree=tree, verifier=verifier,
                           model_name=llm.model_name, max_num_seqs=len(prompts),
                           max_model_len=min(longest + lookahead, model.config.max_position_embeddings),
-                          max_num_batched_tokens=max(len(p) for p in prompts))
+                          max_num_batched_tokens=sum(len(p) for p in prompts))  # (all prefilled in step 1)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     ids = [engine.add_request(p, q) for p, q in zip(prompts, params)]
