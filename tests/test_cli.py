@@ -256,3 +256,28 @@ def test_tree_flag_errors(tmp_path, capsys):
         assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"] + flags) == 2, flags
         err = capsys.readouterr().err
         assert err.startswith("redwood: error:") and msg in err and err.count("\n") == 1, (flags, err)
+
+
+@pytest.mark.parametrize("argv", [["models", "list"], ["data", "list"]])
+def test_a_closed_pipe_ends_quietly(argv):
+    """`redwood … | head -1`: when the reader has gone, the command ends without a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before the first write
+    try:
+        proc = subprocess.run([sys.executable, "-m", "redwood.cli", *argv], stdout=w, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    finally:
+        os.close(w)
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+    assert proc.returncode == 141
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-1"])
+def test_temperature_must_be_finite(value):
+    from redwood.cli import main
+
+    assert main(["generate", "--prompt", "x", "--temperature", value]) == 2

@@ -30,13 +30,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # (inside the try: a reader that went away shows here, not at exit)
+        return status
     except RedwoodError as e:
         print(f"redwood: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("redwood: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (`redwood generate … | head`): end quietly, as coreutils do; point stdout at
+        # devnull so the interpreter's final flush does not raise again
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE
 
 
 if __name__ == "__main__":
