@@ -25,6 +25,21 @@ _SPEC_HELP = {
 }
 
 
+def _add_prompt_and_sampling_args(p, seed_help: str) -> None:
+    """The long-text prompt source (--dataset / --prompts-file / --prompt-seed) and --temperature /
+    --top-p / --seed, shared by the benches that cut prompts from long text."""
+    src = p.add_argument_group("prompts")
+    src.add_argument("--dataset", default=None, metavar="NAME",
+                     help="cut prompts from this dataset's concatenated text (`redwood data list`; default essays)")
+    src.add_argument("--prompts-file", default=None, metavar="FILE",
+                     help="cut prompts from this text file instead of a dataset")
+    src.add_argument("--prompt-seed", type=int, default=0, help="seed of the window offsets (default 0)")
+    smp = p.add_argument_group("sampling")
+    smp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    smp.add_argument("--top-p", type=float, default=1.0)
+    smp.add_argument("--seed", type=int, default=None, help=seed_help)
+
+
 def _add_spec_bench(bench, kind: str) -> None:
     help_, description = _SPEC_HELP[kind]
     p = bench.add_parser(kind, help=help_, description=description)
@@ -42,16 +57,7 @@ def _add_spec_bench(bench, kind: str) -> None:
         p.add_argument("--tree", nargs="+", default=None, metavar="T",
                        help="token trees to measure too (chain:G, chains:KxL, a tree JSON file or a shipped "
                             "name); without --gamma only these are measured")
-    src = p.add_argument_group("prompts")
-    src.add_argument("--dataset", default=None, metavar="NAME",
-                     help="cut prompts from this dataset's concatenated text (`redwood data list`; default essays)")
-    src.add_argument("--prompts-file", default=None, metavar="FILE",
-                     help="cut prompts from this text file instead of a dataset")
-    src.add_argument("--prompt-seed", type=int, default=0, help="seed of the window offsets (default 0)")
-    smp = p.add_argument_group("sampling")
-    smp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    smp.add_argument("--top-p", type=float, default=1.0)
-    smp.add_argument("--seed", type=int, default=None, help="sampling seed (row b uses seed + b)")
+    _add_prompt_and_sampling_args(p, seed_help="sampling seed (row b uses seed + b)")
     p.add_argument("--output", default=None, metavar="DIR", help="write report.json (and plots) into this folder")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run_spec_bench, bench_kind=kind)
@@ -109,16 +115,7 @@ def register(sub) -> None:
     add_speculative_args(tp)
     add_offload_args(tp)
     add_engine_args(tp)
-    tsrc = tp.add_argument_group("prompts")
-    tsrc.add_argument("--dataset", default=None, metavar="NAME",
-                      help="cut prompts from this dataset's concatenated text (`redwood data list`; default essays)")
-    tsrc.add_argument("--prompts-file", default=None, metavar="FILE",
-                      help="cut prompts from this text file instead of a dataset")
-    tsrc.add_argument("--prompt-seed", type=int, default=0, help="seed of the window offsets (default 0)")
-    tsmp = tp.add_argument_group("sampling")
-    tsmp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    tsmp.add_argument("--top-p", type=float, default=1.0)
-    tsmp.add_argument("--seed", type=int, default=None, help="sampling seed (request i uses seed + i)")
+    _add_prompt_and_sampling_args(tp, seed_help="sampling seed (request i uses seed + i)")
     tp.add_argument("--output", default=None, metavar="DIR",
                     help="write report.json and throughput.png into this folder")
     tp.add_argument("--json", action="store_true", help="print the result as JSON (no progress bar)")

@@ -40,7 +40,7 @@ from redwood.config import SpeculativeConfig
 from redwood.engine.decode import ARStep, SpecStep, resolve_verifier
 from redwood.engine.prefill import prefill_row, prefill_rows
 from redwood.engine.request import RequestState, SpecStats
-from redwood.engine.runner import StepRunner
+from redwood.engine.runner import StepRunner, sync
 from redwood.engine.sampling import Sampler
 from redwood.engine.scheduler import Scheduler, SeqState
 from redwood.errors import ConfigError, ContextLengthError
@@ -544,9 +544,13 @@ class Engine:
             kind = resolve_verifier(self.verifier, self.tree, sampler.all_greedy)
             build = lambda: SpecStep(self.model, target, draft, self.drafter, self.tree, kind, sampler)  # noqa: E731
         saved = sampler.random.counter.clone()
+
+        def captures() -> float:  # graph-capture seconds of this bucket's runners so far (one-time costs)
+            return target.capture_s + (draft.capture_s if draft is not None else 0.0)
+
         t_draft = None
         t0 = time.perf_counter()
-        capture0 = target.capture_s + (draft.capture_s if draft is not None else 0.0)
+        capture0 = captures()
         prev, last = self.prev[:n], self.last[:n]
         if target.use_graphs:
             key = (kind, sampler.all_greedy, sampler.any_greedy, sampler.any_filter,
@@ -558,9 +562,9 @@ class Engine:
         else:  # eager: the draft and the verification timed apart
             step = build()
             tokens, q = step.draft(prev, last)
-            _sync(self.model.device)
+            sync(self.model.device)
             t_draft = time.perf_counter()
-            self._captures_until_draft = target.capture_s + (draft.capture_s if draft is not None else 0.0) - capture0
+            draft_capture_s = captures() - capture0
             path, accepted, nxt, new_prev, host = step.verify(tokens, q)
         host_list = host.tolist()  # the step's one host synchronization
         # Rows that did not generate keep their random counters (their draws are discarded).
@@ -571,8 +575,7 @@ class Engine:
         self.prev[:n] = torch.where(generating, new_prev, prev)
         self.last[:n] = torch.where(generating, nxt, last)
         t1 = time.perf_counter()
-        captured_s = target.capture_s + (draft.capture_s if draft is not None else 0.0) - capture0
-        draft_capture_s = captured_s if t_draft is None else min(captured_s, self._captures_until_draft)
+        captured_s = captures() - capture0
         self.capture_s += captured_s
         kept = [0] * n
         deltas, done = [], []
@@ -603,8 +606,3 @@ class Engine:
             self._vacate(rec)
         return deltas
 
-
-def _sync(device: torch.device) -> None:
-    """Wait for the device's queued work (timing on CUDA); a no-op on the CPU."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
