@@ -11,6 +11,7 @@ import torch
 
 from redwood.config import SpeculativeConfig
 from redwood.engine.engine import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, Engine  # noqa: F401 (re-exported)
+from redwood.engine.request import TokenLogprob
 from redwood.errors import ConfigError, ContextLengthError
 from redwood.sampling_params import SamplingParams
 
@@ -27,6 +28,7 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str
     stats: dict = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None  # per token, when SamplingParams.logprobs asked for them
 
 
 @dataclass
@@ -38,6 +40,9 @@ class StreamDelta:
     token_ids: list[int]
     finish_reason: str | None
     stats: dict | None = None  # set on the request's last delta
+    sources: list[str] = field(default_factory=list)  # per token: "draft" | "target" (see RequestDelta)
+    logprobs: list[TokenLogprob] | None = None  # per token, when SamplingParams.logprobs asked for them
+    spans: list[tuple[str, str]] = field(default_factory=list)  # text as (piece, source) per token
 
 
 class LLM:
@@ -111,7 +116,8 @@ class LLM:
                         if d.finish_reason is not None:
                             left.discard(d.request_id)
                         yield StreamDelta(index=index[d.request_id], text=d.text, token_ids=d.token_ids,
-                                          finish_reason=d.finish_reason, stats=d.stats)
+                                          finish_reason=d.finish_reason, stats=d.stats, sources=d.sources,
+                                          logprobs=d.logprobs, spans=d.spans)
         finally:  # a consumer that stops early (or an error) leaves nothing running
             for rid in left:
                 self.engine.abort(rid, notify=False)
@@ -122,6 +128,7 @@ class LLM:
         prompt_list, ids = self._add(prompts, params, chat)
         outs: list[RequestOutput | None] = [None] * len(ids)
         tokens: list[list[int]] = [[] for _ in ids]
+        logprobs: list[list[TokenLogprob] | None] = [None for _ in ids]
         texts: list[list[str]] = [[] for _ in ids]
         index = {rid: i for i, rid in enumerate(ids)}
         left = len(ids)
@@ -132,6 +139,9 @@ class LLM:
                     if i is None:
                         continue
                     tokens[i] += d.token_ids
+                    if d.logprobs is not None:
+                        logprobs[i] = (logprobs[i] or [])
+                        logprobs[i] += d.logprobs
                     texts[i].append(d.text)
                     if d.finish_reason is not None:
                         p = prompt_list[i]
@@ -139,7 +149,7 @@ class LLM:
                             prompt=p if isinstance(p, str) else None,
                             prompt_token_ids=d.prompt_token_ids,
                             text="".join(texts[i]), token_ids=tokens[i], finish_reason=d.finish_reason,
-                            stats=d.stats or {})
+                            stats=d.stats or {}, logprobs=logprobs[i])
                         left -= 1
         finally:
             if left:

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from redwood.errors import ConfigError
 
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit); the step always computes this many
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -17,7 +19,9 @@ class SamplingParams:
     tokens whose probability reaches top_p (1.0 → all). seed: a per-request random stream, so a seeded
     request samples the same tokens whatever else is in the batch. stop: strings that end generation
     (not included in the text). max_new_tokens: generated-token limit. ignore_eos: keep going past EOS
-    (benchmarks with a fixed generation length).
+    (benchmarks with a fixed generation length). logprobs: None → off; k in [0, 20] → each generated
+    token's log-probability under the target's raw distribution (temperature 1, before top-k / top-p)
+    and the k most likely tokens there (OpenAI's `top_logprobs` limit is 20).
     """
 
     temperature: float = 0.0
@@ -27,6 +31,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +51,10 @@ class SamplingParams:
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
             raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ConfigError(f"logprobs must be None (off) or an integer in [0, {MAX_LOGPROBS}] (the most likely "
+                              f"alternatives returned per token), got {self.logprobs!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ConfigError(f"stop strings must be non-empty strings, got {s!r}")

@@ -3,8 +3,8 @@
     engine = Engine("qwen2.5-coder-1.5b-instruct", speculative=SpeculativeConfig(...))
     engine.add_request("def fib(n):", SamplingParams(max_new_tokens=64), request_id="a")
     while engine.has_unfinished():
-        for delta in engine.step():        # RequestDelta(request_id, token_ids, text, finish_reason, stats)
-            ...
+        for delta in engine.step():        # RequestDelta(request_id, token_ids, text, finish_reason, stats,
+            ...                            #   ..., sources, logprobs, spans: per-token outputs)
 
 A step is: schedule (`Scheduler`: which rows decode, which prefill chunks run within the step's token
 budget, preemptions) → run (one decoding step — autoregressive or draft → verify — over the rows that
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,7 +39,7 @@ import torch
 from redwood.config import SpeculativeConfig
 from redwood.engine.decode import ARStep, SpecStep, resolve_verifier
 from redwood.engine.prefill import prefill_row, prefill_rows
-from redwood.engine.request import RequestState, SpecStats
+from redwood.engine.request import SOURCE_DRAFT, SOURCE_TARGET, RequestState, SpecStats, TokenLogprob
 from redwood.engine.runner import StepRunner, sync
 from redwood.engine.sampling import Sampler
 from redwood.engine.scheduler import Scheduler, SeqState
@@ -82,7 +82,16 @@ def eos_token_ids(config, tokenizer) -> frozenset[int]:
 
 @dataclass
 class RequestDelta:
-    """What one step produced for one request."""
+    """What one step produced for one request.
+
+    sources[i] / logprobs[i] belong to token_ids[i]: "draft" for a draft token the target accepted,
+    "target" for a token sampled from the target (the prefill's first token, a correction, the bonus
+    token; every token of autoregressive decoding); the target's raw log-probabilities (`TokenLogprob`)
+    when the request set SamplingParams.logprobs (else None). spans: `text` cut into (text, source)
+    runs, one per token whose characters it holds, in order — "".join(t for t, _ in spans) == text; a
+    token's characters may come in a later delta than the token (text held back for stop strings or an
+    incomplete UTF-8 sequence), and a token that adds no text (EOS, part of a character) has no span.
+    """
 
     request_id: str
     token_ids: list[int]  # new tokens
@@ -90,6 +99,9 @@ class RequestDelta:
     finish_reason: str | None  # None while running; "stop", "length" or "abort" on its last delta
     stats: dict | None = None  # on the last delta: RequestStats.to_dict()
     prompt_token_ids: list[int] | None = None  # on the last delta
+    sources: list[str] = field(default_factory=list)  # per new token: "draft" | "target"
+    logprobs: list[TokenLogprob] | None = None  # per new token, when the request asked for logprobs
+    spans: list[tuple[str, str]] = field(default_factory=list)  # text as (piece, source) per token
 
 
 @dataclass
@@ -467,7 +479,7 @@ class Engine:
             self.cache.live[row] = 1
             if rec.t_first is None:
                 rec.t_first, rec.capture_at_first = time.perf_counter(), self.capture_s
-            deltas.append(self._emit(rec, [token], prefill=chunk))
+            deltas.append(self._emit(rec, [token], [SOURCE_TARGET], prefill=chunk))
             if rec.seq.status.finished:
                 self._vacate(rec)
         return deltas
@@ -484,14 +496,16 @@ class Engine:
             prefill_row(self.drafter.own_model, self.draft_cache.row(row), ids, chunk.start, stop, draft_obs)
         return logits
 
-    def _emit(self, rec: _Request, tokens: list[int], prefill=None) -> RequestDelta:
-        """Give the request its new tokens (up to a stop) and tell the scheduler (which frees its blocks
-        when it finishes; the caller vacates its slot once the step's commits are done)."""
+    def _emit(self, rec: _Request, tokens: list[int], sources: list[str],
+              logprobs: list[TokenLogprob] | None = None, prefill=None) -> RequestDelta:
+        """Give the request its new tokens (up to a stop) with their sources (and logprobs, when it asked)
+        and tell the scheduler (which frees its blocks when it finishes; the caller vacates its slot
+        once the step's commits are done)."""
         state, seq = rec.state, rec.seq
         kept = []
-        for tok in tokens:
+        for i, tok in enumerate(tokens):
             kept.append(tok)
-            if state.append(tok):
+            if state.append(tok, sources[i], None if logprobs is None else logprobs[i]):
                 break
         stopped = state.finish_reason == "stop"
         if prefill is not None:
@@ -507,12 +521,14 @@ class Engine:
         return self._delta(rec)
 
     def _delta(self, rec: _Request) -> RequestDelta:
-        state = rec.state
-        new = state.output_ids[rec.sent:]
+        state, sent = rec.state, rec.sent
         rec.sent = len(state.output_ids)
         done = state.finish_reason is not None
-        return RequestDelta(rec.seq.request_id, list(new), state.pop_delta(), state.finish_reason,
-                            state.stats.to_dict() if done else None, state.prompt_ids if done else None)
+        text, spans = state.pop_delta_spans()
+        logprobs = None if rec.params.logprobs is None else state.output_logprobs[sent:]
+        return RequestDelta(rec.seq.request_id, state.output_ids[sent:], text, state.finish_reason,
+                            state.stats.to_dict() if done else None, state.prompt_ids if done else None,
+                            sources=state.output_sources[sent:], logprobs=logprobs, spans=spans)
 
     # ------------------------------------------------------------------ decoding
     def _runner(self, role: str, n: int) -> StepRunner:
@@ -590,7 +606,7 @@ class Engine:
                     spec.draft_s += t_draft - t0 - draft_capture_s
                     spec.verify_s += t1 - t_draft - (captured_s - draft_capture_s)
             before = len(rec.state.output_ids)
-            deltas.append(self._emit(rec, path_b[1:a + 1] + [nxt_b]))
+            deltas.append(self._emit(rec, path_b[1:a + 1] + [nxt_b], [SOURCE_DRAFT] * a + [SOURCE_TARGET]))
             if rec.seq.status.finished:
                 done.append(rec)  # (its row commits nothing; vacated below)
             else:

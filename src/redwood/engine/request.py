@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 
 from redwood.sampling_params import SamplingParams
+
+# Where an output token came from (`RequestState.output_sources`, `RequestDelta.sources`).
+SOURCE_DRAFT = "draft"  # a draft token the target accepted
+SOURCE_TARGET = "target"  # sampled from the target: the prefill's first token, a correction, a bonus, AR decoding
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token's log-probability under the target's raw distribution (log-softmax of its
+    logits at temperature 1, before top-k / top-p: vLLM's default), and the `top` most likely tokens
+    there as (token id, logprob) pairs, most likely first (as many as the request's `logprobs` asked)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -88,6 +104,12 @@ class RequestState:
     added since its last call (held back while the tail is an incomplete UTF-8 sequence). Detokenizing
     costs two tokenizer calls per token, so it is done when text is needed — every token when stop
     strings must be checked, else when `text` / `pop_delta` is read — not inside the decode loop.
+
+    Per output token (aligned with output_ids): its source ("draft" / "target") and, when the request
+    asked for logprobs, its `TokenLogprob`. Text spans: as the detokenizer extends the text, each
+    token's end offset in it is recorded, so `pop_delta_spans` can cut the emitted text at token
+    boundaries — a token's characters may be emitted in a later delta than the token itself (held-back
+    text), and a token that adds no text (EOS, part of a UTF-8 sequence) has no characters.
     """
 
     prompt_ids: list[int]
@@ -96,6 +118,8 @@ class RequestState:
     eos_ids: frozenset[int]
     max_new_tokens: int  # params.max_new_tokens capped by the context left after the prompt
     output_ids: list[int] = field(default_factory=list)
+    output_sources: list[str] = field(default_factory=list)  # per output token: SOURCE_DRAFT / SOURCE_TARGET
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when params.logprobs
     _text: str = ""
     finish_reason: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
@@ -105,15 +129,20 @@ class RequestState:
     _stop_checked: int = 0  # text before this index holds no stop string
     _detokenized: int = 0  # output tokens already turned into text
     _text_tokens: int | None = None  # output tokens that make text (None: all; an ending EOS does not)
+    _text_ends: list[int] = field(default_factory=list)  # per detokenized token: len(_text) after it
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append(self, token: int) -> bool:
-        """Add one generated token; returns True when the request is finished."""
+    def append(self, token: int, source: str = SOURCE_TARGET, logprob: TokenLogprob | None = None) -> bool:
+        """Add one generated token (where it came from, and its logprob when the request asked for
+        them); returns True when the request is finished."""
         assert self.finish_reason is None
         self.output_ids.append(token)
+        self.output_sources.append(source)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
         self.stats.generated_tokens = len(self.output_ids)
         if token in self.eos_ids and not self.params.ignore_eos:
             self.finish_reason = "stop"
@@ -136,6 +165,7 @@ class RequestState:
         while self._detokenized < end:
             self._detokenized += 1
             self._detokenize(self._detokenized)
+            self._text_ends.append(len(self._text))
 
     def _detokenize(self, n: int) -> None:
         """Extend the text by output token n − 1 (tokens before it are already text)."""
@@ -162,10 +192,25 @@ class RequestState:
 
     def pop_delta(self) -> str:
         """Text not yet emitted. While running, hold back a tail that could begin a stop string."""
+        return self.pop_delta_spans()[0]
+
+    def pop_delta_spans(self) -> tuple[str, list[tuple[str, str]]]:
+        """`pop_delta`'s text, and that text cut into (text, source) runs, one per output token whose
+        characters lie in it, in order: "".join(t for t, _ in spans) == text."""
         end = len(self.text)
         if not self.finished and self.params.stop:
             hold = max(len(s) for s in self.params.stop) - 1
             end = max(self._emitted, end - hold)
-        delta = self.text[self._emitted:end]
-        self._emitted = end
-        return delta
+        start, self._emitted = self._emitted, end
+        spans = []
+        # Token i's characters are _text[_text_ends[i − 1]:_text_ends[i]]; the first token whose range
+        # reaches past `start` holds the first emitted character. (A stop string only ever shortens the
+        # text, so the ends past len(_text) are simply cut at `end`.)
+        pos, i = start, bisect_right(self._text_ends, start)
+        while pos < end:
+            stop = min(self._text_ends[i], end)
+            if stop > pos:
+                spans.append((self._text[pos:stop], self.output_sources[i]))
+                pos = stop
+            i += 1
+        return self._text[start:end], spans
