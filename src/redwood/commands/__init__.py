@@ -2,6 +2,6 @@
 
 import importlib
 
-_NAMES = ["generate", "models", "bench", "data", "tree_search", "acceptance", "profile"]
+_NAMES = ["generate", "serve", "models", "bench", "data", "tree_search", "acceptance", "profile"]
 
 COMMAND_MODULES = [importlib.import_module(f"redwood.commands.{name}") for name in _NAMES]
