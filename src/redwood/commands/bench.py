@@ -121,6 +121,8 @@ def register(sub) -> None:
     tp.add_argument("--json", action="store_true", help="print the result as JSON (no progress bar)")
     tp.set_defaults(func=run_throughput)
 
+    _add_serve_bench(bench)
+
     try:
         from redwood.bench.report import add_report_parser
     except ImportError:
@@ -317,3 +319,140 @@ def run_throughput(args) -> int:
             print(f"wrote {path} and {out / tput.PLOT_FILE}", file=sys.stderr)
     print(json.dumps(result, indent=2) if args.json else tput.format_result(result))
     return 0
+
+
+def _add_serve_bench(bench) -> None:
+    """`redwood bench serve`: the load generator for OpenAI-compatible servers (redwood.bench.serving)."""
+    sv = bench.add_parser(
+        "serve", help="load an OpenAI-compatible server (redwood serve, vLLM, llama-server): TTFT, ITL, tokens/s",
+        description="An async load generator for any OpenAI-compatible server: --num-requests streaming "
+                    "requests (prompts cut from long text as bench throughput cuts them, or chat questions) to "
+                    "/v1/completions or /v1/chat/completions, arriving as a Poisson process at each "
+                    "--request-rate (requests/s; inf = all at once), optionally at most --max-concurrency in "
+                    "flight. Reports output tokens/s, request throughput, TTFT, inter-token latency (per token "
+                    "and per streamed chunk), TPOT and end-to-end latency (mean, p50, p99) and errors; --output "
+                    "writes report.json and serve.png (latency vs throughput). --compare A B … plots saved "
+                    "reports on one figure (e.g. speculation vs none) instead of measuring.")
+    sv.add_argument("--base-url", default=None, metavar="URL",
+                    help="the server, e.g. http://127.0.0.1:8000 (a trailing /v1 is dropped)")
+    sv.add_argument("--endpoint", default="completions", metavar="{completions,chat}",
+                    help="/v1/completions with the prompt text (default) or /v1/chat/completions with one user "
+                         "message")
+    sv.add_argument("--model", default=None, metavar="NAME",
+                    help="the model name sent with each request (default: the first of GET /v1/models)")
+    sv.add_argument("--api-key", default=None, metavar="KEY", help="sent as 'Authorization: Bearer KEY'")
+    sv.add_argument("--tokenizer", default=None, metavar="T",
+                    help="zoo name, HF folder or .gguf whose tokenizer cuts prompts of exactly --prompt-len "
+                         "tokens (default: the model name, when it is a local path or a pulled zoo model)")
+    sv.add_argument("--label", default=None, help="this run's name in the report and plots (default: the model)")
+    sv.add_argument("--num-requests", type=int, default=64, metavar="N", help="requests per run (default 64)")
+    sv.add_argument("--prompt-len", type=int, default=1024, metavar="L",
+                    help="prompt tokens per request for long-text and document datasets (default 1024)")
+    sv.add_argument("--max-tokens", type=int, default=256, metavar="N",
+                    help="max_tokens of each request (default 256)")
+    sv.add_argument("--min-tokens", type=int, default=None, metavar="N",
+                    help="draw each request's max_tokens uniformly from [N, --max-tokens] (seeded)")
+    sv.add_argument("--ignore-eos", action="store_true",
+                    help="send ignore_eos (vLLM / llama.cpp / redwood extension) so every request generates "
+                         "max_tokens")
+    sv.add_argument("--request-rate", nargs="+", default=["inf"], metavar="R",
+                    help="requests/s of Poisson arrivals, or inf (all at t=0; default); several values: one "
+                         "run each")
+    sv.add_argument("--max-concurrency", type=int, nargs="+", default=None, metavar="C",
+                    help="at most C requests in flight (several values: one run each, for every rate)")
+    sv.add_argument("--workload-seed", type=int, default=0, metavar="S",
+                    help="seed of the arrival times and output lengths (default 0)")
+    sv.add_argument("--warmup", type=int, default=0, metavar="N",
+                    help="send N short requests (at most 16 tokens) first, untimed (default 0)")
+    sv.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                    help="seconds without data from the server before a request counts as failed (default 300)")
+    _add_prompt_and_sampling_args(sv, seed_help="seed sent with request i as seed + i (default: none sent)")
+    sv.add_argument("--compare", nargs="+", default=None, metavar="REPORT",
+                    help="plot these bench serve reports (report.json files or their folders) on one figure and "
+                         "print their runs with ratios to the first; no requests are sent")
+    sv.add_argument("--output", default=None, metavar="DIR", help="write report.json and serve.png into this folder")
+    sv.add_argument("--json", action="store_true", help="print the result as JSON (no progress bar)")
+    sv.set_defaults(func=run_serve)
+
+
+def run_serve(args) -> int:
+    """`redwood bench serve`: validate the flags, find the model and prompts, run every load, report."""
+    import asyncio
+    import sys
+    from pathlib import Path
+
+    from redwood.bench import serving
+    from redwood.bench import throughput as tput
+    from redwood.bench.speculative import DEFAULT_DATASET, PromptSource
+    from redwood.errors import ConfigError
+
+    if args.compare:
+        if args.base_url:
+            raise ConfigError("--compare plots saved reports; it sends no requests: drop --base-url")
+        reports = serving.load_reports(args.compare)
+        if args.output:
+            out = Path(args.output)
+            out.mkdir(parents=True, exist_ok=True)
+            print(f"wrote {serving.write_plot(out / serving.PLOT_FILE, reports)}", file=sys.stderr)
+        print(serving.format_comparison(reports))
+        return 0
+    if not args.base_url:
+        raise ConfigError("bench serve needs --base-url URL (the server to load), or --compare REPORT… to plot")
+    base_url = serving.normalize_base_url(args.base_url)
+    endpoint = serving.parse_endpoint(args.endpoint)
+    serving.check_settings(args.num_requests, args.max_tokens, args.min_tokens, args.temperature, args.top_p,
+                           args.timeout, args.warmup)
+    if args.prompt_len < 1:
+        raise ConfigError(f"--prompt-len must be >= 1, got {args.prompt_len}")
+    rates = tput.parse_rates(args.request_rate)
+    caps = serving.parse_concurrency(args.max_concurrency)
+    if args.dataset and args.prompts_file:
+        raise ConfigError("--dataset and --prompts-file are alternatives; give one")
+    source = PromptSource(dataset=None if args.prompts_file else (args.dataset or DEFAULT_DATASET),
+                          prompts_file=args.prompts_file)
+    source.check()
+    try:
+        import httpx  # noqa: F401
+    except ImportError:
+        raise ConfigError("bench serve needs httpx: pip install httpx") from None
+    settings = serving.Settings(base_url=base_url, endpoint=endpoint, model=args.model or "", api_key=args.api_key,
+                                temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                                ignore_eos=args.ignore_eos, timeout_s=args.timeout)
+    if not settings.model:
+        async def first_model():
+            async with serving.make_client(settings) as client:
+                return await serving.server_model(client, settings)
+
+        settings.model = asyncio.run(first_model())
+    tokenizer = None
+    spec = args.tokenizer or serving.local_tokenizer_spec(settings.model)
+    if args.tokenizer or (spec and serving.needs_tokenizer(source)):
+        tokenizer = serving.load_tokenizer(spec)
+    prompts = serving.text_prompts(source, args.num_requests, args.prompt_len, args.prompt_seed, tokenizer)
+    lengths = ([args.max_tokens] * args.num_requests if args.min_tokens is None else
+               tput.output_lengths(args.num_requests, args.min_tokens, args.max_tokens, args.workload_seed))
+    label = args.label or settings.model
+    result = asyncio.run(serving.run_bench(settings, prompts, lengths, rates, caps, label=label,
+                                           workload_seed=args.workload_seed, warmup=args.warmup,
+                                           count_tokens=serving.token_counter(tokenizer), progress=not args.json))
+    result["settings"] = {
+        "prompts": source.label, "token_exact": serving.needs_tokenizer(source), "prompt_len": args.prompt_len,
+        "num_requests": args.num_requests, "max_tokens": args.max_tokens, "min_tokens": args.min_tokens,
+        "ignore_eos": args.ignore_eos, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
+        "prompt_seed": args.prompt_seed, "workload_seed": args.workload_seed, "warmup": args.warmup,
+        "timeout_s": args.timeout, "tokenizer": spec if tokenizer is not None else None,
+    }
+    if args.output:
+        from redwood.bench.report import write_report
+
+        out = Path(args.output)
+        out.mkdir(parents=True, exist_ok=True)
+        serving.write_plot(out / serving.PLOT_FILE, [(label, result)])
+        cli = {k: v for k, v in vars(args).items()
+               if k not in ("func", "api_key") and isinstance(v, (str, int, float, bool, list, type(None)))}
+        path = write_report(out, serving.to_report(result, cli))
+        tput.add_plot_to_report(path, serving.PLOT_FILE)
+        if not args.json:
+            print(f"wrote {path} and {out / serving.PLOT_FILE}", file=sys.stderr)
+    print(json.dumps(result, indent=2) if args.json else serving.format_result(result))
+    return 0 if any(r["completed"] for r in result["runs"]) else 1
