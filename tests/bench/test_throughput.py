@@ -8,7 +8,7 @@ import math
 import pytest
 
 from redwood.bench.throughput import (RequestRecord, latency_samples, output_lengths, parse_rates,
-                                      poisson_arrivals)
+                                      poisson_arrivals, shared_prefix_prompts)
 from redwood.cli import main
 from tests.conftest import CORPUS
 
@@ -91,6 +91,26 @@ def test_cli_no_spec(tiny_model_dir, text_file, capsys):
     assert [r["method"] for r in res["runs"]] == ["ar"] and res["comparison"] == [] and res["all_identical"] is None
 
 
+def test_shared_prefix_prompts():
+    def windows(n, length, seed):  # distinct, recognisable windows per (seed, i)
+        return [[seed * 1000 + i * 100 + j for j in range(length)] for i in range(n)]
+
+    assert shared_prefix_prompts(windows, 3, 5, 0, seed=4) == windows(3, 5, 4)
+    prompts = shared_prefix_prompts(windows, 3, 5, 2, seed=4)
+    assert all(len(p) == 5 for p in prompts)
+    assert all(p[:2] == windows(1, 2, 5)[0] for p in prompts)  # one common window, not one of the tails
+    assert [p[2:] for p in prompts] == windows(3, 3, 4)
+
+
+def test_cli_shared_prefix_with_prefix_caching(tiny_model_dir, text_file, capsys):
+    rc = main(_base(tiny_model_dir, text_file, "--self-speculate", "--gamma", "2", "--shared-prefix-len", "16",
+                    "--enable-prefix-caching", "--request-rate", "50", "--json"))
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    res = json.loads(captured.out)
+    assert res["settings"]["shared_prefix_len"] == 16 and res["all_identical"] is True
+
+
 def test_poisson_arrivals_seeded_with_the_right_mean_gap():
     a = poisson_arrivals(20_000, 4.0, seed=7)
     assert a == poisson_arrivals(20_000, 4.0, seed=7) and a != poisson_arrivals(20_000, 4.0, seed=8)
@@ -129,6 +149,7 @@ def test_latency_samples_per_token_and_per_chunk():
     (["--min-new-tokens", "10", "--max-new-tokens", "5"], "--min-new-tokens (10) is more than --max-new-tokens"),
     (["--min-new-tokens", "0"], "--min-new-tokens must be >= 1"),
     (["--prompt-len", "0"], "--prompt-len must be >= 1"),
+    (["--self-speculate", "--shared-prefix-len", "24"], "--shared-prefix-len must be in [0, --prompt-len 24)"),
     (["--max-model-len", "20"], "is more than --max-model-len 20"),
     (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
     (["--kv-cache-memory", "0"], "--kv-cache-memory must be > 0"),

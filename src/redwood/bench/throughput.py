@@ -89,6 +89,17 @@ def output_lengths(n: int, low: int, high: int, seed: int = 0) -> list[int]:
     return np.random.default_rng([seed, 1]).integers(low, high + 1, n).tolist()
 
 
+def shared_prefix_prompts(windows, n: int, prompt_len: int, shared_len: int, seed: int = 0) -> list[list[int]]:
+    """n prompts of prompt_len tokens whose first shared_len tokens are one common window (0: none).
+
+    windows(count, length, seed) → `count` token windows of `length` from the prompt source. The common
+    part is drawn with another seed than the tails, so it is not one of them."""
+    if shared_len == 0:
+        return windows(n, prompt_len, seed)
+    common = windows(1, shared_len, seed + 1)[0]
+    return [list(common) + list(tail) for tail in windows(n, prompt_len - shared_len, seed)]
+
+
 def check_workload(num_requests: int, prompt_len: int, min_new: int, max_new: int,
                    max_model_len: int | None = None) -> None:
     """One-line errors for a workload that cannot run (before any model loads)."""
@@ -428,7 +439,9 @@ def format_result(r: dict[str, Any]) -> str:
         head += f"; spec: {r['draft']}, {r.get('tree')}, verifier {r.get('verifier')}"
     e = r.get("engine", {})
     lines = [head,
-             f"{s['num_requests']} requests of {s['prompt_len']} prompt tokens, {s['min_new_tokens']}-"
+             f"{s['num_requests']} requests of {s['prompt_len']} prompt tokens"
+             + (f" (the first {s['shared_prefix_len']} shared)" if s.get("shared_prefix_len") else "")
+             + f", {s['min_new_tokens']}-"
              f"{s['max_new_tokens']} new tokens each ({sampling}, EOS ignored); prompts from {s['prompts']}; "
              f"{s['dtype']} on {s['device']}; {e.get('max_num_seqs')} slots, {e.get('kv_blocks')} KV blocks "
              f"of {e.get('block_size')}"]

@@ -102,6 +102,10 @@ def register(sub) -> None:
     tp.add_argument("--num-requests", type=int, default=64, metavar="N", help="requests in the stream (default 64)")
     tp.add_argument("--prompt-len", type=int, default=1024, metavar="L",
                     help="prompt tokens per request (default 1024)")
+    tp.add_argument("--shared-prefix-len", type=int, default=0, metavar="S",
+                    help="the first S prompt tokens are one window shared by every request (a long document "
+                         "or system prompt many requests ask about), the rest each request's own; with "
+                         "--enable-prefix-caching the shared blocks are computed once (default 0: none shared)")
     tp.add_argument("--min-new-tokens", type=int, default=64, metavar="N",
                     help="fewest tokens a request generates (default 64)")
     tp.add_argument("--max-new-tokens", type=int, default=256, metavar="N",
@@ -244,6 +248,9 @@ def run_throughput(args) -> int:
 
     tput.check_workload(args.num_requests, args.prompt_len, args.min_new_tokens, args.max_new_tokens,
                         args.max_model_len)
+    if not 0 <= args.shared_prefix_len < args.prompt_len:
+        raise ConfigError(f"--shared-prefix-len must be in [0, --prompt-len {args.prompt_len}) (the last prompt "
+                          f"token is each request's own), got {args.shared_prefix_len}")
     rates = tput.parse_rates(args.request_rate)
     engine_args = engine_kwargs(args)
     for name in ("max_num_seqs", "block_size", "max_num_batched_tokens"):
@@ -284,7 +291,9 @@ def run_throughput(args) -> int:
     llm.engine = None
     del llm
     tput.check_context(contexts, args.prompt_len, args.max_new_tokens)
-    prompts = make_prompts(tokenizer, source, args.num_requests, args.prompt_len, args.prompt_seed)
+    prompts = tput.shared_prefix_prompts(
+        lambda n, length, seed: make_prompts(tokenizer, source, n, length, seed),
+        args.num_requests, args.prompt_len, args.shared_prefix_len, args.prompt_seed)
     lengths = tput.output_lengths(args.num_requests, args.min_new_tokens, args.max_new_tokens, args.workload_seed)
     workload = tput.make_workload(prompts, lengths, args.temperature, args.top_p, args.seed)
     result = tput.run_bench(target, tokenizer, workload, rates, drafter=drafter, tree=tree,
@@ -296,6 +305,7 @@ def run_throughput(args) -> int:
                   verifier=spec.verifier if spec else None)
     result["settings"] = {
         "prompts": source.label, "num_requests": args.num_requests, "prompt_len": args.prompt_len,
+        "shared_prefix_len": args.shared_prefix_len,
         "min_new_tokens": args.min_new_tokens, "max_new_tokens": args.max_new_tokens,
         "request_rates": result["request_rates"], "temperature": args.temperature, "top_p": args.top_p,
         "seed": args.seed, "prompt_seed": args.prompt_seed, "workload_seed": args.workload_seed,
@@ -431,7 +441,7 @@ def run_serve(args) -> int:
     prompts = serving.text_prompts(source, args.num_requests, args.prompt_len, args.prompt_seed, tokenizer)
     lengths = ([args.max_tokens] * args.num_requests if args.min_tokens is None else
                tput.output_lengths(args.num_requests, args.min_tokens, args.max_tokens, args.workload_seed))
-    label = args.label or settings.model
+    label = args.label or Path(settings.model).name or settings.model  # (a path's last part)
     result = asyncio.run(serving.run_bench(settings, prompts, lengths, rates, caps, label=label,
                                            workload_seed=args.workload_seed, warmup=args.warmup,
                                            count_tokens=serving.token_counter(tokenizer), progress=not args.json))
