@@ -339,10 +339,12 @@ def test_concurrency_cap_is_never_exceeded(tiny_model_dir, text_file, capsys):
 def test_chat_endpoint_api_key_and_default_model(tiny_model_dir, text_file, capsys):
     with StandIn(chunks=(2, 1), api_key="sekrit", model="served-name") as server:
         rc, captured, res = _run(_args(server, tiny_model_dir, text_file, "--num-requests", "2", "--endpoint", "chat",
-                                       "--api-key", "sekrit", "--temperature", "0.5", "--top-p", "0.9"), capsys)
+                                       "--api-key", "sekrit", "--temperature", "0.5", "--top-p", "0.9",
+                                       "--max-tokens", "20", "--warmup", "1"), capsys)
         assert rc == 0, captured.err
-        assert res["model"] == "served-name" and res["label"] == "served-name"
+        assert res["model"] == "served-name" and res["label"] == "served-name" and res["warmup_errors"] == 0
         assert res["runs"][0]["completed"] == 2 and res["runs"][0]["output_tokens"] == 6
+        assert [b["max_tokens"] for b in server.bodies] == [16, 20, 20]  # the warm-up first, short
         for body, headers in zip(server.bodies, server.headers):
             assert body["messages"][0]["role"] == "user" and isinstance(body["messages"][0]["content"], str)
             assert body["model"] == "served-name" and body["temperature"] == 0.5 and body["top_p"] == 0.9
@@ -406,6 +408,16 @@ def test_bad_invocations(argv, message, capsys):
     assert rc == 2 and err.startswith("redwood: error: ") and message in err
 
 
+def test_an_output_that_cannot_be_a_folder_fails_before_any_request(tiny_model_dir, text_file, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with StandIn() as server:
+        rc = main(_args(server, tiny_model_dir, text_file, "--output", str(blocker / "sub")))
+        assert not server.bodies
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(f"redwood: error: --output {blocker / 'sub'}: cannot create the folder")
+
+
 def test_unreachable_server_and_missing_tokenizer(text_file, capsys):
     with StandIn() as server:
         port = server.port
@@ -415,3 +427,58 @@ def test_unreachable_server_and_missing_tokenizer(text_file, capsys):
     rc = main(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--prompts-file", str(text_file)])
     err = capsys.readouterr().err
     assert rc == 2 and f"cannot reach http://127.0.0.1:{port}/v1/models" in err
+
+
+# ------------------------------------------------------------------------------- against redwood serve
+@pytest.fixture(scope="module")
+def redwood_servers(tiny_model_dir, tiny_draft_dir):
+    """Two real `redwood serve` processes over the tiny target: autoregressive, and speculating with the
+    tiny draft (γ 3)."""
+    from tests.serve.server_process import start_server
+
+    started = []
+    try:
+        for extra in ([], ["--draft-model", str(tiny_draft_dir), "--gamma", "3"]):
+            started.append(start_server(["--model", str(tiny_model_dir), "--served-model-name", "tiny",
+                                         "--max-num-seqs", "4", *extra], timeout=80))
+        yield started
+    finally:
+        for server in started:
+            server.stop(timeout=20)
+
+
+def test_end_to_end_against_redwood_serve(redwood_servers, tiny_model_dir, text_file, tmp_path, capsys):
+    """8 streaming requests per run complete against the real server (AR and speculative), with the usage
+    counts the flags ask for; report.json and serve.png written; --compare puts both on one figure."""
+    for server, label in zip(redwood_servers, ("ar", "spec")):
+        argv = ["bench", "serve", "--base-url", server.url + "/v1", "--tokenizer", str(tiny_model_dir),
+                "--prompts-file", str(text_file), "--prompt-len", "24", "--max-tokens", "12", "--min-tokens", "6",
+                "--ignore-eos", "--num-requests", "8", "--request-rate", "50", "inf", "--max-concurrency", "4",
+                "--label", label, "--timeout", "60"]
+        rc, captured, res = _run(argv, capsys, tmp_path / label)
+        assert rc == 0, captured.err + server.log()[-2000:]
+        assert res["model"] == "tiny" and len(res["runs"]) == 2
+        for run in res["runs"]:
+            assert run["completed"] == 8 and run["errors"] == 0, run["error_samples"]
+            assert run["max_in_flight"] <= 4
+            assert [p["output_tokens"] for p in run["per_request"]] == [p["requested_tokens"]
+                                                                         for p in run["per_request"]]
+            assert all(6 <= p["requested_tokens"] <= 12 and p["finish_reason"] == "length"
+                       for p in run["per_request"])
+            assert run["output_tokens"] == sum(p["requested_tokens"] for p in run["per_request"])
+            assert all(p["prompt_tokens"] and p["prompt_tokens"] > 0 for p in run["per_request"])
+            assert run["tokens_per_s"] > 0 and 0 < run["ttft_ms_p50"] <= run["ttft_ms_p99"]
+            assert 0 < run["itl_ms_p50"] <= run["itl_ms_p99"] and run["usage_missing"] == 0
+            if label == "spec":  # from the server's redwood:spec_decode_* counters
+                assert 0 <= run["acceptance_rate"] <= 1 and 1 <= run["mean_accepted_length"] <= 4
+            else:
+                assert "acceptance_rate" not in run
+        rep = json.loads((tmp_path / label / "report.json").read_text())
+        assert rep["kind"] == "serve" and [r["completed"] for r in rep["runs"]] == [8, 8]
+        assert (tmp_path / label / "serve.png").read_bytes()[:8] == PNG_MAGIC
+    rc = main(["bench", "serve", "--compare", str(tmp_path / "ar"), str(tmp_path / "spec"),
+               "--output", str(tmp_path / "cmp")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "spec / ar at 50 ≤4" in out and "spec / ar at inf ≤4" in out
+    assert (tmp_path / "cmp" / "serve.png").read_bytes()[:8] == PNG_MAGIC
+    assert all(s.alive for s in redwood_servers)

@@ -634,10 +634,10 @@ def _load_text(run: dict) -> str:
 
 def format_runs(runs: Sequence[dict]) -> list[str]:
     """Table lines: per run its label, load, successes / errors, tokens/s and latency p50/p99."""
-    lines = [f"{'label':<14} {'rate ≤conc':>11} {'ok':>5} {'err':>4} {'tok/s':>9} {'req/s':>7}  "
+    lines = [f"{'label':<16} {'rate ≤conc':>11} {'ok':>5} {'err':>4} {'tok/s':>9} {'req/s':>7}  "
              f"{'TTFT p50/p99':>13} {'ITL p50/p99':>12} {'chunk ITL':>11} {'TPOT p50':>8} {'e2e p50/p99':>12}"]
     for r in runs:
-        lines.append(f"{str(r.get('label'))[:14]:<14} {_load_text(r):>11} {r['completed']:>5} {r['errors']:>4} "
+        lines.append(f"{str(r.get('label'))[:16]:<16} {_load_text(r):>11} {r['completed']:>5} {r['errors']:>4} "
                      f"{r['tokens_per_s']:>9.1f} {r['request_throughput']:>7.2f}  {_pair(r, 'ttft'):>13} "
                      f"{_pair(r, 'itl'):>12} {_pair(r, 'chunk_itl'):>11} {_ms(r.get('tpot_ms_p50')):>8} "
                      f"{_pair(r, 'e2e'):>12}")

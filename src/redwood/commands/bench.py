@@ -385,6 +385,20 @@ def _add_serve_bench(bench) -> None:
     sv.set_defaults(func=run_serve)
 
 
+def _output_folder(path: str):
+    """--output DIR, created (a one-line error when it cannot be)."""
+    from pathlib import Path
+
+    from redwood.errors import ConfigError
+
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--output {out}: cannot create the folder ({e.strerror or e})") from None
+    return out
+
+
 def run_serve(args) -> int:
     """`redwood bench serve`: validate the flags, find the model and prompts, run every load, report."""
     import asyncio
@@ -401,8 +415,7 @@ def run_serve(args) -> int:
             raise ConfigError("--compare plots saved reports; it sends no requests: drop --base-url")
         reports = serving.load_reports(args.compare)
         if args.output:
-            out = Path(args.output)
-            out.mkdir(parents=True, exist_ok=True)
+            out = _output_folder(args.output)
             print(f"wrote {serving.write_plot(out / serving.PLOT_FILE, reports)}", file=sys.stderr)
         print(serving.format_comparison(reports))
         return 0
@@ -425,6 +438,7 @@ def run_serve(args) -> int:
         import httpx  # noqa: F401
     except ImportError:
         raise ConfigError("bench serve needs httpx: pip install httpx") from None
+    out = _output_folder(args.output) if args.output else None  # (before any request: fail early)
     settings = serving.Settings(base_url=base_url, endpoint=endpoint, model=args.model or "", api_key=args.api_key,
                                 temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                                 ignore_eos=args.ignore_eos, timeout_s=args.timeout)
@@ -435,9 +449,9 @@ def run_serve(args) -> int:
 
         settings.model = asyncio.run(first_model())
     tokenizer = None
-    spec = args.tokenizer or serving.local_tokenizer_spec(settings.model)
-    if args.tokenizer or (spec and serving.needs_tokenizer(source)):
-        tokenizer = serving.load_tokenizer(spec)
+    tok_spec = args.tokenizer or serving.local_tokenizer_spec(settings.model)
+    if args.tokenizer or (tok_spec and serving.needs_tokenizer(source)):
+        tokenizer = serving.load_tokenizer(tok_spec)
     prompts = serving.text_prompts(source, args.num_requests, args.prompt_len, args.prompt_seed, tokenizer)
     lengths = ([args.max_tokens] * args.num_requests if args.min_tokens is None else
                tput.output_lengths(args.num_requests, args.min_tokens, args.max_tokens, args.workload_seed))
@@ -450,13 +464,11 @@ def run_serve(args) -> int:
         "num_requests": args.num_requests, "max_tokens": args.max_tokens, "min_tokens": args.min_tokens,
         "ignore_eos": args.ignore_eos, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
         "prompt_seed": args.prompt_seed, "workload_seed": args.workload_seed, "warmup": args.warmup,
-        "timeout_s": args.timeout, "tokenizer": spec if tokenizer is not None else None,
+        "timeout_s": args.timeout, "tokenizer": tok_spec if tokenizer is not None else None,
     }
-    if args.output:
+    if out is not None:
         from redwood.bench.report import write_report
 
-        out = Path(args.output)
-        out.mkdir(parents=True, exist_ok=True)
         serving.write_plot(out / serving.PLOT_FILE, [(label, result)])
         cli = {k: v for k, v in vars(args).items()
                if k not in ("func", "api_key") and isinstance(v, (str, int, float, bool, list, type(None)))}
