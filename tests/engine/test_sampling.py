@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from redwood.engine.sampling import Sampler, probabilities
+from redwood.engine.sampling import Sampler, probabilities, token_logprobs
 from redwood.sampling_params import SamplingParams
 
 
@@ -79,3 +79,21 @@ def test_sampling_params_validation():
             SamplingParams(**kwargs)
     assert SamplingParams(stop="###").stop == ("###",)
     assert SamplingParams(top_k=-1).top_k == 0
+
+
+@pytest.mark.parametrize("vocab", [7, 300])
+def test_token_logprobs_are_log_softmax_with_the_20_best(vocab):
+    """Raw logprobs of given tokens and the min(20, V) most likely tokens, descending, from [B, A, V]
+    logits of any scale (float32 log-softmax: no overflow at large logits)."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(3, 4, vocab, generator=g) * 30 + 500
+    tokens = torch.randint(0, vocab, (3, 4), generator=g)
+    chosen, top_v, top_i = token_logprobs(logits, tokens)
+    ref = torch.log_softmax(logits.double(), -1)
+    k = min(20, vocab)
+    assert chosen.shape == (3, 4) and top_v.shape == top_i.shape == (3, 4, k)
+    torch.testing.assert_close(chosen.double(), ref.gather(-1, tokens[..., None])[..., 0], atol=1e-4, rtol=0)
+    want = ref.topk(k, dim=-1)
+    assert torch.equal(top_i, want.indices)
+    torch.testing.assert_close(top_v.double(), want.values, atol=1e-4, rtol=0)
+    assert bool((top_v[..., :-1] >= top_v[..., 1:]).all())

@@ -4,7 +4,14 @@ State per row between steps: the target cache holds the committed tokens except 
 (sampled but not yet fed), and `prev` is the newest committed token. A step maps
 
     (prev [B], last [B]) → path [B, A], accepted [B], next token [B], new prev [B],
-                           host [B, 2 + A] (accepted, next token, the path's tokens: one transfer)
+                           host [B, 2 + A] (accepted, next token, the path's tokens: one transfer),
+                           logprobs (only when built with logprobs=True, else None)
+
+logprobs: `token_logprobs` of the tokens the step emits — (chosen [B, A], top values [B, A, K], top ids
+[B, A, K]): emitted token j of a row (j ≤ accepted) is scored by the target's logits at path node j
+(the root for the first token; node j − 1's accepted child for the next). Positions past a row's
+accepted count are meaningless. A step that no row wants logprobs from is built without them (the
+Engine puts the flag in the step's CUDA-graph key) and costs nothing extra.
 
 - `ARStep`: one target forward over `last`, the next token sampled from it (A = 1, accepted 0).
 - `SpecStep`, for a token tree whose root is `last` (a chain of γ drafts is the tree with one child per
@@ -21,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from redwood.engine.sampling import Sampler
+from redwood.engine.sampling import Sampler, token_logprobs
 from redwood.errors import ConfigError
 from redwood.models.transformer import Transformer
 from redwood.speculation.drafters import Drafter
@@ -74,25 +81,26 @@ def _verify(kind: str, tree: Tree, tokens: torch.Tensor, p: torch.Tensor, q: tor
 class ARStep:
     """One autoregressive step: feed `last`, sample the next token."""
 
-    def __init__(self, runner, sampler: Sampler):
-        self.runner, self.sampler = runner, sampler
+    def __init__(self, runner, sampler: Sampler, logprobs: bool = False):
+        self.runner, self.sampler, self.logprobs = runner, sampler, logprobs
 
-    def __call__(self, prev: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def __call__(self, prev: torch.Tensor, last: torch.Tensor) -> tuple:
         positions = self.runner.cache.lengths[:, None]
         logits = self.runner.forward(last[:, None], positions)[:, 0]
         nxt = self.sampler.sample(logits)
         zeros = torch.zeros_like(last)
         host = torch.stack([zeros, nxt, last], dim=1)
-        return zeros[:, None], zeros, nxt, last, host
+        lp = token_logprobs(logits[:, None], nxt[:, None]) if self.logprobs else None
+        return zeros[:, None], zeros, nxt, last, host, lp
 
 
 class SpecStep:
     """One speculative step for a fixed batch, tree and verifier (see the module docstring)."""
 
     def __init__(self, target: Transformer, runner, draft_runner, drafter: Drafter, tree: Tree, kind: str,
-                 sampler: Sampler):
+                 sampler: Sampler, logprobs: bool = False):
         self.runner, self.draft_runner, self.drafter, self.tree = runner, draft_runner, drafter, tree
-        self.kind, self.rule, self.sampler = kind, child_rule(kind), sampler
+        self.kind, self.rule, self.sampler, self.logprobs = kind, child_rule(kind), sampler, logprobs
         self.need_q = kind in STOCHASTIC
         device = target.device
         self.mask = None if tree.is_chain else tree.ancestor_mask(device)
@@ -102,7 +110,7 @@ class SpecStep:
         return self.drafter.propose(self.runner, self.draft_runner, prev, last, self.tree, self.sampler,
                                     self.rule, self.need_q)
 
-    def verify(self, tokens: torch.Tensor, q: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    def verify(self, tokens: torch.Tensor, q: torch.Tensor | None) -> tuple:
         B, n = tokens.shape
         positions = self.runner.cache.lengths[:, None] + self.depth[None]
         logits = self.runner.forward(tokens, positions, new_mask=self.mask, mask_key=("verify", self.tree))
@@ -115,7 +123,21 @@ class SpecStep:
         path_tokens = tokens.gather(1, path)  # [B, A]
         prev = path_tokens.gather(1, accepted[:, None])[:, 0]
         host = torch.cat([accepted[:, None], nxt[:, None], path_tokens], dim=1)
-        return path, accepted, nxt, prev, host
+        lp = self._logprobs(logits, path, path_tokens, accepted, nxt) if self.logprobs else None
+        return path, accepted, nxt, prev, host, lp
 
-    def __call__(self, prev: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _logprobs(self, logits, path, path_tokens, accepted, nxt) -> tuple[torch.Tensor, ...]:
+        """logits [B, n, V]; path / path_tokens [B, A] → `token_logprobs` of the emitted tokens."""
+        B, A = path.shape
+        if self.tree.is_chain:  # path node j is node j (up to the accepted count; the rest is padding)
+            at_path = logits
+        else:
+            at_path = logits[torch.arange(B, device=path.device)[:, None], path]  # [B, A, V]
+        # emitted j: the accepted child path_tokens[:, j + 1] for j < accepted, then the next token
+        after = torch.cat([path_tokens[:, 1:], nxt[:, None]], dim=1)
+        j = torch.arange(A, device=path.device)[None]
+        emitted = torch.where(j == accepted[:, None], nxt[:, None], after)
+        return token_logprobs(at_path, emitted)
+
+    def __call__(self, prev: torch.Tensor, last: torch.Tensor) -> tuple:
         return self.verify(*self.draft(prev, last))

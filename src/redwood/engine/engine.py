@@ -39,9 +39,10 @@ import torch
 from redwood.config import SpeculativeConfig
 from redwood.engine.decode import ARStep, SpecStep, resolve_verifier
 from redwood.engine.prefill import prefill_row, prefill_rows
-from redwood.engine.request import SOURCE_DRAFT, SOURCE_TARGET, RequestState, SpecStats, TokenLogprob
+from redwood.engine.request import (SOURCE_DRAFT, SOURCE_TARGET, RequestState, SpecStats, TokenLogprob,
+                                    token_logprob_list)
 from redwood.engine.runner import StepRunner, sync
-from redwood.engine.sampling import Sampler
+from redwood.engine.sampling import Sampler, token_logprobs
 from redwood.engine.scheduler import Scheduler, SeqState
 from redwood.errors import ConfigError, ContextLengthError
 from redwood.kv.blocks import BlockPool
@@ -479,7 +480,12 @@ class Engine:
             self.cache.live[row] = 1
             if rec.t_first is None:
                 rec.t_first, rec.capture_at_first = time.perf_counter(), self.capture_s
-            deltas.append(self._emit(rec, [token], [SOURCE_TARGET], prefill=chunk))
+            lp = None
+            if rec.params.logprobs is not None:
+                at = torch.tensor([[token]], device=logits[i].device)
+                chosen, top_v, top_i = (t[0].tolist() for t in token_logprobs(logits[i][None, None], at))
+                lp = token_logprob_list([token], chosen, top_v, top_i, rec.params.logprobs)
+            deltas.append(self._emit(rec, [token], [SOURCE_TARGET], lp, prefill=chunk))
             if rec.seq.status.finished:
                 self._vacate(rec)
         return deltas
@@ -546,19 +552,30 @@ class Engine:
             self._runners[key] = runner
         return runner
 
+    @staticmethod
+    def _logprob_rows(recs: list[_Request], lp: tuple[torch.Tensor, ...]) -> dict[int, tuple[list, list, list]]:
+        """The step's `token_logprobs` output on the host, for the rows whose requests asked:
+        {slot: (chosen [A], top values [A][20], top ids [A][20])} (only those rows are copied)."""
+        rows = [r.slot for r in recs if r.params.logprobs is not None]
+        idx = torch.tensor(rows).to(lp[0].device)
+        chosen, top_v, top_i = (t.index_select(0, idx).tolist() for t in lp)
+        return {b: (chosen[k], top_v[k], top_i[k]) for k, b in enumerate(rows)}
+
     def _decode(self, recs: list[_Request]) -> list[RequestDelta]:
         rows = [r.slot for r in recs]
         n = next(b for b in self.buckets if b > max(rows))
         active = [r.params for r in recs]
         sampler = self.sampler.view(0, n, active)
+        want_lp = any(p.logprobs is not None for p in active)  # (a step without them computes none)
         target = self._runner("target", n)
         draft = self._runner("draft", n) if self.draft_cache is not None else None
         if self.tree is None:
             kind = "ar"
-            build = lambda: ARStep(target, sampler)  # noqa: E731
+            build = lambda: ARStep(target, sampler, want_lp)  # noqa: E731
         else:
             kind = resolve_verifier(self.verifier, self.tree, sampler.all_greedy)
-            build = lambda: SpecStep(self.model, target, draft, self.drafter, self.tree, kind, sampler)  # noqa: E731
+            build = lambda: SpecStep(self.model, target, draft, self.drafter, self.tree, kind, sampler,  # noqa: E731
+                                     want_lp)
         saved = sampler.random.counter.clone()
 
         def captures() -> float:  # graph-capture seconds of this bucket's runners so far (one-time costs)
@@ -569,20 +586,21 @@ class Engine:
         capture0 = captures()
         prev, last = self.prev[:n], self.last[:n]
         if target.use_graphs:
-            key = (kind, sampler.all_greedy, sampler.any_greedy, sampler.any_filter,
+            key = (kind, sampler.all_greedy, sampler.any_greedy, sampler.any_filter, want_lp,
                    None if self.drafter is None else self.drafter.graph_key())
             captured = target.captured_step(key, build, (prev, last), restore=sampler.random.checkpoint)
-            path, accepted, nxt, new_prev, host = captured.replay(prev, last)
+            path, accepted, nxt, new_prev, host, lp = captured.replay(prev, last)
         elif self.tree is None:
-            path, accepted, nxt, new_prev, host = build()(prev, last)
+            path, accepted, nxt, new_prev, host, lp = build()(prev, last)
         else:  # eager: the draft and the verification timed apart
             step = build()
             tokens, q = step.draft(prev, last)
             sync(self.model.device)
             t_draft = time.perf_counter()
             draft_capture_s = captures() - capture0
-            path, accepted, nxt, new_prev, host = step.verify(tokens, q)
+            path, accepted, nxt, new_prev, host, lp = step.verify(tokens, q)
         host_list = host.tolist()  # the step's one host synchronization
+        lp_rows = self._logprob_rows(recs, lp) if want_lp else {}
         # Rows that did not generate keep their random counters (their draws are discarded).
         generating = torch.zeros(n, dtype=torch.bool)
         generating[rows] = True
@@ -606,7 +624,11 @@ class Engine:
                     spec.draft_s += t_draft - t0 - draft_capture_s
                     spec.verify_s += t1 - t_draft - (captured_s - draft_capture_s)
             before = len(rec.state.output_ids)
-            deltas.append(self._emit(rec, path_b[1:a + 1] + [nxt_b], [SOURCE_DRAFT] * a + [SOURCE_TARGET]))
+            emitted = path_b[1:a + 1] + [nxt_b]
+            lp_b = lp_rows.get(b)
+            if lp_b is not None:
+                lp_b = token_logprob_list(emitted, *lp_b, rec.params.logprobs)
+            deltas.append(self._emit(rec, emitted, [SOURCE_DRAFT] * a + [SOURCE_TARGET], lp_b))
             if rec.seq.status.finished:
                 done.append(rec)  # (its row commits nothing; vacated below)
             else:

@@ -23,6 +23,13 @@ class TokenLogprob:
     top: list[tuple[int, float]]
 
 
+def token_logprob_list(tokens: list[int], chosen: list[float], top_values: list[list[float]],
+                       top_ids: list[list[int]], k: int) -> list[TokenLogprob]:
+    """One row of `token_logprobs`' output on the host (positions aligned with `tokens`; the device
+    computed 20 alternatives, the request keeps k)."""
+    return [TokenLogprob(t, chosen[j], list(zip(top_ids[j][:k], top_values[j][:k]))) for j, t in enumerate(tokens)]
+
+
 @dataclass
 class SpecStats:
     """Speculation counters of one request.

@@ -4,7 +4,8 @@
 on the device, so sampling never synchronizes with the host and runs inside CUDA graphs; seeded rows are
 reproducible whatever else is in the batch). `probabilities` is the exact distribution a row samples
 from — speculative verifiers compare draft and target probabilities through the same function, so the
-distribution they preserve is exactly the one plain decoding samples.
+distribution they preserve is exactly the one plain decoding samples. `token_logprobs` is what a request
+that asks for logprobs gets back: the target's raw log-probabilities, whatever the request samples with.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from redwood.engine.random import RowRandom, inverse_cdf
-from redwood.sampling_params import SamplingParams
+from redwood.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -48,6 +49,20 @@ def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
     return probs
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits: [B, A, V] at the positions that emitted tokens [B, A] → (the tokens' logprobs [B, A],
+    the K = min(20, V) largest logprobs [B, A, K] (descending), their token ids [B, A, K]).
+
+    Raw logprobs: the log-softmax of the logits at temperature 1, before top-k / top-p (vLLM's default),
+    in float32. Always K = MAX_LOGPROBS alternatives on the device (a static shape for CUDA graphs); the
+    host keeps the first k a request asked for.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(-1, tokens[..., None])[..., 0]
+    top = logprobs.topk(min(MAX_LOGPROBS, logprobs.shape[-1]), dim=-1)
+    return chosen, top.values, top.indices
 
 
 class Sampler:
