@@ -6,7 +6,8 @@ the Chrome DevTools Protocol. The test types prompts as a user would, waits for 
 checks the page against the server's own non-streamed greedy answers: the coloured token spans
 concatenate to that text, both colours appear, the counters match the server's figures, the second turn
 carries the first (multi-turn), an API-key error shows in the page, the page requests nothing but its own
-server, and a screenshot of the result is a real PNG showing both colours.
+server, and a screenshot of the result is a real PNG showing both colours. Stop, on a throttled link,
+ends the stream mid-answer and keeps the part that came (a prefix of the full answer).
 
 Chromium: `scripts/setup.sh` installs it when root with apt; set REDWOOD_SKIP_BROWSER=1 to skip instead.
 """
@@ -19,13 +20,11 @@ import io
 import json
 import os
 import queue
-import re
 import shutil
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -52,7 +51,7 @@ def chromium_executable() -> str:
                 pytrace=False)
 
 
-# Runs in the child between fork and the browser: move the two pipe ends onto fds 3 and 4, then exec.
+# A small Python process that moves the two pipe ends onto fds 3 and 4, then becomes the browser (exec).
 _FD_SHIM = ("import os, sys; r, w = int(sys.argv[1]), int(sys.argv[2]); os.dup2(r, 3); os.dup2(w, 4); "
             "os.close(r); os.close(w); os.execv(sys.argv[3], sys.argv[3:])")
 
@@ -204,52 +203,28 @@ def _request(url: str, body: dict | None = None, key: str | None = API_KEY, time
         return r.status, r.headers.get("Content-Type", ""), r.read()
 
 
-def _wait_until_serving(proc: subprocess.Popen, log: Path, timeout: float) -> str:
-    """The base URL from the server's ready line ("serving NAME on http://HOST:PORT"; --port 0 lets it
-    pick a free port, so no race for one), once /health answers."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        ready = re.search(r"^serving .* on (http://127\.0\.0\.1:\d+)$", log.read_text(errors="replace"), re.M)
-        if ready:
-            try:
-                if _request(ready.group(1) + "/health", timeout=2)[0] == 200:
-                    return ready.group(1)
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-        time.sleep(0.2)
-    pytest.fail(f"redwood serve did not come up in {timeout} s:\n{log.read_text(errors='replace')[-4000:]}",
-                pytrace=False)
+@pytest.fixture(scope="module")
+def playground_url(serve_factory, tmp_path_factory, tokenizer) -> str:
+    """`redwood serve` (tests/serve/conftest.py's factory) of a tiny target with a close draft (γ = 3:
+    answers hold both accepted draft tokens and the target's own) and an API key; → its base URL."""
+    root = tmp_path_factory.mktemp("playground-models")
+    save_target_and_draft(root, tokenizer, noise=0.01)
+    return serve_factory("--draft-model", str(root / "draft"), "--gamma", "3", "--api-key", API_KEY,
+                         model=root / "target").url
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tokenizer):
-    """`redwood serve` of a tiny target with a close draft (γ = 3: answers hold both accepted draft tokens
-    and the target's own) and an API key, on a free loopback port; yields its base URL."""
-    root = tmp_path_factory.mktemp("playground-models")
-    save_target_and_draft(root, tokenizer, noise=0.01)
-    log = root / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "redwood.cli", "serve", "--model", str(root / "target"),
-                                 "--draft-model", str(root / "draft"), "--gamma", "3", "--host", "127.0.0.1",
-                                 "--port", "0", "--api-key", API_KEY, "--log-level", "warning"],
-                                stdout=out, stderr=subprocess.STDOUT)
-    try:
-        yield _wait_until_serving(proc, log, timeout=120)
-        assert proc.poll() is None, f"the server died:\n{log.read_text(errors='replace')[-4000:]}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+def chromium() -> str:
+    """The browser's path (or the test fails / skips saying how to get it); tests ask for it before the
+    server so that a missing browser is reported without starting one."""
+    return chromium_executable()
 
 
 @pytest.fixture()
-def tab(tmp_path):
+def tab(chromium, tmp_path):
     profile = tmp_path / "profile"
     profile.mkdir()
-    browser = Browser(chromium_executable(), profile)
+    browser = Browser(chromium, profile)
     try:
         yield Tab(browser)
     finally:
@@ -269,8 +244,8 @@ TOKENS_JS = ("Array.from(document.querySelectorAll('#messages .msg.assistant')).
              "Array.from(m.querySelectorAll('.tok')).map(s => [s.textContent, s.className]))")
 
 
-def test_playground_page_is_self_contained(server):
-    status, content_type, raw = _request(server + "/", key=None)
+def test_playground_page_is_self_contained(playground_url):
+    status, content_type, raw = _request(playground_url + "/", key=None)
     page = raw.decode()
     assert status == 200 and content_type.startswith("text/html")
     assert page == (Path(__file__).parents[2] / "src/redwood/serve/static/playground.html").read_text()
@@ -282,8 +257,8 @@ def test_playground_page_is_self_contained(server):
         assert html_sink not in script, html_sink
 
 
-def test_playground_streams_coloured_tokens(server, tab, tmp_path):
-    tab.send("Page.navigate", {"url": server + "/"})
+def test_playground_streams_coloured_tokens(chromium, playground_url, tab, tmp_path):
+    tab.send("Page.navigate", {"url": playground_url + "/"})
     # Without the key the model list fails with the server's 401 message, shown in the page.
     tab.wait_for("document.body && document.body.dataset.models === '0'", timeout=15)
     error = tab.eval("document.getElementById('error').textContent")
@@ -293,7 +268,7 @@ def test_playground_streams_coloured_tokens(server, tab, tmp_path):
     tab.wait_for("document.body.dataset.models === '1'", timeout=15)
     assert tab.eval("document.getElementById('error').hidden") is True
     model = tab.eval("document.getElementById('model').value")
-    assert model
+    assert model == "tiny"  # (the factory's --served-model-name)
     tab.set_value("#temperature", "0")
     tab.set_value("#max-tokens", str(MAX_TOKENS))
 
@@ -306,7 +281,7 @@ def test_playground_streams_coloured_tokens(server, tab, tmp_path):
                      f"document.querySelectorAll('#messages .msg.assistant').length === {turn + 1}", timeout=60)
         spans = tab.eval(TOKENS_JS)[turn]
         messages.append({"role": "user", "content": prompt})
-        reference = greedy_answer(server, model, messages)  # (the same conversation, the page's history)
+        reference = greedy_answer(playground_url, model, messages)  # (the same conversation, the page's history)
         answer = reference["choices"][0]["message"]["content"]
         messages.append({"role": "assistant", "content": answer})
 
@@ -324,7 +299,7 @@ def test_playground_streams_coloured_tokens(server, tab, tmp_path):
         share = 100 * sum(cls == "tok draft" for _, cls in spans) / len(spans)
         shown = tab.eval("document.getElementById('stat-draft').textContent")
         assert shown.endswith("%") and abs(float(shown[:-1]) - share) <= 0.5, (shown, share)  # (rounded to 1%)
-        assert tab.eval("document.getElementById('stat-tps').textContent") != ""
+        assert float(tab.eval("document.getElementById('stat-tps').textContent")) > 0
 
     png = tab.screenshot()
     (tmp_path / "playground.png").write_bytes(png)
@@ -333,9 +308,44 @@ def test_playground_streams_coloured_tokens(server, tab, tmp_path):
     # Every request went to the page's own server; the page threw nothing and logged no error.
     events = tab.browser.drain_events()
     urls = [e["params"]["request"]["url"] for e in events if e["method"] == "Network.requestWillBeSent"]
-    assert urls and all(u.startswith(server + "/") for u in urls), urls
+    assert urls and all(u.startswith(playground_url + "/") for u in urls), urls
     assert not [e for e in events if e["method"] == "Runtime.exceptionThrown"]
     assert not [e for e in events if e["method"] == "Runtime.consoleAPICalled" and e["params"]["type"] == "error"]
+
+
+def open_playground(tab: Tab, url: str) -> str:
+    """Load the page with the API key in, greedy, MAX_TOKENS; → the model it selected."""
+    tab.send("Page.navigate", {"url": url + "/"})
+    tab.wait_for("document.body && document.body.dataset.models !== undefined", timeout=15)
+    tab.type("#api-key", API_KEY)
+    tab.eval("document.getElementById('api-key').dispatchEvent(new Event('change'))")
+    tab.wait_for("document.body.dataset.models === '1'", timeout=15)
+    tab.set_value("#temperature", "0")
+    tab.set_value("#max-tokens", str(MAX_TOKENS))
+    return tab.eval("document.getElementById('model').value")
+
+
+def test_playground_stop_keeps_the_partial_answer(chromium, playground_url, tab):
+    model = open_playground(tab, playground_url)
+    # A slow link (~2 KB/s, each chunk is ~0.5 KB) so the answer is still streaming when Stop is pressed.
+    tab.send("Network.emulateNetworkConditions", {"offline": False, "latency": 0, "downloadThroughput": 2000,
+                                                  "uploadThroughput": -1})
+    prompt = "def add(a, b):"
+    tab.type("#prompt", prompt)
+    tab.click("#send")
+    tab.wait_for("document.querySelectorAll('#messages .msg.assistant .tok').length >= 2", timeout=60)
+    assert tab.eval("document.body.dataset.state") == "streaming"
+    tab.click("#stop")
+    tab.wait_for("document.body.dataset.state === 'stopped'", timeout=15)
+    tab.send("Network.emulateNetworkConditions", {"offline": False, "latency": 0, "downloadThroughput": -1,
+                                                  "uploadThroughput": -1})
+    partial = "".join(text for text, _ in tab.eval(TOKENS_JS)[0])
+    answer = greedy_answer(playground_url, model, [{"role": "user", "content": prompt}])
+    full = answer["choices"][0]["message"]["content"]
+    assert partial and full.startswith(partial) and len(partial) < len(full), (partial, full)
+    assert tab.eval("document.querySelector('#messages .msg.assistant .note').textContent") == "stopped"
+    assert tab.eval("document.getElementById('send').disabled") is False
+    assert tab.eval("document.getElementById('stop').disabled") is True
 
 
 def check_screenshot(png: bytes) -> None:
