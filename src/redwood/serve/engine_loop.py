@@ -47,6 +47,7 @@ class RequestHandle:
     prompt_len: int
     queue: asyncio.Queue
     finished: bool = False
+    started: bool = False  # (event loop) its first delta came: it no longer waits
     # (engine thread only) timings for the metrics, and the preemptions already counted
     t_arrival: float = 0.0
     t_first: float | None = None
@@ -63,8 +64,9 @@ class _Add:
 class EngineLoop:
     """Steps `engine` on a background thread; `submit` / `abort` from the event loop.
 
-    max_queue: most requests waiting for a slot (queued in the Engine or still in the command queue);
-    `submit` raises QueueFull beyond it (None: no limit). observer: an object with
+    max_queue: most requests waiting — submitted, and no delta yet (in the command queue, or in the
+    Engine's waiting queue or first prefill); `submit` raises QueueFull beyond it (None: no limit). The
+    count is kept on the event loop, so admission never reads a stale snapshot. observer: an object with
     `on_request(handle, delta, now)` and `on_step(loop)` (the metrics), or None.
     """
 
@@ -78,7 +80,7 @@ class EngineLoop:
         self._handles: dict[str, RequestHandle] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._pending = 0  # requests in the command queue (event loop's count)
+        self._queued = 0  # requests submitted without a delta yet (event loop's count)
         self._in_flight = 0  # requests submitted and not finished (event loop's count)
         # snapshots the engine thread refreshes after every step (read by /metrics and admission)
         self.num_running = 0
@@ -112,13 +114,13 @@ class EngineLoop:
         Raises QueueFull when the group would overflow --max-queue, or the RedwoodError with which the
         Engine rejected one of them (none of the group runs then).
         """
-        if self.max_queue is not None and self.num_waiting + self._pending + len(items) > self.max_queue:
+        if self.max_queue is not None and self._queued + len(items) > self.max_queue:
             raise QueueFull(f"the server's queue is full ({self.max_queue} requests waiting); retry later")
         now = time.perf_counter()
         queue = asyncio.Queue() if queue is None else queue
         handles = [RequestHandle(rid, len(ids), queue, t_arrival=now) for rid, ids, _ in items]
         done = self._loop.create_future()
-        self._pending += len(items)
+        self._queued += len(items)
         self._in_flight += len(items)
         self._send(_Add([(h, ids, p) for h, (_, ids, p) in zip(handles, items)], done))
         try:
@@ -126,9 +128,8 @@ class EngineLoop:
         except asyncio.CancelledError:  # the caller went away before the engine took the group
             done.add_done_callback(lambda f: self._orphaned(handles, f.result()))
             raise
-        finally:
-            self._pending -= len(items)
         if error is not None:
+            self._queued -= len(items)
             self._in_flight -= len(items)
             raise error
         return handles
@@ -138,15 +139,22 @@ class EngineLoop:
             for h in handles:
                 self.abort(h)
         else:
+            self._queued -= len(handles)
             self._in_flight -= len(handles)
 
     def abort(self, handle: RequestHandle) -> None:
         """Stop a request that is still running (its client went away); its blocks are freed at the next
         step boundary. Nothing further arrives on its queue."""
         if not handle.finished:
+            self._started(handle)
             handle.finished = True
             self._in_flight -= 1
             self._send(("abort", handle.request_id))
+
+    def _started(self, handle: RequestHandle) -> None:
+        if not handle.started:
+            handle.started = True
+            self._queued -= 1
 
     def _send(self, command) -> None:
         self._commands.append(command)
@@ -157,6 +165,7 @@ class EngineLoop:
         for handle, item in batch:
             if handle.finished:
                 continue  # aborted by its client meanwhile
+            self._started(handle)
             if isinstance(item, EngineFailed) or item.finish_reason is not None:
                 handle.finished = True
                 self._in_flight -= 1

@@ -52,6 +52,8 @@ class ServerMetrics:
 
         self._labels = labels
         self.request_success = counter("request_success", "Finished requests by finish reason.", ["finished_reason"])
+        for reason in ("stop", "length"):  # (shown at 0 from the start, as vLLM's)
+            self.request_success.labels(finished_reason=reason, **labels)
         self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.").labels(**labels)
         self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(**labels)
         self.preemptions = counter("num_preemptions", "Requests preempted (KV blocks taken back).").labels(**labels)

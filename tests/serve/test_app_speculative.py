@@ -1,0 +1,54 @@
+"""The server with speculation on — a standalone draft model, and self-speculation — gives the same
+greedy text as offline autoregressive `LLM.generate`, reports its acceptance in the `redwood` extension
+(whole and streamed, with token spans from both sources) and counts it in the vLLM-named metrics."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from redwood import LLM, SamplingParams
+from tests.serve.conftest import MODEL_NAME
+from tests.serve.test_engine_loop import metric
+
+PROMPTS = ["The quick brown fox", "def add(a, b):"]
+N = 32
+
+
+@pytest.fixture(scope="module", params=["draft", "self"])
+def spec_server(request, serve_factory, tiny_draft_dir):
+    flags = (["--draft-model", str(tiny_draft_dir), "--gamma", "3"] if request.param == "draft" else
+             ["--self-speculate", "--draft-kv", "streaming", "--draft-budget", "12", "--sinks", "2", "--gamma", "3"])
+    return serve_factory(*flags)
+
+
+def test_speculative_server_matches_offline_autoregressive(spec_server, tiny_model_dir):
+    want = LLM(str(tiny_model_dir)).generate(PROMPTS, SamplingParams(max_new_tokens=N, ignore_eos=True))
+    url = spec_server.url
+    for prompt, w in zip(PROMPTS, want):
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": N, "temperature": 0, "ignore_eos": True,
+                "redwood": {"stats": True}}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        assert r["choices"][0]["text"] == w.text
+        stats = r["redwood"]
+        assert stats["drafted"] > 0 and stats["steps"] > 0 and 0 <= stats["accepted"] <= stats["drafted"]
+        assert stats["acceptance_rate"] == pytest.approx(stats["accepted"] / stats["drafted"], abs=1e-4)
+        assert stats["mean_accepted_length"] == pytest.approx((stats["accepted"] + stats["steps"]) / stats["steps"],
+                                                              abs=1e-4)
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+            chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == w.text
+        # each chunk's spans partition its text; the last chunk carries the request's stats
+        for c in chunks:
+            assert "".join(t for t, _ in c["redwood"]["spans"]) == c["choices"][0]["text"]
+        sources = {src for c in chunks for _, src in c["redwood"]["spans"]}
+        assert sources <= {"draft", "target"} and "target" in sources
+        assert chunks[-1]["redwood"]["drafted"] == stats["drafted"]
+    m = httpx.get(url + "/metrics", timeout=10).text
+    drafts, tokens, accepted = (metric(m, f"spec_decode_num_{k}_total") for k in ("drafts", "draft_tokens",
+                                                                                   "accepted_tokens"))
+    assert drafts > 0 and tokens == 3 * drafts and 0 <= accepted <= tokens
+    assert metric(m, "spec_decode_num_accepted_tokens_per_pos_total") == accepted  # (summed over positions)
+    assert 'position="0"' in m
