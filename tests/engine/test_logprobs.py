@@ -273,3 +273,30 @@ def test_llm_passes_logprobs_sources_and_spans_through(models):
     _assert_same_logprobs([lp for d in streamed for lp in d.logprobs], out.logprobs)
     (plain,) = llm.generate(PROMPTS[0], SamplingParams(max_new_tokens=4))
     assert plain.logprobs is None
+
+
+# ------------------------------------------------------------------------------------- CUDA graphs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("spec", [None, "chain", "tree"])
+def test_graphed_steps_give_the_eager_logprobs_and_capture_apart(spec, tiny_model_dir, tiny_draft_dir):
+    """On CUDA the logprobs come out of the captured step: the same as eager steps; a step with
+    logprobs and one without are different graphs (the flag is in the step's key)."""
+    from redwood.config import SpeculativeConfig
+
+    kwargs = {None: None, "chain": dict(draft_model=str(tiny_draft_dir), num_draft_tokens=3),
+              "tree": dict(self_speculate=True, draft_kv="streaming", sinks=2, window=12, tree="generic-16")}[spec]
+    config = None if kwargs is None else SpeculativeConfig(**kwargs)
+    graphed = LLM(str(tiny_model_dir), device="cuda", speculative=config)
+    eager = LLM(str(tiny_model_dir), device="cuda", speculative=config, cuda_graphs=False)
+    params = [SamplingParams(max_new_tokens=16, ignore_eos=True, logprobs=20),
+              SamplingParams(max_new_tokens=16, ignore_eos=True)]
+    got, want = graphed.generate(PROMPTS[:2], params), eager.generate(PROMPTS[:2], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    _assert_same_logprobs(got[0].logprobs, want[0].logprobs)
+    assert got[1].logprobs is None
+    plain = graphed.generate(PROMPTS[:2], params[1])  # the same bucket without logprobs: its own graph
+    assert [o.token_ids for o in plain] == [o.token_ids for o in want]
+    keys = [key for r in graphed.engine._runners.values() for key in r._steps]
+    assert {key[4] for key in keys} == {True, False}  # (Engine._decode's key: want_lp is its 5th entry)
