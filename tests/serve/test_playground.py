@@ -159,7 +159,8 @@ class Tab:
         return self.browser.send(method, params, session=self.session, timeout=timeout)
 
     def eval(self, expression: str):
-        result = self.send("Runtime.evaluate", {"expression": expression, "returnByValue": True})
+        result = self.send("Runtime.evaluate", {"expression": expression, "returnByValue": True,
+                                                 "awaitPromise": True})
         if "exceptionDetails" in result:
             raise RuntimeError(f"{expression!r} threw: {result['exceptionDetails']}")
         return result["result"].get("value")
@@ -346,6 +347,29 @@ def test_playground_stop_keeps_the_partial_answer(chromium, playground_url, tab)
     assert tab.eval("document.querySelector('#messages .msg.assistant .note').textContent") == "stopped"
     assert tab.eval("document.getElementById('send').disabled") is False
     assert tab.eval("document.getElementById('stop').disabled") is True
+
+
+# An SSE body with what a reader must cope with: CRLF, LF and lone-CR line ends, a comment, a field with no
+# space after the colon, an event of two data lines, a multi-byte character, a last event with no blank line.
+SSE_BODY = ('data: {"a": "é€😀"}\r\n\r\n: keep-alive\n\ndata:{"b": 1}\n\nevent: x\ndata: line 1\ndata: line 2\r\r'
+            'data: [DONE]')
+SSE_EVENTS = ['{"a": "é€😀"}', '{"b": 1}', "line 1\nline 2", "[DONE]"]
+
+
+def test_playground_sse_reader_any_split(chromium, playground_url, tab):
+    """The page's SSE reader gives the same events however the bytes are cut into network reads (every
+    `piece` bytes: through CRLF pairs and the middle of UTF-8 sequences)."""
+    open_playground(tab, playground_url)
+    for piece in (1, 2, 3, 7, 1000):
+        events = tab.eval(f"""(async () => {{
+            const bytes = new TextEncoder().encode({json.dumps(SSE_BODY)});
+            const body = new ReadableStream({{ start(c) {{
+                for (let i = 0; i < bytes.length; i += {piece}) c.enqueue(bytes.slice(i, i + {piece}));
+                c.close(); }} }});
+            const seen = [];
+            await window.redwoodPlayground.readSSE(new Response(body), (d) => {{ seen.push(d); }});
+            return seen; }})()""")
+        assert events == SSE_EVENTS, piece
 
 
 def check_screenshot(png: bytes) -> None:
