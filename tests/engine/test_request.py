@@ -163,3 +163,37 @@ def test_spans_match_a_byte_level_oracle_over_random_streams(tokenizer):
                     runs.append([owners[c], final[c]])
             assert spans == [(t, sources[i]) for i, t in runs], (trial, text, stop)
             at += len(delta_text)
+
+
+def test_fast_and_window_detokenizers_agree_with_decode_over_random_ids(tokenizer, monkeypatch):
+    """Random id streams (any token, incl. special tokens and stray UTF-8 bytes): the fast path
+    (tokenizers' DecodeStream) and the two-call window path both build exactly
+    `tokenizer.decode(ids, skip_special_tokens=True)`, less a trailing incomplete UTF-8 sequence, token by
+    token (the text read after every token equals the decode of the ids so far, so deltas are the same)."""
+    import random
+
+    from redwood.engine import request as request_module
+
+    rng = random.Random(11)
+    streams = [[rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 40))] for _ in range(120)]
+
+    def texts(ids):
+        state = RequestState(prompt_ids=[1], params=SamplingParams(max_new_tokens=100), tokenizer=tokenizer,
+                             eos_ids=frozenset(), max_new_tokens=100)
+        out = []
+        for t in ids:
+            state.append(t)
+            out.append(state.text)
+        return out, state._stream
+
+    for ids in streams:
+        want = [tokenizer.decode(ids[:n], skip_special_tokens=True) for n in range(1, len(ids) + 1)]
+        fast, stream = texts(ids)
+        assert stream, "the tiny fast tokenizer should take the DecodeStream path"
+        for got, ref in zip(fast, want):
+            assert ref.startswith(got) and (got == ref or ref[len(got):].strip("\ufffd") == ""), (got, ref)
+        assert fast[-1] == want[-1].rstrip("\ufffd") or fast[-1] == want[-1]
+        with monkeypatch.context() as m:
+            m.setattr(request_module, "_decode_stream", lambda tok: None)
+            window, stream = texts(ids)
+        assert stream is False and window == fast
