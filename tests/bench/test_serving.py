@@ -311,9 +311,9 @@ def test_poisson_arrivals_follow_the_rate(tiny_model_dir, text_file, capsys):
     assert all(r["completed"] == 12 for r in res["runs"])
     expected = poisson_arrivals(12, 25.0, 3)
     seen = sorted(server.arrivals[:12])
-    assert [t - seen[0] for t in seen] == pytest.approx(expected, abs=0.04)
+    assert [t - seen[0] for t in seen] == pytest.approx(expected, abs=0.05)
     sent = sorted(p["sent_s"] for p in res["runs"][0]["per_request"])
-    assert [s - sent[0] for s in sent] == pytest.approx(expected, abs=0.04)
+    assert [s - sent[0] for s in sent] == pytest.approx(expected, abs=0.05)
     burst = server.arrivals[12:]
     assert len(burst) == 12 and max(burst) - min(burst) < 0.25
 

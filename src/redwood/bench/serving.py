@@ -583,6 +583,22 @@ async def run_bench(settings: Settings, prompts: Sequence[str], lengths: Sequenc
                     warmup: int = 0, count_tokens: Callable[[str], int] | None = None,
                     progress: bool = False) -> dict[str, Any]:
     """Measure every (concurrency, rate) over the same prompts, lengths and (per rate) arrival times."""
+    import gc
+
+    # A full collection over a big heap (tokenizer, torch, transformers) stalls the event loop for 100s of
+    # ms and lands in someone's TTFT: move everything alive now out of the collector's sight for the runs.
+    gc.collect()
+    gc.freeze()
+    try:
+        return await _measure(settings, prompts, lengths, rates, concurrencies, label, workload_seed, warmup,
+                              count_tokens, progress)
+    finally:
+        gc.unfreeze()
+
+
+async def _measure(settings, prompts, lengths, rates, concurrencies, label, workload_seed, warmup, count_tokens,
+                   progress) -> dict[str, Any]:
+    """run_bench's runs: the warm-up, then one `run_load` per (concurrency, rate) on one client."""
     n = len(prompts)
     runs = []
     async with make_client(settings) as client:
