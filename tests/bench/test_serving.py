@@ -232,6 +232,35 @@ def test_small_parsers():
     assert error_message(b"plain failure") == "plain failure"
 
 
+def test_text_prompts_from_each_kind_of_dataset(monkeypatch, tokenizer, text_file):
+    """Long-text windows and document prefixes are exact token counts, decoded; chat questions are the
+    documents' prompts in the seeded order of `chat_prompts`, no tokenizer needed."""
+    from redwood.bench.serving import text_prompts
+    from redwood.bench.speculative import PromptSource
+    from redwood.data import prompts as prompt_builders
+    from redwood.data import recipes
+
+    questions = [{"id": f"q{i}", "prompt": f"question {i}?", "text": f"question {i}?"} for i in range(6)]
+    documents = [{"id": f"d{i}", "text": " ".join(CORPUS[i:i + 3])} for i in range(6)]
+    monkeypatch.setattr(recipes, "load_dataset", lambda name, **kw: questions)
+    monkeypatch.setattr(prompt_builders, "load_dataset", lambda name, **kw: documents)
+
+    chat = text_prompts(PromptSource(dataset="mt-bench"), 4, 999, seed=1)
+    assert sorted(chat) == sorted(set(chat)) and set(chat) <= {q["prompt"] for q in questions}
+    assert chat == text_prompts(PromptSource(dataset="mt-bench"), 4, 5, seed=1)  # seeded; the length ignored
+    with pytest.raises(Exception, match="has 6 prompts, --num-requests 7"):
+        text_prompts(PromptSource(dataset="mt-bench"), 7, 16)
+
+    prefixes = text_prompts(PromptSource(dataset="c4"), 3, 12, tokenizer=tokenizer)
+    assert all(len(tokenizer.encode(p, add_special_tokens=False)) == 12 for p in prefixes)
+    assert all(any(d["text"].startswith(p) for d in documents) for p in prefixes)
+    windows = text_prompts(PromptSource(prompts_file=str(text_file)), 5, 20, seed=2, tokenizer=tokenizer)
+    assert len(windows) == 5 and all(w in text_file.read_text() for w in windows)
+    assert all(len(tokenizer.encode(w, add_special_tokens=False)) == 20 for w in windows)
+    with pytest.raises(Exception, match="need a tokenizer: give --tokenizer"):
+        text_prompts(PromptSource(dataset="c4"), 3, 12)
+
+
 # ---------------------------------------------------------------------------------- against the stand-in
 @pytest.mark.parametrize("token_ids", [False, True], ids=["apportioned", "server-counts"])
 def test_latency_and_throughput_arithmetic(tiny_model_dir, text_file, tmp_path, capsys, token_ids):

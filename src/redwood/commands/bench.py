@@ -434,10 +434,6 @@ def run_serve(args) -> int:
     source = PromptSource(dataset=None if args.prompts_file else (args.dataset or DEFAULT_DATASET),
                           prompts_file=args.prompts_file)
     source.check()
-    try:
-        import httpx  # noqa: F401
-    except ImportError:
-        raise ConfigError("bench serve needs httpx: pip install httpx") from None
     out = _output_folder(args.output) if args.output else None  # (before any request: fail early)
     settings = serving.Settings(base_url=base_url, endpoint=endpoint, model=args.model or "", api_key=args.api_key,
                                 temperature=args.temperature, top_p=args.top_p, seed=args.seed,
