@@ -244,3 +244,37 @@ def test_blocks_are_all_free_after_finish_and_abort(models):
     assert states[3].finish_reason == "abort" and states[1].finish_reason == "abort"
     assert engine.pool.num_used == 0 and engine.pool.num_free == engine.pool.num_blocks
     assert engine.cache.live.sum() == 0
+
+
+def test_a_last_chunk_near_the_context_end_beside_a_longer_chunk(models, tokenizer):
+    """Batched prefill pads chunks to the longest; a row whose last chunk ends near max_model_len, beside
+    a longer chunk of another row, would pad past the end of its page table (it raised "KV cache full"
+    at 64 rows × 32K on the H200). Such rows prefill alone: both requests still give their solo output."""
+    from redwood.engine.engine import Engine
+
+    target, _ = models
+    long_prompt, other = _prompts([62, 49], seed=5)
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+
+    def engine():
+        return Engine.build(target, tokenizer, max_num_seqs=2, max_model_len=64, block_size=8,
+                            max_num_batched_tokens=56)
+
+    def solo(prompt):
+        e = engine()
+        e.add_request(prompt, params, request_id="x")
+        out = []
+        while e.has_unfinished():
+            out += [t for d in e.step() for t in d.token_ids]
+        return out
+
+    e = engine()
+    e.add_request(long_prompt, params, request_id="a")
+    outs = {"a": [], "b": []}
+    for d in e.step():  # a: tokens [0, 56)
+        outs[d.request_id] += d.token_ids
+    e.add_request(other, params, request_id="b")  # next step: a [56, 62) at start 56 beside b's 49 tokens
+    while e.has_unfinished():
+        for d in e.step():
+            outs[d.request_id] += d.token_ids
+    assert outs == {"a": solo(long_prompt), "b": solo(other)}

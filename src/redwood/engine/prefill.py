@@ -72,9 +72,21 @@ def prefill_rows(model: Transformer, cache: KVCache, rows: list[int], token_ids:
     """
     device = model.device
     B = len(rows)
-    sub = cache.select(rows)
     n = [b - a for a, b in zip(starts, stops)]
     T = max(n)
+    alone = [i for i, a in enumerate(starts) if a + T > cache.capacity]
+    if alone and B > 1:
+        # Padding row i to the longest chunk would run its scratch slots past the end of its table (a
+        # chunk ending near max_model_len beside a longer one): such rows go alone, the rest together.
+        rest = [i for i in range(B) if i not in alone]
+        logits = [None] * B
+        for part in [[i] for i in alone] + ([rest] if rest else []):
+            out = prefill_rows(model, cache, [rows[i] for i in part], [token_ids[i] for i in part],
+                               [starts[i] for i in part], [stops[i] for i in part])
+            for j, i in enumerate(part):
+                logits[i] = out[j]
+        return torch.stack(logits)
+    sub = cache.select(rows)
     ids = torch.zeros(B, T, dtype=torch.long, device=device)
     for i, (toks, a, b) in enumerate(zip(token_ids, starts, stops)):
         ids[i, : b - a] = torch.tensor(toks[a:b], device=device)
