@@ -232,18 +232,32 @@ def run_stream(engine, workload: Workload, arrivals: Sequence[float], *, prefix:
 
 
 def warm_up(engine, workload: Workload, prefix: str = "warm") -> None:
-    """Short requests (prompt tails) through `engine`, untimed: as many at once as the timed runs can have
-    running (so every batch bucket's CUDA graphs get captured), each long enough to stay in the batch
-    until the last has joined."""
+    """Untimed requests through `engine` that meet every kernel and graph the timed runs will: first one
+    request as long as the longest prompt (its tokens reversed, so it never shares a cached prefix with a
+    timed prompt) — the long prefill chunks and long-context decoding steps compile their kernels here,
+    not inside the first timed run (measured: AR, timed first, paid seconds of them in its TTFT at
+    32K) — then short requests (prompt tails) joining one per step, as many as the timed runs can have
+    running, so every batch bucket's CUDA graphs get captured, each long enough to stay until the last
+    has joined."""
+    p = workload.params[0]
+    depth = engine.tree.max_depth if getattr(engine, "tree", None) is not None else 1
+
+    def params(new: int) -> SamplingParams:
+        return SamplingParams(temperature=p.temperature, top_p=p.top_p, max_new_tokens=new, ignore_eos=True,
+                              seed=p.seed)
+
+    longest = max(range(workload.n), key=lambda i: len(workload.prompts[i]))
+    full = workload.prompts[longest][::-1]
+    engine.add_request(full, params(max(1, min(2 * depth + 2, engine.max_model_len - len(full)))),
+                       request_id=f"{prefix}-full")
+    while engine.has_unfinished():
+        engine.step()
     k = min(workload.n, engine.max_num_seqs)
     length = min(WARMUP_PROMPT, len(workload.prompts[0]))
-    depth = engine.tree.max_depth if getattr(engine, "tree", None) is not None else 1
     new = max(1, min(depth * k + 2, WARMUP_MAX_NEW, engine.max_model_len - length))
-    p = workload.params[0]
-    params = SamplingParams(temperature=p.temperature, top_p=p.top_p, max_new_tokens=new, ignore_eos=True,
-                            seed=p.seed)
     for i in range(k):
-        engine.add_request(workload.prompts[i][-length:], params, request_id=f"{prefix}{i}")
+        engine.add_request(workload.prompts[i][-length:], params(new), request_id=f"{prefix}{i}")
+        engine.step()
     while engine.has_unfinished():
         engine.step()
 
