@@ -163,6 +163,8 @@ def assert_stats_sane(stats: dict, gamma: int, generated: int, agreeing: bool = 
     assert len(by_pos) == gamma and all(0 <= x <= 1 for x in by_pos)
     assert all(a >= b for a, b in zip(by_pos, by_pos[1:])), by_pos  # accepting d_i needs d_1…d_{i−1}
     assert sum(by_pos) * s["steps"] == pytest.approx(s["accepted"], abs=1e-3 * s["steps"])
+    counts = s["accepted_by_position"]  # the exact counts behind the rates
+    assert sum(counts) == s["accepted"] and [round(c / s["steps"], 4) for c in counts] == by_pos
     # The first token comes from the prefill; each step emits a + 1, the last one possibly cut short.
     assert generated - 1 <= s["steps"] + s["accepted"] <= generated - 1 + gamma
     assert s["draft_s"] > 0 and s["verify_s"] > 0

@@ -69,6 +69,7 @@ class SpecStats:
             "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
             "mean_accepted_length": round((self.accepted + self.steps) / self.steps, 4) if self.steps else 0.0,
             "acceptance_by_position": [round(a / self.steps, 4) for a in self.accepted_at] if self.steps else [],
+            "accepted_by_position": list(self.accepted_at),  # exact counts (steps that accepted position i)
             "draft_s": round(self.draft_s, 6),
             "verify_s": round(self.verify_s, 6),
             "step_s": round(self.step_s, 6),

@@ -102,10 +102,9 @@ class ServerMetrics:
             self.spec_drafts.inc(spec["steps"])
             self.spec_draft_tokens.inc(spec["drafted"])
             self.spec_accepted.inc(spec["accepted"])
-            # The stats carry per-position rates (accepted at i / steps, 4 decimals); × steps gives the
-            # counts back exactly below 5,000 steps per request.
-            for pos, rate in enumerate(spec.get("acceptance_by_position") or []):
-                self.spec_accepted_per_pos.labels(position=str(pos), **self._labels).inc(round(rate * spec["steps"]))
+            # (exact per-position counts: the steps whose draft token at position i was accepted)
+            for pos, count in enumerate(spec.get("accepted_by_position") or []):
+                self.spec_accepted_per_pos.labels(position=str(pos), **self._labels).inc(count)
 
     def on_preemptions(self, n: int) -> None:
         self.preemptions.inc(n)
