@@ -52,9 +52,13 @@ def hf_decode_rate(hf, prompts: list[list[int]], gen_len: int) -> dict:
 
 def weight_bytes(model) -> int:
     """Bytes one decode step must read: every parameter, except an untied embedding matrix, of which
-    the lookup reads one row per token (tied, it is the output projection and is read whole)."""
+    the lookup reads one row per token (tied, it is the output projection and is read whole). Packed
+    CPU projections (`Transformer.quantize_cpu`) count their packed bytes; a packed head is its own copy."""
+    from redwood.models.cpu_weights import PackedLinear
+
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if model.lm_head is not None:
+    total += sum(m.nbytes for m in model.modules() if isinstance(m, PackedLinear))
+    if model.lm_head is not None or getattr(model, "packed_head", None) is not None:
         emb = model.embed_tokens.weight
         total -= emb.numel() * emb.element_size()
     return total

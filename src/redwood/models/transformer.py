@@ -237,6 +237,8 @@ class Transformer(nn.Module):
         self.skinny_rows = 1
         self.skinny_tile_rows: tuple[int, int] | None = None
         self.skinny_int8: dict | None = None  # int8 projection copies for the skinny path (quantize_skinny)
+        self.weights = "float32"  # the CPU projection format (quantize_cpu)
+        self.packed_head: nn.Module | None = None  # the LM head in that format (quantize_cpu)
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up weights per layer (fewer, larger matmuls: what a GPU step wants)."""
@@ -268,6 +270,43 @@ class Transformer(nn.Module):
                            "down": gemv.quantize_int8(mlp.down_proj.weight)})
         self.skinny_int8 = {"layers": layers, "lm_head": gemv.quantize_int8(self.head_weight)}
 
+    def quantize_cpu(self, kind: str) -> None:
+        """Hold every projection and the LM head in a CPU weight format (redwood.models.cpu_weights:
+        "int8", "int4", "bfloat16"; "float32" leaves the model as it is): each nn.Linear is replaced by a
+        PackedLinear (its float weight is freed), and a tied LM head gets its own packed copy (the
+        embedding stays float: a lookup reads one row). Same weights in every forward, so verification
+        stays exact. CPU only: CUDA keeps its own path (quantize_skinny)."""
+        from redwood.errors import ConfigError
+        from redwood.models import cpu_weights
+
+        if kind not in cpu_weights.WEIGHT_FORMATS:
+            raise ConfigError(f"unknown weights {kind!r}; choose one of {', '.join(cpu_weights.WEIGHT_FORMATS)}")
+        if kind == self.weights:
+            return
+        if self.weights != "float32":
+            raise ConfigError(f"the model's weights are already {self.weights}; load it again for {kind}")
+        if self.device.type != "cpu":
+            raise ConfigError(f"weights={kind!r} is a CPU format; on {self.device} the model keeps its dtype "
+                              f"(CUDA drafts can use draft_quant='int8')")
+        if self.layers[0].self_attn.qkv is not None:
+            raise ConfigError("quantize_cpu needs the unfused projections (fuse_projections is for CUDA)")
+        targets = [(m, name) for layer in self.layers for m, names in
+                   ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                    (layer.mlp, ("gate_proj", "up_proj", "down_proj"))) for name in names]
+        for m, name in targets:
+            why = cpu_weights.check_packable(getattr(m, name).weight, kind)
+            if why:
+                raise ConfigError(f"weights={kind!r} does not fit this model: {why}")
+        for m, name in targets:
+            linear = getattr(m, name)
+            setattr(m, name, cpu_weights.PackedLinear(linear.weight, linear.bias, kind))
+        # The head too (a sixth of a 1.5B's bytes); a vocabulary that int4 cannot tile keeps a float head.
+        if cpu_weights.check_packable(self.head_weight, kind) is None:
+            self.packed_head = cpu_weights.PackedLinear(self.head_weight, None, kind)
+            if self.lm_head is not None:
+                self.lm_head = self.packed_head  # frees the float head
+        self.weights = kind
+
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
@@ -296,9 +335,13 @@ class Transformer(nn.Module):
     @property
     def head_weight(self) -> torch.Tensor:
         """The LM head's weight [V, H]: the embeddings when they are tied."""
+        if self.packed_head is not None and self.lm_head is self.packed_head:
+            raise RuntimeError("the LM head is packed (quantize_cpu); call logits() instead of reading its weight")
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_head is not None:
+            return self.packed_head(self.norm(hidden))
         return F.linear(self.norm(hidden), self.head_weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,

@@ -1,0 +1,127 @@
+"""CPU weight formats side by side in one process (issue 20 item 1): for each model and each format of
+`Transformer.quantize_cpu` — perplexity on held-out text, greedy agreement with float32, plain-decoding
+tokens/s and the bytes a decode step reads against this machine's copy bandwidth.
+
+Usage: OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/cpu_weights.py [--models qwen2.5-coder-1.5b-instruct ...]
+    [--formats float32 bfloat16 int8 int4] [--ppl-tokens 512] [--new-tokens 32] [--prompt-tokens 128]
+Held-out text: HumanEval problems 100+ (prompt + canonical solution, code) and, when the `essays` dataset is
+fetched, a window of the Paul Graham essays (prose). The model is loaded once in float32; each format is a
+deep copy quantized from it (no calibration data). Short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import statistics
+import time
+
+import torch
+
+from redwood.bench.ar import copy_bandwidth, weight_bytes
+from redwood.data import recipes
+from redwood.loading import load_model
+from redwood.models.cpu_weights import WEIGHT_FORMATS
+
+
+def held_out_texts(tok, n: int) -> dict[str, list[int]]:
+    docs = recipes.load_dataset("humaneval")
+    code = "\n\n".join(d["prompt"] + d["canonical_solution"] for d in docs[100:])
+    texts = {"code": tok.encode(code)[:n]}
+    if recipes.is_fetched("essays"):
+        essay = recipes.load_dataset("essays", fetch_missing=False)[0]["text"]
+        texts["essay"] = tok.encode(essay[200_000:260_000])[:n]
+    return texts
+
+
+@torch.inference_mode()
+def perplexity(model, ids: list[int], chunk: int = 128) -> float:
+    """exp(mean NLL) of ids[1:] given the prefix, fed in prefill chunks of `chunk` tokens."""
+    cache = model.new_cache(1, len(ids) + 1)
+    nll, count = 0.0, 0
+    x = torch.tensor([ids])
+    for s in range(0, len(ids) - 1, chunk):
+        e = min(s + chunk, len(ids) - 1)
+        logits = model(x[:, s:e], torch.arange(s, e)[None], cache)
+        cache.commit(e - s)
+        nll += torch.nn.functional.cross_entropy(logits[0], x[0, s + 1:e + 1], reduction="sum").item()
+        count += e - s
+    return math.exp(nll / count)
+
+
+@torch.inference_mode()
+def greedy_decode(model, prompt: list[int], new: int) -> tuple[list[int], float, float]:
+    """Greedy tokens, prefill seconds and median seconds per decode step (batch 1)."""
+    cache = model.new_cache(1, len(prompt) + new + 1)
+    t = time.perf_counter()
+    logits = model(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache,
+                   logits_at=torch.tensor([[len(prompt) - 1]]))
+    cache.commit(len(prompt))
+    prefill = time.perf_counter() - t
+    out, steps = [int(logits[0, -1].argmax())], []
+    for i in range(new - 1):
+        t = time.perf_counter()
+        logits = model(torch.tensor([[out[-1]]]), torch.tensor([[len(prompt) + i]]), cache)
+        cache.commit(1)
+        out.append(int(logits[0, -1].argmax()))
+        steps.append(time.perf_counter() - t)
+    return out, prefill, statistics.median(steps)
+
+
+def formats(base, kinds):
+    """(kind, model) per format: float32 is `base` itself, the others quantized copies of it."""
+    for kind in kinds:
+        if kind == "float32":
+            yield kind, base
+        else:
+            m = copy.deepcopy(base)
+            t = time.perf_counter()
+            m.quantize_cpu(kind)
+            print(f"  quantize {kind}: {time.perf_counter() - t:.1f} s", flush=True)
+            yield kind, m
+            del m
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"])
+    ap.add_argument("--formats", nargs="+", default=list(WEIGHT_FORMATS), choices=WEIGHT_FORMATS)
+    ap.add_argument("--ppl-tokens", type=int, default=512)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    args = ap.parse_args()
+    bw = copy_bandwidth(torch.device("cpu"), repeats=5) / 1e9  # GB/s, bytes read + written
+    print(f"threads {torch.get_num_threads()}, copy bandwidth {bw:.1f} GB/s", flush=True)
+    rows = []
+    for name in args.models:
+        t = time.perf_counter()
+        loaded = load_model(name, dtype="float32")
+        print(f"{name}: loaded in {time.perf_counter() - t:.0f} s", flush=True)
+        texts = held_out_texts(loaded.tokenizer, args.ppl_tokens)
+        prompt = texts["code"][:args.prompt_tokens]
+        ref = None
+        for kind, model in formats(loaded.model, args.formats):
+            ppl = {k: perplexity(model, ids) for k, ids in texts.items()}
+            toks, prefill, step = greedy_decode(model, prompt, args.new_tokens)
+            ref = ref or toks
+            agree = next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), len(ref))
+            nbytes = weight_bytes(model)
+            row = (name, kind, nbytes / 1e9, ppl, 1 / step, nbytes / 1e9 / bw, step, agree, prefill)
+            rows.append(row)
+            print(f"  {kind:9s} {nbytes / 1e9:5.2f} GB/step  ppl " + " ".join(f"{k} {v:.3f}" for k, v in ppl.items())
+                  + f"  decode {1 / step:5.2f} tok/s ({step * 1e3:.0f} ms; floor {nbytes / 1e9 / bw * 1e3:.0f} ms)"
+                  f"  prefill {args.prompt_tokens} tok {prefill:.1f} s  greedy = float32 for {agree}/{len(ref)}",
+                  flush=True)
+        del loaded
+    print(f"\n| model | weights | GB/step | ppl | decode tok/s | step ms (floor at {bw:.1f} GB/s) | "
+          f"prefill {args.prompt_tokens} s | greedy = f32 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, kind, gb, ppl, tps, floor, step, agree, prefill in rows:
+        p = " / ".join(f"{k} {v:.3f}" for k, v in ppl.items())
+        print(f"| {name} | {kind} | {gb:.2f} | {p} | {tps:.2f} | {step * 1e3:.0f} ({floor * 1e3:.0f}) | "
+              f"{prefill:.1f} | {agree}/{args.new_tokens} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""CPU weight formats (redwood.models.cpu_weights, Transformer.quantize_cpu): each packed projection
+multiplies by its dequantized weight; greedy speculation equals greedy AR for each format (same weights in
+every forward); bad formats and unpackable shapes are ConfigErrors.
+
+Tiny random Qwen2-style models (hidden 64, KV projections 32 wide, vocabulary 320: every shape int4 can
+pack) on the CPU through torch's own packed-weight kernels.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from redwood.errors import ConfigError
+from redwood.kv.policies import FullPolicy, StreamingPolicy
+from redwood.models.cpu_weights import INT4_GROUP, PackedLinear
+from redwood.sampling_params import SamplingParams
+from redwood.speculation.drafters import ModelDrafter, SelfDrafter
+from redwood.speculation.trees import Tree, resolve_tree
+from tests.conftest import save_target_and_draft
+from tests.engine.driver import run_engine
+
+KINDS = ["int8", "int4", "bfloat16"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, tokenizer):
+    from redwood import LLM
+
+    root = tmp_path_factory.mktemp("cpu-weights-models")
+    save_target_and_draft(root, tokenizer, noise=0.01)
+    target, draft = LLM(str(root / "target")), LLM(str(root / "draft"))
+    return target.model, draft.model, target.tokenizer
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_projection_equals_its_dequantized_weight(kind, bias):
+    """y = x Wᵀ + b against a float32 matmul of the bfloat16-rounded input by the dequantized weight:
+    the kernels round their output to bfloat16, so within 2⁻⁷ of the output's scale (bfloat16 keeps 8
+    significant bits). The dequantized weight is within half a quantization step of the original."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 128, generator=g) * 0.05
+    b = torch.randn(96, generator=g) if bias else None
+    p = PackedLinear(w, b, kind)
+    x = torch.randn(2, 5, 128, generator=g)
+    wq = p.dequantized()
+    ref = x.bfloat16().float() @ wq.T + (0 if b is None else b)
+    y = p(x)
+    assert y.shape == (2, 5, 96) and y.dtype == torch.float32
+    assert (y - ref).abs().max() <= 2 ** -7 * ref.abs().max()
+    if kind == "int8":
+        step = w.abs().amax(1, keepdim=True) / 127  # per output row
+    elif kind == "int4":
+        groups = w.reshape(96, -1, INT4_GROUP)
+        step = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(INT4_GROUP, 1)
+    else:
+        step = w.abs() * 2 ** -7  # a bfloat16 ulp is at most 2⁻⁷ of the value
+    # (the scales and int4's zeros are bfloat16 themselves: the grid moves by a fraction of a percent)
+    assert ((wq - w).abs() <= step * 0.52 + 1e-7).all()
+    # each row of a multi-row forward equals a one-row forward (what makes verification exact)
+    rows = torch.cat([p(x.reshape(10, 128)[i:i + 1]) for i in range(10)])
+    assert torch.equal(rows, p(x.reshape(10, 128)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantized_model_equals_float_model_of_its_dequantized_weights(models, kind):
+    """Logits of a 40-token prompt: the packed model against a float32 model holding the dequantized
+    weights (so only the kernels' bfloat16 activations and outputs differ): within 3% of the logits'
+    scale, same argmax everywhere. A mis-packed or transposed weight is off by ~100%."""
+    target = models[0]
+    q = copy.deepcopy(target)
+    q.quantize_cpu(kind)
+    assert q.weights == kind and q.packed_head is not None
+    assert not any(isinstance(m, torch.nn.Linear) for m in q.modules())  # every projection and the head
+    ref_model = copy.deepcopy(target)
+    for name, m in q.named_modules():
+        if isinstance(m, PackedLinear) and name != "packed_head":
+            ref_model.get_submodule(name).weight.copy_(m.dequantized())
+    head = q.packed_head.dequantized()  # the reference's logits: its final-norm output × this head
+    ids = torch.tensor([[random.Random(0).randrange(3, 300) for _ in range(40)]])
+    pos = torch.arange(40)[None]
+    out = q(ids, pos, q.new_cache(1, 64))
+    hidden = {}
+    ref_model.norm.register_forward_hook(lambda mod, inp, o: hidden.setdefault("h", o))
+    ref_model(ids, pos, ref_model.new_cache(1, 64))
+    ref = hidden["h"] @ head.T
+    assert (out - ref).abs().max() <= 0.03 * ref.abs().max()
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+
+
+MODES = {
+    "chain-draft-full": lambda t, d: (ModelDrafter(d, FullPolicy(), 320), Tree.chain(3)),
+    "chain-self-streaming": lambda t, d: (SelfDrafter(t, StreamingPolicy(2, 10)), Tree.chain(4)),
+    "tree-draft-full": lambda t, d: (ModelDrafter(d, FullPolicy(), 320), resolve_tree("chains:2x3")),
+    "tree-self-streaming": lambda t, d: (SelfDrafter(t, StreamingPolicy(2, 10)), resolve_tree("generic-16")),
+}
+
+
+@pytest.fixture(scope="module")
+def packed(models):
+    """{kind: (target, draft)} quantized copies (the draft in the same format, as --weights sets both)."""
+    out = {}
+    for kind in KINDS:
+        t, d = copy.deepcopy(models[0]), copy.deepcopy(models[1])
+        t.quantize_cpu(kind)
+        d.quantize_cpu(kind)
+        out[kind] = (t, d)
+    return out
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_speculation_equals_greedy_ar(models, packed, kind, mode):
+    """Three ragged prompts batched together: each speculative greedy output equals the same format's
+    greedy AR output token for token, and the drafts were partly accepted (so both paths ran)."""
+    target, draft = packed[kind]
+    tok = models[2]
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(5, 60))] for _ in range(3)]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    _, ar, _ = run_engine(target, tok, prompts, params, max_num_seqs=3)
+    drafter, tree = MODES[mode](target, draft)
+    _, spec, _ = run_engine(target, tok, prompts, params, drafter=drafter, tree=tree, max_num_seqs=3)
+    for a, s in zip(ar, spec):
+        assert s.output_ids == a.output_ids and len(a.output_ids) == 24
+    assert 0 < sum(s.stats.spec.accepted for s in spec) < sum(s.stats.spec.drafted for s in spec)
+
+
+def test_bad_formats_are_config_errors(models, tokenizer, tmp_path):
+    from tests.conftest import random_hf_model, tiny_hf_config
+
+    q = copy.deepcopy(models[0])
+    with pytest.raises(ConfigError, match="unknown weights 'int3'; choose one of float32, bfloat16, int8, int4"):
+        q.quantize_cpu("int3")
+    q.quantize_cpu("float32")  # the model as loaded: nothing changes
+    assert q.weights == "float32" and q.packed_head is None
+    q.quantize_cpu("int8")
+    with pytest.raises(ConfigError, match="already int8"):
+        q.quantize_cpu("int4")
+    # hidden 48: 48-wide inputs are not whole 32-input int4 groups (int8 still packs it)
+    config = tiny_hf_config("qwen2", hidden_size=48, num_attention_heads=4, num_key_value_heads=2)
+    random_hf_model(config).save_pretrained(tmp_path / "odd")
+    from redwood.loading import load_model
+
+    odd = load_model(tmp_path / "odd").model
+    with pytest.raises(ConfigError, match="int4 needs out_features % 16 == 0 and in_features % 32 == 0"):
+        odd.quantize_cpu("int4")
+    assert odd.weights == "float32"  # checked before anything was replaced
+    odd.quantize_cpu("int8")
+
+
+def test_weight_bytes_counts_the_packed_bytes(models):
+    """bench.ar.weight_bytes (the floor of a decode step) of a packed model: the packed projections and
+    head plus the float norms; the float embedding is not read whole once the head has its own copy."""
+    from redwood.bench.ar import weight_bytes
+
+    q = copy.deepcopy(models[0])
+    float_bytes = weight_bytes(q)
+    q.quantize_cpu("int8")
+    packed = sum(m.nbytes for m in q.modules() if isinstance(m, PackedLinear))
+    norms = sum(p.nbytes for n, p in q.named_parameters() if "norm" in n)
+    assert weight_bytes(q) == packed + norms
+    assert weight_bytes(q) < 0.4 * float_bytes  # 1 byte a weight (+ scales) instead of 4
