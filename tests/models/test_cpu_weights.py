@@ -16,7 +16,7 @@ import torch
 
 from redwood.errors import ConfigError
 from redwood.kv.policies import FullPolicy, StreamingPolicy
-from redwood.models.cpu_weights import INT4_GROUP, PackedLinear
+from redwood.models.cpu_weights import INT4_GROUP, INT8_GEMM_ROWS, PackedLinear
 from redwood.sampling_params import SamplingParams
 from redwood.speculation.drafters import ModelDrafter, SelfDrafter
 from redwood.speculation.trees import Tree, resolve_tree
@@ -64,6 +64,10 @@ def test_packed_projection_equals_its_dequantized_weight(kind, bias):
     # each row of a multi-row forward equals a one-row forward (what makes verification exact)
     rows = torch.cat([p(x.reshape(10, 128)[i:i + 1]) for i in range(10)])
     assert torch.equal(rows, p(x.reshape(10, 128)))
+    # a prefill-sized forward (int8: the bfloat16 gemm from INT8_GEMM_ROWS rows) within the same bound
+    xl = torch.randn(INT8_GEMM_ROWS + 3, 128, generator=g)
+    ref = xl.bfloat16().float() @ wq.T + (0 if b is None else b)
+    assert (p(xl) - ref).abs().max() <= 2 ** -7 * ref.abs().max()
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -151,6 +155,11 @@ def test_bad_formats_are_config_errors(models, tokenizer, tmp_path):
         odd.quantize_cpu("int4")
     assert odd.weights == "float32"  # checked before anything was replaced
     odd.quantize_cpu("int8")
+    # hidden 40: torch's int8 kernel needs inputs in multiples of 16
+    config = tiny_hf_config("qwen2", hidden_size=40, num_attention_heads=4, num_key_value_heads=2)
+    random_hf_model(config).save_pretrained(tmp_path / "odd8")
+    with pytest.raises(ConfigError, match="int8 needs in_features % 16 == 0; this projection is 40×40"):
+        load_model(tmp_path / "odd8").model.quantize_cpu("int8")
 
 
 def test_weight_bytes_counts_the_packed_bytes(models):

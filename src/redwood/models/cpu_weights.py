@@ -16,7 +16,9 @@ residual stream, norms, attention and the KV cache keep the model dtype.
 - "float32": the model as loaded (no change).
 
 Every format computes each row of a multi-row forward like a one-row forward of the same weights, so a
-verify over T tokens scores what T decode steps would (greedy speculation == greedy AR for each format).
+verify over T tokens scores what T decode steps would (greedy speculation == greedy AR for each format);
+int8 forwards of INT8_GEMM_ROWS rows or more (prefill chunks) take another kernel, within bfloat16
+rounding of the same products.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ from torch import nn
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4")
 INT4_GROUP = 32
 _ACT = torch.bfloat16  # the activation dtype the packed CPU kernels are fast in
+# int8 forwards of this many rows or more (prefill chunks) convert the weight to bfloat16 and take oneDNN's
+# gemm: the int8 kernel's time grows with the rows (17920×1536 at 128 rows: 428 ms against 73 ms to convert
+# + 46 ms to multiply; at 64 rows 83 ms against 132). Decode, verify and tree steps stay below it.
+INT8_GEMM_ROWS = 128
 
 
 class PackedLinear(nn.Module):
@@ -59,7 +65,9 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(_ACT)  # [M, K]
-        if self.kind == "int8":
+        if self.kind == "int8" and x2.shape[0] >= INT8_GEMM_ROWS:  # prefill: int8 values are exact in bfloat16
+            y = F.linear(x2, self.w8.to(_ACT)) * self.scale
+        elif self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.w8, self.scale)
         elif self.kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, INT4_GROUP, self.scale_zero)
@@ -107,9 +115,38 @@ def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def check_packable(weight: torch.Tensor, kind: str) -> str | None:
-    """Why a weight [N, K] cannot take `kind` (None when it can): the int4 kernel needs N % 16 == 0 and
-    whole groups along K."""
+    """Why a weight [N, K] cannot take `kind` (None when it can). int4: the packing needs N % 16 == 0 and
+    whole groups along K. int8: torch 2.13's kernel needs K % 16 == 0 (measured: K = 8, 24, 1000 give
+    wrong products, K = 5 crashes; every multiple of 16 tried matched)."""
     N, K = weight.shape
     if kind == "int4" and (N % 16 or K % INT4_GROUP):
         return f"int4 needs out_features % 16 == 0 and in_features % {INT4_GROUP} == 0; this projection is {N}×{K}"
+    if kind == "int8" and K % 16:
+        return f"int8 needs in_features % 16 == 0; this projection is {N}×{K}"
     return None
+
+
+WEIGHT_CHOICES = ("auto",) + WEIGHT_FORMATS
+# "auto" on the CPU for a GGUF file (its float32 tensors are dequantized 4–8-bit data): the fastest format
+# at float32's perplexity on this project's 2-core machine (benchmarks/NOTES.md, session 11).
+GGUF_DEFAULT = "int8"
+
+
+def check_weights(weights: str, device: torch.device, offload: bool = False) -> None:
+    """A ConfigError for an unknown weights value, or a CPU format asked for a model that runs on CUDA."""
+    from redwood.errors import ConfigError
+
+    if weights not in WEIGHT_CHOICES:
+        raise ConfigError(f"unknown weights {weights!r}; choose one of {', '.join(WEIGHT_CHOICES)}")
+    if weights not in ("auto", "float32") and (device.type != "cpu" or offload):
+        raise ConfigError(f"weights={weights!r} is a CPU format; on CUDA the model runs in its dtype "
+                          f"(--dtype bfloat16; a draft model can use --draft-quant int8)")
+
+
+def resolve_weights(weights: str, device: torch.device, path) -> str:
+    """The format a model loaded from `path` onto `device` gets: "auto" → GGUF_DEFAULT for a .gguf file
+    on the CPU, else float32 (a float checkpoint stays exact; CUDA keeps its own path)."""
+    check_weights(weights, device)
+    if weights != "auto":
+        return weights
+    return GGUF_DEFAULT if device.type == "cpu" and str(path).endswith(".gguf") else "float32"
