@@ -58,14 +58,17 @@ class LLM:
     None → on for CUDA. An offloaded target always runs eagerly; a draft model next to it still runs graphed.
     engine_args: the Engine's scheduling and memory knobs (max_num_seqs, max_model_len, block_size,
     max_num_batched_tokens, kv_cache_memory, enable_prefix_caching; see `redwood.Engine`).
+    weights: the CPU weight format of the target and the draft ("auto": int8 for a GGUF file on the
+    CPU, else float32; "float32" | "bfloat16" | "int8" | "int4"; see `redwood.models.cpu_weights`).
     """
 
     def __init__(self, model: str | Path = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", speculative: SpeculativeConfig | None = None,
                  offload: bool = False, offload_prefetch: int = 2, cuda_graphs: bool | None = None,
-                 **engine_args):
+                 weights: str = "auto", **engine_args):
         self.engine = Engine(model, dtype=dtype, device=device, speculative=speculative, offload=offload,
-                             offload_prefetch=offload_prefetch, cuda_graphs=cuda_graphs, **engine_args)
+                             offload_prefetch=offload_prefetch, cuda_graphs=cuda_graphs, weights=weights,
+                             **engine_args)
         e = self.engine
         self.model, self.tokenizer, self.config = e.model, e.tokenizer, e.config
         self.model_name, self.model_path = e.model_name, e.model_path

@@ -129,8 +129,8 @@ def _run(args: argparse.Namespace) -> int:
         from redwood.loading import load_model
         from redwood.speculation.drafters import check_compatible
 
-        tgt = load_model(args.model, dtype=args.dtype, device=args.device)
-        drf = load_model(args.draft_model, dtype=args.dtype, device=args.device)
+        tgt = load_model(args.model, dtype=args.dtype, device=args.device, weights=args.weights)
+        drf = load_model(args.draft_model, dtype=args.dtype, device=args.device, weights=args.weights)
         check_compatible(tgt.tokenizer, drf.tokenizer, tgt.config.vocab_size, drf.config.vocab_size)
         tokenizer, max_pos = tgt.tokenizer, min(tgt.config.max_position_embeddings,
                                                  drf.config.max_position_embeddings)
@@ -144,7 +144,8 @@ def _run(args: argparse.Namespace) -> int:
             draft_model=args.draft_model, self_speculate=args.self_speculate, tree=star_tree_spec(args.width),
             verifier=verifier, draft_kv=args.draft_kv or "full", draft_budget=args.draft_budget, sinks=args.sinks,
             window=args.window, pool_kernel=DEFAULT_POOL_KERNEL if args.pool_kernel is None else args.pool_kernel)
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative=spec, **graphs_kwargs(args))
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, weights=args.weights, speculative=spec,
+                  **graphs_kwargs(args))
         tokenizer, max_pos = llm.tokenizer, llm.config.max_position_embeddings
         target_name = llm.model_name
         draft_name = llm.model_name if args.self_speculate else args.draft_model

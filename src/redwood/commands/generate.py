@@ -56,8 +56,8 @@ def run(args) -> int:
     spec = speculative_config_from_args(args)
     offload = offload_kwargs(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative=spec, **offload, **graphs_kwargs(args),
-              **engine_kwargs(args))
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, weights=args.weights, speculative=spec, **offload,
+              **graphs_kwargs(args), **engine_kwargs(args))
     if args.json:
         out = llm.generate([prompt], params, chat=args.chat)[0]
         obj = {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,

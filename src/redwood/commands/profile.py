@@ -86,12 +86,14 @@ def _run(args: argparse.Namespace) -> int:
 
     offload = offload_kwargs(args)
     t0 = time.perf_counter()
-    target = load_model(args.model, dtype=args.dtype, device="cpu" if offload["offload"] else args.device)
+    target = load_model(args.model, dtype=args.dtype, device="cpu" if offload["offload"] else args.device,
+                        weights="float32" if offload["offload"] else args.weights)
     if offload["offload"]:  # as LLM(offload=True): layers in (pinned) host memory, the rest on the device
         from redwood.engine.offload import offload_layers
 
         offload_layers(target.model, args.device, prefetch=offload["offload_prefetch"])
-    draft = load_model(args.draft_model, dtype=args.dtype, device=args.device) if args.draft_model else None
+    draft = (load_model(args.draft_model, dtype=args.dtype, device=args.device, weights=args.weights)
+             if args.draft_model else None)
     if args.draft_quant:
         draft.model.quantize_skinny(args.draft_quant)
     say = None if args.quiet else (lambda msg: print(f"profiling: {msg}", file=sys.stderr, flush=True))

@@ -48,6 +48,7 @@ from redwood.errors import ConfigError, ContextLengthError
 from redwood.kv.blocks import BlockPool
 from redwood.kv.cache import KVCache
 from redwood.loading import load_model
+from redwood.models.cpu_weights import check_weights
 from redwood.sampling_params import SamplingParams
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
@@ -140,7 +141,9 @@ class Engine:
     decoding rows). kv_cache_memory: GiB for the KV pages (target + draft model); default: on CUDA 90%
     of the memory free after loading, on the CPU 4 GiB — never more than max_num_seqs full-length
     requests need. enable_prefix_caching: share the KV blocks of identical prompt prefixes across
-    requests (refcounted; off by default).
+    requests (refcounted; off by default). weights: the CPU projection format of the target and the draft
+    model (`redwood.models.cpu_weights`: "auto" → int8 for a GGUF file on the CPU, else float32;
+    "float32" | "bfloat16" | "int8" | "int4").
     """
 
     def __init__(self, model: str | Path = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
@@ -148,17 +151,22 @@ class Engine:
                  offload: bool = False, offload_prefetch: int = 2, cuda_graphs: bool | None = None,
                  max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, max_model_len: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, max_num_batched_tokens: int = DEFAULT_PREFILL_CHUNK,
-                 kv_cache_memory: float | None = None, enable_prefix_caching: bool = False):
+                 kv_cache_memory: float | None = None, enable_prefix_caching: bool = False,
+                 weights: str = "auto"):
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise ConfigError(f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}")
         _check_knobs(max_num_seqs, block_size, max_num_batched_tokens, kv_cache_memory)
+        from redwood.loading import parse_device
+
+        check_weights(weights, parse_device(device), offload)  # (bad values: an error before anything loads)
         if offload:
             from redwood.engine.offload import check_prefetch, offload_layers
             from redwood.loading import parse_device
 
             check_prefetch(offload_prefetch)
             parse_device(device)
-        loaded = load_model(model, dtype=dtype, device="cpu" if offload else device)
+        loaded = load_model(model, dtype=dtype, device="cpu" if offload else device,
+                            weights="float32" if offload else weights)
         if offload:  # loaded on the host: the layers stay there, the rest moves to the device
             offload_layers(loaded.model, device, prefetch=offload_prefetch)
         on_cuda = loaded.model.device.type == "cuda"
@@ -170,7 +178,7 @@ class Engine:
         self.draft_name = None
         if speculative is not None:
             tree = speculative.make_tree()
-            drafter = self._make_drafter(speculative, dtype, device)
+            drafter = self._make_drafter(speculative, dtype, device, weights)
         self._setup(loaded.model, loaded.tokenizer, loaded.source, loaded.path, drafter, tree,
                     "auto" if speculative is None else speculative.verifier,
                     on_cuda if cuda_graphs is None else bool(cuda_graphs), max_num_seqs, max_model_len,
@@ -229,14 +237,14 @@ class Engine:
         self.capture_s = 0.0  # one-time CUDA-graph captures (left out of request timings)
         self.num_steps = 0
 
-    def _make_drafter(self, spec: SpeculativeConfig, dtype, device):
+    def _make_drafter(self, spec: SpeculativeConfig, dtype, device, weights: str = "auto"):
         from redwood.speculation.drafters import ModelDrafter, SelfDrafter, check_compatible
 
         policy = spec.make_policy()
         if spec.self_speculate:
             self.draft_name = f"self ({policy.describe()})"
             return SelfDrafter(self.model, policy)
-        draft = load_model(spec.draft_model, dtype=dtype, device=device)
+        draft = load_model(spec.draft_model, dtype=dtype, device=device, weights=weights)
         check_compatible(self.tokenizer, draft.tokenizer, self.config.vocab_size, draft.config.vocab_size)
         if spec.draft_quant:
             draft.model.quantize_skinny(spec.draft_quant)

@@ -10,6 +10,7 @@ import torch
 
 from redwood.config import ModelConfig
 from redwood.errors import ConfigError, ModelLoadError
+from redwood.models.cpu_weights import resolve_weights
 from redwood.models.transformer import Transformer, build_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -62,7 +63,10 @@ def resolve_model_path(model: str | Path) -> Path:
     return path
 
 
-def load_model(model: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> LoadedModel:
+def load_model(model: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
+               weights: str = "float32") -> LoadedModel:
+    """Load a model's weights. weights: the CPU projection format (`redwood.models.cpu_weights`; "auto":
+    int8 for a GGUF file on the CPU, else float32)."""
     torch_dtype, dev = parse_dtype(dtype), parse_device(device)
     path = resolve_model_path(model)
     if path.is_dir():
@@ -89,4 +93,5 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "float32", device: 
         tokenizer = load_gguf_tokenizer(path)
     if net.device.type == "cuda":
         net.fuse_projections()  # one q/k/v and one gate/up matmul per layer: what a GPU step wants
+    net.quantize_cpu(resolve_weights(weights, net.device, path))
     return LoadedModel(model=net, tokenizer=tokenizer, config=config, source=str(model), path=path)
