@@ -19,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="redwood",
         description="Fast, lossless speculative decoding of LLMs (MagicDec + Sequoia).",
     )
+    from redwood import __version__
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for module in COMMAND_MODULES:
@@ -29,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from redwood.progress import set_quiet
+
+    set_quiet(getattr(args, "quiet", False))  # a command's --quiet also silences loading / prefill progress
     try:
         status = int(args.func(args) or 0)
         sys.stdout.flush()  # (inside the try: a reader that went away shows here, not at exit)

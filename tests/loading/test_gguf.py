@@ -474,7 +474,7 @@ def check_real_config(name, config):
 def test_real_file_matches_transformers(name):
     path = real_path(name)
     if path is None:
-        pytest.skip(f"{name} is not pulled (run `redwood pull {name}`)")
+        pytest.skip(f"{name} is not pulled (run `redwood models pull {name}`)")
     pytest.importorskip("accelerate", reason="transformers' GGUF loader needs accelerate")
     from transformers import AutoModelForCausalLM
 
@@ -510,7 +510,8 @@ def test_real_file_matches_transformers(name):
 def test_real_qwen_1_5b_loads_fast_and_shares_the_0_5b_tokenizer():
     big, small = real_path("qwen2.5-coder-1.5b-instruct"), real_path("qwen2.5-coder-0.5b-instruct")
     if big is None:
-        pytest.skip("qwen2.5-coder-1.5b-instruct is not pulled (run `redwood pull qwen2.5-coder-1.5b-instruct`)")
+        pytest.skip("qwen2.5-coder-1.5b-instruct is not pulled "
+                    "(run `redwood models pull qwen2.5-coder-1.5b-instruct`)")
     start = time.perf_counter()
     model = read_gguf(big)
     elapsed = time.perf_counter() - start
@@ -533,3 +534,10 @@ def test_real_qwen_1_5b_loads_fast_and_shares_the_0_5b_tokenizer():
         assert a.get_vocab() == b.get_vocab()
         sample = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
         assert a.encode(sample) == b.encode(sample)
+
+
+def test_config_from_the_header_alone(llama_file, qwen_file):
+    from redwood.loading.gguf import read_gguf_config
+
+    for path, *_ in (llama_file, qwen_file):
+        assert read_gguf_config(path) == read_gguf(path).config

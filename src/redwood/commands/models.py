@@ -1,4 +1,5 @@
-"""`redwood models list` and `redwood models pull NAME`: the model zoo (see `redwood.models.registry`)."""
+"""`redwood models list`, `redwood models pull NAME` and `redwood models rm NAME`: the model zoo (see
+`redwood.models.registry`)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ def register(subparsers) -> None:
     p.add_argument("name", metavar="NAME", help="model name, see `redwood models list`")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_pull)
+
+    p = sub.add_parser("rm", help="delete a downloaded model's files")
+    p.add_argument("name", metavar="NAME", help="model name, see `redwood models list`")
+    p.set_defaults(func=_rm)
 
 
 def _human(n: int) -> str:
@@ -54,4 +59,16 @@ def _list(args: argparse.Namespace) -> int:
 def _pull(args: argparse.Namespace) -> int:
     path = registry.pull(args.name, progress=not args.quiet)
     print(path)
+    return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    from redwood.errors import ConfigError
+
+    path = registry.model_path(args.name)  # (an unknown name: a one-line error listing the known ones)
+    size = path.stat().st_size if path.exists() else 0
+    removed = registry.remove(args.name)
+    if not removed:
+        raise ConfigError(f"{args.name} is not downloaded (nothing in {path.parent})")
+    print(f"removed {args.name}: {path}" + (f" ({_human(size)})" if size else ""))
     return 0

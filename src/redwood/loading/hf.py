@@ -9,6 +9,7 @@ import torch
 
 from redwood.config import ModelConfig
 from redwood.errors import ModelLoadError
+from redwood.progress import Progress
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -42,11 +43,14 @@ def read_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Ten
     folder = Path(folder)
     config = ModelConfig.from_hf_file(folder / "config.json")
     state: dict[str, torch.Tensor] = {}
-    for f in safetensors_files(folder):
-        try:
-            state.update(load_file(str(f)))
-        except (SafetensorError, OSError) as e:
-            raise ModelLoadError(f"cannot read {f}: {e} (truncated or corrupt? re-download it)") from None
+    files = safetensors_files(folder)
+    with Progress(total=sum(f.stat().st_size for f in files), desc=f"loading {folder.name}", unit="B") as bar:
+        for f in files:
+            try:
+                state.update(load_file(str(f)))
+            except (SafetensorError, OSError) as e:
+                raise ModelLoadError(f"cannot read {f}: {e} (truncated or corrupt? re-download it)") from None
+            bar.update(f.stat().st_size)
     return config, state
 
 

