@@ -58,6 +58,7 @@ def main() -> None:
             rows.append((name, kind, floor, ms))
             print(f"{name} {kind}: floor {floor:.0f} ms; " + "  ".join(f"T={T} {v:.0f} ms ({v / ms[args.tokens[0]]:.2f}×)"
                                                                for T, v in ms.items()), flush=True)
+            del model
         del base
     print("\n| model | weights | floor ms | " + " | ".join(f"T={T} ms (×T=1)" for T in args.tokens) + " |")
     print("|---|---|---|" + "---|" * len(args.tokens))

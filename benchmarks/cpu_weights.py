@@ -70,12 +70,14 @@ def greedy_decode(model, prompt: list[int], new: int) -> tuple[list[int], float,
 
 
 def formats(base, kinds):
-    """(kind, model) per format: float32 is `base` itself, the others quantized copies of it."""
+    """(kind, model) per format: float32 is `base` itself, the others quantized copies of it. The copies
+    share base's parameters (quantize_cpu replaces modules, it never writes a weight), so one format at a
+    time costs only its packed bytes next to base: a 1.5B's second float32 copy (6.2 GB) ran out of memory."""
     for kind in kinds:
         if kind == "float32":
             yield kind, base
         else:
-            m = copy.deepcopy(base)
+            m = copy.deepcopy(base, memo={id(p): p for p in base.parameters()})
             t = time.perf_counter()
             m.quantize_cpu(kind)
             print(f"  quantize {kind}: {time.perf_counter() - t:.1f} s", flush=True)
@@ -113,6 +115,7 @@ def main() -> None:
                   + f"  decode {1 / step:5.2f} tok/s ({step * 1e3:.0f} ms; floor {nbytes / 1e9 / bw * 1e3:.0f} ms)"
                   f"  prefill {args.prompt_tokens} tok {prefill:.1f} s  greedy = float32 for {agree}/{len(ref)}",
                   flush=True)
+            del model
         del loaded
     print(f"\n| model | weights | GB/step | ppl | decode tok/s | step ms (floor at {bw:.1f} GB/s) | "
           f"prefill {args.prompt_tokens} s | greedy = f32 |")
