@@ -80,3 +80,14 @@ def test_cli_weights_flag(hf_pair, capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(hf_pair[0]), "--weights", "int3", "--prompt", "hi"])
     assert "invalid choice: 'int3'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["generate"], ["serve"], ["acceptance"], ["profile"], ["bench", "ar"],
+                                     ["bench", "standalone"], ["bench", "selfspec"], ["bench", "throughput"]])
+def test_every_command_that_loads_a_model_takes_weights(command, capsys):
+    """Each command passes args.weights to what it loads, so each parser must define --weights."""
+    from redwood.cli import main
+
+    with pytest.raises(SystemExit):
+        main(command + ["--help"])
+    assert "--weights {auto,float32,bfloat16,int8,int4}" in capsys.readouterr().out

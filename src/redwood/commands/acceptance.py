@@ -52,6 +52,9 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i; default 0)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    from redwood.commands.options import add_weights_arg
+
+    add_weights_arg(p)
     add_graphs_arg(p)
     add_draft_cache_args(p.add_argument_group("draft KV (dynamic mode: the draft reads the context through it)"))
     p.add_argument("--output", "-o", required=True, metavar="FILE", help="write the vector here (JSON)")

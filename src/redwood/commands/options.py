@@ -15,12 +15,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help=f"zoo name, Hugging Face folder or .gguf file (default: {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    add_weights_arg(p)
+    add_graphs_arg(p)
+
+
+def add_weights_arg(p: argparse.ArgumentParser) -> None:
+    """--weights (args.weights): the CPU weight format of the target and draft (`redwood.models.cpu_weights`)."""
     from redwood.models.cpu_weights import GGUF_DEFAULT, WEIGHT_CHOICES
 
     p.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
                    help=f"CPU weight format of the target and draft projections (default auto: {GGUF_DEFAULT} for "
                         f"a .gguf model on the CPU, else float32; CUDA keeps --dtype)")
-    add_graphs_arg(p)
 
 
 def add_graphs_arg(p: argparse.ArgumentParser) -> None:

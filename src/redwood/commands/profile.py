@@ -41,6 +41,9 @@ def register(subparsers) -> None:
                    help="overhead: verifier timed (default: greedy at temperature 0, else sequoia)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    from redwood.commands.options import add_weights_arg
+
+    add_weights_arg(p)
     add_graphs_arg(p)
     p.add_argument("--output", "-o", required=True, metavar="FILE", help="write the profile here (JSON)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
