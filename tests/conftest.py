@@ -99,13 +99,16 @@ def save_target_and_draft(root: Path, tokenizer, noise: float, **config_override
 
 
 @pytest.fixture(autouse=True)
-def one_thread(request):
+def one_thread(request, monkeypatch):
     """Tiny models run several times faster on one intra-op thread (especially on a shared 2-core
-    machine); tests on real models (marked `real`) keep torch's default."""
+    machine); tests on real models (marked `real`) keep redwood's default. OMP_NUM_THREADS=1 keeps an
+    Engine from applying its default thread count over this one (`redwood.engine.threads`)."""
+    n = torch.get_num_threads()
     if request.node.get_closest_marker("real"):
         yield
+        torch.set_num_threads(n)
         return
-    n = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from redwood.cli import main
 
 
@@ -72,7 +74,6 @@ def test_bfloat16_runs(tiny_model_dir, capsys):
 
 
 # ------------------------------------------------------------------------------------ speculation flags
-import pytest  # noqa: E402
 
 
 SPEC_KEYS = {"gamma", "steps", "drafted", "accepted", "acceptance_rate", "mean_accepted_length",
@@ -112,7 +113,9 @@ def test_generate_draft_model_json_and_human(tiny_model_dir, tiny_draft_dir, tin
     assert obj["token_ids"] == _greedy_reference(tiny_llm, prompt, 8)
     assert obj["draft"] == f"{tiny_draft_dir} (full)"
     spec = obj["stats"]["speculative"]
-    assert spec["gamma"] == 3 and spec["drafted"] == 3 * spec["steps"]
+    assert spec["gamma"] == 3 and spec["steps"] <= spec["drafted"] <= 3 * spec["steps"]  # (cut at the tail)
+    # emitted tokens only (the first one is the prefill's; a last step with one token left drafts nothing)
+    assert 8 - 2 <= spec["steps"] + spec["accepted"] <= 8 - 1
 
     assert main(base) == 0
     lines = capsys.readouterr().out.rstrip("\n").split("\n")
@@ -151,6 +154,9 @@ def test_generate_sampling_speculation(tiny_model_dir, capsys):
     (["--draft-quant", "int8"], "--draft-quant only applies when speculating"),
     (["--draft-model", "d", "--draft-quant", "int4"], "--draft-quant must be one of int8"),
     (["--self-speculate", "--draft-quant", "int8"], "self-speculation drafts with the target's weights"),
+    (["--self-speculate", "--gamma", "1000"], "--gamma must be at most 64"),
+    (["--self-speculate", "--gamma", "0"], "--gamma must be >= 1"),
+    (["--threads", "0"], "--threads must be a positive integer, got 0"),
 ])
 def test_speculation_flag_errors(flags, msg, tmp_path, capsys):
     # the model path doesn't exist: each error must come before any model is loaded
@@ -194,7 +200,7 @@ def test_generate_self_speculate_tree_json_equals_plain(tiny_model_dir, tiny_llm
     spec = obj["stats"]["speculative"]
     assert set(spec) >= SPEC_KEYS
     assert spec["drafted_per_step"] == 15 and spec["gamma"] == 5  # 16 nodes, 6 levels
-    assert spec["drafted"] == 15 * spec["steps"]
+    assert spec["steps"] <= spec["drafted"] <= 15 * spec["steps"]  # (tail steps draft a cut tree)
     assert spec["mean_accepted_length"] >= 1.0
     # The human stats line names the tree and reports tokens per step (mean accepted length).
     assert main(base) == 0
@@ -241,6 +247,9 @@ def test_tree_flag_errors(tmp_path, capsys):
         (["--self-speculate", "--tree", "nope"], "unknown tree 'nope'"),
         (["--self-speculate", "--tree", "chain:x"], "bad tree spec 'chain:x'"),
         (["--self-speculate", "--tree", "chains:0x2"], "expected chains:KxL"),
+        (["--self-speculate", "--tree", "chain:0"], "chain:0 has no draft tokens"),  # as --gamma 0
+        (["--self-speculate", "--tree", "chains:3x0"], "has no draft tokens"),
+        (["--self-speculate", "--tree", "chain:65"], "drafts 65 tokens deep; at most 64"),
         (["--self-speculate", "--tree", str(tmp_path / "missing.json")], "tree file not found"),
         (["--self-speculate", "--tree", str(bad_json)], "not valid JSON"),
         (["--self-speculate", "--tree", str(not_bfs)], "breadth-first"),
@@ -281,3 +290,73 @@ def test_temperature_must_be_finite(value):
     from redwood.cli import main
 
     assert main(["generate", "--prompt", "x", "--temperature", value]) == 2
+
+
+def test_version(capsys):
+    from redwood import __version__
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"redwood {__version__}\n"
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Weight loading that fails the test: the checks under test must come before it."""
+    import redwood.engine.engine as engine_mod
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the check")
+
+    monkeypatch.setattr(engine_mod, "load_model", refuse)
+
+
+def test_an_empty_prompt_is_refused_before_the_weights_load(tiny_model_dir, no_weights, capsys):
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", ""]) == 2
+    err = capsys.readouterr().err
+    assert err == "redwood: error: the prompt is empty; give at least one token\n"
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "x " * 5000]) == 2
+    assert "leave room to generate" in capsys.readouterr().err
+
+
+def test_a_draft_tokenizer_that_differs_is_refused_before_the_weights_load(tiny_model_dir, tmp_path, no_weights,
+                                                                          capsys):
+    from tests.conftest import make_tokenizer, random_hf_model, tiny_hf_config
+
+    folder = tmp_path / "other-draft"
+    random_hf_model(tiny_hf_config("qwen2", num_hidden_layers=1)).save_pretrained(folder)
+    make_tokenizer(vocab_size=300).save_pretrained(folder)
+    capsys.readouterr()  # (transformers' own progress while saving)
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "x", "--draft-model", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("redwood: error: the draft model's tokenizer differs") and err.count("\n") == 1
+
+
+def test_threads_flag_sets_torch_threads(tiny_model_dir, capsys):
+    import torch
+
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "x", "--max-new-tokens", "2",
+                 "--threads", "2"]) == 0
+    assert torch.get_num_threads() == 2  # (the autouse one_thread fixture restores it)
+
+
+def test_loading_and_a_long_prefill_show_progress_unless_quiet(tiny_model_dir, monkeypatch, capsys):
+    """Off a terminal (capsys): plain lines on stderr — the weights read, then the prefill's chunks."""
+    import redwood.llm
+    import redwood.loading.hf
+    import redwood.progress as progress
+
+    real = progress.Progress
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
+    for module in (redwood.llm, redwood.loading.hf):  # (no delay: tiny models are quick)
+        monkeypatch.setattr(module, "Progress", lambda **kw: real(**kw, delay=0.0))
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "a b " * 30, "--max-new-tokens", "2",
+            "--max-num-batched-tokens", "16"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"loading {tiny_model_dir.name}: ") and err[0].endswith("MB (100%), 0s")
+    prefill = [line for line in err if line.startswith("prefill: ")]
+    total = int(prefill[0].split("/")[1].split()[0])
+    assert total > 16 and prefill[0].startswith("prefill: 16/") and prefill[-1].startswith(f"prefill: {total}/")
+    assert main(argv + ["--quiet"]) == 0
+    assert capsys.readouterr().err == ""

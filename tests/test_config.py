@@ -46,3 +46,18 @@ def test_qwen2_per_layer_sliding_window_rejected():
     d.update(use_sliding_window=True, sliding_window=16)
     with pytest.raises(UnsupportedModelError, match="use_sliding_window"):
         ModelConfig.from_hf_dict(d)
+
+
+def test_speculation_depth_is_bounded_and_needs_a_draft_token():
+    from redwood.config import MAX_DRAFT_DEPTH, SpeculativeConfig
+
+    assert SpeculativeConfig(self_speculate=True, num_draft_tokens=MAX_DRAFT_DEPTH).make_tree().size == 65
+    with pytest.raises(ConfigError, match="at most 64"):
+        SpeculativeConfig(self_speculate=True, num_draft_tokens=MAX_DRAFT_DEPTH + 1)
+    with pytest.raises(ConfigError, match="drafts 65 tokens deep; at most 64"):
+        SpeculativeConfig(self_speculate=True, tree="chain:65")
+    for empty in ("chain:0", "chains:4x0"):  # (as num_draft_tokens=0: vLLM also rejects 0 with a draft)
+        with pytest.raises(ConfigError, match="no draft tokens"):
+            SpeculativeConfig(self_speculate=True, tree=empty)
+    with pytest.raises(ConfigError, match=">= 1"):
+        SpeculativeConfig(self_speculate=True, num_draft_tokens=0)

@@ -168,6 +168,24 @@ VERIFIERS = ("auto", "greedy", "sampling", "sequoia", "specinfer", "topk")
 
 DRAFT_QUANT = (None, "int8")  # draft weight formats for the one-token draft forwards
 
+# The most draft tokens one step may accept: γ for a chain, depth − 1 for a tree. Acceptance compounds
+# along a path, so even at a per-token acceptance of 0.95 a 64th draft token is accepted in 4% of steps
+# (0.95^64) and expected tokens per step are within 4% of their γ → ∞ limit (1 / (1 − α) = 20); the
+# papers' chains and trees stay at or under ~16-20 levels. Deeper drafts only cost draft forwards and a
+# longer verify (`--gamma 1000` spent 282 s drafting to emit 8 tokens).
+MAX_DRAFT_DEPTH = 64
+
+
+def check_draft_tree(tree, what: str = "tree") -> None:
+    """A ConfigError for a speculation tree with no draft token (a lone root: plain decoding — vLLM
+    likewise rejects num_speculative_tokens 0 with a draft) or deeper than MAX_DRAFT_DEPTH drafts."""
+    if tree.size < 2:
+        raise ConfigError(f"{what} has no draft tokens (a lone root); speculate at least one token per step, "
+                          f"or drop the speculation settings to decode autoregressively")
+    if tree.max_depth - 1 > MAX_DRAFT_DEPTH:
+        raise ConfigError(f"{what} drafts {tree.max_depth - 1} tokens deep; at most {MAX_DRAFT_DEPTH} (a longer "
+                          f"path is almost never accepted whole, and every level costs a draft forward)")
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
@@ -213,6 +231,9 @@ class SpeculativeConfig:
             raise ConfigError(f"unknown draft_kv {self.draft_kv!r}; choose one of {', '.join(KV_POLICIES)}")
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
             raise ConfigError(f"num_draft_tokens (gamma) must be an integer >= 1, got {self.num_draft_tokens!r}")
+        if self.num_draft_tokens > MAX_DRAFT_DEPTH:
+            raise ConfigError(f"num_draft_tokens (gamma) must be at most {MAX_DRAFT_DEPTH}, got "
+                              f"{self.num_draft_tokens} (see redwood.config.MAX_DRAFT_DEPTH)")
         if self.verifier not in VERIFIERS:
             raise ConfigError(f"unknown verifier {self.verifier!r}; choose one of {', '.join(VERIFIERS)}")
         for name in ("draft_budget", "window"):
@@ -232,7 +253,11 @@ class SpeculativeConfig:
         """The token tree each step drafts: `tree` if given, else a chain of num_draft_tokens."""
         from redwood.speculation.trees import Tree, resolve_tree
 
-        return resolve_tree(self.tree) if self.tree else Tree.chain(self.num_draft_tokens)
+        if not self.tree:
+            return Tree.chain(self.num_draft_tokens)
+        tree = resolve_tree(self.tree)
+        check_draft_tree(tree, f"tree {self.tree}")
+        return tree
 
     def make_policy(self):
         from redwood.kv.policies import make_policy

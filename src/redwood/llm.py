@@ -13,6 +13,7 @@ from redwood.config import SpeculativeConfig
 from redwood.engine.engine import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, Engine  # noqa: F401 (re-exported)
 from redwood.engine.request import TokenLogprob
 from redwood.errors import ConfigError, ContextLengthError
+from redwood.progress import Progress
 from redwood.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -48,7 +49,8 @@ class StreamDelta:
 class LLM:
     """A loaded model ready to generate: a thin driver of its `Engine` (`llm.engine`).
 
-    model: a zoo name (`redwood models list`), a Hugging Face folder, or a .gguf file.
+    model: a zoo name (`redwood models list`), a Hugging Face folder, or a .gguf file (or their
+    `redwood.loading.inspect_model` ModelInfo: its tokenizer is used, not loaded again).
     dtype: "float32" | "bfloat16" | "float16"; device: "cpu" | "cuda".
     speculative: a SpeculativeConfig (draft model or self-speculation, draft KV policy, γ, verifier);
     None decodes autoregressively. Either way the output is the target model's.
@@ -58,6 +60,8 @@ class LLM:
     None → on for CUDA. An offloaded target always runs eagerly; a draft model next to it still runs graphed.
     engine_args: the Engine's scheduling and memory knobs (max_num_seqs, max_model_len, block_size,
     max_num_batched_tokens, kv_cache_memory, enable_prefix_caching; see `redwood.Engine`).
+    threads: torch's CPU threads (None: OMP_NUM_THREADS when set, else the measured default; see
+    `redwood.engine.threads`).
     weights: the CPU weight format of the target and the draft ("auto": int8 for a GGUF file on the
     CPU, else float32; "float32" | "bfloat16" | "int8" | "int4"; see `redwood.models.cpu_weights`).
     """
@@ -65,10 +69,10 @@ class LLM:
     def __init__(self, model: str | Path = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", speculative: SpeculativeConfig | None = None,
                  offload: bool = False, offload_prefetch: int = 2, cuda_graphs: bool | None = None,
-                 weights: str = "auto", **engine_args):
+                 threads: int | None = None, weights: str = "auto", **engine_args):
         self.engine = Engine(model, dtype=dtype, device=device, speculative=speculative, offload=offload,
-                             offload_prefetch=offload_prefetch, cuda_graphs=cuda_graphs, weights=weights,
-                             **engine_args)
+                             offload_prefetch=offload_prefetch, cuda_graphs=cuda_graphs, threads=threads,
+                             weights=weights, **engine_args)
         e = self.engine
         self.model, self.tokenizer, self.config = e.model, e.tokenizer, e.config
         self.model_name, self.model_path = e.model_name, e.model_path
@@ -105,6 +109,29 @@ class LLM:
             raise
         return prompts, ids
 
+    def _steps(self, ids: list[str]):
+        """engine.step() until the caller stops asking, with a progress bar over the requests' prefill
+        when it takes more than one step (prompts past max_num_batched_tokens: an 8K-token prompt on
+        the CPU prefilled ~96 s with no sign of life)."""
+        left = self.engine.prefill_remaining(ids)
+        bar = None
+        if left > self.engine.max_num_batched_tokens:
+            bar = Progress(total=left, desc="prefill", unit="tokens")
+        try:
+            while True:
+                deltas = self.engine.step()
+                if bar is not None:
+                    now = self.engine.prefill_remaining(ids)
+                    bar.update(left - now)
+                    left = now
+                    if left == 0:
+                        bar.close()
+                        bar = None
+                yield deltas
+        finally:
+            if bar is not None:
+                bar.close()
+
     # ------------------------------------------------------------------ generation
     def stream(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
                chat: bool = False) -> Iterator[StreamDelta]:
@@ -112,9 +139,10 @@ class LLM:
         _, ids = self._add(prompts, params, chat)
         index = {rid: i for i, rid in enumerate(ids)}
         left = set(ids)
+        steps = self._steps(ids)
         try:
             while left:
-                for d in self.engine.step():
+                for d in next(steps):
                     if d.request_id in index:
                         if d.finish_reason is not None:
                             left.discard(d.request_id)
@@ -122,6 +150,7 @@ class LLM:
                                           finish_reason=d.finish_reason, stats=d.stats, sources=d.sources,
                                           logprobs=d.logprobs, spans=d.spans)
         finally:  # a consumer that stops early (or an error) leaves nothing running
+            steps.close()
             for rid in left:
                 self.engine.abort(rid, notify=False)
 
@@ -135,9 +164,10 @@ class LLM:
         texts: list[list[str]] = [[] for _ in ids]
         index = {rid: i for i, rid in enumerate(ids)}
         left = len(ids)
+        steps = self._steps(ids)
         try:
             while left:
-                for d in self.engine.step():
+                for d in next(steps):
                     i = index.get(d.request_id)
                     if i is None:
                         continue
@@ -155,6 +185,7 @@ class LLM:
                             stats=d.stats or {}, logprobs=logprobs[i])
                         left -= 1
         finally:
+            steps.close()
             if left:
                 for rid, i in index.items():
                     if outs[i] is None:

@@ -153,7 +153,8 @@ def assert_draft_cache_consistent(drafter: ModelDrafter, snaps, requests, policy
 def assert_stats_sane(stats: dict, gamma: int, generated: int, agreeing: bool = True):
     s = stats["speculative"]
     assert s["gamma"] == gamma and s["steps"] >= 1
-    assert s["drafted"] == gamma * s["steps"]
+    # γ per step, fewer on the eager tail steps cut to what the row can still emit (Engine._step_tree)
+    assert s["steps"] <= s["drafted"] <= gamma * s["steps"]
     assert 0 <= s["accepted"] <= s["drafted"]
     if agreeing:
         assert 0 < s["acceptance_rate"] <= 1
@@ -165,8 +166,10 @@ def assert_stats_sane(stats: dict, gamma: int, generated: int, agreeing: bool = 
     assert sum(by_pos) * s["steps"] == pytest.approx(s["accepted"], abs=1e-3 * s["steps"])
     counts = s["accepted_by_position"]  # the exact counts behind the rates
     assert sum(counts) == s["accepted"] and [round(c / s["steps"], 4) for c in counts] == by_pos
-    # The first token comes from the prefill; each step emits a + 1, the last one possibly cut short.
-    assert generated - 1 <= s["steps"] + s["accepted"] <= generated - 1 + gamma
+    # The first token comes from the prefill; each step emits a + 1, the last one possibly cut short by
+    # a stop inside its drafts (accepted counts the drafts emitted: one bonus too many); a greedy last
+    # step with one token left drafts nothing and is no speculation step.
+    assert generated - 2 <= s["steps"] + s["accepted"] <= generated
     assert s["draft_s"] > 0 and s["verify_s"] > 0
 
 
@@ -423,3 +426,41 @@ def test_mixed_greedy_and_sampled_rows(target_llm, draft_llm, ar_outputs, monkey
         assert_target_cache_is_autoregressive(target_llm.model, cache, requests)
 
 
+
+
+# ------------------------------------------------------------------------------------------- γ near the end
+
+
+def test_drafts_are_cut_to_what_the_request_can_still_emit(target_llm, draft_llm, ar_outputs):
+    """γ 8 with 4 new tokens: the prefill gives the first, so one step can emit at most 3 — it drafts 2,
+    not 8 (eager steps), and the stats count the tokens emitted, not those verified."""
+    prompts = BATCHES["single"]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    # the target drafting for itself over its full cache: every draft token is accepted
+    requests, _ = run_speculative(target_llm, make_drafter("self", "full", target_llm, draft_llm), prompts,
+                                  params, 8)
+    assert requests[0].output_ids == ar_outputs["single"][0][:4]
+    s = requests[0].stats.to_dict()["speculative"]
+    assert (s["gamma"], s["steps"], s["drafted"], s["accepted"]) == (8, 1, 2, 2)
+    assert s["mean_accepted_length"] == 3.0
+    # a standalone draft (some drafts rejected): never more drafts than tokens left, and exact counts
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    requests, _ = run_speculative(target_llm, make_drafter("standalone", "full", target_llm, draft_llm), prompts,
+                                  params, 8)
+    assert requests[0].output_ids == ar_outputs["single"][0][:6]
+    s = requests[0].stats.to_dict()["speculative"]
+    assert s["drafted"] <= 4 * s["steps"] and s["steps"] + s["accepted"] == 5
+
+
+def test_stats_count_only_emitted_tokens():
+    from redwood.engine.request import SpecStats
+
+    s = SpecStats(gamma=60)
+    s.record(60, emitted=7, drafted=60)  # a stop after 7 of the 61 verified tokens
+    d = s.to_dict()
+    assert (d["accepted"], d["drafted"], d["mean_accepted_length"]) == (7, 60, 8.0)
+    assert d["accepted_by_position"][:8] == [1] * 7 + [0]
+    s.record(2)  # (nothing cut: accepted + the bonus)
+    assert s.to_dict()["mean_accepted_length"] == (7 + 2 + 2) / 2
+    s.record(3, emitted=4, drafted=3)  # a step whose bonus was emitted: nothing to cut
+    assert s.to_dict()["accepted"] == 7 + 2 + 3

@@ -18,6 +18,7 @@ import torch
 import redwood.engine.decode as spec_loop
 from redwood import LLM, SamplingParams
 from redwood.config import SpeculativeConfig
+from redwood.engine.engine import Engine
 from redwood.engine.sampling import probabilities
 from redwood.errors import ConfigError
 from redwood.tuning.tree_search import optimal_tree
@@ -127,9 +128,12 @@ def test_greedy_tree_speculation_equals_autoregressive(kind, policy_name, batch,
         assert r.finish_reason == "length"
         s = r.stats.to_dict()["speculative"]
         assert s["gamma"] == tree.max_depth - 1 and s["drafted_per_step"] == tree.size - 1
-        assert s["drafted"] == (tree.size - 1) * s["steps"]
+        # (every step drafts the whole tree but the tail ones, cut to the levels the row can still emit)
+        assert s["steps"] <= s["drafted"] <= (tree.size - 1) * s["steps"]
         assert 0 < s["accepted"] <= s["steps"] * (tree.max_depth - 1)
-        assert NEW_TOKENS - 1 <= s["steps"] + s["accepted"] <= NEW_TOKENS - 1 + tree.max_depth - 1
+        # (emitted tokens only: the last step of a row may end inside its drafts — a batch's step is cut
+        # to its longest row's need — counting one bonus too many; or be an AR step, not counted)
+        assert NEW_TOKENS - 2 <= s["steps"] + s["accepted"] <= NEW_TOKENS
         assert len(s["acceptance_by_position"]) == tree.max_depth - 1
     # (one tree walk per decoding step; rows start decoding at different steps)
     assert (rec.calls == 0) if tree.is_chain else (rec.calls >= max(r.stats.spec.steps for r in requests))
@@ -386,8 +390,9 @@ def test_end_to_end_chi2_detects_a_lossy_tree_verifier(tiny_vocab_pair, tmp_path
 
 
 def test_tree_without_drafts_decodes_like_the_target(target_llm, draft_llm, ar_outputs, tiny_vocab_pair):
-    """chain:0 (a lone root; resolve_tree accepts it) is a plain decoding step each time: greedy equals
-    AR, and sampled (the verifier then draws straight from p) follows the target's distribution."""
+    """chain:0 (a lone root; resolve_tree accepts it, a SpeculativeConfig does not) is a plain decoding
+    step each time through the engine's machinery: greedy equals AR, and sampled (the verifier then
+    draws straight from p) follows the target's distribution."""
     lone = resolve_tree("chain:0")
     assert lone.size == 1
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
@@ -395,12 +400,29 @@ def test_tree_without_drafts_decodes_like_the_target(target_llm, draft_llm, ar_o
         drafter = make_drafter(kind, policy_name, target_llm, draft_llm)
         requests, cache, _ = run_tree(target_llm, drafter, BATCHES["ragged3"], params, lone)
         assert [r.output_ids for r in requests] == [x[:10] for x in ar_outputs["ragged3"]]
-        assert all(r.stats.spec.steps == 9 for r in requests)
+        assert all(r.stats.spec.steps == 0 for r in requests)  # (steps without drafts: no speculation steps)
         assert_target_cache_is_autoregressive(target_llm.model, cache, requests)
     target, draft = tiny_vocab_pair
-    llm = LLM(str(target), speculative=SpeculativeConfig(draft_model=str(draft), tree="chain:0"))
+    with pytest.raises(ConfigError, match="no draft tokens"):
+        SpeculativeConfig(draft_model=str(draft), tree="chain:0")
+    llm = LLM(str(target), speculative=SpeculativeConfig(draft_model=str(draft), num_draft_tokens=1))
+    # (the models of a one-draft LLM, driven by an engine over the lone root: what tools may build)
+    llm.engine = Engine.build(llm.model, llm.tokenizer, drafter=llm.drafter, tree=lone)
     rows = 2000
     params = [SamplingParams(temperature=1.0, seed=s, max_new_tokens=2, ignore_eos=True) for s in range(rows)]
     toks = torch.tensor([o.token_ids for o in llm.generate([PROMPT] * rows, params)])
     assert_fits(toks[:, 0] * VOCAB + toks[:, 1], exact_pair_distribution(llm.model, PROMPT, params[0]),
                 "chain:0: first two tokens")
+
+
+def test_a_tree_is_cut_to_the_levels_the_request_can_still_emit(target_llm, draft_llm, ar_outputs):
+    """generic-16 (6 levels) with 3 new tokens: after the prefill's token one step can emit 2, so it
+    drafts only the tree's first level below the root (a breadth-first prefix of the tree)."""
+    tree = TREES["generic-16"]
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    drafter = make_drafter("self", "full", target_llm, draft_llm)  # (the target itself: all accepted)
+    requests, cache, _ = run_tree(target_llm, drafter, BATCHES["single"], params, tree)
+    assert requests[0].output_ids == ar_outputs["single"][0][:3]
+    s = requests[0].stats.to_dict()["speculative"]
+    assert (s["steps"], s["drafted"], s["accepted"]) == (1, tree.level_widths[1], 1)
+    assert_target_cache_is_autoregressive(target_llm.model, cache, requests)

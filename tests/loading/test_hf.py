@@ -66,3 +66,19 @@ def test_folder_errors(tmp_path, tiny_model_dir):
     (wrong / "config.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match="not valid JSON"):
         load_model(wrong)
+
+
+def test_inspect_reads_no_weights_and_load_reuses_its_tokenizer(tiny_model_dir, monkeypatch):
+    import redwood.loading.hf as hf
+    from redwood.loading import inspect_model
+
+    def refuse(*args):
+        raise AssertionError("inspect_model read the weights")
+
+    with monkeypatch.context() as m:
+        m.setattr(hf, "read_hf_folder", refuse)
+        info = inspect_model(str(tiny_model_dir))
+    assert info.tokenizer is not None and info.path == tiny_model_dir and info.source == str(tiny_model_dir)
+    assert inspect_model(info) is info
+    loaded = load_model(info)
+    assert loaded.config == info.config and loaded.tokenizer is info.tokenizer and loaded.source == info.source

@@ -49,6 +49,7 @@ def test_speculative_server_matches_offline_autoregressive(spec_server, tiny_mod
     m = httpx.get(url + "/metrics", timeout=10).text
     drafts, tokens, accepted = (metric(m, f"spec_decode_num_{k}_total") for k in ("drafts", "draft_tokens",
                                                                                    "accepted_tokens"))
-    assert drafts > 0 and tokens == 3 * drafts and 0 <= accepted <= tokens
+    # (γ 3 per step, fewer on a greedy request's last steps: cut to the tokens it can still emit)
+    assert drafts > 0 and drafts <= tokens <= 3 * drafts and 0 <= accepted <= tokens
     assert metric(m, "spec_decode_num_accepted_tokens_per_pos_total") == accepted  # (summed over positions)
     assert 'position="0"' in m

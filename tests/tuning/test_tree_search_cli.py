@@ -90,3 +90,27 @@ def test_errors_are_one_line(argv, message, capsys):
 def test_acceptance_source_is_required(capsys):
     with pytest.raises(SystemExit):
         main(["tree-search", "--budget", "8", "--max-depth", "3"])
+
+
+@pytest.mark.parametrize("flags,msg", [
+    (["--budget", "100000", "--max-depth", "8"], "--budget must be at most 4096 nodes"),
+    (["--budget", "64", "--max-depth", "100"], "--max-depth must be at most 65 levels"),
+])
+def test_work_is_bounded(flags, msg, capsys):
+    assert main(["tree-search", "--acceptance-values", "0.6,0.2"] + flags) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("redwood: error:") and msg in err and err.count("\n") == 1
+
+
+def test_a_long_search_logs_progress_with_an_estimate(monkeypatch, capsys):
+    """Not a terminal (capsys): plain lines on stderr, one per LOG_EVERY_S at most, and the last."""
+    import redwood.commands.tree_search as cmd
+    import redwood.progress as progress
+
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
+    real = progress.Progress
+    monkeypatch.setattr(cmd, "Progress", lambda **kw: real(**kw, delay=0.0))
+    assert main(["tree-search", "--acceptance-values", "0.6,0.2", "--budget", "64", "--max-depth", "6"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("tree-search (budget 64): 1/6 levels (17%)") and "left" in lines[0]
+    assert lines[-1].startswith("tree-search (budget 64): 6/6 levels (100%)") and len(lines) == 6

@@ -12,7 +12,8 @@ import shlex
 import sys
 import time
 
-from redwood.commands.options import DEFAULT_POOL_KERNEL, add_draft_cache_args, add_graphs_arg, check_draft_cache_args
+from redwood.commands.options import (DEFAULT_POOL_KERNEL, add_draft_cache_args, add_graphs_arg, add_threads_arg,
+                                      apply_threads_arg, check_draft_cache_args)
 from redwood.errors import ConfigError
 
 
@@ -56,6 +57,7 @@ def register(subparsers) -> None:
 
     add_weights_arg(p)
     add_graphs_arg(p)
+    add_threads_arg(p)
     add_draft_cache_args(p.add_argument_group("draft KV (dynamic mode: the draft reads the context through it)"))
     p.add_argument("--output", "-o", required=True, metavar="FILE", help="write the vector here (JSON)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -123,6 +125,7 @@ def _run(args: argparse.Namespace) -> int:
                                       read_prompt_file, star_tree_spec)
 
     verifier = _check(args)
+    apply_threads_arg(args)  # (the static mode loads the models itself)
     if not args.self_speculate and not args.draft_model:
         args.draft_model = DEFAULT_DRAFT_MODEL
     static = args.mode == "static"
@@ -139,7 +142,7 @@ def _run(args: argparse.Namespace) -> int:
                                                  drf.config.max_position_embeddings)
         target_name, draft_name = tgt.source, drf.source
     else:
-        from redwood.commands.options import graphs_kwargs
+        from redwood.commands.options import graphs_kwargs, threads_kwargs
         from redwood.config import SpeculativeConfig
         from redwood.llm import LLM
 
@@ -147,8 +150,9 @@ def _run(args: argparse.Namespace) -> int:
             draft_model=args.draft_model, self_speculate=args.self_speculate, tree=star_tree_spec(args.width),
             verifier=verifier, draft_kv=args.draft_kv or "full", draft_budget=args.draft_budget, sinks=args.sinks,
             window=args.window, pool_kernel=DEFAULT_POOL_KERNEL if args.pool_kernel is None else args.pool_kernel)
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, weights=args.weights, speculative=spec,
-                  **graphs_kwargs(args))
+        llm = LLM(args.model, dtype=args.dtype, device=args.device,
+                  weights=args.weights, speculative=spec, **graphs_kwargs(args),
+                  **threads_kwargs(args))
         tokenizer, max_pos = llm.tokenizer, llm.config.max_position_embeddings
         target_name = llm.model_name
         draft_name = llm.model_name if args.self_speculate else args.draft_model

@@ -7,7 +7,7 @@ import sys
 
 from redwood.commands.options import (add_engine_args, add_model_args, add_offload_args, add_sampling_args,
                                       add_speculative_args, engine_kwargs, graphs_kwargs, offload_kwargs,
-                                      sampling_params_from_args, speculative_config_from_args)
+                                      sampling_params_from_args, speculative_config_from_args, threads_kwargs)
 
 
 def register(sub) -> None:
@@ -50,14 +50,23 @@ def stats_line(stats: dict, finish_reason: str) -> str:
 
 
 def run(args) -> int:
+    from redwood.engine.engine import check_max_model_len, check_prompt_ids, encode_prompt
     from redwood.llm import LLM
+    from redwood.loading import inspect_model
 
     params = sampling_params_from_args(args)  # validate before the (slow) model load
     spec = speculative_config_from_args(args)
     offload = offload_kwargs(args)
+    threads = threads_kwargs(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, weights=args.weights, speculative=spec, **offload,
-              **graphs_kwargs(args), **engine_kwargs(args))
+    # The prompt's checks need only the tokenizer: made before the weights load (the LLM reuses it).
+    info = inspect_model(args.model)
+    ids = encode_prompt(info.tokenizer, prompt, args.chat, str(args.model))
+    check_prompt_ids(ids, info.config.vocab_size,
+                     check_max_model_len(args.max_model_len, info.config.max_position_embeddings))
+    llm = LLM(info, dtype=args.dtype, device=args.device,
+              weights=args.weights, speculative=spec, **offload, **graphs_kwargs(args),
+              **threads, **engine_kwargs(args))
     if args.json:
         out = llm.generate([prompt], params, chat=args.chat)[0]
         obj = {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from redwood.config import DRAFT_QUANT
+from redwood.config import DRAFT_QUANT, MAX_DRAFT_DEPTH, check_draft_tree
 from redwood.llm import DEFAULT_MODEL
 
 
@@ -17,6 +17,50 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     add_weights_arg(p)
     add_graphs_arg(p)
+    add_threads_arg(p)
+    add_quiet_arg(p)
+
+
+def add_quiet_arg(p: argparse.ArgumentParser) -> None:
+    """-q / --quiet: no progress on stderr (the CLI calls `redwood.progress.set_quiet`)."""
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress on stderr (model loading, long prefills); errors still print")
+
+
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    """--threads N (args.threads, default None: OMP_NUM_THREADS when set, else the measured default)."""
+    from redwood.engine.threads import SMALL_MACHINE_CORES
+
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help=f"CPU threads for torch's kernels (default: OMP_NUM_THREADS when set, else 1 on a "
+                        f"machine of <= {SMALL_MACHINE_CORES} cores, torch's default — its physical cores — "
+                        f"above that)")
+
+
+def threads_kwargs(args) -> dict:
+    """LLM(...) / Engine(...) keyword for --threads (a one-line error for a bad value, before loading)."""
+    from redwood.engine.threads import check_threads
+    from redwood.errors import ConfigError
+
+    threads = getattr(args, "threads", None)
+    try:
+        check_threads(threads)
+    except ConfigError:
+        raise ConfigError(f"--threads must be a positive integer, got {threads}") from None
+    return {} if threads is None else {"threads": threads}
+
+
+def apply_threads_arg(args) -> int:
+    """For commands that load models themselves (not through LLM / Engine): set torch's threads per
+    --threads now (see `redwood.engine.threads`); → the count in effect."""
+    import torch
+
+    from redwood.engine.threads import apply_threads
+
+    threads = threads_kwargs(args).get("threads")
+    if threads is None and not str(getattr(args, "device", "cpu")).startswith("cpu"):
+        return torch.get_num_threads()  # (as Engine: on CUDA only an explicit count is set)
+    return apply_threads(threads)
 
 
 def add_weights_arg(p: argparse.ArgumentParser) -> None:
@@ -194,6 +238,9 @@ def check_draft_kv_args(args) -> None:
     for gamma in gammas:
         if gamma is not None and gamma < 1:
             raise ConfigError(f"--gamma must be >= 1 (draft tokens per step), got {gamma}")
+        if gamma is not None and gamma > MAX_DRAFT_DEPTH:
+            raise ConfigError(f"--gamma must be at most {MAX_DRAFT_DEPTH} (a longer chain is almost never accepted "
+                              f"whole, and every draft token costs a draft forward), got {gamma}")
     check_draft_cache_args(args)
     if args.verifier == "greedy" and getattr(args, "temperature", 0) > 0:
         raise ConfigError("--verifier greedy is lossless only at --temperature 0; use --verifier sampling (or auto)")
@@ -211,6 +258,7 @@ def check_tree_arg(args):
         return None
     try:
         tree = resolve_tree(spec)
+        check_draft_tree(tree, spec)
     except ConfigError as e:
         raise ConfigError(f"--tree: {e}") from None
     gammas = args.gamma if isinstance(args.gamma, list) else [args.gamma]

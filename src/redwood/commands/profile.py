@@ -7,7 +7,8 @@ import sys
 import time
 
 from redwood.commands.options import (DEFAULT_POOL_KERNEL, add_draft_cache_args, add_graphs_arg, add_offload_args,
-                                      check_draft_cache_args, check_draft_quant_arg, offload_kwargs)
+                                      add_threads_arg, apply_threads_arg, check_draft_cache_args,
+                                      check_draft_quant_arg, offload_kwargs)
 from redwood.errors import ConfigError
 
 
@@ -45,6 +46,7 @@ def register(subparsers) -> None:
 
     add_weights_arg(p)
     add_graphs_arg(p)
+    add_threads_arg(p)  # (latencies on the CPU depend on it: profile with the threads you will run with)
     p.add_argument("--output", "-o", required=True, metavar="FILE", help="write the profile here (JSON)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     add_offload_args(p)  # profile the target as an offloaded run streams it (the draft stays resident)
@@ -88,6 +90,7 @@ def _run(args: argparse.Namespace) -> int:
     from redwood.loading import load_model
 
     offload = offload_kwargs(args)
+    apply_threads_arg(args)
     t0 = time.perf_counter()
     target = load_model(args.model, dtype=args.dtype, device="cpu" if offload["offload"] else args.device,
                         weights="float32" if offload["offload"] else args.weights)

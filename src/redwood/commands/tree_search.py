@@ -7,7 +7,14 @@ import argparse
 import json
 import time
 
+from redwood.config import MAX_DRAFT_DEPTH
 from redwood.errors import ConfigError
+from redwood.progress import Progress
+
+# The largest --budget: the DP holds [budget, budget] arrays (134 MB each at 4096) and its time grows
+# with budget² · depth · W — 4096 nodes, 65 levels and 8 ranks take about a minute on a 2-core machine,
+# 100,000 nodes would take hours and ~80 GB. SpecExec's largest trees are a few thousand tokens.
+MAX_BUDGET = 4096
 
 
 def register(subparsers) -> None:
@@ -51,8 +58,14 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.budget < 1:
         raise ConfigError(f"--budget must be at least 1, got {args.budget}")
+    if args.budget > MAX_BUDGET:
+        raise ConfigError(f"--budget must be at most {MAX_BUDGET} nodes, got {args.budget} (the DP's work and "
+                          f"memory grow with the budget squared; a larger tree is a prefill, not a decoding step)")
     if args.max_depth < 1:
         raise ConfigError(f"--max-depth must be at least 1 (the root alone), got {args.max_depth}")
+    if args.max_depth > MAX_DRAFT_DEPTH + 1:
+        raise ConfigError(f"--max-depth must be at most {MAX_DRAFT_DEPTH + 1} levels (the root and "
+                          f"{MAX_DRAFT_DEPTH} draft tokens: what speculation accepts), got {args.max_depth}")
     if args.top < 1:
         raise ConfigError(f"--top must be at least 1, got {args.top}")
     if args.acceptance:
@@ -66,10 +79,12 @@ def _run(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile) if args.profile else None
 
     t0 = time.perf_counter()
+    bar = Progress(total=args.max_depth, desc=f"tree-search (budget {args.budget})", unit="levels")
     summary: dict = {"budget": args.budget, "max_depth": args.max_depth, "width": vec.width,
                      "per_depth": bool(per_depth and vec.per_depth is not None)}
     if profile is None:
-        dp = solve_tree_dp(vec, args.budget, args.max_depth, use_per_depth=per_depth)
+        with bar:
+            dp = solve_tree_dp(vec, args.budget, args.max_depth, use_per_depth=per_depth, progress=bar.update)
         col = dp.results[:, args.max_depth]
         n = max(i for i in range(1, args.budget + 1) if col[i] > float("-inf"))
         expected = float(col[n])
@@ -84,8 +99,9 @@ def _run(args: argparse.Namespace) -> int:
         summary.update({"size": tree.size, "depth": tree.max_depth, "widths": list(tree.level_widths),
                         "expected_tokens": expected, "expected_by_size": by_size, "seconds": elapsed})
     else:
-        sel = select_tree(vec, profile, args.budget, args.max_depth, top=args.top, use_per_depth=per_depth,
-                          sizes=args.sizes)
+        with bar:
+            sel = select_tree(vec, profile, args.budget, args.max_depth, top=args.top, use_per_depth=per_depth,
+                              sizes=args.sizes, progress=bar.update)
         elapsed = time.perf_counter() - t0
         tree, best = sel.tree, sel.best
         summary.update({

@@ -44,12 +44,14 @@ from redwood.engine.request import (SOURCE_DRAFT, SOURCE_TARGET, RequestState, S
 from redwood.engine.runner import StepRunner, sync
 from redwood.engine.sampling import Sampler, token_logprobs
 from redwood.engine.scheduler import Scheduler, SeqState
+from redwood.engine.threads import apply_threads, check_threads
 from redwood.errors import ConfigError, ContextLengthError
 from redwood.kv.blocks import BlockPool
 from redwood.kv.cache import KVCache
-from redwood.loading import load_model
+from redwood.loading import ModelInfo, inspect_model, load_model, parse_device, parse_dtype
 from redwood.models.cpu_weights import check_weights
 from redwood.sampling_params import SamplingParams
+from redwood.speculation.trees import Tree
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT_MODEL = "qwen2.5-coder-0.5b-instruct"  # shares the target's tokenizer
@@ -131,6 +133,50 @@ def _check_knobs(max_num_seqs, block_size, max_num_batched_tokens, kv_cache_memo
         raise ConfigError(f"kv_cache_memory must be a positive number of GiB, got {kv_cache_memory!r}")
 
 
+def encode_prompt(tokenizer, prompt, chat: bool = False, model_name: str = "the model") -> list[int]:
+    """Token ids for a text prompt (through the chat template when `chat`), or ids as given."""
+    if not isinstance(prompt, str):
+        if chat:
+            raise ConfigError("chat=True needs text prompts, not token ids")
+        try:
+            return [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise ConfigError("a prompt is a string or a sequence of token ids") from None
+    if tokenizer is None:
+        raise ConfigError(f"{model_name} has no tokenizer; pass token ids instead of text")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(f"{model_name} has no chat template; drop --chat / chat=True")
+        return list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
+            return_dict=False,
+        ))
+    return list(tokenizer.encode(prompt, add_special_tokens=True))
+
+
+def check_prompt_ids(ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """A ContextLengthError for an empty prompt, ids outside the vocabulary, or no room to generate."""
+    if not ids:
+        raise ContextLengthError("the prompt is empty; give at least one token")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ContextLengthError(f"the prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    if len(ids) >= max_model_len:
+        raise ContextLengthError(
+            f"the prompt has {len(ids)} tokens but the context is {max_model_len} tokens "
+            f"(at most {max_model_len - 1} prompt tokens leave room to generate)")
+
+
+def check_max_model_len(max_model_len, context: int) -> int:
+    """max_model_len (None → the model's context), checked against the context."""
+    if max_model_len is None:
+        return context
+    if not isinstance(max_model_len, int) or isinstance(max_model_len, bool) or not 2 <= max_model_len <= context:
+        raise ConfigError(f"max_model_len must be an integer in [2, {context}] (the model's context), "
+                          f"got {max_model_len!r}")
+    return max_model_len
+
+
 class Engine:
     """A loaded model (and drafter) serving requests step by step.
 
@@ -141,44 +187,56 @@ class Engine:
     decoding rows). kv_cache_memory: GiB for the KV pages (target + draft model); default: on CUDA 90%
     of the memory free after loading, on the CPU 4 GiB — never more than max_num_seqs full-length
     requests need. enable_prefix_caching: share the KV blocks of identical prompt prefixes across
-    requests (refcounted; off by default). weights: the CPU projection format of the target and the draft
-    model (`redwood.models.cpu_weights`: "auto" → int8 for a GGUF file on the CPU, else float32;
-    "float32" | "bfloat16" | "int8" | "int4").
+    requests (refcounted; off by default). threads: torch's CPU threads (`redwood.engine.threads`:
+    None → OMP_NUM_THREADS when set, else the measured default; on CUDA only an explicit value is set).
+    weights: the CPU projection format of the target and the draft model (`redwood.models.cpu_weights`:
+    "auto" → int8 for a GGUF file on the CPU, else float32; "float32" | "bfloat16" | "int8" | "int4").
     """
 
-    def __init__(self, model: str | Path = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
+    def __init__(self, model: str | Path | ModelInfo = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", speculative: SpeculativeConfig | None = None,
                  offload: bool = False, offload_prefetch: int = 2, cuda_graphs: bool | None = None,
                  max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, max_model_len: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, max_num_batched_tokens: int = DEFAULT_PREFILL_CHUNK,
                  kv_cache_memory: float | None = None, enable_prefix_caching: bool = False,
-                 weights: str = "auto"):
+                 threads: int | None = None, weights: str = "auto"):
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise ConfigError(f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}")
         _check_knobs(max_num_seqs, block_size, max_num_batched_tokens, kv_cache_memory)
-        from redwood.loading import parse_device
-
-        check_weights(weights, parse_device(device), offload)  # (bad values: an error before anything loads)
+        check_threads(threads)
         if offload:
             from redwood.engine.offload import check_prefetch, offload_layers
-            from redwood.loading import parse_device
 
             check_prefetch(offload_prefetch)
-            parse_device(device)
+        dev = parse_device(device)  # (bad values: an error before anything loads)
+        parse_dtype(dtype)
+        check_weights(weights, dev, offload)
+        if cuda_graphs and dev.type != "cuda":
+            raise ConfigError("cuda_graphs needs device='cuda'")
+        # Tokenizers and configs first: what they can refuse is refused before minutes of weight loading.
+        model = inspect_model(model)
+        draft_info = None
+        if speculative is not None and speculative.draft_model:
+            from redwood.speculation.drafters import check_compatible
+
+            draft_info = inspect_model(speculative.draft_model)
+            check_compatible(model.tokenizer, draft_info.tokenizer, model.config.vocab_size,
+                             draft_info.config.vocab_size)
+        check_max_model_len(max_model_len, model.config.max_position_embeddings)
+        if threads is not None or dev.type == "cpu":
+            apply_threads(threads)  # before loading: dequantizing the weights runs on these threads too
         loaded = load_model(model, dtype=dtype, device="cpu" if offload else device,
                             weights="float32" if offload else weights)
         if offload:  # loaded on the host: the layers stay there, the rest moves to the device
             offload_layers(loaded.model, device, prefetch=offload_prefetch)
         on_cuda = loaded.model.device.type == "cuda"
-        if cuda_graphs and not on_cuda:
-            raise ConfigError("cuda_graphs needs device='cuda'")
         self.tokenizer, self.model = loaded.tokenizer, loaded.model
         self.config = loaded.config
         drafter = tree = None
         self.draft_name = None
         if speculative is not None:
             tree = speculative.make_tree()
-            drafter = self._make_drafter(speculative, dtype, device, weights)
+            drafter = self._make_drafter(speculative, dtype, device, draft_info, weights)
         self._setup(loaded.model, loaded.tokenizer, loaded.source, loaded.path, drafter, tree,
                     "auto" if speculative is None else speculative.verifier,
                     on_cuda if cuda_graphs is None else bool(cuda_graphs), max_num_seqs, max_model_len,
@@ -216,14 +274,9 @@ class Engine:
         self.model_name, self.model_path = name, path
         self.drafter, self.tree, self.verifier = drafter, tree, verifier
         self.use_graphs = use_graphs
-        context = self.config.max_position_embeddings
-        if max_model_len is None:
-            max_model_len = context
-        if not isinstance(max_model_len, int) or isinstance(max_model_len, bool) or not 2 <= max_model_len <= context:
-            raise ConfigError(f"max_model_len must be an integer in [2, {context}] (the model's context), "
-                              f"got {max_model_len!r}")
-        self.max_model_len = max_model_len
+        self.max_model_len = check_max_model_len(max_model_len, self.config.max_position_embeddings)
         self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.block_size = block_size
         self.lookahead = 1 if self.tree is None else self.tree.size
         self.eos_ids = eos_token_ids(self.config, self.tokenizer)
@@ -234,18 +287,20 @@ class Engine:
         self._aborted: list[RequestDelta] = []
         self._ids = itertools.count()
         self._runners: dict[tuple, StepRunner] = {}
+        self._cut_trees: dict[int, Tree] = {}  # self.tree cut to its first d + 1 levels (`_step_tree`)
         self.capture_s = 0.0  # one-time CUDA-graph captures (left out of request timings)
         self.num_steps = 0
 
-    def _make_drafter(self, spec: SpeculativeConfig, dtype, device, weights: str = "auto"):
-        from redwood.speculation.drafters import ModelDrafter, SelfDrafter, check_compatible
+    def _make_drafter(self, spec: SpeculativeConfig, dtype, device, draft_info, weights: str = "auto"):
+        """The drafter `spec` asks for; a draft model loads from `draft_info` (`inspect_model`: its
+        tokenizer already checked against the target's)."""
+        from redwood.speculation.drafters import ModelDrafter, SelfDrafter
 
         policy = spec.make_policy()
         if spec.self_speculate:
             self.draft_name = f"self ({policy.describe()})"
             return SelfDrafter(self.model, policy)
-        draft = load_model(spec.draft_model, dtype=dtype, device=device, weights=weights)
-        check_compatible(self.tokenizer, draft.tokenizer, self.config.vocab_size, draft.config.vocab_size)
+        draft = load_model(draft_info, dtype=dtype, device=device, weights=weights)
         if spec.draft_quant:
             draft.model.quantize_skinny(spec.draft_quant)
         quant = f", {spec.draft_quant} weights" if spec.draft_quant else ""
@@ -308,23 +363,7 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def encode(self, prompt, chat: bool = False) -> list[int]:
         """Token ids for a text prompt (through the chat template when `chat`), or ids as given."""
-        if not isinstance(prompt, str):
-            if chat:
-                raise ConfigError("chat=True needs text prompts, not token ids")
-            try:
-                return [int(t) for t in prompt]
-            except (TypeError, ValueError):
-                raise ConfigError("a prompt is a string or a sequence of token ids") from None
-        if self.tokenizer is None:
-            raise ConfigError(f"{self.model_name} has no tokenizer; pass token ids instead of text")
-        if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise ConfigError(f"{self.model_name} has no chat template; drop --chat / chat=True")
-            return list(self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
-                return_dict=False,
-            ))
-        return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        return encode_prompt(self.tokenizer, prompt, chat, self.model_name)
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     chat: bool = False) -> str:
@@ -342,15 +381,7 @@ class Engine:
         if request_id in self._requests:
             raise ConfigError(f"request id {request_id!r} is already in use")
         ids = self.encode(prompt, chat)
-        if not ids:
-            raise ContextLengthError("the prompt is empty; give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ContextLengthError(f"the prompt has token ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:5]}")
-        if len(ids) >= self.max_model_len:
-            raise ContextLengthError(
-                f"the prompt has {len(ids)} tokens but the context is {self.max_model_len} tokens "
-                f"(at most {self.max_model_len - 1} prompt tokens leave room to generate)")
+        check_prompt_ids(ids, self.config.vocab_size, self.max_model_len)
         max_new = min(params.max_new_tokens, self.max_model_len - len(ids))
         state = RequestState(prompt_ids=list(ids), params=params, tokenizer=self.tokenizer, eos_ids=self.eos_ids,
                              max_new_tokens=max_new)
@@ -376,6 +407,16 @@ class Engine:
         if notify:
             self._aborted.append(self._delta(rec))
         return True
+
+    def prefill_remaining(self, request_ids) -> int:
+        """Prompt tokens of these requests still to prefill (a request counts 0 once it has its first
+        token, or when it is unknown or finished): what a driver shows progress over."""
+        left = 0
+        for rid in request_ids:
+            rec = self._requests.get(str(rid))
+            if rec is not None and rec.t_first is None:
+                left += len(rec.seq.all_token_ids) - rec.seq.num_computed
+        return left
 
     def has_unfinished(self) -> bool:
         if self.__dict__.get("_pending_allocation") is not None:
@@ -511,16 +552,19 @@ class Engine:
         return logits
 
     def _emit(self, rec: _Request, tokens: list[int], sources: list[str],
-              logprobs: list[TokenLogprob] | None = None, prefill=None) -> RequestDelta:
+              logprobs: list[TokenLogprob] | None = None, prefill=None, spec_step=None) -> RequestDelta:
         """Give the request its new tokens (up to a stop) with their sources (and logprobs, when it asked)
         and tell the scheduler (which frees its blocks when it finishes; the caller vacates its slot
-        once the step's commits are done)."""
+        once the step's commits are done). spec_step: (accepted, drafted) of the speculative step that
+        made the tokens, recorded with the count kept (before a last delta carries the stats)."""
         state, seq = rec.state, rec.seq
         kept = []
         for i, tok in enumerate(tokens):
             kept.append(tok)
             if state.append(tok, sources[i], None if logprobs is None else logprobs[i]):
                 break
+        if spec_step is not None:
+            state.stats.spec.record(spec_step[0], emitted=len(kept), drafted=spec_step[1])
         stopped = state.finish_reason == "stop"
         if prefill is not None:
             self.scheduler.update_after_step(seq, prefill.length, kept, stopped=stopped)
@@ -545,6 +589,29 @@ class Engine:
                             sources=state.output_sources[sent:], logprobs=logprobs, spans=spans)
 
     # ------------------------------------------------------------------ decoding
+    def _step_tree(self, recs: list[_Request], graphed: bool, greedy: bool):
+        """The tree this step drafts: the engine's, cut to the levels its rows can still emit — a step
+        emits at most depth tokens, so with every row k tokens from its limit, drafting past k − 1 tokens
+        is waste (`--gamma 60 --max-new-tokens 8` drafting 60). With one token left for every row, None:
+        a plain autoregressive step, no draft forward (every row ends with this step, so no draft
+        cache needs its token; it is no speculation step in the stats, as vLLM counts only drafts).
+        Only eager steps of greedy rows are cut: a graphed step replays one CUDA graph per tree, and a
+        cut tree at every request's tail would capture new ones; and a sampled row's random draws
+        follow the tree's shape, so a cut decided by its batch's rows would make its seeded output
+        depend on what runs beside it (greedy output depends on nothing but the target)."""
+        tree = self.tree
+        if tree is None or graphed or not greedy:
+            return tree
+        depth = max(r.state.max_new_tokens - len(r.state.output_ids) for r in recs) - 1  # draft levels kept
+        if depth >= tree.max_depth - 1:
+            return tree
+        if depth < 1:
+            return None
+        cut = self._cut_trees.get(depth)
+        if cut is None:  # the first depth + 1 levels (nodes are numbered breadth-first: a prefix)
+            cut = self._cut_trees[depth] = Tree(tree.parents[:tree.levels[depth].stop])
+        return cut
+
     def _runner(self, role: str, n: int) -> StepRunner:
         key = (role, n)
         runner = self._runners.get(key)
@@ -577,12 +644,13 @@ class Engine:
         want_lp = any(p.logprobs is not None for p in active)  # (a step without them computes none)
         target = self._runner("target", n)
         draft = self._runner("draft", n) if self.draft_cache is not None else None
-        if self.tree is None:
+        tree = self._step_tree(recs, target.use_graphs, sampler.all_greedy)
+        if tree is None:
             kind = "ar"
             build = lambda: ARStep(target, sampler, want_lp)  # noqa: E731
         else:
-            kind = resolve_verifier(self.verifier, self.tree, sampler.all_greedy)
-            build = lambda: SpecStep(self.model, target, draft, self.drafter, self.tree, kind, sampler,  # noqa: E731
+            kind = resolve_verifier(self.verifier, tree, sampler.all_greedy)
+            build = lambda: SpecStep(self.model, target, draft, self.drafter, tree, kind, sampler,  # noqa: E731
                                      want_lp)
         saved = sampler.random.counter.clone()
 
@@ -598,7 +666,7 @@ class Engine:
                    None if self.drafter is None else self.drafter.graph_key())
             captured = target.captured_step(key, build, (prev, last), restore=sampler.random.checkpoint)
             path, accepted, nxt, new_prev, host, lp = captured.replay(prev, last)
-        elif self.tree is None:
+        elif tree is None:
             path, accepted, nxt, new_prev, host, lp = build()(prev, last)
         else:  # eager: the draft and the verification timed apart
             step = build()
@@ -626,7 +694,6 @@ class Engine:
             a, nxt_b, path_b = host_list[b][0], host_list[b][1], host_list[b][2:]
             spec = rec.state.stats.spec
             if spec is not None:
-                spec.record(a)
                 spec.step_s += (t1 - t0) - captured_s
                 if t_draft is not None:
                     spec.draft_s += t_draft - t0 - draft_capture_s
@@ -636,16 +703,19 @@ class Engine:
             lp_b = lp_rows.get(b)
             if lp_b is not None:
                 lp_b = token_logprob_list(emitted, *lp_b, rec.params.logprobs)
-            deltas.append(self._emit(rec, emitted, [SOURCE_DRAFT] * a + [SOURCE_TARGET], lp_b))
+            # (a step without drafts — a lone root, or AR at a request's end — is no speculation step)
+            deltas.append(self._emit(rec, emitted, [SOURCE_DRAFT] * a + [SOURCE_TARGET], lp_b,
+                                     spec_step=None if tree is None or tree.size == 1 else (a, tree.size - 1)))
             if rec.seq.status.finished:
                 done.append(rec)  # (its row commits nothing; vacated below)
             else:
                 kept[b] = len(rec.state.output_ids) - before
         kept_t = torch.tensor(kept).to(self.prev.device)
         cache = target.cache
-        if self.tree is not None and not self.tree.is_chain:
+        if tree is not None and not tree.is_chain:
             cache.compact(path, kept_t)
-        if self.drafter is not None:  # (rows that did not generate commit nothing)
+        if self.drafter is not None and tree is not None:  # (rows that did not generate commit nothing;
+            # an AR step at the rows' end has no draft to commit: they all finish with it)
             self.drafter.commit(draft, path, torch.where(generating, accepted + 1, 0))
         cache.commit(kept_t)
         for rec in done:

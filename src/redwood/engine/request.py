@@ -34,10 +34,17 @@ def token_logprob_list(tokens: list[int], chosen: list[float], top_values: list[
 class SpecStats:
     """Speculation counters of one request.
 
-    steps: target verification steps; drafted: draft tokens proposed (γ per step); accepted: draft tokens
-    accepted; accepted_at[i]: steps whose draft token i (0-based) was accepted.
-    acceptance rate = accepted / drafted; mean accepted length = (accepted + steps) / steps — tokens
-    per target step including the correction/bonus token (vLLM's and SGLang's definition).
+    steps: target verification steps; drafted: draft tokens proposed (γ per step, fewer on a step the
+    engine shortened for a request near its end); accepted: draft tokens accepted; accepted_at[i]: steps
+    whose draft token i (0-based) was accepted. acceptance rate = accepted / drafted; mean accepted
+    length = (accepted + steps) / steps — tokens per target step including the correction/bonus token
+    (vLLM's and SGLang's definition).
+
+    Only emitted tokens count: on the step a stop (EOS, a stop string, the length limit) cuts, accepted
+    is the draft tokens emitted, not those the verifier accepted past the stop — `--gamma 60
+    --max-new-tokens 8` on a graphed step reports 7 accepted, not 60 (and 8 tokens/step: the definition
+    counts a bonus on every step, one too many on a step cut inside its drafts). Eager greedy steps are
+    cut to what a request can still emit (`Engine._step_tree`), so there the counts are exact.
     """
 
     gamma: int  # draft depth: tokens a step can accept (γ for a chain, tree depth − 1)
@@ -50,11 +57,15 @@ class SpecStats:
     verify_s: float = 0.0  # verification time, when measured apart
     step_s: float = 0.0  # whole steps: draft + verify on the device, then the host's bookkeeping and commit
 
-    def record(self, accepted: int) -> None:
+    def record(self, accepted: int, emitted: int | None = None, drafted: int | None = None) -> None:
+        """One step: `accepted` draft tokens accepted by the verifier, `emitted` (>= 1) tokens given to
+        the request (default accepted + 1: nothing cut), `drafted` draft tokens (default the per-step count)."""
         if not self.accepted_at:
             self.accepted_at = [0] * self.gamma
+        if emitted is not None:
+            accepted = min(accepted, emitted)
         self.steps += 1
-        self.drafted += self.drafted_per_step or self.gamma
+        self.drafted += drafted if drafted is not None else (self.drafted_per_step or self.gamma)
         self.accepted += accepted
         for i in range(accepted):
             self.accepted_at[i] += 1

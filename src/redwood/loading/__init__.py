@@ -63,26 +63,62 @@ def resolve_model_path(model: str | Path) -> Path:
     return path
 
 
-def load_model(model: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-               weights: str = "float32") -> LoadedModel:
-    """Load a model's weights. weights: the CPU projection format (`redwood.models.cpu_weights`; "auto":
-    int8 for a GGUF file on the CPU, else float32)."""
-    torch_dtype, dev = parse_dtype(dtype), parse_device(device)
+@dataclass
+class ModelInfo:
+    """What a model is, without its weights: enough for the checks that should run before the (slow)
+    weight load — a prompt's tokens, a draft's tokenizer against the target's, the context length."""
+
+    config: ModelConfig
+    tokenizer: Any  # as LoadedModel.tokenizer
+    source: str
+    path: Path
+
+
+def _model_file(model: str | Path) -> Path:
+    """The folder or .gguf file to read (a folder holding one .gguf file → that file)."""
     path = resolve_model_path(model)
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise ModelLoadError(
+                f"{path} is neither a Hugging Face model folder (no config.json) nor a folder with one .gguf file"
+            )
+        path = ggufs[0]
+    return path
+
+
+def inspect_model(model: "str | Path | ModelInfo") -> ModelInfo:
+    """A model's config and tokenizer, its weights left unread (a ModelInfo is returned as it is)."""
+    if isinstance(model, ModelInfo):
+        return model
+    path = _model_file(model)
     if path.is_dir():
-        if not (path / "config.json").exists():
-            ggufs = sorted(path.glob("*.gguf"))
-            if len(ggufs) != 1:
-                raise ModelLoadError(
-                    f"{path} is neither a Hugging Face model folder (no config.json) nor a folder with one .gguf file"
-                )
-            path = ggufs[0]
+        from redwood.loading.hf import load_hf_tokenizer
+
+        config, tokenizer = ModelConfig.from_hf_file(path / "config.json"), load_hf_tokenizer(path)
+    else:
+        from redwood.loading.gguf import load_gguf_tokenizer, read_gguf_config
+
+        config, tokenizer = read_gguf_config(path), load_gguf_tokenizer(path)
+    return ModelInfo(config=config, tokenizer=tokenizer, source=str(model), path=path)
+
+
+def load_model(model: "str | Path | ModelInfo", dtype: str | torch.dtype = "float32",
+               device: str | torch.device = "cpu", weights: str = "float32") -> LoadedModel:
+    """Load a model's weights; a ModelInfo (`inspect_model`) is loaded with the tokenizer it holds.
+    weights: the CPU projection format (`redwood.models.cpu_weights`; "auto": int8 for a GGUF file on
+    the CPU, else float32)."""
+    torch_dtype, dev = parse_dtype(dtype), parse_device(device)
+    info = model if isinstance(model, ModelInfo) else None
+    path = info.path if info is not None else _model_file(model)
+    if info is not None:
+        model = info.source
     if path.is_dir():
         from redwood.loading.hf import load_hf_tokenizer, read_hf_folder
 
         config, state = read_hf_folder(path)
         net = build_model(config, state, torch_dtype, dev)
-        tokenizer = load_hf_tokenizer(path)
+        tokenizer = info.tokenizer if info is not None else load_hf_tokenizer(path)
     else:
         from redwood.loading.gguf import load_gguf_tokenizer, read_gguf
 
@@ -90,7 +126,7 @@ def load_model(model: str | Path, dtype: str | torch.dtype = "float32", device: 
         config = g.config
         net = build_model(config, g.tensors, torch_dtype, dev, rope_freqs=g.rope_freqs)
         del g
-        tokenizer = load_gguf_tokenizer(path)
+        tokenizer = info.tokenizer if info is not None else load_gguf_tokenizer(path)
     if net.device.type == "cuda":
         net.fuse_projections()  # one q/k/v and one gate/up matmul per layer: what a GPU step wants
     net.quantize_cpu(resolve_weights(weights, net.device, path))

@@ -238,8 +238,12 @@ class TreeDP:
         return out
 
 
-def solve_tree_dp(acceptance, max_budget: int, max_depth: int, use_per_depth: bool = True) -> TreeDP:
-    """Run the DP for all n ≤ max_budget and d ≤ max_depth (see the module docstring)."""
+def solve_tree_dp(acceptance, max_budget: int, max_depth: int, use_per_depth: bool = True,
+                  progress=None) -> TreeDP:
+    """Run the DP for all n ≤ max_budget and d ≤ max_depth (see the module docstring).
+
+    progress: called with no argument after each depth bound d is solved (max_depth calls; each
+    costs about the same, W max-plus convolutions over [n, n] arrays)."""
     for v, what in ((max_budget, "budget"), (max_depth, "max depth")):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ConfigError(f"{what} must be a positive integer, got {v!r}")
@@ -248,6 +252,8 @@ def solve_tree_dp(acceptance, max_budget: int, max_depth: int, use_per_depth: bo
     results = np.full((max_budget + 1, max_depth + 1), NEG)
     for d in range(1, max_depth + 1):
         results[:, d] = dp._table(0, d)[0]
+        if progress is not None:
+            progress()
     results[0, :] = NEG
     dp.results = results
     return dp
@@ -476,8 +482,9 @@ def step_time(profile: LatencyProfile, widths: Sequence[int], n: int) -> tuple[f
 
 
 def select_tree(acceptance, profile: LatencyProfile, max_budget: int, max_depth: int, top: int = 5,
-                use_per_depth: bool = True, sizes: str = "all") -> Selection:
-    """Pick the DP tree (size ≤ max_budget, levels ≤ max_depth) minimising predicted time per token.
+                use_per_depth: bool = True, sizes: str = "all", progress=None) -> Selection:
+    """Pick the DP tree (size ≤ max_budget, levels ≤ max_depth) minimising predicted time per token
+    (`progress`: as `solve_tree_dp`'s).
 
     `sizes`: "all" considers every size up to min(max_budget, largest profiled target size), with target
     latency interpolated linearly; "measured" only the profiled target sizes (as the original does)."""
@@ -486,7 +493,7 @@ def select_tree(acceptance, profile: LatencyProfile, max_budget: int, max_depth:
     if isinstance(max_budget, bool) or not isinstance(max_budget, (int, np.integer)) or max_budget < 1:
         raise ConfigError(f"budget must be a positive integer, got {max_budget!r}")
     n_max = min(int(max_budget), profile.max_tokens)
-    dp = solve_tree_dp(acceptance, n_max, max_depth, use_per_depth)
+    dp = solve_tree_dp(acceptance, n_max, max_depth, use_per_depth, progress=progress)
     res = dp.results
     baseline = profile.target(1)
     min_draft = min(profile.draft_ms)
