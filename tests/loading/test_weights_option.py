@@ -91,3 +91,14 @@ def test_every_command_that_loads_a_model_takes_weights(command, capsys):
     with pytest.raises(SystemExit):
         main(command + ["--help"])
     assert "--weights {auto,float32,bfloat16,int8,int4}" in capsys.readouterr().out
+
+
+def test_bench_ar_reports_the_weights_and_refuses_hf_comparison_of_packed_weights(hf_pair):
+    from redwood import LLM
+    from redwood.bench.ar import format_result, run_ar_bench
+
+    llm = LLM(str(hf_pair[0]), weights="int8")
+    with pytest.raises(ConfigError, match="--compare-hf runs Hugging Face transformers on the same float weights"):
+        run_ar_bench(llm, 1, 8, 4, compare_hf=True)
+    result = run_ar_bench(llm, 1, 8, 4)
+    assert result["weights"] == "int8" and "int8 weights" in format_result(result)

@@ -25,7 +25,7 @@ def _load_both(name: str):
     from redwood.models import registry
 
     path = registry.resolve(name)
-    llm = LLM(name)
+    llm = LLM(name, weights="float32")  # HF runs the dequantized float32 weights
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                            dtype=torch.float32).eval()
     return llm, hf

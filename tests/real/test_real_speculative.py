@@ -30,7 +30,7 @@ PROMPTS = [  # two prompts: CPU decoding of the 1.5B runs at a few tokens/s
 def target():
     from redwood import LLM
 
-    llm = LLM(TARGET, dtype="float32")
+    llm = LLM(TARGET, dtype="float32", weights="float32")
     yield llm
     del llm
 

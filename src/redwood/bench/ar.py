@@ -92,10 +92,14 @@ def decode_floor(model, batch_size: int, prompt_len: int, gen_len: int, bandwidt
 
 def run_ar_bench(llm, batch_size: int, prompt_len: int, gen_len: int, compare_hf: bool = False,
                  dataset: str | None = None, seed: int = 0, repeats: int = 1) -> dict:
-    if gen_len < 2:
-        from redwood.errors import ConfigError
+    from redwood.errors import ConfigError
 
+    if gen_len < 2:
         raise ConfigError("--gen-len must be at least 2 (one token from the prefill, the rest decoded)")
+    weights = getattr(llm.model, "weights", "float32")
+    if compare_hf and weights != "float32":
+        raise ConfigError(f"--compare-hf runs Hugging Face transformers on the same float weights; the model holds "
+                          f"{weights} weights (--weights auto packs a .gguf file on the CPU): add --weights float32")
     prompts = make_prompts(llm, batch_size, prompt_len, dataset, seed)
     params = SamplingParams(max_new_tokens=gen_len, ignore_eos=True)
     llm.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm-up
@@ -107,7 +111,8 @@ def run_ar_bench(llm, batch_size: int, prompt_len: int, gen_len: int, compare_hf
                "decode_tokens_per_s": (gen_len - 1) * batch_size / decode_s}
         if best is None or run["decode_tokens_per_s"] > best["decode_tokens_per_s"]:
             best = run
-    result = {"batch_size": batch_size, "prompt_len": prompt_len, "gen_len": gen_len, "redwood": best}
+    result = {"batch_size": batch_size, "prompt_len": prompt_len, "gen_len": gen_len, "weights": weights,
+              "redwood": best}
     device = llm.model.device
     if device.type == "cuda":
         floor = decode_floor(llm.model, batch_size, prompt_len, gen_len, copy_bandwidth(device))
@@ -126,7 +131,8 @@ def run_ar_bench(llm, batch_size: int, prompt_len: int, gen_len: int, compare_hf
 
 
 def format_result(r: dict) -> str:
-    lines = [f"batch {r['batch_size']}, prompt {r['prompt_len']} tokens, {r['gen_len']} generated (greedy)",
+    lines = [f"batch {r['batch_size']}, prompt {r['prompt_len']} tokens, {r['gen_len']} generated (greedy), "
+             f"{r.get('weights', 'float32')} weights",
              f"{'engine':<14}{'prefill s':>12}{'decode tok/s':>15}"]
     for name in ("redwood", "hf"):
         if name in r:
