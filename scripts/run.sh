@@ -5,5 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-exec .venv/bin/redwood generate --chat --draft-model qwen2.5-coder-0.5b-instruct \
+exec .venv/bin/redwood generate --chat --draft-model qwen2.5-coder-0.5b-instruct --gamma 3 \
     --prompt "${1:-Write a Python function that checks whether a number is prime.}" "${@:2}"
