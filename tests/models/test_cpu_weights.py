@@ -20,20 +20,10 @@ from redwood.models.cpu_weights import INT4_GROUP, INT8_GEMM_ROWS, PackedLinear
 from redwood.sampling_params import SamplingParams
 from redwood.speculation.drafters import ModelDrafter, SelfDrafter
 from redwood.speculation.trees import Tree, resolve_tree
-from tests.conftest import save_target_and_draft
 from tests.engine.driver import run_engine
+from tests.engine.test_engine import models  # noqa: F401 — the (target, draft, tokenizer) fixture
 
 KINDS = ["int8", "int4", "bfloat16"]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory, tokenizer):
-    from redwood import LLM
-
-    root = tmp_path_factory.mktemp("cpu-weights-models")
-    save_target_and_draft(root, tokenizer, noise=0.01)
-    target, draft = LLM(str(root / "target")), LLM(str(root / "draft"))
-    return target.model, draft.model, target.tokenizer
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from redwood.errors import RedwoodError
 from redwood.sampling_params import SamplingParams
