@@ -260,6 +260,16 @@ def test_text_prompts_from_each_kind_of_dataset(monkeypatch, tokenizer, text_fil
     with pytest.raises(Exception, match="need a tokenizer: give --tokenizer"):
         text_prompts(PromptSource(dataset="c4"), 3, 12)
 
+    # one common window first (a shared document), each request's own tail after it
+    shared = text_prompts(PromptSource(prompts_file=str(text_file)), 4, 20, seed=2, tokenizer=tokenizer,
+                          shared_len=12)
+    ids = [tokenizer.encode(w, add_special_tokens=False) for w in shared]
+    assert len({tuple(i[:12]) for i in ids}) == 1 and len({tuple(i[12:]) for i in ids}) == 4
+    with pytest.raises(Exception, match="--shared-prefix-len cuts long-text windows"):
+        text_prompts(PromptSource(dataset="mt-bench"), 4, 20, shared_len=8)
+    with pytest.raises(Exception, match="--shared-prefix-len cuts long-text windows"):
+        text_prompts(PromptSource(dataset="c4"), 3, 12, tokenizer=tokenizer, shared_len=4)
+
 
 # ---------------------------------------------------------------------------------- against the stand-in
 @pytest.mark.parametrize("token_ids", [False, True], ids=["apportioned", "server-counts"])
@@ -414,6 +424,7 @@ def test_compare_plots_reports_on_one_figure(tiny_model_dir, text_file, tmp_path
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--warmup", "-1"], "--warmup must be >= 0"),
     (["--prompt-len", "0"], "--prompt-len must be >= 1"),
+    (["--shared-prefix-len", "9999"], "--shared-prefix-len must be in [0, --prompt-len"),
     (["--dataset", "essays"], "--dataset and --prompts-file are alternatives"),
 ])
 def test_bad_flags_get_one_line_errors(tiny_model_dir, text_file, capsys, flags, message):

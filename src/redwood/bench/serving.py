@@ -176,23 +176,32 @@ def needs_tokenizer(source) -> bool:
     return dataset_kind(source.dataset) != "chat"
 
 
-def text_prompts(source, count: int, prompt_len: int, seed: int = 0, tokenizer=None) -> list[str]:
+def text_prompts(source, count: int, prompt_len: int, seed: int = 0, tokenizer=None, shared_len: int = 0) -> list[str]:
     """`count` prompt texts from a `PromptSource`: windows of exactly `prompt_len` tokens of the long text (as
-    `bench throughput` cuts them) or the first `prompt_len` tokens of documents, decoded; or chat questions
-    (MT-Bench first turns, HumanEval, GSM8K) in the seeded order `chat_prompts` uses, as text."""
+    `bench throughput` cuts them, the first `shared_len` tokens one window common to all) or the first
+    `prompt_len` tokens of documents, decoded; or chat questions (MT-Bench first turns, HumanEval, GSM8K) in
+    the seeded order `chat_prompts` uses, as text."""
     import random
 
     from redwood.bench.speculative import make_prompts
     from redwood.data.prompts import _chat_text, short_prefix_prompts
     from redwood.data.recipes import dataset_kind, load_dataset
 
+    if shared_len and not needs_tokenizer(source):
+        raise ConfigError(f"--shared-prefix-len cuts long-text windows; {source.label} has chat questions")
     if needs_tokenizer(source):
         if tokenizer is None:
             raise ConfigError(f"prompts of exactly --prompt-len tokens from {source.label} need a tokenizer: "
                               f"give --tokenizer (the served model's HF folder, .gguf file or zoo name)")
         if source.prompts_file or dataset_kind(source.dataset) == "long":
-            ids = make_prompts(tokenizer, source, count, prompt_len, seed)
+            from redwood.bench.throughput import shared_prefix_prompts
+
+            ids = shared_prefix_prompts(lambda n, length, s: make_prompts(tokenizer, source, n, length, s),
+                                        count, prompt_len, shared_len, seed)
         else:
+            if shared_len:
+                raise ConfigError(f"--shared-prefix-len cuts long-text windows; {source.label} has documents "
+                                  f"or questions")
             ids = short_prefix_prompts(tokenizer, source.dataset, count, prefix_tokens=prompt_len, seed=seed)
         return [tokenizer.decode(p) for p in ids]
     docs = load_dataset(source.dataset)

@@ -362,6 +362,9 @@ def _add_serve_bench(bench) -> None:
     sv.add_argument("--num-requests", type=int, default=64, metavar="N", help="requests per run (default 64)")
     sv.add_argument("--prompt-len", type=int, default=1024, metavar="L",
                     help="prompt tokens per request for long-text and document datasets (default 1024)")
+    sv.add_argument("--shared-prefix-len", type=int, default=0, metavar="S",
+                    help="the first S of each long-text prompt's tokens are one window common to every request "
+                         "(many users asking about one document: what a server's prefix cache serves; default 0)")
     sv.add_argument("--max-tokens", type=int, default=256, metavar="N",
                     help="max_tokens of each request (default 256)")
     sv.add_argument("--min-tokens", type=int, default=None, metavar="N",
@@ -431,6 +434,9 @@ def run_serve(args) -> int:
                            args.timeout, args.warmup)
     if args.prompt_len < 1:
         raise ConfigError(f"--prompt-len must be >= 1, got {args.prompt_len}")
+    if not 0 <= args.shared_prefix_len < args.prompt_len:
+        raise ConfigError(f"--shared-prefix-len must be in [0, --prompt-len {args.prompt_len}) (the last prompt "
+                          f"token is each request's own), got {args.shared_prefix_len}")
     rates = tput.parse_rates(args.request_rate)
     caps = serving.parse_concurrency(args.max_concurrency)
     if args.dataset and args.prompts_file:
@@ -452,7 +458,8 @@ def run_serve(args) -> int:
     tok_spec = args.tokenizer or serving.local_tokenizer_spec(settings.model)
     if args.tokenizer or (tok_spec and serving.needs_tokenizer(source)):
         tokenizer = serving.load_tokenizer(tok_spec)
-    prompts = serving.text_prompts(source, args.num_requests, args.prompt_len, args.prompt_seed, tokenizer)
+    prompts = serving.text_prompts(source, args.num_requests, args.prompt_len, args.prompt_seed, tokenizer,
+                                   shared_len=args.shared_prefix_len)
     lengths = ([args.max_tokens] * args.num_requests if args.min_tokens is None else
                tput.output_lengths(args.num_requests, args.min_tokens, args.max_tokens, args.workload_seed))
     label = args.label or Path(settings.model).name or settings.model  # (a path's last part)
@@ -461,6 +468,7 @@ def run_serve(args) -> int:
                                            count_tokens=serving.token_counter(tokenizer), progress=not args.json))
     result["settings"] = {
         "prompts": source.label, "token_exact": serving.needs_tokenizer(source), "prompt_len": args.prompt_len,
+        "shared_prefix_len": args.shared_prefix_len,
         "num_requests": args.num_requests, "max_tokens": args.max_tokens, "min_tokens": args.min_tokens,
         "ignore_eos": args.ignore_eos, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
         "prompt_seed": args.prompt_seed, "workload_seed": args.workload_seed, "warmup": args.warmup,

@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Issue 18's serving measurements (and issue 17's stream) on the H200: `redwood bench serve` against a real
+# `redwood serve`, speculation vs autoregressive decoding with the same server flags otherwise, the
+# Qwen2.5-Coder 1.5B target (bf16) and its 0.5B draft.
+#
+# On the GPU machine, from the repo root, after staging the GGUFs as /root/stage/t?? (1.5B) and
+# /root/stage/d?? (0.5B), carrying .whl (gguf + fastapi, starlette, pydantic, pydantic-core, uvicorn,
+# annotated-types, typing-inspection: the server's packages the machine lacks) and .stage/home (REDWOOD_HOME
+# with the essays and mt-bench datasets):
+#     OUT=/path benchmarks/h200_serve.sh STEP...     steps: stream long long-distinct chat compare
+# Every step writes report folders under $OUT and prints its tables; `compare` prints the ratios last.
+# Settings (environment): LONG_LEN (prompt tokens, default 24576), LONG_SHARED (of them common to all
+# requests, default LONG_LEN - 1024), LONG_N (requests, default 128), LONG_CONC (in flight, default 64),
+# LONG_MIN / LONG_MAX (output tokens drawn from, default 256 / 512), SPEC_FLAGS (the self-speculation,
+# default streaming 512 γ 3), GPU_FLAGS (default --dtype bfloat16 --device cuda), CHAT_N (MT-Bench questions, default 16), CHAT_FLAGS (the draft-model flags).
+set -euo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if [ -d .whl ] && ! python3 -c "import fastapi, uvicorn, gguf" 2>/dev/null; then python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl; fi
+export PYTHONPATH=/tmp/site:src:. PYTHONUNBUFFERED=1 REDWOOD_HOME=${REDWOOD_HOME:-$PWD/.stage/home}
+T=${TARGET:-/root/t.gguf}
+D=${DRAFT:-/root/d.gguf}
+if [ ! -f "$T" ] && ls /root/stage/t?? >/dev/null 2>&1; then cat /root/stage/t?? > "$T"; fi
+if [ ! -f "$D" ] && ls /root/stage/d?? >/dev/null 2>&1; then cat /root/stage/d?? > "$D"; fi
+R="python3 -m redwood.cli"
+PORT=${PORT:-8031}
+URL=http://127.0.0.1:$PORT
+LONG_LEN=${LONG_LEN:-24576}
+LONG_SHARED=${LONG_SHARED:-$((LONG_LEN - 1024))}
+LONG_N=${LONG_N:-128}
+LONG_CONC=${LONG_CONC:-64}
+LONG_MIN=${LONG_MIN:-256}
+LONG_MAX=${LONG_MAX:-512}
+SPEC_FLAGS=${SPEC_FLAGS:---self-speculate --draft-kv streaming --draft-budget 512 --gamma 3}
+CHAT_N=${CHAT_N:-16}
+CHAT_FLAGS=${CHAT_FLAGS:---draft-model $D --gamma 4}
+run() { echo >&2; echo "\$ $*" >&2; "$@"; }
+
+SERVER=
+serve() {  # serve LOG FLAGS...: start `redwood serve` in the background, wait for /health (≤ 5 minutes)
+  local log=$1; shift
+  echo >&2; echo "\$ redwood serve $* &" >&2
+  $R serve --model "$T" ${GPU_FLAGS:---dtype bfloat16 --device cuda} --port "$PORT" --log-level warning "$@" >"$log" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 300); do
+    if python3 -c "import httpx,sys; sys.exit(httpx.get('$URL/health', timeout=2).status_code != 200)" 2>/dev/null
+    then return 0; fi
+    if ! kill -0 $SERVER 2>/dev/null; then echo "SERVER DIED:" >&2; tail -20 "$log" >&2; return 1; fi
+    sleep 1
+  done
+  echo "SERVER NEVER HEALTHY" >&2; tail -20 "$log" >&2; return 1
+}
+stop() {  # SIGTERM drains (running requests finish), then the process exits
+  if [ -n "$SERVER" ]; then kill -TERM $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true; SERVER=; fi
+}
+trap stop EXIT
+
+load_long() {  # load_long NAME SHARED: an untimed warm-up stream (other prompts: another seed), then the stream
+  local name=$1 shared=$2
+  # the warm-up: the same shape with other text (no prefix-cache hit for the timed prompts), short outputs;
+  # it takes every batch bucket as requests join one prefill chunk at a time, and a full-length prefill
+  run $R bench serve --base-url "$URL" --tokenizer "$T" --prompt-len $LONG_LEN --shared-prefix-len $shared \
+      --num-requests $LONG_CONC --max-concurrency $LONG_CONC --max-tokens 24 --ignore-eos --prompt-seed 99 \
+      --json >/dev/null
+  run $R bench serve --base-url "$URL" --tokenizer "$T" --label "$name" --prompt-len $LONG_LEN \
+      --shared-prefix-len $shared --num-requests $LONG_N --max-concurrency $LONG_CONC --min-tokens $LONG_MIN \
+      --max-tokens $LONG_MAX --ignore-eos --output "$OUT/$name" | tail -16
+}
+# the server flags common to both sides of a long-context comparison
+LONG_SERVER="--max-num-seqs $LONG_CONC --max-model-len $((LONG_LEN + LONG_MAX + 64)) --max-num-batched-tokens 8192"
+
+for step in "$@"; do case $step in
+stream)  # issue 17: the shared-document stream through the Engine directly (AR then spec, one process)
+  run $R bench throughput --model "$T" ${GPU_FLAGS:---dtype bfloat16 --device cuda} --self-speculate --draft-kv streaming \
+      --draft-budget 512 --gamma 3 --num-requests 64 --prompt-len 31744 --shared-prefix-len 30720 \
+      --enable-prefix-caching --min-new-tokens 192 --max-new-tokens 384 --max-num-seqs 64 \
+      --max-num-batched-tokens 8192 --request-rate inf --output "$OUT/stream" 2>&1 | tail -30 ;;
+long)  # (a) LONG_CONC concurrent streams of LONG_LEN-token essay prompts sharing LONG_SHARED tokens (one
+       # document, many questions: the server's prefix cache holds it), self-speculation vs AR
+  serve "$OUT/server-long-ar.log" $LONG_SERVER --enable-prefix-caching
+  load_long long-ar $LONG_SHARED; stop
+  serve "$OUT/server-long-spec.log" $LONG_SERVER --enable-prefix-caching $SPEC_FLAGS
+  load_long long-spec $LONG_SHARED; stop
+  run $R bench serve --compare "$OUT/long-ar" "$OUT/long-spec" --output "$OUT/long-compare" ;;
+long-distinct)  # (a') the same with every prompt its own window: each request prefills LONG_LEN tokens
+  serve "$OUT/server-distinct-ar.log" $LONG_SERVER
+  load_long distinct-ar 0; stop
+  serve "$OUT/server-distinct-spec.log" $LONG_SERVER $SPEC_FLAGS
+  load_long distinct-spec 0; stop
+  run $R bench serve --compare "$OUT/distinct-ar" "$OUT/distinct-spec" --output "$OUT/distinct-compare" ;;
+chat)  # (b) batch-1 chat: MT-Bench first turns one at a time, the 0.5B draft vs AR, greedy then T = 0.6
+  for side in ar spec; do
+    flags=""; [ $side = spec ] && flags=$CHAT_FLAGS
+    serve "$OUT/server-chat-$side.log" --max-num-seqs 4 --max-model-len 4096 $flags
+    run $R bench serve --base-url "$URL" --endpoint chat --dataset mt-bench --num-requests 4 --max-tokens 32 \
+        --max-concurrency 1 --json >/dev/null  # warm-up: the bucket-1 graphs
+    for temp in 0 0.6; do
+      run $R bench serve --base-url "$URL" --endpoint chat --dataset mt-bench --label chat-$side-t$temp \
+          --num-requests $CHAT_N --max-tokens 256 --max-concurrency 1 --temperature $temp --seed 1 \
+          --output "$OUT/chat-$side-t$temp" | tail -14
+    done
+    stop
+  done
+  for temp in 0 0.6; do
+    run $R bench serve --compare "$OUT/chat-ar-t$temp" "$OUT/chat-spec-t$temp" --output "$OUT/chat-compare-t$temp"
+  done ;;
+compare)  # every comparison measured so far, ratios to AR
+  for pair in long distinct; do
+    [ -d "$OUT/$pair-ar" ] && [ -d "$OUT/$pair-spec" ] && $R bench serve --compare "$OUT/$pair-ar" "$OUT/$pair-spec"
+  done
+  for temp in 0 0.6; do
+    [ -d "$OUT/chat-ar-t$temp" ] && [ -d "$OUT/chat-spec-t$temp" ] \
+      && $R bench serve --compare "$OUT/chat-ar-t$temp" "$OUT/chat-spec-t$temp"
+  done; true ;;
+*) echo "unknown step $step" >&2; exit 2 ;;
+esac; done
