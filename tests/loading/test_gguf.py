@@ -443,15 +443,6 @@ def test_tokenizer_error_is_wrapped(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- real files
-def real_path(name: str) -> Path | None:
-    try:
-        from redwood.models.registry import is_pulled, model_path
-    except ImportError:
-        path = Path.home() / ".cache" / "redwood" / "models" / name / f"{name}.gguf"
-        return path if path.is_file() else None
-    return model_path(name) if is_pulled(name) else None
-
-
 # name -> (arch, layers, hidden, heads, kv heads, ffn, rope theta, context, vocab, tied)
 REAL_CONFIGS = {
     "smollm2-135m-instruct": ("llama", 30, 576, 9, 3, 1536, 1e5, 8192, 49152, True),
@@ -471,10 +462,8 @@ def check_real_config(name, config):
 
 @pytest.mark.real
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
-def test_real_file_matches_transformers(name):
-    path = real_path(name)
-    if path is None:
-        pytest.skip(f"{name} is not pulled (run `redwood models pull {name}`)")
+def test_real_file_matches_transformers(name, real_model):
+    path = real_model(name)  # (pulled when missing; skips only when the registry is unreachable)
     pytest.importorskip("accelerate", reason="transformers' GGUF loader needs accelerate")
     from transformers import AutoModelForCausalLM
 
@@ -507,11 +496,8 @@ def test_real_file_matches_transformers(name):
 
 
 @pytest.mark.real
-def test_real_qwen_1_5b_loads_fast_and_shares_the_0_5b_tokenizer():
-    big, small = real_path("qwen2.5-coder-1.5b-instruct"), real_path("qwen2.5-coder-0.5b-instruct")
-    if big is None:
-        pytest.skip("qwen2.5-coder-1.5b-instruct is not pulled "
-                    "(run `redwood models pull qwen2.5-coder-1.5b-instruct`)")
+def test_real_qwen_1_5b_loads_fast_and_shares_the_0_5b_tokenizer(real_model):
+    big = real_model("qwen2.5-coder-1.5b-instruct")
     start = time.perf_counter()
     model = read_gguf(big)
     elapsed = time.perf_counter() - start
@@ -529,11 +515,11 @@ def test_real_qwen_1_5b_loads_fast_and_shares_the_0_5b_tokenizer():
         expect = gguf.quants.dequantize(raw.reshape(info.shape[0], -1), QT[info.type_name])
         assert torch.equal(model.tensors[hf], torch.from_numpy(expect)), name
     del model
-    if small is not None:
-        a, b = load_gguf_tokenizer(big), load_gguf_tokenizer(small)
-        assert a.get_vocab() == b.get_vocab()
-        sample = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
-        assert a.encode(sample) == b.encode(sample)
+    small = real_model("qwen2.5-coder-0.5b-instruct")
+    a, b = load_gguf_tokenizer(big), load_gguf_tokenizer(small)
+    assert a.get_vocab() == b.get_vocab()
+    sample = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+    assert a.encode(sample) == b.encode(sample)
 
 
 def test_config_from_the_header_alone(llama_file, qwen_file):

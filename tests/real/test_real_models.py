@@ -1,4 +1,5 @@
-"""Real registry models (pulled on first use): logits and greedy generations equal HF transformers'.
+"""Real registry models (pulled by the `real_model` fixture when missing): logits and greedy generations
+equal HF transformers'.
 
 The reference is transformers loading the same GGUF file with its own GGUF reader and dequantizer, so
 these tests also cross-check redwood's GGUF loading (Q/K un-permutation for llama-architecture files).
@@ -18,13 +19,12 @@ PROMPTS = [
 ]
 
 
-def _load_both(name: str):
+def _load_both(name: str, real_model):
     import transformers
 
     from redwood import LLM
-    from redwood.models import registry
 
-    path = registry.resolve(name)
+    path = real_model(name)  # (pulled when missing; skips only when the registry is unreachable)
     llm = LLM(name, weights="float32")  # HF runs the dequantized float32 weights
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                            dtype=torch.float32).eval()
@@ -32,15 +32,15 @@ def _load_both(name: str):
 
 
 @pytest.fixture(scope="module")
-def qwen05():
-    llm, hf = _load_both("qwen2.5-coder-0.5b-instruct")
+def qwen05(real_model):
+    llm, hf = _load_both("qwen2.5-coder-0.5b-instruct", real_model)
     yield llm, hf
     del llm, hf
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
-def test_logits_match_hf_from_gguf(name, request):
-    llm, hf = request.getfixturevalue("qwen05") if name.startswith("qwen") else _load_both(name)
+def test_logits_match_hf_from_gguf(name, request, real_model):
+    llm, hf = request.getfixturevalue("qwen05") if name.startswith("qwen") else _load_both(name, real_model)
     ids = llm.encode(PROMPTS[2])
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]

@@ -27,18 +27,20 @@ PROMPTS = [  # two prompts: CPU decoding of the 1.5B runs at a few tokens/s
 
 
 @pytest.fixture(scope="module")
-def target():
+def target(real_model):
     from redwood import LLM
 
+    real_model(TARGET)  # (pulled when missing; skips only when the registry is unreachable)
     llm = LLM(TARGET, dtype="float32", weights="float32")
     yield llm
     del llm
 
 
 @pytest.fixture(scope="module")
-def draft():
+def draft(real_model):
     from redwood.loading import load_model
 
+    real_model(DRAFT)
     loaded = load_model(DRAFT, dtype="float32")
     yield loaded
     del loaded

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from redwood.errors import ConfigError, DownloadError, ModelLoadError
+from redwood.errors import ConfigError, DownloadError, ModelLoadError, RegistryUnavailableError
 
 
 @dataclass(frozen=True)
@@ -235,12 +235,12 @@ def download_wheel(package: str, version: str, dest: Path) -> Path:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise DownloadError(f"could not run pip to download {package}=={version}: {e}") from None
+        raise RegistryUnavailableError(f"could not run pip to download {package}=={version}: {e}") from None
     if proc.returncode != 0:
         # pip's last lines, keeping only its ERROR lines when it has some (it also warns about index paths).
         lines = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
         tail = "\n".join(([ln for ln in lines if ln.startswith("ERROR")] or lines)[-5:])
-        raise DownloadError(
+        raise RegistryUnavailableError(
             f"pip could not download {package}=={version} (check the network / package index):\n{tail}"
         )
     wheels = sorted(dest.glob("*.whl"))
