@@ -27,7 +27,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str
+    finish_reason: str  # "stop", "length" (max_new_tokens) or "context" (the model's context filled first)
     stats: dict = field(default_factory=dict)
     logprobs: list[TokenLogprob] | None = None  # per token, when SamplingParams.logprobs asked for them
 

@@ -109,9 +109,9 @@ def test_context_limits(tiny_llm):
     ctx = tiny_llm.config.max_position_embeddings
     with pytest.raises(ContextLengthError, match="context"):
         tiny_llm.generate([[1] * ctx], SamplingParams(max_new_tokens=4))
-    # A prompt that fits but leaves less room than asked: generation stops at the context, "length".
+    # A prompt that fits but leaves less room than asked: generation stops at the context, "context".
     out = tiny_llm.generate([[1] * (ctx - 5)], SamplingParams(max_new_tokens=50, ignore_eos=True))[0]
-    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+    assert len(out.token_ids) == 5 and out.finish_reason == "context"
 
 
 def test_bad_inputs(tiny_llm):

@@ -4,6 +4,7 @@ server process: the text equals offline `LLM.generate` of the same model, token 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -200,3 +201,24 @@ def test_stats_extension_without_speculation(server_url):
     stats = httpx.post(server_url + "/v1/completions", json={**body, "redwood": {"stats": True}},
                        headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).json()["redwood"]
     assert stats["acceptance_rate"] is None and stats["drafted"] is None and stats["tokens_per_s"] > 0
+
+
+def test_a_full_context_is_length_on_the_wire_and_context_in_the_extension(server_url):
+    """No max_tokens, a prompt 4 tokens short of the context: OpenAI's "length" (it has no other value),
+    the Engine's "context" in the `redwood` extension; a max_tokens limit stays "length" in both."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    card = httpx.get(f"{server_url}/v1/models/{MODEL_NAME}", headers=headers, timeout=10).json()
+    prompt = [5 + i % 200 for i in range(card["max_model_len"] - 4)]  # (token ids)
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": None, "temperature": 0, "ignore_eos": True,
+            "redwood": {"stats": True}}
+    r = httpx.post(server_url + "/v1/completions", json=body, headers=headers, timeout=60).json()
+    assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 4
+    assert r["redwood"]["finish_reasons"] == ["context"]
+    with httpx.stream("POST", server_url + "/v1/completions", json={**body, "stream": True}, headers=headers,
+                      timeout=60) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["redwood"]["finish_reason"] == "context"
+    limited = httpx.post(server_url + "/v1/completions", json={**body, "max_tokens": 2}, headers=headers,
+                         timeout=60).json()
+    assert limited["choices"][0]["finish_reason"] == "length" and limited["redwood"]["finish_reasons"] == ["length"]

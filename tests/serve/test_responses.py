@@ -45,3 +45,33 @@ def test_stats_sum_over_choices():
     assert s["tokens_per_s"] == pytest.approx(25.0)  # (22 + 28) decode tokens over 2 s
     plain = redwood_stats([{"generated_tokens": 1, "decode_s": 0.0}])
     assert plain["acceptance_rate"] is None and plain["tokens_per_s"] == 0.0
+
+
+def test_context_finish_is_length_for_openai_and_context_for_redwood():
+    """The Engine's "context" (the model's context filled before max_tokens): "length" in the choice (OpenAI
+    has no other value) and in the vLLM-named success counter, "context" in the `redwood` extension."""
+    from types import SimpleNamespace
+
+    from redwood.engine.engine import RequestDelta
+    from redwood.serve.metrics import ServerMetrics
+    from redwood.serve.responses import ChoiceState, ChunkMaker, completion_response
+
+    stats = {"generated_tokens": 3, "decode_s": 0.1}
+    choices = [ChoiceState(0, 0), ChoiceState(1, 0)]
+    for c, reason in zip(choices, ("context", "length")):
+        c.add(RequestDelta(f"r{c.index}", [5, 6, 7], "abc", reason, stats))
+    assert [c.finish_reason for c in choices] == ["length", "length"]
+    out = completion_response("cmpl-x", "m", choices, [4], TokenText(None), None, stats=True)
+    assert [c["finish_reason"] for c in out["choices"]] == ["length", "length"]
+    assert out["redwood"]["finish_reasons"] == ["context", "length"]
+    maker = ChunkMaker("cmpl-x", "m", chat=False, token_text=TokenText(None), num_logprobs=None, stats=True,
+                       include_usage=False)
+    last = maker.delta(choices[0], RequestDelta("r0", [7], "c", "context", stats))
+    assert last["choices"][0]["finish_reason"] == "length" and last["redwood"]["finish_reason"] == "context"
+
+    metrics = ServerMetrics("m")
+    handle = SimpleNamespace(t_first=0.0, t_last=0.0, t_arrival=0.0, prompt_len=4)
+    metrics.on_request(handle, RequestDelta("r0", [], "", "context", stats), now=1.0)
+    text = metrics.render().decode()
+    assert 'redwood:request_success_total{finished_reason="length",model_name="m"} 1.0' in text
+    assert "context" not in text

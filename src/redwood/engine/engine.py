@@ -100,7 +100,7 @@ class RequestDelta:
     request_id: str
     token_ids: list[int]  # new tokens
     text: str  # new text (held back while it could begin a stop string)
-    finish_reason: str | None  # None while running; "stop", "length" or "abort" on its last delta
+    finish_reason: str | None  # None while running; "stop", "length", "context" or "abort" on its last delta
     stats: dict | None = None  # on the last delta: RequestStats.to_dict()
     prompt_token_ids: list[int] | None = None  # on the last delta
     sources: list[str] = field(default_factory=list)  # per new token: "draft" | "target"
@@ -572,7 +572,7 @@ class Engine:
             self.scheduler.update_after_step(seq, len(kept), kept, stopped=stopped)
         if seq.status.finished:
             if state.finish_reason is None:  # the scheduler's length limits
-                state.finish_reason = "length"
+                state.finish_reason = state.length_reason()
             now = time.perf_counter()
             state.stats.decode_s = now - (rec.t_first or now) - (self.capture_s - rec.capture_at_first)
             del self._requests[seq.request_id]

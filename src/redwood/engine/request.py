@@ -11,6 +11,17 @@ from redwood.sampling_params import SamplingParams
 SOURCE_DRAFT = "draft"  # a draft token the target accepted
 SOURCE_TARGET = "target"  # sampled from the target: the prefill's first token, a correction, a bonus, AR decoding
 
+# Why a request finished (`RequestState.finish_reason`, `RequestDelta.finish_reason`).
+FINISH_STOP = "stop"  # EOS or a stop string
+FINISH_LENGTH = "length"  # max_new_tokens generated
+# The sequence filled the model's context (max_model_len) before max_new_tokens. vLLM reports "length" for
+# both; llama.cpp's server stops both as STOP_TYPE_LIMIT ("length") but flags the context case `truncated`.
+# Kept distinct because the remedies differ: "length" means ask for more tokens, "context" that no more fit
+# (shorten the prompt, raise --max-model-len). The OpenAI wire knows only "stop" / "length": the server
+# sends "length" and keeps "context" in its `redwood` extension.
+FINISH_CONTEXT = "context"
+FINISH_ABORT = "abort"  # `Engine.abort` (a server's client went away)
+
 
 @dataclass
 class TokenLogprob:
@@ -133,13 +144,15 @@ def _decode_stream(tokenizer):
 class RequestState:
     """A request being generated.
 
-    finish_reason: None while running; "stop" (EOS or a stop string) or "length" (max_new_tokens or
-    the model's context) once done. Text is detokenized incrementally; `pop_delta` returns the text
-    added since its last call (held back while the tail is an incomplete UTF-8 sequence). A fast
-    (Rust) tokenizer detokenizes through its own incremental decoder (`tokenizers.decoders.DecodeStream`,
-    ~1.5 µs a token); others through two `decode` calls over a short window per token (11–36 µs: at 64
-    rows × 3 tokens per step that was 7 ms of host time per step on the H200). Text is made when needed —
-    every token when stop strings must be checked, else when `text` / `pop_delta` is read.
+    finish_reason: None while running; "stop" (EOS or a stop string), "length" (params.max_new_tokens
+    generated) or "context" (the model's context filled first: `max_new_tokens` is capped by what the
+    context leaves after the prompt; reaching both at once is "length") once done. Text is detokenized
+    incrementally; `pop_delta` returns the text added since its last call (held back while the tail is
+    an incomplete UTF-8 sequence). A fast (Rust) tokenizer detokenizes through its own incremental
+    decoder (`tokenizers.decoders.DecodeStream`, ~1.5 µs a token); others through two `decode` calls over
+    a short window per token (11–36 µs: at 64 rows × 3 tokens per step that was 7 ms of host time per
+    step on the H200). Text is made when needed — every token when stop strings must be checked, else
+    when `text` / `pop_delta` is read.
 
     Per output token (aligned with output_ids): its source ("draft" / "target") and, when the request
     asked for logprobs, its `TokenLogprob`. Text spans: as the detokenizer extends the text, each
@@ -182,14 +195,19 @@ class RequestState:
             self.output_logprobs.append(logprob)
         self.stats.generated_tokens = len(self.output_ids)
         if token in self.eos_ids and not self.params.ignore_eos:
-            self.finish_reason = "stop"
+            self.finish_reason = FINISH_STOP
             self._text_tokens = len(self.output_ids) - 1
             return True
         if self.params.stop and self._check_stop():
-            self.finish_reason = "stop"
+            self.finish_reason = FINISH_STOP
         elif len(self.output_ids) >= self.max_new_tokens:
-            self.finish_reason = "length"
+            self.finish_reason = self.length_reason()
         return self.finished
+
+    def length_reason(self) -> str:
+        """The finish reason of a request stopped by a length limit: "length" once params.max_new_tokens
+        tokens are out, else "context" (only the context's cap on `max_new_tokens` can stop it earlier)."""
+        return FINISH_LENGTH if len(self.output_ids) >= self.params.max_new_tokens else FINISH_CONTEXT
 
     @property
     def text(self) -> str:

@@ -46,7 +46,7 @@ class Status(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED_STOPPED = "stop"  # a stop condition (EOS, stop string), seen by the Engine
-    FINISHED_LENGTH = "length"  # max_new_tokens or max_model_len reached
+    FINISHED_LENGTH = "length"  # max_new_tokens or max_model_len reached (the Engine tells "length" from "context")
     FINISHED_ABORTED = "abort"
 
     @property

@@ -166,7 +166,9 @@ def _sampling_params(body, prompt_len: int, max_tokens: int | None, max_model_le
     try:
         return SamplingParams(
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-            max_new_tokens=max_tokens if max_tokens is not None else max_model_len - prompt_len,
+            # No max_tokens: up to the context. Asked for as the whole context (the Engine caps it by what
+            # the prompt leaves), so a request the context stops finishes "context", not "length".
+            max_new_tokens=max_tokens if max_tokens is not None else max_model_len,
             seed=None if body.seed is None else body.seed + seed_offset, stop=tuple(body.stop or ()),
             ignore_eos=body.ignore_eos, logprobs=num_logprobs)
     except ConfigError as e:

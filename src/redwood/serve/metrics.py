@@ -95,8 +95,9 @@ class ServerMetrics:
         if delta.finish_reason is None:
             return
         self.e2e.observe(now - handle.t_arrival)
-        if delta.finish_reason in ("stop", "length"):
-            self.request_success.labels(finished_reason=delta.finish_reason, **self._labels).inc()
+        reason = {"context": "length"}.get(delta.finish_reason, delta.finish_reason)  # (vLLM's labels)
+        if reason in ("stop", "length"):
+            self.request_success.labels(finished_reason=reason, **self._labels).inc()
         spec = (delta.stats or {}).get("speculative")
         if spec:
             self.spec_drafts.inc(spec["steps"])

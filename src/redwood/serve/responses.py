@@ -13,8 +13,10 @@ import uuid
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-# finish reasons a client sees (an "abort" only ends requests whose client is gone)
-FINISH_REASONS = {"stop": "stop", "length": "length"}
+# finish reasons a client sees (an "abort" only ends requests whose client is gone). OpenAI has no value for
+# a context that filled up before max_tokens (`redwood.engine.request.FINISH_CONTEXT`): "length" on the
+# wire, as vLLM sends; the engine's own reason stays in the `redwood` extension ("finish_reason").
+FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length"}
 
 
 def new_id(prefix: str) -> str:
@@ -36,7 +38,8 @@ class ChoiceState:
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
     logprobs: list = field(default_factory=list)  # TokenLogprob per token, when asked for
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # as OpenAI's clients see it (FINISH_REASONS)
+    engine_finish_reason: str | None = None  # the Engine's own ("context" stays "context")
     stats: dict | None = None
     text_offset: int = 0  # characters of text already streamed (completions' logprobs text_offset)
 
@@ -47,6 +50,7 @@ class ChoiceState:
             self.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
             self.finish_reason = FINISH_REASONS.get(delta.finish_reason, delta.finish_reason)
+            self.engine_finish_reason = delta.finish_reason
             self.stats = delta.stats
 
 
@@ -72,6 +76,13 @@ def redwood_stats(stats_list: list[dict]) -> dict:
                    acceptance_rate=round(accepted / drafted, 4) if drafted else 0.0,
                    mean_accepted_length=round((accepted + steps) / steps, 4) if steps else 0.0)
     return out
+
+
+def redwood_extension(choices: list[ChoiceState]) -> dict:
+    """A whole response's `redwood` field: the stats summed over its choices, and each choice's finish
+    reason as the Engine gave it ("context" where the wire says "length"), in choice order."""
+    return {**redwood_stats([c.stats for c in choices]),
+            "finish_reasons": [c.engine_finish_reason for c in choices]}
 
 
 # ---------------------------------------------------------------------- token text and bytes
@@ -157,7 +168,7 @@ def completion_response(rid: str, model: str, choices: list[ChoiceState], prompt
         out["choices"].append({"index": c.index, "text": "".join(c.text), "logprobs": lp,
                                "finish_reason": c.finish_reason})
     if stats:
-        out["redwood"] = redwood_stats([c.stats for c in choices])
+        out["redwood"] = redwood_extension(choices)
     return out
 
 
@@ -170,7 +181,7 @@ def chat_response(rid: str, model: str, choices: list[ChoiceState], prompt_lens:
         out["choices"].append({"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
                                "logprobs": lp, "finish_reason": c.finish_reason})
     if stats:
-        out["redwood"] = redwood_stats([c.stats for c in choices])
+        out["redwood"] = redwood_extension(choices)
     return out
 
 
@@ -219,7 +230,7 @@ class ChunkMaker:
         if self.stats:
             extra = {"spans": [list(s) for s in delta.spans]}
             if finish is not None and choice.stats is not None:
-                extra.update(redwood_stats([choice.stats]))
+                extra.update(redwood_stats([choice.stats]), finish_reason=choice.engine_finish_reason)
             out["redwood"] = extra
         return out
 
