@@ -49,7 +49,9 @@ class AttentionMetadata:
     view: ContextView | None = None
     observer: Observer | None = None
     live: torch.Tensor | None = None
-    backend: str = "reference"  # "reference" (SDPA over a dense mask) or "triton" (attention.triton_decode)
+    # "reference" (SDPA over a dense mask), "triton" (attention.triton_decode: ≤ 256 new tokens) or
+    # "triton_prefill" (attention.triton_prefill: long plain prefill forwards, REDWOOD_PREFILL_KERNEL=1)
+    backend: str = "reference"
     _full_mask: torch.Tensor | None = None
     _packed_mask: torch.Tensor | None = None
 

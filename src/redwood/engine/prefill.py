@@ -5,7 +5,9 @@ each chunk runs on the one-row cache of the request's slot (`KVCache.row`: the s
 row's page table) from slot `start` on — what earlier chunks (or the prefix cache) left in slots
 [0, start) is its context. Within a chunk the forwards are bounded twice:
 - attention work: a forward of T new tokens over S context slots scores T·Hq·S elements (the reference
-  path materializes them), kept near PREFILL_SCORE_BUDGET;
+  path materializes them), kept near PREFILL_SCORE_BUDGET — unless the model's long forwards go through
+  the flash prefill kernel (`Transformer.prefill_kernel`, REDWOOD_PREFILL_KERNEL=1), which materializes
+  none: then one forward takes the whole chunk;
 - an observer (SnapKV's observation window) watches only the forwards that hold window queries; those
   attend through the reference path in pieces small enough for its scores, the others as usual.
 """
@@ -21,6 +23,8 @@ from redwood.models.transformer import Transformer
 # About this many attention score elements per prefill forward (T new tokens × Hq heads × S slots).
 PREFILL_SCORE_BUDGET = 1 << 28
 MIN_PREFILL_CHUNK = 256
+# Rows × tokens per prefill forward when the flash prefill kernel attends (no score budget there).
+PREFILL_TOKEN_CAP = 1 << 15
 
 
 def prefill_chunk(batch: int, heads: int, total: int) -> int:
@@ -28,6 +32,20 @@ def prefill_chunk(batch: int, heads: int, total: int) -> int:
     chunk = PREFILL_SCORE_BUDGET // max(1, batch * heads * total)
     chunk = max(MIN_PREFILL_CHUNK, chunk // MIN_PREFILL_CHUNK * MIN_PREFILL_CHUNK)
     return min(chunk, total)
+
+
+def _forward_tokens(model: Transformer, batch: int, total: int) -> int:
+    """Tokens per unobserved prefill forward of `batch` rows. Where long forwards attend through the
+    reference path, prefill_chunk's score budget (it materializes [B, Hq, T, S] scores: at 24K slots a
+    1-row forward gets 768 tokens, an 8-row one 256 — which then takes the decode kernel). Where they go
+    through the flash prefill kernel (`Transformer.prefill_kernel`), which materializes nothing of size S,
+    only PREFILL_TOKEN_CAP rows × tokens per forward (the activations: the MLP's [B·T, 2F] is ~35 KB a
+    token for a 1.5B), a multiple of 256 or all — the Engine's chunks (max_num_batched_tokens, 2048 by
+    default) fit in one forward."""
+    if model.prefill_kernel():
+        chunk = max(MIN_PREFILL_CHUNK, PREFILL_TOKEN_CAP // max(1, batch) // MIN_PREFILL_CHUNK * MIN_PREFILL_CHUNK)
+        return min(chunk, total)
+    return prefill_chunk(batch, model.config.num_heads, total)
 
 
 def prefill_row(model: Transformer, cache: KVCache, token_ids: list[int], start: int, stop: int,
@@ -45,7 +63,7 @@ def prefill_row(model: Transformer, cache: KVCache, token_ids: list[int], start:
     heads = model.config.num_heads
     a = start
     while a < stop:
-        b = min(stop, a + prefill_chunk(1, heads, stop))
+        b = min(stop, a + _forward_tokens(model, 1, stop))
         for fa, fb, watched in _forwards(a, b, observer, heads):
             positions = torch.arange(fa, fb, device=device)[None]
             last = want_logits and fb == stop
@@ -94,7 +112,7 @@ def prefill_rows(model: Transformer, cache: KVCache, rows: list[int], token_ids:
     last = torch.tensor(n, device=device) - 1  # [B] offset of each row's last chunk token
     sub.lengths.copy_(start_t)
     logits = None
-    step = prefill_chunk(B, model.config.num_heads, max(stops))
+    step = _forward_tokens(model, B, max(stops))
     for a in range(0, T, step):
         b = min(a + step, T)
         positions = start_t[:, None] + torch.arange(a, b, device=device)
@@ -153,7 +171,7 @@ def prefill_batch(model: Transformer, cache: KVCache, prompts: list[list[int]],
         ids[b, : len(p)] = torch.tensor(p, device=device)
     lens = torch.tensor(lengths, device=device)
     last = lens - 1  # [B] index of each row's last prompt token
-    chunk = prefill_chunk(B, model.config.num_heads, T)
+    chunk = _forward_tokens(model, B, T)
     cache.lengths.zero_()
     logits = None
     for start in range(0, T, chunk):

@@ -24,7 +24,8 @@ from redwood.kv.cache import KVCache
 from redwood.models.rope import RotaryEmbedding, apply_rotary
 
 
-# Forwards with more new tokens than this (prefill) attend through the reference path; the Triton kernel
+# Forwards with more new tokens than this (prefill) attend through the reference path — or, with
+# REDWOOD_PREFILL_KERNEL=1, through the flash prefill kernel (attention.triton_prefill); the decode kernel
 # packs all new tokens of a row into one pass over the KV, which pays for decode, verify and tree steps.
 FAST_ATTENTION_MAX_NEW = 256
 
@@ -98,6 +99,8 @@ class Attention(nn.Module):
         B, _, T, _ = q.shape
         if meta.backend == "triton":
             out = self._fast_attention(q, cache, meta)  # [B, T, Hq, D]
+        elif meta.backend == "triton_prefill":
+            out = self._prefill_attention(q, cache, meta)  # [B, T, Hq, D]
         else:
             k_all, v_all, mask = reference.read_kv(cache, self.layer, meta)
             if meta.observer is not None:
@@ -119,6 +122,18 @@ class Attention(nn.Module):
             new_mask=meta.packed_new_mask(), ctx_idx=ctx_idx, ctx_valid=ctx_valid,
             q_positions=meta.q_positions if window is not None else None, sliding_window=window,
             live=meta.live,
+        )
+
+    def _prefill_attention(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """A long plain prefill forward (Transformer._backend chose "triton_prefill": no view, observer,
+        pending tokens or new-token mask) through the flash prefill kernel → [B, T, Hq, D]. A dense
+        cache's table is arange(B)[:, None] with page_size = capacity, so both layouts go through it."""
+        from redwood.attention.triton_prefill import prefill_attention
+
+        window = meta.sliding_window
+        return prefill_attention(
+            q, cache.k[self.layer], cache.v[self.layer], meta.lengths, cache.block_table,
+            q_positions=meta.q_positions if window is not None else None, sliding_window=window, live=meta.live,
         )
 
 
@@ -318,8 +333,27 @@ class Transformer(nn.Module):
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         return KVCache(self.config, batch_size, capacity, self.dtype, self.device)
 
-    def _backend(self, input_ids: torch.Tensor, T: int, observer) -> str:
-        if self.attention_backend == "reference" or observer is not None or T > FAST_ATTENTION_MAX_NEW:
+    def prefill_kernel(self) -> bool:
+        """Whether long plain prefill forwards (more than FAST_ATTENTION_MAX_NEW new tokens, no view,
+        observer, pending tokens or new-token mask) attend through the flash prefill kernel
+        (attention.triton_prefill): REDWOOD_PREFILL_KERNEL=1 — OFF by default on this branch until it is
+        measured on the H200 (benchmarks/prefill_bench.py, NOTES.md session 12) — on CUDA, for a dtype and
+        head dim the kernel takes, unless the model is pinned to the reference. Those forwards then
+        materialize no scores, so the prefill loops (engine.prefill) drop their score budget."""
+        if self.attention_backend == "reference":
+            return False
+        from redwood.attention import triton_prefill
+
+        return triton_prefill.enabled() and triton_prefill.available(self.device, self.dtype, self.config.head_dim)
+
+    def _backend(self, input_ids: torch.Tensor, T: int, observer, view=None, pending: int = 0,
+                 new_mask=None) -> str:
+        if T > FAST_ATTENTION_MAX_NEW:
+            plain = observer is None and view is None and pending == 0 and new_mask is None
+            if plain and self.prefill_kernel():
+                return "triton_prefill"
+            return "reference"  # (SnapKV's observer needs the scores; views, trees, drafts: not in the kernel)
+        if self.attention_backend == "reference" or observer is not None:
             return "reference"
         if input_ids.device.type == "cuda":
             from redwood.attention import triton_decode
@@ -366,7 +400,7 @@ class Transformer(nn.Module):
             lengths=cache.lengths, num_new=T, kv_len=cache.capacity if capturing else None,
             pending=pending, new_mask=new_mask, live=cache.live,
             q_positions=positions, sliding_window=self.config.sliding_window, view=view, observer=observer,
-            backend=self._backend(input_ids, T, observer),
+            backend=self._backend(input_ids, T, observer, view, pending, new_mask),
         )
         x = self.embed_tokens(input_ids)  # [B, T, H]
         cos, sin = self.rotary(positions, x.dtype)
