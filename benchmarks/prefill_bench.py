@@ -220,9 +220,7 @@ def measure_layer(B: int, T: int, L: int, gen, sweep: bool, skip_decode: bool) -
                 entry = dict(cfg, error=repr(e)[:200])
             row["sweep"].append(entry)
             print("  sweep", B, T, L, entry, flush=True)
-    del case
-    torch.cuda.empty_cache()
-    return row
+    return row  # (the case's tensors go with it: main empties the allocator's cache between cases)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -299,8 +297,6 @@ def measure_chunk(model, B: int, T: int, L: int, gen) -> dict:
     for name in ("reference", "kernel", "kernel_budgeted"):
         if res.get(f"{name}_ms"):
             res[f"{name}_tflops"] = flops / res[f"{name}_ms"] / 1e9
-    del cache
-    torch.cuda.empty_cache()
     return res
 
 
@@ -330,12 +326,14 @@ def main() -> None:
     layers, chunks = [], []
     for B, T, L in cases:
         row = measure_layer(B, T, L, gen, args.sweep, args.skip_decode)
+        torch.cuda.empty_cache()
         print("layer", row, flush=True)
         layers.append(row)
     if not args.skip_model:
         model = qwen_1_5b()
         for B, T, L in cases:
             row = measure_chunk(model, B, T, L, gen)
+            torch.cuda.empty_cache()
             print("chunk", row, flush=True)
             chunks.append(row)
         del model

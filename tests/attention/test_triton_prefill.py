@@ -27,7 +27,6 @@ of this file (`test_interpreter_suite`, as tests/attention/test_triton_decode.py
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
