@@ -61,6 +61,24 @@ def test_packed_projection_equals_its_dequantized_weight(kind, bias):
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_batch_of_verify_steps_stays_on_the_row_exact_kernel(kind):
+    """[B, T, K] with B × T past the gemm threshold but few tokens per row (a verify at batch 40, γ 3) is
+    computed row by row like one-row forwards — the AR steps it stands for — bit for bit; a prefill chunk
+    ([1, T ≥ threshold, K]) takes the gemm."""
+    from redwood.models import cpu_weights
+
+    g = torch.Generator().manual_seed(5)
+    p = PackedLinear(torch.randn(128, 256, generator=g) * 0.05, None, kind)
+    verify = torch.randn(40, 4, 256, generator=g)  # 160 rows ≥ the 128-row threshold
+    assert verify.shape[0] * verify.shape[1] >= max(cpu_weights.INT8_GEMM_ROWS, cpu_weights.INT4_GEMM_ROWS)
+    one_rows = torch.stack([torch.cat([p(verify[b, t][None, None]) for t in range(4)], 1)[0] for b in range(40)])
+    assert torch.equal(p(verify), one_rows)
+    chunk = verify.reshape(1, 160, 256)
+    assert cpu_weights.prefill_rows(chunk) == 160 and cpu_weights.prefill_rows(verify) == 4
+    assert not torch.equal(p(chunk)[0], one_rows.reshape(160, -1))  # (the gemm ran: other rounding)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_packing_in_row_slices_equals_packing_whole(kind, monkeypatch):
     """PACK_ROWS slices (the float temporaries of one slice, not the whole matrix) give the same buffers."""
     from redwood.models import cpu_weights

@@ -17,8 +17,8 @@ residual stream, norms, attention and the KV cache keep the model dtype.
 
 Every format computes each row of a multi-row forward like a one-row forward of the same weights, so a
 verify over T tokens scores what T decode steps would (greedy speculation == greedy AR for each format);
-int8 forwards of INT8_GEMM_ROWS rows or more and int4 forwards of INT4_GEMM_ROWS or more (prefill chunks)
-take another kernel (the weight unpacked to bfloat16, oneDNN's gemm), within bfloat16 rounding of the same
+int8 forwards of INT8_GEMM_ROWS tokens per sequence or more and int4 forwards of INT4_GEMM_ROWS or more
+(prefill chunks; `prefill_rows`) take another kernel (the weight unpacked to bfloat16, oneDNN's gemm), within bfloat16 rounding of the same
 products.
 """
 
@@ -43,6 +43,14 @@ INT8_GEMM_ROWS = 128
 # batch-1 verify (a tree of at most 64 drafts: 65 rows), whose rows must equal one-row forwards.
 INT4_GEMM_ROWS = 128
 INT4_SLICE = 2048
+
+
+def prefill_rows(x: torch.Tensor) -> int:
+    """The size that sends a forward to the gemm path: tokens per sequence for [B, T, K] inputs (a prefill
+    chunk has many), all rows for [M, K]. Not B × T: a batch of decode or verify steps (B × (γ + 1) rows,
+    however large B is) must stay on the kernel whose rows equal one-row products, or a verify at batch 32
+    would score its tokens with another kernel than the AR steps it stands for."""
+    return x.shape[-2] if x.dim() >= 3 else x.shape[0]
 
 
 class PackedLinear(nn.Module):
@@ -71,11 +79,12 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(_ACT)  # [M, K]
-        if self.kind == "int8" and x2.shape[0] >= INT8_GEMM_ROWS:  # prefill: int8 values are exact in bfloat16
+        chunk = prefill_rows(x)
+        if self.kind == "int8" and chunk >= INT8_GEMM_ROWS:  # prefill: int8 values are exact in bfloat16
             y = F.linear(x2, self.w8.to(_ACT)) * self.scale
         elif self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.w8, self.scale)
-        elif self.kind == "int4" and x2.shape[0] >= INT4_GEMM_ROWS and int4_layout_known(self.out_features):
+        elif self.kind == "int4" and chunk >= INT4_GEMM_ROWS and int4_layout_known(self.out_features):
             y = torch.cat([x2 @ unpack_int4(self.packed, self.scale_zero, s, min(s + INT4_SLICE, self.out_features))
                            for s in range(0, self.out_features, INT4_SLICE)], dim=1)
         elif self.kind == "int4":
