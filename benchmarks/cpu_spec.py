@@ -2,11 +2,14 @@
 of the draft (issue 20: does the cheaper verify of packed weights make speculation pay on this machine).
 
 Usage: OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/cpu_spec.py [--plan int8:int8/int4 int4:int4]
-    [--gammas 3 5] [--new-tokens 64]
+    [--gammas 3 5] [--new-tokens 64] [--code-prompts 1] [--chat]
 A plan entry is TARGET:DRAFT1/DRAFT2…; each target loads once (`load_model(weights=)`), runs AR (after a
-short warm-up) and then greedy chains of each γ with each draft format over the same 128-token code prompt
-(HumanEval problems 100+). Prints decode tokens/s, the speedup over AR, acceptance, tokens per step, and
-whether the speculative tokens equal AR's (they must, up to numerical ties: DESIGN.md invariant 1).
+short warm-up) and then greedy chains of each γ with each draft format over the same prompts: --code-prompts
+128-token code windows (HumanEval problems 100+, 1024 tokens apart) and, with --chat, the main job's chat
+prompt (scripts/run.sh). Prints decode tokens/s (over all prompts: their tokens over their decode seconds),
+the speedup over AR, acceptance, tokens per step, and for how many prompts the speculative tokens equal AR's
+(they must, up to numerical ties: DESIGN.md invariant 1; a packed format's logits come out of a bfloat16 LM
+head, so exact ties do occur — benchmarks/NOTES.md session 12).
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ import gc
 
 from cpu_weights import held_out_texts
 from redwood import Engine, SamplingParams
+from redwood.engine.engine import encode_prompt
 from redwood.kv.policies import FullPolicy
 from redwood.loading import load_model
 from redwood.speculation.drafters import ModelDrafter
 from redwood.speculation.trees import Tree
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+CHAT = "Write a Python function that checks whether a number is prime."  # scripts/run.sh's prompt
 
 
 def run(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[list[int], dict]:
@@ -35,21 +40,44 @@ def run(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[list
     return ids, stats
 
 
+def run_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], dict]:
+    """Each prompt alone, one after the other → (token ids per prompt, totals: decode tokens/s over all
+    prompts, acceptance and tokens per step over all steps)."""
+    outs, tokens, seconds, acc, drafted, steps = [], 0, 0.0, 0, 0, 0
+    for p in prompts:
+        ids, st = run(engine, p, params)
+        outs.append(ids)
+        tokens += st["generated_tokens"] - 1  # (the first token comes from the prefill)
+        seconds += st["decode_s"]
+        sp = st.get("speculative")
+        if sp:
+            acc, drafted, steps = acc + sp["accepted"], drafted + sp["drafted"], steps + sp["steps"]
+    total = {"decode_tokens_per_s": tokens / seconds}
+    if steps:
+        total.update(acceptance_rate=acc / drafted, mean_accepted_length=(acc + steps) / steps)
+    return outs, total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan", nargs="+", default=["int8:int8/int4", "int4:int4"])
     ap.add_argument("--gammas", nargs="+", type=int, default=[3, 5])
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--code-prompts", type=int, default=1, help="128-token code windows (default 1)")
+    ap.add_argument("--chat", action="store_true", help="also the main job's chat prompt (scripts/run.sh)")
     args = ap.parse_args()
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     rows = []
     for entry in args.plan:
         tk, drafts = entry.split(":")
         target = load_model(TARGET, weights=tk)
-        prompt = held_out_texts(target.tokenizer, 128)["code"][:128]
+        code = held_out_texts(target.tokenizer, 1024 * args.code_prompts)["code"]
+        prompts = [code[i * 1024:i * 1024 + 128] for i in range(args.code_prompts)]
+        if args.chat:
+            prompts.append(encode_prompt(target.tokenizer, CHAT, chat=True))
         engine = Engine.build(target.model, target.tokenizer, max_num_seqs=1, max_model_len=512)
-        run(engine, prompt[:16], SamplingParams(max_new_tokens=4))  # warm-up
-        ar_ids, ar = run(engine, prompt, params)
+        run(engine, prompts[0][:16], SamplingParams(max_new_tokens=4))  # warm-up
+        ar_ids, ar = run_all(engine, prompts, params)
         del engine
         print(f"AR {tk}: {ar['decode_tokens_per_s']:.2f} tok/s", flush=True)
         for dk in drafts.split("/"):
@@ -58,19 +86,18 @@ def main() -> None:
                 drafter = ModelDrafter(draft.model, FullPolicy(), target.config.vocab_size)
                 engine = Engine.build(target.model, target.tokenizer, drafter=drafter, tree=Tree.chain(g),
                                       max_num_seqs=1, max_model_len=512)
-                ids, st = run(engine, prompt, params)
+                ids, st = run_all(engine, prompts, params)
                 del engine
-                sp = st["speculative"]
-                row = (tk, dk, g, ar["decode_tokens_per_s"], st["decode_tokens_per_s"], sp["acceptance_rate"],
-                       sp["mean_accepted_length"], ids == ar_ids)
+                row = (tk, dk, g, ar["decode_tokens_per_s"], st["decode_tokens_per_s"], st["acceptance_rate"],
+                       st["mean_accepted_length"], f"{sum(a == b for a, b in zip(ids, ar_ids))}/{len(ids)}")
                 rows.append(row)
                 print(f"  {tk} target, {dk} draft, γ {g}: {row[4]:.2f} tok/s = {row[4] / row[3]:.2f}× AR, "
-                      f"acceptance {row[5]:.2f}, {row[6]:.2f} tokens/step, tokens == AR: {row[7]}", flush=True)
+                      f"acceptance {row[5]:.2f}, {row[6]:.2f} tokens/step, prompts with tokens == AR: {row[7]}", flush=True)
             del draft
             gc.collect()
         del target
         gc.collect()
-    print("\n| target | draft | γ | AR tok/s | spec tok/s | × AR | acceptance | tokens/step | == AR |")
+    print("\n| target | draft | γ | AR tok/s | spec tok/s | × AR | acceptance | tokens/step | prompts == AR |")
     print("|---|---|---|---|---|---|---|---|---|")
     for tk, dk, g, a, s, acc, mal, same in rows:
         print(f"| {tk} | {dk} | {g} | {a:.2f} | {s:.2f} | {s / a:.2f} | {acc:.2f} | {mal:.2f} | {same} |")

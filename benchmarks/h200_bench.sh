@@ -17,16 +17,8 @@
 # the machine's 10-minute call limit: e.g. `tests p1 steps` + greedy p2, then T = 0.6 p2 + p5, then p3 alone.
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl; fi
-export PYTHONPATH=/tmp/site:src:. PYTHONUNBUFFERED=1 REDWOOD_HOME=${REDWOOD_HOME:-$PWD/.stage/home}
-T=${TARGET:-/root/t.gguf}
-D=${DRAFT:-/root/d.gguf}
-if [ ! -f "$T" ] && ls /root/stage/t?? >/dev/null 2>&1; then cat /root/stage/t?? > "$T"; fi
-if [ ! -f "$D" ] && ls /root/stage/d?? >/dev/null 2>&1; then cat /root/stage/d?? > "$D"; fi
-R="python3 -m redwood.cli"
+. "$(dirname "$0")/h200_env.sh"  # wheels, PYTHONPATH, REDWOOD_HOME, the staged GGUFs → T, D; R, run
 GPU=${GPU_FLAGS:---dtype bfloat16 --device cuda}
-run() { echo >&2; echo "\$ $*" >&2; "$@"; }
 
 for step in "$@"; do case $step in
 tests)  # the GPU tests: Triton kernel vs float64, graphed steps == eager, speculation exact on CUDA

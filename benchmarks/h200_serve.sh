@@ -15,14 +15,7 @@
 # default streaming 512 γ 3), GPU_FLAGS (default --dtype bfloat16 --device cuda), CHAT_N (MT-Bench questions, default 16), CHAT_FLAGS (the draft-model flags).
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-if [ -d .whl ] && ! python3 -c "import fastapi, uvicorn, gguf" 2>/dev/null; then python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl; fi
-export PYTHONPATH=/tmp/site:src:. PYTHONUNBUFFERED=1 REDWOOD_HOME=${REDWOOD_HOME:-$PWD/.stage/home}
-T=${TARGET:-/root/t.gguf}
-D=${DRAFT:-/root/d.gguf}
-if [ ! -f "$T" ] && ls /root/stage/t?? >/dev/null 2>&1; then cat /root/stage/t?? > "$T"; fi
-if [ ! -f "$D" ] && ls /root/stage/d?? >/dev/null 2>&1; then cat /root/stage/d?? > "$D"; fi
-R="python3 -m redwood.cli"
+. "$(dirname "$0")/h200_env.sh"  # wheels, PYTHONPATH, REDWOOD_HOME, the staged GGUFs → T, D; R, run
 PORT=${PORT:-8031}
 URL=http://127.0.0.1:$PORT
 LONG_LEN=${LONG_LEN:-24576}
@@ -34,7 +27,6 @@ LONG_MAX=${LONG_MAX:-512}
 SPEC_FLAGS=${SPEC_FLAGS:---self-speculate --draft-kv streaming --draft-budget 512 --gamma 3}
 CHAT_N=${CHAT_N:-16}
 CHAT_FLAGS=${CHAT_FLAGS:---draft-model $D --gamma 4}
-run() { echo >&2; echo "\$ $*" >&2; "$@"; }
 
 SERVER=
 serve() {  # serve LOG FLAGS...: start `redwood serve` in the background, wait for /health (≤ 5 minutes)

@@ -360,3 +360,42 @@ def test_loading_and_a_long_prefill_show_progress_unless_quiet(tiny_model_dir, m
     assert total > 16 and prefill[0].startswith("prefill: 16/") and prefill[-1].startswith(f"prefill: {total}/")
     assert main(argv + ["--quiet"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_generate_compare_ar_reports_ar_and_speculation_speed(tiny_model_dir, capsys):
+    """--compare-ar N: after the speculative answer, AR decodes N tokens of the same prompt; the line after
+    the stats line reports both decode speeds and the speedup (greedy: the tokens are AR's)."""
+    base = ["generate", "--model", str(tiny_model_dir), "--prompt", "Paris is the capital of", "--max-new-tokens",
+            "12", "--ignore-eos", "--draft-model", str(tiny_model_dir), "--gamma", "3"]
+    assert main(base + ["--compare-ar", "8"]) == 0
+    lines = capsys.readouterr().out.rstrip("\n").split("\n")
+    stats, compare = lines[-2], lines[-1]
+    assert "prefill" in stats and "; decode " in stats and " s, " in stats  # wall times of both
+    assert compare.startswith("[compare-ar: AR ") and "over 8 tokens" in compare and "speedup" in compare
+    assert "greedy tokens equal AR's" in compare
+    assert main(base + ["--compare-ar", "--json"]) == 0  # N defaults to 64, cut to the answer's 12 tokens
+    c = json.loads(capsys.readouterr().out)["compare_ar"]
+    assert c["tokens"] == 12 and c["greedy_equal"] and c["speedup"] > 0
+    assert c["speedup"] == pytest.approx(c["spec_decode_tokens_per_s"] / c["ar_decode_tokens_per_s"], rel=1e-2)
+
+
+@pytest.mark.parametrize("flags, msg", [
+    (["--compare-ar"], "--compare-ar compares speculation with autoregressive decoding: add --draft-model"),
+    (["--compare-ar", "1", "--self-speculate"], "--compare-ar N must be >= 2"),
+])
+def test_generate_compare_ar_errors(flags, msg, tmp_path, capsys):
+    assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"] + flags) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("redwood: error:") and msg in err and err.count("\n") == 1, err
+
+
+def test_compare_line_names_where_greedy_tokens_left_ar_and_the_gap_there():
+    from redwood.commands.generate import compare_line
+
+    c = {"tokens": 64, "prefill_s": 0.5, "decode_s": 20.0, "ar_decode_tokens_per_s": 3.15,
+         "spec_decode_tokens_per_s": 6.3, "speedup": 2.0}
+    assert compare_line(c).startswith("[compare-ar: AR 3.15 tokens/s over 64 tokens (prefill 0.500 s, decode "
+                                      "20.000 s), speculation 6.30 tokens/s (decode), speedup 2.00×")
+    line = compare_line({**c, "greedy_equal": False, "first_difference": 6, "ar_top2_gap": 0.0})
+    assert "leave AR's at token 6, where AR's two most likely tokens' logits differ by 0 " in line
+    assert compare_line({**c, "greedy_equal": True, "first_difference": None}).endswith("greedy tokens equal AR's]")

@@ -62,17 +62,19 @@ class LLM:
     max_num_batched_tokens, kv_cache_memory, enable_prefix_caching; see `redwood.Engine`).
     threads: torch's CPU threads (None: OMP_NUM_THREADS when set, else the measured default; see
     `redwood.engine.threads`).
-    weights: the CPU weight format of the target and the draft ("auto": int8 for a GGUF file on the
-    CPU, else float32; "float32" | "bfloat16" | "int8" | "int4"; see `redwood.models.cpu_weights`).
+    weights: the CPU weight format of the target ("auto": int8 for a GGUF file on the CPU, else float32;
+    "float32" | "bfloat16" | "int8" | "int4"; see `redwood.models.cpu_weights`). draft_weights: the same for
+    a draft model ("auto": int4 for a GGUF draft on the CPU, else float32; the output is the target's
+    whatever the draft's format).
     """
 
     def __init__(self, model: str | Path = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", speculative: SpeculativeConfig | None = None,
                  offload: bool = False, offload_prefetch: int = 2, cuda_graphs: bool | None = None,
-                 threads: int | None = None, weights: str = "auto", **engine_args):
+                 threads: int | None = None, weights: str = "auto", draft_weights: str = "auto", **engine_args):
         self.engine = Engine(model, dtype=dtype, device=device, speculative=speculative, offload=offload,
                              offload_prefetch=offload_prefetch, cuda_graphs=cuda_graphs, threads=threads,
-                             weights=weights, **engine_args)
+                             weights=weights, draft_weights=draft_weights, **engine_args)
         e = self.engine
         self.model, self.tokenizer, self.config = e.model, e.tokenizer, e.config
         self.model_name, self.model_path = e.model_name, e.model_path

@@ -8,7 +8,7 @@ import torch
 
 from redwood.errors import ConfigError
 from redwood.loading import load_model
-from redwood.models.cpu_weights import check_weights, resolve_weights
+from redwood.models.cpu_weights import auto_formats, check_weights, resolve_weights
 from tests.conftest import save_target_and_draft
 from tests.loading.test_gguf import QWEN_TYPES, random_state_dict, write_gguf
 
@@ -48,6 +48,59 @@ def test_auto_is_int8_for_gguf_on_the_cpu_and_float32_otherwise(gguf_file, hf_pa
     assert int4(ids, torch.arange(4)[None], int4.new_cache(1, 8)).shape == (1, 4, 300)
 
 
+def test_draft_auto_is_int4_for_a_gguf_draft_on_the_cpu_and_falls_back_where_int4_does_not_fit(gguf_file, tmp_path,
+                                                                                                monkeypatch):
+    from pathlib import Path
+
+    from tests.conftest import random_hf_model, tiny_hf_config
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_weights("auto", cpu, Path("m/draft.gguf"), draft=True) == "int4"
+    assert resolve_weights("auto", cuda, Path("m/draft.gguf"), draft=True) == "float32"
+    assert resolve_weights("auto", cpu, Path("m"), draft=True) == "float32"  # a float checkpoint stays exact
+    assert resolve_weights("int8", cpu, Path("m/draft.gguf"), draft=True) == "int8"
+    from redwood.loading import ModelInfo
+    from redwood.loading.gguf import read_gguf_config
+
+    info = ModelInfo(config=read_gguf_config(gguf_file), tokenizer=None, source="tiny", path=gguf_file)
+    assert load_model(info, weights="auto", draft=True).model.weights == "int4"
+    assert load_model(info, weights="auto").model.weights == "int8"
+    assert auto_formats("int4") == ("int4", "int8", "float32") and auto_formats("bfloat16") == ("bfloat16",)
+    # hidden 48 is not whole 32-input int4 groups: "auto" resolving to int4 takes int8 instead (as a GGUF
+    # draft of that shape would), where an explicit int4 is an error
+    config = tiny_hf_config("qwen2", hidden_size=48, num_attention_heads=4, num_key_value_heads=2)
+    random_hf_model(config).save_pretrained(tmp_path / "odd")
+    monkeypatch.setattr("redwood.loading.resolve_weights", lambda *a, **k: "int4")
+    assert load_model(tmp_path / "odd", weights="auto", draft=True).model.weights == "int8"
+    with pytest.raises(ConfigError, match="int4 needs out_features % 16 == 0"):
+        load_model(tmp_path / "odd", weights="int4", draft=True)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_gguf_packed_as_it_loads_equals_the_loaded_model_packed(tmp_path, tied):
+    """load_model packs each projection of a GGUF as it is dequantized (`cpu_weights.packer`): the same
+    buffers, biases and logits as loading the float model and packing it (quantize_cpu)."""
+    from redwood.loading import ModelInfo
+    from redwood.loading.gguf import read_gguf, read_gguf_config
+    from redwood.models.transformer import build_model
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "qwen2", random_state_dict(3, qkv_bias=True, tied=tied), types=QWEN_TYPES)
+    info = ModelInfo(config=read_gguf_config(path), tokenizer=None, source="m", path=path)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    for kind in ("int8", "int4", "bfloat16"):
+        streamed = load_model(info, weights=kind).model
+        g = read_gguf(path)
+        ref = build_model(g.config, g.tensors, torch.float32, "cpu", rope_freqs=g.rope_freqs)
+        ref.quantize_cpu(kind)
+        assert streamed.weights == kind and (streamed.packed_head is None) == (ref.packed_head is None)
+        a, b = dict(streamed.named_buffers()), dict(ref.named_buffers())
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), kind
+        assert streamed.layers[0].self_attn.q_proj.bias is not None
+        assert torch.equal(streamed(ids, torch.arange(5)[None], streamed.new_cache(1, 8)),
+                           ref(ids, torch.arange(5)[None], ref.new_cache(1, 8)))
+
+
 def test_bad_values_and_cuda_are_config_errors():
     with pytest.raises(ConfigError, match="unknown weights 'fp8'; choose one of auto, float32, bfloat16, int8, int4"):
         check_weights("fp8", torch.device("cpu"))
@@ -55,6 +108,10 @@ def test_bad_values_and_cuda_are_config_errors():
         check_weights("int8", torch.device("cuda"))
     with pytest.raises(ConfigError, match="weights='int4' is a CPU format"):
         check_weights("int4", torch.device("cpu"), offload=True)
+    with pytest.raises(ConfigError, match="draft_weights='int4' is a CPU format; on CUDA"):
+        resolve_weights("int4", torch.device("cuda"), "d.gguf", draft=True)
+    with pytest.raises(ConfigError, match="unknown draft_weights 'int2'"):
+        check_weights("int2", torch.device("cpu"), name="draft_weights")
     check_weights("auto", torch.device("cuda"))
     check_weights("float32", torch.device("cuda"))
 
@@ -66,12 +123,31 @@ def test_llm_quantizes_target_and_draft(hf_pair):
     with pytest.raises(ConfigError, match="unknown weights 'int3'"):
         LLM(str(hf_pair[0]), weights="int3")
     spec = SpeculativeConfig(draft_model=str(hf_pair[1]), num_draft_tokens=3)
-    llm = LLM(str(hf_pair[0]), weights="int8", speculative=spec)
-    assert llm.model.weights == "int8" and llm.engine.drafter.own_model.weights == "int8"
+    llm = LLM(str(hf_pair[0]), weights="int8", speculative=spec)  # --weights is the target's alone
+    assert llm.model.weights == "int8" and llm.engine.drafter.own_model.weights == "float32"  # (auto: a float folder)
     ar = LLM(str(hf_pair[0]), weights="int8")
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     prompt = [[5, 17, 40, 9, 33, 120]]
-    assert llm.generate(prompt, params)[0].token_ids == ar.generate(prompt, params)[0].token_ids
+    want = ar.generate(prompt, params)[0].token_ids
+    assert llm.generate(prompt, params)[0].token_ids == want
+    for kind in ("int8", "int4"):
+        llm = LLM(str(hf_pair[0]), weights="int8", draft_weights=kind, speculative=spec)
+        assert llm.model.weights == "int8" and llm.engine.drafter.own_model.weights == kind
+        assert f"{kind} weights" in llm.draft_name
+        assert llm.generate(prompt, params)[0].token_ids == want  # the draft's format moves acceptance only
+
+
+def test_draft_weights_needs_a_draft_model(hf_pair):
+    from redwood import LLM
+    from redwood.config import SpeculativeConfig
+
+    with pytest.raises(ConfigError, match="unknown draft_weights 'int3'"):
+        LLM(str(hf_pair[0]), draft_weights="int3")
+    with pytest.raises(ConfigError, match="draft_weights applies to a draft model: give speculative="):
+        LLM(str(hf_pair[0]), draft_weights="int4")
+    spec = SpeculativeConfig(self_speculate=True, draft_kv="streaming", draft_budget=8, num_draft_tokens=2)
+    with pytest.raises(ConfigError, match="self-speculation drafts with the target's weights"):
+        LLM(str(hf_pair[0]), draft_weights="int4", speculative=spec)
 
 
 def test_cli_weights_flag(hf_pair, capsys):
@@ -91,6 +167,43 @@ def test_every_command_that_loads_a_model_takes_weights(command, capsys):
     with pytest.raises(SystemExit):
         main(command + ["--help"])
     assert "--weights {auto,float32,bfloat16,int8,int4}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", [["generate"], ["serve"], ["acceptance"], ["profile"], ["bench", "standalone"],
+                                     ["bench", "throughput"]])
+def test_every_command_with_a_draft_model_takes_draft_weights(command, capsys):
+    from redwood.cli import main
+
+    with pytest.raises(SystemExit):
+        main(command + ["--help"])
+    out = capsys.readouterr().out
+    assert "--draft-model" in out and "--draft-weights {auto,float32,bfloat16,int8,int4}" in out
+
+
+@pytest.mark.parametrize("command, flags, msg", [
+    (["generate", "--prompt", "x"], ["--draft-weights", "int4"], "--draft-weights only applies when speculating"),
+    (["generate", "--prompt", "x"], ["--self-speculate", "--draft-weights", "int4"],
+     "self-speculation drafts with the target's weights"),
+    (["profile", "--output", "p.json"], ["--draft-weights", "int8"], "--draft-weights only applies with --draft-model"),
+    (["acceptance", "--width", "2", "--mode", "dynamic", "--temperature", "0", "--dataset", "humaneval",
+      "--output", "a.json"], ["--self-speculate", "--draft-kv", "streaming", "--draft-budget", "8",
+                              "--draft-weights", "int4"], "self-speculation drafts with the target's weights"),
+])
+def test_draft_weights_flag_errors(command, flags, msg, tmp_path, capsys):
+    """One line on stderr, exit status 2, before any model loads (the model path does not exist)."""
+    from redwood.cli import main
+
+    assert main(command + ["--model", str(tmp_path / "nope")] + flags) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("redwood: error:") and msg in err and err.count("\n") == 1, err
+
+
+def test_draft_weights_flag_choices(capsys):
+    from redwood.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--draft-model", "d", "--draft-weights", "int3", "--prompt", "hi"])
+    assert "invalid choice: 'int3'" in capsys.readouterr().err
 
 
 def test_bench_ar_reports_the_weights_and_refuses_hf_comparison_of_packed_weights(hf_pair):

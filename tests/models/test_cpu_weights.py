@@ -60,6 +60,61 @@ def test_packed_projection_equals_its_dequantized_weight(kind, bias):
     assert (p(xl) - ref).abs().max() <= 2 ** -7 * ref.abs().max()
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_batch_of_verify_steps_stays_on_the_row_exact_kernel(kind):
+    """[B, T, K] with B × T past the gemm threshold but few tokens per row (a verify at batch 40, γ 3) is
+    computed row by row like one-row forwards — the AR steps it stands for — bit for bit; a prefill chunk
+    ([1, T ≥ threshold, K]) takes the gemm."""
+    from redwood.models import cpu_weights
+
+    g = torch.Generator().manual_seed(5)
+    p = PackedLinear(torch.randn(128, 256, generator=g) * 0.05, None, kind)
+    verify = torch.randn(40, 4, 256, generator=g)  # 160 rows ≥ the 128-row threshold
+    assert verify.shape[0] * verify.shape[1] >= max(cpu_weights.INT8_GEMM_ROWS, cpu_weights.INT4_GEMM_ROWS)
+    one_rows = torch.stack([torch.cat([p(verify[b, t][None, None]) for t in range(4)], 1)[0] for b in range(40)])
+    assert torch.equal(p(verify), one_rows)
+    chunk = verify.reshape(1, 160, 256)
+    assert cpu_weights.prefill_rows(chunk) == 160 and cpu_weights.prefill_rows(verify) == 4
+    assert not torch.equal(p(chunk)[0], one_rows.reshape(160, -1))  # (the gemm ran: other rounding)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_packing_in_row_slices_equals_packing_whole(kind, monkeypatch):
+    """PACK_ROWS slices (the float temporaries of one slice, not the whole matrix) give the same buffers."""
+    from redwood.models import cpu_weights
+
+    w = torch.randn(320, 64, generator=torch.Generator().manual_seed(2))
+    whole = PackedLinear(w, None, kind)
+    monkeypatch.setattr(cpu_weights, "PACK_ROWS", 64)
+    sliced = PackedLinear(w, None, kind)
+    a, b = dict(whole.named_buffers()), dict(sliced.named_buffers())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_int4_prefill_rows_take_the_unpacked_bfloat16_gemm(monkeypatch):
+    """int4 forwards of INT4_GEMM_ROWS rows or more multiply by the weight unpacked from the kernel's layout
+    (`unpack_int4`: exactly the weight the kernel reads back, `dequantized`), in slices of output rows,
+    within bfloat16 rounding of the kernel's product; fewer rows (every batch-1 verify) stay in the kernel."""
+    from redwood.models import cpu_weights
+
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(192, 256, generator=g) * 0.05, torch.randn(192, generator=g)
+    p = PackedLinear(w, b, "int4")
+    assert cpu_weights.int4_layout_known(192) and not cpu_weights.int4_layout_known(96)
+    unpacked = cpu_weights.unpack_int4(p.packed, p.scale_zero, 0, 192)  # Wᵀ [K, N]
+    assert unpacked.dtype == torch.bfloat16 and torch.equal(unpacked.float().T, p.dequantized())
+    assert torch.equal(cpu_weights.unpack_int4(p.packed, p.scale_zero, 64, 192), unpacked[:, 64:])
+    monkeypatch.setattr(cpu_weights, "INT4_SLICE", 64)  # three slices
+    x = torch.randn(cpu_weights.INT4_GEMM_ROWS + 5, 256, generator=g)
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), p.packed, INT4_GROUP, p.scale_zero).float() + b
+    y = p(x)
+    assert (y - kernel).abs().max() <= 2 ** -7 * kernel.abs().max()
+    assert not torch.equal(y, kernel)  # (another kernel did run)
+    short = x[:cpu_weights.INT4_GEMM_ROWS - 1]
+    assert torch.equal(p(short), kernel[:cpu_weights.INT4_GEMM_ROWS - 1])
+    assert cpu_weights.INT4_GEMM_ROWS > 65  # above a batch-1 verify of the largest tree (64 drafts)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_quantized_model_equals_float_model_of_its_dequantized_weights(models, kind):
     """Logits of a 40-token prompt: the packed model against a float32 model holding the dequantized
@@ -119,6 +174,24 @@ def test_greedy_speculation_equals_greedy_ar(models, packed, kind, mode):
     _, ar, _ = run_engine(target, tok, prompts, params, max_num_seqs=3)
     drafter, tree = MODES[mode](target, draft)
     _, spec, _ = run_engine(target, tok, prompts, params, drafter=drafter, tree=tree, max_num_seqs=3)
+    for a, s in zip(ar, spec):
+        assert s.output_ids == a.output_ids and len(a.output_ids) == 24
+    assert 0 < sum(s.stats.spec.accepted for s in spec) < sum(s.stats.spec.drafted for s in spec)
+
+
+@pytest.mark.parametrize("target_kind", ["float32", "int8"])
+@pytest.mark.parametrize("tree", ["chain:3", "chains:2x3"])
+def test_greedy_speculation_with_an_int4_draft_equals_greedy_ar(models, packed, target_kind, tree):
+    """A draft in a format of its own (--draft-weights int4 under a float32 or int8 target): the speculative
+    greedy tokens equal the target's greedy AR tokens — the draft's format moves only acceptance."""
+    target = models[0] if target_kind == "float32" else packed[target_kind][0]
+    draft = packed["int4"][1]
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(5, 60))] for _ in range(3)]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    _, ar, _ = run_engine(target, models[2], prompts, params, max_num_seqs=3)
+    _, spec, _ = run_engine(target, models[2], prompts, params, drafter=ModelDrafter(draft, FullPolicy(), 320),
+                            tree=resolve_tree(tree), max_num_seqs=3)
     for a, s in zip(ar, spec):
         assert s.output_ids == a.output_ids and len(a.output_ids) == 24
     assert 0 < sum(s.stats.spec.accepted for s in spec) < sum(s.stats.spec.drafted for s in spec)

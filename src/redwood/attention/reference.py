@@ -134,9 +134,49 @@ def read_kv(cache, layer: int, meta: AttentionMetadata):
     return k, v, mask
 
 
+# CPU forwards of at most this many new tokens per row (decode, chain and tree verify — γ ≤ 64 — and short
+# prefills) attend one query at a time (`_attention_by_query`); longer ones (prefill chunks) in one call.
+BY_QUERY_MAX_NEW = 80
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """q: [B, Hq, T, D]; k, v: [B, Hkv, S, D]; mask [B, 1 or Hkv, T, S] → [B, Hq, T, D]."""
     Hq, Hkv = q.shape[1], k.shape[1]
+    if q.device.type == "cpu" and q.shape[2] <= BY_QUERY_MAX_NEW and mask.shape[1] == 1:
+        return _attention_by_query(q, k, v, mask)
     if mask.shape[1] not in (1, Hq):
         mask = mask.repeat_interleave(Hq // Hkv, dim=1)  # per-KV-head mask → per query head
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=Hq != Hkv)
+
+
+def _attention_by_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`attention` one query (row b, token t) at a time, over exactly the keys it may see, unmasked.
+
+    Why: SDPA's CPU kernel blocks its work by the number of queries, so row t of a T-token call differs in
+    the last bits from a one-token call over the same keys (measured: 3.6e-7 at T = 4). A verify must score
+    its tokens like the AR steps it stands for, and on the CPU the packed weights round activations to
+    bfloat16, which turns those last bits into other greedy tokens now and then (the README's main job
+    diverged from AR at its 6th token). Here every query — a decode step's, a chain or tree verify's — is
+    the same call: SDPA over the keys its mask allows, in slot order (a slice when they are contiguous,
+    as for decode and chains; gathered for trees), which is the same key set, same order, same values as
+    the one-token step that would produce that token. (The output does not depend on the slice's strides
+    or on masked keys beyond it; checked in tests/attention/test_reference.py.)
+    q: [B, Hq, T, D]; k, v: [B, Hkv, S, D]; mask [B, 1, T, S] bool → [B, Hq, T, D].
+    """
+    B, Hq, T, D = q.shape
+    gqa = Hq != k.shape[1]
+    allowed = mask.expand(B, 1, T, k.shape[2])[:, 0]  # [B, T, S]
+    out = q.new_zeros(B, Hq, T, D)  # a query that sees no key outputs 0 (as the Triton kernel)
+    for b in range(B):
+        for t in range(T):
+            idx = allowed[b, t].nonzero().squeeze(1)
+            n = idx.numel()
+            if n == 0:
+                continue
+            lo, hi = int(idx[0]), int(idx[-1]) + 1
+            if hi - lo == n:  # contiguous: views into the read, no copy
+                kb, vb = k[b:b + 1, :, lo:hi], v[b:b + 1, :, lo:hi]
+            else:
+                kb, vb = k[b:b + 1, :, idx], v[b:b + 1, :, idx]
+            out[b, :, t] = F.scaled_dot_product_attention(q[b:b + 1, :, t:t + 1], kb, vb, enable_gqa=gqa)[0, :, 0]
+    return out

@@ -13,7 +13,8 @@ import sys
 import time
 
 from redwood.commands.options import (DEFAULT_POOL_KERNEL, add_draft_cache_args, add_graphs_arg, add_threads_arg,
-                                      apply_threads_arg, check_draft_cache_args)
+                                      apply_threads_arg, check_draft_cache_args, check_draft_weights_arg,
+                                      draft_weights_kwargs)
 from redwood.errors import ConfigError
 
 
@@ -53,9 +54,10 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i; default 0)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    from redwood.commands.options import add_weights_arg
+    from redwood.commands.options import add_draft_weights_arg, add_weights_arg
 
     add_weights_arg(p)
+    add_draft_weights_arg(p)
     add_graphs_arg(p)
     add_threads_arg(p)
     add_draft_cache_args(p.add_argument_group("draft KV (dynamic mode: the draft reads the context through it)"))
@@ -85,6 +87,7 @@ def _check(args) -> str:
     compressed = args.draft_kv not in (None, "full")
     if args.self_speculate and args.draft_model:
         raise ConfigError("--draft-model and --self-speculate are mutually exclusive; pick one drafter")
+    check_draft_weights_arg(args, default_draft=True)  # (without --draft-model: the default draft model)
     if args.mode == "static" and (compressed or args.self_speculate):
         raise ConfigError("a compressed draft cache (--draft-kv / --self-speculate) is measured in --mode dynamic "
                           "(teacher-forced scoring has no draft cache)")
@@ -136,7 +139,8 @@ def _run(args: argparse.Namespace) -> int:
         from redwood.speculation.drafters import check_compatible
 
         tgt = load_model(args.model, dtype=args.dtype, device=args.device, weights=args.weights)
-        drf = load_model(args.draft_model, dtype=args.dtype, device=args.device, weights=args.weights)
+        drf = load_model(args.draft_model, dtype=args.dtype, device=args.device,
+                         weights=args.draft_weights or "auto", draft=True)
         check_compatible(tgt.tokenizer, drf.tokenizer, tgt.config.vocab_size, drf.config.vocab_size)
         tokenizer, max_pos = tgt.tokenizer, min(tgt.config.max_position_embeddings,
                                                  drf.config.max_position_embeddings)
@@ -151,7 +155,7 @@ def _run(args: argparse.Namespace) -> int:
             verifier=verifier, draft_kv=args.draft_kv or "full", draft_budget=args.draft_budget, sinks=args.sinks,
             window=args.window, pool_kernel=DEFAULT_POOL_KERNEL if args.pool_kernel is None else args.pool_kernel)
         llm = LLM(args.model, dtype=args.dtype, device=args.device,
-                  weights=args.weights, speculative=spec, **graphs_kwargs(args),
+                  weights=args.weights, **draft_weights_kwargs(args), speculative=spec, **graphs_kwargs(args),
                   **threads_kwargs(args))
         tokenizer, max_pos = llm.tokenizer, llm.config.max_position_embeddings
         target_name = llm.model_name

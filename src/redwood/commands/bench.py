@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from redwood.commands.options import (add_draft_kv_args, add_model_args, add_offload_args, graphs_kwargs,
-                                      offload_kwargs, threads_kwargs)
+from redwood.commands.options import (add_draft_kv_args, add_draft_weights_arg, add_model_args, add_offload_args,
+                                      draft_weights_kwargs, graphs_kwargs, offload_kwargs, threads_kwargs)
 
 _SPEC_HELP = {
     "baseline": ("autoregressive tokens/s on long-text prompts (the speculative benches' baseline)",
@@ -46,6 +46,7 @@ def _add_spec_bench(bench, kind: str) -> None:
     add_model_args(p)
     if kind == "standalone":
         p.add_argument("--draft-model", default=None, metavar="D", help="the draft model (required)")
+        add_draft_weights_arg(p)
     p.add_argument("--batch-size", type=int, nargs="+", default=[1], metavar="B",
                    help="rows per batch; several values sweep (default 1)")
     p.add_argument("--prefix-len", type=int, nargs="+", default=[1024], metavar="L",
@@ -180,7 +181,7 @@ def run_spec_bench(args) -> int:
 
     from redwood.bench.speculative import (DEFAULT_DATASET, PromptSource, check_sizes, format_result, run_bench,
                                            to_report)
-    from redwood.commands.options import check_draft_kv_args, make_speculative_config
+    from redwood.commands.options import check_draft_kv_args, check_draft_weights_arg, make_speculative_config
     from redwood.errors import ConfigError
     from redwood.llm import LLM
     from redwood.sampling_params import SamplingParams
@@ -212,11 +213,12 @@ def run_spec_bench(args) -> int:
             if args.draft_budget is None and args.window is None:
                 args.draft_budget = SELFSPEC_DEFAULT_BUDGET
         check_draft_kv_args(args)
+        check_draft_weights_arg(args)
         configs = [make_speculative_config(args, draft_model=getattr(args, "draft_model", None),
                                            self_speculate=kind == "selfspec", gamma=g) for g in gammas or [4]]
         spec = configs[0]  # the draft shape varies per run; everything else is shared
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
-              weights=args.weights, speculative=spec, **graphs_kwargs(args),
+              weights=args.weights, **draft_weights_kwargs(args), speculative=spec, **graphs_kwargs(args),
               **offload_kwargs(args), **threads_kwargs(args))
     progress = None if args.json else (lambda msg: print(f"... {msg}", file=sys.stderr, flush=True))
     result = run_bench(llm, kind, args.batch_size, args.prefix_len, args.gen_len, source, gammas, trees=trees,
@@ -283,7 +285,7 @@ def run_throughput(args) -> int:
         spec = speculative_config_from_args(args)
     # The LLM only loads the models (its own engine is kept minimal and dropped); the bench builds its own.
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
-              weights=args.weights, speculative=spec, **graphs_kwargs(args),
+              weights=args.weights, **draft_weights_kwargs(args), speculative=spec, **graphs_kwargs(args),
               **offload_kwargs(args), **threads_kwargs(args), max_num_seqs=1,
               kv_cache_memory=engine_args.get("kv_cache_memory"))
     target, tokenizer, drafter, tree = llm.model, llm.tokenizer, llm.drafter, llm.tree

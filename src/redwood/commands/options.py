@@ -64,12 +64,49 @@ def apply_threads_arg(args) -> int:
 
 
 def add_weights_arg(p: argparse.ArgumentParser) -> None:
-    """--weights (args.weights): the CPU weight format of the target and draft (`redwood.models.cpu_weights`)."""
+    """--weights (args.weights): the CPU weight format of the target (`redwood.models.cpu_weights`)."""
     from redwood.models.cpu_weights import GGUF_DEFAULT, WEIGHT_CHOICES
 
     p.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
-                   help=f"CPU weight format of the target and draft projections (default auto: {GGUF_DEFAULT} for "
-                        f"a .gguf model on the CPU, else float32; CUDA keeps --dtype)")
+                   help=f"CPU weight format of the target's projections (default auto: {GGUF_DEFAULT} for "
+                        f"a .gguf model on the CPU, else float32; CUDA keeps --dtype; a draft model's: "
+                        f"--draft-weights)")
+
+
+def add_draft_weights_arg(p) -> None:
+    """--draft-weights (args.draft_weights, default None = auto): the CPU weight format of a draft model;
+    for every command that takes --weights and --draft-model (checked by `check_draft_weights_arg`)."""
+    from redwood.models.cpu_weights import DRAFT_GGUF_DEFAULT, WEIGHT_CHOICES
+
+    p.add_argument("--draft-weights", default=None, choices=WEIGHT_CHOICES,
+                   help=f"CPU weight format of the draft model's projections (default auto: {DRAFT_GGUF_DEFAULT} "
+                        f"for a .gguf draft on the CPU — the fastest speculation measured — else float32). The "
+                        f"output is the target's whatever the draft's format; only acceptance and speed move")
+
+
+def check_draft_weights_arg(args, default_draft: bool = False) -> None:
+    """One-line errors (ConfigError) for --draft-weights without a draft model (`default_draft`: the
+    command drafts with its default draft model then), with self-speculation, or a CPU format on CUDA —
+    before any model loads."""
+    from redwood.errors import ConfigError
+
+    weights = getattr(args, "draft_weights", None)
+    if weights is None:
+        return
+    if getattr(args, "self_speculate", False):
+        raise ConfigError("--draft-weights applies to a --draft-model; self-speculation drafts with the target's "
+                          "weights (--weights)")
+    if not getattr(args, "draft_model", None) and not default_draft:
+        raise ConfigError("--draft-weights only applies with --draft-model M")
+    if weights not in ("auto", "float32") and not str(getattr(args, "device", "cpu")).startswith("cpu"):
+        raise ConfigError(f"--draft-weights {weights} is a CPU format; on CUDA the draft runs in --dtype "
+                          f"(--draft-quant int8 gives its one-token forwards int8 weights)")
+
+
+def draft_weights_kwargs(args) -> dict:
+    """LLM(...) / Engine(...) keyword for --draft-weights (nothing when not given: the default, auto)."""
+    weights = getattr(args, "draft_weights", None)
+    return {} if weights is None else {"draft_weights": weights}
 
 
 def add_graphs_arg(p: argparse.ArgumentParser) -> None:
@@ -177,11 +214,12 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
                    help="speculate with this draft model (same tokenizer as --model)")
     p.add_argument("--self-speculate", action="store_true",
                    help="speculate with the target itself reading a compressed view of its KV cache")
+    add_draft_weights_arg(p)
     add_draft_kv_args(p, tree=True)
 
 
 _SPEC_FLAGS = ("draft_kv", "draft_budget", "sinks", "window", "pool_kernel", "gamma", "tree", "verifier",
-               "draft_quant")
+               "draft_quant", "draft_weights")
 
 
 def _flag(name: str) -> str:
@@ -297,6 +335,8 @@ def speculative_config_from_args(args):
     if args.draft_model and args.self_speculate:
         raise ConfigError("--draft-model and --self-speculate are mutually exclusive; pick one drafter")
     check_draft_kv_args(args)
+    if args.draft_model or args.self_speculate:
+        check_draft_weights_arg(args)
     if not args.draft_model and not args.self_speculate:
         given = [_flag(n) for n in _SPEC_FLAGS if getattr(args, n, None) is not None]
         if given:

@@ -8,7 +8,7 @@ import time
 
 from redwood.commands.options import (DEFAULT_POOL_KERNEL, add_draft_cache_args, add_graphs_arg, add_offload_args,
                                       add_threads_arg, apply_threads_arg, check_draft_cache_args,
-                                      check_draft_quant_arg, offload_kwargs)
+                                      check_draft_quant_arg, check_draft_weights_arg, offload_kwargs)
 from redwood.errors import ConfigError
 
 
@@ -42,9 +42,10 @@ def register(subparsers) -> None:
                    help="overhead: verifier timed (default: greedy at temperature 0, else sequoia)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    from redwood.commands.options import add_weights_arg
+    from redwood.commands.options import add_draft_weights_arg, add_weights_arg
 
     add_weights_arg(p)
+    add_draft_weights_arg(p)
     add_graphs_arg(p)
     add_threads_arg(p)  # (latencies on the CPU depend on it: profile with the threads you will run with)
     p.add_argument("--output", "-o", required=True, metavar="FILE", help="write the profile here (JSON)")
@@ -86,6 +87,7 @@ def _run(args: argparse.Namespace) -> int:
     check_draft_quant_arg(args)
     if args.draft_quant is not None and not args.draft_model:
         raise ConfigError("--draft-quant needs --draft-model")
+    check_draft_weights_arg(args)
 
     from redwood.loading import load_model
 
@@ -98,8 +100,8 @@ def _run(args: argparse.Namespace) -> int:
         from redwood.engine.offload import offload_layers
 
         offload_layers(target.model, args.device, prefetch=offload["offload_prefetch"])
-    draft = (load_model(args.draft_model, dtype=args.dtype, device=args.device, weights=args.weights)
-             if args.draft_model else None)
+    draft = (load_model(args.draft_model, dtype=args.dtype, device=args.device,
+                        weights=args.draft_weights or "auto", draft=True) if args.draft_model else None)
     if args.draft_quant:
         draft.model.quantize_skinny(args.draft_quant)
     say = None if args.quiet else (lambda msg: print(f"profiling: {msg}", file=sys.stderr, flush=True))

@@ -189,8 +189,10 @@ class Engine:
     requests need. enable_prefix_caching: share the KV blocks of identical prompt prefixes across
     requests (refcounted; off by default). threads: torch's CPU threads (`redwood.engine.threads`:
     None → OMP_NUM_THREADS when set, else the measured default; on CUDA only an explicit value is set).
-    weights: the CPU projection format of the target and the draft model (`redwood.models.cpu_weights`:
-    "auto" → int8 for a GGUF file on the CPU, else float32; "float32" | "bfloat16" | "int8" | "int4").
+    weights: the CPU projection format of the target (`redwood.models.cpu_weights`: "auto" → int8 for a
+    GGUF file on the CPU, else float32; "float32" | "bfloat16" | "int8" | "int4"). draft_weights: the same
+    for a draft model ("auto" → int4 for a GGUF draft on the CPU, the fastest speculation measured, else
+    float32; the output stays the target's whatever the draft's format, only acceptance moves).
     """
 
     def __init__(self, model: str | Path | ModelInfo = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
@@ -199,7 +201,7 @@ class Engine:
                  max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, max_model_len: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, max_num_batched_tokens: int = DEFAULT_PREFILL_CHUNK,
                  kv_cache_memory: float | None = None, enable_prefix_caching: bool = False,
-                 threads: int | None = None, weights: str = "auto"):
+                 threads: int | None = None, weights: str = "auto", draft_weights: str = "auto"):
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise ConfigError(f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}")
         _check_knobs(max_num_seqs, block_size, max_num_batched_tokens, kv_cache_memory)
@@ -211,6 +213,11 @@ class Engine:
         dev = parse_device(device)  # (bad values: an error before anything loads)
         parse_dtype(dtype)
         check_weights(weights, dev, offload)
+        check_weights(draft_weights, dev, name="draft_weights")
+        if draft_weights != "auto" and (speculative is None or not speculative.draft_model):
+            raise ConfigError("draft_weights applies to a draft model: "
+                              + ("self-speculation drafts with the target's weights" if speculative is not None
+                                 else "give speculative=SpeculativeConfig(draft_model=...)"))
         if cuda_graphs and dev.type != "cuda":
             raise ConfigError("cuda_graphs needs device='cuda'")
         # Tokenizers and configs first: what they can refuse is refused before minutes of weight loading.
@@ -236,7 +243,7 @@ class Engine:
         self.draft_name = None
         if speculative is not None:
             tree = speculative.make_tree()
-            drafter = self._make_drafter(speculative, dtype, device, draft_info, weights)
+            drafter = self._make_drafter(speculative, dtype, device, draft_info, draft_weights)
         self._setup(loaded.model, loaded.tokenizer, loaded.source, loaded.path, drafter, tree,
                     "auto" if speculative is None else speculative.verifier,
                     on_cuda if cuda_graphs is None else bool(cuda_graphs), max_num_seqs, max_model_len,
@@ -291,19 +298,20 @@ class Engine:
         self.capture_s = 0.0  # one-time CUDA-graph captures (left out of request timings)
         self.num_steps = 0
 
-    def _make_drafter(self, spec: SpeculativeConfig, dtype, device, draft_info, weights: str = "auto"):
+    def _make_drafter(self, spec: SpeculativeConfig, dtype, device, draft_info, draft_weights: str = "auto"):
         """The drafter `spec` asks for; a draft model loads from `draft_info` (`inspect_model`: its
-        tokenizer already checked against the target's)."""
+        tokenizer already checked against the target's) in the CPU format `draft_weights`."""
         from redwood.speculation.drafters import ModelDrafter, SelfDrafter
 
         policy = spec.make_policy()
         if spec.self_speculate:
             self.draft_name = f"self ({policy.describe()})"
             return SelfDrafter(self.model, policy)
-        draft = load_model(draft_info, dtype=dtype, device=device, weights=weights)
+        draft = load_model(draft_info, dtype=dtype, device=device, weights=draft_weights, draft=True)
         if spec.draft_quant:
             draft.model.quantize_skinny(spec.draft_quant)
-        quant = f", {spec.draft_quant} weights" if spec.draft_quant else ""
+        packed = draft.model.weights if draft.model.weights != "float32" else None
+        quant = "".join(f", {q} weights" for q in (spec.draft_quant, packed) if q)
         self.draft_name = f"{draft.source} ({policy.describe()}{quant})"
         return ModelDrafter(draft.model, policy, self.config.vocab_size)
 

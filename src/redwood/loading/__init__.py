@@ -10,7 +10,7 @@ import torch
 
 from redwood.config import ModelConfig
 from redwood.errors import ConfigError, ModelLoadError
-from redwood.models.cpu_weights import resolve_weights
+from redwood.models.cpu_weights import auto_formats, resolve_weights
 from redwood.models.transformer import Transformer, build_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -104,15 +104,19 @@ def inspect_model(model: "str | Path | ModelInfo") -> ModelInfo:
 
 
 def load_model(model: "str | Path | ModelInfo", dtype: str | torch.dtype = "float32",
-               device: str | torch.device = "cpu", weights: str = "float32") -> LoadedModel:
+               device: str | torch.device = "cpu", weights: str = "float32", draft: bool = False) -> LoadedModel:
     """Load a model's weights; a ModelInfo (`inspect_model`) is loaded with the tokenizer it holds.
     weights: the CPU projection format (`redwood.models.cpu_weights`; "auto": int8 for a GGUF file on
-    the CPU, else float32)."""
+    the CPU — int4 when `draft`, a draft model's auto — else float32; a model whose shapes the format
+    cannot pack takes the next of int4 → int8 → float32 under "auto"). A GGUF file is packed tensor by
+    tensor as it is dequantized (the float model never exists whole); a Hugging Face folder is loaded,
+    then packed."""
     torch_dtype, dev = parse_dtype(dtype), parse_device(device)
     info = model if isinstance(model, ModelInfo) else None
     path = info.path if info is not None else _model_file(model)
     if info is not None:
         model = info.source
+    kind = _cpu_format(weights, dev, path, draft, info.config if info is not None else None)
     if path.is_dir():
         from redwood.loading.hf import load_hf_tokenizer, read_hf_folder
 
@@ -121,13 +125,42 @@ def load_model(model: "str | Path | ModelInfo", dtype: str | torch.dtype = "floa
         tokenizer = info.tokenizer if info is not None else load_hf_tokenizer(path)
     else:
         from redwood.loading.gguf import load_gguf_tokenizer, read_gguf
+        from redwood.models.cpu_weights import packer
 
-        g = read_gguf(path)
+        pack = None
+        if kind != "float32":  # (cast first: the same packed values as packing the loaded `dtype` model)
+            pack_kind = packer(kind)
+            pack = lambda name, w: pack_kind(name, w.to(torch_dtype))  # noqa: E731
+        g = read_gguf(path, transform=pack)
         config = g.config
         net = build_model(config, g.tensors, torch_dtype, dev, rope_freqs=g.rope_freqs)
         del g
         tokenizer = info.tokenizer if info is not None else load_gguf_tokenizer(path)
     if net.device.type == "cuda":
         net.fuse_projections()  # one q/k/v and one gate/up matmul per layer: what a GPU step wants
-    net.quantize_cpu(resolve_weights(weights, net.device, path))
+    net.quantize_cpu(kind)
     return LoadedModel(model=net, tokenizer=tokenizer, config=config, source=str(model), path=path)
+
+
+def _cpu_format(weights: str, device: torch.device, path: Path, draft: bool, config: ModelConfig | None) -> str:
+    """The CPU format a model at `path` gets (`resolve_weights`), checked against its projections' shapes
+    before any weight is read: "auto" falls back (`auto_formats`), an explicit format that does not fit
+    is a ConfigError."""
+    kind = resolve_weights(weights, device, path, draft=draft)
+    if kind == "float32":
+        return kind
+    if config is None:
+        if path.is_dir():
+            config = ModelConfig.from_hf_file(path / "config.json")
+        else:
+            from redwood.loading.gguf import read_gguf_config
+
+            config = read_gguf_config(path)
+    with torch.device("meta"):
+        shapes = Transformer(config)  # (no memory: only the projections' shapes are read)
+    if weights == "auto":
+        return next(k for k in auto_formats(kind) if k == "float32" or shapes.cpu_format_misfit(k) is None)
+    why = shapes.cpu_format_misfit(kind)
+    if why:
+        raise ConfigError(f"weights={kind!r} does not fit this model: {why}")
+    return kind

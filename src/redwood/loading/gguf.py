@@ -306,6 +306,19 @@ class _MappedFile:
         """The tensor's bytes as a uint8 tensor sharing the mapping (no copy)."""
         return torch.frombuffer(self.mm, dtype=torch.uint8, count=info.n_bytes, offset=info.offset)
 
+    def release(self, info: GGUFTensorInfo) -> None:
+        """Drop the tensor's pages from this process's memory once it is decoded (they are clean copies of
+        the file: read again on a later access), so a load does not also hold the whole file in its RSS."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        page = mmap.PAGESIZE
+        start = info.offset // page * page  # (pages shared with the neighbours: re-read if touched again)
+        end = min(-(-(info.offset + info.n_bytes) // page) * page, len(self.mm))
+        try:
+            self.mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError):
+            pass
+
     def close(self) -> None:
         try:
             self.mm.close()
@@ -611,14 +624,16 @@ def permute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------ public API
-def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFModel:
-    """Read and dequantize a llama or qwen2 GGUF file. Every tensor is a new `dtype` tensor (no file mapping)."""
+def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32, transform=None) -> GGUFModel:
+    """Read and dequantize a llama or qwen2 GGUF file. Every tensor is a new `dtype` tensor (no file mapping).
+    transform(hf_name, tensor) → what `tensors` holds instead, called as each tensor is dequantized (e.g.
+    `cpu_weights.packer`: the packed projection, so the whole float model never exists at once)."""
     path = _check_path(path)
     with _MappedFile(path) as f:
-        return _build(f, path, dtype)
+        return _build(f, path, dtype, transform)
 
 
-def _build(f: _MappedFile, path: Path, dtype: torch.dtype) -> GGUFModel:
+def _build(f: _MappedFile, path: Path, dtype: torch.dtype, transform=None) -> GGUFModel:
     header = f.header
     meta = header.metadata
     by_name = header.tensors
@@ -665,7 +680,9 @@ def _build(f: _MappedFile, path: Path, dtype: torch.dtype) -> GGUFModel:
             w = dequantize(f.raw(t), t.type_name, t.shape, dtype)
             if permute and (".q_proj." in target or ".k_proj." in target):
                 w = unpermute_qk(w, config.num_heads if ".q_proj." in target else config.num_kv_heads)
-            tensors[target] = w
+            tensors[target] = w if transform is None else transform(target, w)
+            del w
+            f.release(t)
             bar.update(t.n_bytes)
 
     rope_freqs = None

@@ -17,11 +17,14 @@ residual stream, norms, attention and the KV cache keep the model dtype.
 
 Every format computes each row of a multi-row forward like a one-row forward of the same weights, so a
 verify over T tokens scores what T decode steps would (greedy speculation == greedy AR for each format);
-int8 forwards of INT8_GEMM_ROWS rows or more (prefill chunks) take another kernel, within bfloat16
-rounding of the same products.
+int8 forwards of INT8_GEMM_ROWS tokens per sequence or more and int4 forwards of INT4_GEMM_ROWS or more
+(prefill chunks; `prefill_rows`) take another kernel (the weight unpacked to bfloat16, oneDNN's gemm), within bfloat16 rounding of the same
+products.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +37,20 @@ _ACT = torch.bfloat16  # the activation dtype the packed CPU kernels are fast in
 # gemm: the int8 kernel's time grows with the rows (17920×1536 at 128 rows: 428 ms against 73 ms to convert
 # + 46 ms to multiply; at 64 rows 83 ms against 132). Decode, verify and tree steps stay below it.
 INT8_GEMM_ROWS = 128
+# int4 the same way from this many rows (the weight unpacked from the kernel's layout to bfloat16, in slices
+# of INT4_SLICE output rows, then oneDNN's gemm): the 1.5B's prefill of 512 tokens 33.4 → 15.5 s, of 256
+# 20.8 → 12.8 s, even at 128 (benchmarks/NOTES.md session 12). Like INT8_GEMM_ROWS it stays above every
+# batch-1 verify (a tree of at most 64 drafts: 65 rows), whose rows must equal one-row forwards.
+INT4_GEMM_ROWS = 128
+INT4_SLICE = 2048
+
+
+def prefill_rows(x: torch.Tensor) -> int:
+    """The size that sends a forward to the gemm path: tokens per sequence for [B, T, K] inputs (a prefill
+    chunk has many), all rows for [M, K]. Not B × T: a batch of decode or verify steps (B × (γ + 1) rows,
+    however large B is) must stay on the kernel whose rows equal one-row products, or a verify at batch 32
+    would score its tokens with another kernel than the AR steps it stands for."""
+    return x.shape[-2] if x.dim() >= 3 else x.shape[0]
 
 
 class PackedLinear(nn.Module):
@@ -47,11 +64,8 @@ class PackedLinear(nn.Module):
         # Buffers (not parameters, not in the state dict): they follow deepcopy / .to and count in nbytes.
         self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
         if kind == "int8":
-            # The kernel reads a bfloat16 scale: quantize against that one, rounded up (×(1 + 2⁻⁸) before
-            # rounding to nearest) so ±amax stays within ±127 steps.
-            scale = (w.abs().amax(1) / 127 * (1 + 2 ** -8)).clamp_min(1e-12).to(_ACT)  # [N]
-            self.register_buffer("w8", torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8),
-                                 persistent=False)
+            w8, scale = quantize_int8(w)
+            self.register_buffer("w8", w8, persistent=False)
             self.register_buffer("scale", scale, persistent=False)
         elif kind == "int4":
             packed, scale_zero = quantize_int4(w, INT4_GROUP)
@@ -65,10 +79,14 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(_ACT)  # [M, K]
-        if self.kind == "int8" and x2.shape[0] >= INT8_GEMM_ROWS:  # prefill: int8 values are exact in bfloat16
+        chunk = prefill_rows(x)
+        if self.kind == "int8" and chunk >= INT8_GEMM_ROWS:  # prefill: int8 values are exact in bfloat16
             y = F.linear(x2, self.w8.to(_ACT)) * self.scale
         elif self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.w8, self.scale)
+        elif self.kind == "int4" and chunk >= INT4_GEMM_ROWS and int4_layout_known(self.out_features):
+            y = torch.cat([x2 @ unpack_int4(self.packed, self.scale_zero, s, min(s + INT4_SLICE, self.out_features))
+                           for s in range(0, self.out_features, INT4_SLICE)], dim=1)
         elif self.kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, INT4_GROUP, self.scale_zero)
         elif x2.shape[0] == 1:  # oneDNN's one-row bfloat16 path is a slow gemv; two rows take the AMX gemm
@@ -98,32 +116,108 @@ class PackedLinear(nn.Module):
         return f"{self.in_features} → {self.out_features}, {self.kind}, bias={self.bias is not None}"
 
 
+# Output rows quantized at a time: the float temporaries are one slice's (a 1.5B's tied head is 0.9 GB in
+# float32), not the whole matrix's. A multiple of 64, the int4 layout's row block.
+PACK_ROWS = 4096
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float → (int8 [N, K], bfloat16 scales [N]) for `_weight_int8pack_mm`: symmetric per row.
+    The kernel reads a bfloat16 scale: quantize against that one, rounded up (×(1 + 2⁻⁸) before rounding
+    to nearest) so ±amax stays within ±127 steps. In slices of PACK_ROWS rows."""
+    N, K = w.shape
+    w8, scale = torch.empty(N, K, dtype=torch.int8), torch.empty(N, dtype=_ACT)
+    for s in range(0, N, PACK_ROWS):
+        lo, hi = torch.aminmax(w[s:s + PACK_ROWS], dim=1)
+        sc = (torch.maximum(-lo, hi) / 127 * (1 + 2 ** -8)).clamp_min(1e-12).to(_ACT)  # (max |w| per row)
+        q = w[s:s + PACK_ROWS] / sc.float()[:, None]
+        w8[s:s + PACK_ROWS] = q.round_().clamp_(-127, 127)  # (integral values: the int8 cast is exact)
+        scale[s:s + PACK_ROWS] = sc
+    return w8, scale
+
+
 def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] float → (packed uint8 weight for `_weight_int4pack_mm_for_cpu`, scales and zeros
     [K / group, N, 2] bfloat16). Per group of `group` inputs: scale = (max − min) / 15, zero = min + 8 ·
-    scale, q = round((w − min) / scale) ∈ [0, 15], so w ≈ (q − 8) · scale + zero."""
+    scale, q = round((w − min) / scale) ∈ [0, 15], so w ≈ (q − 8) · scale + zero. In slices of PACK_ROWS
+    rows where the packed layout is known to be per 64-row block (`int4_layout_known`)."""
     N, K = w.shape
+    if N > PACK_ROWS and int4_layout_known(N):
+        parts = [quantize_int4(w[s:s + PACK_ROWS], group) for s in range(0, N, PACK_ROWS)]
+        return torch.cat([p for p, _ in parts]), torch.cat([sz for _, sz in parts], dim=1)
     g = w.reshape(N, K // group, group)
-    lo, hi = g.amin(-1), g.amax(-1)  # [N, K / group]
+    lo, hi = torch.aminmax(g, dim=-1)  # [N, K / group]
     # The kernel sees a bfloat16 scale and zero: quantize against those (the scale rounded up, as for int8).
     scale_b = ((hi - lo) / 15 * (1 + 2 ** -8)).clamp_min(1e-12).to(_ACT)
     zero_b = (lo + 8 * scale_b.float()).to(_ACT)
-    q = torch.round((g - zero_b.float()[..., None]) / scale_b.float()[..., None] + 8).clamp_(0, 15)
+    q = (g - zero_b.float()[..., None]).div_(scale_b.float()[..., None]).add_(8).round_().clamp_(0, 15)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(N, K).to(torch.int32), 1)
     scale_zero = torch.stack([scale_b, zero_b], -1).transpose(0, 1).contiguous()  # [K / group, N, 2]
     return packed, scale_zero
 
 
-def check_packable(weight: torch.Tensor, kind: str) -> str | None:
-    """Why a weight [N, K] cannot take `kind` (None when it can). int4: the packing needs N % 16 == 0 and
-    whole groups along K. int8: torch 2.13's kernel needs K % 16 == 0 (measured: K = 8, 24, 1000 give
-    wrong products, K = 5 crashes; every multiple of 16 tried matched)."""
-    N, K = weight.shape
+_INT4_LAYOUT: list[bool] = []  # (a one-time probe: [] until checked)
+
+
+def int4_layout_known(out_features: int) -> bool:
+    """Whether `unpack_int4` can read this torch build's int4 layout for `out_features` rows: the CPU pack
+    (AVX-512 builds) stores each block of 64 output rows as [K, 32] bytes — low nibble row j, high nibble
+    row 32 + j. Probed once against `_convert_weight_to_int4pack_for_cpu`; another layout (other CPU
+    builds) keeps every forward in torch's kernel."""
+    if out_features % 64:
+        return False
+    if not _INT4_LAYOUT:
+        q = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+        b = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        ok = b.shape == (128, 32) and b.dtype == torch.uint8
+        if ok:
+            b = b.view(2, 64, 32)
+            ok = torch.equal(torch.cat([b & 15, b >> 4], 2).transpose(1, 2).reshape(128, 64).int(), q)
+        _INT4_LAYOUT.append(bool(ok))
+    return _INT4_LAYOUT[0]
+
+
+def unpack_int4(packed: torch.Tensor, scale_zero: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Output rows [start, end) (multiples of 64) of an int4-packed weight, transposed: bfloat16 [K, end −
+    start] = (q − 8) · scale + zero per INT4_GROUP inputs, rounded once — the weight the int4 kernel
+    multiplies by (`dequantized` reads it through the kernel: the same values). Transposed because each
+    64-row block is stored as [K, 64] nibbles: Wᵀ is a copy in runs of 64, W an element-wise transpose
+    (measured ~25% slower)."""
+    n, K = end - start, packed.shape[1] * 2
+    b = packed[start:end].view(n // 64, K, 32)
+    q = torch.cat([b & 15, b >> 4], dim=2)  # [n / 64, K, 64]: row 64·i + j of the slice at [i, :, j]
+    wt = torch.empty(K, n // 64, 64, dtype=_ACT).copy_(q.transpose(0, 1)).view(K // INT4_GROUP, INT4_GROUP, n)
+    scale, zero = scale_zero[:, start:end, 0][:, None], scale_zero[:, start:end, 1][:, None]  # [K / group, 1, n]
+    return torch.addcmul(zero, wt.sub_(8), scale).view(K, n)
+
+
+def check_packable(weight: torch.Tensor | tuple[int, int], kind: str) -> str | None:
+    """Why a weight [N, K] (or its shape) cannot take `kind` (None when it can). int4: the packing needs
+    N % 16 == 0 and whole groups along K. int8: torch 2.13's kernel needs K % 16 == 0 (measured: K = 8, 24,
+    1000 give wrong products, K = 5 crashes; every multiple of 16 tried matched)."""
+    N, K = weight.shape if isinstance(weight, torch.Tensor) else weight
     if kind == "int4" and (N % 16 or K % INT4_GROUP):
         return f"int4 needs out_features % 16 == 0 and in_features % {INT4_GROUP} == 0; this projection is {N}×{K}"
     if kind == "int8" and K % 16:
         return f"int8 needs in_features % 16 == 0; this projection is {N}×{K}"
     return None
+
+
+# The tensors `packer` packs as they load (Hugging Face names): every decoder-layer projection and an untied head.
+_PACKED_NAMES = re.compile(r"^(model\.)?(layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)|lm_head)\.weight$")
+
+
+def packer(kind: str):
+    """A transform for a loader that hands over each float tensor as it is read (`read_gguf(transform=)`):
+    a projection weight or an untied LM head becomes its PackedLinear (bias None; `build_model` sets it)
+    right away, so a load holds the packed model plus about one float tensor instead of the whole float
+    model and then its packed copy. A head `kind` cannot tile stays float (as in quantize_cpu)."""
+    def pack(name: str, w: torch.Tensor):
+        if _PACKED_NAMES.match(name) and check_packable(w, kind) is None:
+            return PackedLinear(w, None, kind)
+        return w
+
+    return pack
 
 
 WEIGHT_CHOICES = ("auto",) + WEIGHT_FORMATS
@@ -132,21 +226,38 @@ WEIGHT_CHOICES = ("auto",) + WEIGHT_FORMATS
 GGUF_DEFAULT = "int8"
 
 
-def check_weights(weights: str, device: torch.device, offload: bool = False) -> None:
-    """A ConfigError for an unknown weights value, or a CPU format asked for a model that runs on CUDA."""
+# "auto" for a draft model's GGUF file on the CPU: the draft's format changes only acceptance (verification
+# is exact), so the choice is by speed alone — int4 measured fastest end to end (benchmarks/NOTES.md, session
+# 12). A draft whose shapes int4 cannot pack falls back to int8, then float32 (`auto_formats`).
+DRAFT_GGUF_DEFAULT = "int4"
+
+
+def check_weights(weights: str, device: torch.device, offload: bool = False, name: str = "weights") -> None:
+    """A ConfigError for an unknown weights value, or a CPU format asked for a model that runs on CUDA
+    (`name`: the option's name in the message, "weights" or "draft_weights")."""
     from redwood.errors import ConfigError
 
     if weights not in WEIGHT_CHOICES:
-        raise ConfigError(f"unknown weights {weights!r}; choose one of {', '.join(WEIGHT_CHOICES)}")
+        raise ConfigError(f"unknown {name} {weights!r}; choose one of {', '.join(WEIGHT_CHOICES)}")
     if weights not in ("auto", "float32") and (device.type != "cpu" or offload):
-        raise ConfigError(f"weights={weights!r} is a CPU format; on CUDA the model runs in its dtype "
+        raise ConfigError(f"{name}={weights!r} is a CPU format; on CUDA the model runs in its dtype "
                           f"(--dtype bfloat16; a draft model can use --draft-quant int8)")
 
 
-def resolve_weights(weights: str, device: torch.device, path) -> str:
-    """The format a model loaded from `path` onto `device` gets: "auto" → GGUF_DEFAULT for a .gguf file
-    on the CPU, else float32 (a float checkpoint stays exact; CUDA keeps its own path)."""
-    check_weights(weights, device)
+def resolve_weights(weights: str, device: torch.device, path, draft: bool = False) -> str:
+    """The format a model loaded from `path` onto `device` gets: "auto" → GGUF_DEFAULT (a draft model:
+    DRAFT_GGUF_DEFAULT) for a .gguf file on the CPU, else float32 (a float checkpoint stays exact; CUDA
+    keeps its own path)."""
+    check_weights(weights, device, name="draft_weights" if draft else "weights")
     if weights != "auto":
         return weights
-    return GGUF_DEFAULT if device.type == "cpu" and str(path).endswith(".gguf") else "float32"
+    if device.type == "cpu" and str(path).endswith(".gguf"):
+        return DRAFT_GGUF_DEFAULT if draft else GGUF_DEFAULT
+    return "float32"
+
+
+def auto_formats(kind: str) -> tuple[str, ...]:
+    """What "auto" tries, in order, when it resolved to `kind`: a model whose shapes a format cannot pack
+    takes the next one (int4 → int8 → float32) instead of an error."""
+    order = ("int4", "int8", "float32")
+    return order[order.index(kind):] if kind in order else (kind,)

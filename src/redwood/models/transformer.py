@@ -305,22 +305,41 @@ class Transformer(nn.Module):
                               f"(CUDA drafts can use draft_quant='int8')")
         if self.layers[0].self_attn.qkv is not None:
             raise ConfigError("quantize_cpu needs the unfused projections (fuse_projections is for CUDA)")
-        targets = [(m, name) for layer in self.layers for m, names in
-                   ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
-                    (layer.mlp, ("gate_proj", "up_proj", "down_proj"))) for name in names]
-        for m, name in targets:
-            why = cpu_weights.check_packable(getattr(m, name).weight, kind)
-            if why:
-                raise ConfigError(f"weights={kind!r} does not fit this model: {why}")
-        for m, name in targets:
+        why = self.cpu_format_misfit(kind)
+        if why:
+            raise ConfigError(f"weights={kind!r} does not fit this model: {why}")
+        for m, name in self._projections():
             linear = getattr(m, name)
+            if isinstance(linear, cpu_weights.PackedLinear):  # packed as it loaded (`cpu_weights.packer`)
+                if linear.kind != kind:
+                    raise ConfigError(f"a projection is already {linear.kind}; load the model again for {kind}")
+                continue
             setattr(m, name, cpu_weights.PackedLinear(linear.weight, linear.bias, kind))
         # The head too (a sixth of a 1.5B's bytes); a vocabulary that int4 cannot tile keeps a float head.
-        if cpu_weights.check_packable(self.head_weight, kind) is None:
+        if isinstance(self.lm_head, cpu_weights.PackedLinear):
+            self.packed_head = self.lm_head
+        elif cpu_weights.check_packable(self.head_weight, kind) is None:
             self.packed_head = cpu_weights.PackedLinear(self.head_weight, None, kind)
             if self.lm_head is not None:
                 self.lm_head = self.packed_head  # frees the float head
         self.weights = kind
+
+    def _projections(self) -> list[tuple[nn.Module, str]]:
+        """(module, attribute) of every decoder-layer projection, in layer order."""
+        return [(m, name) for layer in self.layers for m, names in
+                ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                 (layer.mlp, ("gate_proj", "up_proj", "down_proj"))) for name in names]
+
+    def cpu_format_misfit(self, kind: str) -> str | None:
+        """Why a projection of this model cannot take the CPU format `kind` (None when all can)."""
+        from redwood.models import cpu_weights
+
+        for m, name in self._projections():
+            linear = getattr(m, name)  # (an nn.Linear, on the meta device too, or a PackedLinear)
+            why = cpu_weights.check_packable((linear.out_features, linear.in_features), kind)
+            if why:
+                return why
+        return None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -457,6 +476,8 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torc
 
     The module is built on the meta device and the tensors are assigned in, so a 1.5B model costs no
     initialization time and no second copy. Checks that nothing is missing, left over or misshapen.
+    A projection already packed as it loaded (a `cpu_weights.PackedLinear` in place of its weight, from
+    `cpu_weights.packer`) replaces its nn.Linear, bias included; `quantize_cpu` then finishes the model.
     """
     from redwood.errors import ModelLoadError
 
@@ -465,6 +486,20 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torc
     state = hf_state_dict_to_redwood(state)
     if model.lm_head is None:
         state.pop("lm_head.weight", None)  # tied: some checkpoints store the copy anyway
+    for name in [n for n, t in state.items() if isinstance(t, nn.Module)]:
+        packed, path = state.pop(name), name.removesuffix(".weight")
+        linear = model.get_submodule(path)
+        if (packed.out_features, packed.in_features) != (linear.out_features, linear.in_features):
+            raise ModelLoadError(f"weight {name}: shape {(packed.out_features, packed.in_features)} does not "
+                                 f"match the config's {(linear.out_features, linear.in_features)}")
+        bias = state.pop(path + ".bias", None)
+        if (bias is None) != (linear.bias is None):
+            raise ModelLoadError(f"weights do not match the model config: {'missing' if bias is None else 'unexpected'} "
+                                 f"['{path}.bias']")
+        if bias is not None:
+            packed.bias = bias.detach().float()
+        parent, _, attr = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, packed)
     expected = {name: p.shape for name, p in model.state_dict().items()}
     missing = sorted(expected.keys() - state.keys())
     unexpected = sorted(state.keys() - expected.keys())

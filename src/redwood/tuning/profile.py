@@ -225,7 +225,8 @@ def measure_profile(target, draft=None, *, target_name: str = "", draft_name: st
         "draft_shape": "w sibling nodes, each attending to the context and itself",
         "draft_kv": draft_policy.describe() if draft_policy is not None else "full",
         "draft_is_target": draft is None,
-        "draft_weights": "int8" if getattr(draft, "skinny_int8", None) else "model dtype",
+        "draft_weights": "int8" if getattr(draft, "skinny_int8", None) else
+                         (draft.weights if getattr(draft, "weights", "float32") != "float32" else "model dtype"),
         "cuda_graphs": cuda_graphs and device.type == "cuda",
         "target_offloaded": _offloaded(target),
         "torch": torch.__version__,
