@@ -350,18 +350,19 @@ def test_prefill_rows_through_the_kernel_equal_the_reference(monkeypatch):
 def test_backend_choice(monkeypatch):
     """"triton_prefill" only for > FAST_ATTENTION_MAX_NEW new tokens, with the switch on, where the kernel
     is available, for plain forwards (no view, observer, pending tokens or new-token mask); with the
-    switch off (the default), on the CPU, or a model pinned to the reference: unchanged."""
+    switch off (REDWOOD_PREFILL_KERNEL=0), on the CPU, or a model pinned to the reference: unchanged; on by
+    default."""
     from redwood.models.transformer import FAST_ATTENTION_MAX_NEW
 
     model = tiny_model()
     ids = torch.zeros(1, 1, dtype=torch.long)
     long = FAST_ATTENTION_MAX_NEW + 1
-    monkeypatch.delenv("REDWOOD_PREFILL_KERNEL", raising=False)
-    assert model._backend(ids, long, None) == "reference"
     monkeypatch.setenv("REDWOOD_PREFILL_KERNEL", "1")
     assert model._backend(ids, long, None) == "reference"  # the CPU: not available
     monkeypatch.setattr(tp, "available", lambda device, dtype, head_dim: True)
     assert model._backend(ids, long, None) == "triton_prefill"
+    monkeypatch.delenv("REDWOOD_PREFILL_KERNEL", raising=False)
+    assert model._backend(ids, long, None) == "triton_prefill"  # on by default where available
     assert model._backend(ids, FAST_ATTENTION_MAX_NEW, None) == "reference"  # (the CPU: no decode kernel)
     view = lambda layer: None  # noqa: E731
     assert model._backend(ids, long, lambda *a: None) == "reference"  # an observer needs the scores

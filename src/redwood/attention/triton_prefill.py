@@ -64,11 +64,10 @@ _LOG2E = 1.4426950408889634
 
 
 def enabled() -> bool:
-    """REDWOOD_PREFILL_KERNEL=1 in the environment (read at each forward, so a benchmark can A/B in one
-    process). OFF by default on this branch: the kernel is tested (float64 reference, interpreter) but
-    not yet measured on the H200 — switch the default on once benchmarks/prefill_bench.py shows it faster
-    than the reference path there (NOTES.md, session 12)."""
-    return os.environ.get("REDWOOD_PREFILL_KERNEL", "0") == "1"
+    """On unless REDWOOD_PREFILL_KERNEL=0 in the environment (read at each forward, so a benchmark can A/B
+    in one process). On by default since session 13: on the H200 a whole 1.5B prefill chunk ran 1.25-3.7×
+    faster than the reference path (benchmarks/prefill_bench.py; NOTES.md, session 13)."""
+    return os.environ.get("REDWOOD_PREFILL_KERNEL", "1") != "0"
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -24,8 +24,8 @@ from redwood.kv.cache import KVCache
 from redwood.models.rope import RotaryEmbedding, apply_rotary
 
 
-# Forwards with more new tokens than this (prefill) attend through the reference path — or, with
-# REDWOOD_PREFILL_KERNEL=1, through the flash prefill kernel (attention.triton_prefill); the decode kernel
+# Forwards with more new tokens than this (prefill) attend through the flash prefill kernel on CUDA
+# (attention.triton_prefill; REDWOOD_PREFILL_KERNEL=0 turns it off) or the reference path; the decode kernel
 # packs all new tokens of a row into one pass over the KV, which pays for decode, verify and tree steps.
 FAST_ATTENTION_MAX_NEW = 256
 
@@ -355,9 +355,9 @@ class Transformer(nn.Module):
     def prefill_kernel(self) -> bool:
         """Whether long plain prefill forwards (more than FAST_ATTENTION_MAX_NEW new tokens, no view,
         observer, pending tokens or new-token mask) attend through the flash prefill kernel
-        (attention.triton_prefill): REDWOOD_PREFILL_KERNEL=1 — OFF by default on this branch until it is
-        measured on the H200 (benchmarks/prefill_bench.py, NOTES.md session 12) — on CUDA, for a dtype and
-        head dim the kernel takes, unless the model is pinned to the reference. Those forwards then
+        (attention.triton_prefill): on CUDA, for a dtype and head dim the kernel takes, unless the model is
+        pinned to the reference or REDWOOD_PREFILL_KERNEL=0 (on by default: 1.25-3.7× faster per chunk on
+        the H200, NOTES.md session 13). Those forwards then
         materialize no scores, so the prefill loops (engine.prefill) drop their score budget."""
         if self.attention_backend == "reference":
             return False
