@@ -1,14 +1,17 @@
-"""Steady decoding steps through the Engine: AR vs self-speculation at B rows × L context (the open item of
+"""Steady decoding steps through the Engine: AR vs speculation at B rows × L context (the open item of
 session 10: a spec step at 64 rows measured ~2.5× an AR step in `bench throughput`, where ~1.3–1.8× was
 expected).
 
 Fills B slots with L-token essay windows, steps until every request is decoding (no prefill left), then
 times `--steps` whole `Engine.step()` calls (device synchronized around each) and, with --profile, prints
 the top CUDA kernels of a few steps (torch.profiler) — for AR and for speculation, side by side, from one
-loaded model. The last lines are a short table.
+loaded model. --variants picks the speculation (self-speculation, or a standalone --draft-model reading its own
+cache through a StreamingLLM view, optionally with int8 projections; MagicDec runs both); every variant is
+timed against the one AR run. The last lines are a short table.
 
     PYTHONPATH=/tmp/site:src REDWOOD_HOME=$PWD/.stage/home python3 benchmarks/engine_steps.py \
         --model /root/t.gguf --rows 64 --context 8192 --profile
+    ... --model /root/t.gguf --draft-model /root/d.gguf --variants self,draft,draft-int8 --context 24576
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from redwood.bench.speculative import DEFAULT_DATASET, PromptSource, make_prompts
 from redwood.config import SpeculativeConfig
 from redwood.engine.engine import Engine
+from redwood.engine.runner import sync
 from redwood.llm import LLM
 from redwood.sampling_params import SamplingParams
 
@@ -40,10 +44,10 @@ def fill(engine, prompts, new_tokens: int) -> None:
 def timed_steps(engine, steps: int, device) -> tuple[list[float], list[int]]:
     times, tokens = [], []
     for _ in range(steps):
-        torch.cuda.synchronize(device)
+        sync(device)
         t0 = time.perf_counter()
         deltas = engine.step()
-        torch.cuda.synchronize(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
         tokens.append(sum(len(d.token_ids) for d in deltas))
     return times, tokens
@@ -66,25 +70,42 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--gamma", type=int, default=3)
     ap.add_argument("--budget", type=int, default=512)
+    ap.add_argument("--draft-model", help="a standalone draft (e.g. the 0.5B GGUF) for the 'draft' variants")
+    ap.add_argument("--variants", default="self",
+                    help="comma-separated speculative variants, each timed against the one AR run: self "
+                         "(self-speculation, streaming --budget), draft (--draft-model, its own cache read "
+                         "through a streaming --budget view), draft-full (the draft reads its whole cache), "
+                         "draft-int8 (streaming, int8 draft projections)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (the eager step also splits draft / verify)")
     ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--device", default="cuda", help="(cpu: a smoke run of the script with a small model)")
+    ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
-    spec = SpeculativeConfig(self_speculate=True, draft_kv="streaming", draft_budget=args.budget,
-                             num_draft_tokens=args.gamma)
-    llm = LLM(args.model, dtype="bfloat16", device="cuda", speculative=spec, max_num_seqs=1)
-    target, tok, drafter, tree = llm.model, llm.tokenizer, llm.drafter, llm.tree
-    llm.engine = None
-    del llm
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for v in variants:
+        if v not in VARIANTS:
+            ap.error(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+        if v != "self" and not args.draft_model:
+            ap.error(f"variant {v!r} needs --draft-model")
+    specs = {}  # variant → (its target, drafter, tree): one load each (a self-drafter holds its target)
+    for v in variants:
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative=speculative_config(v, args),
+                  max_num_seqs=1)
+        specs[v] = (llm.model, llm.drafter, llm.tree)
+        tok = llm.tokenizer
+        llm.engine = None
+        del llm
+    specs["ar"] = (specs[variants[0]][0], None, None)
     source = PromptSource(dataset=DEFAULT_DATASET)
     prompts = make_prompts(tok, source, args.rows, args.context, 0)
     new = (args.steps + 8) * (args.gamma + 1) * 2 + 16
     rows = []
-    for mode in ("ar", "spec"):
-        kw = dict(drafter=drafter, tree=tree) if mode == "spec" else {}
-        engine = Engine.build(target, tok, max_num_seqs=args.rows, max_model_len=args.context + new + 8,
-                              max_num_batched_tokens=args.context, cuda_graphs=not args.eager, **kw)
+    for mode in ["ar", *variants]:
+        target, drafter, tree = specs[mode]
+        engine = Engine.build(target, tok, drafter=drafter, tree=tree, max_num_seqs=args.rows, max_model_len=args.context + new + 8,
+                              max_num_batched_tokens=args.context, cuda_graphs=not args.eager)
         fill(engine, prompts, new)
         timed_steps(engine, 3, target.device)  # warm-up: graph captures of this bucket
         times, tokens = timed_steps(engine, args.steps, target.device)
@@ -97,14 +118,28 @@ def main() -> None:
         for i in range(args.rows):
             engine.abort(f"r{i}", notify=False)
         del engine
-        torch.cuda.empty_cache()
-    print(f"\nEngine steps, bf16, {args.rows} rows × {args.context} context, self-spec streaming {args.budget}, "
-          f"γ={args.gamma}, graphs={not args.eager}")
-    print("| mode | step ms (median) | tokens/row/step | tok/s |")
-    print("|---|---|---|---|")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    draft = "" if not args.draft_model else f", draft {args.draft_model.rsplit('/', 1)[-1]}"
+    print(f"\nEngine steps, {args.dtype}, {args.rows} rows × {args.context} context, streaming budget "
+          f"{args.budget}{draft}, γ={args.gamma}, graphs={not args.eager}")
+    print("| mode | step ms (median) | tokens/row/step | tok/s | step / AR | tok/s / AR |")
+    print("|---|---|---|---|---|---|")
     for mode, ms, tpr, tps in rows:
-        print(f"| {mode} | {ms:.2f} | {tpr:.2f} | {tps:.0f} |")
-    print(f"spec/AR step time {rows[1][1] / rows[0][1]:.2f}×, throughput {rows[1][3] / rows[0][3]:.2f}×")
+        print(f"| {mode} | {ms:.2f} | {tpr:.2f} | {tps:.0f} | {ms / rows[0][1]:.2f}× | {tps / rows[0][3]:.2f}× |")
+
+
+VARIANTS = ("self", "draft", "draft-full", "draft-int8")
+
+
+def speculative_config(variant: str, args) -> SpeculativeConfig:
+    if variant == "self":
+        return SpeculativeConfig(self_speculate=True, draft_kv="streaming", draft_budget=args.budget,
+                                 num_draft_tokens=args.gamma)
+    kv = "full" if variant == "draft-full" else "streaming"
+    return SpeculativeConfig(draft_model=args.draft_model, draft_kv=kv,
+                             draft_budget=None if kv == "full" else args.budget, num_draft_tokens=args.gamma,
+                             draft_quant="int8" if variant == "draft-int8" else None)
 
 
 if __name__ == "__main__":
