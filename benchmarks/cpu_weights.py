@@ -2,11 +2,16 @@
 `Transformer.quantize_cpu` — perplexity on held-out text, greedy agreement with float32, plain-decoding
 tokens/s and the bytes a decode step reads against this machine's copy bandwidth.
 
-Usage: OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/cpu_weights.py [--models qwen2.5-coder-1.5b-instruct ...]
-    [--formats float32 bfloat16 int8 int4] [--ppl-tokens 512] [--new-tokens 32] [--prompt-tokens 128]
+Usage: PYTHONPATH=src python benchmarks/cpu_weights.py [--models qwen2.5-coder-1.5b-instruct ...]
+    [--formats float32 bfloat16 int8 int4 gguf] [--threads 1 2] [--rounds 2] [--ppl-tokens 512]
+    [--new-tokens 32] [--prompt-tokens 128]
 Held-out text: HumanEval problems 100+ (prompt + canonical solution, code) and, when the `essays` dataset is
 fetched, a window of the Paul Graham essays (prose). The model is loaded once in float32; each format is a
-deep copy quantized from it (no calibration data). Short table last.
+deep copy quantized from it (no calibration data), except "gguf" (the file's own 4-bit grid: loaded from the
+file again in that format). Perplexity runs at the largest --threads; the decode (greedy, from the same
+prompt) at each --threads count, interleaved over --rounds rounds (1, 2, 1, 2, …), the median step of each
+count over all its rounds; "greedy = 1t" says whether every thread count's tokens equal the first's.
+Short table last.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 from redwood.bench.ar import copy_bandwidth, weight_bytes
 from redwood.data import recipes
 from redwood.loading import load_model
-from redwood.models.cpu_weights import WEIGHT_FORMATS
+from redwood.models.cpu_weights import FILE_FORMAT, WEIGHT_FORMATS
 
 
 def held_out_texts(tok, n: int) -> dict[str, list[int]]:
@@ -51,8 +56,8 @@ def perplexity(model, ids: list[int], chunk: int = 128) -> float:
 
 
 @torch.inference_mode()
-def greedy_decode(model, prompt: list[int], new: int) -> tuple[list[int], float, float]:
-    """Greedy tokens, prefill seconds and median seconds per decode step (batch 1)."""
+def greedy_decode(model, prompt: list[int], new: int) -> tuple[list[int], float, list[float]]:
+    """Greedy tokens, prefill seconds and the seconds of each decode step (batch 1)."""
     cache = model.new_cache(1, len(prompt) + new + 1)
     t = time.perf_counter()
     logits = model(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache,
@@ -66,16 +71,22 @@ def greedy_decode(model, prompt: list[int], new: int) -> tuple[list[int], float,
         cache.commit(1)
         out.append(int(logits[0, -1].argmax()))
         steps.append(time.perf_counter() - t)
-    return out, prefill, statistics.median(steps)
+    return out, prefill, steps
 
 
-def formats(base, kinds):
+def formats(base, kinds, name):
     """(kind, model) per format: float32 is `base` itself, the others quantized copies of it. The copies
     share base's parameters (quantize_cpu replaces modules, it never writes a weight), so one format at a
     time costs only its packed bytes next to base: a 1.5B's second float32 copy (6.2 GB) ran out of memory."""
     for kind in kinds:
         if kind == "float32":
             yield kind, base
+        elif kind == FILE_FORMAT:
+            t = time.perf_counter()
+            m = load_model(name, dtype="float32", weights=kind).model
+            print(f"  load {kind}: {time.perf_counter() - t:.1f} s", flush=True)
+            yield kind, m
+            del m
         else:
             m = copy.deepcopy(base, memo={id(p): p for p in base.parameters()})
             t = time.perf_counter()
@@ -88,7 +99,10 @@ def formats(base, kinds):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"])
-    ap.add_argument("--formats", nargs="+", default=list(WEIGHT_FORMATS), choices=WEIGHT_FORMATS)
+    ap.add_argument("--formats", nargs="+", default=list(WEIGHT_FORMATS) + [FILE_FORMAT],
+                    choices=WEIGHT_FORMATS + (FILE_FORMAT,))
+    ap.add_argument("--threads", nargs="+", type=int, default=[torch.get_num_threads()])
+    ap.add_argument("--rounds", type=int, default=1, help="decode passes per thread count, interleaved")
     ap.add_argument("--ppl-tokens", type=int, default=512)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -103,27 +117,42 @@ def main() -> None:
         texts = held_out_texts(loaded.tokenizer, args.ppl_tokens)
         prompt = texts["code"][:args.prompt_tokens]
         ref = None
-        for kind, model in formats(loaded.model, args.formats):
+        for kind, model in formats(loaded.model, args.formats, name):
+            torch.set_num_threads(max(args.threads))
             ppl = {k: perplexity(model, ids) for k, ids in texts.items()}
-            toks, prefill, step = greedy_decode(model, prompt, args.new_tokens)
+            steps, prefills, outs = {n: [] for n in args.threads}, {n: [] for n in args.threads}, {}
+            for r in range(args.rounds):
+                for n in args.threads:
+                    torch.set_num_threads(n)
+                    toks, prefill, st = greedy_decode(model, prompt, args.new_tokens)
+                    steps[n] += st
+                    prefills[n].append(prefill)
+                    outs.setdefault(n, toks)
+                    same_threads = all(o == outs[args.threads[0]] for o in outs.values()) and toks == outs[n]
+            toks = outs[args.threads[0]]
             ref = ref or toks
             agree = next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), len(ref))
             nbytes = weight_bytes(model)
-            row = (name, kind, nbytes / 1e9, ppl, 1 / step, nbytes / 1e9 / bw, step, agree, prefill)
+            step = {n: statistics.median(v) for n, v in steps.items()}
+            prefill = {n: min(v) for n, v in prefills.items()}
+            row = (name, kind, nbytes / 1e9, ppl, step, nbytes / 1e9 / bw, agree, prefill, same_threads)
             rows.append(row)
             print(f"  {kind:9s} {nbytes / 1e9:5.2f} GB/step  ppl " + " ".join(f"{k} {v:.3f}" for k, v in ppl.items())
-                  + f"  decode {1 / step:5.2f} tok/s ({step * 1e3:.0f} ms; floor {nbytes / 1e9 / bw * 1e3:.0f} ms)"
-                  f"  prefill {args.prompt_tokens} tok {prefill:.1f} s  greedy = float32 for {agree}/{len(ref)}",
-                  flush=True)
+                  + "  decode " + ", ".join(f"{n}t {1 / step[n]:5.2f} tok/s ({step[n] * 1e3:.0f} ms)" for n in args.threads)
+                  + f" (floor {nbytes / 1e9 / bw * 1e3:.0f} ms)  prefill {args.prompt_tokens} tok "
+                  + ", ".join(f"{n}t {prefill[n]:.1f} s" for n in args.threads)
+                  + f"  greedy = float32 for {agree}/{len(ref)}, = across threads {same_threads}", flush=True)
             del model
         del loaded
-    print(f"\n| model | weights | GB/step | ppl | decode tok/s | step ms (floor at {bw:.1f} GB/s) | "
-          f"prefill {args.prompt_tokens} s | greedy = f32 |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, kind, gb, ppl, tps, floor, step, agree, prefill in rows:
+    threads = " | ".join(f"decode tok/s {n}t (ms)" for n in args.threads)
+    print(f"\n| model | weights | GB/step | ppl | {threads} | floor ms at {bw:.1f} GB/s | "
+          f"prefill {args.prompt_tokens} s | greedy = f32 | = across threads |")
+    print("|---|---|---|---|" + "---|" * len(args.threads) + "---|---|---|---|")
+    for name, kind, gb, ppl, step, floor, agree, prefill, same in rows:
         p = " / ".join(f"{k} {v:.3f}" for k, v in ppl.items())
-        print(f"| {name} | {kind} | {gb:.2f} | {p} | {tps:.2f} | {step * 1e3:.0f} ({floor * 1e3:.0f}) | "
-              f"{prefill:.1f} | {agree}/{args.new_tokens} |")
+        t = " | ".join(f"{1 / step[n]:.2f} ({step[n] * 1e3:.0f})" for n in args.threads)
+        print(f"| {name} | {kind} | {gb:.2f} | {p} | {t} | {floor * 1e3:.0f} | "
+              f"{' / '.join(f'{prefill[n]:.1f}' for n in args.threads)} | {agree}/{args.new_tokens} | {same} |")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import torch
 
 from redwood.config import ModelConfig
 from redwood.errors import ConfigError, ModelLoadError
-from redwood.models.cpu_weights import auto_formats, resolve_weights
+from redwood.models.cpu_weights import FILE_FORMAT, auto_formats, resolve_weights
 from redwood.models.transformer import Transformer, build_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -127,10 +127,8 @@ def load_model(model: "str | Path | ModelInfo", dtype: str | torch.dtype = "floa
         from redwood.loading.gguf import load_gguf_tokenizer, read_gguf
         from redwood.models.cpu_weights import packer
 
-        pack = None
-        if kind != "float32":  # (cast first: the same packed values as packing the loaded `dtype` model)
-            pack_kind = packer(kind)
-            pack = lambda name, w: pack_kind(name, w.to(torch_dtype))  # noqa: E731
+        # (cast first: the same packed values as packing the loaded `dtype` model)
+        pack = None if kind == "float32" else packer(kind, cast=torch_dtype)
         g = read_gguf(path, transform=pack)
         config = g.config
         net = build_model(config, g.tensors, torch_dtype, dev, rope_freqs=g.rope_freqs)
@@ -160,6 +158,8 @@ def _cpu_format(weights: str, device: torch.device, path: Path, draft: bool, con
         shapes = Transformer(config)  # (no memory: only the projections' shapes are read)
     if weights == "auto":
         return next(k for k in auto_formats(kind) if k == "float32" or shapes.cpu_format_misfit(k) is None)
+    if kind == FILE_FORMAT:  # (per projection: int4 where the file's type and the shape allow, else int8/bf16)
+        return kind
     why = shapes.cpu_format_misfit(kind)
     if why:
         raise ConfigError(f"weights={kind!r} does not fit this model: {why}")

@@ -558,6 +558,53 @@ _BLOCK_DECODERS: dict[str, tuple[int, int, Callable[[torch.Tensor, torch.Tensor]
 }
 _CHUNK_VALUES = 1 << 20  # values decoded per step: the temporaries stay in cache
 
+# ------------------------------------------------------------------------------- 4-bit groups of 32
+# The block types whose values are q · step − offset with q ∈ [0, 15] and one (step, offset) per 32
+# consecutive values of a row: what torch's int4 CPU kernel holds (groups of 32, a scale and a zero each),
+# so `cpu_weights` can keep the file's own 4-bit grid instead of re-quantizing the dequantized floats.
+INT4_GROUP_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+
+
+def _groups_q4_0(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    d = _f16(b, 0)  # x = d · (q − 8) = q · d − 8d
+    return _nibbles(b[:, 2:18]), d, 8 * d
+
+
+def _groups_q4_1(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _nibbles(b[:, 4:20]), _f16(b, 0), -_f16(b, 2)  # x = d · q + m
+
+
+def _groups_q4_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    sc, mn = _k_scales(b[:, 4:16])  # x = (d · sc_j) · q − dmin · m_j per 32-value sub-block j
+    return _k_nibbles(b[:, 16:144]).reshape(-1, 256), _f16(b, 0) * sc, _f16(b, 2) * mn
+
+
+_GROUP_DECODERS = {"Q4_0": (32, 18, _groups_q4_0), "Q4_1": (32, 20, _groups_q4_1), "Q4_K": (256, 144, _groups_q4_k)}
+
+
+def int4_groups(raw: np.ndarray | torch.Tensor, type_name: str,
+                shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A 4-bit tensor's values as groups of 32 along each row: (q uint8 [N, K] in 0..15, step and offset
+    float32 [N, K / 32]) with value = q · step − offset — the products `dequantize` computes (Q4_K: step =
+    d · scale_j and offset = dmin · min_j in float32, as there). Types: INT4_GROUP_TYPES."""
+    if type_name not in _GROUP_DECODERS:
+        raise UnsupportedModelError(f"{type_name} is not a 4-bit group type ({', '.join(INT4_GROUP_TYPES)})")
+    N, K = shape
+    block_values, block_bytes, decode = _GROUP_DECODERS[type_name]
+    data = _as_bytes(raw)
+    if K % block_values or data.numel() != N * K // block_values * block_bytes:
+        raise ModelLoadError(f"{type_name} tensor of shape {shape} has {data.numel()} bytes, "
+                             f"expected {N * K // block_values * block_bytes}")
+    blocks = data.reshape(-1, block_bytes)
+    q = torch.empty(blocks.shape[0], block_values, dtype=torch.uint8)
+    groups = block_values // 32
+    step, offset = torch.empty(blocks.shape[0], groups), torch.empty(blocks.shape[0], groups)
+    chunk = max(1, _CHUNK_VALUES // block_values)
+    for s in range(0, blocks.shape[0], chunk):
+        q[s:s + chunk], step[s:s + chunk], offset[s:s + chunk] = decode(blocks[s:s + chunk])
+    return q.view(N, K), step.view(N, K // 32), offset.view(N, K // 32)
+
+
 
 def _as_bytes(raw: np.ndarray | torch.Tensor) -> torch.Tensor:
     """Flat uint8 view of a tensor's raw data (a numpy array from gguf, or bytes mapped from the file)."""
@@ -627,7 +674,9 @@ def permute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32, transform=None) -> GGUFModel:
     """Read and dequantize a llama or qwen2 GGUF file. Every tensor is a new `dtype` tensor (no file mapping).
     transform(hf_name, tensor) → what `tensors` holds instead, called as each tensor is dequantized (e.g.
-    `cpu_weights.packer`: the packed projection, so the whole float model never exists at once)."""
+    `cpu_weights.packer`: the packed projection, so the whole float model never exists at once). A transform
+    with `takes_int4_groups(hf_name, shape)` true for a tensor of a 4-bit group type (INT4_GROUP_TYPES) gets
+    `from_int4_groups(hf_name, q, step, offset)` (`int4_groups`, rows un-permuted) instead of the floats."""
     path = _check_path(path)
     with _MappedFile(path) as f:
         return _build(f, path, dtype, transform)
@@ -677,11 +726,23 @@ def _build(f: _MappedFile, path: Path, dtype: torch.dtype, transform=None) -> GG
     with Progress(total=sum(t.n_bytes for t in wanted.values()), desc=f"loading {path.name}", unit="B") as bar:
         for target, t in wanted.items():
             type_counts[t.type_name] = type_counts.get(t.type_name, 0) + 1
-            w = dequantize(f.raw(t), t.type_name, t.shape, dtype)
+            heads = None
             if permute and (".q_proj." in target or ".k_proj." in target):
-                w = unpermute_qk(w, config.num_heads if ".q_proj." in target else config.num_kv_heads)
-            tensors[target] = w if transform is None else transform(target, w)
-            del w
+                heads = config.num_heads if ".q_proj." in target else config.num_kv_heads
+            if (t.type_name in INT4_GROUP_TYPES and len(t.shape) == 2
+                    and getattr(transform, "takes_int4_groups", lambda name, shape: False)(target, t.shape)):
+                # (the transform packs the file's 4-bit grid itself: no float tensor in between)
+                groups = int4_groups(f.raw(t), t.type_name, t.shape)
+                if heads:  # (whole rows move: each row's groups with it)
+                    groups = tuple(unpermute_qk(g, heads) for g in groups)
+                tensors[target] = transform.from_int4_groups(target, *groups)
+                del groups
+            else:
+                w = dequantize(f.raw(t), t.type_name, t.shape, dtype)
+                if heads:
+                    w = unpermute_qk(w, heads)
+                tensors[target] = w if transform is None else transform(target, w)
+                del w
             f.release(t)
             bar.update(t.n_bytes)
 

@@ -14,6 +14,12 @@ residual stream, norms, attention and the KV cache keep the model dtype.
 - "bfloat16": the weight cast to bfloat16, `F.linear` (oneDNN; on AMX CPUs about flat in the number of
   rows from 2 to 16; one row is padded to two, see PackedLinear.forward).
 - "float32": the model as loaded (no change).
+- "gguf" (a GGUF file only, chosen as it loads): each projection in the kernel format that holds its type in
+  the file — 4-bit group types (Q4_K, Q4_0, Q4_1: q · step − offset per 32 values, q ∈ [0, 15]) become
+  int4 with the file's own q and a (scale, zero) per group that reproduces its values to bfloat16's
+  precision (`int4_scale_zero`: no re-quantization), every type with more bits (Q5_*, Q6_K, Q8_0, F16,
+  F32) int8, or bfloat16 where int8's kernel cannot take the shape. A Q4_K_M file thus keeps its own
+  quality at about int4's speed.
 
 Every format computes each row of a multi-row forward like a one-row forward of the same weights, so a
 verify over T tokens scores what T decode steps would (greedy speculation == greedy AR for each format);
@@ -30,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4")
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4")  # one kernel for every projection
+FILE_FORMAT = "gguf"  # each projection as its GGUF type allows (module docstring); set as a GGUF file loads
 INT4_GROUP = 32
 _ACT = torch.bfloat16  # the activation dtype the packed CPU kernels are fast in
 # int8 forwards of this many rows or more (prefill chunks) convert the weight to bfloat16 and take oneDNN's
@@ -75,6 +82,23 @@ class PackedLinear(nn.Module):
             self.register_buffer("w16", w.to(_ACT), persistent=False)
         else:
             raise ValueError(f"no packed CPU format {kind!r}")
+
+    @classmethod
+    def from_int4_groups(cls, q: torch.Tensor, step: torch.Tensor, offset: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> "PackedLinear":
+        """An int4 projection holding a file's 4-bit grid as it is: q uint8 [N, K] in 0..15, step and
+        offset float32 [N, K / INT4_GROUP], weight = q · step − offset (`loading.gguf.int4_groups`). The
+        (scale, zero) per group is `int4_scale_zero`'s; q is packed unchanged."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        N, K = q.shape
+        self.kind, self.out_features, self.in_features = "int4", N, K
+        self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
+        scale, zero = int4_scale_zero(step, offset)  # [N, K / group] each
+        self.register_buffer("packed", _pack_int4(q), persistent=False)
+        self.register_buffer("scale_zero", torch.stack([scale, zero], -1).transpose(0, 1).contiguous(),
+                             persistent=False)
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -156,6 +180,29 @@ def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     return packed, scale_zero
 
 
+def _pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] in 0..15 (any integer dtype) → the int4 kernel's packed weight, in slices of PACK_ROWS rows
+    where the layout is per 64-row block (`int4_layout_known`), else at once."""
+    N = q.shape[0]
+    step = PACK_ROWS if int4_layout_known(N) else N
+    return torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(q[s:s + step].to(torch.int32), 1)
+                      for s in range(0, N, step)])
+
+
+def int4_scale_zero(step: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int4 kernel's bfloat16 (scale, zero) for groups whose values are q · step − offset, q ∈ [0, 15]
+    (a GGUF 4-bit grid). The kernel computes (q − 8) · scale + zero in float32 (measured: its products equal
+    float64 products with that weight, rounded once to bfloat16), so the error at level q is
+    e(q) = q · (scale − step) + zero − 8 · scale + offset: linear in q. scale = step rounded to bfloat16;
+    zero balances e(0) = −e(15): zero* = 8 · scale − offset − 7.5 · (scale − step), rounded to bfloat16.
+    Hence |e| ≤ 7.5 · |scale − step| + |zero − zero*| ≤ 2⁻⁸ · (7.5 · |step| + |zero*|) (bfloat16's unit
+    roundoff): on the 1.5B's Q4_K tensors at most ~4% of a step, rms 0.25% of the weights' rms — 20× below
+    re-quantizing the file's floats (`quantize_int4`: up to half a step), 8× below int8's per-row grid."""
+    scale = step.to(_ACT)
+    zero = (8 * scale.float() - offset - 7.5 * (scale.float() - step)).to(_ACT)
+    return scale, zero
+
+
 _INT4_LAYOUT: list[bool] = []  # (a one-time probe: [] until checked)
 
 
@@ -207,20 +254,45 @@ def check_packable(weight: torch.Tensor | tuple[int, int], kind: str) -> str | N
 _PACKED_NAMES = re.compile(r"^(model\.)?(layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)|lm_head)\.weight$")
 
 
-def packer(kind: str):
+def file_kind(shape: tuple[int, int]) -> str:
+    """The format a projection of a non-4-bit GGUF type (or a tied head) gets under FILE_FORMAT: int8, or
+    bfloat16 where int8's kernel cannot take the shape."""
+    return "int8" if check_packable(shape, "int8") is None else "bfloat16"
+
+
+class _Packer:
     """A transform for a loader that hands over each float tensor as it is read (`read_gguf(transform=)`):
     a projection weight or an untied LM head becomes its PackedLinear (bias None; `build_model` sets it)
     right away, so a load holds the packed model plus about one float tensor instead of the whole float
-    model and then its packed copy. A head `kind` cannot tile stays float (as in quantize_cpu)."""
-    def pack(name: str, w: torch.Tensor):
-        if _PACKED_NAMES.match(name) and check_packable(w, kind) is None:
-            return PackedLinear(w, None, kind)
-        return w
+    model and then its packed copy. A head `kind` cannot tile stays float (as in quantize_cpu). `cast`:
+    the dtype each float tensor is cast to first (the same packed values as packing a model loaded in it).
+    FILE_FORMAT: 4-bit group tensors are taken as groups (`takes_int4_groups` / `from_int4_groups`)."""
 
-    return pack
+    def __init__(self, kind: str, cast: torch.dtype | None = None):
+        self.kind, self.cast = kind, cast
+
+    def takes_int4_groups(self, name: str, shape: tuple[int, int]) -> bool:
+        return (self.kind == FILE_FORMAT and bool(_PACKED_NAMES.match(name))
+                and check_packable(tuple(shape), "int4") is None)
+
+    def from_int4_groups(self, name: str, q, step, offset) -> PackedLinear:
+        return PackedLinear.from_int4_groups(q, step, offset)
+
+    def __call__(self, name: str, w: torch.Tensor):
+        if not _PACKED_NAMES.match(name):
+            return w
+        kind = file_kind(tuple(w.shape)) if self.kind == FILE_FORMAT else self.kind
+        if check_packable(w, kind) is not None:
+            return w
+        return PackedLinear(w if self.cast is None else w.to(self.cast), None, kind)
 
 
-WEIGHT_CHOICES = ("auto",) + WEIGHT_FORMATS
+def packer(kind: str, cast: torch.dtype | None = None) -> _Packer:
+    """The load-time transform packing projections in `kind` (a WEIGHT_FORMATS entry or FILE_FORMAT)."""
+    return _Packer(kind, cast)
+
+
+WEIGHT_CHOICES = ("auto",) + WEIGHT_FORMATS + (FILE_FORMAT,)
 # "auto" on the CPU for a GGUF file (its float32 tensors are dequantized 4–8-bit data): the fastest format
 # at float32's perplexity on this project's 2-core machine (benchmarks/NOTES.md, session 11).
 GGUF_DEFAULT = "int8"
@@ -248,7 +320,13 @@ def resolve_weights(weights: str, device: torch.device, path, draft: bool = Fals
     """The format a model loaded from `path` onto `device` gets: "auto" → GGUF_DEFAULT (a draft model:
     DRAFT_GGUF_DEFAULT) for a .gguf file on the CPU, else float32 (a float checkpoint stays exact; CUDA
     keeps its own path)."""
-    check_weights(weights, device, name="draft_weights" if draft else "weights")
+    from redwood.errors import ConfigError
+
+    name = "draft_weights" if draft else "weights"
+    check_weights(weights, device, name=name)
+    if weights == FILE_FORMAT and not str(path).endswith(".gguf"):
+        raise ConfigError(f"{name}={FILE_FORMAT!r} keeps a GGUF file's own quantization, and {path} is not a "
+                          f".gguf file; choose one of {', '.join(WEIGHT_FORMATS)} (or auto)")
     if weights != "auto":
         return weights
     if device.type == "cpu" and str(path).endswith(".gguf"):

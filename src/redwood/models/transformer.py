@@ -294,7 +294,8 @@ class Transformer(nn.Module):
         from redwood.errors import ConfigError
         from redwood.models import cpu_weights
 
-        if kind not in cpu_weights.WEIGHT_FORMATS:
+        file_format = kind == cpu_weights.FILE_FORMAT  # (per projection, as the GGUF file loaded it)
+        if kind not in cpu_weights.WEIGHT_FORMATS and not file_format:
             raise ConfigError(f"unknown weights {kind!r}; choose one of {', '.join(cpu_weights.WEIGHT_FORMATS)}")
         if kind == self.weights:
             return
@@ -305,21 +306,26 @@ class Transformer(nn.Module):
                               f"(CUDA drafts can use draft_quant='int8')")
         if self.layers[0].self_attn.qkv is not None:
             raise ConfigError("quantize_cpu needs the unfused projections (fuse_projections is for CUDA)")
-        why = self.cpu_format_misfit(kind)
+        why = None if file_format else self.cpu_format_misfit(kind)
         if why:
             raise ConfigError(f"weights={kind!r} does not fit this model: {why}")
+        if file_format and not all(isinstance(getattr(m, n), cpu_weights.PackedLinear) for m, n in self._projections()):
+            raise ConfigError(f"weights={kind!r} keeps a GGUF file's types, chosen as the file loads: "
+                              f"load_model(path, weights={kind!r})")
         for m, name in self._projections():
             linear = getattr(m, name)
             if isinstance(linear, cpu_weights.PackedLinear):  # packed as it loaded (`cpu_weights.packer`)
-                if linear.kind != kind:
+                if linear.kind != kind and not file_format:
                     raise ConfigError(f"a projection is already {linear.kind}; load the model again for {kind}")
                 continue
             setattr(m, name, cpu_weights.PackedLinear(linear.weight, linear.bias, kind))
         # The head too (a sixth of a 1.5B's bytes); a vocabulary that int4 cannot tile keeps a float head.
+        head_kind = cpu_weights.file_kind(tuple(self.head_weight.shape)) if file_format and not isinstance(
+            self.lm_head, cpu_weights.PackedLinear) else kind  # (a tied head: int8, from the float embedding)
         if isinstance(self.lm_head, cpu_weights.PackedLinear):
             self.packed_head = self.lm_head
-        elif cpu_weights.check_packable(self.head_weight, kind) is None:
-            self.packed_head = cpu_weights.PackedLinear(self.head_weight, None, kind)
+        elif cpu_weights.check_packable(self.head_weight, head_kind) is None:
+            self.packed_head = cpu_weights.PackedLinear(self.head_weight, None, head_kind)
             if self.lm_head is not None:
                 self.lm_head = self.packed_head  # frees the float head
         self.weights = kind

@@ -157,9 +157,10 @@ async def _ready(value):
 
 
 def _encode_text(state: ServeState, text: str) -> list[int]:
+    """A text prompt's ids, as offline generation makes them (`Engine.encode`)."""
     if state.engine.tokenizer is None:
         raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
-    return list(state.engine.tokenizer.encode(text, add_special_tokens=True))
+    return state.engine.encode(text)
 
 
 def _apply_chat_template(state: ServeState, body: ChatCompletionRequest) -> list[int]:
