@@ -1,8 +1,11 @@
 """Speculation against plain decoding through the Engine on the CPU, per weight format of the target and
 of the draft (issue 20: does the cheaper verify of packed weights make speculation pay on this machine).
 
-Usage: OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/cpu_spec.py [--plan int8:int8/int4 int4:int4]
-    [--gammas 3 5] [--new-tokens 64] [--code-prompts 1] [--chat]
+Usage: PYTHONPATH=src python benchmarks/cpu_spec.py [--plan int8:int8/int4 int4:int4 gguf:int4/gguf]
+    [--gammas 3 5] [--new-tokens 64] [--code-prompts 1] [--chat] [--threads 1 2]
+--threads: torch's thread count for each measurement (default: as torch starts, e.g. OMP_NUM_THREADS); with
+several, every AR and speculative measurement runs at each count in turn (1, 2, 1, 2, …: interleaved, so a
+load from elsewhere lands on both alike), and each speculative row is against the AR of its own count.
 A plan entry is TARGET:DRAFT1/DRAFT2…; each target loads once (`load_model(weights=)`), runs AR (after a
 short warm-up) and then greedy chains of each γ with each draft format over the same prompts: --code-prompts
 128-token code windows (HumanEval problems 100+, 1024 tokens apart) and, with --chat, the main job's chat
@@ -16,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+
+import torch
 
 from cpu_weights import held_out_texts
 from redwood import Engine, SamplingParams
@@ -65,6 +70,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--code-prompts", type=int, default=1, help="128-token code windows (default 1)")
     ap.add_argument("--chat", action="store_true", help="also the main job's chat prompt (scripts/run.sh)")
+    ap.add_argument("--threads", nargs="+", type=int, default=[torch.get_num_threads()])
     args = ap.parse_args()
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     rows = []
@@ -77,30 +83,39 @@ def main() -> None:
             prompts.append(encode_prompt(target.tokenizer, CHAT, chat=True))
         engine = Engine.build(target.model, target.tokenizer, max_num_seqs=1, max_model_len=512)
         run(engine, prompts[0][:16], SamplingParams(max_new_tokens=4))  # warm-up
-        ar_ids, ar = run_all(engine, prompts, params)
+        ar, ar_ids = {}, {}
+        for n in args.threads:
+            torch.set_num_threads(n)
+            ar_ids[n], ar[n] = run_all(engine, prompts, params)
+            print(f"AR {tk}, {n} thread(s): {ar[n]['decode_tokens_per_s']:.2f} tok/s"
+                  + ("" if ar_ids[n] == ar_ids[args.threads[0]] else " (tokens differ from the first count's)"),
+                  flush=True)
         del engine
-        print(f"AR {tk}: {ar['decode_tokens_per_s']:.2f} tok/s", flush=True)
         for dk in drafts.split("/"):
             draft = load_model(DRAFT, weights=dk)
             for g in args.gammas:
                 drafter = ModelDrafter(draft.model, FullPolicy(), target.config.vocab_size)
                 engine = Engine.build(target.model, target.tokenizer, drafter=drafter, tree=Tree.chain(g),
                                       max_num_seqs=1, max_model_len=512)
-                ids, st = run_all(engine, prompts, params)
+                for n in args.threads:
+                    torch.set_num_threads(n)
+                    ids, st = run_all(engine, prompts, params)
+                    a = ar[n]["decode_tokens_per_s"]
+                    row = (tk, dk, g, n, a, st["decode_tokens_per_s"], st["acceptance_rate"],
+                           st["mean_accepted_length"], f"{sum(x == y for x, y in zip(ids, ar_ids[n]))}/{len(ids)}")
+                    rows.append(row)
+                    print(f"  {tk} target, {dk} draft, γ {g}, {n} thread(s): {row[5]:.2f} tok/s = {row[5] / a:.2f}× AR, "
+                          f"acceptance {row[6]:.2f}, {row[7]:.2f} tokens/step, prompts with tokens == AR: {row[8]}",
+                          flush=True)
                 del engine
-                row = (tk, dk, g, ar["decode_tokens_per_s"], st["decode_tokens_per_s"], st["acceptance_rate"],
-                       st["mean_accepted_length"], f"{sum(a == b for a, b in zip(ids, ar_ids))}/{len(ids)}")
-                rows.append(row)
-                print(f"  {tk} target, {dk} draft, γ {g}: {row[4]:.2f} tok/s = {row[4] / row[3]:.2f}× AR, "
-                      f"acceptance {row[5]:.2f}, {row[6]:.2f} tokens/step, prompts with tokens == AR: {row[7]}", flush=True)
             del draft
             gc.collect()
         del target
         gc.collect()
-    print("\n| target | draft | γ | AR tok/s | spec tok/s | × AR | acceptance | tokens/step | prompts == AR |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for tk, dk, g, a, s, acc, mal, same in rows:
-        print(f"| {tk} | {dk} | {g} | {a:.2f} | {s:.2f} | {s / a:.2f} | {acc:.2f} | {mal:.2f} | {same} |")
+    print("\n| target | draft | γ | threads | AR tok/s | spec tok/s | × AR | acceptance | tokens/step | prompts == AR |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for tk, dk, g, n, a, s, acc, mal, same in rows:
+        print(f"| {tk} | {dk} | {g} | {n} | {a:.2f} | {s:.2f} | {s / a:.2f} | {acc:.2f} | {mal:.2f} | {same} |")
 
 
 if __name__ == "__main__":

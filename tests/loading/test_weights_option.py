@@ -28,13 +28,13 @@ def hf_pair(tmp_path_factory, tokenizer):
     return root / "target", root / "draft"
 
 
-def test_auto_is_int8_for_gguf_on_the_cpu_and_float32_otherwise(gguf_file, hf_pair):
+def test_auto_is_the_files_own_types_for_gguf_on_the_cpu_and_float32_otherwise(gguf_file, hf_pair):
     from pathlib import Path
 
     from redwood.loading.gguf import read_gguf
     from redwood.models.transformer import build_model
 
-    assert resolve_weights("auto", torch.device("cpu"), Path("m/model.gguf")) == "int8"
+    assert resolve_weights("auto", torch.device("cpu"), Path("m/model.gguf")) == "gguf"
     assert resolve_weights("auto", torch.device("cuda"), Path("m/model.gguf")) == "float32"
     assert resolve_weights("int4", torch.device("cpu"), Path("m")) == "int4"
     assert load_model(hf_pair[0], weights="auto").model.weights == "float32"  # a float checkpoint stays exact
@@ -64,7 +64,7 @@ def test_draft_auto_is_int4_for_a_gguf_draft_on_the_cpu_and_falls_back_where_int
 
     info = ModelInfo(config=read_gguf_config(gguf_file), tokenizer=None, source="tiny", path=gguf_file)
     assert load_model(info, weights="auto", draft=True).model.weights == "int4"
-    assert load_model(info, weights="auto").model.weights == "int8"
+    assert load_model(info, weights="auto").model.weights == "gguf"
     assert auto_formats("int4") == ("int4", "int8", "float32") and auto_formats("bfloat16") == ("bfloat16",)
     # hidden 48 is not whole 32-input int4 groups: "auto" resolving to int4 takes int8 instead (as a GGUF
     # draft of that shape would), where an explicit int4 is an error

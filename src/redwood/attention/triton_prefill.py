@@ -257,10 +257,11 @@ def _big_shared_memory(device: torch.device) -> bool:
 
 
 def launch_config(D: int, dtype: torch.dtype, big_smem: bool = False) -> dict:
-    """Block sizes and launch options from static shapes. Not yet measured (prefill_bench.py --sweep
-    times alternatives on the H200): the flash-attention forward's usual Hopper/Ampere choice for 16-bit
-    operands at D ≤ 128 — 128 query rows × 64 keys per step, 8 warps (two warpgroups of 64 rows), 3
-    stages where shared memory allows (q 32 KB + 3 × (K + V) 32 KB = 128 KB at D = 128). Compiled for
+    """Block sizes and launch options from static shapes: the flash-attention forward's usual
+    Hopper/Ampere choice for 16-bit operands at D ≤ 128 — 128 query rows × 64 keys per step, 8 warps
+    (two warpgroups of 64 rows), 3 stages where shared memory allows (q 32 KB + 3 × (K + V) 32 KB =
+    128 KB at D = 128). On the H200 (prefill_bench.py --sweep, NOTES.md session 13) it was the fastest of
+    seven tilings in every case (300-410 TFLOP/s at the 1.5B's G = 6, D = 128). Compiled for
     sm_90 by triton 3.9 on the CPU machine (NOTES.md, session 12): bf16 D = 128 230 registers, no spills,
     wgmma; 128 × 128 tiles spill (144 B), as do 4-warp 128-row tiles. D > 128: 64 × 32, 8 warps (no
     spill at D = 256). fp32 (tests; not a speed path: its IEEE dots are FMA loops that spill at

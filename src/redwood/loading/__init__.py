@@ -106,11 +106,11 @@ def inspect_model(model: "str | Path | ModelInfo") -> ModelInfo:
 def load_model(model: "str | Path | ModelInfo", dtype: str | torch.dtype = "float32",
                device: str | torch.device = "cpu", weights: str = "float32", draft: bool = False) -> LoadedModel:
     """Load a model's weights; a ModelInfo (`inspect_model`) is loaded with the tokenizer it holds.
-    weights: the CPU projection format (`redwood.models.cpu_weights`; "auto": int8 for a GGUF file on
-    the CPU — int4 when `draft`, a draft model's auto — else float32; a model whose shapes the format
+    weights: the CPU projection format (`redwood.models.cpu_weights`; "auto": "gguf" — each projection as
+    its type in the file allows: 4-bit groups as int4 with the file's own grid, the rest int8 — for a GGUF
+    file on the CPU, int4 when `draft` (a draft model's auto), else float32; a model whose shapes the format
     cannot pack takes the next of int4 → int8 → float32 under "auto"). A GGUF file is packed tensor by
-    tensor as it is dequantized (the float model never exists whole); a Hugging Face folder is loaded,
-    then packed."""
+    tensor as it is read (the float model never exists whole); a Hugging Face folder is loaded, then packed."""
     torch_dtype, dev = parse_dtype(dtype), parse_device(device)
     info = model if isinstance(model, ModelInfo) else None
     path = info.path if info is not None else _model_file(model)

@@ -293,9 +293,10 @@ def packer(kind: str, cast: torch.dtype | None = None) -> _Packer:
 
 
 WEIGHT_CHOICES = ("auto",) + WEIGHT_FORMATS + (FILE_FORMAT,)
-# "auto" on the CPU for a GGUF file (its float32 tensors are dequantized 4–8-bit data): the fastest format
-# at float32's perplexity on this project's 2-core machine (benchmarks/NOTES.md, session 11).
-GGUF_DEFAULT = "int8"
+# "auto" on the CPU for a GGUF file: the fastest format at float32's perplexity on this project's 2-core
+# machine — the file's own types (Q4_K_M 1.5B: perplexity +0.1% / +0.05% against float32's, int8's −0.2% /
+# +0.35%, int4's +3.3% / +4%; decode 1.39–1.40× int8's at 1 and 2 threads; benchmarks/NOTES.md session 13).
+GGUF_DEFAULT = FILE_FORMAT
 
 
 # "auto" for a draft model's GGUF file on the CPU: the draft's format changes only acceptance (verification
