@@ -62,8 +62,9 @@ class LLM:
     max_num_batched_tokens, kv_cache_memory, enable_prefix_caching; see `redwood.Engine`).
     threads: torch's CPU threads (None: OMP_NUM_THREADS when set, else the measured default; see
     `redwood.engine.threads`).
-    weights: the CPU weight format of the target ("auto": int8 for a GGUF file on the CPU, else float32;
-    "float32" | "bfloat16" | "int8" | "int4"; see `redwood.models.cpu_weights`). draft_weights: the same for
+    weights: the CPU weight format of the target ("auto": "gguf" — the file's own 4-bit grid as int4, its
+    other types int8 — for a GGUF file on the CPU, else float32; "float32" | "bfloat16" | "int8" | "int4" |
+    "gguf"; see `redwood.models.cpu_weights`). draft_weights: the same for
     a draft model ("auto": int4 for a GGUF draft on the CPU, else float32; the output is the target's
     whatever the draft's format).
     """

@@ -2,8 +2,12 @@
 
 Order of precedence: an explicit `threads` → the OMP_NUM_THREADS environment variable (left as the user
 set it: torch already read it) → `default_threads()`, the rule measured in benchmarks/NOTES.md
-("Session 11: CPU threads"): one thread on a machine of at most two cores, torch's own default (its
-physical cores, as llama.cpp's) above that, where nothing was measured. The setting is process-wide
+("Session 11: CPU threads", re-measured with packed weights in "Session 13: CPU"): one thread on a machine
+of at most two cores, torch's own default (its physical cores, as llama.cpp's) above that, where nothing
+was measured. On the 2-core machine, idle, two threads decode 1.4–1.7× faster; with one other busy
+process, 2.2× slower (speculation > 20×). A run-time choice was not made: decode and verify steps are
+bit-identical at 1 and 2 threads, but prefill chunks of ≥ 128 rows (oneDNN's gemm) are not, so the output
+would depend on the machine's load. The setting is process-wide
 (torch has one intra-op pool), so the last Engine built sets it for every model in the process.
 """
 
