@@ -165,7 +165,7 @@ PYEOF
           -n $PEER_NEW --temp 0 --ignore-eos -t "$t" -td "$t" -c 512 --spec-type draft-simple \
           --spec-draft-n-max 3 --spec-draft-n-min 0 --spec-draft-p-min 0 || fails=$((fails + 1))
       # (3) redwood AR then speculation, 0.5B draft, chain γ 3, same process and prompt; --weights auto
-      # (int8 for a GGUF file on the CPU); a warm-up runs first (not timed)
+      # (gguf for a GGUF target on the CPU since session 13, int4 for the draft); a warm-up runs first (not timed)
       timed "r$r-t$t-redwood" $R bench standalone --model "$TF" --draft-model "$DF" --prompts-file "$P/prompt.txt" \
           --prefix-len 128 --gen-len $PEER_NEW --gamma 3 --batch-size 1 --threads "$t" --weights auto \
           --output "$P/r$r-t$t-redwood" -q || fails=$((fails + 1))
