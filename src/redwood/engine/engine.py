@@ -189,8 +189,9 @@ class Engine:
     requests need. enable_prefix_caching: share the KV blocks of identical prompt prefixes across
     requests (refcounted; off by default). threads: torch's CPU threads (`redwood.engine.threads`:
     None → OMP_NUM_THREADS when set, else the measured default; on CUDA only an explicit value is set).
-    weights: the CPU projection format of the target (`redwood.models.cpu_weights`: "auto" → int8 for a
-    GGUF file on the CPU, else float32; "float32" | "bfloat16" | "int8" | "int4"). draft_weights: the same
+    weights: the CPU projection format of the target (`redwood.models.cpu_weights`: "auto" → "gguf" for a
+    GGUF file on the CPU — each projection on the file's own grid: its 4-bit groups as int4, the rest
+    int8 — else float32; "float32" | "bfloat16" | "int8" | "int4" | "gguf"). draft_weights: the same
     for a draft model ("auto" → int4 for a GGUF draft on the CPU, the fastest speculation measured, else
     float32; the output stays the target's whatever the draft's format, only acceptance moves).
     """
