@@ -128,3 +128,34 @@ def test_batch_rows_do_not_depend_on_each_other(T):
     both = attention(q, k, v, _chain_mask([10, 64], T, S))
     alone = attention(q[:1], k[:1, :, :10 + T], v[:1, :, :10 + T], _chain_mask([10], T, 10 + T))
     assert torch.equal(both[:1], alone)
+
+
+def test_the_query_plan_is_read_once_per_mask_and_gives_the_same_outputs():
+    """reference.query_keys: per query its contiguous range, its gathered slots, or nothing; attention with
+    a forward's metadata keeps the plan for the mask every layer shares (a new mask gets its own), and a
+    decode step (B = T = 1) is one SDPA call — the same outputs as planning every call."""
+    from redwood.attention.reference import AttentionMetadata, query_keys
+
+    g = torch.Generator().manual_seed(5)
+    T, S = 3, 40
+    mask = _chain_mask([30, 30], T, S)
+    mask[1, :, :, 5:9] = False
+    mask[1, :, 2] = False
+    plan = query_keys(mask, (2, T, S))
+    assert plan[0] == [(0, 31, None), (0, 32, None), (0, 33, None)] and plan[1][2] is None
+    lo, hi, idx = plan[1][0]
+    assert (lo, hi) == (0, 31) and idx.tolist() == [i for i in range(31) if not 5 <= i < 9]
+    q = torch.randn(2, Hq, T, D, generator=g)
+    k, v = torch.randn(2, Hkv, S, D, generator=g), torch.randn(2, Hkv, S, D, generator=g)
+    meta = AttentionMetadata(lengths=torch.tensor([30, 30]), num_new=T)
+    out = attention(q, k, v, mask)
+    assert torch.equal(attention(q, k, v, mask, meta), out) and meta._query_keys[0] is mask
+    assert torch.equal(attention(q, k, v, mask, meta), out)  # (the kept plan)
+    other = _chain_mask([20, 25], T, S)
+    assert torch.equal(attention(q, k, v, other, meta), attention(q, k, v, other))
+    assert meta._query_keys[0] is other
+    step_mask = _chain_mask([17], 1, S)  # a decode step: one call over the slice
+    one = attention(q[:1, :, :1], k[:1], v[:1], step_mask, AttentionMetadata(lengths=torch.tensor([17]), num_new=1))
+    assert torch.equal(one, F.scaled_dot_product_attention(q[:1, :, :1], k[:1, :, :18], v[:1, :, :18], enable_gqa=True))
+    broadcast = _chain_mask([17], 1, S)  # a mask broadcast over the rows
+    assert torch.equal(attention(q[:, :, :1], k, v, broadcast), attention(q[:, :, :1], k, v, broadcast.expand(2, -1, -1, -1)))

@@ -82,3 +82,23 @@ def test_slots_past_a_row_s_table_go_to_the_trash_page():
     assert pages.tolist() == [[2, 0, 0, 4, 4], [4, 4, 4, 4, 4]] and paged.trash_page == 4
     assert offsets.tolist() == [[0, 1, 7, 0, 0], [0, 1, 2, 3, 4]]
     assert paged.k.shape[1] == 5  # the trash page is one more page
+
+
+@torch.inference_mode()
+def test_a_paged_row_on_the_cpu_reads_one_page_as_a_view():
+    """context() of one row on the CPU: a view of its page while the slots fit in it, else one copy of its
+    pages in table order — the dense cache's values either way."""
+    cfg = _config()
+    dense = KVCache(cfg, 1, 40, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(1)
+    dense.k.copy_(torch.randn(dense.k.shape, generator=g))
+    dense.v.copy_(torch.randn(dense.v.shape, generator=g))
+    paged = _paged_twin(dense, 16, seed=2)
+    for n in (5, 16, 17, 40):
+        k, v = paged.context(1, n)
+        assert k.shape == (1, cfg.num_kv_heads, n, cfg.head_dim)
+        assert torch.equal(k, dense.context(1, n)[0]) and torch.equal(v, dense.context(1, n)[1])
+        page = int(paged.block_table[0, 0])
+        assert (k.untyped_storage().data_ptr() == paged.k.untyped_storage().data_ptr()) == (n <= 16)
+        if n <= 16:
+            assert k.data_ptr() == paged.k[1, page].data_ptr()

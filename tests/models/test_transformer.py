@@ -112,3 +112,22 @@ def test_fused_projections_give_the_same_logits_and_state(tiny_llm):
     assert fused.keys() == state.keys() and all(torch.equal(fused[k], state[k]) for k in state)
     attn = model.layers[0].self_attn
     assert attn.q_proj.weight.data_ptr() == attn.qkv[0].data_ptr()
+
+
+def test_the_fused_norm_and_rotation_keep_the_formulas_bits():
+    """RMSNorm's float32 path (torch's rms_norm) and rope.rotate (q and k in one pass, in place) equal
+    the written-out formulas bit for bit."""
+    from redwood.models.rope import apply_rotary
+    from redwood.models.transformer import RMSNorm
+
+    g = torch.Generator().manual_seed(7)
+    norm = RMSNorm(96, 1e-6)
+    norm.weight.data = torch.rand(96, generator=g) + 0.5
+    for shape in ((1, 1, 96), (2, 5, 96), (3, 96)):
+        x = torch.randn(*shape, generator=g) * 3
+        ref = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
+        assert torch.equal(norm(x), ref)
+    x = torch.randn(2, 4, 3, 32, generator=g)  # [B, H, T, D]
+    cos, sin = torch.randn(2, 3, 32, generator=g), torch.randn(2, 3, 32, generator=g)
+    rotated = torch.cat((-x[..., 16:], x[..., :16]), dim=-1)
+    assert torch.equal(apply_rotary(x, cos, sin), x * cos[:, None] + rotated * sin[:, None])

@@ -54,6 +54,7 @@ class AttentionMetadata:
     backend: str = "reference"
     _full_mask: torch.Tensor | None = None
     _packed_mask: torch.Tensor | None = None
+    _query_keys: tuple | None = None  # (mask, shape, query_keys(mask, shape)): the by-query plan, for all layers
 
     def packed_new_mask(self) -> torch.Tensor | None:
         """new_mask as the Triton kernel reads it (triton_decode.pack_new_mask), packed once per forward
@@ -139,17 +140,49 @@ def read_kv(cache, layer: int, meta: AttentionMetadata):
 BY_QUERY_MAX_NEW = 80
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q: [B, Hq, T, D]; k, v: [B, Hkv, S, D]; mask [B, 1 or Hkv, T, S] → [B, Hq, T, D]."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+              meta: AttentionMetadata | None = None) -> torch.Tensor:
+    """q: [B, Hq, T, D]; k, v: [B, Hkv, S, D]; mask [B, 1 or Hkv, T, S] → [B, Hq, T, D]. meta: the
+    forward's metadata, where the by-query path keeps its plan for a mask every layer shares."""
     Hq, Hkv = q.shape[1], k.shape[1]
     if q.device.type == "cpu" and q.shape[2] <= BY_QUERY_MAX_NEW and mask.shape[1] == 1:
-        return _attention_by_query(q, k, v, mask)
+        shape = (q.shape[0], q.shape[2], k.shape[2])
+        if meta is None:
+            return _attention_by_query(q, k, v, query_keys(mask, shape))
+        if meta._query_keys is None or meta._query_keys[0] is not mask or meta._query_keys[1] != shape:
+            meta._query_keys = (mask, shape, query_keys(mask, shape))
+        return _attention_by_query(q, k, v, meta._query_keys[2])
     if mask.shape[1] not in (1, Hq):
         mask = mask.repeat_interleave(Hq // Hkv, dim=1)  # per-KV-head mask → per query head
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=Hq != Hkv)
 
 
-def _attention_by_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def query_keys(mask: torch.Tensor, shape: tuple[int, int, int]) -> list[list[tuple[int, int, torch.Tensor | None] | None]]:
+    """For a mask broadcastable to [B, 1, T, S] (shape = (B, T, S)): per row b and new token t, the keys
+    that query sees — (lo, hi, None) when they are the slots [lo, hi), (lo, hi, idx) when they are the
+    slots idx (not contiguous), None when none. One pass over the mask (one host read) instead of a
+    nonzero and two host reads per query and layer."""
+    B, T, S = shape
+    allowed = mask.expand(B, 1, T, S)[:, 0]  # [B, T, S]
+    a = allowed.to(torch.uint8)
+    first = a.argmax(-1)  # (argmax: the first maximal index)
+    last = S - 1 - a.flip(-1).argmax(-1)
+    count = a.sum(-1, dtype=torch.long)
+    plan = []
+    for b, row in enumerate(torch.stack([count, first, last], -1).tolist()):
+        keys = []
+        for t, (n, lo, hi) in enumerate(row):
+            if n == 0:
+                keys.append(None)
+            elif hi + 1 - lo == n:
+                keys.append((lo, hi + 1, None))
+            else:
+                keys.append((lo, hi + 1, allowed[b, t].nonzero().squeeze(1)))
+        plan.append(keys)
+    return plan
+
+
+def _attention_by_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan) -> torch.Tensor:
     """`attention` one query (row b, token t) at a time, over exactly the keys it may see, unmasked.
 
     Why: SDPA's CPU kernel blocks its work by the number of queries, so row t of a T-token call differs in
@@ -161,20 +194,21 @@ def _attention_by_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     as for decode and chains; gathered for trees), which is the same key set, same order, same values as
     the one-token step that would produce that token. (The output does not depend on the slice's strides
     or on masked keys beyond it; checked in tests/attention/test_reference.py.)
-    q: [B, Hq, T, D]; k, v: [B, Hkv, S, D]; mask [B, 1, T, S] bool → [B, Hq, T, D].
+    q: [B, Hq, T, D]; k, v: [B, Hkv, S, D]; plan: `query_keys` of the mask [B, 1, T, S] → [B, Hq, T, D].
     """
     B, Hq, T, D = q.shape
     gqa = Hq != k.shape[1]
-    allowed = mask.expand(B, 1, T, k.shape[2])[:, 0]  # [B, T, S]
+    if B == 1 and T == 1 and plan[0][0] is not None and plan[0][0][2] is None:  # a decode step: one call
+        lo, hi, _ = plan[0][0]
+        return F.scaled_dot_product_attention(q, k[:, :, lo:hi], v[:, :, lo:hi], enable_gqa=gqa)
     out = q.new_zeros(B, Hq, T, D)  # a query that sees no key outputs 0 (as the Triton kernel)
     for b in range(B):
         for t in range(T):
-            idx = allowed[b, t].nonzero().squeeze(1)
-            n = idx.numel()
-            if n == 0:
+            keys = plan[b][t]
+            if keys is None:
                 continue
-            lo, hi = int(idx[0]), int(idx[-1]) + 1
-            if hi - lo == n:  # contiguous: views into the read, no copy
+            lo, hi, idx = keys
+            if idx is None:  # contiguous: views into the read, no copy
                 kb, vb = k[b:b + 1, :, lo:hi], v[b:b + 1, :, lo:hi]
             else:
                 kb, vb = k[b:b + 1, :, idx], v[b:b + 1, :, idx]

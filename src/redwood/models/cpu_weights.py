@@ -100,6 +100,56 @@ class PackedLinear(nn.Module):
                              persistent=False)
         return self
 
+    @classmethod
+    def concat(cls, linears: list["PackedLinear"]) -> "PackedLinear":
+        """One projection whose output is the members' outputs side by side (q | k | v, gate | up): one
+        kernel call instead of several. Each output column of the int8 and int4 kernels is computed alone,
+        so the product equals the members' products concatenated, bit for bit (tested). The members' weight
+        buffers become views of the new one's (no memory is duplicated; an int4 member's scale_zero is then
+        a strided view, made contiguous when that member runs by itself). Members must share kind
+        (int8 or int4: `can_concat`) and in_features."""
+        if not can_concat(linears):
+            raise ValueError("concat needs int8 or int4 members of one kind and in_features "
+                             "(int4: out_features % 64 == 0), all with a bias or none")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        first = linears[0]
+        self.kind, self.in_features = first.kind, first.in_features
+        self.out_features = sum(m.out_features for m in linears)
+        bias = None if first.bias is None else torch.cat([m.bias for m in linears])
+        self.register_buffer("bias", bias, persistent=False)
+        names_dims = (("w8", 0), ("scale", 0)) if self.kind == "int8" else (("packed", 0), ("scale_zero", 1))
+        for name, dim in names_dims:
+            whole = torch.cat([getattr(m, name) for m in linears], dim=dim)
+            self.register_buffer(name, whole, persistent=False)
+            start = 0
+            for m in linears:
+                n = getattr(m, name).shape[dim]
+                setattr(m, name, whole.narrow(dim, start, n))
+                start += n
+        if bias is not None:
+            start = 0
+            for m in linears:
+                m.bias = bias[start:start + m.out_features]
+                start += m.out_features
+        return self
+
+    def raw(self, x2: torch.Tensor) -> torch.Tensor:
+        """The kernel's product of x2 [M, K] bfloat16 (M below the gemm paths' rows) → bfloat16 [M, N],
+        without the cast back or the bias (`forward` is raw(x.to(bfloat16)).to(x.dtype) + bias)."""
+        if self.kind == "int8":
+            return torch.ops.aten._weight_int8pack_mm(x2, self.w8, self.scale)
+        if self.kind == "int4":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, INT4_GROUP, self._scale_zero())
+        if x2.shape[0] == 1:  # (as in forward)
+            return F.linear(x2.repeat(2, 1), self.w16)[:1]
+        return F.linear(x2, self.w16)
+
+    def _scale_zero(self) -> torch.Tensor:
+        """scale_zero as the int4 kernel must get it: contiguous (a strided view gives wrong products)."""
+        sz = self.scale_zero
+        return sz if sz.is_contiguous() else sz.contiguous()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(_ACT)  # [M, K]
@@ -112,7 +162,7 @@ class PackedLinear(nn.Module):
             y = torch.cat([x2 @ unpack_int4(self.packed, self.scale_zero, s, min(s + INT4_SLICE, self.out_features))
                            for s in range(0, self.out_features, INT4_SLICE)], dim=1)
         elif self.kind == "int4":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, INT4_GROUP, self.scale_zero)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, INT4_GROUP, self._scale_zero())
         elif x2.shape[0] == 1:  # oneDNN's one-row bfloat16 path is a slow gemv; two rows take the AMX gemm
             y = F.linear(x2.repeat(2, 1), self.w16)[:1]
         else:
@@ -128,7 +178,7 @@ class PackedLinear(nn.Module):
             return self.w8.float() * self.scale.float()[:, None]
         if self.kind == "int4":
             eye = torch.eye(self.in_features, dtype=_ACT)  # x = I reads Wᵀ back out of the kernel exactly
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, INT4_GROUP, self.scale_zero).float().T
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, INT4_GROUP, self._scale_zero()).float().T
         return self.w16.float()
 
     @property
@@ -138,6 +188,20 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.in_features} → {self.out_features}, {self.kind}, bias={self.bias is not None}"
+
+
+def can_concat(linears: list) -> bool:
+    """Whether `PackedLinear.concat` takes these projections: all PackedLinear of one kind, int8 or int4
+    (bfloat16's oneDNN gemm may block a wider output differently), one in_features, a bias on all or none;
+    int4 members with out_features % 64 == 0 (the packed layout's row block, so the members' packed rows
+    concatenate into the whole's)."""
+    if not linears or not all(isinstance(m, PackedLinear) for m in linears):
+        return False
+    first = linears[0]
+    return (first.kind in ("int8", "int4") and all(m.kind == first.kind for m in linears)
+            and all(m.in_features == first.in_features for m in linears)
+            and len({m.bias is None for m in linears}) == 1
+            and (first.kind == "int8" or all(m.out_features % 64 == 0 for m in linears)))
 
 
 # Output rows quantized at a time: the float temporaries are one slice's (a 1.5B's tied head is 0.9 GB in

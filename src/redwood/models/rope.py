@@ -56,8 +56,11 @@ class RotaryEmbedding(torch.nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [B, H, T, D]; cos/sin: [B, T, D] → rotated x of the same shape."""
-    cos = cos[:, None]
-    sin = sin[:, None]
+    return rotate(x, cos[:, None], sin[:, None])
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x · cos + rotate_half(x) · sin for cos/sin broadcastable to x (any layout whose last dim is D)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return (x * cos).add_(rotated.mul_(sin))

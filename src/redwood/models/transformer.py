@@ -21,7 +21,7 @@ from redwood.config import ModelConfig
 from redwood.kernels import fused as fused_kernels
 from redwood.kernels import gemv, qkv_rope, skinny_configs
 from redwood.kv.cache import KVCache
-from redwood.models.rope import RotaryEmbedding, apply_rotary
+from redwood.models.rope import RotaryEmbedding, apply_rotary, rotate
 
 
 # Forwards with more new tokens than this (prefill) attend through the flash prefill kernel on CUDA
@@ -38,6 +38,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in float32 (as HF does) and scale in the model dtype.
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # torch's own op: the same arithmetic as below (weight · (x · rsqrt(mean(x²) + eps)), bit for bit:
+            # tests/models/test_transformer.py), one dispatch instead of eight
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -55,6 +59,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=config.o_bias)
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse
         self.kernels = False  # fused Triton kernels for rope + cache write (CUDA), set by fuse
+        # CPU packed weights (Transformer.quantize_cpu): q | k | v as few kernel calls as their kinds allow
+        # (PackedLinear.concat; q_proj, k_proj, v_proj then hold views of these), used by forward_packed
+        self.cpu_qkv: list | None = None
 
     def fuse(self) -> None:
         """One [Hq*D + 2*Hkv*D, H] weight for q, k and v (one matmul instead of three); q_proj, k_proj
@@ -105,7 +112,7 @@ class Attention(nn.Module):
             k_all, v_all, mask = reference.read_kv(cache, self.layer, meta)
             if meta.observer is not None:
                 meta.observer(self.layer, q, k_all, mask)
-            out = reference.attention(q, k_all, v_all, mask).transpose(1, 2)  # [B, T, Hq, D]
+            out = reference.attention(q, k_all, v_all, mask, meta).transpose(1, 2)  # [B, T, Hq, D]
         return out.reshape(B, T, self.num_heads * self.head_dim)
 
     def _fast_attention(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -146,6 +153,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(f, h, bias=config.mlp_bias)
         self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by fuse
         self.kernels = False
+        self.cpu_gate_up: list | None = None  # gate | up for CPU packed weights (as Attention.cpu_qkv)
 
     def fuse(self) -> None:
         """gate_proj and up_proj as views of one [2F, H] weight: one matmul."""
@@ -192,6 +200,30 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, dest, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_packed(self, x, cos, sin, cache, dest, meta):
+        """The same layer for a float32 model whose projections are CPU packed weights (quantize_cpu), in a
+        forward of fewer new tokens per row than the gemm paths take (Transformer.forward picks it): q | k
+        | v and gate | up as one kernel call each where their kinds allow, each projection's input cast to
+        bfloat16 once and its output consumed in bfloat16 by the float32 op that follows (a bias, the
+        residual add, SiLU), q and k rotated in one pass. The same arithmetic as `forward`, bit for bit
+        (tests/models/test_transformer.py): only the number of ops, copies and dispatches changes.
+        cos, sin: [B, T, 1, D] (the rotary table broadcast over heads)."""
+        attn, mlp = self.self_attn, self.mlp
+        B, T, H = x.shape
+        Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        h = self.input_layernorm(x).view(B * T, H).to(_ACT)
+        qkv = _packed_outputs(attn.cpu_qkv, h).view(B, T, -1)  # float32 [B, T, (Hq + 2 Hkv) D]
+        qk = qkv[..., :(Hq + Hkv) * D].view(B, T, Hq + Hkv, D)
+        qk = rotate(qk, cos, sin)  # q and k rotated in one pass: [B, T, Hq + Hkv, D]
+        v = qkv[..., (Hq + Hkv) * D:].view(B, T, Hkv, D)
+        cache.write(attn.layer, dest, qk[:, :, Hq:].transpose(1, 2), v.transpose(1, 2))
+        out = attn.attend_rotated(qk[:, :, :Hq].transpose(1, 2), cache, meta)  # [B, T, Hq D]
+        x = _add_packed(x, attn.o_proj, out.view(B * T, Hq * D).to(_ACT))
+        h = self.post_attention_layernorm(x).view(B * T, H).to(_ACT)
+        gate, up = _packed_pair(mlp.cpu_gate_up, h, mlp.gate_proj.out_features)
+        act = F.silu(gate).mul_(up)
+        return _add_packed(x, mlp.down_proj, act.to(_ACT))
+
     def forward_fused(self, h, residual, cos, sin, cache, dest, meta):
         """The same layer with each residual add fused into the next RMSNorm (one Triton kernel):
         the stream is carried as (h, residual) whose sum is `x` above. residual None: the first layer."""
@@ -229,6 +261,37 @@ class DecoderLayer(nn.Module):
         act = gemv.linear(x, w["gate_up"][0], mlp.gate_up[1], scale=w["gate_up"][1],
                           norm=(norm.weight, norm.eps), silu_mul=True)
         return gemv.linear(act, w["down"][0], mlp.down_proj.bias, scale=w["down"][1], residual=x)
+
+
+_ACT = torch.bfloat16  # the CPU packed kernels' activation dtype (cpu_weights._ACT)
+
+
+def _float_output(m, y: torch.Tensor) -> torch.Tensor:
+    """A packed projection's bfloat16 product y → float32 with m's bias: PackedLinear.forward's
+    y.to(float32) + bias, as one op where there is a bias (bfloat16 → float32 is exact)."""
+    return y.float() if m.bias is None else torch.add(y, m.bias)
+
+
+def _packed_outputs(groups: list, h: torch.Tensor) -> torch.Tensor:
+    """The members' outputs side by side (float32 [M, N]) for groups of concatenated projections."""
+    outs = [_float_output(g, g.raw(h)) for g in groups]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+def _packed_pair(groups: list, h: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate, up (float32 [M, n] each, contiguous as PackedLinear.forward's outputs) from their groups."""
+    if len(groups) == 2:
+        return tuple(_float_output(g, g.raw(h)) for g in groups)
+    y, m = groups[0].raw(h), groups[0]
+    if m.bias is None:
+        return y[:, :n].float(), y[:, n:].float()
+    return torch.add(y[:, :n], m.bias[:n]), torch.add(y[:, n:], m.bias[n:])
+
+
+def _add_packed(x: torch.Tensor, m, h: torch.Tensor) -> torch.Tensor:
+    """x + m(h) for a packed projection m, bfloat16 input h [M, K] and the residual x [B, T, N] (float32)."""
+    y = m.raw(h).view(*x.shape)
+    return torch.add(x, y) if m.bias is None else x + torch.add(y, m.bias)
 
 
 class Transformer(nn.Module):
@@ -329,6 +392,31 @@ class Transformer(nn.Module):
             if self.lm_head is not None:
                 self.lm_head = self.packed_head  # frees the float head
         self.weights = kind
+        self._concat_packed()
+
+    def _concat_packed(self) -> None:
+        """Give every layer its q | k | v and gate | up groups (Attention.cpu_qkv, MLP.cpu_gate_up): runs
+        of consecutive projections that `PackedLinear.concat` takes become one kernel call each."""
+        from redwood.models import cpu_weights
+
+        def groups(linears):
+            out = [[linears[0]]]
+            for m in linears[1:]:
+                if cpu_weights.can_concat(out[-1] + [m]):
+                    out[-1].append(m)
+                else:
+                    out.append([m])
+            return [g[0] if len(g) == 1 else cpu_weights.PackedLinear.concat(g) for g in out]
+
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            members = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+            if not all(isinstance(m, cpu_weights.PackedLinear) for m in members):
+                return  # (a projection stayed float: the whole model keeps the plain path)
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.cpu_qkv = groups([attn.q_proj, attn.k_proj, attn.v_proj])
+            mlp.cpu_gate_up = groups([mlp.gate_proj, mlp.up_proj])
 
     def _projections(self) -> list[tuple[nn.Module, str]]:
         """(module, attribute) of every decoder-layer projection, in layer order."""
@@ -433,11 +521,25 @@ class Transformer(nn.Module):
             if self.skinny and self.takes_skinny(B * T):
                 return self._forward_skinny(x, cos, sin, cache, dest, meta, logits_at)
             return self._forward_fused(x, cos, sin, cache, dest, meta, logits_at)
-        for layer in self.layers:
-            x = layer(x, cos, sin, cache, dest, meta)
+        if self.takes_packed(x):
+            cos, sin = cos[:, :, None], sin[:, :, None]  # [B, T, 1, D]: over heads in a [B, T, H, D] layout
+            for layer in self.layers:
+                x = layer.forward_packed(x, cos, sin, cache, dest, meta)
+        else:
+            for layer in self.layers:
+                x = layer(x, cos, sin, cache, dest, meta)
         if logits_at is not None:
             x = torch.gather(x, 1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
         return self.logits(x).float()
+
+    def takes_packed(self, x: torch.Tensor) -> bool:
+        """Whether a forward of x [B, T, H] runs its layers through DecoderLayer.forward_packed: a float32
+        model with CPU packed projections (quantize_cpu), fewer new tokens per row than the packed gemm
+        paths take (a prefill chunk keeps the plain path, which routes it there)."""
+        from redwood.models import cpu_weights
+
+        return (self.layers[0].self_attn.cpu_qkv is not None and x.dtype == torch.float32
+                and cpu_weights.prefill_rows(x) < min(cpu_weights.INT8_GEMM_ROWS, cpu_weights.INT4_GEMM_ROWS))
 
     def _forward_fused(self, h, cos, sin, cache, dest, meta, logits_at):
         residual = None
