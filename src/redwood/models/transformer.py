@@ -206,7 +206,7 @@ class DecoderLayer(nn.Module):
         | v and gate | up as one kernel call each where their kinds allow, each projection's input cast to
         bfloat16 once and its output consumed in bfloat16 by the float32 op that follows (a bias, the
         residual add, SiLU), q and k rotated in one pass. The same arithmetic as `forward`, bit for bit
-        (tests/models/test_transformer.py): only the number of ops, copies and dispatches changes.
+        (tests/models/test_cpu_packed_forward.py): only the number of ops, copies and dispatches changes.
         cos, sin: [B, T, 1, D] (the rotary table broadcast over heads)."""
         attn, mlp = self.self_attn, self.mlp
         B, T, H = x.shape
