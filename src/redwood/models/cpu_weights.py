@@ -136,12 +136,13 @@ class PackedLinear(nn.Module):
 
     def raw(self, x2: torch.Tensor) -> torch.Tensor:
         """The kernel's product of x2 [M, K] bfloat16 (M below the gemm paths' rows) → bfloat16 [M, N],
-        without the cast back or the bias (`forward` is raw(x.to(bfloat16)).to(x.dtype) + bias)."""
+        without the cast back or the bias (below those rows `forward` is raw(x.to(bfloat16)).to(x.dtype) +
+        bias)."""
         if self.kind == "int8":
             return torch.ops.aten._weight_int8pack_mm(x2, self.w8, self.scale)
         if self.kind == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, INT4_GROUP, self._scale_zero())
-        if x2.shape[0] == 1:  # (as in forward)
+        if x2.shape[0] == 1:  # oneDNN's one-row bfloat16 path is a slow gemv; two rows take the AMX gemm
             return F.linear(x2.repeat(2, 1), self.w16)[:1]
         return F.linear(x2, self.w16)
 
@@ -156,17 +157,11 @@ class PackedLinear(nn.Module):
         chunk = prefill_rows(x)
         if self.kind == "int8" and chunk >= INT8_GEMM_ROWS:  # prefill: int8 values are exact in bfloat16
             y = F.linear(x2, self.w8.to(_ACT)) * self.scale
-        elif self.kind == "int8":
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.w8, self.scale)
         elif self.kind == "int4" and chunk >= INT4_GEMM_ROWS and int4_layout_known(self.out_features):
             y = torch.cat([x2 @ unpack_int4(self.packed, self.scale_zero, s, min(s + INT4_SLICE, self.out_features))
                            for s in range(0, self.out_features, INT4_SLICE)], dim=1)
-        elif self.kind == "int4":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, INT4_GROUP, self._scale_zero())
-        elif x2.shape[0] == 1:  # oneDNN's one-row bfloat16 path is a slow gemv; two rows take the AMX gemm
-            y = F.linear(x2.repeat(2, 1), self.w16)[:1]
-        else:
-            y = F.linear(x2, self.w16)
+        else:  # the packed kernels (and bfloat16's gemm)
+            y = self.raw(x2)
         y = y.to(x.dtype)  # [M, N]
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)

@@ -21,6 +21,7 @@ from redwood.config import ModelConfig
 from redwood.kernels import fused as fused_kernels
 from redwood.kernels import gemv, qkv_rope, skinny_configs
 from redwood.kv.cache import KVCache
+from redwood.models import cpu_weights
 from redwood.models.rope import RotaryEmbedding, apply_rotary, rotate
 
 
@@ -264,7 +265,7 @@ class DecoderLayer(nn.Module):
         return gemv.linear(act, w["down"][0], mlp.down_proj.bias, scale=w["down"][1], residual=x)
 
 
-_ACT = torch.bfloat16  # the CPU packed kernels' activation dtype (cpu_weights._ACT)
+_ACT = cpu_weights._ACT  # the CPU packed kernels' activation dtype
 
 
 def _float_output(m, y: torch.Tensor) -> torch.Tensor:
@@ -356,7 +357,6 @@ class Transformer(nn.Module):
         embedding stays float: a lookup reads one row). Same weights in every forward, so verification
         stays exact. CPU only: CUDA keeps its own path (quantize_skinny)."""
         from redwood.errors import ConfigError
-        from redwood.models import cpu_weights
 
         file_format = kind == cpu_weights.FILE_FORMAT  # (per projection, as the GGUF file loaded it)
         if kind not in cpu_weights.WEIGHT_FORMATS and not file_format:
@@ -398,7 +398,6 @@ class Transformer(nn.Module):
     def _concat_packed(self) -> None:
         """Give every layer its q | k | v and gate | up groups (Attention.cpu_qkv, MLP.cpu_gate_up): runs
         of consecutive projections that `PackedLinear.concat` takes become one kernel call each."""
-        from redwood.models import cpu_weights
 
         def groups(linears):
             out = [[linears[0]]]
@@ -427,7 +426,6 @@ class Transformer(nn.Module):
 
     def cpu_format_misfit(self, kind: str) -> str | None:
         """Why a projection of this model cannot take the CPU format `kind` (None when all can)."""
-        from redwood.models import cpu_weights
 
         for m, name in self._projections():
             linear = getattr(m, name)  # (an nn.Linear, on the meta device too, or a PackedLinear)
@@ -537,7 +535,6 @@ class Transformer(nn.Module):
         """Whether a forward of x [B, T, H] runs its layers through DecoderLayer.forward_packed: a float32
         model with CPU packed projections (quantize_cpu), fewer new tokens per row than the packed gemm
         paths take (a prefill chunk keeps the plain path, which routes it there)."""
-        from redwood.models import cpu_weights
 
         return (self.layers[0].self_attn.cpu_qkv is not None and x.dtype == torch.float32
                 and cpu_weights.prefill_rows(x) < min(cpu_weights.INT8_GEMM_ROWS, cpu_weights.INT4_GEMM_ROWS))
