@@ -3,11 +3,14 @@ ablation without staging real weights (time per step does not depend on the weig
 
 Usage: PYTHONPATH=src python benchmarks/decode_step.py [--shape 1.5b|0.5b] [--context 128] [--batch 1]
     [--tokens 1 5] [--quick] [--skinny-rows 8] [--tile-rows 9 64] [--pdl] [--fused-merge] [--int8] [--kernels]
+    [--l2-prefetch 16 32]
 Prints, per variant (eager / graphs, reference / Triton attention, fused kernels on / off, skinny-matmul
 kernels on / off), the median time of one decode step, its tokens/s and its fraction of the weight-read
 floor, short table last. --quick: only the graphed variants with the Triton attention kernel. --pdl: each
 graphed variant also with programmatic dependent launch (REDWOOD_PDL=1, redwood.kernels.pdl), side by side;
 --fused-merge: the same with split attention merging inside its split kernel (REDWOOD_FUSED_MERGE=1).
+--l2-prefetch MB…: the graphed skinny variants again with each layer's o and first MB of gate/up prefetched
+into L2 (REDWOOD_L2_PREFETCH=MB, redwood.kernels.l2_prefetch), 0 off; with --pdl also each with PDL.
 --int8: the skinny path reads int8 weight copies (as `--draft-quant int8` does for the draft). --kernels: per
 variant and token count, the kernels of one forward (profiled eagerly: each kernel's GPU time is the same
 in a graph) — count, their summed time, and the largest — so the graphed step's time splits into kernel
@@ -108,6 +111,8 @@ def main() -> None:
     ap.add_argument("--fused-merge", action="store_true",
                     help="also time each graphed variant with split attention merging inside its split kernel "
                          "(REDWOOD_FUSED_MERGE=1)")
+    ap.add_argument("--l2-prefetch", type=float, nargs="+", default=[], metavar="MB",
+                    help="also time each graphed skinny variant with REDWOOD_L2_PREFETCH=MB (each value)")
     args = ap.parse_args()
     bw = copy_bandwidth(torch.device("cuda"))
     # (fused projections + small-op kernels, attention backend, graphs, skinny-matmul kernels)
@@ -125,8 +130,12 @@ def main() -> None:
         for flag, on in (("pdl", args.pdl), ("fused-merge", args.fused_merge)):
             if on:
                 runs += [(*v, flag) for v in variants if v[0] == fuse and v[2]]
+        for mb in args.l2_prefetch:
+            for pre in ("", "pdl ") if args.pdl else ("",):
+                runs += [(*v, f"{pre}l2={mb:g}") for v in variants if v[0] == fuse and v[2] and v[3]]
         for _, backend, graphs, skinny, mode in runs:
-            use_pdl = mode == "pdl"
+            use_pdl = mode.startswith("pdl")
+            os.environ["REDWOOD_L2_PREFETCH"] = mode.split("l2=")[1] if "l2=" in mode else "0"
             model.attention_backend = backend
             model.skinny = skinny
             if skinny and args.skinny_rows is not None:

@@ -4,7 +4,7 @@
 # On the GPU machine, from the repo root, after staging the GGUF chunks as /root/stage/t?? (1.5B) and
 # /root/stage/d?? (0.5B), carrying .whl (the gguf wheel) and .stage/home (REDWOOD_HOME with the essays,
 # humaneval and mt-bench datasets):
-#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests kernels pdl fused tile p1 steps p2 p3 p3tree p4 p5 summary
+#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests kernels pdl fused l2 tile p1 steps p2 p3 p3tree p4 p5 summary
 # Each step writes JSON under $OUT and prints its tables; `summary` prints the short P1–P5 table last.
 # Settings (environment): P2_TEMPS, P2_GAMMAS, P2_DRAFT_WEIGHTS (bf16 int8), P2_ACC (a folder of acceptance vectors measured earlier with
 # the same models, [p2-]acc-<dataset>-t<temp>.json: reused instead of measured), P2_ACC_PROMPTS, P3_KV, P3_BATCH, P3_CONTEXT, P3_GAMMAS,
@@ -40,6 +40,13 @@ pdl)  # programmatic dependent launch (REDWOOD_PDL=1) vs plain launches, side by
       | tee "$OUT/pdl-0.5b.txt" | tail -26
   # the 2-8-row kernels per matrix (heuristic config: the CUDA-core rows kernel) vs cuBLAS, no sweep
   run python3 benchmarks/gemv_bench.py --rows 2 4 8 2>&1 | tee "$OUT/gemv-rows.txt" | tail -34 ;;
+l2)  # weights prefetched into L2 ahead of their kernel (REDWOOD_L2_PREFETCH=MB, redwood.kernels.l2_prefetch) vs
+     # none, side by side in one process, each also with PDL: one-token forwards of random 1.5B (bf16) and 0.5B
+     # (int8: a draft level) models at context 512 — the budget sweep L2_MB
+  run python3 benchmarks/decode_step.py --quick --pdl --context 512 --l2-prefetch ${L2_MB:-8 16 24 32 40} 2>&1 \
+      | tee "$OUT/l2-1.5b.txt" | tail -22
+  run python3 benchmarks/decode_step.py --quick --pdl --context 512 --shape 0.5b --int8 --l2-prefetch ${L2_MB:-8 16 24 32 40} \
+      2>&1 | tee "$OUT/l2-0.5b.txt" | tail -22 ;;
 fused)  # split attention merging inside its split kernel (REDWOOD_FUSED_MERGE=1) vs the merge kernel, side by
         # side: one-token and 7-token forwards of random 1.5B / 0.5B (int8) models, then the short-context
         # attention sweep (splits with and without the fused merge)

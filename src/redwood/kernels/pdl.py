@@ -42,6 +42,12 @@ def launches(on: bool = True):
         _active[0] = before
 
 
+def capturing() -> bool:
+    """Whether kernels launched now belong to a captured step (inside `launches()`), PDL or not: other
+    capture-only launch options (redwood.kernels.l2_prefetch) key on the same window."""
+    return _active[0]
+
+
 def requested() -> bool:
     """REDWOOD_PDL=1 in the environment (read at each call, so a benchmark can A/B in one process)."""
     return os.environ.get("REDWOOD_PDL", "0") == "1"

@@ -19,7 +19,7 @@ from redwood.attention import reference
 from redwood.attention.reference import AttentionMetadata, ContextView, Observer
 from redwood.config import ModelConfig
 from redwood.kernels import fused as fused_kernels
-from redwood.kernels import gemv, qkv_rope, skinny_configs
+from redwood.kernels import gemv, l2_prefetch, qkv_rope, skinny_configs
 from redwood.kv.cache import KVCache
 from redwood.models import cpu_weights
 from redwood.models.rope import RotaryEmbedding, apply_rotary, rotate
@@ -239,12 +239,14 @@ class DecoderLayer(nn.Module):
         normed, residual = fused_kernels.add_rms_norm(h, residual, norm.weight, norm.eps)
         return self.mlp(normed), residual
 
-    def forward_skinny(self, x, cos, sin, cache, dest, meta, int8: dict | None = None):
+    def forward_skinny(self, x, cos, sin, cache, dest, meta, int8: dict | None = None, after_qkv=None):
         """The same layer for few tokens (Transformer.skinny_rows), as four skinny-matmul kernels with the
         norms, residual adds, SiLU — and for one token the rotary embedding and the cache write — fused in
         (redwood.kernels.gemv), plus attention (and rope_and_write for more tokens).
         x [B, T, H] is the residual stream, updated in place and returned. int8: {"qkv", "o", "gate_up",
-        "down"} → (int8 weight, scale) read instead of the model-dtype weights (Transformer.quantize_skinny)."""
+        "down"} → (int8 weight, scale) read instead of the model-dtype weights (Transformer.quantize_skinny).
+        after_qkv: called once the one-token q/k/v kernel is launched (the L2 prefetch of this layer's
+        later weights forks there: redwood.kernels.l2_prefetch)."""
         attn, mlp = self.self_attn, self.mlp
         w = int8 or {"qkv": (attn.qkv[0], None), "o": (attn.o_proj.weight, None),
                      "gate_up": (mlp.gate_up[0], None), "down": (mlp.down_proj.weight, None)}
@@ -254,6 +256,8 @@ class DecoderLayer(nn.Module):
                                         norm=(norm.weight, norm.eps), cos=cos, sin=sin, k_cache=cache.k[attn.layer],
                                         v_cache=cache.v[attn.layer], pages=dest[0], offsets=dest[1],
                                         num_heads=attn.num_heads)
+            if after_qkv is not None:
+                after_qkv()
             out = attn.attend_rotated(q, cache, meta)
         else:
             qkv = gemv.linear(x, w["qkv"][0], attn.qkv[1], scale=w["qkv"][1], norm=(norm.weight, norm.eps))
@@ -319,6 +323,7 @@ class Transformer(nn.Module):
         self.skinny_int8: dict | None = None  # int8 projection copies for the skinny path (quantize_skinny)
         self.weights = "float32"  # the CPU projection format (quantize_cpu)
         self.packed_head: nn.Module | None = None  # the LM head in that format (quantize_cpu)
+        self._prefetch_plans: dict = {}  # (budget, int8) → l2_prefetch.LayerPrefetch (captured forwards)
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up weights per layer (fewer, larger matmuls: what a GPU step wants)."""
@@ -556,12 +561,32 @@ class Transformer(nn.Module):
 
     def _forward_skinny(self, x, cos, sin, cache, dest, meta, logits_at):
         q8 = self.skinny_int8
+        prefetch = self._l2_prefetch() if x.shape[0] * x.shape[1] == 1 else None
         for i, layer in enumerate(self.layers):
-            x = layer.forward_skinny(x, cos, sin, cache, dest, meta, q8["layers"][i] if q8 else None)
+            hook = (lambda i=i: prefetch.issue(i)) if prefetch is not None else None
+            x = layer.forward_skinny(x, cos, sin, cache, dest, meta, q8["layers"][i] if q8 else None, hook)
+        if prefetch is not None:
+            prefetch.join()
         if logits_at is not None:
             x = torch.gather(x, 1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
         weight, scale = q8["lm_head"] if q8 else (self.head_weight, None)
         return gemv.linear(x, weight, scale=scale, norm=(self.norm.weight, self.norm.eps)).float()
+
+    def _l2_prefetch(self) -> l2_prefetch.LayerPrefetch | None:
+        """This model's one-token L2 prefetch plan for a captured forward (None where it is off), kept per
+        (budget, weights) so every graph of the model shares one side stream and its tables."""
+        if not l2_prefetch.enabled(self.device):
+            return None
+        budget = int(l2_prefetch.megabytes() * 2**20)
+        q8 = self.skinny_int8
+        key = (budget, q8 is not None)
+        cached = self._prefetch_plans
+        if key not in cached:
+            layers = [{"o": q8["layers"][i]["o"][0], "gate_up": q8["layers"][i]["gate_up"][0]} if q8 else
+                      {"o": layer.self_attn.o_proj.weight, "gate_up": layer.mlp.gate_up[0]}
+                      for i, layer in enumerate(self.layers)]
+            cached[key] = l2_prefetch.LayerPrefetch(layers, budget, self.device)
+        return cached[key]
 
 
 def hf_state_dict_to_redwood(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,113 @@
+"""Weights pulled into L2 ahead of the kernel that reads them, for captured one-token forwards.
+
+At batch 1 a decoder layer reads ~94 MB of weights (the 1.5B in bf16), 88% of it in the gate/up and down
+matrices, but the HBM is busy only while those two kernels run: the q/k/v projection, attention and the
+o projection before them read little (11 MB, attention a few KB) and are bound by latency — ~13 µs a
+layer in which the memory system idles (benchmarks/NOTES.md, sessions 4-14). The persistent forward of
+session 14 tried to remove those bubbles by fusing every stage into one kernel; this does it without
+touching the kernels: once a layer's q/k/v kernel has run, a one-program kernel on a side stream asks the
+copy engine (Hopper's `cp.async.bulk.prefetch.L2`, one instruction per 64 KB, nothing loaded into
+registers) to bring the layer's o projection and the first part of its gate/up matrix into L2, while
+attention runs. The gate/up kernel then finds that part in L2 and reads only the rest from HBM.
+
+Results are unchanged bit for bit: a prefetch is a hint (the kernels read the same values by the same
+loads). Ordering: the side stream forks after the q/k/v kernel of each layer (so its prefetches queue
+behind that kernel's loads, not in front of them) and joins the main stream at the end of the forward;
+the prefetch kernel writes nothing.
+
+How much of gate/up to bring in is `REDWOOD_L2_PREFETCH` (MB; split evenly between the gate rows and
+the up rows, which each gate/up program reads in pairs; 0 turns it off): H200's L2 holds 50 MB.
+On only inside a captured step (`pdl.launches()`: `StepRunner` opens it around warm-up and capture), on a
+GPU of compute capability ≥ 9, never in the interpreter, for one-token forwards through the skinny
+kernels (batch-1 decoding and chain draft levels).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from redwood.kernels import pdl
+from redwood.kernels.triton_import import INTERPRET, jit, tl, triton
+
+CHUNK = 1 << 16  # bytes per prefetch instruction
+
+
+def megabytes() -> float:
+    """REDWOOD_L2_PREFETCH in MB (read at each call, so a benchmark can A/B in one process)."""
+    raw = os.environ.get("REDWOOD_L2_PREFETCH", "0")
+    try:
+        mb = float(raw)
+    except ValueError:
+        raise ValueError(f"REDWOOD_L2_PREFETCH must be a number of megabytes, not {raw!r}") from None
+    if not mb >= 0:
+        raise ValueError(f"REDWOOD_L2_PREFETCH must be ≥ 0, not {raw!r}")
+    return mb
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether a captured forward on `device` prefetches: inside `pdl.launches()` (a captured step),
+    REDWOOD_L2_PREFETCH > 0, CUDA of compute capability ≥ 9 (the bulk prefetch instruction)."""
+    if not pdl.capturing() or INTERPRET or triton is None or device.type != "cuda":
+        return False
+    return megabytes() > 0 and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def regions(layer: dict[str, torch.Tensor], budget: int) -> list[tuple[int, int]]:
+    """(address, bytes) to prefetch for one layer, in the order the kernels will read them: the whole o
+    projection, then the first budget/2 bytes of the gate rows and of the up rows of `gate_up` [2F, K]
+    (each capped at its half). Addresses and sizes are 16-byte multiples (the instruction's rule)."""
+    out = [(layer["o"].data_ptr(), layer["o"].numel() * layer["o"].element_size())]
+    gate_up = layer["gate_up"]
+    half = gate_up.numel() * gate_up.element_size() // 2
+    take = min(half, budget // 2) // 16 * 16
+    if take:
+        out += [(gate_up.data_ptr(), take), (gate_up.data_ptr() + half, take)]
+    for addr, size in out:
+        if addr % 16 or size % 16:
+            raise ValueError(f"bulk L2 prefetch needs 16-byte aligned regions, got ({addr:#x}, {size})")
+    return out
+
+
+class LayerPrefetch:
+    """The prefetch of every layer of one model for one captured forward: a side stream and, per layer,
+    a device table of regions (addresses stay valid: weights do not move while a graph lives)."""
+
+    def __init__(self, layers: list[dict[str, torch.Tensor]], budget: int, device: torch.device):
+        self.stream = torch.cuda.Stream(device)
+        self.tables = []
+        for layer in layers:
+            rs = regions(layer, budget)
+            self.tables.append(torch.tensor(rs, dtype=torch.int64, device=device))  # [R, 2]
+        most = max(int(t[:, 1].max()) for t in self.tables)
+        self.chunks = triton.next_power_of_2(max(1, -(-most // CHUNK)))
+        self.forked = False
+
+    def issue(self, layer: int) -> None:
+        """Fork the side stream from the current one and prefetch `layer`'s regions there."""
+        main = torch.cuda.current_stream()
+        self.stream.wait_stream(main)
+        table = self.tables[layer]
+        with torch.cuda.stream(self.stream):
+            _prefetch_kernel[(table.shape[0],)](table, CHUNK=CHUNK, NCHUNK=self.chunks, num_warps=4)
+        self.forked = True
+
+    def join(self) -> None:
+        """The current stream waits for the side stream (a capture must end with its streams joined)."""
+        if self.forked:
+            torch.cuda.current_stream().wait_stream(self.stream)
+            self.forked = False
+
+
+@jit
+def _prefetch_kernel(TABLE, CHUNK: tl.constexpr, NCHUNK: tl.constexpr):
+    """Program r: region r of TABLE [R, 2] (address, bytes) into L2, CHUNK bytes per instruction."""
+    r = tl.program_id(0)
+    base = tl.load(TABLE + 2 * r)
+    size = tl.load(TABLE + 2 * r + 1)
+    offs = tl.arange(0, NCHUNK).to(tl.int64) * CHUNK
+    n = tl.minimum(size - offs, CHUNK)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [base + offs, n.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
