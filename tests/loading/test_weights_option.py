@@ -166,7 +166,7 @@ def test_every_command_that_loads_a_model_takes_weights(command, capsys):
 
     with pytest.raises(SystemExit):
         main(command + ["--help"])
-    assert "--weights {auto,float32,bfloat16,int8,int4,gguf}" in capsys.readouterr().out
+    assert "--weights {auto,float32,bfloat16,int8,int4,w8a8,gguf}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("command", [["generate"], ["serve"], ["acceptance"], ["profile"], ["bench", "standalone"],
@@ -177,7 +177,7 @@ def test_every_command_with_a_draft_model_takes_draft_weights(command, capsys):
     with pytest.raises(SystemExit):
         main(command + ["--help"])
     out = capsys.readouterr().out
-    assert "--draft-model" in out and "--draft-weights {auto,float32,bfloat16,int8,int4,gguf}" in out
+    assert "--draft-model" in out and "--draft-weights {auto,float32,bfloat16,int8,int4,w8a8,gguf}" in out
 
 
 @pytest.mark.parametrize("command, flags, msg", [

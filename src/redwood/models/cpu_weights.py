@@ -13,6 +13,14 @@ residual stream, norms, attention and the KV cache keep the model dtype.
   sub-block, so a Q4_K tensor's grid is kept whenever a group spans its 16 levels.
 - "bfloat16": the weight cast to bfloat16, `F.linear` (oneDNN; on AMX CPUs about flat in the number of
   rows from 2 to 16; one row is padded to two, see PackedLinear.forward).
+- "w8a8": int8 weights (per output row, as "int8") × int8 ACTIVATIONS: each input row quantized on its
+  own (`quantize_rows`: float32 scale = max |x| / 127) and multiplied with integer dot products by fbgemm
+  (`quantized.linear_with_input_q_dq_qweight_dq_output_fp32`: VNNI on AVX512-VNNI CPUs). The op's own
+  per-TENSOR input quantization is made the identity (integer-valued input, scale 1, zero point 128), its
+  int32 sums are exact, and each output row is scaled by its own s afterwards — so rows are independent of
+  the other rows (and of the thread count) bit for bit, at any M, prefill included. About bandwidth-bound
+  where the weight-only kernels are compute-bound (benchmarks/NOTES.md session 15: the 1.5B's head 24.8 →
+  10.3 ms at one thread on the AMD EPYC machine).
 - "float32": the model as loaded (no change).
 - "gguf" (a GGUF file only, chosen as it loads): each projection in the kernel format that holds its type in
   the file — 4-bit group types (Q4_K, Q4_0, Q4_1: q · step − offset per 32 values, q ∈ [0, 15]) become
@@ -36,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4")  # one kernel for every projection
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4", "w8a8")  # one kernel for every projection
 FILE_FORMAT = "gguf"  # each projection as its GGUF type allows (module docstring); set as a GGUF file loads
 INT4_GROUP = 32
 _ACT = torch.bfloat16  # the activation dtype the packed CPU kernels are fast in
@@ -80,8 +88,35 @@ class PackedLinear(nn.Module):
             self.register_buffer("scale_zero", scale_zero, persistent=False)
         elif kind == "bfloat16":
             self.register_buffer("w16", w.to(_ACT), persistent=False)
+        elif kind == "w8a8":
+            w8, scale = quantize_int8(w)
+            self._set_w8a8(w8, scale)
         else:
             raise ValueError(f"no packed CPU format {kind!r}")
+
+    @classmethod
+    def from_int8(cls, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                  kind: str = "w8a8") -> "PackedLinear":
+        """A projection of int8 weights w8 [N, K] with per-row scales [N] as they are (no re-quantization):
+        kind "w8a8" (or "int8"). An int8 projection's (w8, scale) taken as w8a8 multiplies by the same weight."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.kind, self.out_features, self.in_features = kind, w8.shape[0], w8.shape[1]
+        self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
+        if kind == "w8a8":
+            self._set_w8a8(w8, scale)
+        else:
+            self.register_buffer("w8", w8, persistent=False)
+            self.register_buffer("scale", scale, persistent=False)
+        return self
+
+    def _set_w8a8(self, w8: torch.Tensor, scale: torch.Tensor) -> None:
+        """w8a8's state: fbgemm's packed weight (a ScriptObject, not a buffer: about N × K bytes, the int8
+        values are not kept beside it) and the scales [N] (a buffer). `_slice` (whole, start) instead of a
+        packed weight: a member of a concatenation, whose product is a slice of the whole's."""
+        self.register_buffer("scale", scale, persistent=False)
+        self._w8a8 = pack_w8a8(w8, scale)
+        self._slice = None
 
     @classmethod
     def from_int4_groups(cls, q: torch.Tensor, step: torch.Tensor, offset: torch.Tensor,
@@ -118,6 +153,16 @@ class PackedLinear(nn.Module):
         self.out_features = sum(m.out_features for m in linears)
         bias = None if first.bias is None else torch.cat([m.bias for m in linears])
         self.register_buffer("bias", bias, persistent=False)
+        if self.kind == "w8a8":  # one packed weight; each member's product becomes a slice of the whole's
+            self._set_w8a8(torch.cat([m.int8_weight() for m in linears]), torch.cat([m.scale for m in linears]))
+            start = 0
+            for m in linears:
+                m._w8a8, m._slice = None, (self, start)
+                m.scale = self.scale[start:start + m.out_features]
+                if bias is not None:
+                    m.bias = bias[start:start + m.out_features]
+                start += m.out_features
+            return self
         names_dims = (("w8", 0), ("scale", 0)) if self.kind == "int8" else (("packed", 0), ("scale_zero", 1))
         for name, dim in names_dims:
             whole = torch.cat([getattr(m, name) for m in linears], dim=dim)
@@ -135,13 +180,19 @@ class PackedLinear(nn.Module):
         return self
 
     def raw(self, x2: torch.Tensor) -> torch.Tensor:
-        """The kernel's product of x2 [M, K] bfloat16 (M below the gemm paths' rows) → bfloat16 [M, N],
-        without the cast back or the bias (below those rows `forward` is raw(x.to(bfloat16)).to(x.dtype) +
-        bias)."""
+        """The kernel's product of x2 [M, K] bfloat16 (M below the gemm paths' rows) → bfloat16 [M, N]
+        (w8a8: float32, at any M), without the cast back or the bias (below those rows `forward` is
+        raw(x.to(bfloat16)).to(x.dtype) + bias)."""
         if self.kind == "int8":
             return torch.ops.aten._weight_int8pack_mm(x2, self.w8, self.scale)
         if self.kind == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, INT4_GROUP, self._scale_zero())
+        if self.kind == "w8a8":  # float32 [M, N] (not rounded to bfloat16: the callers cast or add in float32)
+            if self._slice is not None:
+                whole, start = self._slice
+                return whole.raw(x2)[:, start:start + self.out_features]
+            q, s = quantize_rows(x2)
+            return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(q, 1.0, 128, self._w8a8).mul_(s)
         if x2.shape[0] == 1:  # oneDNN's one-row bfloat16 path is a slow gemv; two rows take the AMX gemm
             return F.linear(x2.repeat(2, 1), self.w16)[:1]
         return F.linear(x2, self.w16)
@@ -167,8 +218,17 @@ class PackedLinear(nn.Module):
             y = y + self.bias.to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
+    def int8_weight(self) -> torch.Tensor:
+        """w8a8: the int8 weight [N, K] (read back from fbgemm's packed weight, or the whole's rows)."""
+        if self._slice is not None:
+            whole, start = self._slice
+            return whole.int8_weight()[start:start + self.out_features]
+        return torch.ops.quantized.linear_unpack(self._w8a8)[0].int_repr()
+
     def dequantized(self) -> torch.Tensor:
         """The weight this projection multiplies by, as float32 [N, K] (tests compare against it)."""
+        if self.kind == "w8a8":
+            return self.int8_weight().float() * self.scale.float()[:, None]
         if self.kind == "int8":
             return self.w8.float() * self.scale.float()[:, None]
         if self.kind == "int4":
@@ -178,8 +238,10 @@ class PackedLinear(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        """Bytes a forward reads: the packed weight, its scales (and zeros) and the bias."""
-        return sum(b.nbytes for b in self.buffers())
+        """Bytes a forward reads: the packed weight, its scales (and zeros) and the bias (w8a8: N × K bytes
+        of fbgemm's packed weight and its int32 column offsets, next to the buffers)."""
+        packed = self.out_features * (self.in_features + 4) if self.kind == "w8a8" else 0
+        return packed + sum(b.nbytes for b in self.buffers())
 
     def extra_repr(self) -> str:
         return f"{self.in_features} → {self.out_features}, {self.kind}, bias={self.bias is not None}"
@@ -187,16 +249,17 @@ class PackedLinear(nn.Module):
 
 def can_concat(linears: list) -> bool:
     """Whether `PackedLinear.concat` takes these projections: all PackedLinear of one kind, int8 or int4
-    (bfloat16's oneDNN gemm may block a wider output differently), one in_features, a bias on all or none;
+    (bfloat16's oneDNN gemm may block a wider output differently) or w8a8 (each output column's integer sum
+    is exact, whatever the packing), one in_features, a bias on all or none;
     int4 members with out_features % 64 == 0 (the packed layout's row block, so the members' packed rows
     concatenate into the whole's)."""
     if not linears or not all(isinstance(m, PackedLinear) for m in linears):
         return False
     first = linears[0]
-    return (first.kind in ("int8", "int4") and all(m.kind == first.kind for m in linears)
+    return (first.kind in ("int8", "int4", "w8a8") and all(m.kind == first.kind for m in linears)
             and all(m.in_features == first.in_features for m in linears)
             and len({m.bias is None for m in linears}) == 1
-            and (first.kind == "int8" or all(m.out_features % 64 == 0 for m in linears)))
+            and (first.kind != "int4" or all(m.out_features % 64 == 0 for m in linears)))
 
 
 # Output rows quantized at a time: the float temporaries are one slice's (a 1.5B's tied head is 0.9 GB in
@@ -262,6 +325,53 @@ def int4_scale_zero(step: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Ten
     return scale, zero
 
 
+def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2 [M, K] → (q float32 [M, K], integers in [−127, 127]; s float32 [M, 1]) with q · s ≈ x2, each row
+    on its own: s = max |x| / 127 (rows of zeros: any s, q = 0). Float32 ops on each row alone, so a row's
+    (q, s) does not depend on the other rows."""
+    xf = x2.float()
+    s = xf.abs().amax(-1, keepdim=True).clamp_min_(1e-30).div_(127)
+    return xf.div(s).round_(), s
+
+
+def pack_w8a8(w8: torch.Tensor, scale: torch.Tensor):
+    """fbgemm's packed weight (torch.ops.quantized.linear_prepack, engine "fbgemm") of int8 w8 [N, K] with
+    per-row scales [N] (symmetric: zero points 0); the op then returns float32 acc · (1 · scale[n]) — exactly
+    float32(int32 acc) × scale[n] (measured equal to `torch._int_mm`'s sums so scaled)."""
+    import warnings
+
+    before = torch.backends.quantized.engine
+    torch.backends.quantized.engine = "fbgemm"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (torch 2.13 marks quantized tensors deprecated)
+            zeros = torch.zeros(len(scale), dtype=torch.long)
+            qw = torch._make_per_channel_quantized_tensor(w8, scale.double(), zeros, 0)
+            return torch.ops.quantized.linear_prepack(qw, None)
+    finally:
+        torch.backends.quantized.engine = before
+
+
+_W8A8_EXACT: list[bool] = []  # (a one-time probe)
+
+
+def w8a8_exact() -> bool:
+    """Whether this torch build and CPU multiply w8a8 exactly: fbgemm present, and its sums of 255 · 127
+    pairs not saturated (fbgemm's AVX2 / AVX-512 kernels without VNNI add u8 × s8 pairs in int16, which
+    saturates at 32767; VNNI's vpdpbusd does not), checked against the exact product once."""
+    if not _W8A8_EXACT:
+        ok = "fbgemm" in torch.backends.quantized.supported_engines
+        if ok:
+            w8 = torch.full((64, 256), 127, dtype=torch.int8)
+            w8[1::2] = -127
+            x = torch.full((2, 256), 127.0)
+            x[1] = -127
+            y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, 1.0, 128, pack_w8a8(w8, torch.ones(64)))
+            ok = torch.equal(y, x @ w8.float().T)
+        _W8A8_EXACT.append(bool(ok))
+    return _W8A8_EXACT[0]
+
+
 _INT4_LAYOUT: list[bool] = []  # (a one-time probe: [] until checked)
 
 
@@ -306,6 +416,8 @@ def check_packable(weight: torch.Tensor | tuple[int, int], kind: str) -> str | N
         return f"int4 needs out_features % 16 == 0 and in_features % {INT4_GROUP} == 0; this projection is {N}×{K}"
     if kind == "int8" and K % 16:
         return f"int8 needs in_features % 16 == 0; this projection is {N}×{K}"
+    if kind == "w8a8" and not w8a8_exact():
+        return "w8a8 needs fbgemm's exact int32 sums (an AVX512-VNNI CPU); this torch build / CPU failed the probe"
     return None
 
 
@@ -355,6 +467,8 @@ WEIGHT_CHOICES = ("auto",) + WEIGHT_FORMATS + (FILE_FORMAT,)
 # "auto" on the CPU for a GGUF file: the fastest format at float32's perplexity on this project's 2-core
 # machine — the file's own types (Q4_K_M 1.5B: perplexity +0.1% / +0.05% against float32's, int8's −0.2% /
 # +0.35%, int4's +3.3% / +4%; decode 1.39–1.40× int8's at 1 and 2 threads; benchmarks/NOTES.md session 13).
+# Not w8a8 (session 15, AMD EPYC: 1.28–1.40× gguf's AR at 1 thread but 0.96× at 2, a 4-token verify 2.4×
+# cheaper; perplexity code +0.1%, prose +1.0% against gguf's): an opt-in, `--weights w8a8`.
 GGUF_DEFAULT = FILE_FORMAT
 
 
