@@ -5,10 +5,16 @@ matrices, but the HBM is busy only while those two kernels run: the q/k/v projec
 o projection before them read little (11 MB, attention a few KB) and are bound by latency — ~13 µs a
 layer in which the memory system idles (benchmarks/NOTES.md, sessions 4-14). The persistent forward of
 session 14 tried to remove those bubbles by fusing every stage into one kernel; this does it without
-touching the kernels: once a layer's q/k/v kernel has run, a one-program kernel on a side stream asks the
-copy engine (Hopper's `cp.async.bulk.prefetch.L2`, one instruction per 64 KB, nothing loaded into
-registers) to bring the layer's o projection and the first part of its gate/up matrix into L2, while
-attention runs. The gate/up kernel then finds that part in L2 and reads only the rest from HBM.
+touching the kernels: once a layer's q/k/v kernel has run, a small kernel on a side stream asks the copy
+engines (Hopper's `cp.async.bulk.prefetch.L2`, one instruction per 64 KB, PER_PROGRAM instructions per
+program so that many SMs issue them, nothing loaded into registers) to bring the layer's o projection and
+the first part of its gate/up matrix into L2, while attention runs. The gate/up kernel then finds that
+part in L2 and reads only the rest from HBM.
+
+Measured (H200, session 15): it gains 1-5%, not the ~15% the byte count predicted — the skinny kernels are
+bound by their programs' memory round trips, not by HBM bandwidth, so L2 hits shorten them little; and a
+single issuing program (the first version) made a step up to 2x slower (one SM's copy engine issues the
+prefetches slowly, and the side stream's chain of prefetch kernels became the critical path).
 
 Results are unchanged bit for bit: a prefetch is a hint (the kernels read the same values by the same
 loads). Ordering: the side stream forks after the q/k/v kernel of each layer (so its prefetches queue
@@ -16,7 +22,7 @@ behind that kernel's loads, not in front of them) and joins the main stream at t
 the prefetch kernel writes nothing.
 
 How much of gate/up to bring in is `REDWOOD_L2_PREFETCH` (MB; split evenly between the gate rows and
-the up rows, which each gate/up program reads in pairs; 0 turns it off): H200's L2 holds 50 MB.
+the up rows, which each gate/up program reads in pairs; 0, the default, turns it off): H200's L2 holds 50 MB.
 On only inside a captured step (`pdl.launches()`: `StepRunner` opens it around warm-up and capture), on a
 GPU of compute capability ≥ 9, never in the interpreter, for one-token forwards through the skinny
 kernels (batch-1 decoding and chain draft levels).
@@ -32,11 +38,15 @@ from redwood.kernels import pdl
 from redwood.kernels.triton_import import INTERPRET, jit, tl, triton
 
 CHUNK = 1 << 16  # bytes per prefetch instruction
+PER_PROGRAM = 16  # instructions per program: a region is spread over many SMs' copy engines
+# Off by default: on an H200 (benchmarks/NOTES.md, session 15) 8 MB was the best of 4-32 and gained only 1-5%
+# (1.5B bf16 −0.9 to −1.6%, 0.5B int8 draft level −1.3 to −5.3%), and the whole GPU suite has not yet run with it on.
+DEFAULT_MB = "0"
 
 
 def megabytes() -> float:
     """REDWOOD_L2_PREFETCH in MB (read at each call, so a benchmark can A/B in one process)."""
-    raw = os.environ.get("REDWOOD_L2_PREFETCH", "0")
+    raw = os.environ.get("REDWOOD_L2_PREFETCH", DEFAULT_MB)
     try:
         mb = float(raw)
     except ValueError:
@@ -81,7 +91,7 @@ class LayerPrefetch:
             rs = regions(layer, budget)
             self.tables.append(torch.tensor(rs, dtype=torch.int64, device=device))  # [R, 2]
         most = max(int(t[:, 1].max()) for t in self.tables)
-        self.chunks = triton.next_power_of_2(max(1, -(-most // CHUNK)))
+        self.programs = max(1, -(-most // (CHUNK * PER_PROGRAM)))  # per region
         self.forked = False
 
     def issue(self, layer: int) -> None:
@@ -90,7 +100,7 @@ class LayerPrefetch:
         self.stream.wait_stream(main)
         table = self.tables[layer]
         with torch.cuda.stream(self.stream):
-            _prefetch_kernel[(table.shape[0],)](table, CHUNK=CHUNK, NCHUNK=self.chunks, num_warps=4)
+            _prefetch_kernel[(table.shape[0], self.programs)](table, CHUNK=CHUNK, PER=PER_PROGRAM, num_warps=1)
         self.forked = True
 
     def join(self) -> None:
@@ -101,12 +111,13 @@ class LayerPrefetch:
 
 
 @jit
-def _prefetch_kernel(TABLE, CHUNK: tl.constexpr, NCHUNK: tl.constexpr):
-    """Program r: region r of TABLE [R, 2] (address, bytes) into L2, CHUNK bytes per instruction."""
+def _prefetch_kernel(TABLE, CHUNK: tl.constexpr, PER: tl.constexpr):
+    """Program (r, p): bytes [p·PER·CHUNK, (p+1)·PER·CHUNK) of region r of TABLE [R, 2] (address, bytes)
+    into L2, CHUNK bytes per instruction."""
     r = tl.program_id(0)
     base = tl.load(TABLE + 2 * r)
     size = tl.load(TABLE + 2 * r + 1)
-    offs = tl.arange(0, NCHUNK).to(tl.int64) * CHUNK
+    offs = (tl.program_id(1) * PER + tl.arange(0, PER)).to(tl.int64) * CHUNK
     n = tl.minimum(size - offs, CHUNK)
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
