@@ -7,7 +7,9 @@ Variants: gguf (as `--weights gguf` loads it: Q4_K → int4 kernel, the rest int
 same, its int8 projections and head multiplied by w8a8 instead: same weights, int8 activations); w8a8
 (`--weights w8a8`: every projection and the head int8 per row from the file's floats, int8 activations);
 w8a8-down-int8 / w8a8-head-int8 (w8a8 with ffn_down / the LM head on the int8 weight-only kernel: which
-projection's int8 activations cost the perplexity); int8, float32 (`--weights` of that name).
+projection's int8 activations cost the perplexity); w8a8-down-bN (ffn_down's activations scaled per row and
+per each of N K-blocks: `BlockW8A8`); int8, float32 (`--weights` of that name). --prose FILE: a second held-out
+text where the essays dataset is not fetched; --ppl-tokens 2048 to resolve differences under ~1%.
 
 Usage: PYTHONPATH=src:benchmarks python benchmarks/cpu_w8a8_model.py [--variants gguf gguf-w8a8 w8a8]
     [--threads 1 2] [--rounds 2] [--new-tokens 32]
@@ -24,7 +26,7 @@ import torch
 from cpu_weights import greedy_decode, held_out_texts, perplexity
 from redwood.bench.ar import weight_bytes
 from redwood.loading import load_model
-from redwood.models.cpu_weights import PackedLinear
+from redwood.models.cpu_weights import PackedLinear, pack_w8a8, quantize_rows
 
 NAME = "qwen2.5-coder-1.5b-instruct"
 
@@ -52,7 +54,36 @@ def convert(model, which) -> None:
     model._concat_packed()
 
 
+class BlockW8A8(PackedLinear):
+    """w8a8 with per-(row, K-block) activation scales: the weight split into `blocks` column blocks, each its
+    own fbgemm call on its slice of x, y = Σ_b s_b · acc_b · scale (in block order: rows still exact across M).
+    Experiment only (not a format)."""
+
+    def __init__(self, base: PackedLinear, blocks: int):
+        torch.nn.Module.__init__(self)
+        self.kind, self.out_features, self.in_features = "w8a8", base.out_features, base.in_features
+        self.register_buffer("bias", base.bias, persistent=False)
+        self.register_buffer("scale", base.scale.clone(), persistent=False)
+        w8, self.kb = base.int8_weight(), base.in_features // blocks
+        assert self.kb * blocks == base.in_features
+        self.parts = [pack_w8a8(w8[:, i:i + self.kb].contiguous(), self.scale) for i in range(0, w8.shape[1], self.kb)]
+        self._w8a8, self._slice = self.parts[0], None
+
+    def raw(self, x2):
+        y = None
+        for i, part in enumerate(self.parts):
+            q, s = quantize_rows(x2[:, i * self.kb:(i + 1) * self.kb])
+            yi = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(q, 1.0, 128, part).mul_(s)
+            y = yi if y is None else y.add_(yi)
+        return y
+
+
 def load(variant):
+    if variant.startswith("w8a8-down-b"):  # ffn_down with per-block activation scales (BlockW8A8)
+        loaded = load_model(NAME, dtype="float32", weights="w8a8")
+        for layer in loaded.model.layers:
+            layer.mlp.down_proj = BlockW8A8(layer.mlp.down_proj, int(variant[len("w8a8-down-b"):]))
+        return loaded
     if variant == "gguf":
         return load_model(NAME, dtype="float32", weights="gguf")
     if variant == "gguf-w8a8":

@@ -467,8 +467,8 @@ WEIGHT_CHOICES = ("auto",) + WEIGHT_FORMATS + (FILE_FORMAT,)
 # "auto" on the CPU for a GGUF file: the fastest format at float32's perplexity on this project's 2-core
 # machine — the file's own types (Q4_K_M 1.5B: perplexity +0.1% / +0.05% against float32's, int8's −0.2% /
 # +0.35%, int4's +3.3% / +4%; decode 1.39–1.40× int8's at 1 and 2 threads; benchmarks/NOTES.md session 13).
-# Not w8a8 (session 15, AMD EPYC: 1.28–1.40× gguf's AR at 1 thread but 0.96× at 2, a 4-token verify 2.4×
-# cheaper; perplexity code +0.1%, prose +1.0% against gguf's): an opt-in, `--weights w8a8`.
+# Not (yet) w8a8 (session 15, AMD EPYC: 1.28–1.40× gguf's AR at 1 thread, 0.96–1.02× at 2, a 4-token verify
+# 2.4× cheaper, the main job 1.48×; perplexity +0.1% / +0.2% over 2048 tokens): opt-in, `--weights w8a8`.
 GGUF_DEFAULT = FILE_FORMAT
 
 
