@@ -8,7 +8,7 @@ import torch
 
 from redwood.errors import ConfigError
 from redwood.loading import load_model
-from redwood.models.cpu_weights import auto_formats, check_weights, resolve_weights
+from redwood.models.cpu_weights import auto_formats, check_weights, gguf_default, resolve_weights, w8a8_exact
 from tests.conftest import save_target_and_draft
 from tests.loading.test_gguf import QWEN_TYPES, random_state_dict, write_gguf
 
@@ -34,7 +34,8 @@ def test_auto_is_the_files_own_types_for_gguf_on_the_cpu_and_float32_otherwise(g
     from redwood.loading.gguf import read_gguf
     from redwood.models.transformer import build_model
 
-    assert resolve_weights("auto", torch.device("cpu"), Path("m/model.gguf")) == "gguf"
+    assert resolve_weights("auto", torch.device("cpu"), Path("m/model.gguf")) == gguf_default()
+    assert gguf_default() == ("w8a8" if w8a8_exact() else "gguf")  # (fbgemm's exact int8 sums: AVX512-VNNI)
     assert resolve_weights("auto", torch.device("cuda"), Path("m/model.gguf")) == "float32"
     assert resolve_weights("int4", torch.device("cpu"), Path("m")) == "int4"
     assert load_model(hf_pair[0], weights="auto").model.weights == "float32"  # a float checkpoint stays exact
@@ -55,7 +56,8 @@ def test_draft_auto_is_int4_for_a_gguf_draft_on_the_cpu_and_falls_back_where_int
     from tests.conftest import random_hf_model, tiny_hf_config
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_weights("auto", cpu, Path("m/draft.gguf"), draft=True) == "int4"
+    assert resolve_weights("auto", cpu, Path("m/draft.gguf"), draft=True) == gguf_default(draft=True)
+    assert gguf_default(draft=True) == ("w8a8" if w8a8_exact() else "int4")
     assert resolve_weights("auto", cuda, Path("m/draft.gguf"), draft=True) == "float32"
     assert resolve_weights("auto", cpu, Path("m"), draft=True) == "float32"  # a float checkpoint stays exact
     assert resolve_weights("int8", cpu, Path("m/draft.gguf"), draft=True) == "int8"
@@ -63,9 +65,10 @@ def test_draft_auto_is_int4_for_a_gguf_draft_on_the_cpu_and_falls_back_where_int
     from redwood.loading.gguf import read_gguf_config
 
     info = ModelInfo(config=read_gguf_config(gguf_file), tokenizer=None, source="tiny", path=gguf_file)
-    assert load_model(info, weights="auto", draft=True).model.weights == "int4"
-    assert load_model(info, weights="auto").model.weights == "gguf"
+    assert load_model(info, weights="auto", draft=True).model.weights == gguf_default(draft=True)
+    assert load_model(info, weights="auto").model.weights == gguf_default()
     assert auto_formats("int4") == ("int4", "int8", "float32") and auto_formats("bfloat16") == ("bfloat16",)
+    assert auto_formats("w8a8") == ("w8a8", "int8", "float32")
     # hidden 48 is not whole 32-input int4 groups: "auto" resolving to int4 takes int8 instead (as a GGUF
     # draft of that shape would), where an explicit int4 is an error
     config = tiny_hf_config("qwen2", hidden_size=48, num_attention_heads=4, num_key_value_heads=2)

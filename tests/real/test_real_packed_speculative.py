@@ -1,5 +1,6 @@
-"""Real models, the README's main job as it runs on the CPU: the 1.5B target in its packed default ("gguf":
-the file's Q4_K tensors int4 on their own grid, its Q6_K ones int8), the 0.5B draft packed int4, γ 3 —
+"""Real models, the README's main job as it runs on the CPU: the 1.5B target and the 0.5B draft in their packed
+defaults (`cpu_weights.gguf_default`: w8a8 on an AVX512-VNNI CPU; elsewhere the target's Q4_K tensors int4 on their
+own grid and its Q6_K ones int8, the draft int4), γ 3 —
 greedy speculation emits exactly greedy AR's tokens (no tie allowance: the packed linears compute each row
 like a one-row forward and the CPU attention scores each query like the one-token step, so a verify is bit
 for bit the AR steps it stands for). Also the target in int8 and the draft in "gguf", and the default
@@ -31,9 +32,12 @@ def test_main_job_greedy_speculation_equals_ar(real_model, target_weights, draft
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     spec = LLM(TARGET, weights=target_weights, draft_weights=draft_weights,
                speculative=SpeculativeConfig(draft_model=DRAFT, num_draft_tokens=3))
-    want_target = "gguf" if target_weights == "auto" else target_weights  # (the target's CPU default)
+    from redwood.models.cpu_weights import gguf_default
+
+    want_target = gguf_default() if target_weights == "auto" else target_weights  # (the target's CPU default)
     assert spec.model.weights == want_target
-    assert ("int4" if draft_weights == "auto" else draft_weights) in spec.draft_name  # (the draft's default)
+    want_draft = gguf_default(draft=True) if draft_weights == "auto" else draft_weights  # (the draft's default)
+    assert f"{want_draft} weights" in spec.draft_name
     ids = [spec.encode(p, chat=True) for p in PROMPTS]
     got = [o.token_ids for o in spec.generate(ids, params)]
     del spec
@@ -52,8 +56,10 @@ def test_default_target_decode_and_verify_logits_equal_at_1_and_2_threads(real_m
     from redwood.loading import load_model
 
     real_model(TARGET)
+    from redwood.models.cpu_weights import gguf_default
+
     m = load_model(TARGET, weights="auto").model
-    assert m.weights == "gguf"
+    assert m.weights == gguf_default()
     ids = list(range(1000, 1048))
     before = torch.get_num_threads()
     out = {}

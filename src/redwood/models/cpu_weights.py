@@ -111,12 +111,20 @@ class PackedLinear(nn.Module):
         return self
 
     def _set_w8a8(self, w8: torch.Tensor, scale: torch.Tensor) -> None:
-        """w8a8's state: fbgemm's packed weight (a ScriptObject, not a buffer: about N × K bytes, the int8
-        values are not kept beside it) and the scales [N] (a buffer). `_slice` (whole, start) instead of a
-        packed weight: a member of a concatenation, whose product is a slice of the whole's."""
+        """w8a8's state: the scales [N] (a buffer) and fbgemm's packed weight (a ScriptObject, not a buffer:
+        about N × K bytes), made from the int8 values w8 [N, K] on first use (`packed_w8a8`) and the values
+        then dropped — so a projection that joins a concatenation is never packed on its own (packing and
+        unpacking each member cost half a w8a8 load). `_slice` (whole, start) instead of a packed weight: a
+        member of a concatenation, whose product is a slice of the whole's."""
         self.register_buffer("scale", scale, persistent=False)
-        self._w8a8 = pack_w8a8(w8, scale)
-        self._slice = None
+        self._w8, self._w8a8, self._slice = w8, None, None
+
+    def packed_w8a8(self):
+        """w8a8: fbgemm's packed weight, packed now if it was not yet (Transformer.quantize_cpu packs every
+        one as the model loads, after its concatenations)."""
+        if self._w8a8 is None:
+            self._w8a8, self._w8 = pack_w8a8(self._w8, self.scale), None
+        return self._w8a8
 
     @classmethod
     def from_int4_groups(cls, q: torch.Tensor, step: torch.Tensor, offset: torch.Tensor,
@@ -157,7 +165,7 @@ class PackedLinear(nn.Module):
             self._set_w8a8(torch.cat([m.int8_weight() for m in linears]), torch.cat([m.scale for m in linears]))
             start = 0
             for m in linears:
-                m._w8a8, m._slice = None, (self, start)
+                m._w8, m._w8a8, m._slice = None, None, (self, start)
                 m.scale = self.scale[start:start + m.out_features]
                 if bias is not None:
                     m.bias = bias[start:start + m.out_features]
@@ -192,7 +200,8 @@ class PackedLinear(nn.Module):
                 whole, start = self._slice
                 return whole.raw(x2)[:, start:start + self.out_features]
             q, s = quantize_rows(x2)
-            return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(q, 1.0, 128, self._w8a8).mul_(s)
+            return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(q, 1.0, 128,
+                                                                                 self.packed_w8a8()).mul_(s)
         if x2.shape[0] == 1:  # oneDNN's one-row bfloat16 path is a slow gemv; two rows take the AMX gemm
             return F.linear(x2.repeat(2, 1), self.w16)[:1]
         return F.linear(x2, self.w16)
@@ -219,10 +228,13 @@ class PackedLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def int8_weight(self) -> torch.Tensor:
-        """w8a8: the int8 weight [N, K] (read back from fbgemm's packed weight, or the whole's rows)."""
+        """w8a8: the int8 weight [N, K] (as given before packing, else read back from fbgemm's packed weight,
+        or the whole's rows)."""
         if self._slice is not None:
             whole, start = self._slice
             return whole.int8_weight()[start:start + self.out_features]
+        if self._w8 is not None:
+            return self._w8
         return torch.ops.quantized.linear_unpack(self._w8a8)[0].int_repr()
 
     def dequantized(self) -> torch.Tensor:
@@ -464,18 +476,26 @@ def packer(kind: str, cast: torch.dtype | None = None) -> _Packer:
 
 
 WEIGHT_CHOICES = ("auto",) + WEIGHT_FORMATS + (FILE_FORMAT,)
-# "auto" on the CPU for a GGUF file: the fastest format at float32's perplexity on this project's 2-core
-# machine — the file's own types (Q4_K_M 1.5B: perplexity +0.1% / +0.05% against float32's, int8's −0.2% /
-# +0.35%, int4's +3.3% / +4%; decode 1.39–1.40× int8's at 1 and 2 threads; benchmarks/NOTES.md session 13).
-# Not (yet) w8a8 (session 15, AMD EPYC: 1.28–1.40× gguf's AR at 1 thread, 0.96–1.02× at 2, a 4-token verify
-# 2.4× cheaper, the main job 1.48×; perplexity +0.1% / +0.2% over 2048 tokens): opt-in, `--weights w8a8`.
-GGUF_DEFAULT = FILE_FORMAT
+# "auto" on the CPU for a GGUF file (`gguf_default`): the fastest format at float32's perplexity on this project's
+# 2-core machine. w8a8 for the target and the draft where this CPU multiplies it exactly (`w8a8_exact`: fbgemm
+# with VNNI) — measured on the AMD EPYC machine (benchmarks/NOTES.md session 15, 3 repeats side by side): AR
+# 8.45 / 12.14 tok/s at 1 / 2 threads against the file's own types' 6.60 / 12.28, speculation (0.5B draft, γ 3)
+# 13.42 / 15.31 against 10.67 / 14.25, a 4-token verify 2.4× cheaper; perplexity +0.1% / +0.2% (code / prose,
+# 2048 tokens) against the file's own types. Elsewhere the fallbacks: the target in the file's own types
+# (Q4_K_M 1.5B: perplexity +0.1% / +0.05% against float32's; decode 1.39–1.40× int8's, session 13), the draft
+# in int4 (its format changes only acceptance: verification is exact; fastest end to end, session 12). A
+# draft whose shapes int4 cannot pack falls back to int8, then float32 (`auto_formats`).
+GGUF_DEFAULT = DRAFT_GGUF_DEFAULT = "w8a8"
+GGUF_FALLBACK = FILE_FORMAT
+DRAFT_GGUF_FALLBACK = "int4"
 
 
-# "auto" for a draft model's GGUF file on the CPU: the draft's format changes only acceptance (verification
-# is exact), so the choice is by speed alone — int4 measured fastest end to end (benchmarks/NOTES.md, session
-# 12). A draft whose shapes int4 cannot pack falls back to int8, then float32 (`auto_formats`).
-DRAFT_GGUF_DEFAULT = "int4"
+def gguf_default(draft: bool = False) -> str:
+    """What "auto" gives a GGUF file on the CPU (a draft model's with `draft`): w8a8 where `w8a8_exact`,
+    else the fallback (comment above)."""
+    if w8a8_exact():
+        return DRAFT_GGUF_DEFAULT if draft else GGUF_DEFAULT
+    return DRAFT_GGUF_FALLBACK if draft else GGUF_FALLBACK
 
 
 def check_weights(weights: str, device: torch.device, offload: bool = False, name: str = "weights") -> None:
@@ -491,9 +511,8 @@ def check_weights(weights: str, device: torch.device, offload: bool = False, nam
 
 
 def resolve_weights(weights: str, device: torch.device, path, draft: bool = False) -> str:
-    """The format a model loaded from `path` onto `device` gets: "auto" → GGUF_DEFAULT (a draft model:
-    DRAFT_GGUF_DEFAULT) for a .gguf file on the CPU, else float32 (a float checkpoint stays exact; CUDA
-    keeps its own path)."""
+    """The format a model loaded from `path` onto `device` gets: "auto" → `gguf_default(draft)` for a .gguf
+    file on the CPU, else float32 (a float checkpoint stays exact; CUDA keeps its own path)."""
     from redwood.errors import ConfigError
 
     name = "draft_weights" if draft else "weights"
@@ -504,12 +523,14 @@ def resolve_weights(weights: str, device: torch.device, path, draft: bool = Fals
     if weights != "auto":
         return weights
     if device.type == "cpu" and str(path).endswith(".gguf"):
-        return DRAFT_GGUF_DEFAULT if draft else GGUF_DEFAULT
+        return gguf_default(draft)
     return "float32"
 
 
 def auto_formats(kind: str) -> tuple[str, ...]:
     """What "auto" tries, in order, when it resolved to `kind`: a model whose shapes a format cannot pack
-    takes the next one (int4 → int8 → float32) instead of an error."""
+    takes the next one (int4 → int8 → float32; w8a8 → int8 → float32) instead of an error."""
+    if kind == "w8a8":
+        return ("w8a8", "int8", "float32")
     order = ("int4", "int8", "float32")
     return order[order.index(kind):] if kind in order else (kind,)

@@ -399,6 +399,12 @@ class Transformer(nn.Module):
                 self.lm_head = self.packed_head  # frees the float head
         self.weights = kind
         self._concat_packed()
+        # w8a8: fbgemm's packing now, once per kernel call (not at the first forward): the modules and the
+        # concatenations (held in the layers' cpu_qkv / cpu_gate_up lists, not as modules)
+        groups = [g for layer in self.layers for g in (layer.self_attn.cpu_qkv or []) + (layer.mlp.cpu_gate_up or [])]
+        for m in [*self.modules(), *groups]:
+            if isinstance(m, cpu_weights.PackedLinear) and m.kind == "w8a8" and m._slice is None:
+                m.packed_w8a8()
 
     def _concat_packed(self) -> None:
         """Give every layer its q | k | v and gate | up groups (Attention.cpu_qkv, MLP.cpu_gate_up): runs
