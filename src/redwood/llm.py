@@ -62,10 +62,11 @@ class LLM:
     max_num_batched_tokens, kv_cache_memory, enable_prefix_caching; see `redwood.Engine`).
     threads: torch's CPU threads (None: OMP_NUM_THREADS when set, else the measured default; see
     `redwood.engine.threads`).
-    weights: the CPU weight format of the target ("auto": "gguf" — the file's own 4-bit grid as int4, its
-    other types int8 — for a GGUF file on the CPU, else float32; "float32" | "bfloat16" | "int8" | "int4" |
-    "gguf"; see `redwood.models.cpu_weights`). draft_weights: the same for
-    a draft model ("auto": int4 for a GGUF draft on the CPU, else float32; the output is the target's
+    weights: the CPU weight format of the target ("auto" for a GGUF file on the CPU: "w8a8" — int8 weights ×
+    int8 activations — where the CPU's int8 sums are exact (AVX512-VNNI), else "gguf", the file's own 4-bit
+    grid as int4 and its other types int8; float32 for other checkpoints; "float32" | "bfloat16" | "int8" |
+    "int4" | "w8a8" | "gguf"; see `redwood.models.cpu_weights.gguf_default`). draft_weights: the same for
+    a draft model ("auto": w8a8 for a GGUF draft on such a CPU, else int4; the output is the target's
     whatever the draft's format).
     """
 
