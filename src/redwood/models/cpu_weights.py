@@ -121,7 +121,9 @@ class PackedLinear(nn.Module):
 
     def packed_w8a8(self):
         """w8a8: fbgemm's packed weight, packed now if it was not yet (Transformer.quantize_cpu packs every
-        one as the model loads, after its concatenations)."""
+        one as the model loads, after its concatenations); a member of a concatenation: the whole's."""
+        if self._slice is not None:
+            return self._slice[0].packed_w8a8()
         if self._w8a8 is None:
             self._w8a8, self._w8 = pack_w8a8(self._w8, self.scale), None
         return self._w8a8

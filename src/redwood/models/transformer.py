@@ -403,7 +403,7 @@ class Transformer(nn.Module):
         # concatenations (held in the layers' cpu_qkv / cpu_gate_up lists, not as modules)
         groups = [g for layer in self.layers for g in (layer.self_attn.cpu_qkv or []) + (layer.mlp.cpu_gate_up or [])]
         for m in [*self.modules(), *groups]:
-            if isinstance(m, cpu_weights.PackedLinear) and m.kind == "w8a8" and m._slice is None:
+            if isinstance(m, cpu_weights.PackedLinear) and m.kind == "w8a8":
                 m.packed_w8a8()
 
     def _concat_packed(self) -> None:
