@@ -95,19 +95,14 @@ class PackedLinear(nn.Module):
             raise ValueError(f"no packed CPU format {kind!r}")
 
     @classmethod
-    def from_int8(cls, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                  kind: str = "w8a8") -> "PackedLinear":
-        """A projection of int8 weights w8 [N, K] with per-row scales [N] as they are (no re-quantization):
-        kind "w8a8" (or "int8"). An int8 projection's (w8, scale) taken as w8a8 multiplies by the same weight."""
+    def from_int8(cls, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> "PackedLinear":
+        """A w8a8 projection of int8 weights w8 [N, K] with per-row scales [N] as they are (no
+        re-quantization): an int8 projection's (w8, scale) taken as w8a8 multiplies by the same weight."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self.kind, self.out_features, self.in_features = kind, w8.shape[0], w8.shape[1]
+        self.kind, self.out_features, self.in_features = "w8a8", w8.shape[0], w8.shape[1]
         self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
-        if kind == "w8a8":
-            self._set_w8a8(w8, scale)
-        else:
-            self.register_buffer("w8", w8, persistent=False)
-            self.register_buffer("scale", scale, persistent=False)
+        self._set_w8a8(w8, scale)
         return self
 
     def _set_w8a8(self, w8: torch.Tensor, scale: torch.Tensor) -> None:
