@@ -13,19 +13,34 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 .venv/bin/python -m pip install -q -e ".[test]"
 
-# Debian's chromium for the playground's headless-browser test (tests/serve/test_playground.py). Installed only
-# when missing and we can (root with apt); otherwise that test says how to get it (or skips with
-# REDWOOD_SKIP_BROWSER=1). `apt-get update` runs only when an install is needed, so a set-up machine stays fast.
-if ! command -v chromium >/dev/null 2>&1 && [ "${REDWOOD_SKIP_BROWSER:-0}" != 1 ]; then
+# Debian packages, installed only when missing and we can (root with apt; `apt-get update` runs only when an
+# install is needed, so a set-up machine stays fast): chromium for the playground's headless-browser test
+# (tests/serve/test_playground.py; without it that test says how to get it, or skips with
+# REDWOOD_SKIP_BROWSER=1), and g++ for the CPU kquant kernel (redwood.cpu_kernels; without a compiler the
+# CPU default falls back to w8a8).
+need=()
+if ! command -v chromium >/dev/null 2>&1 && [ "${REDWOOD_SKIP_BROWSER:-0}" != 1 ]; then need+=(chromium); fi
+if ! command -v g++ >/dev/null 2>&1; then need+=(g++); fi
+if [ ${#need[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        echo "setup: installing chromium (apt) for the playground browser test" >&2
+        echo "setup: installing ${need[*]} (apt)" >&2
         if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-                --no-install-recommends chromium; } >/dev/null; then
-            echo "setup: could not install chromium; the playground browser test will fail until it is" \
-                 "installed (or set REDWOOD_SKIP_BROWSER=1)" >&2
+                --no-install-recommends "${need[@]}"; } >/dev/null; then
+            echo "setup: could not install ${need[*]}: the playground browser test fails until chromium is" \
+                 "installed (or set REDWOOD_SKIP_BROWSER=1); without g++ the CPU runs w8a8 instead of kquant" >&2
         fi
     else
-        echo "setup: chromium not found and not root with apt: install Debian's chromium" \
-             "(sudo apt-get install chromium) for the playground browser test, or set REDWOOD_SKIP_BROWSER=1" >&2
+        echo "setup: ${need[*]} not found and not root with apt: install them (sudo apt-get install" \
+             "${need[*]}) — chromium for the playground browser test (or set REDWOOD_SKIP_BROWSER=1), g++ for" \
+             "the CPU kquant kernel" >&2
     fi
 fi
+
+# Build the CPU kquant kernel now (~30 s once, cached by torch under ~/.cache/torch_extensions) rather than in
+# the first generation; a machine that cannot run it is told why and keeps the other CPU formats.
+.venv/bin/python -c "
+from redwood.cpu_kernels import kquant
+why = kquant.why_unavailable()
+if why:
+    print(f'setup: the CPU kquant kernel is not available ({why}); CPU weights default to w8a8 / gguf')
+"

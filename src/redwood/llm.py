@@ -62,12 +62,14 @@ class LLM:
     max_num_batched_tokens, kv_cache_memory, enable_prefix_caching; see `redwood.Engine`).
     threads: torch's CPU threads (None: OMP_NUM_THREADS when set, else the measured default; see
     `redwood.engine.threads`).
-    weights: the CPU weight format of the target ("auto" for a GGUF file on the CPU: "w8a8" — int8 weights ×
-    int8 activations — where the CPU's int8 sums are exact (AVX512-VNNI), else "gguf", the file's own 4-bit
-    grid as int4 and its other types int8; float32 for other checkpoints; "float32" | "bfloat16" | "int8" |
-    "int4" | "w8a8" | "gguf"; see `redwood.models.cpu_weights.gguf_default`). draft_weights: the same for
-    a draft model ("auto": w8a8 for a GGUF draft on such a CPU, else int4; the output is the target's
-    whatever the draft's format).
+    weights: the CPU weight format of the target ("auto" for a GGUF file on the CPU: "kquant" — the file's
+    Q4_K / Q6_K blocks × int8 activations, its other types w8a8 — where the kquant kernel builds (AVX512-VNNI
+    and a C++ compiler), else "w8a8" — int8 weights × int8 activations — where the CPU's int8 sums are exact,
+    else "gguf", the file's own 4-bit grid as int4 and its other types int8; float32 for other checkpoints;
+    "float32" | "bfloat16" | "int8" | "int4" | "w8a8" | "q4k" | "gguf" | "kquant"; see
+    `redwood.models.cpu_weights.gguf_default`). draft_weights: the same for a draft model ("auto": q4k —
+    re-quantized to Q4_K — where kquant runs, else w8a8, else int4; the output is the target's whatever the
+    draft's format).
     """
 
     def __init__(self, model: str | Path = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",

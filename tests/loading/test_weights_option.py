@@ -8,6 +8,7 @@ import torch
 
 from redwood.errors import ConfigError
 from redwood.loading import load_model
+from redwood.cpu_kernels import kquant
 from redwood.models.cpu_weights import auto_formats, check_weights, gguf_default, resolve_weights, w8a8_exact
 from tests.conftest import save_target_and_draft
 from tests.loading.test_gguf import QWEN_TYPES, random_state_dict, write_gguf
@@ -35,7 +36,8 @@ def test_auto_is_the_files_own_types_for_gguf_on_the_cpu_and_float32_otherwise(g
     from redwood.models.transformer import build_model
 
     assert resolve_weights("auto", torch.device("cpu"), Path("m/model.gguf")) == gguf_default()
-    assert gguf_default() == ("w8a8" if w8a8_exact() else "gguf")  # (fbgemm's exact int8 sums: AVX512-VNNI)
+    # (the kquant kernel where it builds; else fbgemm's exact int8 sums: AVX512-VNNI)
+    assert gguf_default() == ("kquant" if kquant.available() else "w8a8" if w8a8_exact() else "gguf")
     assert resolve_weights("auto", torch.device("cuda"), Path("m/model.gguf")) == "float32"
     assert resolve_weights("int4", torch.device("cpu"), Path("m")) == "int4"
     assert load_model(hf_pair[0], weights="auto").model.weights == "float32"  # a float checkpoint stays exact
@@ -57,7 +59,7 @@ def test_draft_auto_is_int4_for_a_gguf_draft_on_the_cpu_and_falls_back_where_int
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_weights("auto", cpu, Path("m/draft.gguf"), draft=True) == gguf_default(draft=True)
-    assert gguf_default(draft=True) == ("w8a8" if w8a8_exact() else "int4")
+    assert gguf_default(draft=True) == ("q4k" if kquant.available() else "w8a8" if w8a8_exact() else "int4")
     assert resolve_weights("auto", cuda, Path("m/draft.gguf"), draft=True) == "float32"
     assert resolve_weights("auto", cpu, Path("m"), draft=True) == "float32"  # a float checkpoint stays exact
     assert resolve_weights("int8", cpu, Path("m/draft.gguf"), draft=True) == "int8"
@@ -169,7 +171,7 @@ def test_every_command_that_loads_a_model_takes_weights(command, capsys):
 
     with pytest.raises(SystemExit):
         main(command + ["--help"])
-    assert "--weights {auto,float32,bfloat16,int8,int4,w8a8,gguf}" in capsys.readouterr().out
+    assert "--weights {auto,float32,bfloat16,int8,int4,w8a8,q4k,gguf,kquant}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("command", [["generate"], ["serve"], ["acceptance"], ["profile"], ["bench", "standalone"],
@@ -180,7 +182,7 @@ def test_every_command_with_a_draft_model_takes_draft_weights(command, capsys):
     with pytest.raises(SystemExit):
         main(command + ["--help"])
     out = capsys.readouterr().out
-    assert "--draft-model" in out and "--draft-weights {auto,float32,bfloat16,int8,int4,w8a8,gguf}" in out
+    assert "--draft-model" in out and "--draft-weights {auto,float32,bfloat16,int8,int4,w8a8,q4k,gguf,kquant}" in out
 
 
 @pytest.mark.parametrize("command, flags, msg", [

@@ -1,9 +1,9 @@
 """Real models, the README's main job as it runs on the CPU: the 1.5B target and the 0.5B draft in their packed
-defaults (`cpu_weights.gguf_default`: w8a8 on an AVX512-VNNI CPU; elsewhere the target's Q4_K tensors int4 on their
-own grid and its Q6_K ones int8, the draft int4), γ 3 —
+defaults (`cpu_weights.gguf_default`: the target kquant and the draft q4k where the kquant kernel runs, else w8a8 on an
+AVX512-VNNI CPU; elsewhere the target's Q4_K tensors int4 on their own grid and its Q6_K ones int8, the draft int4), γ 3 —
 greedy speculation emits exactly greedy AR's tokens (no tie allowance: the packed linears compute each row
 like a one-row forward and the CPU attention scores each query like the one-token step, so a verify is bit
-for bit the AR steps it stands for). Also the target in int8 and the draft in "gguf", and the default
+for bit the AR steps it stands for). Also the target in int8 and the draft in "gguf", both in w8a8, and the default
 target's decode and verify logits at 1 and 2 threads (bit for bit: the thread count does not change a
 decode step's result)."""
 
@@ -22,7 +22,7 @@ PROMPTS = [  # scripts/run.sh's prompt (its answer left AR's at token 6 before t
 ]
 
 
-@pytest.mark.parametrize("target_weights, draft_weights", [("auto", "auto"), ("int8", "gguf")])
+@pytest.mark.parametrize("target_weights, draft_weights", [("auto", "auto"), ("int8", "gguf"), ("w8a8", "w8a8")])
 def test_main_job_greedy_speculation_equals_ar(real_model, target_weights, draft_weights):
     from redwood import LLM, SamplingParams
     from redwood.config import SpeculativeConfig

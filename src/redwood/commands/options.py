@@ -65,23 +65,25 @@ def apply_threads_arg(args) -> int:
 
 def add_weights_arg(p: argparse.ArgumentParser) -> None:
     """--weights (args.weights): the CPU weight format of the target (`redwood.models.cpu_weights`)."""
-    from redwood.models.cpu_weights import GGUF_DEFAULT, GGUF_FALLBACK, WEIGHT_CHOICES
+    from redwood.models.cpu_weights import GGUF_DEFAULT, GGUF_FALLBACK, W8A8_DEFAULT, WEIGHT_CHOICES
 
     p.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
-                   help=f"CPU weight format of the target's projections (default auto: {GGUF_DEFAULT} for "
-                        f"a .gguf model on a CPU whose int8 dot products are exact (AVX512-VNNI), else "
-                        f"{GGUF_FALLBACK}; float32 for other checkpoints; CUDA keeps --dtype; a draft model's: "
-                        f"--draft-weights)")
+                   help=f"CPU weight format of the target's projections (default auto: for a .gguf model "
+                        f"{GGUF_DEFAULT} — the file's Q4_K/Q6_K blocks times int8 activations — on an "
+                        f"AVX512-VNNI CPU with a C++ compiler, else {W8A8_DEFAULT} where its int8 sums are "
+                        f"exact, else {GGUF_FALLBACK}; float32 for other checkpoints; CUDA keeps --dtype; a draft "
+                        f"model's: --draft-weights)")
 
 
 def add_draft_weights_arg(p) -> None:
     """--draft-weights (args.draft_weights, default None = auto): the CPU weight format of a draft model;
     for every command that takes --weights and --draft-model (checked by `check_draft_weights_arg`)."""
-    from redwood.models.cpu_weights import DRAFT_GGUF_DEFAULT, DRAFT_GGUF_FALLBACK, WEIGHT_CHOICES
+    from redwood.models.cpu_weights import DRAFT_GGUF_DEFAULT, DRAFT_GGUF_FALLBACK, W8A8_DEFAULT, WEIGHT_CHOICES
 
     p.add_argument("--draft-weights", default=None, choices=WEIGHT_CHOICES,
                    help=f"CPU weight format of the draft model's projections (default auto: {DRAFT_GGUF_DEFAULT} "
-                        f"for a .gguf draft on an AVX512-VNNI CPU, else {DRAFT_GGUF_FALLBACK} — the fastest "
+                        f"— re-quantized to Q4_K — for a .gguf draft where kquant runs, else {W8A8_DEFAULT} on "
+                        f"an AVX512-VNNI CPU, else {DRAFT_GGUF_FALLBACK} — the fastest "
                         f"speculation measured — and float32 for other checkpoints). The "
                         f"output is the target's whatever the draft's format; only acceptance and speed move")
 

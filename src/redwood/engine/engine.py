@@ -190,11 +190,13 @@ class Engine:
     requests (refcounted; off by default). threads: torch's CPU threads (`redwood.engine.threads`:
     None → OMP_NUM_THREADS when set, else the measured default; on CUDA only an explicit value is set).
     weights: the CPU projection format of the target (`redwood.models.cpu_weights.gguf_default`: "auto" →
-    "w8a8" for a GGUF file on a CPU whose int8 sums are exact (AVX512-VNNI), else "gguf" — each projection
-    on the file's own grid: its 4-bit groups as int4, the rest int8; float32 for other checkpoints;
-    "float32" | "bfloat16" | "int8" | "int4" | "w8a8" | "gguf"). draft_weights: the same for a draft model
-    ("auto" → w8a8 on such a CPU, else int4 for a GGUF draft, the fastest speculation measured; float32
-    otherwise; the output stays the target's whatever the draft's format, only acceptance moves).
+    "kquant" for a GGUF file where the kquant kernel runs (the file's Q4_K / Q6_K blocks × int8 activations),
+    else "w8a8" on a CPU whose int8 sums are exact (AVX512-VNNI), else "gguf" — each projection on the file's
+    own grid: its 4-bit groups as int4, the rest int8; float32 for other checkpoints; "float32" | "bfloat16"
+    | "int8" | "int4" | "w8a8" | "q4k" | "gguf" | "kquant"). draft_weights: the same for a draft model
+    ("auto" → q4k where kquant runs, else w8a8, else int4 for a GGUF draft, the fastest speculation
+    measured; float32 otherwise; the output stays the target's whatever the draft's format, only acceptance
+    moves).
     """
 
     def __init__(self, model: str | Path | ModelInfo = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",

@@ -676,7 +676,9 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32, transform=No
     transform(hf_name, tensor) → what `tensors` holds instead, called as each tensor is dequantized (e.g.
     `cpu_weights.packer`: the packed projection, so the whole float model never exists at once). A transform
     with `takes_int4_groups(hf_name, shape)` true for a tensor of a 4-bit group type (INT4_GROUP_TYPES) gets
-    `from_int4_groups(hf_name, q, step, offset)` (`int4_groups`, rows un-permuted) instead of the floats."""
+    `from_int4_groups(hf_name, q, step, offset)` (`int4_groups`, rows un-permuted) instead of the floats; one
+    with `takes_blocks(hf_name, type_name, shape)` true gets `from_blocks(hf_name, rows, type_name)`, the
+    tensor's raw bytes as uint8 [N, row bytes] (rows un-permuted)."""
     path = _check_path(path)
     with _MappedFile(path) as f:
         return _build(f, path, dtype, transform)
@@ -729,7 +731,14 @@ def _build(f: _MappedFile, path: Path, dtype: torch.dtype, transform=None) -> GG
             heads = None
             if permute and (".q_proj." in target or ".k_proj." in target):
                 heads = config.num_heads if ".q_proj." in target else config.num_kv_heads
-            if (t.type_name in INT4_GROUP_TYPES and len(t.shape) == 2
+            if (len(t.shape) == 2 and getattr(transform, "takes_blocks", lambda name, type_name, shape: False)(
+                    target, t.type_name, t.shape)):
+                # (the transform keeps the file's blocks: rows of raw bytes, no float tensor in between)
+                rows = _as_bytes(f.raw(t)).view(t.shape[0], -1)
+                tensors[target] = transform.from_blocks(target, unpermute_qk(rows, heads) if heads else rows,
+                                                        t.type_name)
+                del rows
+            elif (t.type_name in INT4_GROUP_TYPES and len(t.shape) == 2
                     and getattr(transform, "takes_int4_groups", lambda name, shape: False)(target, t.shape)):
                 # (the transform packs the file's 4-bit grid itself: no float tensor in between)
                 groups = int4_groups(f.raw(t), t.type_name, t.shape)

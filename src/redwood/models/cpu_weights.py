@@ -21,6 +21,10 @@ residual stream, norms, attention and the KV cache keep the model dtype.
   the other rows (and of the thread count) bit for bit, at any M, prefill included. About bandwidth-bound
   where the weight-only kernels are compute-bound (benchmarks/NOTES.md session 15: the 1.5B's head 24.8 →
   10.3 ms at one thread on the AMD EPYC machine).
+- "q4k": every projection re-quantized to Q4_K super-blocks (4.5 bits a weight; a plain min/max grid per 32
+  values, `kquant.quantize_q4k`; in_features padded with zero weights to whole blocks of 256) and multiplied
+  by the kquant kernel (int8 activations, below) — for a draft model, whose weights only change the
+  acceptance: a 0.5B draft reads ~0.3 GB a token instead of w8a8's ~0.5.
 - "float32": the model as loaded (no change).
 - "gguf" (a GGUF file only, chosen as it loads): each projection in the kernel format that holds its type in
   the file — 4-bit group types (Q4_K, Q4_0, Q4_1: q · step − offset per 32 values, q ∈ [0, 15]) become
@@ -28,6 +32,11 @@ residual stream, norms, attention and the KV cache keep the model dtype.
   precision (`int4_scale_zero`: no re-quantization), every type with more bits (Q5_*, Q6_K, Q8_0, F16,
   F32) int8, or bfloat16 where int8's kernel cannot take the shape. A Q4_K_M file thus keeps its own
   quality at about int4's speed.
+- "kquant" (a GGUF file only, chosen as it loads): Q4_K and Q6_K tensors keep the file's own super-blocks and
+  multiply them by int8 activations (each row quantized per 256 values) with integer dot products
+  (redwood.cpu_kernels.kquant: a C++ AVX-512 VNNI kernel built on first use) — the file's bytes per token
+  (~4.6 / 6.6 bits a weight), the way llama.cpp runs them; every other type w8a8 (int8 where w8a8 is not
+  exact here). Rows are exact at any M as w8a8's.
 
 Every format computes each row of a multi-row forward like a one-row forward of the same weights, so a
 verify over T tokens scores what T decode steps would (greedy speculation == greedy AR for each format);
@@ -44,8 +53,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4", "w8a8")  # one kernel for every projection
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4", "w8a8", "q4k")  # one kernel for every projection
+_KQ_KINDS = ("kquant", "q4k")  # the kinds the kquant kernel multiplies (buffer kq, type_name)
 FILE_FORMAT = "gguf"  # each projection as its GGUF type allows (module docstring); set as a GGUF file loads
+KQUANT = "kquant"  # Q4_K / Q6_K blocks as the file holds them × int8 activations, the rest w8a8 (docstring)
+FILE_FORMATS = (FILE_FORMAT, KQUANT)  # formats chosen per projection as a GGUF file loads
 INT4_GROUP = 32
 _ACT = torch.bfloat16  # the activation dtype the packed CPU kernels are fast in
 # int8 forwards of this many rows or more (prefill chunks) convert the weight to bfloat16 and take oneDNN's
@@ -91,6 +103,11 @@ class PackedLinear(nn.Module):
         elif kind == "w8a8":
             w8, scale = quantize_int8(w)
             self._set_w8a8(w8, scale)
+        elif kind == "q4k":
+            from redwood.cpu_kernels import kquant
+
+            self.type_name = "Q4_K"
+            self.register_buffer("kq", kquant.pack(kquant.quantize_q4k(w), "Q4_K"), persistent=False)
         else:
             raise ValueError(f"no packed CPU format {kind!r}")
 
@@ -141,6 +158,21 @@ class PackedLinear(nn.Module):
         return self
 
     @classmethod
+    def from_kquant(cls, rows: torch.Tensor, type_name: str, bias: torch.Tensor | None = None) -> "PackedLinear":
+        """A kquant projection of a Q4_K / Q6_K tensor's raw rows (uint8 [N, K / 256 · block bytes], HF row
+        order), re-laid for the kernel (`kquant.pack`: the same values)."""
+        from redwood.cpu_kernels import kquant
+
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        N = rows.shape[0]
+        K = rows.shape[1] // kquant.TYPES[type_name][1] * kquant.BLOCK
+        self.kind, self.out_features, self.in_features, self.type_name = KQUANT, N, K, type_name
+        self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
+        self.register_buffer("kq", kquant.pack(rows, type_name), persistent=False)
+        return self
+
+    @classmethod
     def concat(cls, linears: list["PackedLinear"]) -> "PackedLinear":
         """One projection whose output is the members' outputs side by side (q | k | v, gate | up): one
         kernel call instead of several. Each output column of the int8 and int4 kernels is computed alone,
@@ -156,6 +188,8 @@ class PackedLinear(nn.Module):
         first = linears[0]
         self.kind, self.in_features = first.kind, first.in_features
         self.out_features = sum(m.out_features for m in linears)
+        if self.kind in _KQ_KINDS:
+            self.type_name = first.type_name
         bias = None if first.bias is None else torch.cat([m.bias for m in linears])
         self.register_buffer("bias", bias, persistent=False)
         if self.kind == "w8a8":  # one packed weight; each member's product becomes a slice of the whole's
@@ -168,7 +202,8 @@ class PackedLinear(nn.Module):
                     m.bias = bias[start:start + m.out_features]
                 start += m.out_features
             return self
-        names_dims = (("w8", 0), ("scale", 0)) if self.kind == "int8" else (("packed", 0), ("scale_zero", 1))
+        names_dims = {"int8": (("w8", 0), ("scale", 0)), KQUANT: (("kq", 0),), "q4k": (("kq", 0),)}.get(
+            self.kind, (("packed", 0), ("scale_zero", 1)))
         for name, dim in names_dims:
             whole = torch.cat([getattr(m, name) for m in linears], dim=dim)
             self.register_buffer(name, whole, persistent=False)
@@ -192,6 +227,13 @@ class PackedLinear(nn.Module):
             return torch.ops.aten._weight_int8pack_mm(x2, self.w8, self.scale)
         if self.kind == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, INT4_GROUP, self._scale_zero())
+        if self.kind in _KQ_KINDS:  # float32 [M, N], as w8a8
+            from redwood.cpu_kernels import kquant
+
+            x2 = x2.float()
+            if self.kind == "q4k" and self.in_features % kquant.BLOCK:  # (zero weights pad the blocks)
+                x2 = F.pad(x2, (0, kquant.padded(self.in_features) - self.in_features))
+            return kquant.kquant_linear(x2, self.kq, self.type_name)
         if self.kind == "w8a8":  # float32 [M, N] (not rounded to bfloat16: the callers cast or add in float32)
             if self._slice is not None:
                 whole, start = self._slice
@@ -238,6 +280,10 @@ class PackedLinear(nn.Module):
         """The weight this projection multiplies by, as float32 [N, K] (tests compare against it)."""
         if self.kind == "w8a8":
             return self.int8_weight().float() * self.scale.float()[:, None]
+        if self.kind in _KQ_KINDS:
+            from redwood.cpu_kernels import kquant
+
+            return kquant.unpack(self.kq, self.type_name)[:, :self.in_features]
         if self.kind == "int8":
             return self.w8.float() * self.scale.float()[:, None]
         if self.kind == "int4":
@@ -265,7 +311,8 @@ def can_concat(linears: list) -> bool:
     if not linears or not all(isinstance(m, PackedLinear) for m in linears):
         return False
     first = linears[0]
-    return (first.kind in ("int8", "int4", "w8a8") and all(m.kind == first.kind for m in linears)
+    return (first.kind in ("int8", "int4", "w8a8") + _KQ_KINDS and all(m.kind == first.kind for m in linears)
+            and (first.kind not in _KQ_KINDS or all(m.type_name == first.type_name for m in linears))
             and all(m.in_features == first.in_features for m in linears)
             and len({m.bias is None for m in linears}) == 1
             and (first.kind != "int4" or all(m.out_features % 64 == 0 for m in linears)))
@@ -427,6 +474,11 @@ def check_packable(weight: torch.Tensor | tuple[int, int], kind: str) -> str | N
         return f"int8 needs in_features % 16 == 0; this projection is {N}×{K}"
     if kind == "w8a8" and not w8a8_exact():
         return "w8a8 needs fbgemm's exact int32 sums (an AVX512-VNNI CPU); this torch build / CPU failed the probe"
+    if kind in _KQ_KINDS:
+        from redwood.cpu_kernels import kquant
+
+        why = kquant.why_unavailable()
+        return f"{kind}'s kernel (kquant) cannot run here: {why}" if why else None
     return None
 
 
@@ -434,9 +486,12 @@ def check_packable(weight: torch.Tensor | tuple[int, int], kind: str) -> str | N
 _PACKED_NAMES = re.compile(r"^(model\.)?(layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)|lm_head)\.weight$")
 
 
-def file_kind(shape: tuple[int, int]) -> str:
-    """The format a projection of a non-4-bit GGUF type (or a tied head) gets under FILE_FORMAT: int8, or
-    bfloat16 where int8's kernel cannot take the shape."""
+def file_kind(shape: tuple[int, int], fmt: str = FILE_FORMAT) -> str:
+    """The format a projection the file format `fmt` does not keep in its own blocks (a non-4-bit GGUF type
+    under FILE_FORMAT, a type other than Q4_K / Q6_K under KQUANT, or a tied head) gets: w8a8 under KQUANT
+    where it is exact here, else int8, or bfloat16 where int8's kernel cannot take the shape."""
+    if fmt == KQUANT and check_packable(shape, "w8a8") is None:
+        return "w8a8"
     return "int8" if check_packable(shape, "int8") is None else "bfloat16"
 
 
@@ -446,7 +501,8 @@ class _Packer:
     right away, so a load holds the packed model plus about one float tensor instead of the whole float
     model and then its packed copy. A head `kind` cannot tile stays float (as in quantize_cpu). `cast`:
     the dtype each float tensor is cast to first (the same packed values as packing a model loaded in it).
-    FILE_FORMAT: 4-bit group tensors are taken as groups (`takes_int4_groups` / `from_int4_groups`)."""
+    FILE_FORMAT: 4-bit group tensors are taken as groups (`takes_int4_groups` / `from_int4_groups`); KQUANT:
+    Q4_K / Q6_K tensors as their raw blocks (`takes_blocks` / `from_blocks`)."""
 
     def __init__(self, kind: str, cast: torch.dtype | None = None):
         self.kind, self.cast = kind, cast
@@ -458,10 +514,19 @@ class _Packer:
     def from_int4_groups(self, name: str, q, step, offset) -> PackedLinear:
         return PackedLinear.from_int4_groups(q, step, offset)
 
+    def takes_blocks(self, name: str, type_name: str, shape: tuple[int, int]) -> bool:
+        from redwood.cpu_kernels import kquant
+
+        return (self.kind == KQUANT and bool(_PACKED_NAMES.match(name)) and type_name in kquant.TYPES
+                and shape[1] % kquant.BLOCK == 0)
+
+    def from_blocks(self, name: str, rows: torch.Tensor, type_name: str) -> PackedLinear:
+        return PackedLinear.from_kquant(rows, type_name)
+
     def __call__(self, name: str, w: torch.Tensor):
         if not _PACKED_NAMES.match(name):
             return w
-        kind = file_kind(tuple(w.shape)) if self.kind == FILE_FORMAT else self.kind
+        kind = file_kind(tuple(w.shape), self.kind) if self.kind in FILE_FORMATS else self.kind
         if check_packable(w, kind) is not None:
             return w
         return PackedLinear(w if self.cast is None else w.to(self.cast), None, kind)
@@ -472,26 +537,27 @@ def packer(kind: str, cast: torch.dtype | None = None) -> _Packer:
     return _Packer(kind, cast)
 
 
-WEIGHT_CHOICES = ("auto",) + WEIGHT_FORMATS + (FILE_FORMAT,)
-# "auto" on the CPU for a GGUF file (`gguf_default`): the fastest format at float32's perplexity on this project's
-# 2-core machine. w8a8 for the target and the draft where this CPU multiplies it exactly (`w8a8_exact`: fbgemm
-# with VNNI) — measured on the AMD EPYC machine (benchmarks/NOTES.md session 15, 3 repeats side by side): AR
-# 8.45 / 12.14 tok/s at 1 / 2 threads against the file's own types' 6.60 / 12.28, speculation (0.5B draft, γ 3)
-# 13.42 / 15.31 against 10.67 / 14.25, a 4-token verify 2.4× cheaper; perplexity +0.1% / +0.2% (code / prose,
-# 2048 tokens) against the file's own types. Elsewhere the fallbacks: the target in the file's own types
-# (Q4_K_M 1.5B: perplexity +0.1% / +0.05% against float32's; decode 1.39–1.40× int8's, session 13), the draft
-# in int4 (its format changes only acceptance: verification is exact; fastest end to end, session 12). A
-# draft whose shapes int4 cannot pack falls back to int8, then float32 (`auto_formats`).
-GGUF_DEFAULT = DRAFT_GGUF_DEFAULT = "w8a8"
+WEIGHT_CHOICES = ("auto",) + WEIGHT_FORMATS + FILE_FORMATS
+# "auto" on the CPU for a GGUF file (`gguf_default`): the fastest formats at the file's quality on this project's
+# 2-core machine (an AMD EPYC with AVX-512 VNNI), measured side by side (benchmarks/NOTES.md session 16):
+# the target in kquant (the file's Q4_K / Q6_K blocks × int8 activations; AR 13.1 tok/s at one thread against
+# w8a8's 9.8), the draft in q4k (re-quantized to Q4_K: a 0.5B draft level 97 → ~32 ms; only acceptance
+# changes), where the kquant kernel builds and runs (`kquant.why_unavailable`). Else w8a8 for both where
+# fbgemm's int8 sums are exact (`w8a8_exact`, session 15), else the target in the file's own types and the
+# draft in int4 (sessions 12–13). A draft whose shapes a format cannot pack falls back (`auto_formats`).
+GGUF_DEFAULT, DRAFT_GGUF_DEFAULT = KQUANT, "q4k"
+W8A8_DEFAULT = "w8a8"  # (target and draft) where the kquant kernel cannot run but w8a8 is exact
 GGUF_FALLBACK = FILE_FORMAT
 DRAFT_GGUF_FALLBACK = "int4"
 
 
 def gguf_default(draft: bool = False) -> str:
-    """What "auto" gives a GGUF file on the CPU (a draft model's with `draft`): w8a8 where `w8a8_exact`,
-    else the fallback (comment above)."""
-    if w8a8_exact():
+    """What "auto" gives a GGUF file on the CPU (a draft model's with `draft`): kquant / q4k where the kquant
+    kernel runs, else w8a8 where `w8a8_exact`, else the fallbacks (comment above)."""
+    if check_packable((1, 256), KQUANT) is None:
         return DRAFT_GGUF_DEFAULT if draft else GGUF_DEFAULT
+    if w8a8_exact():
+        return W8A8_DEFAULT
     return DRAFT_GGUF_FALLBACK if draft else GGUF_FALLBACK
 
 
@@ -514,8 +580,8 @@ def resolve_weights(weights: str, device: torch.device, path, draft: bool = Fals
 
     name = "draft_weights" if draft else "weights"
     check_weights(weights, device, name=name)
-    if weights == FILE_FORMAT and not str(path).endswith(".gguf"):
-        raise ConfigError(f"{name}={FILE_FORMAT!r} keeps a GGUF file's own quantization, and {path} is not a "
+    if weights in FILE_FORMATS and not str(path).endswith(".gguf"):
+        raise ConfigError(f"{name}={weights!r} keeps a GGUF file's own quantization, and {path} is not a "
                           f".gguf file; choose one of {', '.join(WEIGHT_FORMATS)} (or auto)")
     if weights != "auto":
         return weights
@@ -526,7 +592,10 @@ def resolve_weights(weights: str, device: torch.device, path, draft: bool = Fals
 
 def auto_formats(kind: str) -> tuple[str, ...]:
     """What "auto" tries, in order, when it resolved to `kind`: a model whose shapes a format cannot pack
-    takes the next one (int4 → int8 → float32; w8a8 → int8 → float32) instead of an error."""
+    takes the next one (int4 → int8 → float32; w8a8 / kquant / q4k → w8a8 → int8 → float32) instead of an
+    error."""
+    if kind in (KQUANT, "q4k"):
+        return (kind, "w8a8", "int8", "float32")
     if kind == "w8a8":
         return ("w8a8", "int8", "float32")
     order = ("int4", "int8", "float32")

@@ -363,7 +363,7 @@ class Transformer(nn.Module):
         stays exact. CPU only: CUDA keeps its own path (quantize_skinny)."""
         from redwood.errors import ConfigError
 
-        file_format = kind == cpu_weights.FILE_FORMAT  # (per projection, as the GGUF file loaded it)
+        file_format = kind in cpu_weights.FILE_FORMATS  # (per projection, as the GGUF file loaded it)
         if kind not in cpu_weights.WEIGHT_FORMATS and not file_format:
             raise ConfigError(f"unknown weights {kind!r}; choose one of {', '.join(cpu_weights.WEIGHT_FORMATS)}")
         if kind == self.weights:
@@ -389,7 +389,7 @@ class Transformer(nn.Module):
                 continue
             setattr(m, name, cpu_weights.PackedLinear(linear.weight, linear.bias, kind))
         # The head too (a sixth of a 1.5B's bytes); a vocabulary that int4 cannot tile keeps a float head.
-        head_kind = cpu_weights.file_kind(tuple(self.head_weight.shape)) if file_format and not isinstance(
+        head_kind = cpu_weights.file_kind(tuple(self.head_weight.shape), kind) if file_format and not isinstance(
             self.lm_head, cpu_weights.PackedLinear) else kind  # (a tied head: int8, from the float embedding)
         if isinstance(self.lm_head, cpu_weights.PackedLinear):
             self.packed_head = self.lm_head

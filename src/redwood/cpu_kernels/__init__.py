@@ -1,0 +1,1 @@
+"""CPU kernels compiled on first use (C++ through torch.utils.cpp_extension): see kquant.py."""

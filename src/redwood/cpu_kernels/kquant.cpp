@@ -1,0 +1,279 @@
+// K-quant GGUF weights (Q4_K, Q6_K) times int8-quantized activations, with AVX-512 VNNI integer dot products.
+//
+//   redwood_cpu::kquant_linear(x float32 [M, K], w uint8 [N, K / 256 * B], type) -> float32 [M, N]
+//   redwood_cpu::kquant_pack(w uint8 [N, K / 256 * file bytes], type) -> uint8 [N, K / 256 * B]
+//
+// A weight row is a run of super-blocks of 256 values holding the file's own numbers (nothing re-quantized):
+//   Q4_K: value = d·sc[j]·q − dmin·mn[j] in sub-block j (32 values), q in 0..15, fp16 d / dmin, 6-bit sc / mn;
+//   Q6_K: value = d·sc[j]·(q − 32) in sub-block j (16 values), q in 0..63, fp16 d, int8 sc.
+// `kquant_pack` re-lays each super-block for the kernel (`pack_q4k`, `pack_q6k`): Q4_K in 148 bytes (d, dmin,
+// sc[8] and mn[8] as bytes, 128 bytes of nibbles), Q6_K in the file's 210 (low nibbles, 2-bit high parts,
+// 16 scales, d), each arranged so that 64-byte loads and masks give the 4 vectors of 64 values. Both put the
+// values in KERNEL ORDER: byte 4l + t of vector c holds value 16l + 4c + t — so 32-bit lane l of every
+// vector belongs to the same 16 values (lane l, and for Q4_K sub-block l / 2), and vpdpbusd can accumulate
+// all 4 vectors into one register before the scales are applied once per super-block.
+//
+// Activations: each row is quantized per super-block (dx = max|x| / 127, q = round(x / dx) in int8, also in
+// kernel order) with dx times the sums of q over each 16 values (for the Q4_K mins and the Q6_K offset). A
+// 32-bit lane's dot product is exact integer arithmetic; it enters a float32 accumulator once per super-block.
+// Why: a token reads the file's bytes (~4.6–6.6 bits a weight against int8's 8) and multiplies with integer
+// dot products instead of float FMAs.
+//
+// Exactness: every output (m, n) is computed by the same sequence of operations whatever M, the row tile it
+// falls in and the thread split are — a verify over T rows scores each row exactly as a one-row forward.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kQK = 256;       // values per super-block
+constexpr int64_t kQ4K = 12;   // ggml type ids
+constexpr int64_t kQ6K = 14;
+constexpr int kQ4KFile = 144, kQ4KPacked = 148, kQ6KBytes = 210;
+constexpr int kRowTile = 8;    // activation rows sharing one pass over a weight row
+#ifndef KQ_PREFETCH
+#define KQ_PREFETCH 2048
+#endif
+constexpr int kPrefetch = KQ_PREFETCH;  // bytes ahead of the super-block being read that are prefetched
+
+// kernel position p (0..255) <- value index 16·l + 4·c + t, where p = 64·c + 4·l + t
+inline int value_at(int p) { return 16 * ((p & 63) >> 2) + 4 * (p >> 6) + (p & 3); }
+
+struct QuantRows {              // the activations, quantized per super-block
+  std::vector<int8_t> q;        // [M, K] in kernel order
+  std::vector<float> dx;        // [M, K / 256]
+  std::vector<float> sum16;     // [M, K / 16]: dx · Σ q over values 16j..16j+15 of each super-block
+};
+
+QuantRows quantize(const float* x, int64_t M, int64_t K) {
+  QuantRows r;
+  const int64_t blocks = M * (K / kQK);
+  r.q.resize(M * K);
+  r.dx.resize(blocks);
+  r.sum16.resize(blocks * 16);
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    int order[kQK];
+    for (int p = 0; p < kQK; ++p) order[p] = value_at(p);
+    for (int64_t i = begin; i < end; ++i) {
+      const float* xb = x + i * kQK;  // rows are contiguous: block i of the flat [M, K] array
+      float amax = 0.f;
+      for (int k = 0; k < kQK; ++k) amax = std::max(amax, std::fabs(xb[k]));
+      int8_t vals[kQK];
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      for (int k = 0; k < kQK; ++k) vals[k] = static_cast<int8_t>(std::nearbyint(xb[k] * inv));
+      r.dx[i] = amax / 127.f;
+      int8_t* qb = r.q.data() + i * kQK;
+      for (int p = 0; p < kQK; ++p) qb[p] = vals[order[p]];
+      for (int j = 0; j < 16; ++j) {
+        int32_t s = 0;
+        for (int k = 0; k < 16; ++k) s += vals[16 * j + k];
+        r.sum16[i * 16 + j] = static_cast<float>(s) * r.dx[i];
+      }
+    }
+  });
+  return r;
+}
+
+inline float fp16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+template <int R>
+void q4k_rows(const uint8_t* wrow, int64_t nb, const QuantRows& a, int64_t m0, int64_t K, float* out,
+              int64_t ldo) {
+  const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);  // lane l: sub-block l/2
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = wrow + b * kQ4KPacked;
+    if (kPrefetch)
+      for (int l = 0; l < kQ4KPacked; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + l), _MM_HINT_T0);
+    // lanes 0-7: d·sc[j], lanes 8-15: dmin·mn[j]
+    const __m512 both = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)))),
+        _mm512_insertf32x8(_mm512_set1_ps(fp16(blk)), _mm256_set1_ps(fp16(blk + 2)), 1));
+    const __m512 scale = _mm512_permutexvar_ps(pairs, both);
+    const __m512 offset = _mm512_permutexvar_ps(_mm512_add_epi32(pairs, _mm512_set1_epi32(8)), both);
+    __m512i wv[4];
+    for (int h = 0; h < 2; ++h) {  // 64 bytes: positions 128h + t (low nibbles), 128h + 64 + t (high)
+      const __m512i q = _mm512_loadu_si512(blk + 20 + 64 * h);
+      wv[2 * h] = _mm512_and_si512(q, low4);
+      wv[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r, i = m * nb + b;
+      const int8_t* xq = a.q.data() + m * K + b * kQK;
+      __m512i isum = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) isum = _mm512_dpbusd_epi32(isum, wv[c], _mm512_loadu_si512(xq + 64 * c));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(scale, _mm512_set1_ps(a.dx[i])), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(offset, _mm512_loadu_ps(a.sum16.data() + i * 16), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = _mm512_reduce_add_ps(acc[r]);
+}
+
+template <int R>
+void q6k_rows(const uint8_t* wrow, int64_t nb, const QuantRows& a, int64_t m0, int64_t K, float* out,
+              int64_t ldo) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i high2 = _mm512_set1_epi8(0x30);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = wrow + b * kQ6KBytes;
+    if (kPrefetch)
+      for (int l = 0; l < kQ6KBytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + l), _MM_HINT_T0);
+    const __m512 scale = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))),
+        _mm512_set1_ps(fp16(blk + 208)));
+    const __m512 offset = _mm512_mul_ps(scale, _mm512_set1_ps(32.f));  // q's offset of 32 (exact: a power of 2)
+    // ql: byte 64h + t holds positions 128h + t (low nibble) and 128h + 64 + t (high); qh: byte t holds the 2
+    // high bits of positions t, 64 + t, 128 + t, 192 + t (bits 0-1, 2-3, 4-5, 6-7). (Byte shifts go through
+    // 16-bit shifts; the masks drop what crosses bytes.)
+    const __m512i l0 = _mm512_loadu_si512(blk), l1 = _mm512_loadu_si512(blk + 64);
+    const __m512i qh = _mm512_loadu_si512(blk + 128);
+    const __m512i wv[4] = {
+        _mm512_or_si512(_mm512_and_si512(l0, low4), _mm512_and_si512(_mm512_slli_epi16(qh, 4), high2)),
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), low4), _mm512_and_si512(_mm512_slli_epi16(qh, 2), high2)),
+        _mm512_or_si512(_mm512_and_si512(l1, low4), _mm512_and_si512(qh, high2)),
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), low4), _mm512_and_si512(_mm512_srli_epi16(qh, 2), high2))};
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r, i = m * nb + b;
+      const int8_t* xq = a.q.data() + m * K + b * kQK;
+      __m512i isum = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) isum = _mm512_dpbusd_epi32(isum, wv[c], _mm512_loadu_si512(xq + 64 * c));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(scale, _mm512_set1_ps(a.dx[i])), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(offset, _mm512_loadu_ps(a.sum16.data() + i * 16), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = _mm512_reduce_add_ps(acc[r]);
+}
+
+using RowsFn = void (*)(const uint8_t*, int64_t, const QuantRows&, int64_t, int64_t, float*, int64_t);
+
+template <int R>
+RowsFn pick(int64_t type) { return type == kQ4K ? q4k_rows<R> : q6k_rows<R>; }
+
+void check_type(int64_t type, const char* op) {
+  TORCH_CHECK(type == kQ4K || type == kQ6K, op, ": type must be Q4_K (12) or Q6_K (14), got ", type);
+}
+
+at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type) {
+  check_type(type, "kquant_linear");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "kquant_linear: x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "kquant_linear: w must be a contiguous uint8 [N, row bytes] tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t block_bytes = type == kQ4K ? kQ4KPacked : kQ6KBytes;
+  TORCH_CHECK(K % kQK == 0 && w.size(1) == K / kQK * block_bytes, "kquant_linear: K = ", K,
+              " needs whole super-blocks of 256 and packed rows of ", K / kQK * block_bytes, " bytes, got ",
+              w.size(1));
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const QuantRows a = quantize(x.data_ptr<float>(), M, K);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t nb = K / kQK, row_bytes = w.size(1);
+  const RowsFn fns[kRowTile] = {pick<1>(type), pick<2>(type), pick<3>(type), pick<4>(type),
+                                pick<5>(type), pick<6>(type), pick<7>(type), pick<8>(type)};
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* wrow = wp + n * row_bytes;
+      for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
+        const int64_t rows = std::min<int64_t>(kRowTile, M - m0);
+        fns[rows - 1](wrow, nb, a, m0, K, op + m0 * N + n, N);
+      }
+    }
+  });
+  return out;
+}
+
+// The kernel's layouts, from the file's (positions p = kernel order, `value_at`):
+//   Q4_K: d, dmin, sc[8], mn[8], then 128 bytes: byte 64h + t has position 128h + t in its low nibble and
+//         128h + 64 + t in its high nibble;
+//   Q6_K: 128 bytes of low nibbles (byte 64h + t: positions 128h + t low, 128h + 64 + t high), 64 bytes of
+//         high bits (byte t: positions t, 64 + t, 128 + t, 192 + t in bits 0-1, 2-3, 4-5, 6-7), sc[16], d.
+void pack_q4k(const uint8_t* s, uint8_t* o) {
+  std::memcpy(o, s, 4);  // d, dmin
+  const uint8_t* k = s + 4;
+  for (int j = 0; j < 4; ++j) {  // the 6-bit fields: sc / mn 0-3 in the low bits of bytes 0-7, 4-7 split
+    o[4 + j] = k[j] & 63;
+    o[12 + j] = k[j + 4] & 63;
+    o[8 + j] = (k[j + 8] & 0x0F) | ((k[j] >> 6) << 4);
+    o[16 + j] = (k[j + 8] >> 4) | ((k[j + 4] >> 6) << 4);
+  }
+  uint8_t q[kQK];  // by value; the file: each 32 bytes give sub-block 2i (low nibbles) and 2i + 1 (high)
+  for (int i = 0; i < 4; ++i)
+    for (int l = 0; l < 32; ++l) {
+      q[64 * i + l] = s[16 + 32 * i + l] & 0x0F;
+      q[64 * i + 32 + l] = s[16 + 32 * i + l] >> 4;
+    }
+  uint8_t* qs = o + 20;
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < 64; ++t)
+      qs[64 * h + t] = q[value_at(128 * h + t)] | (q[value_at(128 * h + 64 + t)] << 4);
+}
+
+void pack_q6k(const uint8_t* s, uint8_t* o) {
+  uint8_t q[kQK];  // by value; the file: value 128h + p takes its low nibble from ql[64h + p % 64] (low
+                   // nibble for p < 64, high above) and its high bits from qh[32h + p % 32], bits 2·(p / 32)
+  for (int v = 0; v < kQK; ++v) {
+    const int h = v >> 7, p = v & 127;
+    const uint8_t lo = (s[64 * h + (p & 63)] >> (p < 64 ? 0 : 4)) & 0x0F;
+    const uint8_t hi = (s[128 + 32 * h + (p & 31)] >> (2 * (p >> 5))) & 3;
+    q[v] = lo | (hi << 4);
+  }
+  std::memset(o, 0, 192);
+  for (int pos = 0; pos < kQK; ++pos) {
+    const uint8_t v = q[value_at(pos)];
+    const int h = pos >> 7, p = pos & 127;
+    o[64 * h + (p & 63)] |= (v & 0x0F) << (p < 64 ? 0 : 4);
+    o[128 + (pos & 63)] |= (v >> 4) << (2 * (pos >> 6));
+  }
+  std::memcpy(o + 192, s + 192, 18);  // scales, d
+}
+
+at::Tensor kquant_pack(const at::Tensor& w, int64_t type) {
+  check_type(type, "kquant_pack");
+  const int64_t file_bytes = type == kQ4K ? kQ4KFile : kQ6KBytes;
+  const int64_t packed_bytes = type == kQ4K ? kQ4KPacked : kQ6KBytes;
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) % file_bytes == 0,
+              "kquant_pack: w must be a contiguous uint8 [N, K / 256 * ", file_bytes, "] tensor");
+  const int64_t N = w.size(0), nb = w.size(1) / file_bytes;
+  at::Tensor out = at::empty({N, nb * packed_bytes}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N * nb, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (type == kQ4K) pack_q4k(src + i * file_bytes, dst + i * packed_bytes);
+      else pack_q6k(src + i * file_bytes, dst + i * packed_bytes);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(redwood_cpu, m) {
+  m.def("kquant_linear(Tensor x, Tensor w, int type) -> Tensor");
+  m.def("kquant_pack(Tensor w, int type) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(redwood_cpu, CPU, m) {
+  m.impl("kquant_linear", &kquant_linear);
+  m.impl("kquant_pack", &kquant_pack);
+}

@@ -1,0 +1,239 @@
+"""The kquant CPU kernel (redwood.cpu_kernels.kquant: Q4_K / Q6_K GGUF super-blocks × int8 activations,
+AVX-512 VNNI), on random valid blocks built from bytes:
+
+- `pack` keeps the file's values: unpack(pack(rows)) equals loading.gguf.dequantize(rows) bit for bit;
+- the product equals float64(dequantized W) @ float64(q · dx), q and dx each activation row's per-256
+  quantization (q = nearbyint(x · (127 / amax)) in float32, ties to even; dx = amax / 127), to float32
+  rounding of the sums;
+- each output row is the same bits whatever M, the row's position (row tiles of 4 and their tails) and
+  the thread count; rows (and super-blocks) of zeros give zeros;
+- bad shapes / dtypes are errors that name the problem; `kernel_order` is a permutation.
+Skipped where the kernel cannot run (no AVX-512 VNNI, no compiler, a failed build: `why_unavailable`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from redwood.cpu_kernels import kquant
+from redwood.loading.gguf import dequantize
+
+pytestmark = pytest.mark.skipif(not kquant.available(),
+                                reason=f"kquant kernel unavailable here: {kquant.why_unavailable()}")
+
+FILE_BYTES = {name: file_bytes for name, (_, file_bytes, _) in kquant.TYPES.items()}
+PACKED_BYTES = {name: packed for name, (_, _, packed) in kquant.TYPES.items()}
+SHAPES = [(48, 256), (61, 512), (80, 1536)]  # 61: not a multiple of 16 (the kernel's split over N)
+
+
+def random_blocks(type_name: str, rows: int, cols: int, seed: int, d_range=(1e-3, 1e-2)) -> torch.Tensor:
+    """uint8 [rows, cols / 256 · file bytes] of valid `type_name` super-blocks: random bytes (nibbles,
+    6-bit scales / mins, int8 scales, 2-bit high parts) with finite fp16 d (and Q4_K's dmin) in d_range,
+    Q6_K's d of either sign (llama.cpp's quantizer writes negative ones), and a few d = 0 blocks."""
+    size = FILE_BYTES[type_name]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
+    n = raw.shape[0]
+
+    def fp16(sign: bool) -> np.ndarray:
+        v = rng.uniform(*d_range, size=(n, 1))
+        if sign:
+            v *= rng.choice([-1.0, 1.0], size=(n, 1))
+        v[rng.random(n) < 0.02] = 0.0
+        return v.astype(np.float16).view(np.uint8)
+
+    if type_name == "Q4_K":
+        raw[:, 0:2], raw[:, 2:4] = fp16(False), fp16(False)  # d, dmin
+    else:
+        raw[:, 208:210] = fp16(True)
+    return torch.from_numpy(raw.reshape(rows, cols // 256 * size))
+
+
+def activations(M: int, K: int, seed: int) -> torch.Tensor:
+    """float32 [M, K]: normal values, outlier channels, one super-block of zeros in row 1, and in row 2
+    (when M > 2) a first super-block of exact ties (amax 127: x · 127 / amax = x, halves round to even)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g)
+    x[:, :3] *= 40
+    if M > 1:
+        x[1, :256] = 0
+    if M > 2:
+        x[2, :256] = torch.arange(256, dtype=torch.float32) % 128 - 63.5  # ±0.5, ±1.5, …, 63.5
+        x[2, 0] = 127.0
+    return x
+
+
+def quantize_reference(x: torch.Tensor) -> torch.Tensor:
+    """float64 q · dx of each activation super-block, as the kernel quantizes it (float32 ops)."""
+    M, K = x.shape
+    b = x.view(M, K // 256, 256)
+    amax = b.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))  # float32 127 / amax
+    q = torch.round(b * inv)  # (round half to even, as nearbyint in the default rounding mode)
+    assert q.abs().max() <= 127
+    dx = amax / torch.tensor(127.0)
+    return (q.double() * dx.double()).view(M, K)
+
+
+def q4k_terms(rows: torch.Tensor, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q4_K weight's two parts d · sc · q and dmin · mn (dequantized with dmin, then d, set to 0): the
+    kernel sums them apart, so its rounding error scales with their magnitudes, not their difference's."""
+    b = rows.clone().view(N, K // 256, 144)
+    b[..., 2:4] = 0
+    scaled = dequantize(b, "Q4_K", (N, K))
+    b = rows.clone().view(N, K // 256, 144)
+    b[..., 0:2] = 0
+    mins = dequantize(b, "Q4_K", (N, K))  # −dmin · mn
+    return scaled, mins
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_unpack_of_pack_is_the_files_values_bit_for_bit(type_name, shape):
+    N, K = shape
+    rows = random_blocks(type_name, N, K, seed=N + K)
+    before = rows.clone()
+    packed = kquant.pack(rows, type_name)
+    assert torch.equal(rows, before)  # (the file's rows are not touched)
+    assert packed.dtype == torch.uint8 and packed.shape == (N, K // 256 * PACKED_BYTES[type_name])
+    want = dequantize(rows, type_name, (N, K))
+    got = kquant.unpack(packed, type_name)
+    assert got.dtype == torch.float32 and got.shape == (N, K)
+    assert torch.equal(got, want)
+    assert torch.equal(kquant.pack(rows[7:19], type_name), packed[7:19])  # (rows are packed alone)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_product_is_the_float64_product_of_the_quantized_activations(type_name, shape):
+    N, K = shape
+    rows = random_blocks(type_name, N, K, seed=2 * N + K)
+    packed = kquant.pack(rows, type_name)
+    w = dequantize(rows, type_name, (N, K)).double()
+    x = activations(9, K, seed=K)
+    xq = quantize_reference(x)
+    y = kquant.kquant_linear(x, packed, type_name)
+    assert y.dtype == torch.float32 and y.shape == (9, N)
+    ref = xq @ w.T
+    err = (y.double() - ref).abs()
+    assert (err.norm() / ref.norm()).item() < 1e-5
+    # element-wise: within float32 roundings of the sums of the terms' magnitudes
+    if type_name == "Q4_K":
+        scaled, mins = q4k_terms(rows, N, K)
+        magnitude = xq.abs() @ (scaled.double().abs() + mins.double().abs()).T
+    else:
+        magnitude = xq.abs() @ w.abs().T
+    assert (err <= 1e-5 * magnitude).all(), (err / magnitude).max().item()
+    # the activations' quantization is what is modelled: the float product itself is further off
+    assert (y.double() - x.double() @ w.T).abs().max() > 100 * err.max()
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_ties_round_half_to_even(type_name):
+    """Row 2's first super-block holds x · 127 / amax = ±0.5, ±1.5, …: the kernel's q are nearbyint's
+    (halves to even), not halves away from zero — one q off by one moves the product far beyond rounding."""
+    N, K = 48, 256
+    rows = random_blocks(type_name, N, K, seed=11)
+    w = dequantize(rows, type_name, (N, K)).double()
+    x = activations(3, K, seed=5)[2:3]
+    y = kquant.kquant_linear(x, kquant.pack(rows, type_name), type_name).double()
+    b = x.double()
+    even = b.round() / 1.0  # (amax 127: dx = 1, q = x rounded half to even)
+    away = torch.sign(b) * torch.floor(b.abs() + 0.5)
+    assert not torch.equal(even, away)
+    ref_even, ref_away = even @ w.T, away @ w.T
+    assert (y - ref_even).abs().max() * 100 < (y - ref_away).abs().max()
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rows_are_exact_at_any_m_position_and_thread_count(type_name, shape):
+    N, K = shape
+    rows = random_blocks(type_name, N, K, seed=N * K)
+    packed = kquant.pack(rows, type_name)
+    x = activations(17, K, seed=N)
+    ones = torch.cat([kquant.kquant_linear(x[i:i + 1], packed, type_name) for i in range(17)])
+    for m in list(range(1, 10)) + [17]:  # row tiles of 4 and tails of 1..3
+        assert torch.equal(kquant.kquant_linear(x[:m], packed, type_name), ones[:m]), m
+    for start, end in ((3, 12), (5, 6), (1, 17)):  # rows in other tile positions
+        assert torch.equal(kquant.kquant_linear(x[start:end], packed, type_name), ones[start:end])
+    threads = torch.get_num_threads()
+    try:
+        by_threads = {}
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            by_threads[n] = (kquant.kquant_linear(x, packed, type_name), kquant.pack(rows, type_name))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(by_threads[1][0], ones) and torch.equal(by_threads[2][0], ones)
+    assert torch.equal(by_threads[1][1], packed) and torch.equal(by_threads[2][1], packed)
+    # a non-contiguous input is the same rows
+    xt = x.t().contiguous().t()
+    assert not xt.is_contiguous() and torch.equal(kquant.kquant_linear(xt, packed, type_name), ones)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_zero_activations_give_zero_outputs(type_name):
+    N, K = 61, 512
+    rows = random_blocks(type_name, N, K, seed=3)
+    packed = kquant.pack(rows, type_name)
+    x = activations(6, K, seed=4)
+    x[4] = 0
+    y = kquant.kquant_linear(x, packed, type_name)
+    assert torch.equal(y[4], torch.zeros(N)) and torch.isfinite(y).all()
+    assert torch.equal(kquant.kquant_linear(torch.zeros(1, K), packed, type_name), torch.zeros(1, N))
+    # a super-block of zeros in a row (row 1's first) is left out of that row's sum
+    w = dequantize(rows, type_name, (N, K)).double()
+    ref = quantize_reference(x[1:2, 256:]) @ w[:, 256:].T
+    assert ((y[1].double() - ref[0]).abs() <= 1e-5 * ref.abs().max()).all()
+    assert kquant.kquant_linear(torch.zeros(0, K), packed, type_name).shape == (0, N)
+
+
+def test_bad_inputs_are_errors_that_name_the_problem():
+    rows = random_blocks("Q4_K", 16, 512, seed=1)
+    packed = kquant.pack(rows, "Q4_K")  # [16, 296]
+    with pytest.raises(RuntimeError, match=r"K = 300 needs whole super-blocks of 256"):
+        kquant.kquant_linear(torch.randn(2, 300), packed, "Q4_K")
+    with pytest.raises(RuntimeError, match=r"K = 256 needs whole super-blocks of 256 and packed rows of 148 bytes, "
+                                           r"got 296"):
+        kquant.kquant_linear(torch.randn(2, 256), packed, "Q4_K")
+    with pytest.raises(RuntimeError, match=r"packed rows of 420 bytes, got 296"):  # (Q4_K rows taken as Q6_K)
+        kquant.kquant_linear(torch.randn(2, 512), packed, "Q6_K")
+    with pytest.raises(RuntimeError, match=r"x must be a contiguous float32 \[M, K\] tensor"):
+        kquant.kquant_linear(torch.randn(2, 512, dtype=torch.float64), packed, "Q4_K")
+    with pytest.raises(RuntimeError, match=r"x must be a contiguous float32 \[M, K\] tensor"):
+        kquant.kquant_linear(torch.randn(2, 512).bfloat16(), packed, "Q4_K")
+    with pytest.raises(RuntimeError, match=r"x must be a contiguous float32 \[M, K\] tensor"):
+        kquant.kquant_linear(torch.randn(512), packed, "Q4_K")
+    with pytest.raises(RuntimeError, match=r"w must be a contiguous uint8 \[N, row bytes\] tensor"):
+        kquant.kquant_linear(torch.randn(2, 512), packed.view(torch.int8), "Q4_K")
+    with pytest.raises(RuntimeError, match=r"w must be a contiguous uint8 \[N, row bytes\] tensor"):
+        kquant.kquant_linear(torch.randn(2, 512), packed[:, :148].t().contiguous().t(), "Q4_K")
+    with pytest.raises(RuntimeError, match=r"kquant_pack: w must be a contiguous uint8 \[N, K / 256 \* 144\] tensor"):
+        kquant.pack(rows[:, :200], "Q4_K")  # (not whole super-blocks)
+    with pytest.raises(RuntimeError, match=r"kquant_pack: w must be a contiguous uint8 \[N, K / 256 \* 210\] tensor"):
+        kquant.pack(rows, "Q6_K")  # (288 bytes: not whole Q6_K blocks)
+    with pytest.raises(RuntimeError, match=r"kquant_pack: w must be a contiguous uint8"):
+        kquant.pack(rows.float(), "Q4_K")
+    with pytest.raises(RuntimeError, match=r"type must be Q4_K \(12\) or Q6_K \(14\), got 13"):
+        torch.ops.redwood_cpu.kquant_linear(torch.randn(2, 512), packed, 13)
+    with pytest.raises(RuntimeError, match=r"kquant_pack: type must be Q4_K \(12\) or Q6_K \(14\), got 10"):
+        torch.ops.redwood_cpu.kquant_pack(rows, 10)
+
+
+def test_kernel_order_is_a_permutation_that_keeps_each_lane_in_16_values():
+    order = kquant.kernel_order()
+    assert order.dtype == torch.int64 and order.shape == (256,)
+    assert torch.equal(order.sort().values, torch.arange(256))
+    # position 64c + 4l + t holds value 16l + 4c + t: the 4 bytes of 32-bit lane l of any of the 4
+    # vectors lie in values 16l..16l+15 (one Q6_K scale, half a Q4_K sub-block)
+    lanes = order.view(4, 16, 4)  # [c, l, t]
+    assert torch.equal(lanes // 16, torch.arange(16)[None, :, None].expand(4, 16, 4))
+    assert torch.equal(kquant.kernel_order()[[0, 1, 4, 63, 64, 255]], torch.tensor([0, 1, 16, 243, 4, 255]))
+
+
+def test_availability_is_reported():
+    assert kquant.available() and kquant.why_unavailable() is None
+    assert kquant.BLOCK == 256 and set(kquant.TYPES) == {"Q4_K", "Q6_K"}
