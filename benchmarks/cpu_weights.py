@@ -27,7 +27,7 @@ import torch
 from redwood.bench.ar import copy_bandwidth, weight_bytes
 from redwood.data import recipes
 from redwood.loading import load_model
-from redwood.models.cpu_weights import FILE_FORMAT, WEIGHT_FORMATS
+from redwood.models.cpu_weights import FILE_FORMATS, WEIGHT_FORMATS
 
 
 def held_out_texts(tok, n: int) -> dict[str, list[int]]:
@@ -81,7 +81,7 @@ def formats(base, kinds, name):
     for kind in kinds:
         if kind == "float32":
             yield kind, base
-        elif kind == FILE_FORMAT:
+        elif kind in FILE_FORMATS:  # (chosen per tensor as the file loads)
             t = time.perf_counter()
             m = load_model(name, dtype="float32", weights=kind).model
             print(f"  load {kind}: {time.perf_counter() - t:.1f} s", flush=True)
@@ -99,8 +99,8 @@ def formats(base, kinds, name):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"])
-    ap.add_argument("--formats", nargs="+", default=list(WEIGHT_FORMATS) + [FILE_FORMAT],
-                    choices=WEIGHT_FORMATS + (FILE_FORMAT,))
+    ap.add_argument("--formats", nargs="+", default=list(WEIGHT_FORMATS) + list(FILE_FORMATS),
+                    choices=WEIGHT_FORMATS + FILE_FORMATS)
     ap.add_argument("--threads", nargs="+", type=int, default=[torch.get_num_threads()])
     ap.add_argument("--rounds", type=int, default=1, help="decode passes per thread count, interleaved")
     ap.add_argument("--ppl-tokens", type=int, default=512)

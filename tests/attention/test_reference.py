@@ -58,7 +58,12 @@ def test_the_plain_masked_call_is_not_row_exact():
     rows = torch.cat([_sdpa(q[:, :, t:t + 1], k[:, :, :S - T + t + 1], v[:, :, :S - T + t + 1], None)
                       for t in range(T)], 2)
     assert not torch.equal(full, rows)
-    assert torch.equal(attention(q, k, v, mask), rows)
+    # the per-query path: each row bit for bit its one-token step's (which is not SDPA's kernel but the same
+    # attention to float rounding)
+    steps = torch.cat([attention(q[:, :, t:t + 1], k[:, :, :S - T + t + 1], v[:, :, :S - T + t + 1],
+                                 torch.ones(1, 1, 1, S - T + t + 1, dtype=torch.bool)) for t in range(T)], 2)
+    assert torch.equal(attention(q, k, v, mask), steps)
+    torch.testing.assert_close(steps, rows, atol=1e-6, rtol=1e-6)
 
 
 def test_a_tree_node_equals_the_step_over_its_path():
@@ -133,7 +138,7 @@ def test_batch_rows_do_not_depend_on_each_other(T):
 def test_the_query_plan_is_read_once_per_mask_and_gives_the_same_outputs():
     """reference.query_keys: per query its contiguous range, its gathered slots, or nothing; attention with
     a forward's metadata keeps the plan for the mask every layer shares (a new mask gets its own), and a
-    decode step (B = T = 1) is one SDPA call — the same outputs as planning every call."""
+    decode step (B = T = 1) is one `_one_query` call — the same outputs as planning every call."""
     from redwood.attention.reference import AttentionMetadata, query_keys
 
     g = torch.Generator().manual_seed(5)
@@ -156,6 +161,8 @@ def test_the_query_plan_is_read_once_per_mask_and_gives_the_same_outputs():
     assert meta._query_keys[0] is other
     step_mask = _chain_mask([17], 1, S)  # a decode step: one call over the slice
     one = attention(q[:1, :, :1], k[:1], v[:1], step_mask, AttentionMetadata(lengths=torch.tensor([17]), num_new=1))
-    assert torch.equal(one, F.scaled_dot_product_attention(q[:1, :, :1], k[:1, :, :18], v[:1, :, :18], enable_gqa=True))
+    assert torch.equal(one, reference._one_query(q[:1, :, :1], k[:1, :, :18], v[:1, :, :18]))
+    torch.testing.assert_close(one, F.scaled_dot_product_attention(q[:1, :, :1], k[:1, :, :18], v[:1, :, :18],
+                                                                   enable_gqa=True), atol=1e-6, rtol=1e-6)
     broadcast = _chain_mask([17], 1, S)  # a mask broadcast over the rows
     assert torch.equal(attention(q[:, :, :1], k, v, broadcast), attention(q[:, :, :1], k, v, broadcast.expand(2, -1, -1, -1)))

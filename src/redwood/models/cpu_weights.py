@@ -220,9 +220,9 @@ class PackedLinear(nn.Module):
         return self
 
     def raw(self, x2: torch.Tensor) -> torch.Tensor:
-        """The kernel's product of x2 [M, K] bfloat16 (M below the gemm paths' rows) → bfloat16 [M, N]
-        (w8a8: float32, at any M), without the cast back or the bias (below those rows `forward` is
-        raw(x.to(bfloat16)).to(x.dtype) + bias)."""
+        """The kernel's product of x2 [M, K] in `act_dtype` (bfloat16; float32 for kquant / q4k; M below the
+        gemm paths' rows) → bfloat16 [M, N] (w8a8, kquant, q4k: float32, at any M), without the cast back or
+        the bias (below those rows `forward` is raw(x.to(act_dtype)).to(x.dtype) + bias)."""
         if self.kind == "int8":
             return torch.ops.aten._weight_int8pack_mm(x2, self.w8, self.scale)
         if self.kind == "int4":
@@ -250,9 +250,15 @@ class PackedLinear(nn.Module):
         sz = self.scale_zero
         return sz if sz.is_contiguous() else sz.contiguous()
 
+    @property
+    def act_dtype(self) -> torch.dtype:
+        """The dtype this projection's kernel takes its input in: bfloat16, or float32 for the kquant kinds
+        (the kernel quantizes float32 rows itself; a bfloat16 round trip would only cost two copies)."""
+        return torch.float32 if self.kind in _KQ_KINDS else _ACT
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features).to(_ACT)  # [M, K]
+        x2 = x.reshape(-1, self.in_features).to(self.act_dtype)  # [M, K]
         chunk = prefill_rows(x)
         if self.kind == "int8" and chunk >= INT8_GEMM_ROWS:  # prefill: int8 values are exact in bfloat16
             y = F.linear(x2, self.w8.to(_ACT)) * self.scale

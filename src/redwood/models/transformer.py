@@ -205,26 +205,25 @@ class DecoderLayer(nn.Module):
     def forward_packed(self, x, cos, sin, cache, dest, meta):
         """The same layer for a float32 model whose projections are CPU packed weights (quantize_cpu), in a
         forward of fewer new tokens per row than the gemm paths take (Transformer.forward picks it): q | k
-        | v and gate | up as one kernel call each where their kinds allow, each projection's input cast to
-        bfloat16 once and its output consumed in bfloat16 by the float32 op that follows (a bias, the
-        residual add, SiLU), q and k rotated in one pass. The same arithmetic as `forward`, bit for bit
+        | v and gate | up as one kernel call each where their kinds allow, each call's input cast to its
+        kernel's dtype once (`PackedLinear.act_dtype`: bfloat16, float32 for kquant / q4k) and its output
+        consumed by the float32 op that follows (a bias, the residual add, SiLU), q and k rotated in one pass. The same arithmetic as `forward`, bit for bit
         (tests/models/test_cpu_packed_forward.py): only the number of ops, copies and dispatches changes.
         cos, sin: [B, T, 1, D] (the rotary table broadcast over heads)."""
         attn, mlp = self.self_attn, self.mlp
         B, T, H = x.shape
         Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        h = self.input_layernorm(x).view(B * T, H).to(_ACT)
+        h = self.input_layernorm(x).view(B * T, H)  # (each kernel call casts to its act_dtype)
         qkv = _packed_outputs(attn.cpu_qkv, h).view(B, T, -1)  # float32 [B, T, (Hq + 2 Hkv) D]
         qk = qkv[..., :(Hq + Hkv) * D].view(B, T, Hq + Hkv, D)
         qk = rotate(qk, cos, sin)  # q and k rotated in one pass: [B, T, Hq + Hkv, D]
         v = qkv[..., (Hq + Hkv) * D:].view(B, T, Hkv, D)
         cache.write(attn.layer, dest, qk[:, :, Hq:].transpose(1, 2), v.transpose(1, 2))
         out = attn.attend_rotated(qk[:, :, :Hq].transpose(1, 2), cache, meta)  # [B, T, Hq D]
-        x = _add_packed(x, attn.o_proj, out.view(B * T, Hq * D).to(_ACT))
-        h = self.post_attention_layernorm(x).view(B * T, H).to(_ACT)
+        x = _add_packed(x, attn.o_proj, out.view(B * T, Hq * D))
+        h = self.post_attention_layernorm(x).view(B * T, H)
         gate, up = _packed_pair(mlp.cpu_gate_up, h, mlp.gate_proj.out_features)
-        act = F.silu(gate).mul_(up)
-        return _add_packed(x, mlp.down_proj, act.to(_ACT))
+        return _add_packed(x, mlp.down_proj, F.silu(gate).mul_(up))
 
     def forward_fused(self, h, residual, cos, sin, cache, dest, meta):
         """The same layer with each residual add fused into the next RMSNorm (one Triton kernel):
@@ -280,23 +279,24 @@ def _float_output(m, y: torch.Tensor) -> torch.Tensor:
 
 def _packed_outputs(groups: list, h: torch.Tensor) -> torch.Tensor:
     """The members' outputs side by side (float32 [M, N]) for groups of concatenated projections."""
-    outs = [_float_output(g, g.raw(h)) for g in groups]
+    outs = [_float_output(g, g.raw(h.to(g.act_dtype))) for g in groups]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
 def _packed_pair(groups: list, h: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """gate, up (float32 [M, n] each, contiguous as PackedLinear.forward's outputs) from their groups."""
     if len(groups) == 2:
-        return tuple(_float_output(g, g.raw(h)) for g in groups)
-    y, m = groups[0].raw(h), groups[0]
+        return tuple(_float_output(g, g.raw(h.to(g.act_dtype))) for g in groups)
+    y, m = groups[0].raw(h.to(groups[0].act_dtype)), groups[0]
     if m.bias is None:
         return y[:, :n].float(), y[:, n:].float()
     return torch.add(y[:, :n], m.bias[:n]), torch.add(y[:, n:], m.bias[n:])
 
 
 def _add_packed(x: torch.Tensor, m, h: torch.Tensor) -> torch.Tensor:
-    """x + m(h) for a packed projection m, bfloat16 input h [M, K] and the residual x [B, T, N] (float32)."""
-    y = m.raw(h).view(*x.shape)
+    """x + m(h) for a packed projection m, input h [M, K] (cast to m's act_dtype) and the residual x [B, T, N]
+    (float32)."""
+    y = m.raw(h.to(m.act_dtype)).view(*x.shape)
     return torch.add(x, y) if m.bias is None else x + torch.add(y, m.bias)
 
 
