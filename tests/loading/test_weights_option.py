@@ -220,3 +220,17 @@ def test_bench_ar_reports_the_weights_and_refuses_hf_comparison_of_packed_weight
         run_ar_bench(llm, 1, 8, 4, compare_hf=True)
     result = run_ar_bench(llm, 1, 8, 4)
     assert result["weights"] == "int8" and "int8 weights" in format_result(result)
+
+
+def test_auto_says_why_when_the_kquant_kernel_did_not_build(monkeypatch):
+    """A CPU that could run kquant but whose kernel did not build (no compiler, a failed build): "auto" warns
+    with the reason and falls back; a CPU without the instructions falls back quietly."""
+    import warnings
+
+    monkeypatch.setattr(kquant, "why_unavailable", lambda: "no C++ compiler (install g++) to build the kernel")
+    with pytest.warns(UserWarning, match="no C\\+\\+ compiler .*CPU weights fall back to (w8a8|gguf)"):
+        assert gguf_default() == ("w8a8" if w8a8_exact() else "gguf")
+    monkeypatch.setattr(kquant, "why_unavailable", lambda: "this CPU lacks avx512_vnni")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert gguf_default(draft=True) == ("w8a8" if w8a8_exact() else "int4")

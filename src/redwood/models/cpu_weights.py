@@ -560,8 +560,14 @@ DRAFT_GGUF_FALLBACK = "int4"
 def gguf_default(draft: bool = False) -> str:
     """What "auto" gives a GGUF file on the CPU (a draft model's with `draft`): kquant / q4k where the kquant
     kernel runs, else w8a8 where `w8a8_exact`, else the fallbacks (comment above)."""
-    if check_packable((1, 256), KQUANT) is None:
+    why = check_packable((1, 256), KQUANT)
+    if why is None:
         return DRAFT_GGUF_DEFAULT if draft else GGUF_DEFAULT
+    if "lacks" not in why:  # a CPU that could run it, but the kernel did not build: say so (once) and go on
+        import warnings
+
+        warnings.warn(f"{why}; CPU weights fall back to {W8A8_DEFAULT if w8a8_exact() else GGUF_FALLBACK} "
+                      f"(slower: install g++ and run scripts/setup.sh, or pass --weights)", stacklevel=2)
     if w8a8_exact():
         return W8A8_DEFAULT
     return DRAFT_GGUF_FALLBACK if draft else GGUF_FALLBACK
