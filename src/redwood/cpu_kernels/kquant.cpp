@@ -48,9 +48,7 @@ constexpr int kPrefetch = KQ_PREFETCH;
 #ifndef KQ_HINT
 #define KQ_HINT _MM_HINT_NTA
 #endif
-#ifndef KQ_ILP
-#define KQ_ILP 0
-#endif  // bytes ahead of the super-block being read that are prefetched
+  // bytes ahead of the super-block being read that are prefetched
 
 // kernel position p (0..255) <- value index 16·l + 4·c + t, where p = 64·c + 4·l + t
 inline int value_at(int p) { return 16 * ((p & 63) >> 2) + 4 * (p >> 6) + (p & 3); }
@@ -96,19 +94,27 @@ inline float fp16(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// Σ over the 4 vectors of vpdpbusd(q, x): lane l's integer dot product over its 16 values. KQ_ILP: two
-// independent chains of 2, added (the same sum: integer addition is exact).
-inline __m512i dot4(const __m512i* wv, const int8_t* xq) {
-  if (KQ_ILP) {
-    __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[0], _mm512_loadu_si512(xq));
-    __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[2], _mm512_loadu_si512(xq + 128));
-    s0 = _mm512_dpbusd_epi32(s0, wv[1], _mm512_loadu_si512(xq + 64));
-    s1 = _mm512_dpbusd_epi32(s1, wv[3], _mm512_loadu_si512(xq + 192));
-    return _mm512_add_epi32(s0, s1);
+inline void prefetch_block(const uint8_t* blk, int bytes) {
+  if (kPrefetch)
+    for (int l = 0; l < bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + l), KQ_HINT);
+}
+
+// Each kernel below decodes a super-block's weight side once for the R activation rows of a tile: the 4 vectors
+// of q, `scale` (lane l: the multiplier of its integer sum) and `offset` (what each unit of the lane's activation
+// sum costs: Q4_K dmin·mn, Q6_K 32·d·sc). The row side of super-block b, shared by both block types: per row,
+// 4 vpdpbusd give lane l's integer dot product over its 16 values (wv: the block's 4 weight vectors), then
+// acc += float(isum)·(scale·dx) − offset·(dx·Σq over the lane's 16 values).
+template <int R>
+inline void accumulate_rows(__m512 (&acc)[R], const __m512i* wv, __m512 scale, __m512 offset, const QuantRows& a,
+                            int64_t m0, int64_t b, int64_t nb, int64_t K) {
+  for (int r = 0; r < R; ++r) {
+    const int64_t m = m0 + r, i = m * nb + b;
+    const int8_t* xq = a.q.data() + m * K + b * kQK;
+    __m512i isum = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) isum = _mm512_dpbusd_epi32(isum, wv[c], _mm512_loadu_si512(xq + 64 * c));
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(scale, _mm512_set1_ps(a.dx[i])), acc[r]);
+    acc[r] = _mm512_fnmadd_ps(offset, _mm512_loadu_ps(a.sum16.data() + i * 16), acc[r]);
   }
-  __m512i isum = _mm512_setzero_si512();
-  for (int c = 0; c < 4; ++c) isum = _mm512_dpbusd_epi32(isum, wv[c], _mm512_loadu_si512(xq + 64 * c));
-  return isum;
 }
 
 template <int R>
@@ -118,14 +124,13 @@ void q4k_rows(const uint8_t* wrow, int64_t nb, const QuantRows& a, int64_t m0, i
   const __m512i mins = _mm512_add_epi32(pairs, _mm512_set1_epi32(8));
   const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  __m512 acc[2][R];
-  for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = wrow + b * kQ4KPacked;
-    if (kPrefetch)
-      for (int l = 0; l < kQ4KPacked; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + l), KQ_HINT);
-    // lanes 0-7: d·sc[j], lanes 8-15: dmin·mn[j]
-    // d and dmin: one 4-byte load, converted together, lanes 0-7 ← d and 8-15 ← dmin
+    prefetch_block(blk, kQ4KPacked);
+    // d and dmin: one 4-byte load, converted together, lanes 0-7 ← d and 8-15 ← dmin; `both`: lanes 0-7
+    // d·sc[j], lanes 8-15 dmin·mn[j]
     const __m512 ddmin = _mm512_permutexvar_ps(
         halves, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(blk)))));
     const __m512 both = _mm512_mul_ps(
@@ -138,16 +143,9 @@ void q4k_rows(const uint8_t* wrow, int64_t nb, const QuantRows& a, int64_t m0, i
       wv[2 * h] = _mm512_and_si512(q, low4);
       wv[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
     }
-    for (int r = 0; r < R; ++r) {
-      const int64_t m = m0 + r, i = m * nb + b;
-      const int8_t* xq = a.q.data() + m * K + b * kQK;
-      const __m512i isum = dot4(wv, xq);
-      __m512& ac = acc[KQ_ILP ? (b & 1) : 0][r];
-      ac = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(scale, _mm512_set1_ps(a.dx[i])), ac);
-      ac = _mm512_fnmadd_ps(offset, _mm512_loadu_ps(a.sum16.data() + i * 16), ac);
-    }
+    accumulate_rows<R>(acc, wv, scale, offset, a, m0, b, nb, K);
   }
-  for (int r = 0; r < R; ++r) out[r * ldo] = _mm512_reduce_add_ps(KQ_ILP ? _mm512_add_ps(acc[0][r], acc[1][r]) : acc[0][r]);
+  for (int r = 0; r < R; ++r) out[r * ldo] = _mm512_reduce_add_ps(acc[r]);
 }
 
 template <int R>
@@ -155,12 +153,11 @@ void q6k_rows(const uint8_t* wrow, int64_t nb, const QuantRows& a, int64_t m0, i
               int64_t ldo) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i high2 = _mm512_set1_epi8(0x30);
-  __m512 acc[2][R];
-  for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = wrow + b * kQ6KBytes;
-    if (kPrefetch)
-      for (int l = 0; l < kQ6KBytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + l), KQ_HINT);
+    prefetch_block(blk, kQ6KBytes);
     const __m512 scale = _mm512_mul_ps(
         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))),
         _mm512_set1_ps(fp16(blk + 208)));
@@ -175,16 +172,9 @@ void q6k_rows(const uint8_t* wrow, int64_t nb, const QuantRows& a, int64_t m0, i
         _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), low4), _mm512_and_si512(_mm512_slli_epi16(qh, 2), high2)),
         _mm512_or_si512(_mm512_and_si512(l1, low4), _mm512_and_si512(qh, high2)),
         _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), low4), _mm512_and_si512(_mm512_srli_epi16(qh, 2), high2))};
-    for (int r = 0; r < R; ++r) {
-      const int64_t m = m0 + r, i = m * nb + b;
-      const int8_t* xq = a.q.data() + m * K + b * kQK;
-      const __m512i isum = dot4(wv, xq);
-      __m512& ac = acc[KQ_ILP ? (b & 1) : 0][r];
-      ac = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(scale, _mm512_set1_ps(a.dx[i])), ac);
-      ac = _mm512_fnmadd_ps(offset, _mm512_loadu_ps(a.sum16.data() + i * 16), ac);
-    }
+    accumulate_rows<R>(acc, wv, scale, offset, a, m0, b, nb, K);
   }
-  for (int r = 0; r < R; ++r) out[r * ldo] = _mm512_reduce_add_ps(KQ_ILP ? _mm512_add_ps(acc[0][r], acc[1][r]) : acc[0][r]);
+  for (int r = 0; r < R; ++r) out[r * ldo] = _mm512_reduce_add_ps(acc[r]);
 }
 
 using RowsFn = void (*)(const uint8_t*, int64_t, const QuantRows&, int64_t, int64_t, float*, int64_t);
