@@ -186,23 +186,20 @@ void check_type(int64_t type, const char* op) {
   TORCH_CHECK(type == kQ4K || type == kQ6K, op, ": type must be Q4_K (12) or Q6_K (14), got ", type);
 }
 
-at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type) {
-  check_type(type, "kquant_linear");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "kquant_linear: x must be a contiguous float32 [M, K] tensor");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
-              "kquant_linear: w must be a contiguous uint8 [N, row bytes] tensor");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const int64_t block_bytes = type == kQ4K ? kQ4KPacked : kQ6KBytes;
-  TORCH_CHECK(K % kQK == 0 && w.size(1) == K / kQK * block_bytes, "kquant_linear: K = ", K,
-              " needs whole super-blocks of 256 and packed rows of ", K / kQK * block_bytes, " bytes, got ",
-              w.size(1));
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
-  const QuantRows a = quantize(x.data_ptr<float>(), M, K);
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t nb = K / kQK, row_bytes = w.size(1);
+int64_t block_bytes(int64_t type) { return type == kQ4K ? kQ4KPacked : type == kQ6K ? kQ6KBytes : -1; }
+
+// out[m·ldo + n] = Σ_k x[m, k]·W[n, k] over whole super-blocks (see redwood_kq::matmul in kquant.h)
+void matmul_rows(const float* x, int64_t M, int64_t k_in, int64_t ldx, const uint8_t* wp, int64_t N,
+                 int64_t row_bytes, int64_t type, float* op, int64_t ldo) {
+  const int64_t nb = row_bytes / block_bytes(type), K = nb * kQK;
+  if (M == 0 || N == 0) return;
+  std::vector<float> padded;  // rows of K values (zeros past k_in) where x is not already that
+  if (k_in != K || ldx != K) {
+    padded.assign(M * K, 0.f);
+    for (int64_t m = 0; m < M; ++m) std::memcpy(padded.data() + m * K, x + m * ldx, k_in * sizeof(float));
+    x = padded.data();
+  }
+  const QuantRows a = quantize(x, M, K);
   const RowsFn fns[kRowTile] = {pick<1>(type), pick<2>(type), pick<3>(type), pick<4>(type),
                                 pick<5>(type), pick<6>(type), pick<7>(type), pick<8>(type)};
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
@@ -210,10 +207,24 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type)
       const uint8_t* wrow = wp + n * row_bytes;
       for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
         const int64_t rows = std::min<int64_t>(kRowTile, M - m0);
-        fns[rows - 1](wrow, nb, a, m0, K, op + m0 * N + n, N);
+        fns[rows - 1](wrow, nb, a, m0, K, op + m0 * ldo + n, ldo);
       }
     }
   });
+}
+
+at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type) {
+  check_type(type, "kquant_linear");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "kquant_linear: x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "kquant_linear: w must be a contiguous uint8 [N, row bytes] tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % kQK == 0 && w.size(1) == K / kQK * block_bytes(type), "kquant_linear: K = ", K,
+              " needs whole super-blocks of 256 and packed rows of ", K / kQK * block_bytes(type), " bytes, got ",
+              w.size(1));
+  at::Tensor out = at::empty({M, N}, x.options());
+  matmul_rows(x.data_ptr<float>(), M, K, K, w.data_ptr<uint8_t>(), N, w.size(1), type, out.data_ptr<float>(), N);
   return out;
 }
 
@@ -282,6 +293,14 @@ at::Tensor kquant_pack(const at::Tensor& w, int64_t type) {
 }
 
 }  // namespace
+
+namespace redwood_kq {  // for layer.cpp (declared in kquant.h)
+int64_t block_bytes(int64_t type) { return ::block_bytes(type); }
+void matmul(const float* x, int64_t M, int64_t k_in, int64_t ldx, const uint8_t* w, int64_t N, int64_t row_bytes,
+            int64_t type, float* out, int64_t ldo) {
+  ::matmul_rows(x, M, k_in, ldx, w, N, row_bytes, type, out, ldo);
+}
+}  // namespace redwood_kq
 
 // KQ_NS: the operator namespace (benchmarks/cpu_kquant.py builds variants side by side under other names)
 #ifndef KQ_NS

@@ -62,8 +62,9 @@ def available() -> bool:
 def _load() -> None:
     from torch.utils import cpp_extension
 
-    source = Path(__file__).with_name("kquant.cpp")
-    cpp_extension.load(name="redwood_cpu_kquant", sources=[str(source)], extra_cflags=_FLAGS,
+    here = Path(__file__).parent
+    sources = [str(here / "kquant.cpp"), str(here / "layer.cpp")]  # (layer.cpp: the fused decoder layer)
+    cpp_extension.load(name="redwood_cpu_kquant", sources=sources, extra_cflags=_FLAGS,
                        extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
 
 

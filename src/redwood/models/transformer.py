@@ -21,7 +21,7 @@ from redwood.config import ModelConfig
 from redwood.kernels import fused as fused_kernels
 from redwood.kernels import gemv, l2_prefetch, qkv_rope, skinny_configs
 from redwood.kv.cache import KVCache
-from redwood.models import cpu_weights
+from redwood.models import cpu_fused, cpu_weights
 from redwood.models.rope import RotaryEmbedding, apply_rotary, rotate
 
 
@@ -532,9 +532,13 @@ class Transformer(nn.Module):
                 return self._forward_skinny(x, cos, sin, cache, dest, meta, logits_at)
             return self._forward_fused(x, cos, sin, cache, dest, meta, logits_at)
         if self.takes_packed(x):
-            cos, sin = cos[:, :, None], sin[:, :, None]  # [B, T, 1, D]: over heads in a [B, T, H, D] layout
-            for layer in self.layers:
-                x = layer.forward_packed(x, cos, sin, cache, dest, meta)
+            fused = cpu_fused.plan(self, x, cos, sin, cache, dest, meta)  # kquant kinds: a C++ call a layer
+            if fused is not None:
+                x = cpu_fused.run_layers(self, x, cache, fused)
+            else:
+                cos, sin = cos[:, :, None], sin[:, :, None]  # [B, T, 1, D]: over heads in a [B, T, H, D] layout
+                for layer in self.layers:
+                    x = layer.forward_packed(x, cos, sin, cache, dest, meta)
         else:
             for layer in self.layers:
                 x = layer(x, cos, sin, cache, dest, meta)
