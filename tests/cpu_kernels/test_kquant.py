@@ -192,35 +192,67 @@ def test_zero_activations_give_zero_outputs(type_name):
 
 
 def test_bad_inputs_are_errors_that_name_the_problem():
+    """The Python wrappers refuse bad arguments before the C++ op runs (kquant.py: why)."""
     rows = random_blocks("Q4_K", 16, 512, seed=1)
     packed = kquant.pack(rows, "Q4_K")  # [16, 296]
-    with pytest.raises(RuntimeError, match=r"K = 300 needs whole super-blocks of 256"):
+    with pytest.raises(ValueError, match=r"K = 300 needs whole super-blocks of 256"):
         kquant.kquant_linear(torch.randn(2, 300), packed, "Q4_K")
-    with pytest.raises(RuntimeError, match=r"K = 256 needs whole super-blocks of 256 and packed rows of 148 bytes, "
+    with pytest.raises(ValueError, match=r"K = 256 needs whole super-blocks of 256 and packed rows of 148 bytes, "
                                            r"got 296"):
         kquant.kquant_linear(torch.randn(2, 256), packed, "Q4_K")
-    with pytest.raises(RuntimeError, match=r"packed rows of 420 bytes, got 296"):  # (Q4_K rows taken as Q6_K)
+    with pytest.raises(ValueError, match=r"packed rows of 420 bytes, got 296"):  # (Q4_K rows taken as Q6_K)
         kquant.kquant_linear(torch.randn(2, 512), packed, "Q6_K")
-    with pytest.raises(RuntimeError, match=r"x must be a contiguous float32 \[M, K\] tensor"):
+    with pytest.raises(ValueError, match=r"x must be a contiguous float32 \[M, K\] tensor"):
         kquant.kquant_linear(torch.randn(2, 512, dtype=torch.float64), packed, "Q4_K")
-    with pytest.raises(RuntimeError, match=r"x must be a contiguous float32 \[M, K\] tensor"):
+    with pytest.raises(ValueError, match=r"x must be a contiguous float32 \[M, K\] tensor"):
         kquant.kquant_linear(torch.randn(2, 512).bfloat16(), packed, "Q4_K")
-    with pytest.raises(RuntimeError, match=r"x must be a contiguous float32 \[M, K\] tensor"):
+    with pytest.raises(ValueError, match=r"x must be a contiguous float32 \[M, K\] tensor"):
         kquant.kquant_linear(torch.randn(512), packed, "Q4_K")
-    with pytest.raises(RuntimeError, match=r"w must be a contiguous uint8 \[N, row bytes\] tensor"):
+    with pytest.raises(ValueError, match=r"w must be a contiguous uint8 \[N, row bytes\] tensor"):
         kquant.kquant_linear(torch.randn(2, 512), packed.view(torch.int8), "Q4_K")
-    with pytest.raises(RuntimeError, match=r"w must be a contiguous uint8 \[N, row bytes\] tensor"):
+    with pytest.raises(ValueError, match=r"w must be a contiguous uint8 \[N, row bytes\] tensor"):
         kquant.kquant_linear(torch.randn(2, 512), packed[:, :148].t().contiguous().t(), "Q4_K")
-    with pytest.raises(RuntimeError, match=r"kquant_pack: w must be a contiguous uint8 \[N, K / 256 \* 144\] tensor"):
+    with pytest.raises(ValueError, match=r"kquant_pack: w must be a contiguous uint8 \[N, K / 256 \* 144\] tensor"):
         kquant.pack(rows[:, :200], "Q4_K")  # (not whole super-blocks)
-    with pytest.raises(RuntimeError, match=r"kquant_pack: w must be a contiguous uint8 \[N, K / 256 \* 210\] tensor"):
+    with pytest.raises(ValueError, match=r"kquant_pack: w must be a contiguous uint8 \[N, K / 256 \* 210\] tensor"):
         kquant.pack(rows, "Q6_K")  # (288 bytes: not whole Q6_K blocks)
-    with pytest.raises(RuntimeError, match=r"kquant_pack: w must be a contiguous uint8"):
+    with pytest.raises(ValueError, match=r"kquant_pack: w must be a contiguous uint8"):
         kquant.pack(rows.float(), "Q4_K")
-    with pytest.raises(RuntimeError, match=r"type must be Q4_K \(12\) or Q6_K \(14\), got 13"):
-        torch.ops.redwood_cpu.kquant_linear(torch.randn(2, 512), packed, 13)
-    with pytest.raises(RuntimeError, match=r"kquant_pack: type must be Q4_K \(12\) or Q6_K \(14\), got 10"):
-        torch.ops.redwood_cpu.kquant_pack(rows, 10)
+
+
+# The C++ ops' own checks (the last guard, behind the wrappers), run in a child process: on a torch build where an
+# extension's exception kills the process (kquant.py's docstring), this fails alone instead of ending the session.
+CPP_CHECKS = r"""
+import torch
+from redwood.cpu_kernels import kquant
+from tests.cpu_kernels.test_kquant import random_blocks
+rows = random_blocks("Q4_K", 16, 512, seed=1)
+packed = kquant.pack(rows, "Q4_K")
+for call in (lambda: torch.ops.redwood_cpu.kquant_linear(torch.randn(2, 512), packed, 13),
+             lambda: torch.ops.redwood_cpu.kquant_linear(torch.randn(2, 256), packed, 12),
+             lambda: torch.ops.redwood_cpu.kquant_pack(rows, 10)):
+    try:
+        call()
+        print("no error")
+    except RuntimeError as e:
+        print(str(e).splitlines()[0])
+"""
+
+
+def test_the_cpp_ops_check_their_arguments_too():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", CPP_CHECKS], capture_output=True, text=True, timeout=300, cwd=root,
+                         env={**__import__("os").environ, "PYTHONPATH": f"{root / 'src'}:{root}"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert "type must be Q4_K (12) or Q6_K (14), got 13" in lines[0]
+    assert "K = 256 needs whole super-blocks of 256 and packed rows of 148 bytes, got 296" in lines[1]
+    assert "kquant_pack: type must be Q4_K (12) or Q6_K (14), got 10" in lines[2]
+
 
 
 def test_kernel_order_is_a_permutation_that_keeps_each_lane_in_16_values():

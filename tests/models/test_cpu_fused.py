@@ -191,26 +191,50 @@ def test_which_forwards_take_the_cpp_layers(models, tmp_path, monkeypatch):
     assert not cpu_fused.model_takes(load_model(tmp_path / "f", weights="w8a8").model)
 
 
-def test_the_op_rejects_bad_arguments(models):
-    m = models["llama"]
-    layer = m.layers[0]
-    w, types, biases, groups, n1, n2, eps = cpu_fused.layer_args(layer)
-    cache = m.new_cache(1, 8)
-    x = torch.zeros(1, 128)
-    cs = torch.zeros(1, 32)
-    good = dict(write_at=torch.zeros(1, 2, dtype=torch.long), table=cache.block_table,
-                ptr=torch.tensor([0, 1]), ranges=torch.tensor([[0, 1]]))
+# The op's checks guard the Python glue's own arguments (users never call it directly), run in a child process:
+# on a torch build where an extension's exception kills the process (redwood.cpu_kernels.kquant's docstring),
+# this fails alone instead of ending the session.
+OP_CHECKS = r"""
+import tempfile
+from pathlib import Path
+import torch
+from redwood.models import cpu_fused
+from tests.models.test_cpu_fused import q4k_model
+m = q4k_model(Path(tempfile.mkdtemp()), "llama")
+w, types, biases, groups, n1, n2, eps = cpu_fused.layer_args(m.layers[0])
+cache = m.new_cache(1, 8)
+x, cs = torch.zeros(1, 128), torch.zeros(1, 32)
+good = dict(cos=cs, types=types, ranges=torch.tensor([[0, 1]]), write_at=torch.zeros(1, 2, dtype=torch.long))
+def call(**kw):
+    a = {**good, **kw}
+    try:
+        torch.ops.redwood_cpu.decoder_layer(x, w, a["types"], biases, groups, n1, n2, eps, a["cos"], a["cos"],
+                                            cache.k[0], cache.v[0], a["write_at"], cache.block_table, 1,
+                                            torch.tensor([0, 1]), a["ranges"], 4, 2)
+        print("ran")
+    except RuntimeError as e:
+        print(str(e).splitlines()[0])
+call()
+call(cos=torch.zeros(1, 16))
+call(types=[8] * len(types))
+call(ranges=torch.tensor([[0, 9]]))
+call(write_at=torch.tensor([[0, 8]]))
+"""
 
-    def call(cos=cs, types=types, ranges=good["ranges"], write_at=good["write_at"]):
-        torch.ops.redwood_cpu.decoder_layer(x, w, types, biases, groups, n1, n2, eps, cos, cos, cache.k[0],
-                                            cache.v[0], write_at, good["table"], 1, good["ptr"], ranges, 4, 2)
 
-    call()  # (the good arguments run)
-    with pytest.raises(RuntimeError, match=r"cos / sin must be \[1, 32\]"):
-        call(cos=torch.zeros(1, 16))
-    with pytest.raises(RuntimeError, match="type must be Q4_K \\(12\\) or Q6_K \\(14\\), got 8"):
-        call(types=[8] * len(types))
-    with pytest.raises(RuntimeError, match=r"key range \[0, 9\) of token 0 is outside its 8 slots"):
-        call(ranges=torch.tensor([[0, 9]]))
-    with pytest.raises(RuntimeError, match="write position of token 0 is outside the cache"):
-        call(write_at=torch.tensor([[0, 8]]))
+def test_the_op_rejects_bad_arguments():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", OP_CHECKS], capture_output=True, text=True, timeout=300, cwd=root,
+                         env={**os.environ, "PYTHONPATH": f"{root / 'src'}:{root}"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()[-5:]
+    assert lines[0] == "ran"
+    assert "cos / sin must be [1, 32]" in lines[1]
+    assert "type must be Q4_K (12) or Q6_K (14), got 8" in lines[2]
+    assert "key range [0, 9) of token 0 is outside its 8 slots" in lines[3]
+    assert "write position of token 0 is outside the cache" in lines[4]

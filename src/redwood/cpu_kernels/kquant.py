@@ -9,6 +9,11 @@ The kernel is C++ compiled with the machine's g++ the first time it is needed (~
 torch.utils.cpp_extension under TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). `available()`
 says whether this machine can run it (x86 with AVX-512 BW / VL / VNNI and F16C, a C++ compiler, and a build
 that succeeds); `why_unavailable()` says why not.
+
+The wrappers here check their arguments in Python before calling the C++ ops (which check them again): on
+some torch builds an exception thrown by a JIT-built extension kills the process instead of raising
+(benchmarks/NOTES.md, session 17: a minimal TORCH_CHECK extension segfaults on the H200 machine's torch 2.11),
+so bad input must never depend on the C++ checks.
 """
 
 from __future__ import annotations
@@ -78,14 +83,27 @@ def pack(rows: torch.Tensor, type_name: str) -> torch.Tensor:
     """A tensor's file rows (uint8 [N, K / 256 · file bytes]) in the kernel's layout: Q6_K as in the file,
     values in the kernel's order, Q4_K's 6-bit scales and mins unpacked to bytes (148 bytes a super-block,
     Q6_K 210 as in the file; the same values: kquant.cpp)."""
+    type_id, file_bytes, _ = _type(type_name)
+    if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] % file_bytes:
+        raise ValueError(f"kquant_pack: w must be a contiguous uint8 [N, K / 256 * {file_bytes}] tensor, got "
+                         f"{rows.dtype} {list(rows.shape)}")
     _load()
-    return torch.ops.redwood_cpu.kquant_pack(rows.contiguous(), _type(type_name)[0])
+    return torch.ops.redwood_cpu.kquant_pack(rows.contiguous(), type_id)
 
 
 def kquant_linear(x: torch.Tensor, packed: torch.Tensor, type_name: str) -> torch.Tensor:
     """float32 [M, N] = x [M, K] (float32) · Wᵀ, W a Q4_K / Q6_K tensor in the kernel's layout (`pack`)."""
+    type_id, _, block_bytes = _type(type_name)
+    if x.dtype != torch.float32 or x.dim() != 2:
+        raise ValueError(f"kquant_linear: x must be a contiguous float32 [M, K] tensor, got {x.dtype} {list(x.shape)}")
+    if packed.dtype != torch.uint8 or packed.dim() != 2 or not packed.is_contiguous():
+        raise ValueError("kquant_linear: w must be a contiguous uint8 [N, row bytes] tensor")
+    K = x.shape[1]
+    if K % BLOCK or packed.shape[1] != K // BLOCK * block_bytes:
+        raise ValueError(f"kquant_linear: K = {K} needs whole super-blocks of 256 and packed rows of "
+                         f"{K // BLOCK * block_bytes} bytes, got {packed.shape[1]}")
     _load()
-    return torch.ops.redwood_cpu.kquant_linear(x.contiguous(), packed, _type(type_name)[0])
+    return torch.ops.redwood_cpu.kquant_linear(x.contiguous(), packed, type_id)
 
 
 def kernel_order() -> torch.Tensor:
