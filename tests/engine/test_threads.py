@@ -80,3 +80,112 @@ def test_packed_projections_give_the_same_rows_at_1_and_2_threads(kind):
             assert torch.get_num_threads() == 2 and torch.equal(p(x), one), rows
     finally:
         torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------- decode steps' thread count chosen as they run
+
+
+def drive(policy, times):
+    """Feed the policy steps of one shape whose duration depends on the count: times(step, count) → seconds.
+    → the counts it ran."""
+    counts = []
+    for i in range(len(times)):
+        n = policy.for_step("s")
+        counts.append(n)
+        policy.record(n, "s", times[i][n])
+    return counts
+
+
+def test_adaptive_keeps_the_faster_count_and_follows_a_change_in_load():
+    from redwood.engine.threads import AdaptiveThreads
+
+    idle, busy = {1: 1.0, 2: 0.65}, {1: 1.1, 2: 2.5}
+    p = AdaptiveThreads(base=1, wide=2)
+    counts = drive(p, [idle] * 200)
+    assert counts[:2] == [2, 1]  # both measured at the start
+    # then probes of one thread 64 and 128 steps on (each probe lost, the first included: the interval doubles)
+    assert [i for i, c in enumerate(counts) if c == 1] == [1, 65, 193] and p.current == 2
+    counts = drive(p, [busy] * 40)  # a core is taken: the step after the jump probes one thread and keeps it
+    assert counts[:3] == [2, 1, 1] and p.current == 1 and counts[3:].count(2) == 1  # (a probe after 32)
+    counts = drive(p, [idle] * 80)  # the core is back: the next probe of two threads (64 steps on) switches back
+    assert p.current == 2 and counts[-1] == 2
+
+
+def test_adaptive_ignores_differences_within_its_margin():
+    from redwood.engine.threads import AdaptiveThreads
+
+    p = AdaptiveThreads(base=1, wide=2)
+    drive(p, [{1: 1.0, 2: 1.05}] * 100)
+    assert p.current == 2
+
+
+def test_adaptive_only_where_the_count_is_left_to_redwood():
+    from redwood.engine.threads import ADAPTIVE_ENV, adaptive_threads
+
+    assert adaptive_threads(None, env={}, cores=2).wide == 2
+    assert adaptive_threads(None, env={}, cores=2).base == 1
+    assert adaptive_threads(2, env={}, cores=2) is None  # threads given
+    assert adaptive_threads(None, env={"OMP_NUM_THREADS": "2"}, cores=2) is None
+    assert adaptive_threads(None, env={ADAPTIVE_ENV: "0"}, cores=2) is None
+    assert adaptive_threads(None, env={}, cores=1) is None
+    assert adaptive_threads(None, env={}, cores=SMALL_MACHINE_CORES + 1) is None
+
+
+class Alternating:
+    """A policy that flips the count every decode step (the worst case for exactness)."""
+
+    base, wide = 1, 2
+
+    def __init__(self):
+        self.i, self.seen = 0, []
+
+    def for_step(self, key):
+        self.i += 1
+        return 1 + self.i % 2
+
+    def record(self, count, key, seconds):
+        self.seen.append((count, torch.get_num_threads()))
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_decode_steps_give_the_same_tokens_whatever_the_count(tmp_path, sampled):
+    """A q4k target and draft (the C++ layers): speculative outputs — greedy, and sampled with seeds — are the
+    same with every decode step at one thread as with the count flipping every step (prefill at the base)."""
+    from redwood.cpu_kernels import kquant
+
+    if not kquant.available():
+        pytest.skip(f"kquant kernel unavailable here: {kquant.why_unavailable()}")
+    import random
+
+    from redwood.kv.policies import FullPolicy
+    from redwood.loading import load_model
+    from redwood.sampling_params import SamplingParams
+    from redwood.speculation.drafters import ModelDrafter
+    from redwood.speculation.trees import Tree
+    from tests.conftest import random_hf_model, tiny_hf_config
+    from tests.engine.driver import RecordingEngine, run_engine
+
+    cfg = tiny_hf_config("qwen2", vocab_size=320, hidden_size=128, intermediate_size=320)
+    random_hf_model(cfg, seed=5).save_pretrained(tmp_path / "m")
+    target = load_model(tmp_path / "m", weights="q4k").model
+    draft = load_model(tmp_path / "m", weights="q4k").model
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 320) for _ in range(rng.randrange(5, 30))] for _ in range(3)]
+    params = [SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.8 if sampled else 0.0, seed=i)
+              for i in range(3)]
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for policy in (None, Alternating()):
+            torch.set_num_threads(1)
+            engine = RecordingEngine.build(target, None, drafter=ModelDrafter(draft, FullPolicy(), 320),
+                                           tree=Tree.chain(3), max_num_seqs=3)
+            assert engine._thread_exact_decode()
+            engine.thread_policy = policy
+            _, states, _ = run_engine(target, None, prompts, params, engine=engine)
+            outs.append([s.output_ids for s in states])
+            if policy is not None:
+                assert {c for c, _ in policy.seen} == {1, 2} and all(c == n for c, n in policy.seen)
+    finally:
+        torch.set_num_threads(before)
+    assert outs[0] == outs[1] and all(len(o) == 12 for o in outs[0])

@@ -238,3 +238,20 @@ def test_the_op_rejects_bad_arguments():
     assert "type must be Q4_K (12) or Q6_K (14), got 8" in lines[2]
     assert "key range [0, 9) of token 0 is outside its 8 slots" in lines[3]
     assert "write position of token 0 is outside the cache" in lines[4]
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_the_cpp_layers_give_the_same_bits_at_1_and_2_threads(models, name, monkeypatch):
+    """What lets the Engine pick each decode step's thread count as it runs (engine.threads.AdaptiveThreads):
+    the kquant rows and the (token, head) attention tasks are split among threads, never a sum."""
+    steps = scenario(name)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(models["qwen2"], True, monkeypatch, steps)
+        torch.set_num_threads(2)
+        assert torch.get_num_threads() == 2
+        two = run(models["qwen2"], True, monkeypatch, steps)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)

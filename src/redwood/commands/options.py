@@ -33,8 +33,9 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help=f"CPU threads for torch's kernels (default: OMP_NUM_THREADS when set, else 1 on a "
-                        f"machine of <= {SMALL_MACHINE_CORES} cores, torch's default — its physical cores — "
-                        f"above that)")
+                        f"machine of <= {SMALL_MACHINE_CORES} cores — where decode steps of kquant / q4k models "
+                        f"pick 1 or {SMALL_MACHINE_CORES} by timing both as they run (REDWOOD_ADAPTIVE_THREADS=0: off) "
+                        f"— torch's default, its physical cores, above that)")
 
 
 def threads_kwargs(args) -> dict:

@@ -44,7 +44,7 @@ from redwood.engine.request import (SOURCE_DRAFT, SOURCE_TARGET, RequestState, S
 from redwood.engine.runner import StepRunner, sync
 from redwood.engine.sampling import Sampler, token_logprobs
 from redwood.engine.scheduler import Scheduler, SeqState
-from redwood.engine.threads import apply_threads, check_threads
+from redwood.engine.threads import adaptive_threads, apply_threads, check_threads, set_threads
 from redwood.errors import ConfigError, ContextLengthError
 from redwood.kv.blocks import BlockPool
 from redwood.kv.cache import KVCache
@@ -253,6 +253,8 @@ class Engine:
                     on_cuda if cuda_graphs is None else bool(cuda_graphs), max_num_seqs, max_model_len,
                     block_size, max_num_batched_tokens, kv_cache_memory, enable_prefix_caching)
         self.speculative = speculative
+        if dev.type == "cpu" and not offload and self._thread_exact_decode():
+            self.thread_policy = adaptive_threads(threads)  # (None where the count is the user's or fixed)
 
     @classmethod
     def build(cls, model, tokenizer=None, *, drafter=None, tree=None, verifier: str = "auto",
@@ -283,6 +285,7 @@ class Engine:
                max_model_len, block_size, max_num_batched_tokens, kv_cache_memory, enable_prefix_caching) -> None:
         self.model, self.tokenizer, self.config = model, tokenizer, model.config
         self.model_name, self.model_path = name, path
+        self.thread_policy = None  # decode steps' thread count chosen as they run (engine.threads.AdaptiveThreads)
         self.drafter, self.tree, self.verifier = drafter, tree, verifier
         self.use_graphs = use_graphs
         self.max_model_len = check_max_model_len(max_model_len, self.config.max_position_embeddings)
@@ -463,6 +466,18 @@ class Engine:
             deltas += self._prefill([(self._requests[c.request.request_id], c) for c in out.prefill])
         return deltas
 
+    def _thread_exact_decode(self) -> bool:
+        """Whether a decode step computes the same bits at any thread count: every forward it runs goes through
+        the C++ layers (kquant-kind models; a standalone draft reading its full cache)."""
+        from redwood.kv.policies import FullPolicy
+        from redwood.models import cpu_fused
+
+        d = self.drafter
+        if d is not None and (d.own_model is None or not isinstance(d.policy, FullPolicy)
+                              or not cpu_fused.model_takes(d.own_model)):
+            return False
+        return cpu_fused.model_takes(self.model)
+
     def _admit(self, rec: _Request) -> None:
         seq, row = rec.seq, rec.seq.slot
         rec.slot = row
@@ -507,6 +522,8 @@ class Engine:
     def _prefill(self, work: list[tuple[_Request, object]]) -> list[RequestDelta]:
         """This step's prefill chunks: observed ones (SnapKV) one request at a time, the others in one
         batch; a chunk that ends its prefill samples the request's first token."""
+        if self.thread_policy is not None:
+            set_threads(self.thread_policy.base)  # (prefill's gemm paths may round differently at other counts)
         t0 = time.perf_counter()
         logits: dict[int, torch.Tensor] = {}
         plain = [(i, rec, c) for i, (rec, c) in enumerate(work) if rec.observers == (None, None)]
@@ -657,6 +674,10 @@ class Engine:
         target = self._runner("target", n)
         draft = self._runner("draft", n) if self.draft_cache is not None else None
         tree = self._step_tree(recs, target.use_graphs, sampler.all_greedy)
+        policy, shape = self.thread_policy, (n, 1 if tree is None else tree.size)
+        if policy is not None:
+            count = policy.for_step(shape)
+            set_threads(count)
         if tree is None:
             kind = "ar"
             build = lambda: ARStep(target, sampler, want_lp)  # noqa: E731
@@ -697,6 +718,8 @@ class Engine:
         self.prev[:n] = torch.where(generating, new_prev, prev)
         self.last[:n] = torch.where(generating, nxt, last)
         t1 = time.perf_counter()
+        if policy is not None:
+            policy.record(count, shape, t1 - t0)
         captured_s = captures() - capture0
         self.capture_s += captured_s
         kept = [0] * n

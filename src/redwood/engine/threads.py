@@ -5,9 +5,11 @@ set it: torch already read it) → `default_threads()`, the rule measured in ben
 ("Session 11: CPU threads", re-measured with packed weights in "Session 13: CPU"): one thread on a machine
 of at most two cores, torch's own default (its physical cores, as llama.cpp's) above that, where nothing
 was measured. On the 2-core machine, idle, two threads decode 1.4–1.7× faster; with one other busy
-process, 2.2× slower (speculation > 20×). A run-time choice was not made: decode and verify steps are
-bit-identical at 1 and 2 threads, but prefill chunks of ≥ 128 rows (oneDNN's gemm) are not, so the output
-would depend on the machine's load. The setting is process-wide
+process, 2.2–2.5× slower. So where the count is left to redwood on such a machine, the Engine's decode steps
+choose 1 or 2 as they run (`AdaptiveThreads`, session 17) for models whose decode steps are bit-identical at
+any count (kquant kinds: every forward through the C++ layers), while loading and prefill chunks keep the one
+thread (≥ 128-row prefill chunks through oneDNN's gemm round differently at another count), so the output
+never depends on the machine's load. The setting is process-wide
 (torch has one intra-op pool), so the last Engine built sets it for every model in the process.
 """
 
@@ -64,3 +66,80 @@ def apply_threads(threads: int | None) -> int:
     if n is not None and n != torch.get_num_threads():
         torch.set_num_threads(n)
     return torch.get_num_threads()
+
+
+ADAPTIVE_ENV = "REDWOOD_ADAPTIVE_THREADS"  # "0": decode steps keep the default count too
+
+
+class AdaptiveThreads:
+    """The thread count of each decode step on a small machine, chosen by measuring both counts as it runs.
+
+    Why: on the 2-core machine two threads decode ~1.5× faster than one while the machine is idle and ~2.5× slower
+    while another process holds a core (benchmarks/NOTES.md, session 17: each of a step's ~170 OpenMP regions
+    waits for the descheduled thread), and which of the two holds changes as other work comes and goes. So decode
+    steps start at `wide` and time themselves: at the first step of a new shape `key`, right after a step took
+    1.5× its average, and every PROBE_EVERY steps — an interval that doubles (to MAX_INTERVAL) each time a probe
+    loses, so a lasting state costs few slow probe steps — one step runs at the other count; the faster count
+    (by MARGIN, against noise) is kept. Prefill chunks stay at `base` (their gemm paths may round differently at
+    another thread count); a decode step computes the same bits at any count for the models this is used with
+    (`engine.Engine`: kquant-kind models, whose layer and kernel rows are thread-count exact — tested), so the
+    output never depends on the choice.
+    """
+
+    PROBE_EVERY = 32
+    MAX_INTERVAL = 512
+    MARGIN = 1.15
+    JUMP = 1.5
+
+    def __init__(self, base: int, wide: int):
+        self.base, self.wide, self.current = base, wide, wide
+        self.ema: dict[tuple[int, object], float] = {}  # (count, key) -> seconds a step (the current count: an
+        # average; the other: its last probe)
+        self.since_probe = 0
+        self.interval = self.PROBE_EVERY
+        self.probe_next = False
+
+    def other(self) -> int:
+        return self.base if self.current == self.wide else self.wide
+
+    def for_step(self, key) -> int:
+        """The count to run this decode step of shape `key` at."""
+        self.since_probe += 1
+        probe = (self.probe_next or self.since_probe >= self.interval or (self.current, key) not in self.ema
+                 or (self.other(), key) not in self.ema)
+        if probe and (self.current, key) not in self.ema:
+            return self.current  # (measure the current count first)
+        return self.other() if probe else self.current
+
+    def record(self, count: int, key, seconds: float) -> None:
+        """A decode step of shape `key` at `count` threads took `seconds`."""
+        prev = self.ema.get((count, key))
+        if count == self.current:
+            self.ema[(count, key)] = seconds if prev is None else 0.5 * (prev + seconds)
+            self.probe_next = prev is not None and seconds > self.JUMP * prev
+        else:  # a probe
+            self.ema[(count, key)] = seconds
+            self.probe_next, self.since_probe = False, 0
+        mine, theirs = self.ema.get((self.current, key)), self.ema.get((self.other(), key))
+        if mine is not None and theirs is not None and theirs * self.MARGIN < mine:
+            self.current, self.probe_next = self.other(), False  # (the other count was just measured)
+            self.interval = self.PROBE_EVERY
+        elif count != self.current:
+            self.interval = min(2 * self.interval, self.MAX_INTERVAL)  # the probe lost
+
+
+def adaptive_threads(threads: int | None, env: dict | None = None, cores: int | None = None) -> AdaptiveThreads | None:
+    """The decode-step policy where the count is left to redwood (no `threads`, no OMP_NUM_THREADS) on a machine
+    of 2..SMALL_MACHINE_CORES cores (where the default is one thread), unless REDWOOD_ADAPTIVE_THREADS=0."""
+    env = os.environ if env is None else env
+    cores = usable_cores() if cores is None else cores
+    if threads is not None or env.get("OMP_NUM_THREADS", "").strip() or env.get(ADAPTIVE_ENV, "1") == "0":
+        return None
+    if not 1 < cores <= SMALL_MACHINE_CORES:
+        return None
+    return AdaptiveThreads(base=default_threads(cores), wide=cores)
+
+
+def set_threads(n: int) -> None:
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)

@@ -10,7 +10,7 @@ import torch
 
 from redwood.config import ModelConfig
 from redwood.errors import ConfigError, ModelLoadError
-from redwood.models.cpu_weights import FILE_FORMATS, auto_formats, resolve_weights
+from redwood.models.cpu_weights import FILE_FORMAT, FILE_FORMATS, auto_formats, resolve_weights
 from redwood.models.transformer import Transformer, build_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -159,7 +159,7 @@ def _cpu_format(weights: str, device: torch.device, path: Path, draft: bool, con
     if weights == "auto":
         return next(k for k in auto_formats(kind) if k == "float32" or shapes.cpu_format_misfit(k) is None)
     if kind in FILE_FORMATS:  # (per projection as the file's types allow: int4 / kquant, else int8 / w8a8 / bf16)
-        why = shapes.cpu_format_misfit(kind) if kind != FILE_FORMATS[0] else None
+        why = shapes.cpu_format_misfit(kind) if kind != FILE_FORMAT else None  # (gguf fits any shape)
         if why:
             raise ConfigError(f"weights={kind!r} cannot be used: {why}")
         return kind
