@@ -18,6 +18,7 @@ from redwood.cpu_kernels import kquant
 from redwood.loading import load_model
 from redwood.models import cpu_fused
 from tests.conftest import random_hf_model, tiny_hf_config
+from tests.models.test_cpu_kquant import decode_steps, prefilled
 
 pytestmark = pytest.mark.skipif(not kquant.available(),
                                 reason=f"kquant kernel unavailable here: {kquant.why_unavailable()}")
@@ -83,7 +84,7 @@ def scenario(name: str):
         if name == "ragged_batch_with_a_finished_row":
             cache = m.new_cache(3, 40)
             a = prefill(m, cache, B=3)
-            cache.commit(torch.tensor([0, 2, 5]) - torch.tensor([0, 0, 0]))  # rows 9, 11, 14 tokens long
+            cache.commit(torch.tensor([0, 2, 5]))  # rows 9, 11, 14 tokens long
             cache.live[1] = 0
             pos = cache.lengths[:, None] + torch.arange(2)
             b = m(ids(3, 2, seed=7), pos, cache)
@@ -141,29 +142,14 @@ def test_a_verify_scores_each_token_exactly_as_decode_steps(models, arch):
     m = models[arch]
     prompt, toks = ids(1, 11, seed=1), ids(1, 4, seed=2)
     with torch.inference_mode():
-        cache = m.new_cache(1, 40)
-        m(prompt, torch.arange(11)[None], cache)
-        cache.commit(11)
+        cache = prefilled(m, prompt, 40)
         verify = m(toks, torch.arange(11, 15)[None], cache)
-        decode = []
-        for t in range(4):
-            decode.append(m(toks[:, t:t + 1], torch.tensor([[11 + t]]), cache))
-            cache.commit(1)
-        assert torch.equal(verify, torch.cat(decode, 1))
+        assert torch.equal(verify, decode_steps(m, cache, toks, range(11, 15)))
         # tree: node 0 → 1, 2; node 2 → 3. Node 3's path is 0, 2, 3.
-        cache = m.new_cache(1, 40)
-        m(prompt, torch.arange(11)[None], cache)
-        cache.commit(11)
         mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
-        tree = m(toks, torch.tensor([[11, 12, 12, 13]]), cache, new_mask=mask)
-        cache = m.new_cache(1, 40)
-        m(prompt, torch.arange(11)[None], cache)
-        cache.commit(11)
-        path = []
-        for t, pos in ((0, 11), (2, 12), (3, 13)):
-            path.append(m(toks[:, t:t + 1], torch.tensor([[pos]]), cache))
-            cache.commit(1)
-    assert torch.equal(tree[:, [0, 2, 3]], torch.cat(path, 1))
+        tree = m(toks, torch.tensor([[11, 12, 12, 13]]), prefilled(m, prompt, 40), new_mask=mask)
+        path = decode_steps(m, prefilled(m, prompt, 40), toks[:, [0, 2, 3]], (11, 12, 13))
+    assert torch.equal(tree[:, [0, 2, 3]], path)
 
 
 def test_which_forwards_take_the_cpp_layers(models, tmp_path, monkeypatch):

@@ -102,6 +102,24 @@ def kq_model(kq_file):
     return load(kq_file, KQUANT)
 
 
+def prefilled(m, prompt: torch.Tensor, capacity: int):
+    """A fresh one-row cache holding the committed prompt [1, n] (its forward's logits dropped)."""
+    cache = m.new_cache(1, capacity)
+    n = prompt.shape[1]
+    m(prompt, torch.arange(n)[None], cache)
+    cache.commit(n)
+    return cache
+
+
+def decode_steps(m, cache, toks: torch.Tensor, positions) -> torch.Tensor:
+    """One-token forwards of toks[:, t] at positions[t], each committed → their logits side by side [1, T, V]."""
+    out = []
+    for t, pos in enumerate(positions):
+        out.append(m(toks[:, t:t + 1], torch.tensor([[pos]]), cache))
+        cache.commit(1)
+    return torch.cat(out, 1)
+
+
 def projections(model):
     """(GGUF name, PackedLinear) of every packed projection and the head."""
     out = []
@@ -239,15 +257,10 @@ def test_every_projection_and_a_t_token_forward_are_row_exact(kq_model):
     prompt = torch.randint(3, VOCAB, (1, 20), generator=g)
     steps = torch.randint(3, VOCAB, (1, 4), generator=g)
     with torch.inference_mode():
-        cache = m.new_cache(1, 32)
-        m(prompt, torch.arange(20)[None], cache)
-        cache.commit(20)
+        cache = prefilled(m, prompt, 32)
         verify = m(steps, torch.arange(20, 24)[None], cache)
-        decode = []
-        for t in range(4):
-            decode.append(m(steps[:, t:t + 1], torch.tensor([[20 + t]]), cache))
-            cache.commit(1)
-    assert torch.equal(verify, torch.cat(decode, 1))
+        decode = decode_steps(m, cache, steps, range(20, 24))
+    assert torch.equal(verify, decode)
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])

@@ -44,11 +44,10 @@ constexpr int kRowTile = 8;    // activation rows sharing one pass over a weight
 #ifndef KQ_PREFETCH
 #define KQ_PREFETCH 2048
 #endif
-constexpr int kPrefetch = KQ_PREFETCH;
+constexpr int kPrefetch = KQ_PREFETCH;  // bytes ahead of the super-block being read that are prefetched
 #ifndef KQ_HINT
 #define KQ_HINT _MM_HINT_NTA
 #endif
-  // bytes ahead of the super-block being read that are prefetched
 
 // kernel position p (0..255) <- value index 16·l + 4·c + t, where p = 64·c + 4·l + t
 inline int value_at(int p) { return 16 * ((p & 63) >> 2) + 4 * (p >> 6) + (p & 3); }

@@ -226,16 +226,18 @@ void decoder_layer(at::Tensor x, at::TensorList weights, at::IntArrayRef types,
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   at::parallel_for(0, M * Hq, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> s;
+    std::vector<int64_t> rows;  // the keys' rows of this KV head in k_buf / v_buf, in key order
     std::vector<float> acc(D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t m = task / Hq, hq = task % Hq, g = hq / (Hq / Hkv), b = m / tokens_per_row;
       const float* q = qkvs.data() + m * Nqkv + hq * D;
       float* out = att.data() + m * Nq + hq * D;
       s.clear();
+      rows.clear();
       for (int64_t r = rp[m]; r < rp[m + 1]; ++r)
         for (int64_t slot = rg[2 * r]; slot < rg[2 * r + 1]; ++slot) {
-          const int64_t pos = (static_cast<int64_t>(bt[b * W + slot / ps]) * Hkv + g) * ps + slot % ps;
-          s.push_back(dot(q, kb + pos * D, D) * scale);
+          rows.push_back((static_cast<int64_t>(bt[b * W + slot / ps]) * Hkv + g) * ps + slot % ps);
+          s.push_back(dot(q, kb + rows.back() * D, D) * scale);
         }
       const int64_t n = static_cast<int64_t>(s.size());
       if (n == 0) {
@@ -253,18 +255,15 @@ void decoder_layer(at::Tensor x, at::TensorList weights, at::IntArrayRef types,
       }
       const float inv = 1.f / _mm512_reduce_add_ps(sum16);
       std::fill(acc.begin(), acc.end(), 0.f);
-      int64_t j = 0;
-      for (int64_t r = rp[m]; r < rp[m + 1]; ++r)
-        for (int64_t slot = rg[2 * r]; slot < rg[2 * r + 1]; ++slot, ++j) {
-          const int64_t pos = (static_cast<int64_t>(bt[b * W + slot / ps]) * Hkv + g) * ps + slot % ps;
-          const __m512 p = _mm512_set1_ps(s[j] * inv);
-          const float* v = vb + pos * D;
-          for (int64_t d = 0; d < D; d += 16) {
-            const __mmask16 k = tail(D - d);
-            _mm512_mask_storeu_ps(acc.data() + d, k,
-                                  _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(k, v + d), _mm512_maskz_loadu_ps(k, acc.data() + d)));
-          }
+      for (int64_t j = 0; j < n; ++j) {
+        const __m512 p = _mm512_set1_ps(s[j] * inv);
+        const float* v = vb + rows[j] * D;
+        for (int64_t d = 0; d < D; d += 16) {
+          const __mmask16 k = tail(D - d);
+          _mm512_mask_storeu_ps(acc.data() + d, k,
+                                _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(k, v + d), _mm512_maskz_loadu_ps(k, acc.data() + d)));
         }
+      }
       std::copy(acc.begin(), acc.end(), out);
     }
   });

@@ -60,11 +60,17 @@ def resolve_threads(threads: int | None, env: dict | None = None) -> int | None:
     return default_threads()
 
 
+def set_threads(n: int) -> None:
+    """torch's intra-op thread count, set only when it changes (the Engine calls this every step)."""
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
 def apply_threads(threads: int | None) -> int:
     """Set torch's intra-op threads per `resolve_threads`; → the count in effect."""
     n = resolve_threads(threads)
-    if n is not None and n != torch.get_num_threads():
-        torch.set_num_threads(n)
+    if n is not None:
+        set_threads(n)
     return torch.get_num_threads()
 
 
@@ -138,8 +144,3 @@ def adaptive_threads(threads: int | None, env: dict | None = None, cores: int | 
     if not 1 < cores <= SMALL_MACHINE_CORES:
         return None
     return AdaptiveThreads(base=default_threads(cores), wide=cores)
-
-
-def set_threads(n: int) -> None:
-    if torch.get_num_threads() != n:
-        torch.set_num_threads(n)
