@@ -19,7 +19,7 @@ from redwood.attention import reference
 from redwood.attention.reference import AttentionMetadata, ContextView, Observer
 from redwood.config import ModelConfig
 from redwood.kernels import fused as fused_kernels
-from redwood.kernels import gemv, l2_prefetch, qkv_rope, skinny_configs
+from redwood.kernels import gemv, l2_prefetch, megakernel, qkv_rope, skinny_configs
 from redwood.kv.cache import KVCache
 from redwood.models import cpu_fused, cpu_weights
 from redwood.models.rope import RotaryEmbedding, apply_rotary, rotate
@@ -324,6 +324,9 @@ class Transformer(nn.Module):
         self.weights = "float32"  # the CPU projection format (quantize_cpu)
         self.packed_head: nn.Module | None = None  # the LM head in that format (quantize_cpu)
         self._prefetch_plans: dict = {}  # (budget, int8) → l2_prefetch.LayerPrefetch (captured forwards)
+        # One-token forwards of one row as one persistent kernel (redwood.kernels.megakernel; set by
+        # fuse_projections where REDWOOD_MEGAKERNEL=1 and the model fits, or by use_megakernel)
+        self.megakernel: megakernel.MegaForward | None = None
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up weights per layer (fewer, larger matmuls: what a GPU step wants)."""
@@ -333,6 +336,22 @@ class Transformer(nn.Module):
         self.skinny = self.layers[0].mlp.kernels and gemv.available(self.device)
         self.skinny_rows = skinny_configs.max_rows(self.device)
         self.skinny_tile_rows = skinny_configs.tile_rows(self.device)
+        if megakernel.enabled() and megakernel.misfit(self) is None:
+            self.megakernel = megakernel.MegaForward(self)
+
+    def use_megakernel(self, on: bool = True) -> None:
+        """Take (or stop taking) one-token one-row forwards through the megakernel; a clear error where the
+        model does not fit it (megakernel.misfit)."""
+        from redwood.errors import ConfigError
+
+        if not on:
+            self.megakernel = None
+            return
+        why = megakernel.misfit(self)
+        if why is not None:
+            raise ConfigError(f"the one-token megakernel cannot run this model: {why}")
+        if self.megakernel is None:
+            self.megakernel = megakernel.MegaForward(self)
 
     def quantize_skinny(self, scheme: str = "int8") -> None:
         """Give the one-token (skinny) forwards int8 copies of every projection and of the LM head, with
@@ -515,6 +534,10 @@ class Transformer(nn.Module):
         logits_at: optional [B, K] indices into T — only those positions get logits (prefill needs one).
         Returns logits [B, T or K, vocab] in float32.
         """
+        mega = self.megakernel
+        if (mega is not None and self.skinny_int8 is None and mega.takes(self, input_ids, cache, new_mask, view, observer)
+                and (logits_at is None or logits_at.numel() == 1)):
+            return mega.forward(input_ids, positions, cache, pending)  # the whole forward in one launch
         B, T = input_ids.shape
         dest = cache.physical(cache.slots(T, offset=pending))  # (pages, offsets) [B, T]: where the new K/V go
         capturing = cache.k.is_cuda and torch.cuda.is_current_stream_capturing()

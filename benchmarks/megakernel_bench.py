@@ -1,0 +1,114 @@
+"""The one-token megakernel (redwood.kernels.megakernel) against the skinny-kernel path, side by side in one
+process: random bf16 weights of Qwen2.5-1.5B / 0.5B shape, batch 1, CUDA-graphed forwards (StepRunner),
+a cache holding `context` random keys; dense and paged (pages of 64) caches.
+
+Usage: PYTHONPATH=src:benchmarks python benchmarks/megakernel_bench.py [--shapes 1.5b 0.5b] [--contexts 512 4096]
+Prints, per case, the agreement of the two paths' logits and new K/V (max |Δ| over max |logit|, argmax), the
+megakernel's error flag, and the median ms per graphed forward of each path; a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from decode_step import SHAPES, random_model, time_step
+from redwood.bench.ar import copy_bandwidth, weight_bytes
+from redwood.engine.runner import StepRunner
+from redwood.kv.cache import KVCache
+
+
+def make_cache(model, context: int, paged: bool) -> KVCache:
+    cfg = model.config
+    if paged:
+        cap = context + 512
+        pages = -(-cap // 64)
+        cache = KVCache.paged(cfg, 1, pages, 64, cap, torch.bfloat16, "cuda")
+        perm = torch.randperm(pages, device="cuda").to(torch.int32)  # pages out of order: the table matters
+        cache.block_table[0, :pages] = perm
+        cache.live.fill_(1)
+    else:
+        cache = KVCache(cfg, 1, context + 512, torch.bfloat16, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g, device="cuda", dtype=torch.bfloat16))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g, device="cuda", dtype=torch.bfloat16))
+    cache.lengths.fill_(context)
+    return cache
+
+
+def new_kv(model, cache) -> torch.Tensor:
+    """The K/V the last forward wrote at slot lengths[0] (every layer) → [2, L, Hkv, D]."""
+    slot = int(cache.lengths[0])
+    page = int(cache.block_table[0, slot // cache.k.shape[3]])
+    return torch.stack([cache.k[:, page, :, slot % cache.k.shape[3]], cache.v[:, page, :, slot % cache.k.shape[3]]])
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=["1.5b", "0.5b"], choices=sorted(SHAPES))
+    ap.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
+    ap.add_argument("--repeats", type=int, default=100)
+    ap.add_argument("--timeline", action="store_true",
+                    help="also print each case's stage timeline (a profiling build: globaltimer stamps per block)")
+    args = ap.parse_args()
+    bw = copy_bandwidth(torch.device("cuda"))
+    rows = []
+    for shape in args.shapes:
+        model = random_model(True, SHAPES[shape])
+        floor_ms = weight_bytes(model) / bw * 1e3
+        for context in args.contexts:
+            for paged in (False, True):
+                cache = make_cache(model, context, paged)
+                ids = torch.randint(0, 1000, (1, 1), device="cuda")
+                pos = cache.lengths[:, None].clone()
+                model.megakernel = None
+                ref = model(ids, pos, cache).clone()
+                kv_ref = new_kv(model, cache).clone()
+                model.use_megakernel(True)
+                out = model(ids, pos, cache)
+                kv = new_kv(model, cache)
+                err = model.megakernel.error()
+                rel = ((out - ref).abs().max() / ref.abs().max()).item()
+                kv_rel = ((kv.float() - kv_ref.float()).abs().max() / kv_ref.float().abs().max()).item()
+                same = bool(out.argmax() == ref.argmax())
+                times = {}
+                for on in (False, True):
+                    if on:
+                        model.use_megakernel(True)
+                    else:
+                        model.megakernel = None
+                    runner = StepRunner(model, cache, use_graphs=True)
+                    times[on] = time_step(lambda: runner.forward(ids, pos), repeats=args.repeats)
+                err = max(err, model.megakernel.error() if model.megakernel else 0)
+                model.use_megakernel(True)
+                err = max(err, model.megakernel.error())
+                name = f"{shape} ctx {context} {'paged' if paged else 'dense'}"
+                if args.timeline:
+                    from redwood.kernels.megakernel import MegaForward
+
+                    model.megakernel = MegaForward(model, profile=True)
+                    for _ in range(5):
+                        model(ids, pos, cache)
+                    torch.cuda.synchronize()
+                    print(f"{name} timeline (µs per stage, mean over layers):")
+                    for kind, row in model.megakernel.timeline().items():
+                        print(f"  {kind:<10} wait {row['wait']:7.2f}  work {row['work']:7.2f}  span {row['span']:8.2f}")
+                    model.megakernel = None
+                rows.append((name, times[False], times[True], floor_ms, rel, kv_rel, same, err))
+                print(rows[-1], flush=True)
+                del cache
+        model.megakernel = None
+        del model
+        torch.cuda.empty_cache()
+    print(f"\nfloor = weight bytes / {bw / 1e12:.2f} TB/s (in-run copy bandwidth)")
+    print(f"{'case':<24}{'skinny ms':>10}{'mega ms':>9}{'speedup':>8}{'floor':>7}{'mega/floor':>11}"
+          f"{'logit rel':>11}{'kv rel':>9}{'argmax':>7}{'err':>5}")
+    for name, t0, t1, fl, rel, kv_rel, same, err in rows:
+        print(f"{name:<24}{t0:>10.3f}{t1:>9.3f}{t0 / t1:>8.2f}{fl:>7.3f}{fl / t1:>11.2f}{rel:>11.2e}{kv_rel:>9.2e}"
+              f"{str(same):>7}{err:>5}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,780 @@
+// One launch for a whole one-token forward of a pre-norm GQA decoder (batch 1, bfloat16 weights):
+// every layer's norm, q/k/v + bias + RoPE + paged cache write, attention, o + residual, norm, gate/up +
+// SiLU·up, down + residual, then the final norm and the LM head. redwood/kernels/megakernel.py compiles it
+// with NVRTC (shape constants prepended as #defines) and launches one block per SM.
+//
+// Why one launch: at batch 1 the per-kernel fixed costs (launch, ramp-up, drain, ~1 µs gaps in a graph)
+// and the latency-bound small stages (q/k/v, attention, o) idle the HBM for ~40% of a step. Here each
+// block runs two roles at once:
+//   - a producer thread streams the block's share of EVERY weight tile of the forward, in the order the
+//     block will use them, into a ring of shared-memory slots with bulk copies (cp.async.bulk, the TMA
+//     engine's 1-D form), waiting only for a free slot: weights never depend on activations, so the
+//     stream runs ahead across stage and layer boundaries while the dependent stages wait;
+//   - eight consumer warps run the stages in order; between stages the blocks synchronize through
+//     device-side counters (each block adds 1 when its share of a stage is written; a stage starts once
+//     its predecessor's counter reaches the block count) instead of kernel boundaries.
+//
+// Stages of layer l (counter 6·l + s): 0 q/k/v, 1 attention (partials per KV head and key split; the
+// last split of a KV head to finish merges its heads), 3 o + residual, 4 gate/up + SiLU·up, 5 down +
+// residual (2 is unused); then the LM head. A weight stage's tasks are tiles of 8 weight rows (RD rows for down) assigned round robin to the
+// blocks; inside a block warp w computes row w (or a K part of a down row) of each tile from shared
+// memory against the activation held in registers.
+//
+// Rounding follows redwood.kernels.gemv / qkv_rope / fused (the skinny path): float32 sums; the folded
+// RMSNorm as s · Σ x_k g_k W_nk; each projection's output rounded to bf16; RoPE, residual adds and
+// SiLU·up rounded as eager PyTorch rounds them; the logits rounded to bf16 then widened.
+//
+// Constants (#define, from the host): H hidden, NI intermediate, HQ / HKV heads, D head dim (128),
+// V vocab, NL layers, PS page size, EPS, NB blocks, NSLOT ring slots, SLOT slot bytes, RD down rows per
+// tile, SMAX key splits per KV head at most, HAS_QKV_BIAS.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define G (HQ / HKV)
+#define DL (D / 32)  // head dims per lane in attention
+#if SMAX > 32
+#error "merge_heads takes at most 32 splits"
+#endif
+#define NEG_INF __int_as_float(0xff800000)
+#define NCTR (6 * NL + 1)
+#define CONSUMERS 256
+
+// Table of device pointers (int64), filled by the host once per (model, cache, buffers).
+#define T_EMBED 0
+#define T_NORM 1
+#define T_HEAD 2
+#define T_INV_FREQ 3
+#define T_LEN 6
+#define T_LIVE 7
+#define T_BT 8
+#define T_H 10
+#define T_Q 11
+#define T_PM 12
+#define T_PL 13
+#define T_PACC 14
+#define T_ATTN 15
+#define T_ACT 16
+#define T_CTR 17
+#define T_ERR 18
+#define T_PROF 19  // with PROFILE: [NCTR][NB][2] globaltimer ns at each stage's start (after its wait) and end
+#define T_LAYER0 32
+#define T_PER_LAYER 16
+#define L_QKV 0
+#define L_QKV_B 1
+#define L_O 2
+#define L_GU 3
+#define L_DOWN 4
+#define L_IN_NORM 5
+#define L_POST_NORM 6
+#define L_K 7
+#define L_V 8
+
+// ------------------------------------------------------------------------------------------------
+// numerics
+
+__device__ __forceinline__ float bf2f(u32 b) { return __uint_as_float(b << 16); }
+
+__device__ __forceinline__ u32 f2bf(float f) {  // round to nearest even (as torch's .to(bfloat16))
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;  // NaN stays NaN
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+__device__ __forceinline__ float rbf(float f) { return bf2f(f2bf(f)); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// ------------------------------------------------------------------------------------------------
+// memory. Data other blocks wrote in this launch is read with ordinary loads after wait_stage: its
+// acquire (thread 0's fence after the counter) and the block barrier order them as cooperative groups'
+// grid sync does; ordinary loads (not volatile asm) let the compiler keep many in flight.
+
+__device__ __forceinline__ u32 ld_u16(const void* p) { return *(const u16*)p; }
+__device__ __forceinline__ uint4 ld_v4(const void* p) { return *(const uint4*)p; }
+__device__ __forceinline__ float ld_f32(const void* p) { return *(const float*)p; }
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void bar_consumers() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+
+__device__ __forceinline__ u64 now_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    return t;
+}
+
+// A wait that outlives 2 s marks the launch failed (err[0] = 1 + where) and returns, so a bug shows as an
+// error flag the host reads rather than a hung GPU. Every wait returns at once after that.
+#define TIMEOUT_NS 2000000000ull
+
+__device__ __forceinline__ bool failed(const u32* err) {
+    return *(volatile const u32*)err != 0;
+}
+
+__device__ void fail(u32* err, u32 where) { atomicCAS(err, 0u, 1u + where); }
+
+__device__ void mbar_wait(u32 bar, u32 parity, u32* err, u32 where) {
+    u64 start = 0;
+    for (int spin = 0;; ++spin) {
+        u32 ok;
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.b32 %0, 1, 0, p;\n}"
+            : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
+        if (ok) return;
+        if ((spin & 255) == 255) {
+            if (failed(err)) return;
+            u64 t = now_ns();
+            if (start == 0) start = t;
+            else if (t - start > TIMEOUT_NS) { fail(err, where); return; }
+        }
+    }
+}
+
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    u64 state;
+    asm volatile("mbarrier.arrive.shared::cta.b64 %0, [%1];" : "=l"(state) : "r"(bar) : "memory");
+}
+
+#ifndef PROFILE
+#define PROFILE 0
+#endif
+// Experiment switches (benchmarks/megakernel_bench.py --variant): wrong outputs, for timing only.
+#ifndef ATTN_NO_MERGE
+#define ATTN_NO_MERGE 0  // skip the merge of the splits
+#endif
+#ifndef ATTN_NO_KV
+#define ATTN_NO_KV 0  // read no K/V rows (scores of zero keys)
+#endif
+__device__ long long* g_prof;  // set at kernel start with PROFILE
+
+__device__ __forceinline__ void stamp(int stage, int which) {
+    if (PROFILE && threadIdx.x == 0 && stage >= 0) g_prof[((u64)stage * NB + blockIdx.x) * 2 + which] = (long long)now_ns();
+}
+
+// Block-level dependency: thread 0 waits until counter `c` reached NB, then all consumers go on.
+__device__ __forceinline__ void wait_stage(u32* ctr, int c, int stage, u32* err) {
+    if (threadIdx.x == 0 && c >= 0) {
+        u64 start = 0;
+        for (int spin = 0;; ++spin) {
+            u32 v;
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ctr + c) : "memory");
+            if (v >= NB) break;
+            if ((spin & 63) == 63) {
+                if (failed(err)) break;
+                u64 t = now_ns();
+                if (start == 0) start = t;
+                else if (t - start > TIMEOUT_NS) { fail(err, 1000 + c); break; }
+            }
+        }
+        __threadfence();
+    }
+    bar_consumers();
+    stamp(stage, 0);
+}
+
+// This block's share of stage `c` is written: publish it.
+__device__ __forceinline__ void arrive_stage(u32* ctr, int c) {
+    bar_consumers();
+    stamp(c, 1);
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(ctr + c, 1u);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// weight stages: which tiles, in which order (the producer and the consumers walk the same sequence)
+
+#define K_QKV 0
+#define K_O 1
+#define K_GU 2
+#define K_DOWN 3
+#define K_HEAD 4
+
+__device__ __forceinline__ int num_tasks(int kind) {
+    switch (kind) {
+        case K_QKV: return (HQ + 2 * HKV) * (D / 8);  // 4 rotation pairs (rows j, j + D/2) per tile
+        case K_O: return H / 8;
+        case K_GU: return NI / 4;  // 4 gate rows and the same 4 up rows per tile
+        case K_DOWN: return H / RD;
+        default: return V / 8;
+    }
+}
+
+// Stage kinds in walking order and each one's rotation (tiles of stage i start at block (i · 7) % NB so
+// the blocks that get an extra tile change from stage to stage).
+__device__ __forceinline__ int first_task(int seq) {
+    int rot = (seq * 7) % NB;
+    return (blockIdx.x + NB - rot) % NB;
+}
+
+struct Tile {
+    const char* a;  // first segment
+    const char* b;  // second segment (or null)
+    u32 bytes_a, bytes_b;
+};
+
+__device__ __forceinline__ const char* layer_ptr(const long long* tab, int layer, int which) {
+    return (const char*)tab[T_LAYER0 + layer * T_PER_LAYER + which];
+}
+
+__device__ __forceinline__ Tile tile_of(const long long* tab, int kind, int layer, int t) {
+    Tile s;
+    s.b = 0;
+    s.bytes_b = 0;
+    if (kind == K_QKV) {
+        const char* w = layer_ptr(tab, layer, L_QKV);
+        int row = (t / (D / 8)) * D + (t % (D / 8)) * 4;
+        s.a = w + (u64)row * H * 2;
+        s.b = w + (u64)(row + D / 2) * H * 2;
+        s.bytes_a = s.bytes_b = 4 * H * 2;
+    } else if (kind == K_O) {
+        s.a = layer_ptr(tab, layer, L_O) + (u64)t * 8 * (HQ * D) * 2;
+        s.bytes_a = 8 * (HQ * D) * 2;
+    } else if (kind == K_GU) {
+        const char* w = layer_ptr(tab, layer, L_GU);
+        s.a = w + (u64)t * 4 * H * 2;
+        s.b = w + (u64)(NI + t * 4) * H * 2;
+        s.bytes_a = s.bytes_b = 4 * H * 2;
+    } else if (kind == K_DOWN) {
+        s.a = layer_ptr(tab, layer, L_DOWN) + (u64)t * RD * NI * 2;
+        s.bytes_a = RD * NI * 2;
+    } else {
+        s.a = (const char*)tab[T_HEAD] + (u64)t * 8 * H * 2;
+        s.bytes_a = 8 * H * 2;
+    }
+    return s;
+}
+
+struct Shared {
+    char* ring;
+    u64* full;
+    u64* empty;
+    float* red;   // [NSLOT][8] a tile's partial sums, one per consumer warp
+    u32* cnt;     // [NSLOT] warps done with the tile in that slot
+    float* qs;    // [8][G][D] queries of a warp's KV head
+    float* ps;    // [8][32][G] probabilities of a warp's 32 keys
+    float* cos;   // [D/2] this token's rotary cos / sin, rounded to bf16 as RotaryEmbedding's
+    float* sin;
+};
+
+// The producer (one thread): every weight tile of this block, in order, into the ring.
+__device__ void produce(const long long* tab, Shared sh, u32* err) {
+    u32 it = 0;
+    for (int layer = 0; layer <= NL; ++layer) {
+        for (int k = 0; k < 4; ++k) {
+            int kind = layer == NL ? K_HEAD : k;
+            if (layer == NL && k > 0) break;
+            int seq = layer * 4 + k;
+            int n = num_tasks(kind);
+            for (int t = first_task(seq); t < n; t += NB, ++it) {
+                u32 slot = it % NSLOT;
+                u32 parity = ((it / NSLOT) & 1u) ^ 1u;
+                mbar_wait(smem_addr(sh.empty + slot), parity, err, 1);
+                if (failed(err)) return;
+                Tile tl = tile_of(tab, kind, layer, t);
+                u32 full = smem_addr(sh.full + slot);
+                u32 dst = smem_addr(sh.ring + (u64)slot * SLOT);
+                u64 state;
+                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], %2;"
+                             : "=l"(state) : "r"(full), "r"(tl.bytes_a + tl.bytes_b) : "memory");
+                asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                             :: "r"(dst), "l"(tl.a), "r"(tl.bytes_a), "r"(full) : "memory");
+                if (tl.bytes_b)
+                    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                                 :: "r"(dst + tl.bytes_a), "l"(tl.b), "r"(tl.bytes_b), "r"(full) : "memory");
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// consumer side of a weight stage
+
+// The activation a lane multiplies: its chunks of 8 elements c = part·CPW + lane + 32·j (j < MJ) of x [K],
+// widened to float32 (times s · g_k when NORM: the folded RMSNorm). x: bf16, read L1-bypassing.
+template <int K, int WPR, bool NORM>
+__device__ __forceinline__ void load_x(const char* x, const char* g, float (&xr)[(K / 8 / WPR + 31) / 32][8]) {
+    constexpr int CPW = K / 8 / WPR;
+    constexpr int MJ = (CPW + 31) / 32;
+    const int lane = threadIdx.x & 31, part = (threadIdx.x >> 5) % WPR;
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < MJ; ++j) {
+        int c = lane + 32 * j;
+        if (c < CPW) {
+            uint4 v = ld_v4(x + (u64)(part * CPW + c) * 16);
+            u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                xr[j][2 * e] = bf2f(w[e] & 0xffffu);
+                xr[j][2 * e + 1] = bf2f(w[e] >> 16);
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) xr[j][e] = 0.f;
+        }
+        if (NORM) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) ss += xr[j][e] * xr[j][e];
+        }
+    }
+    if (NORM) {  // WPR == 1: every warp holds the whole vector
+        float s = rsqrtf(warp_sum(ss) / (float)K + EPS);
+#pragma unroll
+        for (int j = 0; j < MJ; ++j) {
+            int c = lane + 32 * j;
+            if (c < CPW) {
+                uint4 v = *(const uint4*)(g + (u64)c * 16);
+                u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    xr[j][2 * e] *= bf2f(w[e] & 0xffffu) * s;
+                    xr[j][2 * e + 1] *= bf2f(w[e] >> 16) * s;
+                }
+            }
+        }
+    }
+}
+
+// Σ_k x'_k W[row, k] over this warp's part of the row (the tile's row r in shared memory), warp-reduced.
+template <int K, int WPR>
+__device__ __forceinline__ float row_dot(const char* tile_row, const float (&xr)[(K / 8 / WPR + 31) / 32][8]) {
+    constexpr int CPW = K / 8 / WPR;
+    constexpr int MJ = (CPW + 31) / 32;
+    const int lane = threadIdx.x & 31, part = (threadIdx.x >> 5) % WPR;
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < MJ; ++j) {
+        int c = lane + 32 * j;
+        if (c < CPW) {
+            uint4 v = *(const uint4*)(tile_row + (u64)(part * CPW + c) * 16);
+            u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                acc = fmaf(xr[j][2 * e], bf2f(w[e] & 0xffffu), acc);
+                acc = fmaf(xr[j][2 * e + 1], bf2f(w[e] >> 16), acc);
+            }
+        }
+    }
+    return warp_sum(acc);
+}
+
+struct Step {  // per-launch values, read once
+    long long pos, page, off, lo, hi;  // rope position; the new K/V's page / offset; keys [lo, hi)
+    const char* embed_row;             // the input token's embedding (layer 0's residual stream)
+    float* logits;                     // [V] output
+};
+
+// A finished tile's outputs from its 8 partial sums red[0..8) (warp w's row or K part), computed by lanes
+// of the last warp to finish the tile.
+// The tile's sums a lane of the finishing warp needs: (red[lane & 3], red[(lane & 3) + 4]) for the pair
+// stages (q/k/v, gate/up), red[lane & 7] for o and the head, the K parts' sum of row lane % RD for down.
+template <int KIND, int WPR>
+__device__ __forceinline__ void gather(const float* red, int lane, float& a, float& b) {
+    if (KIND == K_QKV || KIND == K_GU) {
+        a = red[lane & 3];
+        b = red[(lane & 3) + 4];
+    } else if (KIND == K_DOWN) {
+        a = 0.f;
+#pragma unroll
+        for (int p = 0; p < WPR; ++p) a += red[(lane % RD) * WPR + p];
+        b = 0.f;
+    } else {
+        a = red[lane & 7];
+        b = 0.f;
+    }
+}
+
+template <int KIND, int WPR>
+__device__ __forceinline__ void epilogue(const long long* tab, Shared sh, int layer, int t, float a, float b,
+                                         int lane, const Step& st) {
+    if (KIND == K_QKV) {
+        if (lane < 4) {
+            int head = t / (D / 8), i = (t % (D / 8)) * 4 + lane;  // pair (i, i + D/2) of `head`
+            int r1 = head * D + i, r2 = r1 + D / 2;
+            float y1 = a, y2 = b;
+            if (HAS_QKV_BIAS) {
+                const char* b = layer_ptr(tab, layer, L_QKV_B);
+                y1 += bf2f(*(const u16*)(b + 2 * r1));
+                y2 += bf2f(*(const u16*)(b + 2 * r2));
+            }
+            y1 = rbf(y1);
+            y2 = rbf(y2);
+            if (head < HQ + HKV) {  // rotate-half RoPE as apply_rotary rounds
+                float c = sh.cos[i], s = sh.sin[i];
+                float o1 = rbf(rbf(y1 * c) + rbf(-y2 * s));
+                float o2 = rbf(rbf(y2 * c) + rbf(y1 * s));
+                y1 = o1;
+                y2 = o2;
+            }
+            u16* dst;
+            if (head < HQ) {
+                dst = (u16*)tab[T_Q] + head * D;
+            } else {
+                int kv = head < HQ + HKV ? head - HQ : head - HQ - HKV;
+                u16* cache = (u16*)layer_ptr(tab, layer, head < HQ + HKV ? L_K : L_V);
+                dst = cache + (((u64)st.page * HKV + kv) * PS + st.off) * D;
+            }
+            dst[i] = (u16)f2bf(y1);
+            dst[i + D / 2] = (u16)f2bf(y2);
+        }
+    } else if (KIND == K_O) {
+        if (lane < 8) {
+            int r = t * 8 + lane;
+            const char* src = layer == 0 ? st.embed_row : (const char*)tab[T_H];
+            float h = bf2f(ld_u16(src + 2 * r));
+            ((u16*)tab[T_H])[r] = (u16)f2bf(h + rbf(a));
+        }
+    } else if (KIND == K_GU) {
+        if (lane < 4) {
+            float gt = rbf(a), up = rbf(b);
+            float sg = rbf(__fdiv_rn(gt, 1.f + expf(-gt)));
+            ((u16*)tab[T_ACT])[t * 4 + lane] = (u16)f2bf(sg * up);
+        }
+    } else if (KIND == K_DOWN) {
+        if (lane < RD) {
+            float sum = a;
+            int r = t * RD + lane;
+            const char* hb = (const char*)tab[T_H];
+            float h = bf2f(ld_u16(hb + 2 * r));
+            ((u16*)tab[T_H])[r] = (u16)f2bf(h + rbf(sum));
+        }
+    } else {
+        if (lane < 8) st.logits[t * 8 + lane] = rbf(a);
+    }
+}
+
+// One weight stage for this block: wait for stage `dep`, load x, run the tiles, publish stage `me`.
+// Warps do not wait for each other inside a stage: each writes its sum to red[slot][warp] and counts
+// itself in (a shared-memory atomic); the eighth warp of a tile runs its epilogue, then frees the slot.
+template <int KIND, int K, int WPR, bool NORM>
+__device__ __forceinline__ void gemv_stage(const long long* tab, Shared sh, u32& it, int layer, int seq, int dep, int me,
+                           const char* x, const char* g, const Step& st) {
+    u32* ctr = (u32*)tab[T_CTR];
+    u32* err = (u32*)tab[T_ERR];
+    wait_stage(ctr, dep, me >= 0 ? me : NCTR - 1, err);
+    float xr[(K / 8 / WPR + 31) / 32][8];
+    load_x<K, WPR, NORM>(x, g, xr);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row = warp / WPR;  // this warp's row of each tile
+    const int n = num_tasks(KIND);
+    for (int t = first_task(seq); t < n; t += NB, ++it) {
+        u32 slot = it % NSLOT;
+        mbar_wait(smem_addr(sh.full + slot), (it / NSLOT) & 1u, err, 2);
+        const char* tile = sh.ring + (u64)slot * SLOT;
+        float dot = row_dot<K, WPR>(tile + (u64)row * K * 2, xr);
+        u32 arrived = 0;
+        if (lane == 0) {
+            sh.red[slot * 8 + warp] = dot;
+            __threadfence_block();
+            arrived = atomicAdd(sh.cnt + slot, 1u);
+        }
+        arrived = __shfl_sync(0xffffffffu, arrived, 0);
+        if (arrived == 7) {  // the tile's last warp: take the sums, free the slot, then write the outputs
+            __threadfence_block();
+            float a, b;
+            gather<KIND, WPR>(sh.red + slot * 8, lane, a, b);
+            __syncwarp();
+            if (lane == 0) {
+                sh.cnt[slot] = 0;
+                mbar_arrive(smem_addr(sh.empty + slot));
+            }
+            epilogue<KIND, WPR>(tab, sh, layer, t, a, b, lane, st);
+        } else if (lane == 0) {
+            mbar_arrive(smem_addr(sh.empty + slot));
+        }
+        __syncwarp();
+    }
+    if (me >= 0) arrive_stage(ctr, me);
+    else {
+        bar_consumers();
+        stamp(NCTR - 1, 1);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// attention: partial softmax sums per (KV head, split) over chunks of 32 keys, then a merge per head
+
+__device__ __forceinline__ int num_splits(const Step& st) {
+    int chunks = (int)((st.hi - st.lo + 31) / 32);
+    return chunks < SMAX ? chunks : SMAX;
+}
+
+// Heads kvh·G … of the attention output from the S ≤ 32 splits' partials (one warp; lane s holds split s's
+// maxima and sums, then every lane its DL dims of each head; all heads' loads in flight together).
+__device__ __forceinline__ void merge_heads(const long long* tab, int kvh, int S, int lane) {
+    const float* pm = (const float*)tab[T_PM];
+    const float* pl = (const float*)tab[T_PL];
+    const float* pacc = (const float*)tab[T_PACC];
+    float mx[G], w[G], lsum[G], o[G][DL];
+    const bool mine = lane < S;
+    const int idx0 = (kvh * SMAX + lane) * G;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        mx[g] = mine ? pm[idx0 + g] : NEG_INF;
+        lsum[g] = mine ? pl[idx0 + g] : 0.f;
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        float m = warp_max(mx[g]);
+        w[g] = mine ? expf(mx[g] - m) : 0.f;
+        lsum[g] = warp_sum(w[g] * lsum[g]);
+#pragma unroll
+        for (int e = 0; e < DL; ++e) o[g][e] = 0.f;
+    }
+    for (int j = 0; j < S; ++j) {
+        const float* a = pacc + (u64)(kvh * SMAX + j) * G * D + lane * DL;
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            float wj = __shfl_sync(0xffffffffu, w[g], j);
+#pragma unroll
+            for (int e = 0; e < DL; ++e) o[g][e] = fmaf(wj, a[g * D + e], o[g][e]);
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        u16* out = (u16*)tab[T_ATTN] + (kvh * G + g) * D + lane * DL;
+        float inv = 1.f / lsum[g];
+#pragma unroll
+        for (int e = 0; e < DL; ++e) out[e] = (u16)f2bf(o[g][e] * inv);
+    }
+}
+
+__device__ __forceinline__ void attention_stage(const long long* tab, Shared sh, int layer, const Step& st) {
+    u32* ctr = (u32*)tab[T_CTR];
+    u32* err = (u32*)tab[T_ERR];
+    wait_stage(ctr, 6 * layer, 6 * layer + 1, err);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int S = num_splits(st);
+    const int chunks = (int)((st.hi - st.lo + 31) / 32);
+    const u16* kc = (const u16*)layer_ptr(tab, layer, L_K);
+    const u16* vc = (const u16*)layer_ptr(tab, layer, L_V);
+    const int* bt = (const int*)tab[T_BT];
+    float* qs = sh.qs + warp * G * D;
+    float* ps = sh.ps + warp * 32 * G;
+    const float scale = rsqrtf((float)D);
+    for (int item = blockIdx.x + NB * warp; item < HKV * S; item += NB * 8) {
+        const int kvh = item / S, split = item % S;
+        float m[G], l[G], acc[G][DL];
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            m[g] = NEG_INF;
+            l[g] = 0.f;
+#pragma unroll
+            for (int e = 0; e < DL; ++e) acc[g][e] = 0.f;
+        }
+        bool first = true;
+        for (int c = split; c < chunks; c += S) {
+            // lane j takes key lo + 32·c + j: its page (loaded alongside the queries on the first chunk), then
+            // its K row for the scores and, in two halves, every lane its DL dims of the 32 V rows
+            long long key = st.lo + (long long)c * 32 + lane;
+            bool valid = key < st.hi;
+            int page = valid ? bt[key / PS] : 0;
+            if (first) {  // the G queries into shared memory (all loads before the stores)
+                u32 qv[G * D / 64];
+                const u32* qsrc = (const u32*)((const u16*)tab[T_Q] + kvh * G * D);
+#pragma unroll
+                for (int e = 0; e < G * D / 64; ++e) qv[e] = qsrc[lane + 32 * e];
+#pragma unroll
+                for (int e = 0; e < G * D / 64; ++e) {
+                    qs[2 * (lane + 32 * e)] = bf2f(qv[e] & 0xffffu);
+                    qs[2 * (lane + 32 * e) + 1] = bf2f(qv[e] >> 16);
+                }
+                __syncwarp();
+                first = false;
+            }
+            long long base = valid ? (((long long)page * HKV + kvh) * PS + key % PS) * D : 0;
+            uint4 kw[D / 8];
+#pragma unroll
+            for (int q8 = 0; q8 < D / 8; ++q8)
+                kw[q8] = valid && !ATTN_NO_KV ? *(const uint4*)(kc + base + q8 * 8) : make_uint4(0, 0, 0, 0);
+            long long left = st.hi - (st.lo + (long long)c * 32);
+            const int nk = left < 32 ? (int)left : 32;
+            u32 vw[32][DL / 2];
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                long long b = __shfl_sync(0xffffffffu, base, j);
+#pragma unroll
+                for (int e = 0; e < DL / 2; ++e)
+                    vw[j][e] = j < nk && !ATTN_NO_KV ? *((const u32*)(vc + b + lane * DL) + e) : 0u;
+            }
+            float sc[G];
+#pragma unroll
+            for (int g = 0; g < G; ++g) sc[g] = 0.f;
+#pragma unroll
+            for (int q8 = 0; q8 < D / 8; ++q8) {
+                u32 w[4] = {kw[q8].x, kw[q8].y, kw[q8].z, kw[q8].w};
+#pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    const float4* q = (const float4*)(qs + g * D + q8 * 8);
+                    float4 qa = q[0], qb = q[1];
+                    sc[g] = fmaf(qa.x, bf2f(w[0] & 0xffffu), sc[g]);
+                    sc[g] = fmaf(qa.y, bf2f(w[0] >> 16), sc[g]);
+                    sc[g] = fmaf(qa.z, bf2f(w[1] & 0xffffu), sc[g]);
+                    sc[g] = fmaf(qa.w, bf2f(w[1] >> 16), sc[g]);
+                    sc[g] = fmaf(qb.x, bf2f(w[2] & 0xffffu), sc[g]);
+                    sc[g] = fmaf(qb.y, bf2f(w[2] >> 16), sc[g]);
+                    sc[g] = fmaf(qb.z, bf2f(w[3] & 0xffffu), sc[g]);
+                    sc[g] = fmaf(qb.w, bf2f(w[3] >> 16), sc[g]);
+                }
+            }
+#pragma unroll
+            for (int j = 16; j < 32; ++j) {  // the second half's loads fly during the softmax
+                long long b = __shfl_sync(0xffffffffu, base, j);
+#pragma unroll
+                for (int e = 0; e < DL / 2; ++e)
+                    vw[j][e] = j < nk && !ATTN_NO_KV ? *((const u32*)(vc + b + lane * DL) + e) : 0u;
+            }
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                float s = valid ? sc[g] * scale : NEG_INF;
+                float mn = fmaxf(m[g], warp_max(s));
+                float alpha = m[g] == NEG_INF ? 0.f : expf(m[g] - mn);
+                float p = valid ? expf(s - mn) : 0.f;
+                l[g] = l[g] * alpha + warp_sum(p);
+#pragma unroll
+                for (int e = 0; e < DL; ++e) acc[g][e] *= alpha;
+                ps[lane * G + g] = p;
+                m[g] = mn;
+            }
+            __syncwarp();
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+                float vf[DL];
+#pragma unroll
+                for (int e = 0; e < DL / 2; ++e) {
+                    vf[2 * e] = bf2f(vw[j][e] & 0xffffu);
+                    vf[2 * e + 1] = bf2f(vw[j][e] >> 16);
+                }
+#pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    float p = ps[j * G + g];  // 0 past the last key
+#pragma unroll
+                    for (int e = 0; e < DL; ++e) acc[g][e] = fmaf(p, vf[e], acc[g][e]);
+                }
+            }
+            __syncwarp();
+        }
+        float* pm = (float*)tab[T_PM];
+        float* pl = (float*)tab[T_PL];
+        float* pacc = (float*)tab[T_PACC];
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            int idx = (kvh * SMAX + split) * G + g;
+            if (lane == 0) {
+                pm[idx] = m[g];
+                pl[idx] = l[g];
+            }
+#pragma unroll
+            for (int e = 0; e < DL; ++e) pacc[(u64)idx * D + lane * DL + e] = acc[g][e];
+        }
+        // the last split of this KV head to finish merges its G heads (no separate merge stage to wait for)
+        __threadfence();
+        __syncwarp();
+        u32 done = 0;
+        u32* actr = ctr + NCTR + layer * HKV + kvh;
+        if (lane == 0) done = atomicAdd(actr, 1u);
+        done = __shfl_sync(0xffffffffu, done, 0);
+        if (done == (u32)S - 1 && !ATTN_NO_MERGE) {
+            __threadfence();
+            merge_heads(tab, kvh, S, lane);
+            if (lane == 0) *actr = 0;
+        }
+        __syncwarp();
+    }
+    arrive_stage(ctr, 6 * layer + 1);
+}
+
+// ------------------------------------------------------------------------------------------------
+
+// tab: the pointer table; logits [V] out; ids [1] the input token; pos [1] its rotary position; pending:
+// uncommitted tokens before it (chain drafting): its K/V go to slot lengths[0] + pending and it attends to
+// slots [0, lengths[0] + pending] ([lengths[0], …] for a row that is not live).
+extern "C" __global__ void __launch_bounds__(CONSUMERS + 32, 1)  // ≤ 168 registers: 3 warps in a quadrant
+redwood_decode_forward(const long long* __restrict__ tab, float* logits, const long long* ids, const long long* pos,
+                       int pending) {
+    extern __shared__ __align__(128) char smem[];
+    Shared sh;
+    sh.ring = smem;  // then 16-byte aligned float arrays, then the barriers and counts
+    sh.qs = (float*)(smem + (u64)NSLOT * SLOT);
+    sh.ps = sh.qs + 8 * G * D;
+    sh.full = (u64*)(sh.ps + 8 * 32 * G);
+    sh.empty = sh.full + NSLOT;
+    sh.red = (float*)(sh.empty + NSLOT);
+    sh.cnt = (u32*)(sh.red + NSLOT * 8);
+    sh.cos = (float*)(sh.cnt + NSLOT);
+    sh.sin = sh.cos + D / 2;
+    u32* err = (u32*)tab[T_ERR];
+    if (PROFILE) g_prof = (long long*)tab[T_PROF];
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < NSLOT; ++s) {
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(sh.full + s)), "r"(1) : "memory");
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(sh.empty + s)), "r"(8) : "memory");
+            sh.cnt[s] = 0;
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (threadIdx.x >= CONSUMERS) {  // the producer warp: one thread streams, the rest have nothing to do
+        if (threadIdx.x == CONSUMERS) produce(tab, sh, err);
+        return;
+    }
+    Step st;
+    {
+        const long long len = ((const long long*)tab[T_LEN])[0];
+        const long long slot = len + pending;
+        st.pos = pos[0];
+        st.page = ((const int*)tab[T_BT])[slot / PS];
+        st.off = slot % PS;
+        st.lo = ((const long long*)tab[T_LIVE])[0] != 0 ? 0 : len;  // a row that is not live reads no context
+        st.hi = slot + 1;
+        st.embed_row = (const char*)tab[T_EMBED] + (u64)ids[0] * H * 2;
+        st.logits = logits;
+    }
+    for (int i = threadIdx.x; i < D / 2; i += CONSUMERS) {
+        float ang = (float)st.pos * ((const float*)tab[T_INV_FREQ])[i];
+        sh.cos[i] = rbf(cosf(ang));
+        sh.sin[i] = rbf(sinf(ang));
+    }
+    bar_consumers();
+    u32 it = 0;
+    const char* embed_row = st.embed_row;
+    for (int layer = 0; layer < NL; ++layer) {
+        const char* x = layer == 0 ? embed_row : (const char*)tab[T_H];
+        gemv_stage<K_QKV, H, 1, true>(tab, sh, it, layer, layer * 4, layer ? 6 * layer - 1 : -1, 6 * layer,
+                                         x, layer_ptr(tab, layer, L_IN_NORM), st);
+        attention_stage(tab, sh, layer, st);
+        gemv_stage<K_O, HQ * D, 1, false>(tab, sh, it, layer, layer * 4 + 1, 6 * layer + 1, 6 * layer + 3,
+                                            (const char*)tab[T_ATTN], 0, st);
+        gemv_stage<K_GU, H, 1, true>(tab, sh, it, layer, layer * 4 + 2, 6 * layer + 3, 6 * layer + 4,
+                                        (const char*)tab[T_H], layer_ptr(tab, layer, L_POST_NORM), st);
+        gemv_stage<K_DOWN, NI, 8 / RD, false>(tab, sh, it, layer, layer * 4 + 3, 6 * layer + 4, 6 * layer + 5,
+                                                  (const char*)tab[T_ACT], 0, st);
+    }
+    gemv_stage<K_HEAD, H, 1, true>(tab, sh, it, NL, NL * 4, 6 * NL - 1, -1, (const char*)tab[T_H],
+                                      (const char*)tab[T_NORM], st);
+    // Last block out resets the counters for the next launch (every block has passed every wait by then).
+    bar_consumers();
+    if (threadIdx.x == 0) {
+        u32* ctr = (u32*)tab[T_CTR];
+        __threadfence();
+        u32 old = atomicAdd(ctr + NCTR - 1, 1u);
+        if (old == NB - 1) {
+            for (int c = 0; c < NCTR; ++c) ctr[c] = 0;
+            __threadfence();
+        }
+    }
+}

@@ -1,0 +1,242 @@
+"""A whole one-token forward as one persistent CUDA kernel (megakernel.cu): batch 1, bfloat16 weights.
+
+Why: a batch-1 forward through the skinny kernels is ~150 launches (5 per layer + the head), and each
+kernel's launch, ramp-up and drain — plus the latency-bound q/k/v, attention and o stages — leave the HBM
+idle for ~40% of a step (benchmarks/NOTES.md, sessions 4-15). In megakernel.cu one block per SM streams
+its share of every weight tile of the forward into a shared-memory ring with bulk copies, running ahead
+across stage and layer boundaries, while its consumer warps run the stages in order and the blocks meet
+at device-side counters instead of kernel boundaries.
+
+The source is compiled at first use with NVRTC (`torch.cuda._compile_kernel`, which ships with PyTorch's
+CUDA builds: nothing to build at install time) for the model's shapes, and launched with raw pointers:
+a table of every weight, cache and scratch pointer lives on the device, built once per (model, cache).
+Launches are graph-capturable (the per-call pointers — logits, token id, position — are launch arguments;
+the table must exist before capture, which the StepRunner's eager warm-up ensures).
+
+Where it applies (`MegaForward.takes`): CUDA, bfloat16, a Llama/Qwen2-style model with head_dim 128, no
+o / MLP biases, no sliding window, one new token of one row (with `pending` earlier draft tokens), no
+compressed view or observer, model-dtype weights (not `quantize_skinny`). Off by default until measured
+faster: REDWOOD_MEGAKERNEL=1 turns it on (Transformer.forward takes it first where it applies).
+
+Rounding matches the skinny path (redwood.kernels.gemv, qkv_rope): float32 sums (in another order), the
+folded RMSNorm, each projection rounded to bf16, RoPE / residual / SiLU·up rounded as eager PyTorch; the
+attention is float32 with a split softmax. Outputs agree with the skinny path within a few bf16 ulps.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("megakernel.cu")
+_KERNELS: dict[tuple, object] = {}
+HEAD_DIMS = (64, 128)
+SMAX = 32  # key splits per KV head at most (partials: HKV × SMAX × G × D floats)
+T_LAYER0, T_PER_LAYER = 32, 16  # megakernel.cu's table layout
+
+
+def enabled() -> bool:
+    return os.environ.get("REDWOOD_MEGAKERNEL", "0") == "1"
+
+
+def misfit(model) -> str | None:
+    """Why `model` cannot run through the megakernel (None: it can)."""
+    cfg = model.config
+    if model.device.type != "cuda":
+        return "not on CUDA"
+    if getattr(torch.cuda, "_compile_kernel", None) is None:
+        return "this PyTorch has no torch.cuda._compile_kernel (NVRTC)"
+    if torch.cuda.get_device_capability(model.device)[0] < 9:
+        return "needs sm_90 (bulk copies, transaction barriers)"
+    if model.dtype != torch.bfloat16:
+        return f"dtype {model.dtype} (bfloat16 only)"
+    if model.skinny_int8 is not None:
+        return "int8 weight copies (quantize_skinny)"
+    if cfg.head_dim not in HEAD_DIMS:
+        return f"head_dim {cfg.head_dim} (64 or 128 only)"
+    if cfg.num_heads % cfg.num_kv_heads or cfg.num_heads // cfg.num_kv_heads > 8:
+        return "query heads per KV head must be a whole number ≤ 8"
+    if cfg.sliding_window is not None:
+        return "sliding-window attention"
+    if cfg.o_bias or cfg.mlp_bias:
+        return "o_proj / MLP biases"
+    if model.layers[0].self_attn.qkv is None or model.layers[0].mlp.gate_up is None:
+        return "projections not fused (fuse_projections)"
+    H, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    if H % 8 or F % 32 or V % 8:
+        return "hidden / intermediate / vocab sizes must be multiples of 8 / 32 / 8"
+    if _down_rows(model) is None:
+        return "no down-projection tile fits"
+    return None
+
+
+def _down_rows(model) -> int | None:
+    """Rows per down-projection tile: the most of 8, 4, 2, 1 dividing H whose tile fits the slot the other
+    stages need (8 rows of H or Hq·D), and whose K split over 8 / rows warps is whole chunks of 8."""
+    cfg = model.config
+    H, F = cfg.hidden_size, cfg.intermediate_size
+    slot = max(8 * H, 8 * cfg.num_heads * cfg.head_dim, F) * 2
+    for rd in (8, 4, 2, 1):
+        if H % rd == 0 and rd * F * 2 <= slot and (F // 8) % (8 // rd) == 0:
+            return rd
+    return None
+
+
+def _kernel(model, page_size: int, profile: bool = False):
+    cfg = model.config
+    HEAD_DIM = cfg.head_dim
+    props = torch.cuda.get_device_properties(model.device)
+    H, F = cfg.hidden_size, cfg.intermediate_size
+    G = cfg.num_heads // cfg.num_kv_heads
+    rd = _down_rows(model)
+    slot = -(-max(8 * H, 8 * cfg.num_heads * HEAD_DIM, rd * F) * 2 // 128) * 128
+    fixed = 4 * HEAD_DIM + 8 * G * HEAD_DIM * 4 + 8 * 32 * G * 4  # cos / sin, per-warp queries and probabilities
+    per_slot = slot + 16 + 32 + 4  # tile, two barriers, partial sums, arrival count
+    optin = getattr(props, "shared_memory_per_block_optin", 232448)
+    nslot = min(8, (optin - fixed) // per_slot)
+    if nslot < 2:
+        raise RuntimeError(f"megakernel: shared memory {optin} B holds fewer than two {slot} B weight tiles")
+    nslot = int(dict(x.partition("=")[::2] for x in os.environ.get("REDWOOD_MEGAKERNEL_DEFINES", "").split()).get("NSLOT", nslot))
+    smem = nslot * per_slot + fixed
+    defines = {"H": H, "NI": F, "HQ": cfg.num_heads, "HKV": cfg.num_kv_heads, "D": HEAD_DIM,
+               "V": cfg.vocab_size, "NL": cfg.num_layers, "PS": page_size, "EPS": f"{float(cfg.rms_norm_eps)!r}f",
+               "NB": props.multi_processor_count, "NSLOT": nslot, "SLOT": slot, "RD": rd, "SMAX": SMAX,
+               "HAS_QKV_BIAS": int(cfg.qkv_bias), "PROFILE": int(profile)}
+    for item in os.environ.get("REDWOOD_MEGAKERNEL_DEFINES", "").split():  # experiments: NAME=VALUE …
+        name, _, value = item.partition("=")
+        defines[name] = value or "1"
+    key = tuple(sorted((k, str(v)) for k, v in defines.items()))
+    if key not in _KERNELS:
+        src = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE.read_text()
+        kernel = torch.cuda._compile_kernel(src, "redwood_decode_forward", nvcc_options=["-std=c++17"])
+        kernel.set_shared_memory_config(smem)
+        _KERNELS[key] = (kernel, smem, defines)
+    return _KERNELS[key]
+
+
+class MegaForward:
+    """The megakernel bound to one model: its scratch buffers and one pointer table per cache."""
+
+    def __init__(self, model, profile: bool = False):
+        """profile: stamp every block's start and end of every stage (`timeline`)."""
+        cfg = model.config
+        dev = model.device
+        self.model = model
+        self.profile = profile
+        HEAD_DIM = cfg.head_dim
+        G = cfg.num_heads // cfg.num_kv_heads
+        qd = cfg.num_heads * HEAD_DIM
+        bf = torch.bfloat16
+        self.h = torch.zeros(cfg.hidden_size, dtype=bf, device=dev)
+        self.q = torch.zeros(qd, dtype=bf, device=dev)
+        n_part = cfg.num_kv_heads * SMAX * G
+        self.pm = torch.zeros(n_part, dtype=torch.float32, device=dev)
+        self.pl = torch.zeros(n_part, dtype=torch.float32, device=dev)
+        self.pacc = torch.zeros(n_part * HEAD_DIM, dtype=torch.float32, device=dev)
+        self.attn = torch.zeros(qd, dtype=bf, device=dev)
+        self.act = torch.zeros(cfg.intermediate_size, dtype=bf, device=dev)
+        # stage counters (6 a layer + the exit count), then per (layer, KV head) the attention splits done
+        self.counters = torch.zeros(6 * cfg.num_layers + 1 + cfg.num_layers * cfg.num_kv_heads, dtype=torch.int32,
+                                    device=dev)
+        self.err = torch.zeros(1, dtype=torch.int32, device=dev)
+        n_blocks = torch.cuda.get_device_properties(dev).multi_processor_count
+        self.prof = torch.zeros((6 * cfg.num_layers + 1, n_blocks, 2) if profile else 1, dtype=torch.int64, device=dev)
+        self.inv_freq = model.rotary.inv_freq.to(device=dev, dtype=torch.float32).contiguous()
+        self._tables: dict[tuple, torch.Tensor] = {}
+
+    @staticmethod
+    def takes(model, input_ids: torch.Tensor, cache, new_mask, view, observer) -> bool:
+        """Whether this forward runs through the megakernel (the model fits: `misfit`; checked once)."""
+        if input_ids.shape != (1, 1) or new_mask is not None or view is not None or observer is not None:
+            return False
+        return cache.k.dtype == torch.bfloat16 and cache.block_table.shape[0] >= 1
+
+    def _table(self, cache) -> torch.Tensor:
+        key = (cache.k.data_ptr(), cache.v.data_ptr(), cache.lengths.data_ptr(), cache.live.data_ptr(),
+               cache.block_table.data_ptr(), tuple(cache.k.shape))
+        table = self._tables.get(key)
+        if table is not None:
+            return table
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("megakernel: a new cache's pointer table cannot be built during graph capture "
+                               "(run the forward once eagerly first)")
+        m = self.model
+        ptr = [0] * (T_LAYER0 + T_PER_LAYER * len(m.layers))
+        ptr[0] = m.embed_tokens.weight.data_ptr()
+        ptr[1] = m.norm.weight.data_ptr()
+        ptr[2] = m.head_weight.data_ptr()
+        ptr[3] = self.inv_freq.data_ptr()
+        ptr[6], ptr[7] = cache.lengths.data_ptr(), cache.live.data_ptr()
+        ptr[8] = cache.block_table.data_ptr()
+        ptr[10], ptr[11], ptr[12], ptr[13], ptr[14] = (t.data_ptr() for t in (self.h, self.q, self.pm, self.pl, self.pacc))
+        ptr[15], ptr[16], ptr[17], ptr[18] = (t.data_ptr() for t in (self.attn, self.act, self.counters, self.err))
+        ptr[19] = self.prof.data_ptr()
+        for i, layer in enumerate(m.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            base = T_LAYER0 + T_PER_LAYER * i
+            ptr[base + 0] = attn.qkv[0].data_ptr()
+            ptr[base + 1] = attn.qkv[1].data_ptr() if attn.qkv[1] is not None else 0
+            ptr[base + 2] = attn.o_proj.weight.data_ptr()
+            ptr[base + 3] = mlp.gate_up[0].data_ptr()
+            ptr[base + 4] = mlp.down_proj.weight.data_ptr()
+            ptr[base + 5] = layer.input_layernorm.weight.data_ptr()
+            ptr[base + 6] = layer.post_attention_layernorm.weight.data_ptr()
+            ptr[base + 7] = cache.k[i].data_ptr()
+            ptr[base + 8] = cache.v[i].data_ptr()
+        for name, t in (("embedding", m.embed_tokens.weight), ("head", m.head_weight)):
+            if not t.is_contiguous() or t.dtype != torch.bfloat16:
+                raise RuntimeError(f"megakernel: the {name} weight must be contiguous bfloat16")
+        if cache.block_table.stride(-1) != 1 or not cache.k.is_contiguous():
+            raise RuntimeError("megakernel: the cache must be contiguous with a row-major block table")
+        table = torch.tensor(ptr, dtype=torch.int64, device=self.model.device)
+        if len(self._tables) >= 16:
+            self._tables.pop(next(iter(self._tables)))
+        self._tables[key] = table
+        return table
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, pending: int = 0) -> torch.Tensor:
+        """One token of one row → logits [1, 1, V] float32 (its K/V written at slot lengths + pending)."""
+        kernel, smem, defines = _kernel(self.model, cache.k.shape[3], self.profile)
+        table = self._table(cache)
+        logits = torch.empty(1, 1, self.model.config.vocab_size, dtype=torch.float32, device=self.model.device)
+        ids = input_ids.reshape(1)
+        pos = positions.reshape(1)
+        if ids.dtype != torch.int64 or pos.dtype != torch.int64:
+            ids, pos = ids.long(), pos.long()
+        kernel(grid=(defines["NB"], 1, 1), block=(288, 1, 1), args=[table, logits, ids, pos, int(pending)],
+               shared_mem=smem)
+        return logits
+
+    def timeline(self) -> dict[str, dict[str, float]]:
+        """Of the last launch (profile=True), per stage kind averaged over layers, in µs: `wait` from the
+        previous stage's last block finishing to this stage's median block starting; `work` the median block's
+        time in the stage; `span` first start to last end."""
+        prof = self.prof.cpu().double() / 1e3  # [stage, block, start / end] µs
+        names = ["qkv", "attention", None, "o", "gate/up", "down"]  # (counter 2 is unused)
+        out: dict[str, dict[str, float]] = {}
+        for s in range(prof.shape[0]):
+            name = "head" if s == prof.shape[0] - 1 else names[s % 6]
+            if name is None:
+                continue
+            start, end = prof[s, :, 0], prof[s, :, 1]
+            prev = s - 2 if s % 6 == 3 else s - 1  # (o waits for attention)
+            prev_end = prof[prev, :, 1].max() if s else start.min()
+            row = {"wait": float(start.median() - prev_end), "work": float((end - start).median()),
+                   "span": float(end.max() - start.min())}
+            acc = out.setdefault(name, {"wait": 0.0, "work": 0.0, "span": 0.0, "n": 0})
+            for k, v in row.items():
+                acc[k] += v
+            acc["n"] += 1
+        total = float(prof[-1, :, 1].max() - prof[0, :, 0].min())
+        for acc in out.values():
+            n = acc.pop("n")
+            for k in acc:
+                acc[k] /= n
+        out["total"] = {"wait": 0.0, "work": 0.0, "span": total}
+        return out
+
+    def error(self) -> int:
+        """The last launches' failure code (0: none; 1 + where a wait timed out). Synchronizes."""
+        return int(self.err.item())

@@ -1,0 +1,175 @@
+"""The one-token megakernel (redwood.kernels.megakernel): which models it takes, and on a GPU of compute
+capability ≥ 9 that its forwards are as close to a float64 reference as the skinny path's.
+
+The reference runs the same bf16 weights and cache contents in float64 through the reference attention;
+the megakernel's logits and new K/V must be within twice the skinny path's error of it (plus a small
+floor), for dense and paged caches (pages out of order), contexts on both sides of its 32-key chunks and
+of its 32-split cap, a pending draft token, a row that is not live, and a CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from redwood.config import ModelConfig
+from redwood.errors import ConfigError
+from redwood.kernels import megakernel
+
+hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                            reason="the megakernel needs a GPU of compute capability >= 9")
+
+SHAPES = {  # (hidden, heads, kv heads) → head_dim 128 / G 2, head_dim 64 / G 8, head_dim 128 / G 6
+    "d128g2": (512, 4, 2), "d64g8": (512, 8, 1), "d128g6": (768, 6, 1),
+}
+
+
+def _config(name: str, layers: int = 2) -> ModelConfig:
+    hidden, heads, kv = SHAPES[name]
+    return ModelConfig.from_hf_dict({
+        "model_type": "qwen2", "vocab_size": 2048, "hidden_size": hidden, "intermediate_size": 1024,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1e4, "tie_word_embeddings": True})
+
+
+def _models(cfg: ModelConfig):
+    """(bf16 model with fused projections, float64 copy of the same weights)."""
+    from redwood.models.transformer import Transformer, build_model
+
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in Transformer(cfg).state_dict().items()}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    state = {k: (torch.randn(s, device="cuda", generator=g) * 0.05).to(torch.bfloat16) for k, s in shapes.items()}
+    for k in state:
+        if k.endswith("norm.weight"):
+            state[k] = (1 + state[k].float()).to(torch.bfloat16)
+    model = build_model(cfg, state, torch.bfloat16, "cuda")
+    model.fuse_projections()
+    ref = build_model(cfg, {k: v.double() for k, v in state.items()}, torch.float64, "cuda")
+    ref.attention_backend = "reference"
+    return model, ref
+
+
+def _cache(model, context: int, paged: bool, dtype=torch.bfloat16, seed: int = 1):
+    from redwood.kv.cache import KVCache
+
+    cfg = model.config
+    cap = context + 64
+    if paged:
+        pages = -(-cap // 64)
+        cache = KVCache.paged(cfg, 1, pages, 64, cap, dtype, "cuda")
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        cache.block_table[0, :pages] = torch.randperm(pages, generator=g).to(torch.int32).cuda()
+        cache.live.fill_(1)
+    else:
+        cache = KVCache(cfg, 1, cap, dtype, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g, device="cuda").to(torch.bfloat16))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g, device="cuda").to(torch.bfloat16))
+    cache.lengths.fill_(context)
+    return cache
+
+
+def _as64(cache):
+    """A copy of `cache` in float64 (its own table, lengths and live)."""
+    from redwood.kv.cache import KVCache
+
+    out = KVCache.__new__(KVCache)
+    out.__dict__.update(cache.__dict__)
+    out.k, out.v = cache.k.double(), cache.v.double()
+    out.block_table, out.lengths, out.live = cache.block_table.clone(), cache.lengths.clone(), cache.live.clone()
+    return out
+
+
+def _new_kv(cache, slot: int) -> torch.Tensor:
+    ps = cache.k.shape[3]
+    page = int(cache.block_table[0, slot // ps])
+    return torch.stack([cache.k[:, page, :, slot % ps], cache.v[:, page, :, slot % ps]]).double()
+
+
+def _check(model, ref, cache, ids, pending: int = 0):
+    """Megakernel and skinny forwards on copies of `cache` against the float64 reference."""
+    slot = int(cache.lengths[0]) + pending
+    pos = torch.tensor([[slot]], device="cuda")
+    c64 = _as64(cache)
+    want = ref(ids, pos, c64, pending=pending)
+    kv_want = _new_kv(c64, slot)
+    got = {}
+    for name, mega in (("skinny", None), ("mega", megakernel.MegaForward(model))):
+        c = _as64(cache)
+        c.k, c.v = cache.k.clone(), cache.v.clone()
+        model.megakernel = mega
+        logits = model(ids, pos, c, pending=pending)
+        got[name] = ((logits.double() - want).abs().max().item(), (_new_kv(c, slot) - kv_want).abs().max().item())
+        if mega is not None:
+            assert mega.error() == 0
+    model.megakernel = None
+    scale = want.abs().max().item()
+    for i, what in enumerate(("logits", "new K/V")):
+        assert got["mega"][i] <= 2 * got["skinny"][i] + 2e-3 * (scale if i == 0 else 1), (what, got)
+
+
+def test_misfits_are_named():
+    from redwood.models.transformer import Transformer
+
+    model = Transformer(_config("d128g2"))  # float32 on the CPU
+    assert megakernel.misfit(model) == "not on CUDA"
+    with pytest.raises(ConfigError, match="megakernel cannot run this model: not on CUDA"):
+        model.use_megakernel(True)
+    model.use_megakernel(False)
+    assert model.megakernel is None
+
+
+def test_off_unless_asked(monkeypatch):
+    monkeypatch.delenv("REDWOOD_MEGAKERNEL", raising=False)
+    assert not megakernel.enabled()
+    monkeypatch.setenv("REDWOOD_MEGAKERNEL", "1")
+    assert megakernel.enabled()
+
+
+@hopper
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("paged", [False, True])
+def test_forward_is_as_close_to_float64_as_the_skinny_path(shape, paged):
+    model, ref = _models(_config(shape))
+    assert megakernel.misfit(model) is None
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for context in (0, 1, 31, 32, 33, 200, 1100):  # chunk edges; > 32 chunks: splits walk several chunks
+        cache = _cache(model, context, paged)
+        ids = torch.randint(0, model.config.vocab_size, (1, 1), device="cuda", generator=g)
+        _check(model, ref, cache, ids)
+
+
+@hopper
+def test_pending_token_and_a_row_that_is_not_live():
+    model, ref = _models(_config("d128g6"))
+    cache = _cache(model, 70, paged=True)
+    ids = torch.tensor([[5]], device="cuda")
+    _check(model, ref, cache, ids, pending=2)  # slots 70, 71 hold earlier drafts; the token goes to 72
+    cache.live.fill_(0)
+    _check(model, ref, cache, ids)  # attends only to itself
+
+
+@hopper
+def test_graph_replays_equal_eager_launches():
+    from redwood.engine.runner import StepRunner
+
+    model, _ = _models(_config("d128g2", layers=3))
+    model.use_megakernel(True)
+    ids = torch.randint(0, model.config.vocab_size, (1, 6), device="cuda")
+
+    def run(graphs: bool):
+        cache = _cache(model, 90, paged=True)
+        runner = StepRunner(model, cache, use_graphs=graphs)
+        outs = []
+        for t in range(ids.shape[1]):
+            pos = cache.lengths[:, None].clone()
+            outs.append(runner.forward(ids[:, t : t + 1], pos).clone())
+            cache.lengths += 1
+        torch.cuda.synchronize()
+        return torch.stack(outs), cache.k.clone(), cache.v.clone()
+
+    eager, graphed = run(False), run(True)
+    for a, b in zip(eager, graphed):
+        assert torch.equal(a, b)
+    assert model.megakernel.error() == 0
