@@ -178,7 +178,6 @@ __device__ __forceinline__ void wait_stage(u32* ctr, int c, int stage, u32* err)
                 else if (t - start > TIMEOUT_NS) { fail(err, 1000 + c); break; }
             }
         }
-        __threadfence();
     }
     bar_consumers();
     stamp(stage, 0);
@@ -188,10 +187,8 @@ __device__ __forceinline__ void wait_stage(u32* ctr, int c, int stage, u32* err)
 __device__ __forceinline__ void arrive_stage(u32* ctr, int c) {
     bar_consumers();
     stamp(c, 1);
-    if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(ctr + c, 1u);
-    }
+    if (threadIdx.x == 0)  // release: the block's writes (ordered before it by the barrier) first
+        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(ctr + c) : "memory");
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -264,10 +261,11 @@ struct Shared {
     u64* empty;
     float* red;   // [NSLOT][8] a tile's partial sums, one per consumer warp
     u32* cnt;     // [NSLOT] warps done with the tile in that slot
-    float* qs;    // [8][G][D] queries of a warp's KV head
+    float* qs;    // [G][D] the block's KV head's queries, then [8][G][D] each warp's attention accumulators
     float* ps;    // [8][32][G] probabilities of a warp's 32 keys
     float* cos;   // [D/2] this token's rotary cos / sin, rounded to bf16 as RotaryEmbedding's
     float* sin;
+    u32* word;    // a broadcast word
 };
 
 // The producer (one thread): every weight tile of this block, in order, into the ring.
@@ -508,51 +506,19 @@ __device__ __forceinline__ void gemv_stage(const long long* tab, Shared sh, u32&
 // ------------------------------------------------------------------------------------------------
 // attention: partial softmax sums per (KV head, split) over chunks of 32 keys, then a merge per head
 
+// Block splits per KV head: each block's 8 warps walk ≤ 2 chunks of 32 keys each where the split count allows.
 __device__ __forceinline__ int num_splits(const Step& st) {
     int chunks = (int)((st.hi - st.lo + 31) / 32);
-    return chunks < SMAX ? chunks : SMAX;
+    int n = (chunks + 15) / 16;
+    if (n > SMAX) n = SMAX;
+    if (n > NB / HKV) n = NB / HKV;
+    return n < 1 ? 1 : n;
 }
 
-// Heads kvh·G … of the attention output from the S ≤ 32 splits' partials (one warp; lane s holds split s's
-// maxima and sums, then every lane its DL dims of each head; all heads' loads in flight together).
-__device__ __forceinline__ void merge_heads(const long long* tab, int kvh, int S, int lane) {
-    const float* pm = (const float*)tab[T_PM];
-    const float* pl = (const float*)tab[T_PL];
-    const float* pacc = (const float*)tab[T_PACC];
-    float mx[G], w[G], lsum[G], o[G][DL];
-    const bool mine = lane < S;
-    const int idx0 = (kvh * SMAX + lane) * G;
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        mx[g] = mine ? pm[idx0 + g] : NEG_INF;
-        lsum[g] = mine ? pl[idx0 + g] : 0.f;
-    }
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        float m = warp_max(mx[g]);
-        w[g] = mine ? expf(mx[g] - m) : 0.f;
-        lsum[g] = warp_sum(w[g] * lsum[g]);
-#pragma unroll
-        for (int e = 0; e < DL; ++e) o[g][e] = 0.f;
-    }
-    for (int j = 0; j < S; ++j) {
-        const float* a = pacc + (u64)(kvh * SMAX + j) * G * D + lane * DL;
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            float wj = __shfl_sync(0xffffffffu, w[g], j);
-#pragma unroll
-            for (int e = 0; e < DL; ++e) o[g][e] = fmaf(wj, a[g * D + e], o[g][e]);
-        }
-    }
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        u16* out = (u16*)tab[T_ATTN] + (kvh * G + g) * D + lane * DL;
-        float inv = 1.f / lsum[g];
-#pragma unroll
-        for (int e = 0; e < DL; ++e) out[e] = (u16)f2bf(o[g][e] * inv);
-    }
-}
-
+// Attention for one token: the keys of KV head kvh split over num_splits blocks; inside a block each warp
+// takes chunks of 32 keys (lane j: key j's K row for the scores; every lane its DL dims of the V rows) with
+// an online softmax, the block merges its warps in shared memory, and, with several blocks per KV head,
+// the last block of that head to finish merges the blocks' partials.
 __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh, int layer, const Step& st) {
     u32* ctr = (u32*)tab[T_CTR];
     u32* err = (u32*)tab[T_ERR];
@@ -563,11 +529,31 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
     const u16* kc = (const u16*)layer_ptr(tab, layer, L_K);
     const u16* vc = (const u16*)layer_ptr(tab, layer, L_V);
     const int* bt = (const int*)tab[T_BT];
-    float* qs = sh.qs + warp * G * D;
-    float* ps = sh.ps + warp * 32 * G;
+    float* qs = sh.qs;                          // [G][D] the KV head's queries
+    float* wacc = sh.qs + G * D + warp * G * D; // [G][D] this warp's accumulators
+    float* ps = sh.ps + warp * 32 * G;          // [32][G] this warp's probabilities, then its (m, l)
     const float scale = rsqrtf((float)D);
-    for (int item = blockIdx.x + NB * warp; item < HKV * S; item += NB * 8) {
+    for (int item = blockIdx.x; item < HKV * S; item += NB) {
         const int kvh = item / S, split = item % S;
+        const int c0 = (int)((long long)split * chunks / S), c1 = (int)((long long)(split + 1) * chunks / S);
+        {  // the queries, loads before stores
+            const u32* qsrc = (const u32*)((const u16*)tab[T_Q] + kvh * G * D);
+            u32 qv[(G * D / 2 + CONSUMERS - 1) / CONSUMERS];
+#pragma unroll
+            for (int e = 0; e < (G * D / 2 + CONSUMERS - 1) / CONSUMERS; ++e) {
+                int i = threadIdx.x + CONSUMERS * e;
+                qv[e] = i < G * D / 2 ? qsrc[i] : 0u;
+            }
+#pragma unroll
+            for (int e = 0; e < (G * D / 2 + CONSUMERS - 1) / CONSUMERS; ++e) {
+                int i = threadIdx.x + CONSUMERS * e;
+                if (i < G * D / 2) {
+                    qs[2 * i] = bf2f(qv[e] & 0xffffu);
+                    qs[2 * i + 1] = bf2f(qv[e] >> 16);
+                }
+            }
+        }
+        bar_consumers();
         float m[G], l[G], acc[G][DL];
 #pragma unroll
         for (int g = 0; g < G; ++g) {
@@ -576,27 +562,10 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
 #pragma unroll
             for (int e = 0; e < DL; ++e) acc[g][e] = 0.f;
         }
-        bool first = true;
-        for (int c = split; c < chunks; c += S) {
-            // lane j takes key lo + 32·c + j: its page (loaded alongside the queries on the first chunk), then
-            // its K row for the scores and, in two halves, every lane its DL dims of the 32 V rows
+        for (int c = c0 + warp; c < c1; c += 8) {
             long long key = st.lo + (long long)c * 32 + lane;
             bool valid = key < st.hi;
-            int page = valid ? bt[key / PS] : 0;
-            if (first) {  // the G queries into shared memory (all loads before the stores)
-                u32 qv[G * D / 64];
-                const u32* qsrc = (const u32*)((const u16*)tab[T_Q] + kvh * G * D);
-#pragma unroll
-                for (int e = 0; e < G * D / 64; ++e) qv[e] = qsrc[lane + 32 * e];
-#pragma unroll
-                for (int e = 0; e < G * D / 64; ++e) {
-                    qs[2 * (lane + 32 * e)] = bf2f(qv[e] & 0xffffu);
-                    qs[2 * (lane + 32 * e) + 1] = bf2f(qv[e] >> 16);
-                }
-                __syncwarp();
-                first = false;
-            }
-            long long base = valid ? (((long long)page * HKV + kvh) * PS + key % PS) * D : 0;
+            long long base = valid ? (((long long)bt[key / PS] * HKV + kvh) * PS + key % PS) * D : 0;
             uint4 kw[D / 8];
 #pragma unroll
             for (int q8 = 0; q8 < D / 8; ++q8)
@@ -632,7 +601,7 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
                 }
             }
 #pragma unroll
-            for (int j = 16; j < 32; ++j) {  // the second half's loads fly during the softmax
+            for (int j = 16; j < 32; ++j) {  // the second half's V loads fly during the softmax
                 long long b = __shfl_sync(0xffffffffu, base, j);
 #pragma unroll
                 for (int e = 0; e < DL / 2; ++e)
@@ -668,32 +637,105 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
             }
             __syncwarp();
         }
+        // this warp's partials into shared memory (a warp without chunks leaves m = -inf, l = 0)
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+#pragma unroll
+            for (int e = 0; e < DL; ++e) wacc[g * D + lane * DL + e] = acc[g][e];
+        }
+        __syncwarp();
+        if (lane == 0) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                ps[g] = m[g];
+                ps[G + g] = l[g];
+            }
+        }
+        bar_consumers();
+        // warp g merges head g over the 8 warps
         float* pm = (float*)tab[T_PM];
         float* pl = (float*)tab[T_PL];
         float* pacc = (float*)tab[T_PACC];
+        if (warp < G) {
+            const int g = warp;
+            float mw[8], M = NEG_INF;
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            int idx = (kvh * SMAX + split) * G + g;
-            if (lane == 0) {
-                pm[idx] = m[g];
-                pl[idx] = l[g];
+            for (int w = 0; w < 8; ++w) {
+                mw[w] = sh.ps[w * 32 * G + g];
+                M = fmaxf(M, mw[w]);
             }
+            float L = 0.f, o[DL];
 #pragma unroll
-            for (int e = 0; e < DL; ++e) pacc[(u64)idx * D + lane * DL + e] = acc[g][e];
+            for (int e = 0; e < DL; ++e) o[e] = 0.f;
+            if (M != NEG_INF) {
+#pragma unroll
+                for (int w = 0; w < 8; ++w) {
+                    float f = mw[w] == NEG_INF ? 0.f : expf(mw[w] - M);
+                    L += f * sh.ps[w * 32 * G + G + g];
+#pragma unroll
+                    for (int e = 0; e < DL; ++e) o[e] = fmaf(f, sh.qs[G * D + w * G * D + g * D + lane * DL + e], o[e]);
+                }
+            }
+            if (S == 1) {
+                u16* out = (u16*)tab[T_ATTN] + (kvh * G + g) * D + lane * DL;
+                float inv = 1.f / L;
+#pragma unroll
+                for (int e = 0; e < DL; ++e) out[e] = (u16)f2bf(o[e] * inv);
+            } else {
+                int idx = (kvh * SMAX + split) * G + g;
+                if (lane == 0) {
+                    pm[idx] = M;
+                    pl[idx] = L;
+                }
+#pragma unroll
+                for (int e = 0; e < DL; ++e) pacc[(u64)idx * D + lane * DL + e] = o[e];
+            }
         }
-        // the last split of this KV head to finish merges its G heads (no separate merge stage to wait for)
-        __threadfence();
-        __syncwarp();
-        u32 done = 0;
-        u32* actr = ctr + NCTR + layer * HKV + kvh;
-        if (lane == 0) done = atomicAdd(actr, 1u);
-        done = __shfl_sync(0xffffffffu, done, 0);
-        if (done == (u32)S - 1 && !ATTN_NO_MERGE) {
+        if (S > 1) {  // the last block of this KV head merges the blocks' partials
             __threadfence();
-            merge_heads(tab, kvh, S, lane);
-            if (lane == 0) *actr = 0;
+            bar_consumers();
+            u32* actr = ctr + NCTR + layer * HKV + kvh;
+            if (threadIdx.x == 0) *sh.word = atomicAdd(actr, 1u);
+            bar_consumers();
+            const u32 done = *sh.word;
+            if (done == (u32)S - 1 && !ATTN_NO_MERGE) {
+                __threadfence();
+                if (warp < G) {
+                    const int g = warp;
+                    const bool mine = lane < S;
+                    const int idx = (kvh * SMAX + lane) * G + g;
+                    float ms = mine ? pm[idx] : NEG_INF;
+                    float ls = mine ? pl[idx] : 0.f;
+                    float M = warp_max(ms);
+                    float w = ms == NEG_INF ? 0.f : expf(ms - M);
+                    float L = warp_sum(w * ls);
+                    float o[DL];
+#pragma unroll
+                    for (int e = 0; e < DL; ++e) o[e] = 0.f;
+                    for (int j0 = 0; j0 < S; j0 += 8) {
+                        float a[8][DL];
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+                            for (int e = 0; e < DL; ++e)
+                                a[j][e] = j0 + j < S ? pacc[(u64)((kvh * SMAX + j0 + j) * G + g) * D + lane * DL + e] : 0.f;
+                        }
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) {
+                            float wj = __shfl_sync(0xffffffffu, w, (j0 + j) & 31);
+#pragma unroll
+                            for (int e = 0; e < DL; ++e) o[e] = fmaf(wj, a[j][e], o[e]);
+                        }
+                    }
+                    u16* out = (u16*)tab[T_ATTN] + (kvh * G + g) * D + lane * DL;
+                    float inv = 1.f / L;
+#pragma unroll
+                    for (int e = 0; e < DL; ++e) out[e] = (u16)f2bf(o[e] * inv);
+                }
+                if (threadIdx.x == 0) *actr = 0;
+            }
         }
-        __syncwarp();
+        bar_consumers();
     }
     arrive_stage(ctr, 6 * layer + 1);
 }
@@ -710,13 +752,14 @@ redwood_decode_forward(const long long* __restrict__ tab, float* logits, const l
     Shared sh;
     sh.ring = smem;  // then 16-byte aligned float arrays, then the barriers and counts
     sh.qs = (float*)(smem + (u64)NSLOT * SLOT);
-    sh.ps = sh.qs + 8 * G * D;
+    sh.ps = sh.qs + 9 * G * D;
     sh.full = (u64*)(sh.ps + 8 * 32 * G);
     sh.empty = sh.full + NSLOT;
     sh.red = (float*)(sh.empty + NSLOT);
     sh.cnt = (u32*)(sh.red + NSLOT * 8);
     sh.cos = (float*)(sh.cnt + NSLOT);
     sh.sin = sh.cos + D / 2;
+    sh.word = (u32*)(sh.sin + D / 2);
     u32* err = (u32*)tab[T_ERR];
     if (PROFILE) g_prof = (long long*)tab[T_PROF];
     if (threadIdx.x == 0) {

@@ -33,7 +33,7 @@ import torch
 _SOURCE = Path(__file__).with_name("megakernel.cu")
 _KERNELS: dict[tuple, object] = {}
 HEAD_DIMS = (64, 128)
-SMAX = 32  # key splits per KV head at most (partials: HKV × SMAX × G × D floats)
+SMAX = 32  # blocks per KV head in attention at most (partials: HKV × SMAX × G × D floats)
 T_LAYER0, T_PER_LAYER = 32, 16  # megakernel.cu's table layout
 
 
@@ -92,7 +92,8 @@ def _kernel(model, page_size: int, profile: bool = False):
     G = cfg.num_heads // cfg.num_kv_heads
     rd = _down_rows(model)
     slot = -(-max(8 * H, 8 * cfg.num_heads * HEAD_DIM, rd * F) * 2 // 128) * 128
-    fixed = 4 * HEAD_DIM + 8 * G * HEAD_DIM * 4 + 8 * 32 * G * 4  # cos / sin, per-warp queries and probabilities
+    fixed = 4 * HEAD_DIM + 16 + 9 * G * HEAD_DIM * 4 + 8 * 32 * G * 4  # cos / sin, a word; attention's queries,
+    # per-warp accumulators and probabilities
     per_slot = slot + 16 + 32 + 4  # tile, two barriers, partial sums, arrival count
     optin = getattr(props, "shared_memory_per_block_optin", 232448)
     nslot = min(8, (optin - fixed) // per_slot)
