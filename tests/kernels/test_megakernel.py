@@ -120,6 +120,35 @@ def test_misfits_are_named():
     assert model.megakernel is None
 
 
+def _hf(**over) -> ModelConfig:
+    base = {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960,
+            "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+            "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": True}
+    return ModelConfig.from_hf_dict({**base, **over})
+
+
+def test_shapes_it_takes_and_the_down_tile():
+    qwen_1_5b = _hf()
+    qwen_0_5b = _hf(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14)
+    llama_8b = _hf(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                   num_attention_heads=32, num_key_value_heads=8)
+    for cfg in (qwen_1_5b, qwen_0_5b, llama_8b):
+        assert megakernel.config_misfit(cfg) is None
+    # the down tile: as many rows as fit the slot the 8-row tiles of the other stages need, in whole K chunks
+    assert megakernel.down_rows(qwen_1_5b) == 1  # one 8960-wide row (17.5 KB) in a 24 KB slot
+    assert megakernel.down_rows(qwen_0_5b) == 1  # 14 KB slots (8 rows of 896): two 4864-wide rows do not fit
+    assert megakernel.down_rows(_config("d128g2")) == 4
+
+
+def test_shapes_it_does_not_take_are_named():
+    assert "head_dim 96" in megakernel.config_misfit(_hf(hidden_size=1152))  # 12 heads of 96
+    assert "whole number ≤ 8" in megakernel.config_misfit(_hf(num_attention_heads=12, num_key_value_heads=1))
+    assert "sliding-window" in megakernel.config_misfit(_hf(model_type="mistral", use_sliding_window=True,
+                                                            sliding_window=4096))
+    assert "multiples of 8 / 32 / 8" in megakernel.config_misfit(_hf(intermediate_size=8968))
+    assert "multiples of 8 / 32 / 8" in megakernel.config_misfit(_hf(vocab_size=151937))
+
+
 def test_off_unless_asked(monkeypatch):
     monkeypatch.delenv("REDWOOD_MEGAKERNEL", raising=False)
     assert not megakernel.enabled()

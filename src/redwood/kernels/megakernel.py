@@ -43,7 +43,6 @@ def enabled() -> bool:
 
 def misfit(model) -> str | None:
     """Why `model` cannot run through the megakernel (None: it can)."""
-    cfg = model.config
     if model.device.type != "cuda":
         return "not on CUDA"
     if getattr(torch.cuda, "_compile_kernel", None) is None:
@@ -54,6 +53,13 @@ def misfit(model) -> str | None:
         return f"dtype {model.dtype} (bfloat16 only)"
     if model.skinny_int8 is not None:
         return "int8 weight copies (quantize_skinny)"
+    if model.layers[0].self_attn.qkv is None or model.layers[0].mlp.gate_up is None:
+        return "projections not fused (fuse_projections)"
+    return config_misfit(model.config)
+
+
+def config_misfit(cfg) -> str | None:
+    """What in a model's shape the megakernel does not take (None: nothing)."""
     if cfg.head_dim not in HEAD_DIMS:
         return f"head_dim {cfg.head_dim} (64 or 128 only)"
     if cfg.num_heads % cfg.num_kv_heads or cfg.num_heads // cfg.num_kv_heads > 8:
@@ -62,20 +68,17 @@ def misfit(model) -> str | None:
         return "sliding-window attention"
     if cfg.o_bias or cfg.mlp_bias:
         return "o_proj / MLP biases"
-    if model.layers[0].self_attn.qkv is None or model.layers[0].mlp.gate_up is None:
-        return "projections not fused (fuse_projections)"
     H, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     if H % 8 or F % 32 or V % 8:
         return "hidden / intermediate / vocab sizes must be multiples of 8 / 32 / 8"
-    if _down_rows(model) is None:
+    if down_rows(cfg) is None:
         return "no down-projection tile fits"
     return None
 
 
-def _down_rows(model) -> int | None:
+def down_rows(cfg) -> int | None:
     """Rows per down-projection tile: the most of 8, 4, 2, 1 dividing H whose tile fits the slot the other
     stages need (8 rows of H or Hq·D), and whose K split over 8 / rows warps is whole chunks of 8."""
-    cfg = model.config
     H, F = cfg.hidden_size, cfg.intermediate_size
     slot = max(8 * H, 8 * cfg.num_heads * cfg.head_dim, F) * 2
     for rd in (8, 4, 2, 1):
@@ -90,7 +93,7 @@ def _kernel(model, page_size: int, profile: bool = False):
     props = torch.cuda.get_device_properties(model.device)
     H, F = cfg.hidden_size, cfg.intermediate_size
     G = cfg.num_heads // cfg.num_kv_heads
-    rd = _down_rows(model)
+    rd = down_rows(cfg)
     slot = -(-max(8 * H, 8 * cfg.num_heads * HEAD_DIM, rd * F) * 2 // 128) * 128
     fixed = 4 * HEAD_DIM + 16 + 9 * G * HEAD_DIM * 4 + 8 * 32 * G * 4  # cos / sin, a word; attention's queries,
     # per-warp accumulators and probabilities
