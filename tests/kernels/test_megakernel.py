@@ -149,6 +149,34 @@ def test_shapes_it_does_not_take_are_named():
     assert "multiples of 8 / 32 / 8" in megakernel.config_misfit(_hf(vocab_size=151937))
 
 
+def test_layout_on_an_h200(monkeypatch):
+    """The layouts the H200 runs measured (132 SMs, 227 KB a block): 8 ring slots of 24 KB (1.5B) / 14 KB (0.5B)."""
+    monkeypatch.delenv("REDWOOD_MEGAKERNEL_DEFINES", raising=False)
+    qwen_1_5b = _hf()
+    d, smem = megakernel.layout(qwen_1_5b, 64, 132, 232448)
+    assert (d["NSLOT"], d["SLOT"], d["RD"], d["NB"], d["D"], d["PS"]) == (8, 24576, 1, 132, 128, 64)
+    assert smem == 8 * (24576 + 52) + 4 * 128 + 16 + 9 * 6 * 128 * 4 + 8 * 32 * 6 * 4 <= 232448
+    qwen_0_5b = _hf(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14)
+    d, _ = megakernel.layout(qwen_0_5b, 64, 132, 232448)
+    assert (d["NSLOT"], d["SLOT"], d["RD"], d["D"]) == (8, 14336, 1, 64)
+    monkeypatch.setenv("REDWOOD_MEGAKERNEL_DEFINES", "NSLOT=2 ATTN_MMA")
+    d, smem2 = megakernel.layout(qwen_1_5b, 64, 132, 232448)
+    assert d["NSLOT"] == "2" and d["ATTN_MMA"] == "1"
+    assert smem2 == 2 * (24576 + 52) + 4 * 128 + 16 + 9 * 6 * 128 * 4 + 8 * 32 * 8 * 4  # 8-head probability rows
+    with pytest.raises(RuntimeError, match="fewer than two"):
+        megakernel.layout(qwen_1_5b, 64, 132, 48 * 1024)
+
+
+def test_experiment_defines(monkeypatch):
+    monkeypatch.setenv("REDWOOD_MEGAKERNEL_DEFINES", "NSLOT=2 ATTN_MMA")
+    assert megakernel.experiment_defines() == {"NSLOT": "2", "ATTN_MMA": "1"}
+    monkeypatch.setenv("REDWOOD_MEGAKERNEL_DEFINES", "")
+    assert megakernel.experiment_defines() == {}
+    monkeypatch.setenv("REDWOOD_MEGAKERNEL_DEFINES", "2=NSLOT")
+    with pytest.raises(ValueError, match="not NAME or NAME=VALUE"):
+        megakernel.experiment_defines()
+
+
 def test_off_unless_asked(monkeypatch):
     monkeypatch.delenv("REDWOOD_MEGAKERNEL", raising=False)
     assert not megakernel.enabled()

@@ -157,6 +157,14 @@ __device__ __forceinline__ void mbar_arrive(u32 bar) {
 #ifndef ATTN_NO_KV
 #define ATTN_NO_KV 0  // read no K/V rows (scores of zero keys)
 #endif
+#ifndef ATTN_MMA
+#define ATTN_MMA 0  // attention chunks on tensor cores (experiment, not yet run on a GPU)
+#endif
+#if ATTN_MMA
+#define PS_G 8  // probability rows of 8 heads (the MMA's N)
+#else
+#define PS_G G
+#endif
 __device__ long long* g_prof;  // set at kernel start with PROFILE
 
 __device__ __forceinline__ void stamp(int stage, int which) {
@@ -531,7 +539,7 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
     const int* bt = (const int*)tab[T_BT];
     float* qs = sh.qs;                          // [G][D] the KV head's queries
     float* wacc = sh.qs + G * D + warp * G * D; // [G][D] this warp's accumulators
-    float* ps = sh.ps + warp * 32 * G;          // [32][G] this warp's probabilities, then its (m, l)
+    float* ps = sh.ps + warp * 32 * PS_G;       // [32][PS_G] this warp's probabilities, then its (m, l)
     const float scale = rsqrtf((float)D);
     for (int item = blockIdx.x; item < HKV * S; item += NB) {
         const int kvh = item / S, split = item % S;
@@ -554,6 +562,148 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
             }
         }
         bar_consumers();
+#if ATTN_MMA
+        // Tensor-core chunks (experiment, off by default: ATTN_MMA=1 through REDWOOD_MEGAKERNEL_DEFINES; not yet run on
+        // a GPU). mma.sync m16n8k16 bf16 → f32, gid = lane / 4, tig = lane % 4:
+        //   scores S [16 keys × 8 heads] = K [16 keys × 16 dims] · Qᵀ [16 dims × 8 heads], D / 16 steps, 2 key tiles;
+        //   O [16 heads (8 real) × 8 dims] += P [heads × 16 keys] · V [16 keys × 8 dims], P as bf16 hi + lo parts.
+        // A thread's scores: keys 16t + 8r + gid, heads 2·tig + j; its outputs: head gid, dims 8i + 2·tig + {0, 1}.
+        const int gid = lane >> 2, tig = lane & 3;
+        u32 qb[D / 16][2];  // Qᵀ fragments: Q[gid][16s + 2tig …], Q[gid][16s + 8 + 2tig …] (zero past G heads)
+        {
+            const u32* q32 = (const u32*)((const u16*)tab[T_Q] + kvh * G * D);
+#pragma unroll
+            for (int s = 0; s < D / 16; ++s) {
+                qb[s][0] = gid < G ? q32[gid * (D / 2) + 8 * s + tig] : 0u;
+                qb[s][1] = gid < G ? q32[gid * (D / 2) + 8 * s + 4 + tig] : 0u;
+            }
+        }
+        float mh[2] = {NEG_INF, NEG_INF}, lh[2] = {0.f, 0.f};  // softmax state of heads 2tig, 2tig + 1
+        float o[D / 8][2];
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = 0.f;
+        for (int c = c0 + warp; c < c1; c += 8) {
+            const long long first = st.lo + (long long)c * 32;
+            long long key = first + lane;
+            bool valid = key < st.hi;
+            long long base = valid ? (((long long)bt[key / PS] * HKV + kvh) * PS + key % PS) * D : 0;
+            float sc[2][4];
+#pragma unroll
+            for (int t = 0; t < 2; ++t) {
+                const long long k0 = __shfl_sync(0xffffffffu, base, 16 * t + gid);
+                const long long k1 = __shfl_sync(0xffffffffu, base, 16 * t + 8 + gid);
+                const u32* r0 = (const u32*)(kc + k0) + tig;
+                const u32* r1 = (const u32*)(kc + k1) + tig;
+                u32 ka[D / 16][4];
+#pragma unroll
+                for (int s = 0; s < D / 16; ++s) {
+                    ka[s][0] = r0[8 * s];
+                    ka[s][1] = r1[8 * s];
+                    ka[s][2] = r0[8 * s + 4];
+                    ka[s][3] = r1[8 * s + 4];
+                }
+                sc[t][0] = sc[t][1] = sc[t][2] = sc[t][3] = 0.f;
+#pragma unroll
+                for (int s = 0; s < D / 16; ++s)
+                    asm volatile(
+                        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                        "{%0,%1,%2,%3};"
+                        : "+f"(sc[t][0]), "+f"(sc[t][1]), "+f"(sc[t][2]), "+f"(sc[t][3])
+                        : "r"(ka[s][0]), "r"(ka[s][1]), "r"(ka[s][2]), "r"(ka[s][3]), "r"(qb[s][0]), "r"(qb[s][1]));
+            }
+            float alpha[2];
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {  // online softmax of head 2tig + j over the 32 keys (8 lanes × 4 values)
+                float v[4], mx = NEG_INF;
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {  // q = 2t + r: key 16t + 8r + gid
+                    const long long k = first + 16 * (q >> 1) + 8 * (q & 1) + gid;
+                    v[q] = k < st.hi ? sc[q >> 1][2 * (q & 1) + j] * scale : NEG_INF;
+                    mx = fmaxf(mx, v[q]);
+                }
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+                const float mn = fmaxf(mh[j], mx);
+                alpha[j] = mh[j] == NEG_INF ? 0.f : expf(mh[j] - mn);
+                float sum = 0.f;
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const float p = v[q] == NEG_INF ? 0.f : expf(v[q] - mn);
+                    sum += p;
+                    ps[(16 * (q >> 1) + 8 * (q & 1) + gid) * 8 + 2 * tig + j] = p;  // P [key][head], 8 heads a row
+                }
+                sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+                sum += __shfl_xor_sync(0xffffffffu, sum, 8);
+                sum += __shfl_xor_sync(0xffffffffu, sum, 16);
+                lh[j] = lh[j] * alpha[j] + sum;
+                mh[j] = mn;
+            }
+            __syncwarp();
+            {  // rescale head gid's outputs: its alpha lives in lane gid / 2 (any gid works: lanes 0-3)
+                const float a0 = __shfl_sync(0xffffffffu, alpha[0], gid >> 1);
+                const float a1 = __shfl_sync(0xffffffffu, alpha[1], gid >> 1);
+                const float ag = (gid & 1) ? a1 : a0;
+#pragma unroll
+                for (int i = 0; i < D / 8; ++i) {
+                    o[i][0] *= ag;
+                    o[i][1] *= ag;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {  // keys 16u … 16u + 15
+                u32 ah[2], al[2];  // P fragments (rows gid; keys 2tig, 2tig + 1 | 2tig + 8, 2tig + 9), hi and lo
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int kk = 16 * u + 2 * tig + 8 * h;
+                    const float p0 = ps[kk * 8 + gid], p1 = ps[(kk + 1) * 8 + gid];
+                    const u32 h0 = f2bf(p0), h1 = f2bf(p1);
+                    ah[h] = h0 | (h1 << 16);
+                    al[h] = f2bf(p0 - bf2f(h0)) | (f2bf(p1 - bf2f(h1)) << 16);
+                }
+                long long vb[4];  // V rows of keys 16u + 2tig, + 1, + 8, + 9
+#pragma unroll
+                for (int q = 0; q < 4; ++q)
+                    vb[q] = __shfl_sync(0xffffffffu, base, 16 * u + 2 * tig + (q & 1) + 8 * (q >> 1));
+#pragma unroll
+                for (int i = 0; i < D / 8; ++i) {
+                    const int d = 8 * i + gid;
+                    const u32 b0 = (u32)vc[vb[0] + d] | ((u32)vc[vb[1] + d] << 16);
+                    const u32 b1 = (u32)vc[vb[2] + d] | ((u32)vc[vb[3] + d] << 16);
+                    float z2 = 0.f, z3 = 0.f;  // rows 8-15 (no heads there)
+                    asm volatile(
+                        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                        "{%0,%1,%2,%3};"
+                        : "+f"(o[i][0]), "+f"(o[i][1]), "+f"(z2), "+f"(z3)
+                        : "r"(ah[0]), "r"(0u), "r"(ah[1]), "r"(0u), "r"(b0), "r"(b1));
+                    asm volatile(
+                        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                        "{%0,%1,%2,%3};"
+                        : "+f"(o[i][0]), "+f"(o[i][1]), "+f"(z2), "+f"(z3)
+                        : "r"(al[0]), "r"(0u), "r"(al[1]), "r"(0u), "r"(b0), "r"(b1));
+                }
+            }
+            __syncwarp();
+        }
+        // this warp's partials into shared memory, as the CUDA-core path leaves them
+        if (gid < G) {
+#pragma unroll
+            for (int i = 0; i < D / 8; ++i) {
+                wacc[gid * D + 8 * i + 2 * tig] = o[i][0];
+                wacc[gid * D + 8 * i + 2 * tig + 1] = o[i][1];
+            }
+        }
+        __syncwarp();
+        if (gid == 0) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                if (2 * tig + j < G) {
+                    ps[2 * tig + j] = mh[j];
+                    ps[G + 2 * tig + j] = lh[j];
+                }
+            }
+        }
+#else
         float m[G], l[G], acc[G][DL];
 #pragma unroll
         for (int g = 0; g < G; ++g) {
@@ -651,6 +801,7 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
                 ps[G + g] = l[g];
             }
         }
+#endif
         bar_consumers();
         // warp g merges head g over the 8 warps
         float* pm = (float*)tab[T_PM];
@@ -661,7 +812,7 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
             float mw[8], M = NEG_INF;
 #pragma unroll
             for (int w = 0; w < 8; ++w) {
-                mw[w] = sh.ps[w * 32 * G + g];
+                mw[w] = sh.ps[w * 32 * PS_G + g];
                 M = fmaxf(M, mw[w]);
             }
             float L = 0.f, o[DL];
@@ -671,7 +822,7 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
 #pragma unroll
                 for (int w = 0; w < 8; ++w) {
                     float f = mw[w] == NEG_INF ? 0.f : expf(mw[w] - M);
-                    L += f * sh.ps[w * 32 * G + G + g];
+                    L += f * sh.ps[w * 32 * PS_G + G + g];
 #pragma unroll
                     for (int e = 0; e < DL; ++e) o[e] = fmaf(f, sh.qs[G * D + w * G * D + g * D + lane * DL + e], o[e]);
                 }
@@ -753,7 +904,7 @@ redwood_decode_forward(const long long* __restrict__ tab, float* logits, const l
     sh.ring = smem;  // then 16-byte aligned float arrays, then the barriers and counts
     sh.qs = (float*)(smem + (u64)NSLOT * SLOT);
     sh.ps = sh.qs + 9 * G * D;
-    sh.full = (u64*)(sh.ps + 8 * 32 * G);
+    sh.full = (u64*)(sh.ps + 8 * 32 * PS_G);
     sh.empty = sh.full + NSLOT;
     sh.red = (float*)(sh.empty + NSLOT);
     sh.cnt = (u32*)(sh.red + NSLOT * 8);

@@ -87,30 +87,49 @@ def down_rows(cfg) -> int | None:
     return None
 
 
-def _kernel(model, page_size: int, profile: bool = False):
-    cfg = model.config
+def experiment_defines() -> dict[str, str]:
+    """Timing / design experiments: REDWOOD_MEGAKERNEL_DEFINES="NAME=VALUE …" (a bare NAME means 1) become #defines
+    of megakernel.cu, overriding the computed ones (e.g. NSLOT=2, ATTN_NO_MERGE, ATTN_NO_KV, ATTN_MMA)."""
+    out = {}
+    for item in os.environ.get("REDWOOD_MEGAKERNEL_DEFINES", "").split():
+        name, _, value = item.partition("=")
+        if not name.isidentifier():
+            raise ValueError(f"REDWOOD_MEGAKERNEL_DEFINES: {item!r} is not NAME or NAME=VALUE")
+        out[name] = value or "1"
+    return out
+
+
+def layout(cfg, page_size: int, n_sm: int, smem_optin: int, profile: bool = False) -> tuple[dict, int]:
+    """megakernel.cu's #defines for a model shape on a GPU (n_sm multiprocessors, smem_optin bytes of shared
+    memory a block), and the dynamic shared memory a block asks for: a ring of as many weight-tile slots as fit
+    (2 to 8), after the attention's queries, per-warp accumulators and probabilities."""
     HEAD_DIM = cfg.head_dim
-    props = torch.cuda.get_device_properties(model.device)
     H, F = cfg.hidden_size, cfg.intermediate_size
     G = cfg.num_heads // cfg.num_kv_heads
     rd = down_rows(cfg)
+    extra = experiment_defines()
+    ps_heads = 8 if extra.get("ATTN_MMA", "0") != "0" else G  # probability rows (megakernel.cu's PS_G)
     slot = -(-max(8 * H, 8 * cfg.num_heads * HEAD_DIM, rd * F) * 2 // 128) * 128
-    fixed = 4 * HEAD_DIM + 16 + 9 * G * HEAD_DIM * 4 + 8 * 32 * G * 4  # cos / sin, a word; attention's queries,
+    fixed = 4 * HEAD_DIM + 16 + 9 * G * HEAD_DIM * 4 + 8 * 32 * ps_heads * 4  # cos / sin, a word; attention's queries,
     # per-warp accumulators and probabilities
     per_slot = slot + 16 + 32 + 4  # tile, two barriers, partial sums, arrival count
-    optin = getattr(props, "shared_memory_per_block_optin", 232448)
-    nslot = min(8, (optin - fixed) // per_slot)
+    nslot = min(8, (smem_optin - fixed) // per_slot)
     if nslot < 2:
-        raise RuntimeError(f"megakernel: shared memory {optin} B holds fewer than two {slot} B weight tiles")
-    nslot = int(dict(x.partition("=")[::2] for x in os.environ.get("REDWOOD_MEGAKERNEL_DEFINES", "").split()).get("NSLOT", nslot))
+        raise RuntimeError(f"megakernel: shared memory {smem_optin} B holds fewer than two {slot} B weight tiles")
+    nslot = int(extra.get("NSLOT", nslot))
     smem = nslot * per_slot + fixed
     defines = {"H": H, "NI": F, "HQ": cfg.num_heads, "HKV": cfg.num_kv_heads, "D": HEAD_DIM,
                "V": cfg.vocab_size, "NL": cfg.num_layers, "PS": page_size, "EPS": f"{float(cfg.rms_norm_eps)!r}f",
-               "NB": props.multi_processor_count, "NSLOT": nslot, "SLOT": slot, "RD": rd, "SMAX": SMAX,
+               "NB": n_sm, "NSLOT": nslot, "SLOT": slot, "RD": rd, "SMAX": SMAX,
                "HAS_QKV_BIAS": int(cfg.qkv_bias), "PROFILE": int(profile)}
-    for item in os.environ.get("REDWOOD_MEGAKERNEL_DEFINES", "").split():  # experiments: NAME=VALUE …
-        name, _, value = item.partition("=")
-        defines[name] = value or "1"
+    defines.update(extra)
+    return defines, smem
+
+
+def _kernel(model, page_size: int, profile: bool = False):
+    props = torch.cuda.get_device_properties(model.device)
+    defines, smem = layout(model.config, page_size, props.multi_processor_count,
+                           getattr(props, "shared_memory_per_block_optin", 232448), profile)
     key = tuple(sorted((k, str(v)) for k, v in defines.items()))
     if key not in _KERNELS:
         src = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE.read_text()
