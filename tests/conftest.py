@@ -205,6 +205,19 @@ def run_in_triton_interpreter(test_file: str) -> None:
         pytest.skip(f"interpreter run skipped: {log[-400:]}")
 
 
+def decode_tokens(runner, cache, ids: torch.Tensor):
+    """One-token forwards of ids [1, T] through a StepRunner over `cache` (each token committed before the next)
+    → (logits [T, 1, 1, V], the cache's K and V afterwards)."""
+    outs = []
+    for t in range(ids.shape[1]):
+        pos = cache.lengths[:, None].clone()
+        outs.append(runner.forward(ids[:, t : t + 1], pos).clone())
+        cache.lengths += 1
+    if cache.k.is_cuda:
+        torch.cuda.synchronize()
+    return torch.stack(outs), cache.k.clone(), cache.v.clone()
+
+
 def capture_cuda_graph(step):
     """Run step() once on a side stream (kernels compile outside the capture), then capture a second call
     into a CUDA graph. Returns (graph, what the captured call returned: tensors its replays refill)."""

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from redwood.kernels import l2_prefetch, pdl
+from tests.conftest import decode_tokens
 
 
 def _layer(o_shape, gu_shape, dtype=torch.bfloat16):
@@ -92,14 +93,7 @@ def test_graphed_forwards_with_prefetch_equal_those_without(int8, use_pdl, monke
         monkeypatch.setenv("REDWOOD_L2_PREFETCH", mb)
         cache = model.new_cache(1, 256)
         cache.lengths.fill_(100)
-        runner = StepRunner(model, cache, use_graphs=True)
-        outs = []
-        for t in range(ids.shape[1]):
-            pos = cache.lengths[:, None].clone()
-            outs.append(runner.forward(ids[:, t : t + 1], pos).clone())
-            cache.lengths += 1
-        torch.cuda.synchronize()
-        return torch.stack(outs), cache.k.clone(), cache.v.clone()
+        return decode_tokens(StepRunner(model, cache, use_graphs=True), cache, ids)
 
     expected = run("0")
     assert not model._prefetch_plans

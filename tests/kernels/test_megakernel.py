@@ -15,6 +15,7 @@ import torch
 from redwood.config import ModelConfig
 from redwood.errors import ConfigError
 from redwood.kernels import megakernel
+from tests.conftest import decode_tokens
 
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                             reason="the megakernel needs a GPU of compute capability >= 9")
@@ -177,6 +178,21 @@ def test_experiment_defines(monkeypatch):
         megakernel.experiment_defines()
 
 
+def test_which_forwards_it_takes():
+    from redwood.kv.cache import KVCache
+
+    cfg = _config("d128g2")
+    bf16, f32 = (KVCache(cfg, 1, 64, dt, "cpu") for dt in (torch.bfloat16, torch.float32))
+    one, two = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long)
+    assert megakernel.MegaForward.takes(one, bf16, None, None, None)
+    assert not megakernel.MegaForward.takes(two, bf16, None, None, None)  # a verify / prefill
+    assert not megakernel.MegaForward.takes(torch.zeros(2, 1, dtype=torch.long), bf16, None, None, None)  # batch 2
+    assert not megakernel.MegaForward.takes(one, f32, None, None, None)
+    assert not megakernel.MegaForward.takes(one, bf16, torch.ones(1, 1, dtype=torch.bool), None, None)  # a tree mask
+    assert not megakernel.MegaForward.takes(one, bf16, None, object(), None)  # a compressed view
+    assert not megakernel.MegaForward.takes(one, bf16, None, None, object())  # an observer
+
+
 def test_off_unless_asked(monkeypatch):
     monkeypatch.delenv("REDWOOD_MEGAKERNEL", raising=False)
     assert not megakernel.enabled()
@@ -217,14 +233,7 @@ def test_graph_replays_equal_eager_launches():
 
     def run(graphs: bool):
         cache = _cache(model, 90, paged=True)
-        runner = StepRunner(model, cache, use_graphs=graphs)
-        outs = []
-        for t in range(ids.shape[1]):
-            pos = cache.lengths[:, None].clone()
-            outs.append(runner.forward(ids[:, t : t + 1], pos).clone())
-            cache.lengths += 1
-        torch.cuda.synchronize()
-        return torch.stack(outs), cache.k.clone(), cache.v.clone()
+        return decode_tokens(StepRunner(model, cache, use_graphs=graphs), cache, ids)
 
     eager, graphed = run(False), run(True)
     for a, b in zip(eager, graphed):

@@ -97,13 +97,12 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// memory. Data other blocks wrote in this launch is read with ordinary loads after wait_stage: its
-// acquire (thread 0's fence after the counter) and the block barrier order them as cooperative groups'
-// grid sync does; ordinary loads (not volatile asm) let the compiler keep many in flight.
+// memory. Data other blocks wrote in this launch is read with ordinary loads after wait_stage: thread 0's
+// acquire load of the counter and the block barrier order them as CUTLASS's grid barrier does; ordinary
+// loads (not volatile asm) let the compiler keep many in flight.
 
 __device__ __forceinline__ u32 ld_u16(const void* p) { return *(const u16*)p; }
 __device__ __forceinline__ uint4 ld_v4(const void* p) { return *(const uint4*)p; }
-__device__ __forceinline__ float ld_f32(const void* p) { return *(const float*)p; }
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
@@ -310,7 +309,7 @@ __device__ void produce(const long long* tab, Shared sh, u32* err) {
 // consumer side of a weight stage
 
 // The activation a lane multiplies: its chunks of 8 elements c = part·CPW + lane + 32·j (j < MJ) of x [K],
-// widened to float32 (times s · g_k when NORM: the folded RMSNorm). x: bf16, read L1-bypassing.
+// widened to float32 (times s · g_k when NORM: the folded RMSNorm). x: bf16.
 template <int K, int WPR, bool NORM>
 __device__ __forceinline__ void load_x(const char* x, const char* g, float (&xr)[(K / 8 / WPR + 31) / 32][8]) {
     constexpr int CPW = K / 8 / WPR;
@@ -511,6 +510,16 @@ __device__ __forceinline__ void gemv_stage(const long long* tab, Shared sh, u32&
     }
 }
 
+#if ATTN_MMA
+// c += A · B on tensor cores: mma.sync m16n8k16, bf16 operands (A: 4 registers of 2, B: 2), float32 c.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+#endif
+
 // ------------------------------------------------------------------------------------------------
 // attention: partial softmax sums per (KV head, split) over chunks of 32 keys, then a merge per head
 
@@ -604,12 +613,7 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
                 }
                 sc[t][0] = sc[t][1] = sc[t][2] = sc[t][3] = 0.f;
 #pragma unroll
-                for (int s = 0; s < D / 16; ++s)
-                    asm volatile(
-                        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                        "{%0,%1,%2,%3};"
-                        : "+f"(sc[t][0]), "+f"(sc[t][1]), "+f"(sc[t][2]), "+f"(sc[t][3])
-                        : "r"(ka[s][0]), "r"(ka[s][1]), "r"(ka[s][2]), "r"(ka[s][3]), "r"(qb[s][0]), "r"(qb[s][1]));
+                for (int s = 0; s < D / 16; ++s) mma_bf16(sc[t], ka[s][0], ka[s][1], ka[s][2], ka[s][3], qb[s][0], qb[s][1]);
             }
             float alpha[2];
 #pragma unroll
@@ -670,17 +674,11 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
                     const int d = 8 * i + gid;
                     const u32 b0 = (u32)vc[vb[0] + d] | ((u32)vc[vb[1] + d] << 16);
                     const u32 b1 = (u32)vc[vb[2] + d] | ((u32)vc[vb[3] + d] << 16);
-                    float z2 = 0.f, z3 = 0.f;  // rows 8-15 (no heads there)
-                    asm volatile(
-                        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                        "{%0,%1,%2,%3};"
-                        : "+f"(o[i][0]), "+f"(o[i][1]), "+f"(z2), "+f"(z3)
-                        : "r"(ah[0]), "r"(0u), "r"(ah[1]), "r"(0u), "r"(b0), "r"(b1));
-                    asm volatile(
-                        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                        "{%0,%1,%2,%3};"
-                        : "+f"(o[i][0]), "+f"(o[i][1]), "+f"(z2), "+f"(z3)
-                        : "r"(al[0]), "r"(0u), "r"(al[1]), "r"(0u), "r"(b0), "r"(b1));
+                    float c[4] = {o[i][0], o[i][1], 0.f, 0.f};  // rows 8-15: no heads there
+                    mma_bf16(c, ah[0], 0u, ah[1], 0u, b0, b1);
+                    mma_bf16(c, al[0], 0u, al[1], 0u, b0, b1);
+                    o[i][0] = c[0];
+                    o[i][1] = c[1];
                 }
             }
             __syncwarp();

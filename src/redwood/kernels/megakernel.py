@@ -168,13 +168,14 @@ class MegaForward:
         self.prof = torch.zeros((6 * cfg.num_layers + 1, n_blocks, 2) if profile else 1, dtype=torch.int64, device=dev)
         self.inv_freq = model.rotary.inv_freq.to(device=dev, dtype=torch.float32).contiguous()
         self._tables: dict[tuple, torch.Tensor] = {}
+        self._kernels: dict[int, tuple] = {}  # page size → (kernel, shared memory, defines), looked up once
 
     @staticmethod
-    def takes(model, input_ids: torch.Tensor, cache, new_mask, view, observer) -> bool:
+    def takes(input_ids: torch.Tensor, cache, new_mask, view, observer) -> bool:
         """Whether this forward runs through the megakernel (the model fits: `misfit`; checked once)."""
         if input_ids.shape != (1, 1) or new_mask is not None or view is not None or observer is not None:
             return False
-        return cache.k.dtype == torch.bfloat16 and cache.block_table.shape[0] >= 1
+        return cache.k.dtype == torch.bfloat16
 
     def _table(self, cache) -> torch.Tensor:
         key = (cache.k.data_ptr(), cache.v.data_ptr(), cache.lengths.data_ptr(), cache.live.data_ptr(),
@@ -221,7 +222,10 @@ class MegaForward:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, pending: int = 0) -> torch.Tensor:
         """One token of one row → logits [1, 1, V] float32 (its K/V written at slot lengths + pending)."""
-        kernel, smem, defines = _kernel(self.model, cache.k.shape[3], self.profile)
+        page_size = cache.k.shape[3]
+        if page_size not in self._kernels:
+            self._kernels[page_size] = _kernel(self.model, page_size, self.profile)
+        kernel, smem, defines = self._kernels[page_size]
         table = self._table(cache)
         logits = torch.empty(1, 1, self.model.config.vocab_size, dtype=torch.float32, device=self.model.device)
         ids = input_ids.reshape(1)

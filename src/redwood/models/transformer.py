@@ -535,7 +535,7 @@ class Transformer(nn.Module):
         Returns logits [B, T or K, vocab] in float32.
         """
         mega = self.megakernel
-        if (mega is not None and self.skinny_int8 is None and mega.takes(self, input_ids, cache, new_mask, view, observer)
+        if (mega is not None and self.skinny_int8 is None and mega.takes(input_ids, cache, new_mask, view, observer)
                 and (logits_at is None or logits_at.numel() == 1)):
             return mega.forward(input_ids, positions, cache, pending)  # the whole forward in one launch
         B, T = input_ids.shape
