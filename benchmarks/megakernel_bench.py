@@ -3,13 +3,16 @@ process: random bf16 weights of Qwen2.5-1.5B / 0.5B shape, batch 1, CUDA-graphed
 a cache holding `context` random keys; dense and paged (pages of 64) caches.
 
 Usage: PYTHONPATH=src:benchmarks python benchmarks/megakernel_bench.py [--shapes 1.5b 0.5b] [--contexts 512 4096]
+       [--caches dense paged] [--variants "" "L2PF=16 KV_PF" …] [--timeline]
 Prints, per case, the agreement of the two paths' logits and new K/V (max |Δ| over max |logit|, argmax), the
-megakernel's error flag, and the median ms per graphed forward of each path; a short table last.
+megakernel's error flag, and the median ms per graphed forward of each path; a short table last. --variants builds
+the megakernel once per REDWOOD_MEGAKERNEL_DEFINES string and times each side by side with the skinny path.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -49,6 +52,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["1.5b", "0.5b"], choices=sorted(SHAPES))
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
+    ap.add_argument("--caches", nargs="+", default=["dense", "paged"], choices=["dense", "paged"])
+    ap.add_argument("--variants", nargs="+", default=[os.environ.get("REDWOOD_MEGAKERNEL_DEFINES", "")],
+                    help="REDWOOD_MEGAKERNEL_DEFINES strings, one megakernel build each (default: the environment's)")
     ap.add_argument("--repeats", type=int, default=100)
     ap.add_argument("--timeline", action="store_true",
                     help="also print each case's stage timeline (a profiling build: globaltimer stamps per block)")
@@ -59,49 +65,52 @@ def main() -> None:
         model = random_model(True, SHAPES[shape])
         floor_ms = weight_bytes(model) / bw * 1e3
         for context in args.contexts:
-            for paged in (False, True):
+            for paged in (c == "paged" for c in args.caches):
                 cache = make_cache(model, context, paged)
                 ids = torch.randint(0, 1000, (1, 1), device="cuda")
                 pos = cache.lengths[:, None].clone()
                 model.use_megakernel(False)
                 ref = model(ids, pos, cache).clone()
                 kv_ref = new_kv(model, cache).clone()
-                model.use_megakernel(True)
-                out = model(ids, pos, cache)
-                kv = new_kv(model, cache)
-                err = model.megakernel.error()
-                rel = ((out - ref).abs().max() / ref.abs().max()).item()
-                kv_rel = ((kv.float() - kv_ref.float()).abs().max() / kv_ref.float().abs().max()).item()
-                same = bool(out.argmax() == ref.argmax())
-                times = {}
-                for on in (False, True):  # (ends with the megakernel on: its error flag covers every launch)
-                    model.use_megakernel(on)
+                runner = StepRunner(model, cache, use_graphs=True)
+                t_skinny = time_step(lambda: runner.forward(ids, pos), repeats=args.repeats)
+                for variant in args.variants:
+                    os.environ["REDWOOD_MEGAKERNEL_DEFINES"] = variant
+                    model.megakernel = None  # a fresh build for this variant's defines
+                    model.use_megakernel(True)
+                    out = model(ids, pos, cache)
+                    kv = new_kv(model, cache)
+                    err = model.megakernel.error()
+                    rel = ((out - ref).abs().max() / ref.abs().max()).item()
+                    kv_rel = ((kv.float() - kv_ref.float()).abs().max() / kv_ref.float().abs().max()).item()
+                    same = bool(out.argmax() == ref.argmax())
                     runner = StepRunner(model, cache, use_graphs=True)
-                    times[on] = time_step(lambda: runner.forward(ids, pos), repeats=args.repeats)
-                err = max(err, model.megakernel.error())
-                name = f"{shape} ctx {context} {'paged' if paged else 'dense'}"
-                if args.timeline:
-                    from redwood.kernels.megakernel import MegaForward
+                    t_mega = time_step(lambda: runner.forward(ids, pos), repeats=args.repeats)
+                    err = max(err, model.megakernel.error())
+                    name = f"{shape} {context} {'paged' if paged else 'dense'}{' ' + variant if variant else ''}"
+                    if args.timeline:
+                        from redwood.kernels.megakernel import MegaForward
 
-                    model.megakernel = MegaForward(model, profile=True)
-                    for _ in range(5):
-                        model(ids, pos, cache)
-                    torch.cuda.synchronize()
-                    print(f"{name} timeline (µs per stage, mean over layers):")
-                    for kind, row in model.megakernel.timeline().items():
-                        print(f"  {kind:<10} wait {row['wait']:7.2f}  work {row['work']:7.2f}  span {row['span']:8.2f}")
+                        model.megakernel = MegaForward(model, profile=True)
+                        for _ in range(5):
+                            model(ids, pos, cache)
+                        torch.cuda.synchronize()
+                        print(f"{name} timeline (µs per stage, mean over layers):")
+                        for kind, row in model.megakernel.timeline().items():
+                            print(f"  {kind:<10} wait {row['wait']:7.2f}  work {row['work']:7.2f}  span {row['span']:8.2f}")
                     model.megakernel = None
-                rows.append((name, times[False], times[True], floor_ms, rel, kv_rel, same, err))
-                print(rows[-1], flush=True)
-                del cache
+                    model.use_megakernel(False)
+                    rows.append((name, t_skinny, t_mega, floor_ms, rel, kv_rel, same, err))
+                    print(rows[-1], flush=True)
+                del cache, runner
         model.megakernel = None
         del model
         torch.cuda.empty_cache()
     print(f"\nfloor = weight bytes / {bw / 1e12:.2f} TB/s (in-run copy bandwidth)")
-    print(f"{'case':<24}{'skinny ms':>10}{'mega ms':>9}{'speedup':>8}{'floor':>7}{'mega/floor':>11}"
+    print(f"{'case':<36}{'skinny ms':>10}{'mega ms':>9}{'speedup':>8}{'floor':>7}{'mega/floor':>11}"
           f"{'logit rel':>11}{'kv rel':>9}{'argmax':>7}{'err':>5}")
     for name, t0, t1, fl, rel, kv_rel, same, err in rows:
-        print(f"{name:<24}{t0:>10.3f}{t1:>9.3f}{t0 / t1:>8.2f}{fl:>7.3f}{fl / t1:>11.2f}{rel:>11.2e}{kv_rel:>9.2e}"
+        print(f"{name:<36}{t0:>10.3f}{t1:>9.3f}{t0 / t1:>8.2f}{fl:>7.3f}{fl / t1:>11.2f}{rel:>11.2e}{kv_rel:>9.2e}"
               f"{str(same):>7}{err:>5}")
 
 

@@ -156,21 +156,21 @@ def test_layout_on_an_h200(monkeypatch):
     qwen_1_5b = _hf()
     d, smem = megakernel.layout(qwen_1_5b, 64, 132, 232448)
     assert (d["NSLOT"], d["SLOT"], d["RD"], d["NB"], d["D"], d["PS"]) == (8, 24576, 1, 132, 128, 64)
-    assert smem == 8 * (24576 + 52) + 4 * 128 + 16 + 9 * 6 * 128 * 4 + 8 * 32 * 6 * 4 <= 232448
+    assert smem == 8 * (24576 + 52) + 4 * 128 + 16 + 8 * 6 * 128 * 4 + 8 * 32 * 8 * 4 <= 232448  # 8-head P rows
     qwen_0_5b = _hf(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14)
     d, _ = megakernel.layout(qwen_0_5b, 64, 132, 232448)
     assert (d["NSLOT"], d["SLOT"], d["RD"], d["D"]) == (8, 14336, 1, 64)
-    monkeypatch.setenv("REDWOOD_MEGAKERNEL_DEFINES", "NSLOT=2 ATTN_MMA")
+    monkeypatch.setenv("REDWOOD_MEGAKERNEL_DEFINES", "NSLOT=2 ATTN_CPB=16")
     d, smem2 = megakernel.layout(qwen_1_5b, 64, 132, 232448)
-    assert d["NSLOT"] == "2" and d["ATTN_MMA"] == "1"
-    assert smem2 == 2 * (24576 + 52) + 4 * 128 + 16 + 9 * 6 * 128 * 4 + 8 * 32 * 8 * 4  # 8-head probability rows
+    assert d["NSLOT"] == "2" and d["ATTN_CPB"] == "16"
+    assert smem2 == 2 * (24576 + 52) + 4 * 128 + 16 + 8 * 6 * 128 * 4 + 8 * 32 * 8 * 4
     with pytest.raises(RuntimeError, match="fewer than two"):
         megakernel.layout(qwen_1_5b, 64, 132, 48 * 1024)
 
 
 def test_experiment_defines(monkeypatch):
-    monkeypatch.setenv("REDWOOD_MEGAKERNEL_DEFINES", "NSLOT=2 ATTN_MMA")
-    assert megakernel.experiment_defines() == {"NSLOT": "2", "ATTN_MMA": "1"}
+    monkeypatch.setenv("REDWOOD_MEGAKERNEL_DEFINES", "NSLOT=2 ATTN_CPB=16 ATTN_NO_MERGE")
+    assert megakernel.experiment_defines() == {"NSLOT": "2", "ATTN_CPB": "16", "ATTN_NO_MERGE": "1"}
     monkeypatch.setenv("REDWOOD_MEGAKERNEL_DEFINES", "")
     assert megakernel.experiment_defines() == {}
     monkeypatch.setenv("REDWOOD_MEGAKERNEL_DEFINES", "2=NSLOT")

@@ -84,6 +84,16 @@ __device__ __forceinline__ u32 f2bf(float f) {  // round to nearest even (as tor
 
 __device__ __forceinline__ float rbf(float f) { return bf2f(f2bf(f)); }
 
+// 8 packed bf16 (16 bytes) → float32, in order.
+__device__ __forceinline__ void widen8(uint4 v, float (&f)[8]) {
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        f[2 * e] = bf2f(w[e] & 0xffffu);
+        f[2 * e + 1] = bf2f(w[e] >> 16);
+    }
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -149,21 +159,15 @@ __device__ __forceinline__ void mbar_arrive(u32 bar) {
 #ifndef PROFILE
 #define PROFILE 0
 #endif
-// Experiment switches (benchmarks/megakernel_bench.py --variant): wrong outputs, for timing only.
+// Design switches (REDWOOD_MEGAKERNEL_DEFINES overrides them for experiments; ATTN_NO_MERGE gives wrong outputs
+// and is for timing only).
 #ifndef ATTN_NO_MERGE
 #define ATTN_NO_MERGE 0  // skip the merge of the splits
 #endif
-#ifndef ATTN_NO_KV
-#define ATTN_NO_KV 0  // read no K/V rows (scores of zero keys)
+#ifndef ATTN_CPB
+#define ATTN_CPB 8  // chunks of 32 keys a block takes (one a warp) before a KV head's keys split over more blocks
 #endif
-#ifndef ATTN_MMA
-#define ATTN_MMA 0  // attention chunks on tensor cores (experiment, not yet run on a GPU)
-#endif
-#if ATTN_MMA
-#define PS_G 8  // probability rows of 8 heads (the MMA's N)
-#else
-#define PS_G G
-#endif
+#define PS_G 8  // probability rows of 8 heads (the tensor-core N)
 __device__ long long* g_prof;  // set at kernel start with PROFILE
 
 __device__ __forceinline__ void stamp(int stage, int which) {
@@ -268,40 +272,59 @@ struct Shared {
     u64* empty;
     float* red;   // [NSLOT][8] a tile's partial sums, one per consumer warp
     u32* cnt;     // [NSLOT] warps done with the tile in that slot
-    float* qs;    // [G][D] the block's KV head's queries, then [8][G][D] each warp's attention accumulators
+    float* acc;   // [8][G][D] each warp's attention accumulators
     float* ps;    // [8][32][G] probabilities of a warp's 32 keys
     float* cos;   // [D/2] this token's rotary cos / sin, rounded to bf16 as RotaryEmbedding's
     float* sin;
     u32* word;    // a broadcast word
 };
 
+// The producer's walk over this block's tiles in consumption order: layer, stage kind k (q/k/v, o, gate/up,
+// down; the head after the last layer), task t.
+struct Cursor {
+    int layer, k, t;
+    __device__ __forceinline__ bool done() const { return layer > NL; }
+    __device__ __forceinline__ int kind() const { return layer == NL ? K_HEAD : k; }
+    __device__ void settle() {  // on to the first task at or after (layer, k, t) this block owns
+        while (layer <= NL && t >= num_tasks(kind())) {
+            if (layer == NL || ++k == 4) {
+                ++layer;
+                k = 0;
+            }
+            t = first_task(layer * 4 + k);
+        }
+    }
+    __device__ __forceinline__ void next() {
+        t += NB;
+        settle();
+    }
+};
+
+__device__ __forceinline__ Cursor first_tile() {
+    Cursor c{0, 0, first_task(0)};
+    c.settle();
+    return c;
+}
+
 // The producer (one thread): every weight tile of this block, in order, into the ring.
 __device__ void produce(const long long* tab, Shared sh, u32* err) {
-    u32 it = 0;
-    for (int layer = 0; layer <= NL; ++layer) {
-        for (int k = 0; k < 4; ++k) {
-            int kind = layer == NL ? K_HEAD : k;
-            if (layer == NL && k > 0) break;
-            int seq = layer * 4 + k;
-            int n = num_tasks(kind);
-            for (int t = first_task(seq); t < n; t += NB, ++it) {
-                u32 slot = it % NSLOT;
-                u32 parity = ((it / NSLOT) & 1u) ^ 1u;
-                mbar_wait(smem_addr(sh.empty + slot), parity, err, 1);
-                if (failed(err)) return;
-                Tile tl = tile_of(tab, kind, layer, t);
-                u32 full = smem_addr(sh.full + slot);
-                u32 dst = smem_addr(sh.ring + (u64)slot * SLOT);
-                u64 state;
-                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], %2;"
-                             : "=l"(state) : "r"(full), "r"(tl.bytes_a + tl.bytes_b) : "memory");
-                asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                             :: "r"(dst), "l"(tl.a), "r"(tl.bytes_a), "r"(full) : "memory");
-                if (tl.bytes_b)
-                    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                                 :: "r"(dst + tl.bytes_a), "l"(tl.b), "r"(tl.bytes_b), "r"(full) : "memory");
-            }
-        }
+    Cursor cp = first_tile();
+    for (u32 it = 0; !cp.done(); ++it, cp.next()) {
+        u32 slot = it % NSLOT;
+        u32 parity = ((it / NSLOT) & 1u) ^ 1u;
+        mbar_wait(smem_addr(sh.empty + slot), parity, err, 1);
+        if (failed(err)) return;
+        Tile tl = tile_of(tab, cp.kind(), cp.layer, cp.t);
+        u32 full = smem_addr(sh.full + slot);
+        u32 dst = smem_addr(sh.ring + (u64)slot * SLOT);
+        u64 state;
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], %2;"
+                     : "=l"(state) : "r"(full), "r"(tl.bytes_a + tl.bytes_b) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     :: "r"(dst), "l"(tl.a), "r"(tl.bytes_a), "r"(full) : "memory");
+        if (tl.bytes_b)
+            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                         :: "r"(dst + tl.bytes_a), "l"(tl.b), "r"(tl.bytes_b), "r"(full) : "memory");
     }
 }
 
@@ -320,13 +343,7 @@ __device__ __forceinline__ void load_x(const char* x, const char* g, float (&xr)
     for (int j = 0; j < MJ; ++j) {
         int c = lane + 32 * j;
         if (c < CPW) {
-            uint4 v = ld_v4(x + (u64)(part * CPW + c) * 16);
-            u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                xr[j][2 * e] = bf2f(w[e] & 0xffffu);
-                xr[j][2 * e + 1] = bf2f(w[e] >> 16);
-            }
+            widen8(ld_v4(x + (u64)(part * CPW + c) * 16), xr[j]);
         } else {
 #pragma unroll
             for (int e = 0; e < 8; ++e) xr[j][e] = 0.f;
@@ -342,13 +359,10 @@ __device__ __forceinline__ void load_x(const char* x, const char* g, float (&xr)
         for (int j = 0; j < MJ; ++j) {
             int c = lane + 32 * j;
             if (c < CPW) {
-                uint4 v = *(const uint4*)(g + (u64)c * 16);
-                u32 w[4] = {v.x, v.y, v.z, v.w};
+                float gf[8];
+                widen8(*(const uint4*)(g + (u64)c * 16), gf);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    xr[j][2 * e] *= bf2f(w[e] & 0xffffu) * s;
-                    xr[j][2 * e + 1] *= bf2f(w[e] >> 16) * s;
-                }
+                for (int e = 0; e < 8; ++e) xr[j][e] *= gf[e] * s;
             }
         }
     }
@@ -365,17 +379,15 @@ __device__ __forceinline__ float row_dot(const char* tile_row, const float (&xr)
     for (int j = 0; j < MJ; ++j) {
         int c = lane + 32 * j;
         if (c < CPW) {
-            uint4 v = *(const uint4*)(tile_row + (u64)(part * CPW + c) * 16);
-            u32 w[4] = {v.x, v.y, v.z, v.w};
+            float wf[8];
+            widen8(*(const uint4*)(tile_row + (u64)(part * CPW + c) * 16), wf);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                acc = fmaf(xr[j][2 * e], bf2f(w[e] & 0xffffu), acc);
-                acc = fmaf(xr[j][2 * e + 1], bf2f(w[e] >> 16), acc);
-            }
+            for (int e = 0; e < 8; ++e) acc = fmaf(xr[j][e], wf[e], acc);
         }
     }
     return warp_sum(acc);
 }
+
 
 struct Step {  // per-launch values, read once
     long long pos, page, off, lo, hi;  // rope position; the new K/V's page / offset; keys [lo, hi)
@@ -510,7 +522,6 @@ __device__ __forceinline__ void gemv_stage(const long long* tab, Shared sh, u32&
     }
 }
 
-#if ATTN_MMA
 // c += A · B on tensor cores: mma.sync m16n8k16, bf16 operands (A: 4 registers of 2, B: 2), float32 c.
 __device__ __forceinline__ void mma_bf16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile(
@@ -518,15 +529,15 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], u32 a0, u32 a1, u32 a2, 
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-#endif
 
 // ------------------------------------------------------------------------------------------------
 // attention: partial softmax sums per (KV head, split) over chunks of 32 keys, then a merge per head
 
-// Block splits per KV head: each block's 8 warps walk ≤ 2 chunks of 32 keys each where the split count allows.
+// Block splits per KV head: a block takes ATTN_CPB chunks of 32 keys (one a warp) where the split count allows;
+// past SMAX splits (or the blocks there are) a warp walks several.
 __device__ __forceinline__ int num_splits(const Step& st) {
     int chunks = (int)((st.hi - st.lo + 31) / 32);
-    int n = (chunks + 15) / 16;
+    int n = (chunks + ATTN_CPB - 1) / ATTN_CPB;
     if (n > SMAX) n = SMAX;
     if (n > NB / HKV) n = NB / HKV;
     return n < 1 ? 1 : n;
@@ -546,34 +557,13 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
     const u16* kc = (const u16*)layer_ptr(tab, layer, L_K);
     const u16* vc = (const u16*)layer_ptr(tab, layer, L_V);
     const int* bt = (const int*)tab[T_BT];
-    float* qs = sh.qs;                          // [G][D] the KV head's queries
-    float* wacc = sh.qs + G * D + warp * G * D; // [G][D] this warp's accumulators
+    float* wacc = sh.acc + warp * G * D;        // [G][D] this warp's accumulators
     float* ps = sh.ps + warp * 32 * PS_G;       // [32][PS_G] this warp's probabilities, then its (m, l)
     const float scale = rsqrtf((float)D);
     for (int item = blockIdx.x; item < HKV * S; item += NB) {
         const int kvh = item / S, split = item % S;
         const int c0 = (int)((long long)split * chunks / S), c1 = (int)((long long)(split + 1) * chunks / S);
-        {  // the queries, loads before stores
-            const u32* qsrc = (const u32*)((const u16*)tab[T_Q] + kvh * G * D);
-            u32 qv[(G * D / 2 + CONSUMERS - 1) / CONSUMERS];
-#pragma unroll
-            for (int e = 0; e < (G * D / 2 + CONSUMERS - 1) / CONSUMERS; ++e) {
-                int i = threadIdx.x + CONSUMERS * e;
-                qv[e] = i < G * D / 2 ? qsrc[i] : 0u;
-            }
-#pragma unroll
-            for (int e = 0; e < (G * D / 2 + CONSUMERS - 1) / CONSUMERS; ++e) {
-                int i = threadIdx.x + CONSUMERS * e;
-                if (i < G * D / 2) {
-                    qs[2 * i] = bf2f(qv[e] & 0xffffu);
-                    qs[2 * i + 1] = bf2f(qv[e] >> 16);
-                }
-            }
-        }
-        bar_consumers();
-#if ATTN_MMA
-        // Tensor-core chunks (experiment, off by default: ATTN_MMA=1 through REDWOOD_MEGAKERNEL_DEFINES; not yet run on
-        // a GPU). mma.sync m16n8k16 bf16 → f32, gid = lane / 4, tig = lane % 4:
+        // Chunks on tensor cores (mma.sync m16n8k16 bf16 → f32; gid = lane / 4, tig = lane % 4):
         //   scores S [16 keys × 8 heads] = K [16 keys × 16 dims] · Qᵀ [16 dims × 8 heads], D / 16 steps, 2 key tiles;
         //   O [16 heads (8 real) × 8 dims] += P [heads × 16 keys] · V [16 keys × 8 dims], P as bf16 hi + lo parts.
         // A thread's scores: keys 16t + 8r + gid, heads 2·tig + j; its outputs: head gid, dims 8i + 2·tig + {0, 1}.
@@ -701,105 +691,6 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
                 }
             }
         }
-#else
-        float m[G], l[G], acc[G][DL];
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            m[g] = NEG_INF;
-            l[g] = 0.f;
-#pragma unroll
-            for (int e = 0; e < DL; ++e) acc[g][e] = 0.f;
-        }
-        for (int c = c0 + warp; c < c1; c += 8) {
-            long long key = st.lo + (long long)c * 32 + lane;
-            bool valid = key < st.hi;
-            long long base = valid ? (((long long)bt[key / PS] * HKV + kvh) * PS + key % PS) * D : 0;
-            uint4 kw[D / 8];
-#pragma unroll
-            for (int q8 = 0; q8 < D / 8; ++q8)
-                kw[q8] = valid && !ATTN_NO_KV ? *(const uint4*)(kc + base + q8 * 8) : make_uint4(0, 0, 0, 0);
-            long long left = st.hi - (st.lo + (long long)c * 32);
-            const int nk = left < 32 ? (int)left : 32;
-            u32 vw[32][DL / 2];
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                long long b = __shfl_sync(0xffffffffu, base, j);
-#pragma unroll
-                for (int e = 0; e < DL / 2; ++e)
-                    vw[j][e] = j < nk && !ATTN_NO_KV ? *((const u32*)(vc + b + lane * DL) + e) : 0u;
-            }
-            float sc[G];
-#pragma unroll
-            for (int g = 0; g < G; ++g) sc[g] = 0.f;
-#pragma unroll
-            for (int q8 = 0; q8 < D / 8; ++q8) {
-                u32 w[4] = {kw[q8].x, kw[q8].y, kw[q8].z, kw[q8].w};
-#pragma unroll
-                for (int g = 0; g < G; ++g) {
-                    const float4* q = (const float4*)(qs + g * D + q8 * 8);
-                    float4 qa = q[0], qb = q[1];
-                    sc[g] = fmaf(qa.x, bf2f(w[0] & 0xffffu), sc[g]);
-                    sc[g] = fmaf(qa.y, bf2f(w[0] >> 16), sc[g]);
-                    sc[g] = fmaf(qa.z, bf2f(w[1] & 0xffffu), sc[g]);
-                    sc[g] = fmaf(qa.w, bf2f(w[1] >> 16), sc[g]);
-                    sc[g] = fmaf(qb.x, bf2f(w[2] & 0xffffu), sc[g]);
-                    sc[g] = fmaf(qb.y, bf2f(w[2] >> 16), sc[g]);
-                    sc[g] = fmaf(qb.z, bf2f(w[3] & 0xffffu), sc[g]);
-                    sc[g] = fmaf(qb.w, bf2f(w[3] >> 16), sc[g]);
-                }
-            }
-#pragma unroll
-            for (int j = 16; j < 32; ++j) {  // the second half's V loads fly during the softmax
-                long long b = __shfl_sync(0xffffffffu, base, j);
-#pragma unroll
-                for (int e = 0; e < DL / 2; ++e)
-                    vw[j][e] = j < nk && !ATTN_NO_KV ? *((const u32*)(vc + b + lane * DL) + e) : 0u;
-            }
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-                float s = valid ? sc[g] * scale : NEG_INF;
-                float mn = fmaxf(m[g], warp_max(s));
-                float alpha = m[g] == NEG_INF ? 0.f : expf(m[g] - mn);
-                float p = valid ? expf(s - mn) : 0.f;
-                l[g] = l[g] * alpha + warp_sum(p);
-#pragma unroll
-                for (int e = 0; e < DL; ++e) acc[g][e] *= alpha;
-                ps[lane * G + g] = p;
-                m[g] = mn;
-            }
-            __syncwarp();
-#pragma unroll
-            for (int j = 0; j < 32; ++j) {
-                float vf[DL];
-#pragma unroll
-                for (int e = 0; e < DL / 2; ++e) {
-                    vf[2 * e] = bf2f(vw[j][e] & 0xffffu);
-                    vf[2 * e + 1] = bf2f(vw[j][e] >> 16);
-                }
-#pragma unroll
-                for (int g = 0; g < G; ++g) {
-                    float p = ps[j * G + g];  // 0 past the last key
-#pragma unroll
-                    for (int e = 0; e < DL; ++e) acc[g][e] = fmaf(p, vf[e], acc[g][e]);
-                }
-            }
-            __syncwarp();
-        }
-        // this warp's partials into shared memory (a warp without chunks leaves m = -inf, l = 0)
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-#pragma unroll
-            for (int e = 0; e < DL; ++e) wacc[g * D + lane * DL + e] = acc[g][e];
-        }
-        __syncwarp();
-        if (lane == 0) {
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-                ps[g] = m[g];
-                ps[G + g] = l[g];
-            }
-        }
-#endif
         bar_consumers();
         // warp g merges head g over the 8 warps
         float* pm = (float*)tab[T_PM];
@@ -822,7 +713,7 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
                     float f = mw[w] == NEG_INF ? 0.f : expf(mw[w] - M);
                     L += f * sh.ps[w * 32 * PS_G + G + g];
 #pragma unroll
-                    for (int e = 0; e < DL; ++e) o[e] = fmaf(f, sh.qs[G * D + w * G * D + g * D + lane * DL + e], o[e]);
+                    for (int e = 0; e < DL; ++e) o[e] = fmaf(f, sh.acc[w * G * D + g * D + lane * DL + e], o[e]);
                 }
             }
             if (S == 1) {
@@ -900,8 +791,8 @@ redwood_decode_forward(const long long* __restrict__ tab, float* logits, const l
     extern __shared__ __align__(128) char smem[];
     Shared sh;
     sh.ring = smem;  // then 16-byte aligned float arrays, then the barriers and counts
-    sh.qs = (float*)(smem + (u64)NSLOT * SLOT);
-    sh.ps = sh.qs + 9 * G * D;
+    sh.acc = (float*)(smem + (u64)NSLOT * SLOT);
+    sh.ps = sh.acc + 8 * G * D;
     sh.full = (u64*)(sh.ps + 8 * 32 * PS_G);
     sh.empty = sh.full + NSLOT;
     sh.red = (float*)(sh.empty + NSLOT);
@@ -920,10 +811,6 @@ redwood_decode_forward(const long long* __restrict__ tab, float* logits, const l
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
-    if (threadIdx.x >= CONSUMERS) {  // the producer warp: one thread streams, the rest have nothing to do
-        if (threadIdx.x == CONSUMERS) produce(tab, sh, err);
-        return;
-    }
     Step st;
     {
         const long long len = ((const long long*)tab[T_LEN])[0];
@@ -935,6 +822,10 @@ redwood_decode_forward(const long long* __restrict__ tab, float* logits, const l
         st.hi = slot + 1;
         st.embed_row = (const char*)tab[T_EMBED] + (u64)ids[0] * H * 2;
         st.logits = logits;
+    }
+    if (threadIdx.x >= CONSUMERS) {  // the producer warp: one thread streams, the rest have nothing to do
+        if (threadIdx.x == CONSUMERS) produce(tab, sh, err);
+        return;
     }
     for (int i = threadIdx.x; i < D / 2; i += CONSUMERS) {
         float ang = (float)st.pos * ((const float*)tab[T_INV_FREQ])[i];

@@ -89,7 +89,7 @@ def down_rows(cfg) -> int | None:
 
 def experiment_defines() -> dict[str, str]:
     """Timing / design experiments: REDWOOD_MEGAKERNEL_DEFINES="NAME=VALUE …" (a bare NAME means 1) become #defines
-    of megakernel.cu, overriding the computed ones (e.g. NSLOT=2, ATTN_NO_MERGE, ATTN_NO_KV, ATTN_MMA)."""
+    of megakernel.cu, overriding the computed ones (e.g. NSLOT=2, ATTN_CPB=16, ATTN_NO_MERGE)."""
     out = {}
     for item in os.environ.get("REDWOOD_MEGAKERNEL_DEFINES", "").split():
         name, _, value = item.partition("=")
@@ -108,9 +108,8 @@ def layout(cfg, page_size: int, n_sm: int, smem_optin: int, profile: bool = Fals
     G = cfg.num_heads // cfg.num_kv_heads
     rd = down_rows(cfg)
     extra = experiment_defines()
-    ps_heads = 8 if extra.get("ATTN_MMA", "0") != "0" else G  # probability rows (megakernel.cu's PS_G)
     slot = -(-max(8 * H, 8 * cfg.num_heads * HEAD_DIM, rd * F) * 2 // 128) * 128
-    fixed = 4 * HEAD_DIM + 16 + 9 * G * HEAD_DIM * 4 + 8 * 32 * ps_heads * 4  # cos / sin, a word; attention's queries,
+    fixed = 4 * HEAD_DIM + 16 + 8 * G * HEAD_DIM * 4 + 8 * 32 * 8 * 4  # cos / sin, a word; attention's
     # per-warp accumulators and probabilities
     per_slot = slot + 16 + 32 + 4  # tile, two barriers, partial sums, arrival count
     nslot = min(8, (smem_optin - fixed) // per_slot)
