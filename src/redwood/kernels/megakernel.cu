@@ -164,6 +164,15 @@ __device__ __forceinline__ void mbar_arrive(u32 bar) {
 #ifndef ATTN_NO_MERGE
 #define ATTN_NO_MERGE 0  // skip the merge of the splits
 #endif
+#ifndef EARLY_OPERANDS
+#define EARLY_OPERANDS 0  // a weight stage loads its norm weights and its epilogues' biases / residual rows before its wait
+#endif
+#ifndef ATTN_FOLD
+#define ATTN_FOLD 0  // up to this many key splits a KV head, the o stage merges them while loading its input
+#endif
+#if ATTN_FOLD && HKV > 8
+#error "ATTN_FOLD merges into the attention accumulators' shared memory: HKV <= 8"
+#endif
 #ifndef ATTN_CPB
 #define ATTN_CPB 8  // chunks of 32 keys a block takes (one a warp) before a KV head's keys split over more blocks
 #endif
@@ -211,7 +220,7 @@ __device__ __forceinline__ void arrive_stage(u32* ctr, int c) {
 #define K_DOWN 3
 #define K_HEAD 4
 
-__device__ __forceinline__ int num_tasks(int kind) {
+__host__ __device__ constexpr int num_tasks(int kind) {
     switch (kind) {
         case K_QKV: return (HQ + 2 * HKV) * (D / 8);  // 4 rotation pairs (rows j, j + D/2) per tile
         case K_O: return H / 8;
@@ -331,10 +340,24 @@ __device__ void produce(const long long* tab, Shared sh, u32* err) {
 // ------------------------------------------------------------------------------------------------
 // consumer side of a weight stage
 
+#define XCHUNKS(K, WPR) (((K) / 8 / (WPR) + 31) / 32)  // 8-element chunks of x a lane holds
+
+// The norm weights' chunks load_x multiplies in, loaded ahead (EARLY_OPERANDS): the same chunks c = lane + 32·j.
+template <int K>
+__device__ __forceinline__ void load_g(const char* g, uint4 (&gr)[XCHUNKS(K, 1)]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < XCHUNKS(K, 1); ++j) {
+        int c = lane + 32 * j;
+        gr[j] = c < K / 8 ? *(const uint4*)(g + (u64)c * 16) : make_uint4(0, 0, 0, 0);
+    }
+}
+
 // The activation a lane multiplies: its chunks of 8 elements c = part·CPW + lane + 32·j (j < MJ) of x [K],
-// widened to float32 (times s · g_k when NORM: the folded RMSNorm). x: bf16.
-template <int K, int WPR, bool NORM>
-__device__ __forceinline__ void load_x(const char* x, const char* g, float (&xr)[(K / 8 / WPR + 31) / 32][8]) {
+// widened to float32 (times s · g_k when NORM: the folded RMSNorm; g's chunks from gr when PRE). x: bf16.
+template <int K, int WPR, bool NORM, bool PRE = false>
+__device__ __forceinline__ void load_x(const char* x, const char* g, float (&xr)[(K / 8 / WPR + 31) / 32][8],
+                                       const uint4 (&gr)[XCHUNKS(K, WPR)] = {}) {
     constexpr int CPW = K / 8 / WPR;
     constexpr int MJ = (CPW + 31) / 32;
     const int lane = threadIdx.x & 31, part = (threadIdx.x >> 5) % WPR;
@@ -360,7 +383,7 @@ __device__ __forceinline__ void load_x(const char* x, const char* g, float (&xr)
             int c = lane + 32 * j;
             if (c < CPW) {
                 float gf[8];
-                widen8(*(const uint4*)(g + (u64)c * 16), gf);
+                widen8(PRE ? gr[j] : *(const uint4*)(g + (u64)c * 16), gf);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) xr[j][e] *= gf[e] * s;
             }
@@ -395,6 +418,16 @@ struct Step {  // per-launch values, read once
     float* logits;                     // [V] output
 };
 
+// Block splits per KV head: a block takes ATTN_CPB chunks of 32 keys (one a warp) where the split count allows;
+// past SMAX splits (or the blocks there are) a warp walks several.
+__device__ __forceinline__ int num_splits(const Step& st) {
+    int chunks = (int)((st.hi - st.lo + 31) / 32);
+    int n = (chunks + ATTN_CPB - 1) / ATTN_CPB;
+    if (n > SMAX) n = SMAX;
+    if (n > NB / HKV) n = NB / HKV;
+    return n < 1 ? 1 : n;
+}
+
 // A finished tile's outputs from its 8 partial sums red[0..8) (warp w's row or K part), computed by lanes
 // of the last warp to finish the tile.
 // The tile's sums a lane of the finishing warp needs: (red[lane & 3], red[(lane & 3) + 4]) for the pair
@@ -415,15 +448,44 @@ __device__ __forceinline__ void gather(const float* red, int lane, float& a, flo
     }
 }
 
+// What a tile's epilogue reads from global memory that is final before its stage's wait (EARLY_OPERANDS): the
+// q/k/v biases of its pair rows (lanes 0-3), the residual rows o and down add to (lanes 0-7 / 0-RD). The
+// residual stream h is final then: this block's previous stage waited for the stage that last wrote it.
+template <int KIND>
+__host__ __device__ constexpr int pre_tiles() {
+    return KIND == K_QKV || KIND == K_O || KIND == K_DOWN ? (num_tasks(KIND) + NB - 1) / NB : 1;
+}
+
+template <int KIND>
+__device__ __forceinline__ float2 pre_operands(const long long* tab, int layer, int t, int lane, const Step& st) {
+    float2 v = make_float2(0.f, 0.f);
+    if (KIND == K_QKV) {
+        if (HAS_QKV_BIAS && lane < 4) {
+            const int head = t / (D / 8), i = (t % (D / 8)) * 4 + lane, r1 = head * D + i;
+            const char* b = layer_ptr(tab, layer, L_QKV_B);
+            v.x = bf2f(ld_u16(b + 2 * r1));
+            v.y = bf2f(ld_u16(b + 2 * (r1 + D / 2)));
+        }
+    } else if (KIND == K_O) {
+        if (lane < 8) v.x = bf2f(ld_u16((layer == 0 ? st.embed_row : (const char*)tab[T_H]) + 2 * (t * 8 + lane)));
+    } else if (KIND == K_DOWN) {
+        if (lane < RD) v.x = bf2f(ld_u16((const char*)tab[T_H] + 2 * (t * RD + lane)));
+    }
+    return v;
+}
+
 template <int KIND, int WPR>
 __device__ __forceinline__ void epilogue(const long long* tab, Shared sh, int layer, int t, float a, float b,
-                                         int lane, const Step& st) {
+                                         int lane, const Step& st, float2 pre) {
     if (KIND == K_QKV) {
         if (lane < 4) {
             int head = t / (D / 8), i = (t % (D / 8)) * 4 + lane;  // pair (i, i + D/2) of `head`
             int r1 = head * D + i, r2 = r1 + D / 2;
             float y1 = a, y2 = b;
-            if (HAS_QKV_BIAS) {
+            if (HAS_QKV_BIAS && EARLY_OPERANDS) {
+                y1 += pre.x;
+                y2 += pre.y;
+            } else if (HAS_QKV_BIAS) {
                 const char* b = layer_ptr(tab, layer, L_QKV_B);
                 y1 += bf2f(*(const u16*)(b + 2 * r1));
                 y2 += bf2f(*(const u16*)(b + 2 * r2));
@@ -452,7 +514,7 @@ __device__ __forceinline__ void epilogue(const long long* tab, Shared sh, int la
         if (lane < 8) {
             int r = t * 8 + lane;
             const char* src = layer == 0 ? st.embed_row : (const char*)tab[T_H];
-            float h = bf2f(ld_u16(src + 2 * r));
+            float h = EARLY_OPERANDS ? pre.x : bf2f(ld_u16(src + 2 * r));
             ((u16*)tab[T_H])[r] = (u16)f2bf(h + rbf(a));
         }
     } else if (KIND == K_GU) {
@@ -466,13 +528,46 @@ __device__ __forceinline__ void epilogue(const long long* tab, Shared sh, int la
             float sum = a;
             int r = t * RD + lane;
             const char* hb = (const char*)tab[T_H];
-            float h = bf2f(ld_u16(hb + 2 * r));
+            float h = EARLY_OPERANDS ? pre.x : bf2f(ld_u16(hb + 2 * r));
             ((u16*)tab[T_H])[r] = (u16)f2bf(h + rbf(sum));
         }
     } else {
         if (lane < 8) st.logits[t * 8 + lane] = rbf(a);
     }
 }
+
+#if ATTN_FOLD
+// The o stage's input with 2 … ATTN_FOLD key splits a KV head: every block merges the splits' partials (M, L, the
+// unnormalized output, as attention_stage left them) itself, into shared memory as bf16 — one round of L2 loads
+// in place of the attention stage's cross-block count, reload and write. Returns x (shared memory) or null
+// (one split: attention wrote the output).
+__device__ const char* fold_attention(const long long* tab, Shared sh, const Step& st) {
+    const int S = num_splits(st);
+    if (S == 1 || S > ATTN_FOLD) return 0;
+    const float* pm = (const float*)tab[T_PM];
+    const float* pl = (const float*)tab[T_PL];
+    const float* pacc = (const float*)tab[T_PACC];
+    u16* out = (u16*)sh.acc;  // [HQ · D] bf16 (the accumulators are free after attention)
+    for (int i = threadIdx.x; i < HQ * D; i += CONSUMERS) {
+        const int q = i / D, d = i % D;
+        const int base = (q / G) * SMAX * G + q % G;  // idx of split s: base + s · G
+        float M = NEG_INF;
+        for (int s = 0; s < S; ++s) M = fmaxf(M, pm[base + s * G]);
+        float L = 0.f, o = 0.f;
+        if (M != NEG_INF) {
+            for (int s = 0; s < S; ++s) {
+                const float m = pm[base + s * G];
+                const float w = m == NEG_INF ? 0.f : expf(m - M);
+                L = fmaf(w, pl[base + s * G], L);
+                o = fmaf(w, pacc[(u64)(base + s * G) * D + d], o);
+            }
+        }
+        out[i] = (u16)f2bf(o * (1.f / L));
+    }
+    bar_consumers();
+    return (const char*)out;
+}
+#endif
 
 // One weight stage for this block: wait for stage `dep`, load x, run the tiles, publish stage `me`.
 // Warps do not wait for each other inside a stage: each writes its sum to red[slot][warp] and counts
@@ -482,12 +577,39 @@ __device__ __forceinline__ void gemv_stage(const long long* tab, Shared sh, u32&
                            const char* x, const char* g, const Step& st) {
     u32* ctr = (u32*)tab[T_CTR];
     u32* err = (u32*)tab[T_ERR];
-    wait_stage(ctr, dep, me >= 0 ? me : NCTR - 1, err);
-    float xr[(K / 8 / WPR + 31) / 32][8];
-    load_x<K, WPR, NORM>(x, g, xr);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row = warp / WPR;  // this warp's row of each tile
     const int n = num_tasks(KIND);
+    float xr[(K / 8 / WPR + 31) / 32][8];
+#if EARLY_OPERANDS
+    constexpr int PT = pre_tiles<KIND>();
+    float2 pre[PT];  // pre[k]: the k-th next tile's epilogue operands
+#pragma unroll
+    for (int k = 0; k < PT; ++k) {
+        const int t = first_task(seq) + k * NB;
+        pre[k] = t < n ? pre_operands<KIND>(tab, layer, t, lane, st) : make_float2(0.f, 0.f);
+    }
+    uint4 gr[XCHUNKS(K, WPR)];
+    if constexpr (NORM) load_g<K>(g, gr);
+    wait_stage(ctr, dep, me >= 0 ? me : NCTR - 1, err);
+#if ATTN_FOLD
+    if (KIND == K_O) {
+        const char* merged = fold_attention(tab, sh, st);
+        if (merged) x = merged;
+    }
+#endif
+    load_x<K, WPR, NORM, NORM>(x, g, xr, gr);
+#else
+    const float2 pre[1] = {make_float2(0.f, 0.f)};
+    wait_stage(ctr, dep, me >= 0 ? me : NCTR - 1, err);
+#if ATTN_FOLD
+    if (KIND == K_O) {
+        const char* merged = fold_attention(tab, sh, st);
+        if (merged) x = merged;
+    }
+#endif
+    load_x<K, WPR, NORM>(x, g, xr);
+#endif
     for (int t = first_task(seq); t < n; t += NB, ++it) {
         u32 slot = it % NSLOT;
         mbar_wait(smem_addr(sh.full + slot), (it / NSLOT) & 1u, err, 2);
@@ -509,11 +631,15 @@ __device__ __forceinline__ void gemv_stage(const long long* tab, Shared sh, u32&
                 sh.cnt[slot] = 0;
                 mbar_arrive(smem_addr(sh.empty + slot));
             }
-            epilogue<KIND, WPR>(tab, sh, layer, t, a, b, lane, st);
+            epilogue<KIND, WPR>(tab, sh, layer, t, a, b, lane, st, pre[0]);
         } else if (lane == 0) {
             mbar_arrive(smem_addr(sh.empty + slot));
         }
         __syncwarp();
+#if EARLY_OPERANDS
+#pragma unroll
+        for (int k = 0; k + 1 < PT; ++k) pre[k] = pre[k + 1];
+#endif
     }
     if (me >= 0) arrive_stage(ctr, me);
     else {
@@ -532,16 +658,6 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], u32 a0, u32 a1, u32 a2, 
 
 // ------------------------------------------------------------------------------------------------
 // attention: partial softmax sums per (KV head, split) over chunks of 32 keys, then a merge per head
-
-// Block splits per KV head: a block takes ATTN_CPB chunks of 32 keys (one a warp) where the split count allows;
-// past SMAX splits (or the blocks there are) a warp walks several.
-__device__ __forceinline__ int num_splits(const Step& st) {
-    int chunks = (int)((st.hi - st.lo + 31) / 32);
-    int n = (chunks + ATTN_CPB - 1) / ATTN_CPB;
-    if (n > SMAX) n = SMAX;
-    if (n > NB / HKV) n = NB / HKV;
-    return n < 1 ? 1 : n;
-}
 
 // Attention for one token: the keys of KV head kvh split over num_splits blocks; inside a block each warp
 // takes chunks of 32 keys (lane j: key j's K row for the scores; every lane its DL dims of the V rows) with
@@ -731,7 +847,7 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
                 for (int e = 0; e < DL; ++e) pacc[(u64)idx * D + lane * DL + e] = o[e];
             }
         }
-        if (S > 1) {  // the last block of this KV head merges the blocks' partials
+        if (S > 1 && S > ATTN_FOLD) {  // the last block of this KV head merges the blocks' partials
             __threadfence();
             bar_consumers();
             u32* actr = ctr + NCTR + layer * HKV + kvh;
