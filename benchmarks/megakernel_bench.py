@@ -97,7 +97,8 @@ def main() -> None:
                         torch.cuda.synchronize()
                         print(f"{name} timeline (µs per stage, mean over layers):")
                         for kind, row in model.megakernel.timeline().items():
-                            print(f"  {kind:<10} wait {row['wait']:7.2f}  work {row['work']:7.2f}  span {row['span']:8.2f}")
+                            print(f"  {kind:<10} wait {row['wait']:7.2f}  work {row['work']:7.2f}  span {row['span']:8.2f}"
+                                  f"  starve {row['starve']:7.2f}  stall {row['stall']:7.2f}")
                     model.megakernel = None
                     model.use_megakernel(False)
                     rows.append((name, t_skinny, t_mega, floor_ms, rel, kv_rel, same, err))

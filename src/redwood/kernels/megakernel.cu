@@ -173,14 +173,40 @@ __device__ __forceinline__ void mbar_arrive(u32 bar) {
 #if ATTN_FOLD && HKV > 8
 #error "ATTN_FOLD merges into the attention accumulators' shared memory: HKV <= 8"
 #endif
+#ifndef KV_RING
+#define KV_RING 0  // the context's K/V chunks reach attention through the producer's ring (bulk copies) like weights
+#endif
+#if KV_RING && 128 * D > SLOT
+#error "KV_RING: a chunk's K and V rows (32 keys each) must fit one ring slot"
+#endif
 #ifndef ATTN_CPB
 #define ATTN_CPB 8  // chunks of 32 keys a block takes (one a warp) before a KV head's keys split over more blocks
 #endif
 #define PS_G 8  // probability rows of 8 heads (the tensor-core N)
 __device__ long long* g_prof;  // set at kernel start with PROFILE
 
+// PROFILE: per stage and block, [0] start (after the wait), [1] end, [2] ns the consumers (warp 0) waited for full
+// slots, [3] ns the producer waited for free slots while streaming that stage's tiles.
+#define PROF_SLOTS 4
+
 __device__ __forceinline__ void stamp(int stage, int which) {
-    if (PROFILE && threadIdx.x == 0 && stage >= 0) g_prof[((u64)stage * NB + blockIdx.x) * 2 + which] = (long long)now_ns();
+    if (PROFILE && threadIdx.x == 0 && stage >= 0)
+        g_prof[((u64)stage * NB + blockIdx.x) * PROF_SLOTS + which] = (long long)now_ns();
+}
+
+__device__ __forceinline__ void prof_add(int stage, int which, u64 since) {
+    if (PROFILE && stage >= 0) g_prof[((u64)stage * NB + blockIdx.x) * PROF_SLOTS + which] += (long long)(now_ns() - since);
+}
+
+// A slot wait, timed into prof[stage][which] when profiling (by thread 0 or the producer: one writer a cell).
+__device__ __forceinline__ void mbar_wait_timed(u32 bar, u32 parity, u32* err, u32 where, int stage, int which) {
+    if (PROFILE && (threadIdx.x == 0 || threadIdx.x == CONSUMERS)) {
+        const u64 t0 = now_ns();
+        mbar_wait(bar, parity, err, where);
+        prof_add(stage, which, t0);
+    } else {
+        mbar_wait(bar, parity, err, where);
+    }
 }
 
 // Block-level dependency: thread 0 waits until counter `c` reached NB, then all consumers go on.
@@ -288,12 +314,31 @@ struct Shared {
     u32* word;    // a broadcast word
 };
 
+struct Step {  // per-launch values, read once
+    long long pos, page, off, lo, hi;  // rope position; the new K/V's page / offset; keys [lo, hi)
+    const char* embed_row;             // the input token's embedding (layer 0's residual stream)
+    float* logits;                     // [V] output
+};
+
+// Block splits per KV head: a block takes ATTN_CPB chunks of 32 keys (one a warp) where the split count allows;
+// past SMAX splits (or the blocks there are) a warp walks several.
+__device__ __forceinline__ int num_splits(const Step& st) {
+    int chunks = (int)((st.hi - st.lo + 31) / 32);
+    int n = (chunks + ATTN_CPB - 1) / ATTN_CPB;
+    if (n > SMAX) n = SMAX;
+    if (n > NB / HKV) n = NB / HKV;
+    return n < 1 ? 1 : n;
+}
+
 // The producer's walk over this block's tiles in consumption order: layer, stage kind k (q/k/v, o, gate/up,
 // down; the head after the last layer), task t.
 struct Cursor {
     int layer, k, t;
     __device__ __forceinline__ bool done() const { return layer > NL; }
     __device__ __forceinline__ int kind() const { return layer == NL ? K_HEAD : k; }
+    __device__ __forceinline__ int counter() const {  // the stage's counter (its PROFILE row)
+        return layer == NL ? NCTR - 1 : 6 * layer + (k == 0 ? 0 : k + 2);
+    }
     __device__ void settle() {  // on to the first task at or after (layer, k, t) this block owns
         while (layer <= NL && t >= num_tasks(kind())) {
             if (layer == NL || ++k == 4) {
@@ -315,13 +360,93 @@ __device__ __forceinline__ Cursor first_tile() {
     return c;
 }
 
-// The producer (one thread): every weight tile of this block, in order, into the ring.
-__device__ void produce(const long long* tab, Shared sh, u32* err) {
+#if KV_RING
+// This block's attention chunks (attention_stage's item: at most one a block), as the producer streams them.
+#define KVR_PAGES 16  // page ids held from the launch's start; chunks past them read the block table per copy
+struct KvChunks {
+    int n, kvh;           // chunks, KV head
+    long long k0, hi;     // the first chunk's first key; keys end at hi
+    long long p0;         // page of key k0
+    int pg[KVR_PAGES];    // page ids of pages p0, p0 + 1, …
+};
+
+__device__ KvChunks kv_chunks(const long long* tab, const Step& st) {
+    KvChunks kc;
+    kc.n = 0;
+    kc.kvh = 0;
+    kc.k0 = kc.hi = kc.p0 = 0;
+    const int S = num_splits(st);
+    if ((int)blockIdx.x < HKV * S) {
+        const int chunks = (int)((st.hi - st.lo + 31) / 32);
+        const int split = blockIdx.x % S;
+        const int c0 = (int)((long long)split * chunks / S), c1 = (int)((long long)(split + 1) * chunks / S);
+        kc.n = c1 - c0;
+        kc.kvh = blockIdx.x / S;
+        kc.k0 = st.lo + 32LL * c0;
+        kc.hi = st.hi;
+        kc.p0 = kc.k0 / PS;
+        const int* bt = (const int*)tab[T_BT];
+        const long long end = kc.k0 + 32LL * kc.n < kc.hi ? kc.k0 + 32LL * kc.n : kc.hi;  // the block's keys [k0, end)
+        const long long pages = kc.n > 0 ? (end - 1) / PS - kc.p0 + 1 : 0;
+#pragma unroll
+        for (int i = 0; i < KVR_PAGES; ++i) kc.pg[i] = i < pages ? bt[kc.p0 + i] : 0;
+    }
+    return kc;
+}
+
+// Chunk j's K rows into the slot's first 32 · D elements and its V rows after them (keys past hi not copied:
+// attention reads row 0 for them, with probability 0), one bulk copy per page run.
+__device__ void issue_kv(const long long* tab, const KvChunks& kc, int layer, int j, u32 dst, u32 full) {
+    const long long a = kc.k0 + 32LL * j, b = a + 32 < kc.hi ? a + 32 : kc.hi;
+    u64 state;
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], %2;"
+                 : "=l"(state) : "r"(full), "r"((u32)(b - a) * D * 4) : "memory");
+    const char* kbase = layer_ptr(tab, layer, L_K);
+    const char* vbase = layer_ptr(tab, layer, L_V);
+    for (long long key = a; key < b;) {
+        const long long page = key / PS, end = (page + 1) * PS < b ? (page + 1) * PS : b;
+        const long long pi = page - kc.p0;
+        const int id = pi < KVR_PAGES ? kc.pg[pi] : ((const int*)tab[T_BT])[page];
+        const u64 src = (((u64)id * HKV + kc.kvh) * PS + key % PS) * D * 2;
+        const u32 off = (u32)(key - a) * D * 2, bytes = (u32)(end - key) * D * 2;
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     :: "r"(dst + off), "l"(kbase + src), "r"(bytes), "r"(full) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     :: "r"(dst + 32 * D * 2 + off), "l"(vbase + src), "r"(bytes), "r"(full) : "memory");
+        key = end;
+    }
+}
+#define PRODUCE_STEP , const Step& st
+#define PRODUCE_STEP_ARG , st
+#else
+#define PRODUCE_STEP
+#define PRODUCE_STEP_ARG
+#endif
+
+// The producer (one thread): every weight tile of this block, in order, into the ring; with KV_RING also the
+// block's attention chunks of each layer, between the layer's q/k/v tiles and the rest.
+__device__ void produce(const long long* tab, Shared sh, u32* err PRODUCE_STEP) {
+#if KV_RING
+    const KvChunks kc = kv_chunks(tab, st);
+    int kv_layer = -1;  // the last layer whose chunks are issued
+#endif
     Cursor cp = first_tile();
     for (u32 it = 0; !cp.done(); ++it, cp.next()) {
+#if KV_RING
+        // a layer's chunks once the walk has passed its q/k/v tiles (all of them before the head)
+        while (kv_layer + 1 < NL && (cp.layer > kv_layer + 1 || (cp.layer == kv_layer + 1 && cp.k >= 1))) {
+            ++kv_layer;
+            for (int j = 0; j < kc.n; ++j, ++it) {
+                const u32 slot = it % NSLOT;
+                mbar_wait_timed(smem_addr(sh.empty + slot), ((it / NSLOT) & 1u) ^ 1u, err, 1, 6 * kv_layer + 1, 3);
+                if (failed(err)) return;
+                issue_kv(tab, kc, kv_layer, j, smem_addr(sh.ring + (u64)slot * SLOT), smem_addr(sh.full + slot));
+            }
+        }
+#endif
         u32 slot = it % NSLOT;
         u32 parity = ((it / NSLOT) & 1u) ^ 1u;
-        mbar_wait(smem_addr(sh.empty + slot), parity, err, 1);
+        mbar_wait_timed(smem_addr(sh.empty + slot), parity, err, 1, cp.counter(), 3);
         if (failed(err)) return;
         Tile tl = tile_of(tab, cp.kind(), cp.layer, cp.t);
         u32 full = smem_addr(sh.full + slot);
@@ -411,22 +536,6 @@ __device__ __forceinline__ float row_dot(const char* tile_row, const float (&xr)
     return warp_sum(acc);
 }
 
-
-struct Step {  // per-launch values, read once
-    long long pos, page, off, lo, hi;  // rope position; the new K/V's page / offset; keys [lo, hi)
-    const char* embed_row;             // the input token's embedding (layer 0's residual stream)
-    float* logits;                     // [V] output
-};
-
-// Block splits per KV head: a block takes ATTN_CPB chunks of 32 keys (one a warp) where the split count allows;
-// past SMAX splits (or the blocks there are) a warp walks several.
-__device__ __forceinline__ int num_splits(const Step& st) {
-    int chunks = (int)((st.hi - st.lo + 31) / 32);
-    int n = (chunks + ATTN_CPB - 1) / ATTN_CPB;
-    if (n > SMAX) n = SMAX;
-    if (n > NB / HKV) n = NB / HKV;
-    return n < 1 ? 1 : n;
-}
 
 // A finished tile's outputs from its 8 partial sums red[0..8) (warp w's row or K part), computed by lanes
 // of the last warp to finish the tile.
@@ -612,7 +721,7 @@ __device__ __forceinline__ void gemv_stage(const long long* tab, Shared sh, u32&
 #endif
     for (int t = first_task(seq); t < n; t += NB, ++it) {
         u32 slot = it % NSLOT;
-        mbar_wait(smem_addr(sh.full + slot), (it / NSLOT) & 1u, err, 2);
+        mbar_wait_timed(smem_addr(sh.full + slot), (it / NSLOT) & 1u, err, 2, me >= 0 ? me : NCTR - 1, 2);
         const char* tile = sh.ring + (u64)slot * SLOT;
         float dot = row_dot<K, WPR>(tile + (u64)row * K * 2, xr);
         u32 arrived = 0;
@@ -663,7 +772,7 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], u32 a0, u32 a1, u32 a2, 
 // takes chunks of 32 keys (lane j: key j's K row for the scores; every lane its DL dims of the V rows) with
 // an online softmax, the block merges its warps in shared memory, and, with several blocks per KV head,
 // the last block of that head to finish merges the blocks' partials.
-__device__ __forceinline__ void attention_stage(const long long* tab, Shared sh, int layer, const Step& st) {
+__device__ __forceinline__ void attention_stage(const long long* tab, Shared sh, u32& it, int layer, const Step& st) {
     u32* ctr = (u32*)tab[T_CTR];
     u32* err = (u32*)tab[T_ERR];
     wait_stage(ctr, 6 * layer, 6 * layer + 1, err);
@@ -701,7 +810,29 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
             const long long first = st.lo + (long long)c * 32;
             long long key = first + lane;
             bool valid = key < st.hi;
+#if KV_RING
+            // the chunk's K / V rows in the ring: tile it + (c - c0) of this block's walk; lane j's key is row j
+            // (row 0, a valid key, stands in past hi: its probability is 0)
+            const u32 kv_it = it + (u32)(c - c0), kv_slot = kv_it % NSLOT;
+            mbar_wait_timed(smem_addr(sh.full + kv_slot), (kv_it / NSLOT) & 1u, err, 3, 6 * layer + 1, 2);
+            u16* ks = (u16*)(sh.ring + (u64)kv_slot * SLOT);
+            const u16* kc = ks;
+            const u16* vc = ks + 32 * D;
+            long long base = valid ? (long long)lane * D : 0;
+            const long long rn = st.hi - 1 - first;  // the new token's row, written by this layer's q/k/v stage
+            if (rn < 32) {  // after the copy was issued: take it from the cache
+                const int half = lane >> 4, l16 = lane & 15;
+                if (l16 < D / 8) {
+                    const u16* src = (const u16*)layer_ptr(tab, layer, half ? L_V : L_K) +
+                                     (((u64)st.page * HKV + kvh) * PS + st.off) * D;
+                    *(uint4*)(ks + half * 32 * D + rn * D + l16 * 8) = *(const uint4*)(src + l16 * 8);
+                }
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // before the slot's next bulk copy
+                __syncwarp();
+            }
+#else
             long long base = valid ? (((long long)bt[key / PS] * HKV + kvh) * PS + key % PS) * D : 0;
+#endif
             float sc[2][4];
 #pragma unroll
             for (int t = 0; t < 2; ++t) {
@@ -788,7 +919,17 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
                 }
             }
             __syncwarp();
+#if KV_RING
+            if (lane == 0) {  // the slot is free: one warp arrives for the 8 a weight tile has
+                u64 state;
+                asm volatile("mbarrier.arrive.shared::cta.b64 %0, [%1], 8;"
+                             : "=l"(state) : "r"(smem_addr(sh.empty + kv_slot)) : "memory");
+            }
+#endif
         }
+#if KV_RING
+        it += (u32)(c1 - c0);
+#endif
         // this warp's partials into shared memory, as the CUDA-core path leaves them
         if (gid < G) {
 #pragma unroll
@@ -917,7 +1058,11 @@ redwood_decode_forward(const long long* __restrict__ tab, float* logits, const l
     sh.sin = sh.cos + D / 2;
     sh.word = (u32*)(sh.sin + D / 2);
     u32* err = (u32*)tab[T_ERR];
-    if (PROFILE) g_prof = (long long*)tab[T_PROF];
+    if (PROFILE) {
+        g_prof = (long long*)tab[T_PROF];
+        for (int c = threadIdx.x; c < NCTR; c += blockDim.x)  // this block's wait totals start at 0
+            g_prof[((u64)c * NB + blockIdx.x) * PROF_SLOTS + 2] = g_prof[((u64)c * NB + blockIdx.x) * PROF_SLOTS + 3] = 0;
+    }
     if (threadIdx.x == 0) {
         for (int s = 0; s < NSLOT; ++s) {
             asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(sh.full + s)), "r"(1) : "memory");
@@ -940,7 +1085,7 @@ redwood_decode_forward(const long long* __restrict__ tab, float* logits, const l
         st.logits = logits;
     }
     if (threadIdx.x >= CONSUMERS) {  // the producer warp: one thread streams, the rest have nothing to do
-        if (threadIdx.x == CONSUMERS) produce(tab, sh, err);
+        if (threadIdx.x == CONSUMERS) produce(tab, sh, err PRODUCE_STEP_ARG);
         return;
     }
     for (int i = threadIdx.x; i < D / 2; i += CONSUMERS) {
@@ -955,7 +1100,7 @@ redwood_decode_forward(const long long* __restrict__ tab, float* logits, const l
         const char* x = layer == 0 ? embed_row : (const char*)tab[T_H];
         gemv_stage<K_QKV, H, 1, true>(tab, sh, it, layer, layer * 4, layer ? 6 * layer - 1 : -1, 6 * layer,
                                          x, layer_ptr(tab, layer, L_IN_NORM), st);
-        attention_stage(tab, sh, layer, st);
+        attention_stage(tab, sh, it, layer, st);
         gemv_stage<K_O, HQ * D, 1, false>(tab, sh, it, layer, layer * 4 + 1, 6 * layer + 1, 6 * layer + 3,
                                             (const char*)tab[T_ATTN], 0, st);
         gemv_stage<K_GU, H, 1, true>(tab, sh, it, layer, layer * 4 + 2, 6 * layer + 3, 6 * layer + 4,

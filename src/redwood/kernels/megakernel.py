@@ -164,7 +164,8 @@ class MegaForward:
                                     device=dev)
         self.err = torch.zeros(1, dtype=torch.int32, device=dev)
         n_blocks = torch.cuda.get_device_properties(dev).multi_processor_count
-        self.prof = torch.zeros((6 * cfg.num_layers + 1, n_blocks, 2) if profile else 1, dtype=torch.int64, device=dev)
+        # per stage and block: start, end, consumer slot waits, producer slot waits (megakernel.cu's PROF_SLOTS)
+        self.prof = torch.zeros((6 * cfg.num_layers + 1, n_blocks, 4) if profile else 1, dtype=torch.int64, device=dev)
         self.inv_freq = model.rotary.inv_freq.to(device=dev, dtype=torch.float32).contiguous()
         self._tables: dict[tuple, torch.Tensor] = {}
         self._kernels: dict[int, tuple] = {}  # page size → (kernel, shared memory, defines), looked up once
@@ -238,8 +239,10 @@ class MegaForward:
     def timeline(self) -> dict[str, dict[str, float]]:
         """Of the last launch (profile=True), per stage kind averaged over layers, in µs: `wait` from the
         previous stage's last block finishing to this stage's median block starting; `work` the median block's
-        time in the stage; `span` first start to last end."""
-        prof = self.prof.cpu().double() / 1e3  # [stage, block, start / end] µs
+        time in the stage; `span` first start to last end; `starve` the median block's consumer time waiting for
+        weight tiles (or K/V chunks) to land, `stall` its producer's time waiting for a free slot while
+        streaming the stage's tiles."""
+        prof = self.prof.cpu().double() / 1e3  # [stage, block, start / end / starve / stall] µs
         names = ["qkv", "attention", None, "o", "gate/up", "down"]  # (counter 2 is unused)
         out: dict[str, dict[str, float]] = {}
         for s in range(prof.shape[0]):
@@ -250,8 +253,9 @@ class MegaForward:
             prev = s - 2 if s % 6 == 3 else s - 1  # (o waits for attention)
             prev_end = prof[prev, :, 1].max() if s else start.min()
             row = {"wait": float(start.median() - prev_end), "work": float((end - start).median()),
-                   "span": float(end.max() - start.min())}
-            acc = out.setdefault(name, {"wait": 0.0, "work": 0.0, "span": 0.0, "n": 0})
+                   "span": float(end.max() - start.min()), "starve": float(prof[s, :, 2].median()),
+                   "stall": float(prof[s, :, 3].median())}
+            acc = out.setdefault(name, {"wait": 0.0, "work": 0.0, "span": 0.0, "starve": 0.0, "stall": 0.0, "n": 0})
             for k, v in row.items():
                 acc[k] += v
             acc["n"] += 1
@@ -260,7 +264,7 @@ class MegaForward:
             n = acc.pop("n")
             for k in acc:
                 acc[k] /= n
-        out["total"] = {"wait": 0.0, "work": 0.0, "span": total}
+        out["total"] = {"wait": 0.0, "work": 0.0, "span": total, "starve": 0.0, "stall": 0.0}
         return out
 
     def error(self) -> int:
