@@ -166,6 +166,10 @@ def test_layout_on_an_h200(monkeypatch):
     assert smem2 == 2 * (24576 + 52) + 4 * 128 + 16 + 8 * 6 * 128 * 4 + 8 * 32 * 8 * 4
     with pytest.raises(RuntimeError, match="fewer than two"):
         megakernel.layout(qwen_1_5b, 64, 132, 48 * 1024)
+    # a slot also holds a chunk of 32 keys' K and V rows (the K/V ring), which outgrows a small model's tiles
+    monkeypatch.delenv("REDWOOD_MEGAKERNEL_DEFINES")
+    d, _ = megakernel.layout(_config("d128g2"), 64, 132, 232448)
+    assert d["SLOT"] == 2 * 32 * 128 * 2 > 8 * 512 * 2
 
 
 def test_experiment_defines(monkeypatch):

@@ -165,16 +165,17 @@ __device__ __forceinline__ void mbar_arrive(u32 bar) {
 #define ATTN_NO_MERGE 0  // skip the merge of the splits
 #endif
 #ifndef EARLY_OPERANDS
-#define EARLY_OPERANDS 0  // a weight stage loads its norm weights and its epilogues' biases / residual rows before its wait
+#define EARLY_OPERANDS 1  // a weight stage loads its norm weights and its epilogues' biases / residual rows before its wait
 #endif
 #ifndef ATTN_FOLD
-#define ATTN_FOLD 0  // up to this many key splits a KV head, the o stage merges them while loading its input
+#define ATTN_FOLD 32  // up to this many key splits a KV head, the o stage merges them while loading its input
 #endif
-#if ATTN_FOLD && HKV > 8
-#error "ATTN_FOLD merges into the attention accumulators' shared memory: HKV <= 8"
+#if ATTN_FOLD && HKV > 16  // the merged input (HQ · D bf16) lives in the attention accumulators' shared memory
+#undef ATTN_FOLD
+#define ATTN_FOLD 0
 #endif
 #ifndef KV_RING
-#define KV_RING 0  // the context's K/V chunks reach attention through the producer's ring (bulk copies) like weights
+#define KV_RING 1  // the context's K/V chunks reach attention through the producer's ring (bulk copies) like weights
 #endif
 #if KV_RING && 128 * D > SLOT
 #error "KV_RING: a chunk's K and V rows (32 keys each) must fit one ring slot"

@@ -108,7 +108,7 @@ def layout(cfg, page_size: int, n_sm: int, smem_optin: int, profile: bool = Fals
     G = cfg.num_heads // cfg.num_kv_heads
     rd = down_rows(cfg)
     extra = experiment_defines()
-    slot = -(-max(8 * H, 8 * cfg.num_heads * HEAD_DIM, rd * F) * 2 // 128) * 128
+    slot = -(-max(8 * H, 8 * cfg.num_heads * HEAD_DIM, rd * F, 64 * HEAD_DIM) * 2 // 128) * 128  # (a K/V chunk: 2 × 32 rows)
     fixed = 4 * HEAD_DIM + 16 + 8 * G * HEAD_DIM * 4 + 8 * 32 * 8 * 4  # cos / sin, a word; attention's
     # per-warp accumulators and probabilities
     per_slot = slot + 16 + 32 + 4  # tile, two barriers, partial sums, arrival count
