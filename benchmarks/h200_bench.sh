@@ -4,7 +4,7 @@
 # On the GPU machine, from the repo root, after staging the GGUF chunks as /root/stage/t?? (1.5B) and
 # /root/stage/d?? (0.5B), carrying .whl (the gguf wheel) and .stage/home (REDWOOD_HOME with the essays,
 # humaneval and mt-bench datasets):
-#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests kernels pdl fused l2 tile p1 steps p2 p3 p3tree p4 p5 summary
+#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests kernels pdl fused l2 tile mega p1 steps p2 p3 p3tree p4 p5 summary
 # Each step writes JSON under $OUT and prints its tables; `summary` prints the short P1–P5 table last.
 # Settings (environment): P2_TEMPS, P2_GAMMAS, P2_DRAFT_WEIGHTS (bf16 int8), P2_ACC (a folder of acceptance vectors measured earlier with
 # the same models, [p2-]acc-<dataset>-t<temp>.json: reused instead of measured), P2_ACC_PROMPTS, P3_KV, P3_BATCH, P3_CONTEXT, P3_GAMMAS,
@@ -47,6 +47,16 @@ l2)  # weights prefetched into L2 ahead of their kernel (REDWOOD_L2_PREFETCH=MB,
       | tee "$OUT/l2-1.5b.txt" | tail -22
   run python3 benchmarks/decode_step.py --quick --pdl --context 512 --shape 0.5b --int8 --l2-prefetch ${L2_MB:-8 16 24 32 40} \
       2>&1 | tee "$OUT/l2-0.5b.txt" | tail -22 ;;
+mega)  # the one-token megakernel (redwood.kernels.megakernel) vs the skinny path, side by side in one process: random
+      # 1.5B / 0.5B-shaped models at 512 / 4096 keys, dense and paged caches, its build with the defaults and each
+      # MEGA_VARIANTS string of REDWOOD_MEGAKERNEL_DEFINES (default: each of its design switches turned off in
+      # turn); then the profiling build's stage timeline (with the slot waits) at 1.5B / 512 keys
+  if [ -n "${MEGA_VARIANTS:-}" ]; then eval "variants=($MEGA_VARIANTS)"  # e.g. MEGA_VARIANTS='"" "NSLOT=4"'
+  else variants=("" ATTN_FOLD=0 EARLY_OPERANDS=0 KV_RING=0); fi
+  run python3 benchmarks/megakernel_bench.py --shapes 1.5b 0.5b --contexts 512 4096 --variants "${variants[@]}" 2>&1 \
+      | tee "$OUT/mega-bench.txt" | tail -$((9 * ${#variants[@]} + 2))
+  run python3 benchmarks/megakernel_bench.py --shapes 1.5b --contexts 512 --caches paged --timeline 2>&1 \
+      | tee "$OUT/mega-timeline.txt" | head -8 ;;
 fused)  # split attention merging inside its split kernel (REDWOOD_FUSED_MERGE=1) vs the merge kernel, side by
         # side: one-token and 7-token forwards of random 1.5B / 0.5B (int8) models, then the short-context
         # attention sweep (splits with and without the fused merge)

@@ -13,7 +13,7 @@ a table of every weight, cache and scratch pointer lives on the device, built on
 Launches are graph-capturable (the per-call pointers — logits, token id, position — are launch arguments;
 the table must exist before capture, which the StepRunner's eager warm-up ensures).
 
-Where it applies (`MegaForward.takes`): CUDA, bfloat16, a Llama/Qwen2-style model with head_dim 128, no
+Where it applies (`MegaForward.takes`): CUDA, bfloat16, a Llama/Qwen2-style model with head_dim 64 or 128, no
 o / MLP biases, no sliding window, one new token of one row (with `pending` earlier draft tokens), no
 compressed view or observer, model-dtype weights (not `quantize_skinny`). Off by default until measured
 faster: REDWOOD_MEGAKERNEL=1 turns it on (Transformer.forward takes it first where it applies).
