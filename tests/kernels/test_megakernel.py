@@ -25,16 +25,17 @@ SHAPES = {  # (hidden, heads, kv heads) → head_dim 128 / G 2, head_dim 64 / G 
 }
 
 
-def _config(name: str, layers: int = 2) -> ModelConfig:
+def _config(name: str, layers: int = 2, tie: bool = True) -> ModelConfig:
     hidden, heads, kv = SHAPES[name]
     return ModelConfig.from_hf_dict({
         "model_type": "qwen2", "vocab_size": 2048, "hidden_size": hidden, "intermediate_size": 1024,
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1e4, "tie_word_embeddings": True})
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1e4, "tie_word_embeddings": tie})
 
 
-def _models(cfg: ModelConfig):
-    """(bf16 model with fused projections, float64 copy of the same weights)."""
+def _models(cfg: ModelConfig, int8: bool = False):
+    """(bf16 model with fused projections, float64 copy of the same weights). int8: the model also gets
+    quantize_skinny's int8 copies, and the copy holds their dequantized values (q · row scale) instead."""
     from redwood.models.transformer import Transformer, build_model
 
     with torch.device("meta"):
@@ -46,7 +47,16 @@ def _models(cfg: ModelConfig):
             state[k] = (1 + state[k].float()).to(torch.bfloat16)
     model = build_model(cfg, state, torch.bfloat16, "cuda")
     model.fuse_projections()
-    ref = build_model(cfg, {k: v.double() for k, v in state.items()}, torch.float64, "cuda")
+    ref_state = {k: v.double() for k, v in state.items()}
+    if int8:
+        from redwood.kernels.gemv import quantize_int8
+
+        model.quantize_skinny()
+        for k, v in state.items():  # per-row quantization: the same rows whether q/k/v are fused or not
+            if k.endswith("proj.weight") or k == "lm_head.weight":
+                q, scale = quantize_int8(v)
+                ref_state[k] = q.double() * scale.double()[:, None]
+    ref = build_model(cfg, ref_state, torch.float64, "cuda")
     ref.attention_backend = "reference"
     return model, ref
 
@@ -170,6 +180,12 @@ def test_layout_on_an_h200(monkeypatch):
     monkeypatch.delenv("REDWOOD_MEGAKERNEL_DEFINES")
     d, _ = megakernel.layout(_config("d128g2"), 64, 132, 232448)
     assert d["SLOT"] == 2 * 32 * 128 * 2 > 8 * 512 * 2
+    # int8 weights (W8): tiles of a byte an element; a slot still holds a K/V chunk (16 KB at head_dim 128)
+    d, _ = megakernel.layout(qwen_0_5b, 64, 132, 232448, int8=True)
+    assert (d["W8"], d["SLOT"], d["RD"], d["NSLOT"]) == (1, 8192, 1, 8)
+    d, _ = megakernel.layout(qwen_1_5b, 64, 132, 232448, int8=True)
+    assert (d["W8"], d["SLOT"], d["RD"]) == (1, 16384, 1)
+    assert megakernel.layout(qwen_1_5b, 64, 132, 232448)[0]["W8"] == 0
 
 
 def test_experiment_defines(monkeypatch):
@@ -225,6 +241,21 @@ def test_pending_token_and_a_row_that_is_not_live():
     _check(model, ref, cache, ids, pending=2)  # slots 70, 71 hold earlier drafts; the token goes to 72
     cache.live.fill_(0)
     _check(model, ref, cache, ids)  # attends only to itself
+
+
+@hopper
+def test_int8_weights_are_as_close_to_float64_as_the_skinny_path(monkeypatch):
+    """quantize_skinny's int8 copies (a draft model's): the megakernel's W8 build against float64 over the
+    dequantized weights, next to the skinny path's int8 kernels; the head untied (int8) from the embedding."""
+    monkeypatch.setenv("REDWOOD_MEGAKERNEL_INT8", "1")
+    model, ref = _models(_config("d128g2", tie=False), int8=True)
+    assert megakernel.misfit(model) is None
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for context, paged in ((0, False), (33, True), (300, True), (1100, False)):
+        cache = _cache(model, context, paged)
+        ids = torch.randint(0, model.config.vocab_size, (1, 1), device="cuda", generator=g)
+        _check(model, ref, cache, ids)
+    _check(model, ref, _cache(model, 70, paged=True), torch.tensor([[5]], device="cuda"), pending=2)
 
 
 @hopper

@@ -58,6 +58,7 @@ typedef unsigned long long u64;
 #define T_ACT 16
 #define T_CTR 17
 #define T_ERR 18
+#define T_HEAD_S 4  // with W8: the head's float32 row scales
 #define T_PROF 19  // with PROFILE: [NCTR][NB][2] globaltimer ns at each stage's start (after its wait) and end
 #define T_LAYER0 32
 #define T_PER_LAYER 16
@@ -70,6 +71,17 @@ typedef unsigned long long u64;
 #define L_POST_NORM 6
 #define L_K 7
 #define L_V 8
+#define L_QKV_S 9  // with W8: float32 row scales of q/k/v, o, gate/up, down
+#define L_O_S 10
+#define L_GU_S 11
+#define L_DOWN_S 12
+
+// W8: the projections and the head as int8 with a float32 scale per row (redwood.kernels.gemv.quantize_int8, a
+// draft model's quantize_skinny copies): tiles of EB = 1 byte an element, each row's sum times its scale.
+#ifndef W8
+#define W8 0
+#endif
+#define EB (W8 ? 1 : 2)
 
 // ------------------------------------------------------------------------------------------------
 // numerics
@@ -83,6 +95,15 @@ __device__ __forceinline__ u32 f2bf(float f) {  // round to nearest even (as tor
 }
 
 __device__ __forceinline__ float rbf(float f) { return bf2f(f2bf(f)); }
+
+// 8 packed int8 (8 bytes) → float32, in order (exact).
+__device__ __forceinline__ void widen8_i8(uint2 v, float (&f)[8]) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        f[e] = (float)(int)(signed char)(v.x >> (8 * e));
+        f[4 + e] = (float)(int)(signed char)(v.y >> (8 * e));
+    }
+}
 
 // 8 packed bf16 (16 bytes) → float32, in order.
 __device__ __forceinline__ void widen8(uint4 v, float (&f)[8]) {
@@ -281,23 +302,23 @@ __device__ __forceinline__ Tile tile_of(const long long* tab, int kind, int laye
     if (kind == K_QKV) {
         const char* w = layer_ptr(tab, layer, L_QKV);
         int row = (t / (D / 8)) * D + (t % (D / 8)) * 4;
-        s.a = w + (u64)row * H * 2;
-        s.b = w + (u64)(row + D / 2) * H * 2;
-        s.bytes_a = s.bytes_b = 4 * H * 2;
+        s.a = w + (u64)row * H * EB;
+        s.b = w + (u64)(row + D / 2) * H * EB;
+        s.bytes_a = s.bytes_b = 4 * H * EB;
     } else if (kind == K_O) {
-        s.a = layer_ptr(tab, layer, L_O) + (u64)t * 8 * (HQ * D) * 2;
-        s.bytes_a = 8 * (HQ * D) * 2;
+        s.a = layer_ptr(tab, layer, L_O) + (u64)t * 8 * (HQ * D) * EB;
+        s.bytes_a = 8 * (HQ * D) * EB;
     } else if (kind == K_GU) {
         const char* w = layer_ptr(tab, layer, L_GU);
-        s.a = w + (u64)t * 4 * H * 2;
-        s.b = w + (u64)(NI + t * 4) * H * 2;
-        s.bytes_a = s.bytes_b = 4 * H * 2;
+        s.a = w + (u64)t * 4 * H * EB;
+        s.b = w + (u64)(NI + t * 4) * H * EB;
+        s.bytes_a = s.bytes_b = 4 * H * EB;
     } else if (kind == K_DOWN) {
-        s.a = layer_ptr(tab, layer, L_DOWN) + (u64)t * RD * NI * 2;
-        s.bytes_a = RD * NI * 2;
+        s.a = layer_ptr(tab, layer, L_DOWN) + (u64)t * RD * NI * EB;
+        s.bytes_a = RD * NI * EB;
     } else {
-        s.a = (const char*)tab[T_HEAD] + (u64)t * 8 * H * 2;
-        s.bytes_a = 8 * H * 2;
+        s.a = (const char*)tab[T_HEAD] + (u64)t * 8 * H * EB;
+        s.bytes_a = 8 * H * EB;
     }
     return s;
 }
@@ -529,7 +550,11 @@ __device__ __forceinline__ float row_dot(const char* tile_row, const float (&xr)
         int c = lane + 32 * j;
         if (c < CPW) {
             float wf[8];
+#if W8
+            widen8_i8(*(const uint2*)(tile_row + (u64)(part * CPW + c) * 8), wf);
+#else
             widen8(*(const uint4*)(tile_row + (u64)(part * CPW + c) * 16), wf);
+#endif
 #pragma unroll
             for (int e = 0; e < 8; ++e) acc = fmaf(xr[j][e], wf[e], acc);
         }
@@ -591,6 +616,10 @@ __device__ __forceinline__ void epilogue(const long long* tab, Shared sh, int la
         if (lane < 4) {
             int head = t / (D / 8), i = (t % (D / 8)) * 4 + lane;  // pair (i, i + D/2) of `head`
             int r1 = head * D + i, r2 = r1 + D / 2;
+#if W8
+            a *= ((const float*)layer_ptr(tab, layer, L_QKV_S))[r1];
+            b *= ((const float*)layer_ptr(tab, layer, L_QKV_S))[r2];
+#endif
             float y1 = a, y2 = b;
             if (HAS_QKV_BIAS && EARLY_OPERANDS) {
                 y1 += pre.x;
@@ -623,12 +652,19 @@ __device__ __forceinline__ void epilogue(const long long* tab, Shared sh, int la
     } else if (KIND == K_O) {
         if (lane < 8) {
             int r = t * 8 + lane;
+#if W8
+            a *= ((const float*)layer_ptr(tab, layer, L_O_S))[r];
+#endif
             const char* src = layer == 0 ? st.embed_row : (const char*)tab[T_H];
             float h = EARLY_OPERANDS ? pre.x : bf2f(ld_u16(src + 2 * r));
             ((u16*)tab[T_H])[r] = (u16)f2bf(h + rbf(a));
         }
     } else if (KIND == K_GU) {
         if (lane < 4) {
+#if W8
+            a *= ((const float*)layer_ptr(tab, layer, L_GU_S))[t * 4 + lane];
+            b *= ((const float*)layer_ptr(tab, layer, L_GU_S))[NI + t * 4 + lane];
+#endif
             float gt = rbf(a), up = rbf(b);
             float sg = rbf(__fdiv_rn(gt, 1.f + expf(-gt)));
             ((u16*)tab[T_ACT])[t * 4 + lane] = (u16)f2bf(sg * up);
@@ -637,11 +673,17 @@ __device__ __forceinline__ void epilogue(const long long* tab, Shared sh, int la
         if (lane < RD) {
             float sum = a;
             int r = t * RD + lane;
+#if W8
+            sum *= ((const float*)layer_ptr(tab, layer, L_DOWN_S))[r];
+#endif
             const char* hb = (const char*)tab[T_H];
             float h = EARLY_OPERANDS ? pre.x : bf2f(ld_u16(hb + 2 * r));
             ((u16*)tab[T_H])[r] = (u16)f2bf(h + rbf(sum));
         }
     } else {
+#if W8
+        if (lane < 8) a *= ((const float*)tab[T_HEAD_S])[t * 8 + lane];
+#endif
         if (lane < 8) st.logits[t * 8 + lane] = rbf(a);
     }
 }
@@ -724,7 +766,7 @@ __device__ __forceinline__ void gemv_stage(const long long* tab, Shared sh, u32&
         u32 slot = it % NSLOT;
         mbar_wait_timed(smem_addr(sh.full + slot), (it / NSLOT) & 1u, err, 2, me >= 0 ? me : NCTR - 1, 2);
         const char* tile = sh.ring + (u64)slot * SLOT;
-        float dot = row_dot<K, WPR>(tile + (u64)row * K * 2, xr);
+        float dot = row_dot<K, WPR>(tile + (u64)row * K * EB, xr);
         u32 arrived = 0;
         if (lane == 0) {
             sh.red[slot * 8 + warp] = dot;

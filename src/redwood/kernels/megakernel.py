@@ -51,8 +51,8 @@ def misfit(model) -> str | None:
         return "needs sm_90 (bulk copies, transaction barriers)"
     if model.dtype != torch.bfloat16:
         return f"dtype {model.dtype} (bfloat16 only)"
-    if model.skinny_int8 is not None:
-        return "int8 weight copies (quantize_skinny)"
+    if model.skinny_int8 is not None and os.environ.get("REDWOOD_MEGAKERNEL_INT8", "0") != "1":
+        return "int8 weight copies (quantize_skinny): its int8 build awaits GPU tests (REDWOOD_MEGAKERNEL_INT8=1 tries it)"
     if model.layers[0].self_attn.qkv is None or model.layers[0].mlp.gate_up is None:
         return "projections not fused (fuse_projections)"
     return config_misfit(model.config)
@@ -76,13 +76,14 @@ def config_misfit(cfg) -> str | None:
     return None
 
 
-def down_rows(cfg) -> int | None:
+def down_rows(cfg, int8: bool = False) -> int | None:
     """Rows per down-projection tile: the most of 8, 4, 2, 1 dividing H whose tile fits the slot the other
     stages need (8 rows of H or Hq·D), and whose K split over 8 / rows warps is whole chunks of 8."""
     H, F = cfg.hidden_size, cfg.intermediate_size
-    slot = max(8 * H, 8 * cfg.num_heads * cfg.head_dim, F) * 2
+    eb = 1 if int8 else 2  # weight bytes an element
+    slot = max(8 * H, 8 * cfg.num_heads * cfg.head_dim, F) * eb
     for rd in (8, 4, 2, 1):
-        if H % rd == 0 and rd * F * 2 <= slot and (F // 8) % (8 // rd) == 0:
+        if H % rd == 0 and rd * F * eb <= slot and (F // 8) % (8 // rd) == 0:
             return rd
     return None
 
@@ -99,16 +100,19 @@ def experiment_defines() -> dict[str, str]:
     return out
 
 
-def layout(cfg, page_size: int, n_sm: int, smem_optin: int, profile: bool = False) -> tuple[dict, int]:
+def layout(cfg, page_size: int, n_sm: int, smem_optin: int, profile: bool = False,
+           int8: bool = False) -> tuple[dict, int]:
     """megakernel.cu's #defines for a model shape on a GPU (n_sm multiprocessors, smem_optin bytes of shared
-    memory a block), and the dynamic shared memory a block asks for: a ring of as many weight-tile slots as fit
-    (2 to 8), after the attention's queries, per-warp accumulators and probabilities."""
+    memory a block) and weights (bf16, or int8 with row scales), and the dynamic shared memory a block asks
+    for: a ring of as many weight-tile slots as fit (2 to 8), after the attention's per-warp accumulators and
+    probabilities. A slot holds a weight tile or a chunk of 32 keys' K and V rows."""
     HEAD_DIM = cfg.head_dim
     H, F = cfg.hidden_size, cfg.intermediate_size
     G = cfg.num_heads // cfg.num_kv_heads
-    rd = down_rows(cfg)
+    rd = down_rows(cfg, int8)
+    eb = 1 if int8 else 2
     extra = experiment_defines()
-    slot = -(-max(8 * H, 8 * cfg.num_heads * HEAD_DIM, rd * F, 64 * HEAD_DIM) * 2 // 128) * 128  # (a K/V chunk: 2 × 32 rows)
+    slot = -(-max(max(8 * H, 8 * cfg.num_heads * HEAD_DIM, rd * F) * eb, 128 * HEAD_DIM) // 128) * 128
     fixed = 4 * HEAD_DIM + 16 + 8 * G * HEAD_DIM * 4 + 8 * 32 * 8 * 4  # cos / sin, a word; attention's
     # per-warp accumulators and probabilities
     per_slot = slot + 16 + 32 + 4  # tile, two barriers, partial sums, arrival count
@@ -120,7 +124,7 @@ def layout(cfg, page_size: int, n_sm: int, smem_optin: int, profile: bool = Fals
     defines = {"H": H, "NI": F, "HQ": cfg.num_heads, "HKV": cfg.num_kv_heads, "D": HEAD_DIM,
                "V": cfg.vocab_size, "NL": cfg.num_layers, "PS": page_size, "EPS": f"{float(cfg.rms_norm_eps)!r}f",
                "NB": n_sm, "NSLOT": nslot, "SLOT": slot, "RD": rd, "SMAX": SMAX,
-               "HAS_QKV_BIAS": int(cfg.qkv_bias), "PROFILE": int(profile)}
+               "HAS_QKV_BIAS": int(cfg.qkv_bias), "PROFILE": int(profile), "W8": int(int8)}
     defines.update(extra)
     return defines, smem
 
@@ -128,7 +132,8 @@ def layout(cfg, page_size: int, n_sm: int, smem_optin: int, profile: bool = Fals
 def _kernel(model, page_size: int, profile: bool = False):
     props = torch.cuda.get_device_properties(model.device)
     defines, smem = layout(model.config, page_size, props.multi_processor_count,
-                           getattr(props, "shared_memory_per_block_optin", 232448), profile)
+                           getattr(props, "shared_memory_per_block_optin", 232448), profile,
+                           int8=model.skinny_int8 is not None)
     key = tuple(sorted((k, str(v)) for k, v in defines.items()))
     if key not in _KERNELS:
         src = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE.read_text()
@@ -188,9 +193,11 @@ class MegaForward:
                                "(run the forward once eagerly first)")
         m = self.model
         ptr = [0] * (T_LAYER0 + T_PER_LAYER * len(m.layers))
+        q8 = m.skinny_int8  # int8 copies with row scales (quantize_skinny) or None
         ptr[0] = m.embed_tokens.weight.data_ptr()
         ptr[1] = m.norm.weight.data_ptr()
-        ptr[2] = m.head_weight.data_ptr()
+        ptr[2] = (q8["lm_head"][0] if q8 else m.head_weight).data_ptr()
+        ptr[4] = q8["lm_head"][1].data_ptr() if q8 else 0
         ptr[3] = self.inv_freq.data_ptr()
         ptr[6], ptr[7] = cache.lengths.data_ptr(), cache.live.data_ptr()
         ptr[8] = cache.block_table.data_ptr()
@@ -200,11 +207,19 @@ class MegaForward:
         for i, layer in enumerate(m.layers):
             attn, mlp = layer.self_attn, layer.mlp
             base = T_LAYER0 + T_PER_LAYER * i
-            ptr[base + 0] = attn.qkv[0].data_ptr()
+            weights = (attn.qkv[0], attn.o_proj.weight, mlp.gate_up[0], mlp.down_proj.weight)
+            if q8:  # (int8 rows, float32 scales) of q/k/v, o, gate/up, down; scales at L_QKV_S … L_DOWN_S
+                int8 = [q8["layers"][i][name] for name in ("qkv", "o", "gate_up", "down")]
+                weights = tuple(q for q, _ in int8)
+                for j, (q, scale) in enumerate(int8):
+                    if not (q.is_contiguous() and scale.is_contiguous() and scale.dtype == torch.float32):
+                        raise RuntimeError("megakernel: int8 weights must be contiguous with float32 row scales")
+                    ptr[base + 9 + j] = scale.data_ptr()
+            ptr[base + 0] = weights[0].data_ptr()
             ptr[base + 1] = attn.qkv[1].data_ptr() if attn.qkv[1] is not None else 0
-            ptr[base + 2] = attn.o_proj.weight.data_ptr()
-            ptr[base + 3] = mlp.gate_up[0].data_ptr()
-            ptr[base + 4] = mlp.down_proj.weight.data_ptr()
+            ptr[base + 2] = weights[1].data_ptr()
+            ptr[base + 3] = weights[2].data_ptr()
+            ptr[base + 4] = weights[3].data_ptr()
             ptr[base + 5] = layer.input_layernorm.weight.data_ptr()
             ptr[base + 6] = layer.post_attention_layernorm.weight.data_ptr()
             ptr[base + 7] = cache.k[i].data_ptr()
@@ -212,6 +227,8 @@ class MegaForward:
         for name, t in (("embedding", m.embed_tokens.weight), ("head", m.head_weight)):
             if not t.is_contiguous() or t.dtype != torch.bfloat16:
                 raise RuntimeError(f"megakernel: the {name} weight must be contiguous bfloat16")
+        if q8 and not q8["lm_head"][0].is_contiguous():
+            raise RuntimeError("megakernel: the int8 head must be contiguous")
         if cache.block_table.stride(-1) != 1 or not cache.k.is_contiguous():
             raise RuntimeError("megakernel: the cache must be contiguous with a row-major block table")
         table = torch.tensor(ptr, dtype=torch.int64, device=self.model.device)
