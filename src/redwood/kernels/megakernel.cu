@@ -191,6 +191,15 @@ __device__ __forceinline__ void mbar_arrive(u32 bar) {
 #ifndef ATTN_FOLD
 #define ATTN_FOLD 32  // up to this many key splits a KV head, the o stage merges them while loading its input
 #endif
+#ifndef ROW_ACC
+#define ROW_ACC 1  // a weight row's dot product as this many interleaved FMA chains a lane (1, 2, 4, 8)
+#endif
+#ifndef ATTN_FOLD_V2
+#define ATTN_FOLD_V2 0  // the fold's loads all issued first (needs ATTN_FOLD <= 8)
+#endif
+#if ATTN_FOLD_V2 && ATTN_FOLD > 8
+#error "ATTN_FOLD_V2 holds ATTN_FOLD splits' partials in registers: ATTN_FOLD <= 8"
+#endif
 #if ATTN_FOLD && HKV > 16  // the merged input (HQ · D bf16) lives in the attention accumulators' shared memory
 #undef ATTN_FOLD
 #define ATTN_FOLD 0
@@ -545,6 +554,11 @@ __device__ __forceinline__ float row_dot(const char* tile_row, const float (&xr)
     constexpr int MJ = (CPW + 31) / 32;
     const int lane = threadIdx.x & 31, part = (threadIdx.x >> 5) % WPR;
     float acc = 0.f;
+#if ROW_ACC > 1
+    float accs[ROW_ACC];  // independent FMA chains (ROW_ACC of them) instead of one serial chain a lane
+#pragma unroll
+    for (int r = 0; r < ROW_ACC; ++r) accs[r] = 0.f;
+#endif
 #pragma unroll
     for (int j = 0; j < MJ; ++j) {
         int c = lane + 32 * j;
@@ -555,10 +569,19 @@ __device__ __forceinline__ float row_dot(const char* tile_row, const float (&xr)
 #else
             widen8(*(const uint4*)(tile_row + (u64)(part * CPW + c) * 16), wf);
 #endif
+#if ROW_ACC > 1
+#pragma unroll
+            for (int e = 0; e < 8; ++e) accs[e % ROW_ACC] = fmaf(xr[j][e], wf[e], accs[e % ROW_ACC]);
+#else
 #pragma unroll
             for (int e = 0; e < 8; ++e) acc = fmaf(xr[j][e], wf[e], acc);
+#endif
         }
     }
+#if ROW_ACC > 1
+#pragma unroll
+    for (int r = 0; r < ROW_ACC; ++r) acc += accs[r];
+#endif
     return warp_sum(acc);
 }
 
@@ -700,6 +723,40 @@ __device__ const char* fold_attention(const long long* tab, Shared sh, const Ste
     const float* pl = (const float*)tab[T_PL];
     const float* pacc = (const float*)tab[T_PACC];
     u16* out = (u16*)sh.acc;  // [HQ · D] bf16 (the accumulators are free after attention)
+#if ATTN_FOLD_V2
+    // every load first (a thread's E elements × ATTN_FOLD splits, predicated), then the same sums as below:
+    // one round of L2 latency where the loop below has two an element
+    constexpr int E = (HQ * D + CONSUMERS - 1) / CONSUMERS;
+    float m[E][ATTN_FOLD], l[E][ATTN_FOLD], a[E][ATTN_FOLD];
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        const int i = threadIdx.x + CONSUMERS * e, ic = i < HQ * D ? i : 0;
+        const int q = ic / D, d = ic % D;
+        const int base = (q / G) * SMAX * G + q % G;
+#pragma unroll
+        for (int s = 0; s < ATTN_FOLD; ++s) {
+            const bool on = i < HQ * D && s < S;
+            m[e][s] = on ? pm[base + s * G] : NEG_INF;
+            l[e][s] = on ? pl[base + s * G] : 0.f;
+            a[e][s] = on ? pacc[(u64)(base + s * G) * D + d] : 0.f;
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        const int i = threadIdx.x + CONSUMERS * e;
+        float M = NEG_INF;
+#pragma unroll
+        for (int s = 0; s < ATTN_FOLD; ++s) M = fmaxf(M, m[e][s]);
+        float L = 0.f, o = 0.f;
+#pragma unroll
+        for (int s = 0; s < ATTN_FOLD; ++s) {
+            const float w = m[e][s] == NEG_INF ? 0.f : expf(m[e][s] - M);
+            L = fmaf(w, l[e][s], L);
+            o = fmaf(w, a[e][s], o);
+        }
+        if (i < HQ * D) out[i] = (u16)f2bf(o * (1.f / L));
+    }
+#else
     for (int i = threadIdx.x; i < HQ * D; i += CONSUMERS) {
         const int q = i / D, d = i % D;
         const int base = (q / G) * SMAX * G + q % G;  // idx of split s: base + s · G
@@ -716,6 +773,7 @@ __device__ const char* fold_attention(const long long* tab, Shared sh, const Ste
         }
         out[i] = (u16)f2bf(o * (1.f / L));
     }
+#endif
     bar_consumers();
     return (const char*)out;
 }
@@ -822,9 +880,11 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int S = num_splits(st);
     const int chunks = (int)((st.hi - st.lo + 31) / 32);
+#if !KV_RING
     const u16* kc = (const u16*)layer_ptr(tab, layer, L_K);
     const u16* vc = (const u16*)layer_ptr(tab, layer, L_V);
     const int* bt = (const int*)tab[T_BT];
+#endif
     float* wacc = sh.acc + warp * G * D;        // [G][D] this warp's accumulators
     float* ps = sh.ps + warp * 32 * PS_G;       // [32][PS_G] this warp's probabilities, then its (m, l)
     const float scale = rsqrtf((float)D);
