@@ -304,3 +304,12 @@ def test_timeline_reads_the_profile_stamps():
         assert tl[kind]["starve"] == pytest.approx(0.6)
         assert tl[kind]["stall"] == pytest.approx(0.1)
     assert tl["total"]["span"] == pytest.approx((int(prof[-1, :, 1].max()) - int(prof[0, :, 0].min())) / 1e3)
+
+
+def test_source_is_its_parts_in_order():
+    """The kernel's source: megakernel_cu's five parts, each once, in dependency order, each after a #line
+    marker (NVRTC's errors then name the part and its line)."""
+    src = megakernel.source()
+    marks = [src.index(f'#line 1 "{name}"\n') for name in megakernel._PARTS]
+    assert marks == sorted(marks) and marks[0] == 0 and len(set(marks)) == 5
+    assert src.count('extern "C" __global__') == 1 and src.index("redwood_decode_forward") > marks[-1]

@@ -1,8 +1,8 @@
-"""A whole one-token forward as one persistent CUDA kernel (megakernel.cu): batch 1, bfloat16 weights.
+"""A whole one-token forward as one persistent CUDA kernel (megakernel_cu/): batch 1, bfloat16 or int8 weights.
 
 Why: a batch-1 forward through the skinny kernels is ~150 launches (5 per layer + the head), and each
 kernel's launch, ramp-up and drain — plus the latency-bound q/k/v, attention and o stages — leave the HBM
-idle for ~40% of a step (benchmarks/NOTES.md, sessions 4-15). In megakernel.cu one block per SM streams
+idle for ~40% of a step (benchmarks/NOTES.md, sessions 4-15). In the kernel one block per SM streams
 its share of every weight tile of the forward into a shared-memory ring with bulk copies, running ahead
 across stage and layer boundaries, while its consumer warps run the stages in order and the blocks meet
 at device-side counters instead of kernel boundaries.
@@ -30,11 +30,17 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).with_name("megakernel.cu")
+_PARTS = ("base.cuh", "producer.cuh", "gemv_stage.cuh", "attention.cuh", "forward.cu")  # compiled as one, in order
+
+
+def source() -> str:
+    """megakernel_cu's parts as one CUDA source (each after a #line marker, so errors name its file and line)."""
+    folder = Path(__file__).with_name("megakernel_cu")
+    return "".join(f'#line 1 "{name}"\n' + (folder / name).read_text() for name in _PARTS)
 _KERNELS: dict[tuple, object] = {}
 HEAD_DIMS = (64, 128)
 SMAX = 32  # blocks per KV head in attention at most (partials: HKV × SMAX × G × D floats)
-T_LAYER0, T_PER_LAYER = 32, 16  # megakernel.cu's table layout
+T_LAYER0, T_PER_LAYER = 32, 16  # megakernel_cu's table layout
 
 
 def enabled() -> bool:
@@ -90,7 +96,7 @@ def down_rows(cfg, int8: bool = False) -> int | None:
 
 def experiment_defines() -> dict[str, str]:
     """Timing / design experiments: REDWOOD_MEGAKERNEL_DEFINES="NAME=VALUE …" (a bare NAME means 1) become #defines
-    of megakernel.cu, overriding the computed ones (e.g. NSLOT=2, ATTN_CPB=16, ATTN_NO_MERGE)."""
+    of the megakernel source, overriding the computed ones (e.g. NSLOT=2, ATTN_CPB=16, ATTN_NO_MERGE)."""
     out = {}
     for item in os.environ.get("REDWOOD_MEGAKERNEL_DEFINES", "").split():
         name, _, value = item.partition("=")
@@ -102,7 +108,7 @@ def experiment_defines() -> dict[str, str]:
 
 def layout(cfg, page_size: int, n_sm: int, smem_optin: int, profile: bool = False,
            int8: bool = False) -> tuple[dict, int]:
-    """megakernel.cu's #defines for a model shape on a GPU (n_sm multiprocessors, smem_optin bytes of shared
+    """megakernel_cu's #defines for a model shape on a GPU (n_sm multiprocessors, smem_optin bytes of shared
     memory a block) and weights (bf16, or int8 with row scales), and the dynamic shared memory a block asks
     for: a ring of as many weight-tile slots as fit (2 to 8), after the attention's per-warp accumulators and
     probabilities. A slot holds a weight tile or a chunk of 32 keys' K and V rows."""
@@ -136,7 +142,7 @@ def _kernel(model, page_size: int, profile: bool = False):
                            int8=model.skinny_int8 is not None)
     key = tuple(sorted((k, str(v)) for k, v in defines.items()))
     if key not in _KERNELS:
-        src = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE.read_text()
+        src = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + source()
         kernel = torch.cuda._compile_kernel(src, "redwood_decode_forward", nvcc_options=["-std=c++17"])
         kernel.set_shared_memory_config(smem)
         _KERNELS[key] = (kernel, smem, defines)
@@ -169,7 +175,7 @@ class MegaForward:
                                     device=dev)
         self.err = torch.zeros(1, dtype=torch.int32, device=dev)
         n_blocks = torch.cuda.get_device_properties(dev).multi_processor_count
-        # per stage and block: start, end, consumer slot waits, producer slot waits (megakernel.cu's PROF_SLOTS)
+        # per stage and block: start, end, consumer slot waits, producer slot waits (megakernel_cu's PROF_SLOTS)
         self.prof = torch.zeros((6 * cfg.num_layers + 1, n_blocks, 4) if profile else 1, dtype=torch.int64, device=dev)
         self.inv_freq = model.rotary.inv_freq.to(device=dev, dtype=torch.float32).contiguous()
         self._tables: dict[tuple, torch.Tensor] = {}
