@@ -4,7 +4,7 @@ capability ≥ 9 that its forwards are as close to a float64 reference as the sk
 The reference runs the same bf16 weights and cache contents in float64 through the reference attention;
 the megakernel's logits and new K/V must be within twice the skinny path's error of it (plus a small
 floor), for dense and paged caches (pages out of order), contexts on both sides of its 32-key chunks and
-of its 32-split cap, a pending draft token, a row that is not live, and a CUDA-graph replay.
+of its 32-split cap (warps walking several chunks), a pending draft token, a row that is not live, and a CUDA-graph replay.
 """
 
 from __future__ import annotations
@@ -227,7 +227,8 @@ def test_forward_is_as_close_to_float64_as_the_skinny_path(shape, paged):
     model, ref = _models(_config(shape))
     assert megakernel.misfit(model) is None
     g = torch.Generator(device="cuda").manual_seed(2)
-    for context in (0, 1, 31, 32, 33, 200, 1100):  # chunk edges; > 32 chunks: splits walk several chunks
+    # chunk edges; 33-256 chunks: a block per 8 chunks; 9000 keys: past SMAX splits, so warps walk several chunks
+    for context in (0, 1, 31, 32, 33, 200, 1100, 9000):
         cache = _cache(model, context, paged)
         ids = torch.randint(0, model.config.vocab_size, (1, 1), device="cuda", generator=g)
         _check(model, ref, cache, ids)
