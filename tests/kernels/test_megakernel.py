@@ -4,7 +4,8 @@ capability ≥ 9 that its forwards are as close to a float64 reference as the sk
 The reference runs the same bf16 weights and cache contents in float64 through the reference attention;
 the megakernel's logits and new K/V must be within twice the skinny path's error of it (plus a small
 floor), for dense and paged caches (pages out of order), contexts on both sides of its 32-key chunks and
-of its 32-split cap (warps walking several chunks), a pending draft token, a row that is not live, and a CUDA-graph replay.
+of its 32-split cap (warps walking several chunks), a pending draft token, a row that is not live, int8
+weights, and a CUDA-graph replay.
 """
 
 from __future__ import annotations
