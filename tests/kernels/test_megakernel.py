@@ -261,6 +261,23 @@ def test_int8_weights_are_as_close_to_float64_as_the_skinny_path(monkeypatch):
 
 
 @hopper
+def test_quantizing_a_model_drops_or_rebuilds_its_megakernel(monkeypatch):
+    """quantize_skinny after the megakernel was taken (a draft loaded with REDWOOD_MEGAKERNEL=1, then made
+    int8): the bf16 build must not run on, nor read the int8 copies; without REDWOOD_MEGAKERNEL_INT8 the
+    int8 model goes back to the skinny path."""
+    model, _ = _models(_config("d128g2"))
+    model.use_megakernel(True)
+    model.quantize_skinny()
+    assert model.megakernel is None
+    model, _ = _models(_config("d128g2"))
+    model.use_megakernel(True)
+    bf16_build = model.megakernel
+    monkeypatch.setenv("REDWOOD_MEGAKERNEL_INT8", "1")
+    model.quantize_skinny()
+    assert model.megakernel is not None and model.megakernel is not bf16_build
+
+
+@hopper
 def test_graph_replays_equal_eager_launches():
     from redwood.engine.runner import StepRunner
 

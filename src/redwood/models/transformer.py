@@ -373,6 +373,8 @@ class Transformer(nn.Module):
                            "gate_up": gemv.quantize_int8(mlp.gate_up[0]),
                            "down": gemv.quantize_int8(mlp.down_proj.weight)})
         self.skinny_int8 = {"layers": layers, "lm_head": gemv.quantize_int8(self.head_weight)}
+        if self.megakernel is not None:  # its builds and pointer tables were for the model-dtype weights
+            self.megakernel = megakernel.MegaForward(self) if megakernel.misfit(self) is None else None
 
     def quantize_cpu(self, kind: str) -> None:
         """Hold every projection and the LM head in a CPU weight format (redwood.models.cpu_weights:
