@@ -15,8 +15,9 @@ the table must exist before capture, which the StepRunner's eager warm-up ensure
 
 Where it applies (`MegaForward.takes`): CUDA, bfloat16, a Llama/Qwen2-style model with head_dim 64 or 128, no
 o / MLP biases, no sliding window, one new token of one row (with `pending` earlier draft tokens), no
-compressed view or observer, model-dtype weights (not `quantize_skinny`). Off by default until measured
-faster: REDWOOD_MEGAKERNEL=1 turns it on (Transformer.forward takes it first where it applies).
+compressed view or observer; model-dtype weights, or `quantize_skinny`'s int8 copies through its int8 build
+(W8) once that has passed its GPU tests (until then only with REDWOOD_MEGAKERNEL_INT8=1). Off by default until
+measured faster: REDWOOD_MEGAKERNEL=1 turns it on (Transformer.forward takes it first where it applies).
 
 Rounding matches the skinny path (redwood.kernels.gemv, qkv_rope): float32 sums (in another order), the
 folded RMSNorm, each projection rounded to bf16, RoPE / residual / SiLU·up rounded as eager PyTorch; the
@@ -37,6 +38,8 @@ def source() -> str:
     """megakernel_cu's parts as one CUDA source (each after a #line marker, so errors name its file and line)."""
     folder = Path(__file__).with_name("megakernel_cu")
     return "".join(f'#line 1 "{name}"\n' + (folder / name).read_text() for name in _PARTS)
+
+
 _KERNELS: dict[tuple, object] = {}
 HEAD_DIMS = (64, 128)
 SMAX = 32  # blocks per KV head in attention at most (partials: HKV × SMAX × G × D floats)
