@@ -16,9 +16,10 @@
 //     device-side counters (each block adds 1 when its share of a stage is written; a stage starts once
 //     its predecessor's counter reaches the block count) instead of kernel boundaries.
 //
-// Stages of layer l (counter 6·l + s): 0 q/k/v, 1 attention (partials per KV head and key split; the
-// last split of a KV head to finish merges its heads), 3 o + residual, 4 gate/up + SiLU·up, 5 down +
-// residual (2 is unused); then the LM head. A weight stage's tasks are tiles of 8 weight rows (RD rows for down) assigned round robin to the
+// Stages of layer l (counter 6·l + s): 0 q/k/v, 1 attention (partials per KV head and key split, the context's
+// K/V chunks arriving through the producer's ring with KV_RING; up to ATTN_FOLD splits the o stage merges them
+// as it loads its input, past that the last split of a KV head to finish does), 3 o + residual, 4 gate/up +
+// SiLU·up, 5 down + residual (2 is unused); then the LM head. A weight stage's tasks are tiles of 8 weight rows (RD rows for down) assigned round robin to the
 // blocks; inside a block warp w computes row w (or a K part of a down row) of each tile from shared
 // memory against the activation held in registers.
 //
@@ -26,9 +27,10 @@
 // RMSNorm as s · Σ x_k g_k W_nk; each projection's output rounded to bf16; RoPE, residual adds and
 // SiLU·up rounded as eager PyTorch rounds them; the logits rounded to bf16 then widened.
 //
-// Constants (#define, from the host): H hidden, NI intermediate, HQ / HKV heads, D head dim (128),
+// Constants (#define, from the host): H hidden, NI intermediate, HQ / HKV heads, D head dim (64 or 128),
 // V vocab, NL layers, PS page size, EPS, NB blocks, NSLOT ring slots, SLOT slot bytes, RD down rows per
-// tile, SMAX key splits per KV head at most, HAS_QKV_BIAS.
+// tile, SMAX key splits per KV head at most, HAS_QKV_BIAS, W8 (int8 weights), PROFILE; the design switches
+// below have defaults.
 
 typedef unsigned short u16;
 typedef unsigned int u32;
