@@ -48,14 +48,13 @@ l2)  # weights prefetched into L2 ahead of their kernel (REDWOOD_L2_PREFETCH=MB,
   run python3 benchmarks/decode_step.py --quick --pdl --context 512 --shape 0.5b --int8 --l2-prefetch ${L2_MB:-8 16 24 32 40} \
       2>&1 | tee "$OUT/l2-0.5b.txt" | tail -22 ;;
 mega)  # the one-token megakernel (redwood.kernels.megakernel) vs the skinny path, side by side in one process: random
-      # 1.5B / 0.5B-shaped models at 512 / 4096 keys, paged caches, its build with the defaults and each
-      # MEGA_VARIANTS string of REDWOOD_MEGAKERNEL_DEFINES (default: each of its design switches turned off in
-      # turn, then its pending experiments); then the profiling build's stage timeline (with the slot waits) at
-      # 1.5B / 512 keys
-  if [ -n "${MEGA_VARIANTS:-}" ]; then eval "variants=($MEGA_VARIANTS)"  # e.g. MEGA_VARIANTS='"" "NSLOT=4"'
-  else variants=("" ATTN_FOLD=0 EARLY_OPERANDS=0 KV_RING=0 "ATTN_FOLD=4 ATTN_FOLD_V2" ROW_ACC=4); fi
-  run python3 benchmarks/megakernel_bench.py --shapes 1.5b 0.5b --contexts 512 4096 --caches paged \
-      --variants "${variants[@]}" 2>&1 | tee "$OUT/mega-bench.txt" | tail -$((4 * ${#variants[@]} + 2))
+      # 1.5B / 0.5B-shaped models at 512 / 4096 keys, paged caches, bf16 then int8 weights (its W8 build vs the
+      # skinny int8 kernels), its build with the defaults and each MEGA_VARIANTS string of
+      # REDWOOD_MEGAKERNEL_DEFINES (e.g. MEGA_VARIANTS='"" "NSLOT=4"'); then the profiling build's stage
+      # timeline (with the slot waits) at 1.5B / 512 keys
+  if [ -n "${MEGA_VARIANTS:-}" ]; then eval "variants=($MEGA_VARIANTS)"; else variants=(""); fi
+  run python3 benchmarks/megakernel_bench.py --shapes 1.5b 0.5b --contexts 512 4096 --caches paged --weights bf16 int8 \
+      --variants "${variants[@]}" 2>&1 | tee "$OUT/mega-bench.txt" | tail -$((8 * ${#variants[@]} + 2))
   run python3 benchmarks/megakernel_bench.py --shapes 1.5b --contexts 512 --caches paged --timeline 2>&1 \
       | tee "$OUT/mega-timeline.txt" | head -8 ;;
 fused)  # split attention merging inside its split kernel (REDWOOD_FUSED_MERGE=1) vs the merge kernel, side by

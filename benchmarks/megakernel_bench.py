@@ -1,9 +1,9 @@
 """The one-token megakernel (redwood.kernels.megakernel) against the skinny-kernel path, side by side in one
-process: random bf16 weights of Qwen2.5-1.5B / 0.5B shape, batch 1, CUDA-graphed forwards (StepRunner),
+process: random bf16 weights of Qwen2.5-1.5B / 0.5B shape (or their int8 copies, quantize_skinny: a draft level), batch 1, CUDA-graphed forwards (StepRunner),
 a cache holding `context` random keys; dense and paged (pages of 64) caches.
 
 Usage: PYTHONPATH=src:benchmarks python benchmarks/megakernel_bench.py [--shapes 1.5b 0.5b] [--contexts 512 4096]
-       [--caches dense paged] [--variants "" "L2PF=16 KV_PF" …] [--timeline]
+       [--caches dense paged] [--weights bf16 int8] [--variants "" "NSLOT=4" …] [--timeline]
 Prints, per case, the agreement of the two paths' logits and new K/V (max |Δ| over max |logit|, argmax), the
 megakernel's error flag, and the median ms per graphed forward of each path; a short table last. --variants builds
 the megakernel once per REDWOOD_MEGAKERNEL_DEFINES string and times each side by side with the skinny path.
@@ -47,12 +47,23 @@ def new_kv(model, cache) -> torch.Tensor:
     return torch.stack([cache.k[:, page, :, slot % cache.k.shape[3]], cache.v[:, page, :, slot % cache.k.shape[3]]])
 
 
+def int8_bytes(model) -> int:
+    """Bytes an int8 forward must read: quantize_skinny's int8 projections and head with their row scales, plus
+    the norms and biases (bf16)."""
+    q8 = model.skinny_int8
+    pairs = [pair for layer in q8["layers"] for pair in layer.values()] + [q8["lm_head"]]
+    small = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" in n or "bias" in n)
+    return sum(q.numel() * q.element_size() + s.numel() * s.element_size() for q, s in pairs) + small
+
+
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["1.5b", "0.5b"], choices=sorted(SHAPES))
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
     ap.add_argument("--caches", nargs="+", default=["dense", "paged"], choices=["dense", "paged"])
+    ap.add_argument("--weights", nargs="+", default=["bf16"], choices=["bf16", "int8"],
+                    help="int8: quantize_skinny's copies (the megakernel's W8 build vs the skinny int8 kernels)")
     ap.add_argument("--variants", nargs="+", default=[os.environ.get("REDWOOD_MEGAKERNEL_DEFINES", "")],
                     help="REDWOOD_MEGAKERNEL_DEFINES strings, one megakernel build each (default: the environment's)")
     ap.add_argument("--repeats", type=int, default=100)
@@ -61,9 +72,11 @@ def main() -> None:
     args = ap.parse_args()
     bw = copy_bandwidth(torch.device("cuda"))
     rows = []
-    for shape in args.shapes:
+    for shape, weights in ((s, w) for s in args.shapes for w in args.weights):
         model = random_model(True, SHAPES[shape])
-        floor_ms = weight_bytes(model) / bw * 1e3
+        if weights == "int8":
+            model.quantize_skinny()
+        floor_ms = (int8_bytes(model) if weights == "int8" else weight_bytes(model)) / bw * 1e3
         for context in args.contexts:
             for paged in (c == "paged" for c in args.caches):
                 cache = make_cache(model, context, paged)
@@ -87,7 +100,7 @@ def main() -> None:
                     runner = StepRunner(model, cache, use_graphs=True)
                     t_mega = time_step(lambda: runner.forward(ids, pos), repeats=args.repeats)
                     err = max(err, model.megakernel.error())
-                    name = f"{shape} {context} {'paged' if paged else 'dense'}{' ' + variant if variant else ''}"
+                    name = f"{shape}{' int8' if weights == 'int8' else ''} {context} {'paged' if paged else 'dense'}{' ' + variant if variant else ''}"
                     if args.timeline:
                         from redwood.kernels.megakernel import MegaForward
 

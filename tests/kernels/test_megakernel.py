@@ -5,7 +5,7 @@ The reference runs the same bf16 weights and cache contents in float64 through t
 the megakernel's logits and new K/V must be within twice the skinny path's error of it (plus a small
 floor), for dense and paged caches (pages out of order), contexts on both sides of its 32-key chunks and
 of its 32-split cap (warps walking several chunks), a pending draft token, a row that is not live, int8
-weights, and a CUDA-graph replay.
+weights, and a CUDA-graph replay; each check asserts the megakernel ran.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def _check(model, ref, cache, ids, pending: int = 0):
         logits = model(ids, pos, c, pending=pending)
         got[name] = ((logits.double() - want).abs().max().item(), (_new_kv(c, slot) - kv_want).abs().max().item())
         if mega is not None:
-            assert mega.error() == 0
+            assert mega.launches == 1 and mega.error() == 0  # (it ran: a forward it did not take would pass too)
     model.megakernel = None
     scale = want.abs().max().item()
     for i, what in enumerate(("logits", "new K/V")):
@@ -212,13 +212,84 @@ def test_which_forwards_it_takes():
     assert not megakernel.MegaForward.takes(one, bf16, torch.ones(1, 1, dtype=torch.bool), None, None)  # a tree mask
     assert not megakernel.MegaForward.takes(one, bf16, None, object(), None)  # a compressed view
     assert not megakernel.MegaForward.takes(one, bf16, None, None, object())  # an observer
+    two_rows = KVCache(cfg, 2, 64, torch.bfloat16, "cpu")
+    assert not megakernel.MegaForward.takes(one, two_rows, None, None, None)  # one row of a larger cache
 
 
-def test_off_unless_asked(monkeypatch):
+def test_taken_only_with_the_skinny_path_on():
+    """Transformer.forward hands a one-token forward to the megakernel only while `skinny` is on (off: the
+    cuBLAS A/B path must measure cuBLAS), and only forwards it takes."""
+    from redwood.kv.cache import KVCache
+    from redwood.models.transformer import Transformer
+
+    class Recorder:
+        calls = 0
+
+        @staticmethod
+        def takes(*args):
+            return megakernel.MegaForward.takes(*args)
+
+        def forward(self, ids, pos, cache, pending=0):
+            self.calls += 1
+            return torch.zeros(1, 1, cfg.vocab_size)
+
+    cfg = _config("d128g2")
+    model = Transformer(cfg).to(torch.bfloat16)
+    model.megakernel = mega = Recorder()
+    cache = KVCache(cfg, 1, 64, torch.bfloat16, "cpu")
+    one = torch.zeros(1, 1, dtype=torch.long)
+    model(one, one, cache)  # skinny off (the CPU)
+    assert mega.calls == 0
+    model.skinny = True
+    assert torch.equal(model(one, one, cache), torch.zeros(1, 1, cfg.vocab_size))
+    assert mega.calls == 1
+    model.skinny = False
+
+
+def test_a_build_failure_falls_back_to_the_other_path(monkeypatch):
+    """A GPU whose shared memory cannot hold the ring, or an NVRTC that refuses the source: the first forward
+    warns, drops the megakernel and returns the other path's logits (nothing has run when the build fails)."""
+    from redwood.kv.cache import KVCache
+    from redwood.models.transformer import Transformer
+
+    def no_build(*args, **kwargs):
+        raise RuntimeError("megakernel: shared memory 101376 B holds fewer than two 24576 B weight tiles")
+
+    monkeypatch.setattr(megakernel, "_kernel", no_build)
+    torch.manual_seed(0)
+    model = Transformer(_config("d128g2")).to(torch.bfloat16)
+    mega = megakernel.MegaForward.__new__(megakernel.MegaForward)  # (no buffers: the build is all that runs)
+    mega.model, mega.profile, mega._kernels = model, False, {}
+    model.megakernel = mega
+    model.skinny = True  # (the megakernel is taken only with it; on the CPU the layers still run plain)
+    ids = torch.tensor([[7]])
+    caches = [KVCache(model.config, 1, 64, torch.bfloat16, "cpu") for _ in range(2)]
+    with pytest.warns(UserWarning, match="could not be built for this model .*fewer than two"):
+        got = model(ids, ids * 0, caches[0])
+    assert model.megakernel is None
+    assert torch.equal(got, model(ids, ids * 0, caches[1]))
+
+
+def test_on_unless_turned_off(monkeypatch):
     monkeypatch.delenv("REDWOOD_MEGAKERNEL", raising=False)
-    assert not megakernel.enabled()
-    monkeypatch.setenv("REDWOOD_MEGAKERNEL", "1")
     assert megakernel.enabled()
+    monkeypatch.setenv("REDWOOD_MEGAKERNEL", "0")
+    assert not megakernel.enabled()
+    monkeypatch.setenv("REDWOOD_MEGAKERNEL", "yes")
+    with pytest.raises(ConfigError, match="REDWOOD_MEGAKERNEL='yes': 1 .* or 0"):
+        megakernel.enabled()
+
+
+def test_offloaded_layers_drop_it():
+    """offload_layers points layer weights at host buffers and per-layer slots: the megakernel's pointer table
+    would read neither, so the model loses it, and misfit names why."""
+    from redwood.engine.offload import offload_layers
+    from redwood.models.transformer import Transformer
+
+    model = Transformer(_config("d128g2"))
+    model.megakernel = object()  # (as fuse_projections leaves a fitting CUDA model)
+    offload_layers(model, prefetch=1)
+    assert model.megakernel is None
 
 
 @hopper
@@ -246,10 +317,9 @@ def test_pending_token_and_a_row_that_is_not_live():
 
 
 @hopper
-def test_int8_weights_are_as_close_to_float64_as_the_skinny_path(monkeypatch):
+def test_int8_weights_are_as_close_to_float64_as_the_skinny_path():
     """quantize_skinny's int8 copies (a draft model's): the megakernel's W8 build against float64 over the
     dequantized weights, next to the skinny path's int8 kernels; the head untied (int8) from the embedding."""
-    monkeypatch.setenv("REDWOOD_MEGAKERNEL_INT8", "1")
     model, ref = _models(_config("d128g2", tie=False), int8=True)
     assert megakernel.misfit(model) is None
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -261,20 +331,18 @@ def test_int8_weights_are_as_close_to_float64_as_the_skinny_path(monkeypatch):
 
 
 @hopper
-def test_quantizing_a_model_drops_or_rebuilds_its_megakernel(monkeypatch):
-    """quantize_skinny after the megakernel was taken (a draft loaded with REDWOOD_MEGAKERNEL=1, then made
-    int8): the bf16 build must not run on, nor read the int8 copies; without REDWOOD_MEGAKERNEL_INT8 the
-    int8 model goes back to the skinny path."""
+def test_quantizing_a_model_rebuilds_its_megakernel():
+    """quantize_skinny after the megakernel was taken (a draft loaded, then made int8): the bf16 build must not
+    run on against int8 pointer tables; the model's forwards go through a fresh W8 build."""
     model, _ = _models(_config("d128g2"))
-    model.use_megakernel(True)
-    model.quantize_skinny()
-    assert model.megakernel is None
-    model, _ = _models(_config("d128g2"))
-    model.use_megakernel(True)
+    assert model.megakernel is not None  # fuse_projections gave it one (on by default)
     bf16_build = model.megakernel
-    monkeypatch.setenv("REDWOOD_MEGAKERNEL_INT8", "1")
     model.quantize_skinny()
     assert model.megakernel is not None and model.megakernel is not bf16_build
+    cache = _cache(model, 40, paged=True)
+    model(torch.tensor([[3]], device="cuda"), torch.tensor([[40]], device="cuda"), cache)
+    assert model.megakernel.launches == 1 and model.megakernel.error() == 0
+    assert model.megakernel._kernels[64][2]["W8"] == 1
 
 
 @hopper
@@ -292,7 +360,7 @@ def test_graph_replays_equal_eager_launches():
     eager, graphed = run(False), run(True)
     for a, b in zip(eager, graphed):
         assert torch.equal(a, b)
-    assert model.megakernel.error() == 0
+    assert model.megakernel.launches > 0 and model.megakernel.error() == 0
 
 
 def test_timeline_reads_the_profile_stamps():

@@ -339,6 +339,7 @@ def offload_layers(model: Transformer, device: torch.device | str | None = None,
                 child.to(dev)
     manager = OffloadManager(model, dev, prefetch, trace=trace)
     object.__setattr__(model, _ATTR, manager)  # a plain attribute, not a submodule
+    model.megakernel = None  # it reads resident weights through a pointer table (megakernel.misfit says why)
     return manager
 
 

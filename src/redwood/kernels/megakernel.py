@@ -14,10 +14,11 @@ Launches are graph-capturable (the per-call pointers — logits, token id, posit
 the table must exist before capture, which the StepRunner's eager warm-up ensures).
 
 Where it applies (`MegaForward.takes`): CUDA, bfloat16, a Llama/Qwen2-style model with head_dim 64 or 128, no
-o / MLP biases, no sliding window, one new token of one row (with `pending` earlier draft tokens), no
-compressed view or observer; model-dtype weights, or `quantize_skinny`'s int8 copies through its int8 build
-(W8) once that has passed its GPU tests (until then only with REDWOOD_MEGAKERNEL_INT8=1). Off by default until
-measured faster: REDWOOD_MEGAKERNEL=1 turns it on (Transformer.forward takes it first where it applies).
+o / MLP biases, no sliding window, resident (not offloaded) layers, one new token of a one-row cache (with `pending`
+earlier draft tokens), no compressed view or observer; model-dtype weights, or `quantize_skinny`'s int8 copies through its int8 build
+(W8). On by default where it applies (measured faster than the skinny kernels at 512 and 4096 keys for the
+1.5B and 0.5B shapes: benchmarks/results/2026-12-04-h200-session20); REDWOOD_MEGAKERNEL=0 turns it off.
+Transformer.forward takes it first, while the skinny path is on (`model.skinny`; off: the cuBLAS A/B).
 
 Rounding matches the skinny path (redwood.kernels.gemv, qkv_rope): float32 sums (in another order), the
 folded RMSNorm, each projection rounded to bf16, RoPE / residual / SiLU·up rounded as eager PyTorch; the
@@ -40,6 +41,11 @@ def source() -> str:
     return "".join(f'#line 1 "{name}"\n' + (folder / name).read_text() for name in _PARTS)
 
 
+class Unavailable(RuntimeError):
+    """The megakernel could not be built for this model on this GPU (its layout does not fit the shared memory,
+    or NVRTC refused the source): Transformer.forward warns and goes on through the skinny kernels."""
+
+
 _KERNELS: dict[tuple, object] = {}
 HEAD_DIMS = (64, 128)
 SMAX = 32  # blocks per KV head in attention at most (partials: HKV × SMAX × G × D floats)
@@ -47,7 +53,13 @@ T_LAYER0, T_PER_LAYER = 32, 16  # megakernel_cu's table layout
 
 
 def enabled() -> bool:
-    return os.environ.get("REDWOOD_MEGAKERNEL", "0") == "1"
+    """Whether fuse_projections gives a fitting model the megakernel (REDWOOD_MEGAKERNEL=0: never; default on)."""
+    value = os.environ.get("REDWOOD_MEGAKERNEL", "1")
+    if value not in ("0", "1"):
+        from redwood.errors import ConfigError
+
+        raise ConfigError(f"REDWOOD_MEGAKERNEL={value!r}: 1 (take the one-token megakernel where it applies) or 0")
+    return value == "1"
 
 
 def misfit(model) -> str | None:
@@ -60,8 +72,10 @@ def misfit(model) -> str | None:
         return "needs sm_90 (bulk copies, transaction barriers)"
     if model.dtype != torch.bfloat16:
         return f"dtype {model.dtype} (bfloat16 only)"
-    if model.skinny_int8 is not None and os.environ.get("REDWOOD_MEGAKERNEL_INT8", "0") != "1":
-        return "int8 weight copies (quantize_skinny): its int8 build awaits GPU tests (REDWOOD_MEGAKERNEL_INT8=1 tries it)"
+    from redwood.engine.offload import get_offload
+
+    if get_offload(model) is not None:
+        return "layers offloaded (their weights stream in per layer; the kernel reads resident weights)"
     if model.layers[0].self_attn.qkv is None or model.layers[0].mlp.gate_up is None:
         return "projections not fused (fuse_projections)"
     return config_misfit(model.config)
@@ -183,11 +197,14 @@ class MegaForward:
         self.inv_freq = model.rotary.inv_freq.to(device=dev, dtype=torch.float32).contiguous()
         self._tables: dict[tuple, torch.Tensor] = {}
         self._kernels: dict[int, tuple] = {}  # page size → (kernel, shared memory, defines), looked up once
+        self.launches = 0  # forward() calls (a graph replay runs the kernel without one)
 
     @staticmethod
     def takes(input_ids: torch.Tensor, cache, new_mask, view, observer) -> bool:
         """Whether this forward runs through the megakernel (the model fits: `misfit`; checked once)."""
         if input_ids.shape != (1, 1) or new_mask is not None or view is not None or observer is not None:
+            return False
+        if cache.lengths.shape != (1,):  # one row of a larger cache: the kernel reads row 0's length and pages
             return False
         return cache.k.dtype == torch.bfloat16
 
@@ -250,7 +267,10 @@ class MegaForward:
         """One token of one row → logits [1, 1, V] float32 (its K/V written at slot lengths + pending)."""
         page_size = cache.k.shape[3]
         if page_size not in self._kernels:
-            self._kernels[page_size] = _kernel(self.model, page_size, self.profile)
+            try:
+                self._kernels[page_size] = _kernel(self.model, page_size, self.profile)
+            except Exception as e:  # (a build failure, never a wrong result: nothing has run yet)
+                raise Unavailable(f"{type(e).__name__}: {e}") from e
         kernel, smem, defines = self._kernels[page_size]
         table = self._table(cache)
         logits = torch.empty(1, 1, self.model.config.vocab_size, dtype=torch.float32, device=self.model.device)
@@ -258,6 +278,7 @@ class MegaForward:
         pos = positions.reshape(1)
         if ids.dtype != torch.int64 or pos.dtype != torch.int64:
             ids, pos = ids.long(), pos.long()
+        self.launches += 1
         kernel(grid=(defines["NB"], 1, 1), block=(288, 1, 1), args=[table, logits, ids, pos, int(pending)],
                shared_mem=smem)
         return logits

@@ -325,7 +325,8 @@ class Transformer(nn.Module):
         self.packed_head: nn.Module | None = None  # the LM head in that format (quantize_cpu)
         self._prefetch_plans: dict = {}  # (budget, int8) → l2_prefetch.LayerPrefetch (captured forwards)
         # One-token forwards of one row as one persistent kernel (redwood.kernels.megakernel; set by
-        # fuse_projections where REDWOOD_MEGAKERNEL=1 and the model fits, or by use_megakernel)
+        # fuse_projections where the model fits unless REDWOOD_MEGAKERNEL=0, or by use_megakernel); taken
+        # while `skinny` is on (it is the skinny path's one-token form)
         self.megakernel: megakernel.MegaForward | None = None
 
     def fuse_projections(self) -> None:
@@ -537,9 +538,16 @@ class Transformer(nn.Module):
         Returns logits [B, T or K, vocab] in float32.
         """
         mega = self.megakernel
-        if (mega is not None and self.skinny_int8 is None and mega.takes(input_ids, cache, new_mask, view, observer)
+        if (mega is not None and self.skinny and mega.takes(input_ids, cache, new_mask, view, observer)
                 and (logits_at is None or logits_at.numel() == 1)):
-            return mega.forward(input_ids, positions, cache, pending)  # the whole forward in one launch
+            try:
+                return mega.forward(input_ids, positions, cache, pending)  # the whole forward in one launch
+            except megakernel.Unavailable as e:
+                import warnings
+
+                warnings.warn(f"the one-token megakernel could not be built for this model ({e}); "
+                              "one-token forwards use the skinny kernels", stacklevel=2)
+                self.megakernel = None
         B, T = input_ids.shape
         dest = cache.physical(cache.slots(T, offset=pending))  # (pages, offsets) [B, T]: where the new K/V go
         capturing = cache.k.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -23,11 +23,6 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int S = num_splits(st);
     const int chunks = (int)((st.hi - st.lo + 31) / 32);
-#if !KV_RING
-    const u16* kc = (const u16*)layer_ptr(tab, layer, L_K);
-    const u16* vc = (const u16*)layer_ptr(tab, layer, L_V);
-    const int* bt = (const int*)tab[T_BT];
-#endif
     float* wacc = sh.acc + warp * G * D;        // [G][D] this warp's accumulators
     float* ps = sh.ps + warp * 32 * PS_G;       // [32][PS_G] this warp's probabilities, then its (m, l)
     const float scale = rsqrtf((float)D);
@@ -56,7 +51,6 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
             const long long first = st.lo + (long long)c * 32;
             long long key = first + lane;
             bool valid = key < st.hi;
-#if KV_RING
             // the chunk's K / V rows in the ring: tile it + (c - c0) of this block's walk; lane j's key is row j
             // (row 0, a valid key, stands in past hi: its probability is 0)
             const u32 kv_it = it + (u32)(c - c0), kv_slot = kv_it % NSLOT;
@@ -76,9 +70,6 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
                 asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // before the slot's next bulk copy
                 __syncwarp();
             }
-#else
-            long long base = valid ? (((long long)bt[key / PS] * HKV + kvh) * PS + key % PS) * D : 0;
-#endif
             float sc[2][4];
 #pragma unroll
             for (int t = 0; t < 2; ++t) {
@@ -165,17 +156,13 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
                 }
             }
             __syncwarp();
-#if KV_RING
             if (lane == 0) {  // the slot is free: one warp arrives for the 8 a weight tile has
                 u64 state;
                 asm volatile("mbarrier.arrive.shared::cta.b64 %0, [%1], 8;"
                              : "=l"(state) : "r"(smem_addr(sh.empty + kv_slot)) : "memory");
             }
-#endif
         }
-#if KV_RING
         it += (u32)(c1 - c0);
-#endif
         // this warp's partials into shared memory, as the CUDA-core path leaves them
         if (gid < G) {
 #pragma unroll
@@ -234,7 +221,7 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
                 for (int e = 0; e < DL; ++e) pacc[(u64)idx * D + lane * DL + e] = o[e];
             }
         }
-        if (S > 1 && S > ATTN_FOLD) {  // the last block of this KV head merges the blocks' partials
+        if (S > 1) {  // the last block of this KV head merges the blocks' partials
             __threadfence();
             bar_consumers();
             u32* actr = ctr + NCTR + layer * HKV + kvh;

@@ -17,8 +17,8 @@
 //     its predecessor's counter reaches the block count) instead of kernel boundaries.
 //
 // Stages of layer l (counter 6·l + s): 0 q/k/v, 1 attention (partials per KV head and key split, the context's
-// K/V chunks arriving through the producer's ring with KV_RING; up to ATTN_FOLD splits the o stage merges them
-// as it loads its input, past that the last split of a KV head to finish does), 3 o + residual, 4 gate/up +
+// K/V chunks arriving through the producer's ring like weight tiles; with several splits the last block of a KV head
+// to finish merges them), 3 o + residual, 4 gate/up +
 // SiLU·up, 5 down + residual (2 is unused); then the LM head. A weight stage's tasks are tiles of 8 weight rows (RD rows for down) assigned round robin to the
 // blocks; inside a block warp w computes row w (or a K part of a down row) of each tile from shared
 // memory against the activation held in registers.
@@ -100,12 +100,15 @@ __device__ __forceinline__ u32 f2bf(float f) {  // round to nearest even (as tor
 
 __device__ __forceinline__ float rbf(float f) { return bf2f(f2bf(f)); }
 
-// 8 packed int8 (8 bytes) → float32, in order (exact).
+// 8 packed int8 (8 bytes) → float32, in order; exact, without the int → float conversion instruction (a quarter-rate pipe, which bound the W8 build's consumers:
+// session 20): byte b + 128 placed as the low mantissa bits of 2^23 is the float 2^23 + b + 128 (one byte permute),
+// and one subtraction of 2^23 + 128 leaves b.
 __device__ __forceinline__ void widen8_i8(uint2 v, float (&f)[8]) {
+    const u32 x = v.x ^ 0x80808080u, y = v.y ^ 0x80808080u;  // b + 128 in each byte
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-        f[e] = (float)(int)(signed char)(v.x >> (8 * e));
-        f[4 + e] = (float)(int)(signed char)(v.y >> (8 * e));
+        f[e] = __int_as_float(__byte_perm(x, 0x4B000000u, 0x7440u + e)) - 8388736.f;
+        f[4 + e] = __int_as_float(__byte_perm(y, 0x4B000000u, 0x7440u + e)) - 8388736.f;
     }
 }
 
@@ -189,30 +192,8 @@ __device__ __forceinline__ void mbar_arrive(u32 bar) {
 #ifndef ATTN_NO_MERGE
 #define ATTN_NO_MERGE 0  // skip the merge of the splits
 #endif
-#ifndef EARLY_OPERANDS
-#define EARLY_OPERANDS 1  // a weight stage loads its norm weights and its epilogues' biases / residual rows before its wait
-#endif
-#ifndef ATTN_FOLD
-#define ATTN_FOLD 32  // up to this many key splits a KV head, the o stage merges them while loading its input
-#endif
-#ifndef ROW_ACC
-#define ROW_ACC 1  // a weight row's dot product as this many interleaved FMA chains a lane (1, 2, 4, 8)
-#endif
-#ifndef ATTN_FOLD_V2
-#define ATTN_FOLD_V2 0  // the fold's loads all issued first (needs ATTN_FOLD <= 8)
-#endif
-#if ATTN_FOLD_V2 && ATTN_FOLD > 8
-#error "ATTN_FOLD_V2 holds ATTN_FOLD splits' partials in registers: ATTN_FOLD <= 8"
-#endif
-#if ATTN_FOLD && HKV > 16  // the merged input (HQ · D bf16) lives in the attention accumulators' shared memory
-#undef ATTN_FOLD
-#define ATTN_FOLD 0
-#endif
-#ifndef KV_RING
-#define KV_RING 1  // the context's K/V chunks reach attention through the producer's ring (bulk copies) like weights
-#endif
-#if KV_RING && 128 * D > SLOT
-#error "KV_RING: a chunk's K and V rows (32 keys each) must fit one ring slot"
+#if 128 * D > SLOT
+#error "a K/V chunk's K and V rows (32 keys each) must fit one ring slot"
 #endif
 #ifndef ATTN_CPB
 #define ATTN_CPB 8  // chunks of 32 keys a block takes (one a warp) before a KV head's keys split over more blocks

@@ -49,7 +49,7 @@ redwood_decode_forward(const long long* __restrict__ tab, float* logits, const l
         st.logits = logits;
     }
     if (threadIdx.x >= CONSUMERS) {  // the producer warp: one thread streams, the rest have nothing to do
-        if (threadIdx.x == CONSUMERS) produce(tab, sh, err PRODUCE_STEP_ARG);
+        if (threadIdx.x == CONSUMERS) produce(tab, sh, err, st);
         return;
     }
     for (int i = threadIdx.x; i < D / 2; i += CONSUMERS) {

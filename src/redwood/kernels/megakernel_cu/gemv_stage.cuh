@@ -1,12 +1,12 @@
 // megakernel (3/5): the consumer side of a weight stage (q/k/v, o, gate/up, down, the head): activations,
-// row dot products from the ring, each tile's epilogue, and the o stage's fold of the attention splits.
+// row dot products from the ring, each tile's epilogue.
 
 // ------------------------------------------------------------------------------------------------
 // consumer side of a weight stage
 
 #define XCHUNKS(K, WPR) (((K) / 8 / (WPR) + 31) / 32)  // 8-element chunks of x a lane holds
 
-// The norm weights' chunks load_x multiplies in, loaded ahead (EARLY_OPERANDS): the same chunks c = lane + 32·j.
+// The norm weights' chunks load_x multiplies in, loaded before the stage's wait: the same chunks c = lane + 32·j.
 template <int K>
 __device__ __forceinline__ void load_g(const char* g, uint4 (&gr)[XCHUNKS(K, 1)]) {
     const int lane = threadIdx.x & 31;
@@ -18,10 +18,10 @@ __device__ __forceinline__ void load_g(const char* g, uint4 (&gr)[XCHUNKS(K, 1)]
 }
 
 // The activation a lane multiplies: its chunks of 8 elements c = part·CPW + lane + 32·j (j < MJ) of x [K],
-// widened to float32 (times s · g_k when NORM: the folded RMSNorm; g's chunks from gr when PRE). x: bf16.
-template <int K, int WPR, bool NORM, bool PRE = false>
-__device__ __forceinline__ void load_x(const char* x, const char* g, float (&xr)[(K / 8 / WPR + 31) / 32][8],
-                                       const uint4 (&gr)[XCHUNKS(K, WPR)] = {}) {
+// widened to float32 (times s · g_k when NORM: the folded RMSNorm, g's chunks in gr from load_g). x: bf16.
+template <int K, int WPR, bool NORM>
+__device__ __forceinline__ void load_x(const char* x, float (&xr)[(K / 8 / WPR + 31) / 32][8],
+                                       const uint4 (&gr)[XCHUNKS(K, WPR)]) {
     constexpr int CPW = K / 8 / WPR;
     constexpr int MJ = (CPW + 31) / 32;
     const int lane = threadIdx.x & 31, part = (threadIdx.x >> 5) % WPR;
@@ -47,7 +47,7 @@ __device__ __forceinline__ void load_x(const char* x, const char* g, float (&xr)
             int c = lane + 32 * j;
             if (c < CPW) {
                 float gf[8];
-                widen8(PRE ? gr[j] : *(const uint4*)(g + (u64)c * 16), gf);
+                widen8(gr[j], gf);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) xr[j][e] *= gf[e] * s;
             }
@@ -62,11 +62,6 @@ __device__ __forceinline__ float row_dot(const char* tile_row, const float (&xr)
     constexpr int MJ = (CPW + 31) / 32;
     const int lane = threadIdx.x & 31, part = (threadIdx.x >> 5) % WPR;
     float acc = 0.f;
-#if ROW_ACC > 1
-    float accs[ROW_ACC];  // independent FMA chains (ROW_ACC of them) instead of one serial chain a lane
-#pragma unroll
-    for (int r = 0; r < ROW_ACC; ++r) accs[r] = 0.f;
-#endif
 #pragma unroll
     for (int j = 0; j < MJ; ++j) {
         int c = lane + 32 * j;
@@ -77,19 +72,10 @@ __device__ __forceinline__ float row_dot(const char* tile_row, const float (&xr)
 #else
             widen8(*(const uint4*)(tile_row + (u64)(part * CPW + c) * 16), wf);
 #endif
-#if ROW_ACC > 1
-#pragma unroll
-            for (int e = 0; e < 8; ++e) accs[e % ROW_ACC] = fmaf(xr[j][e], wf[e], accs[e % ROW_ACC]);
-#else
 #pragma unroll
             for (int e = 0; e < 8; ++e) acc = fmaf(xr[j][e], wf[e], acc);
-#endif
         }
     }
-#if ROW_ACC > 1
-#pragma unroll
-    for (int r = 0; r < ROW_ACC; ++r) acc += accs[r];
-#endif
     return warp_sum(acc);
 }
 
@@ -114,7 +100,7 @@ __device__ __forceinline__ void gather(const float* red, int lane, float& a, flo
     }
 }
 
-// What a tile's epilogue reads from global memory that is final before its stage's wait (EARLY_OPERANDS): the
+// What a tile's epilogue reads from global memory that is final before its stage's wait (loaded before the wait): the
 // q/k/v biases of its pair rows (lanes 0-3), the residual rows o and down add to (lanes 0-7 / 0-RD). The
 // residual stream h is final then: this block's previous stage waited for the stage that last wrote it.
 template <int KIND>
@@ -140,25 +126,47 @@ __device__ __forceinline__ float2 pre_operands(const long long* tab, int layer, 
     return v;
 }
 
+// W8: the float32 row scales of the rows a lane of tile t's epilogue writes (a, b: as epilogue's), loaded a tile
+// ahead — a global load in the epilogue stalled each tile's last warp, and with it the next tile (session 20).
+template <int KIND>
+__device__ __forceinline__ float2 w8_scales(const long long* tab, int layer, int t, int lane) {
+    float2 v = make_float2(1.f, 1.f);
+    if (KIND == K_QKV) {
+        if (lane < 4) {
+            const float* sc = (const float*)layer_ptr(tab, layer, L_QKV_S);
+            const int r1 = (t / (D / 8)) * D + (t % (D / 8)) * 4 + lane;
+            v = make_float2(sc[r1], sc[r1 + D / 2]);
+        }
+    } else if (KIND == K_O) {
+        if (lane < 8) v.x = ((const float*)layer_ptr(tab, layer, L_O_S))[t * 8 + lane];
+    } else if (KIND == K_GU) {
+        if (lane < 4) {
+            const float* sc = (const float*)layer_ptr(tab, layer, L_GU_S);
+            v = make_float2(sc[t * 4 + lane], sc[NI + t * 4 + lane]);
+        }
+    } else if (KIND == K_DOWN) {
+        if (lane < RD) v.x = ((const float*)layer_ptr(tab, layer, L_DOWN_S))[t * RD + lane];
+    } else {
+        if (lane < 8) v.x = ((const float*)tab[T_HEAD_S])[t * 8 + lane];
+    }
+    return v;
+}
+
 template <int KIND, int WPR>
 __device__ __forceinline__ void epilogue(const long long* tab, Shared sh, int layer, int t, float a, float b,
-                                         int lane, const Step& st, float2 pre) {
+                                         int lane, const Step& st, float2 pre, float2 sc) {
     if (KIND == K_QKV) {
         if (lane < 4) {
             int head = t / (D / 8), i = (t % (D / 8)) * 4 + lane;  // pair (i, i + D/2) of `head`
-            int r1 = head * D + i, r2 = r1 + D / 2;
+            const int r1 = head * D + i;
 #if W8
-            a *= ((const float*)layer_ptr(tab, layer, L_QKV_S))[r1];
-            b *= ((const float*)layer_ptr(tab, layer, L_QKV_S))[r2];
+            a *= sc.x;
+            b *= sc.y;
 #endif
             float y1 = a, y2 = b;
-            if (HAS_QKV_BIAS && EARLY_OPERANDS) {
+            if (HAS_QKV_BIAS) {
                 y1 += pre.x;
                 y2 += pre.y;
-            } else if (HAS_QKV_BIAS) {
-                const char* b = layer_ptr(tab, layer, L_QKV_B);
-                y1 += bf2f(*(const u16*)(b + 2 * r1));
-                y2 += bf2f(*(const u16*)(b + 2 * r2));
             }
             y1 = rbf(y1);
             y2 = rbf(y2);
@@ -184,17 +192,15 @@ __device__ __forceinline__ void epilogue(const long long* tab, Shared sh, int la
         if (lane < 8) {
             int r = t * 8 + lane;
 #if W8
-            a *= ((const float*)layer_ptr(tab, layer, L_O_S))[r];
+            a *= sc.x;
 #endif
-            const char* src = layer == 0 ? st.embed_row : (const char*)tab[T_H];
-            float h = EARLY_OPERANDS ? pre.x : bf2f(ld_u16(src + 2 * r));
-            ((u16*)tab[T_H])[r] = (u16)f2bf(h + rbf(a));
+            ((u16*)tab[T_H])[r] = (u16)f2bf(pre.x + rbf(a));
         }
     } else if (KIND == K_GU) {
         if (lane < 4) {
 #if W8
-            a *= ((const float*)layer_ptr(tab, layer, L_GU_S))[t * 4 + lane];
-            b *= ((const float*)layer_ptr(tab, layer, L_GU_S))[NI + t * 4 + lane];
+            a *= sc.x;
+            b *= sc.y;
 #endif
             float gt = rbf(a), up = rbf(b);
             float sg = rbf(__fdiv_rn(gt, 1.f + expf(-gt)));
@@ -205,87 +211,17 @@ __device__ __forceinline__ void epilogue(const long long* tab, Shared sh, int la
             float sum = a;
             int r = t * RD + lane;
 #if W8
-            sum *= ((const float*)layer_ptr(tab, layer, L_DOWN_S))[r];
+            sum *= sc.x;
 #endif
-            const char* hb = (const char*)tab[T_H];
-            float h = EARLY_OPERANDS ? pre.x : bf2f(ld_u16(hb + 2 * r));
-            ((u16*)tab[T_H])[r] = (u16)f2bf(h + rbf(sum));
+            ((u16*)tab[T_H])[r] = (u16)f2bf(pre.x + rbf(sum));
         }
     } else {
 #if W8
-        if (lane < 8) a *= ((const float*)tab[T_HEAD_S])[t * 8 + lane];
+        if (lane < 8) a *= sc.x;
 #endif
         if (lane < 8) st.logits[t * 8 + lane] = rbf(a);
     }
 }
-
-#if ATTN_FOLD
-// The o stage's input with 2 … ATTN_FOLD key splits a KV head: every block merges the splits' partials (M, L, the
-// unnormalized output, as attention_stage left them) itself, into shared memory as bf16 — one round of L2 loads
-// in place of the attention stage's cross-block count, reload and write. Returns x (shared memory) or null
-// (one split: attention wrote the output).
-__device__ const char* fold_attention(const long long* tab, Shared sh, const Step& st) {
-    const int S = num_splits(st);
-    if (S == 1 || S > ATTN_FOLD) return 0;
-    const float* pm = (const float*)tab[T_PM];
-    const float* pl = (const float*)tab[T_PL];
-    const float* pacc = (const float*)tab[T_PACC];
-    u16* out = (u16*)sh.acc;  // [HQ · D] bf16 (the accumulators are free after attention)
-#if ATTN_FOLD_V2
-    // every load first (a thread's E elements × ATTN_FOLD splits, predicated), then the same sums as below:
-    // one round of L2 latency where the loop below has two an element
-    constexpr int E = (HQ * D + CONSUMERS - 1) / CONSUMERS;
-    float m[E][ATTN_FOLD], l[E][ATTN_FOLD], a[E][ATTN_FOLD];
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-        const int i = threadIdx.x + CONSUMERS * e, ic = i < HQ * D ? i : 0;
-        const int q = ic / D, d = ic % D;
-        const int base = (q / G) * SMAX * G + q % G;
-#pragma unroll
-        for (int s = 0; s < ATTN_FOLD; ++s) {
-            const bool on = i < HQ * D && s < S;
-            m[e][s] = on ? pm[base + s * G] : NEG_INF;
-            l[e][s] = on ? pl[base + s * G] : 0.f;
-            a[e][s] = on ? pacc[(u64)(base + s * G) * D + d] : 0.f;
-        }
-    }
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-        const int i = threadIdx.x + CONSUMERS * e;
-        float M = NEG_INF;
-#pragma unroll
-        for (int s = 0; s < ATTN_FOLD; ++s) M = fmaxf(M, m[e][s]);
-        float L = 0.f, o = 0.f;
-#pragma unroll
-        for (int s = 0; s < ATTN_FOLD; ++s) {
-            const float w = m[e][s] == NEG_INF ? 0.f : expf(m[e][s] - M);
-            L = fmaf(w, l[e][s], L);
-            o = fmaf(w, a[e][s], o);
-        }
-        if (i < HQ * D) out[i] = (u16)f2bf(o * (1.f / L));
-    }
-#else
-    for (int i = threadIdx.x; i < HQ * D; i += CONSUMERS) {
-        const int q = i / D, d = i % D;
-        const int base = (q / G) * SMAX * G + q % G;  // idx of split s: base + s · G
-        float M = NEG_INF;
-        for (int s = 0; s < S; ++s) M = fmaxf(M, pm[base + s * G]);
-        float L = 0.f, o = 0.f;
-        if (M != NEG_INF) {
-            for (int s = 0; s < S; ++s) {
-                const float m = pm[base + s * G];
-                const float w = m == NEG_INF ? 0.f : expf(m - M);
-                L = fmaf(w, pl[base + s * G], L);
-                o = fmaf(w, pacc[(u64)(base + s * G) * D + d], o);
-            }
-        }
-        out[i] = (u16)f2bf(o * (1.f / L));
-    }
-#endif
-    bar_consumers();
-    return (const char*)out;
-}
-#endif
 
 // One weight stage for this block: wait for stage `dep`, load x, run the tiles, publish stage `me`.
 // Warps do not wait for each other inside a stage: each writes its sum to red[slot][warp] and counts
@@ -299,7 +235,6 @@ __device__ __forceinline__ void gemv_stage(const long long* tab, Shared sh, u32&
     const int row = warp / WPR;  // this warp's row of each tile
     const int n = num_tasks(KIND);
     float xr[(K / 8 / WPR + 31) / 32][8];
-#if EARLY_OPERANDS
     constexpr int PT = pre_tiles<KIND>();
     float2 pre[PT];  // pre[k]: the k-th next tile's epilogue operands
 #pragma unroll
@@ -307,28 +242,15 @@ __device__ __forceinline__ void gemv_stage(const long long* tab, Shared sh, u32&
         const int t = first_task(seq) + k * NB;
         pre[k] = t < n ? pre_operands<KIND>(tab, layer, t, lane, st) : make_float2(0.f, 0.f);
     }
+    float2 sc_next = make_float2(1.f, 1.f);  // W8: the next tile's row scales
+    if (W8 && first_task(seq) < n) sc_next = w8_scales<KIND>(tab, layer, first_task(seq), lane);
     uint4 gr[XCHUNKS(K, WPR)];
     if constexpr (NORM) load_g<K>(g, gr);
     wait_stage(ctr, dep, me >= 0 ? me : NCTR - 1, err);
-#if ATTN_FOLD
-    if (KIND == K_O) {
-        const char* merged = fold_attention(tab, sh, st);
-        if (merged) x = merged;
-    }
-#endif
-    load_x<K, WPR, NORM, NORM>(x, g, xr, gr);
-#else
-    const float2 pre[1] = {make_float2(0.f, 0.f)};
-    wait_stage(ctr, dep, me >= 0 ? me : NCTR - 1, err);
-#if ATTN_FOLD
-    if (KIND == K_O) {
-        const char* merged = fold_attention(tab, sh, st);
-        if (merged) x = merged;
-    }
-#endif
-    load_x<K, WPR, NORM>(x, g, xr);
-#endif
+    load_x<K, WPR, NORM>(x, xr, gr);
     for (int t = first_task(seq); t < n; t += NB, ++it) {
+        const float2 sc = sc_next;
+        if (W8 && t + NB < n) sc_next = w8_scales<KIND>(tab, layer, t + NB, lane);
         u32 slot = it % NSLOT;
         mbar_wait_timed(smem_addr(sh.full + slot), (it / NSLOT) & 1u, err, 2, me >= 0 ? me : NCTR - 1, 2);
         const char* tile = sh.ring + (u64)slot * SLOT;
@@ -349,15 +271,13 @@ __device__ __forceinline__ void gemv_stage(const long long* tab, Shared sh, u32&
                 sh.cnt[slot] = 0;
                 mbar_arrive(smem_addr(sh.empty + slot));
             }
-            epilogue<KIND, WPR>(tab, sh, layer, t, a, b, lane, st, pre[0]);
+            epilogue<KIND, WPR>(tab, sh, layer, t, a, b, lane, st, pre[0], sc);
         } else if (lane == 0) {
             mbar_arrive(smem_addr(sh.empty + slot));
         }
         __syncwarp();
-#if EARLY_OPERANDS
 #pragma unroll
         for (int k = 0; k + 1 < PT; ++k) pre[k] = pre[k + 1];
-#endif
     }
     if (me >= 0) arrive_stage(ctr, me);
     else {

@@ -1,5 +1,5 @@
 // megakernel (2/5): which weight tiles each block streams, in which order, and the producer thread that
-// streams them (and, with KV_RING, the context's K/V chunks) into the shared-memory ring.
+// streams them (and the context's K/V chunks) into the shared-memory ring.
 
 // ------------------------------------------------------------------------------------------------
 // weight stages: which tiles, in which order (the producer and the consumers walk the same sequence)
@@ -124,7 +124,6 @@ __device__ __forceinline__ Cursor first_tile() {
     return c;
 }
 
-#if KV_RING
 // This block's attention chunks (attention_stage's item: at most one a block), as the producer streams them.
 #define KVR_PAGES 16  // page ids held from the launch's start; chunks past them read the block table per copy
 struct KvChunks {
@@ -180,23 +179,14 @@ __device__ void issue_kv(const long long* tab, const KvChunks& kc, int layer, in
         key = end;
     }
 }
-#define PRODUCE_STEP , const Step& st
-#define PRODUCE_STEP_ARG , st
-#else
-#define PRODUCE_STEP
-#define PRODUCE_STEP_ARG
-#endif
 
-// The producer (one thread): every weight tile of this block, in order, into the ring; with KV_RING also the
+// The producer (one thread): every weight tile of this block, in order, into the ring; also the
 // block's attention chunks of each layer, between the layer's q/k/v tiles and the rest.
-__device__ void produce(const long long* tab, Shared sh, u32* err PRODUCE_STEP) {
-#if KV_RING
+__device__ void produce(const long long* tab, Shared sh, u32* err, const Step& st) {
     const KvChunks kc = kv_chunks(tab, st);
     int kv_layer = -1;  // the last layer whose chunks are issued
-#endif
     Cursor cp = first_tile();
     for (u32 it = 0; !cp.done(); ++it, cp.next()) {
-#if KV_RING
         // a layer's chunks once the walk has passed its q/k/v tiles (all of them before the head)
         while (kv_layer + 1 < NL && (cp.layer > kv_layer + 1 || (cp.layer == kv_layer + 1 && cp.k >= 1))) {
             ++kv_layer;
@@ -207,7 +197,6 @@ __device__ void produce(const long long* tab, Shared sh, u32* err PRODUCE_STEP) 
                 issue_kv(tab, kc, kv_layer, j, smem_addr(sh.ring + (u64)slot * SLOT), smem_addr(sh.full + slot));
             }
         }
-#endif
         u32 slot = it % NSLOT;
         u32 parity = ((it / NSLOT) & 1u) ^ 1u;
         mbar_wait_timed(smem_addr(sh.empty + slot), parity, err, 1, cp.counter(), 3);
