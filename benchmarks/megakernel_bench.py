@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 
@@ -91,7 +92,10 @@ def main() -> None:
                     os.environ["REDWOOD_MEGAKERNEL_DEFINES"] = variant
                     model.megakernel = None  # a fresh build for this variant's defines
                     model.use_megakernel(True)
-                    out = model(ids, pos, cache)
+                    t0 = time.perf_counter()
+                    out = model(ids, pos, cache)  # (the first forward of a new build compiles it with NVRTC)
+                    torch.cuda.synchronize()
+                    build_s = time.perf_counter() - t0
                     kv = new_kv(model, cache)
                     err = model.megakernel.error()
                     rel = ((out - ref).abs().max() / ref.abs().max()).item()
@@ -111,10 +115,10 @@ def main() -> None:
                         print(f"{name} timeline (µs per stage, mean over layers):")
                         for kind, row in model.megakernel.timeline().items():
                             print(f"  {kind:<10} wait {row['wait']:7.2f}  work {row['work']:7.2f}  span {row['span']:8.2f}"
-                                  f"  starve {row['starve']:7.2f}  stall {row['stall']:7.2f}")
+                                  f"  max {row['max']:7.2f}  starve {row['starve']:7.2f}  stall {row['stall']:7.2f}")
                     model.megakernel = None
                     model.use_megakernel(False)
-                    rows.append((name, t_skinny, t_mega, floor_ms, rel, kv_rel, same, err))
+                    rows.append((name, t_skinny, t_mega, floor_ms, rel, kv_rel, same, err, build_s))
                     print(rows[-1], flush=True)
                 del cache, runner
         model.megakernel = None
@@ -122,10 +126,11 @@ def main() -> None:
         torch.cuda.empty_cache()
     print(f"\nfloor = weight bytes / {bw / 1e12:.2f} TB/s (in-run copy bandwidth)")
     print(f"{'case':<36}{'skinny ms':>10}{'mega ms':>9}{'speedup':>8}{'floor':>7}{'mega/floor':>11}"
-          f"{'logit rel':>11}{'kv rel':>9}{'argmax':>7}{'err':>5}")
-    for name, t0, t1, fl, rel, kv_rel, same, err in rows:
+          f"{'logit rel':>11}{'kv rel':>9}{'argmax':>7}{'err':>5}{'1st s':>7}")
+    for name, t0, t1, fl, rel, kv_rel, same, err, build_s in rows:
         print(f"{name:<36}{t0:>10.3f}{t1:>9.3f}{t0 / t1:>8.2f}{fl:>7.3f}{fl / t1:>11.2f}{rel:>11.2e}{kv_rel:>9.2e}"
-              f"{str(same):>7}{err:>5}")
+              f"{str(same):>7}{err:>5}{build_s:>7.1f}")
+    print("1st s: the megakernel's first forward (an NVRTC compile where the build is new)")
 
 
 if __name__ == "__main__":

@@ -365,8 +365,8 @@ def test_graph_replays_equal_eager_launches():
 
 def test_timeline_reads_the_profile_stamps():
     """timeline() (host arithmetic over a profiling launch's stamps): per stage kind, mean over layers of the
-    wait from the previous stage's last block to the median start, the median work, the span, and the
-    median consumer / producer slot waits."""
+    wait from the previous stage's last block to the median start, the median and the slowest block's work,
+    the span, and the median consumer / producer slot waits."""
     n_layers, n_blocks = 2, 3
     prof = torch.zeros(6 * n_layers + 1, n_blocks, 4, dtype=torch.int64)
     t = 0
@@ -376,10 +376,10 @@ def test_timeline_reads_the_profile_stamps():
         t += 1000  # every stage starts 1 µs after the previous one ends
         for b in range(n_blocks):
             prof[s, b, 0] = t + 100 * b
-            prof[s, b, 1] = t + 100 * b + 2000
+            prof[s, b, 1] = t + 100 * b + 2000 + (1000 if b == n_blocks - 1 else 0)  # the last block 1 µs slower
             prof[s, b, 2] = 300 * (b + 1)
             prof[s, b, 3] = 50 * (b + 1)
-        t += 2000 + 100 * (n_blocks - 1)
+        t += 3000 + 100 * (n_blocks - 1)
     mf = object.__new__(megakernel.MegaForward)
     mf.prof = prof
     tl = mf.timeline()
@@ -387,7 +387,8 @@ def test_timeline_reads_the_profile_stamps():
     for kind in ("attention", "o", "gate/up", "down", "head"):
         assert tl[kind]["wait"] == pytest.approx(1.1)  # median block starts 1.1 µs after the last one ended
         assert tl[kind]["work"] == pytest.approx(2.0)
-        assert tl[kind]["span"] == pytest.approx(2.2)
+        assert tl[kind]["max"] == pytest.approx(3.0)
+        assert tl[kind]["span"] == pytest.approx(3.2)
         assert tl[kind]["starve"] == pytest.approx(0.6)
         assert tl[kind]["stall"] == pytest.approx(0.1)
     assert tl["total"]["span"] == pytest.approx((int(prof[-1, :, 1].max()) - int(prof[0, :, 0].min())) / 1e3)

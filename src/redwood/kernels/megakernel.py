@@ -286,7 +286,8 @@ class MegaForward:
     def timeline(self) -> dict[str, dict[str, float]]:
         """Of the last launch (profile=True), per stage kind averaged over layers, in µs: `wait` from the
         previous stage's last block finishing to this stage's median block starting; `work` the median block's
-        time in the stage; `span` first start to last end; `starve` the median block's consumer time waiting for
+        time in the stage, `max` the slowest block's (attention: a block holding key chunks); `span` first start
+        to last end; `starve` the median block's consumer time waiting for
         weight tiles (or K/V chunks) to land, `stall` its producer's time waiting for a free slot while
         streaming the stage's tiles."""
         prof = self.prof.cpu().double() / 1e3  # [stage, block, start / end / starve / stall] µs
@@ -300,9 +301,10 @@ class MegaForward:
             prev = s - 2 if s % 6 == 3 else s - 1  # (o waits for attention)
             prev_end = prof[prev, :, 1].max() if s else start.min()
             row = {"wait": float(start.median() - prev_end), "work": float((end - start).median()),
+                   "max": float((end - start).max()),
                    "span": float(end.max() - start.min()), "starve": float(prof[s, :, 2].median()),
                    "stall": float(prof[s, :, 3].median())}
-            acc = out.setdefault(name, {"wait": 0.0, "work": 0.0, "span": 0.0, "starve": 0.0, "stall": 0.0, "n": 0})
+            acc = out.setdefault(name, {k: 0.0 for k in row} | {"n": 0})
             for k, v in row.items():
                 acc[k] += v
             acc["n"] += 1
@@ -311,7 +313,7 @@ class MegaForward:
             n = acc.pop("n")
             for k in acc:
                 acc[k] /= n
-        out["total"] = {"wait": 0.0, "work": 0.0, "span": total, "starve": 0.0, "stall": 0.0}
+        out["total"] = {"wait": 0.0, "work": 0.0, "max": 0.0, "span": total, "starve": 0.0, "stall": 0.0}
         return out
 
     def error(self) -> int:
