@@ -30,11 +30,14 @@ def _sweep_report(kind="standalone", speed=1.0):
             "runs": runs, "aggregate": {"speedup": 1.5 * speed, "tokens_per_s": 420.0}}
 
 
-def test_environment_info():
+def test_environment_info(monkeypatch):
+    monkeypatch.setenv("REDWOOD_MEGAKERNEL", "0")
+    monkeypatch.setenv("REDWOOD_HOME", "/somewhere")
     env = environment_info()
     for key in ("hostname", "platform", "cpu_count", "python", "torch", "timestamp", "device_name"):
         assert key in env
     assert env["cpu_count"] >= 1 and env["python"].count(".") == 2
+    assert env["settings"]["REDWOOD_MEGAKERNEL"] == "0" and "REDWOOD_HOME" not in env["settings"]
 
 
 def test_round_trip_and_plots(tmp_path):

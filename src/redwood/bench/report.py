@@ -69,7 +69,8 @@ class ReportError(RedwoodError):
 
 # ----------------------------------------------------------------------------------------- environment
 def environment_info() -> dict[str, Any]:
-    """Machine and software facts for a report: host, platform, CPUs, Python / torch versions, GPU, time."""
+    """Machine and software facts for a report: host, platform, CPUs, Python / torch versions, GPU, time, and the
+    REDWOOD_* settings in the environment."""
     import redwood
 
     info: dict[str, Any] = {
@@ -81,6 +82,8 @@ def environment_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "redwood": getattr(redwood, "__version__", None),
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        # the kernel switches a number was measured with (REDWOOD_MEGAKERNEL, REDWOOD_PDL, …; REDWOOD_HOME is a path)
+        "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("REDWOOD_") and k != "REDWOOD_HOME"},
     }
     try:
         import torch
