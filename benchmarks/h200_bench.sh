@@ -4,7 +4,7 @@
 # On the GPU machine, from the repo root, after staging the GGUF chunks as /root/stage/t?? (1.5B) and
 # /root/stage/d?? (0.5B), carrying .whl (the gguf wheel) and .stage/home (REDWOOD_HOME with the essays,
 # humaneval and mt-bench datasets):
-#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests kernels pdl fused l2 tile mega p1 steps p2 p3 p3tree p4 p5 summary
+#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests (tests-a, tests-b) kernels pdl fused l2 tile mega p1 steps p2 p3 p3tree p4 p5 summary
 # Each step writes JSON under $OUT and prints its tables; `summary` prints the short P1–P5 table last.
 # Settings (environment): P2_TEMPS, P2_GAMMAS, P2_DRAFT_WEIGHTS (bf16 int8), P2_ACC (a folder of acceptance vectors measured earlier with
 # the same models, [p2-]acc-<dataset>-t<temp>.json: reused instead of measured), P2_ACC_PROMPTS, P3_KV, P3_BATCH, P3_CONTEXT, P3_GAMMAS,
@@ -21,8 +21,15 @@ OUT=${OUT:-/tmp/out}
 GPU=${GPU_FLAGS:---dtype bfloat16 --device cuda}
 
 for step in "$@"; do case $step in
-tests)  # the GPU tests: Triton kernel vs float64, graphed steps == eager, speculation exact on CUDA
-  run python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/attention tests/kernels tests/engine/test_runner.py tests/engine/test_random.py} 2>&1 | tail -15 \
+tests|tests-a|tests-b)  # the GPU tests: kernels vs float64, graphed steps == eager, speculation exact on CUDA.
+  # The whole suite takes longer than one call (10 min): tests-a (the megakernel, the other kernels but test_gemv,
+  # the engine's CUDA tests; ~5 min) and tests-b (attention + test_gemv; ~8 min) in two calls
+  case $step in
+    tests-a) sel="tests/kernels --ignore=tests/kernels/test_gemv.py tests/engine/test_runner.py tests/engine/test_random.py tests/engine/test_logprobs.py tests/engine/test_offload.py" ;;
+    tests-b) sel="tests/attention tests/kernels/test_gemv.py" ;;
+    *) sel=${GPU_TESTS:-tests/attention tests/kernels tests/engine/test_runner.py tests/engine/test_random.py tests/engine/test_logprobs.py tests/engine/test_offload.py} ;;
+  esac
+  run python3 -m pytest -q -p no:cacheprovider $sel 2>&1 | tee "$OUT/$step.txt" | tail -15 \
     || echo "GPU TESTS FAILED (the steps after this one still run)" ;;
 kernels)  # the skinny kernels vs cuBLAS (a sweep that merges into this GPU's tile table, copied to $OUT),
           # then decode steps of random 1.5B / 0.5B models with the skinny path off / on at 1-8 tokens
