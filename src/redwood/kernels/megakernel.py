@@ -64,6 +64,10 @@ def enabled() -> bool:
 
 def misfit(model) -> str | None:
     """Why `model` cannot run through the megakernel (None: it can)."""
+    from redwood.engine.offload import get_offload
+
+    if get_offload(model) is not None:
+        return "layers offloaded (their weights stream in per layer; the kernel reads resident weights)"
     if model.device.type != "cuda":
         return "not on CUDA"
     if getattr(torch.cuda, "_compile_kernel", None) is None:
@@ -72,10 +76,6 @@ def misfit(model) -> str | None:
         return "needs sm_90 (bulk copies, transaction barriers)"
     if model.dtype != torch.bfloat16:
         return f"dtype {model.dtype} (bfloat16 only)"
-    from redwood.engine.offload import get_offload
-
-    if get_offload(model) is not None:
-        return "layers offloaded (their weights stream in per layer; the kernel reads resident weights)"
     if model.layers[0].self_attn.qkv is None or model.layers[0].mlp.gate_up is None:
         return "projections not fused (fuse_projections)"
     return config_misfit(model.config)
