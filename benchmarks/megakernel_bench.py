@@ -48,15 +48,6 @@ def new_kv(model, cache) -> torch.Tensor:
     return torch.stack([cache.k[:, page, :, slot % cache.k.shape[3]], cache.v[:, page, :, slot % cache.k.shape[3]]])
 
 
-def int8_bytes(model) -> int:
-    """Bytes an int8 forward must read: quantize_skinny's int8 projections and head with their row scales, plus
-    the norms and biases (bf16)."""
-    q8 = model.skinny_int8
-    pairs = [pair for layer in q8["layers"] for pair in layer.values()] + [q8["lm_head"]]
-    small = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" in n or "bias" in n)
-    return sum(q.numel() * q.element_size() + s.numel() * s.element_size() for q, s in pairs) + small
-
-
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -77,7 +68,7 @@ def main() -> None:
         model = random_model(True, SHAPES[shape])
         if weights == "int8":
             model.quantize_skinny()
-        floor_ms = (int8_bytes(model) if weights == "int8" else weight_bytes(model)) / bw * 1e3
+        floor_ms = weight_bytes(model) / bw * 1e3
         for context in args.contexts:
             for paged in (c == "paged" for c in args.caches):
                 cache = make_cache(model, context, paged)

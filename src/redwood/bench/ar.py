@@ -53,9 +53,16 @@ def hf_decode_rate(hf, prompts: list[list[int]], gen_len: int) -> dict:
 def weight_bytes(model) -> int:
     """Bytes one decode step must read: every parameter, except an untied embedding matrix, of which
     the lookup reads one row per token (tied, it is the output projection and is read whole). Packed
-    CPU projections (`Transformer.quantize_cpu`) count their packed bytes; a packed head is its own copy."""
+    CPU projections (`Transformer.quantize_cpu`) count their packed bytes; a packed head is its own copy. A model
+    with int8 copies for its one-token forwards (`Transformer.quantize_skinny`, a draft) reads those — the int8
+    projections and head with their row scales — and its norms and biases, not its model-dtype projections."""
     from redwood.models.cpu_weights import PackedLinear
 
+    q8 = getattr(model, "skinny_int8", None)
+    if q8 is not None:
+        pairs = [pair for layer in q8["layers"] for pair in layer.values()] + [q8["lm_head"]]
+        small = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" in n or "bias" in n)
+        return sum(q.numel() * q.element_size() + s.numel() * s.element_size() for q, s in pairs) + small
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     total += sum(m.nbytes for m in model.modules() if isinstance(m, PackedLinear))
     if model.lm_head is not None or getattr(model, "packed_head", None) is not None:

@@ -108,12 +108,18 @@ __host__ __device__ constexpr int pre_tiles() {
     return KIND == K_QKV || KIND == K_O || KIND == K_DOWN ? (num_tasks(KIND) + NB - 1) / NB : 1;
 }
 
+// q/k/v tile t holds 4 rotation pairs of one head: lane l < 4 of its epilogue writes rows (r, r + D/2), r as here.
+__device__ __forceinline__ int qkv_pair_row(int t, int lane) {
+    const int head = t / (D / 8), i = (t % (D / 8)) * 4 + lane;
+    return head * D + i;
+}
+
 template <int KIND>
 __device__ __forceinline__ float2 pre_operands(const long long* tab, int layer, int t, int lane, const Step& st) {
     float2 v = make_float2(0.f, 0.f);
     if (KIND == K_QKV) {
         if (HAS_QKV_BIAS && lane < 4) {
-            const int head = t / (D / 8), i = (t % (D / 8)) * 4 + lane, r1 = head * D + i;
+            const int r1 = qkv_pair_row(t, lane);
             const char* b = layer_ptr(tab, layer, L_QKV_B);
             v.x = bf2f(ld_u16(b + 2 * r1));
             v.y = bf2f(ld_u16(b + 2 * (r1 + D / 2)));
@@ -134,7 +140,7 @@ __device__ __forceinline__ float2 w8_scales(const long long* tab, int layer, int
     if (KIND == K_QKV) {
         if (lane < 4) {
             const float* sc = (const float*)layer_ptr(tab, layer, L_QKV_S);
-            const int r1 = (t / (D / 8)) * D + (t % (D / 8)) * 4 + lane;
+            const int r1 = qkv_pair_row(t, lane);
             v = make_float2(sc[r1], sc[r1 + D / 2]);
         }
     } else if (KIND == K_O) {
@@ -155,14 +161,13 @@ __device__ __forceinline__ float2 w8_scales(const long long* tab, int layer, int
 template <int KIND, int WPR>
 __device__ __forceinline__ void epilogue(const long long* tab, Shared sh, int layer, int t, float a, float b,
                                          int lane, const Step& st, float2 pre, float2 sc) {
+    if (W8) {  // the rows' scales (1 where a lane writes nothing, or for an unused b: exact)
+        a *= sc.x;
+        b *= sc.y;
+    }
     if (KIND == K_QKV) {
         if (lane < 4) {
-            int head = t / (D / 8), i = (t % (D / 8)) * 4 + lane;  // pair (i, i + D/2) of `head`
-            const int r1 = head * D + i;
-#if W8
-            a *= sc.x;
-            b *= sc.y;
-#endif
+            const int head = t / (D / 8), i = (t % (D / 8)) * 4 + lane;  // pair (i, i + D/2) of `head`
             float y1 = a, y2 = b;
             if (HAS_QKV_BIAS) {
                 y1 += pre.x;
@@ -191,17 +196,10 @@ __device__ __forceinline__ void epilogue(const long long* tab, Shared sh, int la
     } else if (KIND == K_O) {
         if (lane < 8) {
             int r = t * 8 + lane;
-#if W8
-            a *= sc.x;
-#endif
             ((u16*)tab[T_H])[r] = (u16)f2bf(pre.x + rbf(a));
         }
     } else if (KIND == K_GU) {
         if (lane < 4) {
-#if W8
-            a *= sc.x;
-            b *= sc.y;
-#endif
             float gt = rbf(a), up = rbf(b);
             float sg = rbf(__fdiv_rn(gt, 1.f + expf(-gt)));
             ((u16*)tab[T_ACT])[t * 4 + lane] = (u16)f2bf(sg * up);
@@ -210,15 +208,9 @@ __device__ __forceinline__ void epilogue(const long long* tab, Shared sh, int la
         if (lane < RD) {
             float sum = a;
             int r = t * RD + lane;
-#if W8
-            sum *= sc.x;
-#endif
             ((u16*)tab[T_H])[r] = (u16)f2bf(pre.x + rbf(sum));
         }
     } else {
-#if W8
-        if (lane < 8) a *= sc.x;
-#endif
         if (lane < 8) st.logits[t * 8 + lane] = rbf(a);
     }
 }
