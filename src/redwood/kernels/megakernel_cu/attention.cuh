@@ -223,7 +223,6 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
         }
         if (S > 1) {  // the last block of this KV head merges the blocks' partials
             u32* actr = ctr + NCTR + layer * HKV + kvh;
-#if MERGE_ACQREL
             // as arrive_stage / wait_stage order a stage: the barrier orders the block's partials before thread 0's
             // release, and its acquire (then the barrier) orders the other blocks' partials before the merge's loads
             bar_consumers();
@@ -233,17 +232,8 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
                 *sh.word = v;
             }
             bar_consumers();
-#else
-            __threadfence();
-            bar_consumers();
-            if (threadIdx.x == 0) *sh.word = atomicAdd(actr, 1u);
-            bar_consumers();
-#endif
             const u32 done = *sh.word;
             if (done == (u32)S - 1 && !ATTN_NO_MERGE) {
-#if !MERGE_ACQREL
-                __threadfence();
-#endif
                 if (warp < G) {
                     const int g = warp;
                     const bool mine = lane < S;

@@ -195,14 +195,9 @@ __device__ __forceinline__ void mbar_arrive(u32 bar) {
 #if 128 * D > SLOT
 #error "a K/V chunk's K and V rows (32 keys each) must fit one ring slot"
 #endif
-#ifndef MERGE_ACQREL
-#define MERGE_ACQREL 0  // the split merge's count as one acquire-release atomic (no fence by every thread)
-#endif
 #ifndef ATTN_CPB
 #define ATTN_CPB 8  // chunks of 32 keys a block takes (one a warp) before a KV head's keys split over more blocks
-#endif
-#ifndef ATTN_ONE
-#define ATTN_ONE 0  // experiment: contexts of at most this many chunks of 32 keys take one block a KV head (no merge)
+                    // (16: slower at every shape and context, session 21)
 #endif
 #define PS_G 8  // probability rows of 8 heads (the tensor-core N)
 __device__ long long* g_prof;  // set at kernel start with PROFILE

@@ -88,9 +88,6 @@ struct Step {  // per-launch values, read once
 // past SMAX splits (or the blocks there are) a warp walks several.
 __device__ __forceinline__ int num_splits(const Step& st) {
     int chunks = (int)((st.hi - st.lo + 31) / 32);
-#if ATTN_ONE
-    if (chunks <= ATTN_ONE) return 1;
-#endif
     int n = (chunks + ATTN_CPB - 1) / ATTN_CPB;
     if (n > SMAX) n = SMAX;
     if (n > NB / HKV) n = NB / HKV;
