@@ -63,7 +63,7 @@ mega)  # the one-token megakernel (redwood.kernels.megakernel) vs the skinny pat
   run python3 benchmarks/megakernel_bench.py --shapes 1.5b 0.5b --contexts 512 4096 --caches paged --weights bf16 int8 \
       --variants "${variants[@]}" 2>&1 | tee "$OUT/mega-bench.txt" | tail -$((8 * ${#variants[@]} + 2))
   run python3 benchmarks/megakernel_bench.py --shapes 1.5b --contexts 512 --caches paged --timeline 2>&1 \
-      | tee "$OUT/mega-timeline.txt" | head -8 ;;
+      | tee "$OUT/mega-timeline.txt" | head -10 ;;
 fused)  # split attention merging inside its split kernel (REDWOOD_FUSED_MERGE=1) vs the merge kernel, side by
         # side: one-token and 7-token forwards of random 1.5B / 0.5B (int8) models, then the short-context
         # attention sweep (splits with and without the fused merge)

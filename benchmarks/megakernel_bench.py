@@ -107,6 +107,9 @@ def main() -> None:
                         for kind, row in model.megakernel.timeline().items():
                             print(f"  {kind:<10} wait {row['wait']:7.2f}  work {row['work']:7.2f}  span {row['span']:8.2f}"
                                   f"  max {row['max']:7.2f}  starve {row['starve']:7.2f}  stall {row['stall']:7.2f}")
+                        phases = model.megakernel.attention_phases()
+                        print("  attention's slowest key block (µs): "
+                              + "  ".join(f"{k} {v:.2f}" for k, v in phases.items()))
                     model.megakernel = None
                     model.use_megakernel(False)
                     rows.append((name, t_skinny, t_mega, floor_ms, rel, kv_rel, same, err, build_s))

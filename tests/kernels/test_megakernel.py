@@ -368,7 +368,7 @@ def test_timeline_reads_the_profile_stamps():
     wait from the previous stage's last block to the median start, the median and the slowest block's work,
     the span, and the median consumer / producer slot waits."""
     n_layers, n_blocks = 2, 3
-    prof = torch.zeros(6 * n_layers + 1, n_blocks, 4, dtype=torch.int64)
+    prof = torch.zeros(6 * n_layers + 1, n_blocks, 8, dtype=torch.int64)
     t = 0
     for s in range(prof.shape[0]):
         if s % 6 == 2 and s != prof.shape[0] - 1:
@@ -392,6 +392,32 @@ def test_timeline_reads_the_profile_stamps():
         assert tl[kind]["starve"] == pytest.approx(0.6)
         assert tl[kind]["stall"] == pytest.approx(0.1)
     assert tl["total"]["span"] == pytest.approx((int(prof[-1, :, 1].max()) - int(prof[0, :, 0].min())) / 1e3)
+
+
+def test_attention_phases_read_the_slowest_key_blocks_stamps():
+    """attention_phases() (host arithmetic): per layer, the slowest of the blocks that stamped key chunks (slot 4 > 0),
+    split at its phase stamps; with one split (no count stamped) the merge phase runs from the warps' stamp; blocks
+    without keys are ignored; mean over layers."""
+    n_layers, n_blocks = 2, 4
+    prof = torch.zeros(6 * n_layers + 1, n_blocks, 8, dtype=torch.int64)
+    for layer in range(n_layers):
+        s = 6 * layer + 1
+        prof[s, :, 0], prof[s, :, 1] = 10_000, 10_300  # every block: 0.3 µs (no keys)
+        # block 1: keys, two splits, 9 µs: chunks 2, warps 1, block merge 0.5, count 1.5, merge 4
+        prof[s, 1, :] = torch.tensor([10_000, 19_000, 0, 0, 12_000, 13_000, 13_500, 15_000])
+        # block 2: keys, a faster block (ignored: not the slowest)
+        prof[s, 2, :] = torch.tensor([10_000, 12_000, 0, 0, 11_000, 11_500, 11_600, 11_800])
+    prof[7, 1, 6:] = 0  # layer 1's slowest key block has one split instead: no count stamped
+    mf = object.__new__(megakernel.MegaForward)
+    mf.prof = prof
+    ph = mf.attention_phases()
+    assert ph["chunks"] == pytest.approx(2.0)
+    assert ph["warps"] == pytest.approx(1.0)
+    assert ph["block merge"] == pytest.approx(0.25)  # (0.5 + 0) / 2
+    assert ph["count"] == pytest.approx(0.75)  # (1.5 + 0) / 2
+    assert ph["merge"] == pytest.approx((4.0 + 6.0) / 2)  # one split: from the warps' stamp (13 µs) to the end
+    prof[:, :, 4] = 0  # no block held keys
+    assert mf.attention_phases() == {}
 
 
 def test_source_is_its_parts_in_order():

@@ -192,8 +192,9 @@ class MegaForward:
                                     device=dev)
         self.err = torch.zeros(1, dtype=torch.int32, device=dev)
         n_blocks = torch.cuda.get_device_properties(dev).multi_processor_count
-        # per stage and block: start, end, consumer slot waits, producer slot waits (megakernel_cu's PROF_SLOTS)
-        self.prof = torch.zeros((6 * cfg.num_layers + 1, n_blocks, 4) if profile else 1, dtype=torch.int64, device=dev)
+        # per stage and block: start, end, consumer slot waits, producer slot waits, attention's four phase stamps
+        # (megakernel_cu's PROF_SLOTS)
+        self.prof = torch.zeros((6 * cfg.num_layers + 1, n_blocks, 8) if profile else 1, dtype=torch.int64, device=dev)
         self.inv_freq = model.rotary.inv_freq.to(device=dev, dtype=torch.float32).contiguous()
         self._tables: dict[tuple, torch.Tensor] = {}
         self._kernels: dict[int, tuple] = {}  # page size → (kernel, shared memory, defines), looked up once
@@ -315,6 +316,31 @@ class MegaForward:
                 acc[k] /= n
         out["total"] = {"wait": 0.0, "work": 0.0, "max": 0.0, "span": total, "starve": 0.0, "stall": 0.0}
         return out
+
+    def attention_phases(self) -> dict[str, float]:
+        """Of the last launch (profile=True), where the attention stage's slowest key-holding block spends its time,
+        in µs, mean over layers: `chunks` from the stage's start to warp 0's last chunk done (the q load, its slot
+        waits, its chunks), `warps` until every warp's partials are in shared memory, `block merge` until the block's
+        merged partials are stored (0 with one split), `count` its arrival counted (0 with one split), `merge` to the
+        stage's end (the KV head's last block: the splits' merge and the output)."""
+        prof = self.prof.cpu().double() / 1e3  # [stage, block, slot] µs; attention is stage 6·layer + 1
+        sums = dict.fromkeys(("chunks", "warps", "block merge", "count", "merge"), 0.0)
+        layers = 0
+        for s in range(1, prof.shape[0] - 1, 6):
+            keys = prof[s, :, 4] > 0  # blocks that held key chunks
+            if not keys.any():
+                continue
+            blk = prof[s][keys]
+            b = blk[int((blk[:, 1] - blk[:, 0]).argmax())]  # the slowest of them
+            start, end, chunks, warps, stored, counted = (float(b[i]) for i in (0, 1, 4, 5, 6, 7))
+            split = counted > 0
+            sums["chunks"] += chunks - start
+            sums["warps"] += warps - chunks
+            sums["block merge"] += stored - warps if split else 0.0
+            sums["count"] += counted - stored if split else 0.0
+            sums["merge"] += end - (counted if split else warps)
+            layers += 1
+        return {k: v / layers for k, v in sums.items()} if layers else {}
 
     def error(self) -> int:
         """The last launches' failure code (0: none; 1 + where a wait timed out). Synchronizes."""

@@ -163,6 +163,7 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
             }
         }
         it += (u32)(c1 - c0);
+        stamp(6 * layer + 1, 4);
         // this warp's partials into shared memory, as the CUDA-core path leaves them
         if (gid < G) {
 #pragma unroll
@@ -182,6 +183,7 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
             }
         }
         bar_consumers();
+        stamp(6 * layer + 1, 5);
         // warp g merges head g over the 8 warps
         float* pm = (float*)tab[T_PM];
         float* pl = (float*)tab[T_PL];
@@ -226,12 +228,14 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
             // as arrive_stage / wait_stage order a stage: the barrier orders the block's partials before thread 0's
             // release, and its acquire (then the barrier) orders the other blocks' partials before the merge's loads
             bar_consumers();
+            stamp(6 * layer + 1, 6);
             if (threadIdx.x == 0) {
                 u32 v;
                 asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(v) : "l"(actr) : "memory");
                 *sh.word = v;
             }
             bar_consumers();
+            stamp(6 * layer + 1, 7);
             const u32 done = *sh.word;
             if (done == (u32)S - 1 && !ATTN_NO_MERGE) {
                 if (warp < G) {

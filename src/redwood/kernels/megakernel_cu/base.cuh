@@ -203,8 +203,10 @@ __device__ __forceinline__ void mbar_arrive(u32 bar) {
 __device__ long long* g_prof;  // set at kernel start with PROFILE
 
 // PROFILE: per stage and block, [0] start (after the wait), [1] end, [2] ns the consumers (warp 0) waited for full
-// slots, [3] ns the producer waited for free slots while streaming that stage's tiles.
-#define PROF_SLOTS 4
+// slots, [3] ns the producer waited for free slots while streaming that stage's tiles; attention, in a block holding
+// key chunks: [4] warp 0's chunks done, [5] every warp's partials in shared memory, [6] (several splits) the block's
+// merged partials stored, [7] its arrival counted (the time stamps of thread 0; 0 where not reached).
+#define PROF_SLOTS 8
 
 __device__ __forceinline__ void stamp(int stage, int which) {
     if (PROFILE && threadIdx.x == 0 && stage >= 0)

@@ -24,8 +24,8 @@ redwood_decode_forward(const long long* __restrict__ tab, float* logits, const l
     u32* err = (u32*)tab[T_ERR];
     if (PROFILE) {
         g_prof = (long long*)tab[T_PROF];
-        for (int c = threadIdx.x; c < NCTR; c += blockDim.x)  // this block's wait totals start at 0
-            g_prof[((u64)c * NB + blockIdx.x) * PROF_SLOTS + 2] = g_prof[((u64)c * NB + blockIdx.x) * PROF_SLOTS + 3] = 0;
+        for (int c = threadIdx.x; c < NCTR; c += blockDim.x)  // this block's wait totals and phase stamps start at 0
+            for (int w = 2; w < PROF_SLOTS; ++w) g_prof[((u64)c * NB + blockIdx.x) * PROF_SLOTS + w] = 0;
     }
     if (threadIdx.x == 0) {
         for (int s = 0; s < NSLOT; ++s) {
