@@ -57,9 +57,10 @@ l2)  # weights prefetched into L2 ahead of their kernel (REDWOOD_L2_PREFETCH=MB,
 mega)  # the one-token megakernel (redwood.kernels.megakernel) vs the skinny path, side by side in one process: random
       # 1.5B / 0.5B-shaped models at 512 / 4096 keys, paged caches, bf16 then int8 weights (its W8 build vs the
       # skinny int8 kernels), its build with the defaults and each MEGA_VARIANTS string of
-      # REDWOOD_MEGAKERNEL_DEFINES (e.g. MEGA_VARIANTS='"" "NSLOT=4" "ATTN_CPB=16"'; default: the defaults only);
+      # REDWOOD_MEGAKERNEL_DEFINES (e.g. MEGA_VARIANTS='"" "NSLOT=4" "ATTN_CPB=16"'; default: the defaults, then the
+      # pending experiments ATTN_EARLY_ROW and MERGE_PRELOAD, alone and together);
       # then the profiling build's stage timeline (with the slot waits and the slowest block) at 1.5B / 512 keys
-  if [ -n "${MEGA_VARIANTS:-}" ]; then eval "variants=($MEGA_VARIANTS)"; else variants=(""); fi
+  if [ -n "${MEGA_VARIANTS:-}" ]; then eval "variants=($MEGA_VARIANTS)"; else variants=("" ATTN_EARLY_ROW MERGE_PRELOAD "ATTN_EARLY_ROW MERGE_PRELOAD"); fi
   run python3 benchmarks/megakernel_bench.py --shapes 1.5b 0.5b --contexts 512 4096 --caches paged --weights bf16 int8 \
       --variants "${variants[@]}" 2>&1 | tee "$OUT/mega-bench.txt" | tail -$((8 * ${#variants[@]} + 2))
   run python3 benchmarks/megakernel_bench.py --shapes 1.5b --contexts 512 --caches paged --timeline 2>&1 \

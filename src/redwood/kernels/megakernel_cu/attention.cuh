@@ -43,6 +43,19 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
                 qb[s][1] = gid < G ? q32[gid * (D / 2) + 8 * s + 4 + tig] : 0u;
             }
         }
+#if ATTN_EARLY_ROW
+        // the new token's K / V row (written by this layer's q/k/v stage, final since the wait), loaded by the warp
+        // whose chunk holds it together with q: one round trip for both instead of one after the other
+        uint4 new_row = make_uint4(0u, 0u, 0u, 0u);
+        {
+            const int cn = (int)((st.hi - 1 - st.lo) / 32), l16 = lane & 15;
+            if (cn >= c0 && cn < c1 && (cn - c0) % 8 == warp && l16 < D / 8) {
+                const u16* src = (const u16*)layer_ptr(tab, layer, (lane >> 4) ? L_V : L_K) +
+                                 (((u64)st.page * HKV + kvh) * PS + st.off) * D;
+                new_row = *(const uint4*)(src + l16 * 8);
+            }
+        }
+#endif
         float mh[2] = {NEG_INF, NEG_INF}, lh[2] = {0.f, 0.f};  // softmax state of heads 2tig, 2tig + 1
         float o[D / 8][2];
 #pragma unroll
@@ -63,9 +76,13 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
             if (rn < 32) {  // after the copy was issued: take it from the cache
                 const int half = lane >> 4, l16 = lane & 15;
                 if (l16 < D / 8) {
+#if ATTN_EARLY_ROW
+                    *(uint4*)(ks + half * 32 * D + rn * D + l16 * 8) = new_row;
+#else
                     const u16* src = (const u16*)layer_ptr(tab, layer, half ? L_V : L_K) +
                                      (((u64)st.page * HKV + kvh) * PS + st.off) * D;
                     *(uint4*)(ks + half * 32 * D + rn * D + l16 * 8) = *(const uint4*)(src + l16 * 8);
+#endif
                 }
                 asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // before the slot's next bulk copy
                 __syncwarp();
@@ -242,6 +259,17 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
                     const int g = warp;
                     const bool mine = lane < S;
                     const int idx = (kvh * SMAX + lane) * G + g;
+#if MERGE_PRELOAD
+                    // the first 8 splits' partial outputs, loaded with (m, l): they do not depend on the max, and
+                    // loaded after its shuffles (as the compiler places them) they were a second round trip
+                    float a0[8][DL];
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+                        for (int e = 0; e < DL; ++e)
+                            a0[j][e] = j < S ? pacc[(u64)((kvh * SMAX + j) * G + g) * D + lane * DL + e] : 0.f;
+                    }
+#endif
                     float ms = mine ? pm[idx] : NEG_INF;
                     float ls = mine ? pl[idx] : 0.f;
                     float M = warp_max(ms);
@@ -256,7 +284,12 @@ __device__ __forceinline__ void attention_stage(const long long* tab, Shared sh,
                         for (int j = 0; j < 8; ++j) {
 #pragma unroll
                             for (int e = 0; e < DL; ++e)
+#if MERGE_PRELOAD
+                                a[j][e] = j0 == 0 ? a0[j][e]
+                                        : j0 + j < S ? pacc[(u64)((kvh * SMAX + j0 + j) * G + g) * D + lane * DL + e] : 0.f;
+#else
                                 a[j][e] = j0 + j < S ? pacc[(u64)((kvh * SMAX + j0 + j) * G + g) * D + lane * DL + e] : 0.f;
+#endif
                         }
 #pragma unroll
                         for (int j = 0; j < 8; ++j) {

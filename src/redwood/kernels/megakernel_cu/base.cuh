@@ -195,6 +195,12 @@ __device__ __forceinline__ void mbar_arrive(u32 bar) {
 #if 128 * D > SLOT
 #error "a K/V chunk's K and V rows (32 keys each) must fit one ring slot"
 #endif
+#ifndef ATTN_EARLY_ROW
+#define ATTN_EARLY_ROW 0  // experiment: the new token's K / V row loaded with q, before the chunk loop
+#endif
+#ifndef MERGE_PRELOAD
+#define MERGE_PRELOAD 0  // experiment: the split merge loads the partial outputs with (m, l), before the reductions
+#endif
 #ifndef ATTN_CPB
 #define ATTN_CPB 8  // chunks of 32 keys a block takes (one a warp) before a KV head's keys split over more blocks
                     // (16: slower at every shape and context, session 21)
