@@ -4,7 +4,7 @@
 # On the GPU machine, from the repo root, after staging the GGUF chunks as /root/stage/t?? (1.5B) and
 # /root/stage/d?? (0.5B), carrying .whl (the gguf wheel) and .stage/home (REDWOOD_HOME with the essays,
 # humaneval and mt-bench datasets):
-#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests (tests-a, tests-b) kernels pdl fused l2 tile mega p1 steps p2 p3 p3tree p4 p5 summary
+#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests (tests-a, tests-b) kernels pdl fused l2 tile mega p1 steps p2 p3 p3tree p4 p5 summary pack
 # Each step writes JSON under $OUT and prints its tables; `summary` prints the short P1–P5 table last.
 # Settings (environment): P2_TEMPS, P2_GAMMAS, P2_DRAFT_WEIGHTS (bf16 int8), P2_ACC (a folder of acceptance vectors measured earlier with
 # the same models, [p2-]acc-<dataset>-t<temp>.json: reused instead of measured), P2_ACC_PROMPTS, P3_KV, P3_BATCH, P3_CONTEXT, P3_GAMMAS,
@@ -183,5 +183,9 @@ p5)  # offloaded target (weights streamed from pinned host memory): AR vs large 
       --gen-len ${P5_GEN:-64} --gamma 4 --tree $trees ${P5_TREE:-} --dataset humaneval --output "$OUT/p5/bench" ;;
 summary)
   run python3 benchmarks/h200_summary.py "$OUT" ;;
+pack)  # last: the device tool brings back at most 8 files from $OUT (2 folders deep) — a p2 run writes dozens —
+       # so everything goes into one archive, $OUT/out.tgz (`tar xzf out.tgz` here)
+  tar czf /tmp/h200-out.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/h200-out.tgz "$OUT/out.tgz"
+  ls -l "$OUT" ;;
 *) echo "unknown step $step" >&2; exit 2 ;;
 esac; done
