@@ -30,4 +30,3 @@ def test_weight_bytes_of_int8_copies_counts_them_not_the_model_dtype_projections
     biases = L * qkv_rows * 4 if cfg.qkv_bias else 0
     assert weight_bytes(model) == int8 + 4 * rows + norms + biases
     assert weight_bytes(model) < 0.3 * full  # float32 projections: 4 bytes a weight
-
