@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from redwood.cpu_kernels import isa
+
 # name -> (ggml type id, bytes per super-block of 256 in the file, in the kernel's layout)
 TYPES = {"Q4_K": (12, 144, 148), "Q6_K": (14, 210, 210)}
 BLOCK = 256
@@ -33,23 +35,13 @@ _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx
 _CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c")
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 @functools.lru_cache(maxsize=1)
 def why_unavailable() -> str | None:
     """None when the kernel is built and loaded; else the reason it cannot run here."""
-    missing = [f for f in _CPU_FLAGS if f not in _cpu_flags()]
+    missing = [f for f in _CPU_FLAGS if f not in isa.cpu_flags()]
     if missing:
-        return f"this CPU lacks {', '.join(missing)}"
+        cap = f" (under REDWOOD_CPU_ISA={isa.capped()})" if isa.capped() else ""
+        return f"this CPU lacks {', '.join(missing)}{cap}"
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return "no C++ compiler (install g++) to build the kernel"
     try:

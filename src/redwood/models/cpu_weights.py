@@ -422,7 +422,10 @@ def w8a8_exact() -> bool:
     pairs not saturated (fbgemm's AVX2 / AVX-512 kernels without VNNI add u8 × s8 pairs in int16, which
     saturates at 32767; VNNI's vpdpbusd does not), checked against the exact product once."""
     if not _W8A8_EXACT:
-        ok = "fbgemm" in torch.backends.quantized.supported_engines
+        from redwood.cpu_kernels import isa
+
+        # (under an ISA cap without VNNI, answer as such a CPU does: fbgemm picks its kernel by itself)
+        ok = "fbgemm" in torch.backends.quantized.supported_engines and isa.allows("avx512_vnni")
         if ok:
             w8 = torch.full((64, 256), 127, dtype=torch.int8)
             w8[1::2] = -127

@@ -1,0 +1,52 @@
+"""Every environment variable redwood reads, one entry each: its name, default, allowed values and one line of
+doc. Code reads a setting with `envs.get(NAME)`; nothing else in redwood reads `os.environ` for a REDWOOD_
+setting, so this file is the whole list (`redwood doctor`-style reports print `envs.describe()`).
+
+A value outside a setting's choices is a `ConfigError` naming the choices — never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from redwood.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    default: str
+    doc: str
+    choices: tuple[str, ...] | None = None  # None: any string
+
+
+SETTINGS: dict[str, Setting] = {}
+
+
+def _register(name: str, default: str, doc: str, choices: tuple[str, ...] | None = None) -> str:
+    SETTINGS[name] = Setting(name, default, doc, choices)
+    return name
+
+
+CPU_ISA = _register(
+    "REDWOOD_CPU_ISA", "native",
+    "cap the CPU features redwood's own kernels and format choices use: native (all the CPU reports), "
+    "avx2 (as an AVX2-only CPU: no AVX-512, no VNNI, no AMX). With ATEN_CPU_CAPABILITY=avx2 it runs the "
+    "suite as an AVX2 machine would on an AVX-512 one.",
+    ("native", "avx2"))
+
+
+def get(name: str) -> str:
+    """The setting's value from the environment (its default when unset or empty), checked against its
+    choices."""
+    s = SETTINGS[name]
+    value = os.environ.get(name, "").strip() or s.default
+    if s.choices is not None and value not in s.choices:
+        raise ConfigError(f"{name}={value!r} is not one of {', '.join(s.choices)} ({s.doc})")
+    return value
+
+
+def describe() -> list[tuple[str, str, str]]:
+    """(name, value, doc) for every setting, the values as this process reads them."""
+    return [(s.name, os.environ.get(s.name, "") or s.default, s.doc) for s in SETTINGS.values()]
