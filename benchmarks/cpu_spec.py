@@ -24,7 +24,7 @@ import torch
 
 from cpu_weights import held_out_texts
 from redwood import Engine, SamplingParams
-from redwood.engine.engine import encode_prompt
+from redwood.engine.tokenization import encode_prompt
 from redwood.kv.policies import FullPolicy
 from redwood.loading import load_model
 from redwood.speculation.drafters import ModelDrafter

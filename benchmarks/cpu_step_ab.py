@@ -41,7 +41,7 @@ def worker(ops: list[str]) -> None:
     from cpu_spec import CHAT
     from cpu_weights import held_out_texts
     from redwood import Engine, SamplingParams
-    from redwood.engine.engine import encode_prompt
+    from redwood.engine.tokenization import encode_prompt
     from redwood.kv.policies import FullPolicy
     from redwood.loading import load_model
     from redwood.speculation.drafters import ModelDrafter

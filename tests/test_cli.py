@@ -303,7 +303,7 @@ def test_version(capsys):
 @pytest.fixture
 def no_weights(monkeypatch):
     """Weight loading that fails the test: the checks under test must come before it."""
-    import redwood.engine.engine as engine_mod
+    import redwood.engine.loaded as engine_mod
 
     def refuse(*args, **kwargs):
         raise AssertionError("the weights were loaded before the check")

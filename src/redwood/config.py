@@ -10,6 +10,7 @@ rotate-half RoPE, SwiGLU MLP. They differ only in the flags below:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -264,3 +265,62 @@ class SpeculativeConfig:
 
         return make_policy(self.draft_kv, budget=self.draft_budget, sinks=self.sinks, window=self.window,
                            kernel=self.pool_kernel)
+
+
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_BLOCK_SIZE = 128
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # prefill tokens per step
+CPU_KV_MEMORY_GIB = 4.0  # as vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE)
+GPU_KV_MEMORY_FRACTION = 0.9  # of the device memory free when the engine allocates
+
+
+def _positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """An Engine's scheduling and memory settings (`redwood.engine.Engine`), validated on construction.
+
+    max_num_seqs: batch slots (requests generating at once). max_model_len: prompt + output limit per
+    request (None: the model's context; checked against it when the engine is built). block_size: tokens
+    per KV page. max_num_batched_tokens: prefill tokens per step (a longer prompt is prefilled in chunks
+    over several steps, beside the decoding rows). kv_cache_memory: GiB for this engine's KV pages (target
+    + draft model); None: on CUDA `kv_memory_fraction` of the device memory free when the engine is
+    built, on the CPU CPU_KV_MEMORY_GIB — never more than max_num_seqs full-length requests need. Two
+    engines over the same loaded models each take their own share (give the first a fraction or GiB that
+    leaves room for the second). enable_prefix_caching: share the KV blocks of identical prompt prefixes
+    across requests (refcounted). cuda_graphs: capture each step shape in a CUDA graph (None: on for CUDA).
+    """
+
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_model_len: int | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    kv_cache_memory: float | None = None
+    kv_memory_fraction: float = GPU_KV_MEMORY_FRACTION
+    enable_prefix_caching: bool = False
+    cuda_graphs: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "block_size", "max_num_batched_tokens"):
+            _positive_int(name, getattr(self, name))
+        m = self.max_model_len
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 2):
+            raise ConfigError(f"max_model_len must be an integer >= 2, got {m!r}")
+        kv = self.kv_cache_memory
+        if kv is not None and (isinstance(kv, bool) or not isinstance(kv, (int, float)) or not kv > 0):
+            raise ConfigError(f"kv_cache_memory must be a positive number of GiB, got {kv!r}")
+        f = self.kv_memory_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise ConfigError(f"kv_memory_fraction must be in (0, 1], got {f!r}")
+        for name in ("enable_prefix_caching",):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
+            raise ConfigError(f"cuda_graphs must be True, False or None, got {self.cuda_graphs!r}")
+
+    @classmethod
+    def fields(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))

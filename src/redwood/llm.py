@@ -10,9 +10,11 @@ from pathlib import Path
 import torch
 
 from redwood.config import SpeculativeConfig
-from redwood.engine.engine import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, Engine  # noqa: F401 (re-exported)
+from redwood.engine.engine import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, Engine, engine_config  # noqa: F401 (re-exported)
+from redwood.engine.loaded import LoadedModels
 from redwood.engine.request import TokenLogprob
 from redwood.errors import ConfigError, ContextLengthError
+from redwood.loading import parse_device
 from redwood.progress import Progress
 from redwood.sampling_params import SamplingParams
 
@@ -76,14 +78,29 @@ class LLM:
                  device: str | torch.device = "cpu", speculative: SpeculativeConfig | None = None,
                  offload: bool = False, offload_prefetch: int = 2, cuda_graphs: bool | None = None,
                  threads: int | None = None, weights: str = "auto", draft_weights: str = "auto", **engine_args):
-        self.engine = Engine(model, dtype=dtype, device=device, speculative=speculative, offload=offload,
-                             offload_prefetch=offload_prefetch, cuda_graphs=cuda_graphs, threads=threads,
-                             weights=weights, draft_weights=draft_weights, **engine_args)
-        e = self.engine
-        self.model, self.tokenizer, self.config = e.model, e.tokenizer, e.config
-        self.model_name, self.model_path = e.model_name, e.model_path
-        self.speculative, self.drafter, self.draft_name, self.tree = e.speculative, e.drafter, e.draft_name, e.tree
+        self.engine_config = engine_config(cuda_graphs=cuda_graphs, **engine_args)
+        if cuda_graphs and parse_device(device).type != "cuda":
+            raise ConfigError("cuda_graphs needs device='cuda'")
+        self.models = LoadedModels.load(model, dtype, device, speculative, offload, offload_prefetch, threads,
+                                        weights, draft_weights, max_model_len=self.engine_config.max_model_len)
+        m = self.models
+        self.model, self.tokenizer, self.config = m.model, m.tokenizer, m.config
+        self.model_name, self.model_path = m.name, m.path
+        self.speculative, self.drafter, self.draft_name, self.tree = m.speculative, m.drafter, m.draft_name, m.tree
+        self._engine: Engine | None = None
         self._calls = itertools.count()
+
+    @property
+    def engine(self) -> Engine:
+        """The LLM's Engine, built (and its KV cache sized) on first use: tools that only borrow the loaded
+        models for engines of their own (`bench speculative`, `bench throughput`) leave the memory to those."""
+        if self._engine is None:
+            self._engine = Engine(self.models, self.engine_config)
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: Engine) -> None:
+        self._engine = engine
 
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
         """Token ids for a text prompt (through the chat template when `chat`), or ids as given."""

@@ -139,12 +139,12 @@ def test_buckets_and_rows(models):
     """Steps run on the smallest bucket holding every generating slot; idle slots read nothing."""
     target, _, tok = models
     engine = Engine.build(target, tok, max_num_seqs=6, block_size=8)
-    assert engine.buckets == [1, 2, 4, 6]
+    assert engine.executor.buckets == [1, 2, 4, 6]
     for i, p in enumerate(_prompts(3, seed=5)):
         engine.add_request(p, SamplingParams(max_new_tokens=4, ignore_eos=True), request_id=f"x{i}")
     while engine.has_unfinished():
         engine.step()
-    assert set(n for _, n in engine._runners) <= {1, 2, 4}
+    assert set(n for _, n in engine.executor.runners) <= {1, 2, 4}
     assert engine.pool.num_used == 0 and int(engine.cache.live.sum()) == 0
     assert (engine.cache.block_table == engine.cache.trash_page).all()
 
@@ -193,3 +193,53 @@ def test_requests_stream_text_and_finish(models):
     assert last.finish_reason == "length" and len(ids) == 12 and last.stats["generated_tokens"] == 12
     assert last.prompt_token_ids == tok.encode("hello world")
     assert text and tok.decode(ids, skip_special_tokens=True).startswith(text)  # (an incomplete UTF-8 tail is held)
+
+
+def test_engine_config_is_validated_on_construction():
+    from redwood.config import EngineConfig
+
+    assert EngineConfig().max_num_seqs == 256
+    for bad, match in ((dict(max_num_seqs=0), "max_num_seqs"), (dict(block_size=2.5), "block_size"),
+                       (dict(max_model_len=1), "max_model_len"), (dict(kv_cache_memory=-1), "kv_cache_memory"),
+                       (dict(kv_memory_fraction=1.5), "kv_memory_fraction"),
+                       (dict(enable_prefix_caching="yes"), "enable_prefix_caching"),
+                       (dict(cuda_graphs=1), "cuda_graphs")):
+        with pytest.raises(ConfigError, match=match):
+            EngineConfig(**bad)
+    with pytest.raises(ConfigError, match="unknown engine setting.*max_seqs"):
+        Engine.build(None, max_seqs=2)
+
+
+def test_engines_share_loaded_models_and_each_sizes_its_own_kv(models):
+    """Two engines over one LoadedModels: each allocates its KV when built (no lazy allocation), within its
+    own memory share, and both generate the same greedy tokens."""
+    from redwood.config import EngineConfig
+    from redwood.engine.loaded import LoadedModels
+
+    target, _, tok = models
+    shared = LoadedModels.of(target, tok)
+    per_block = 2 * target.config.num_layers * target.config.num_kv_heads * target.config.head_dim * 8 * 4
+    small = Engine(shared, EngineConfig(max_num_seqs=2, block_size=8, kv_cache_memory=21 * per_block / 2**30))
+    big = Engine(shared, EngineConfig(max_num_seqs=2, block_size=8))
+    assert small.pool.num_blocks == 20 and big.pool.num_blocks > 20
+    assert small.cache.k.data_ptr() != big.cache.k.data_ptr() and small.model is big.model
+    outs = []
+    for engine in (small, big):
+        engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=6, ignore_eos=True), request_id="a")
+        ids = []
+        while engine.has_unfinished():
+            ids += [t for d in engine.step() for t in d.token_ids]
+        outs.append(ids)
+    assert outs[0] == outs[1] and len(outs[0]) == 6
+    with pytest.raises(ConfigError, match="EngineConfig"):
+        Engine(shared, {"max_num_seqs": 2})
+
+
+def test_an_llm_builds_its_engine_on_first_use(tiny_model_dir):
+    from redwood import LLM
+
+    llm = LLM(str(tiny_model_dir), max_num_seqs=2)
+    assert llm._engine is None  # (tools borrowing llm.model build engines of their own)
+    assert llm.engine.max_num_seqs == 2 and llm.engine is llm.engine
+    with pytest.raises(ConfigError, match="max_model_len"):
+        LLM(str(tiny_model_dir), max_model_len=10**9)

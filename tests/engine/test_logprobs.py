@@ -298,5 +298,5 @@ def test_graphed_steps_give_the_eager_logprobs_and_capture_apart(spec, tiny_mode
     assert got[1].logprobs is None
     plain = graphed.generate(PROMPTS[:2], params[1])  # the same bucket without logprobs: its own graph
     assert [o.token_ids for o in plain] == [o.token_ids for o in want]
-    keys = [key for r in graphed.engine._runners.values() for key in r._steps]
-    assert {key[4] for key in keys} == {True, False}  # (Engine._decode's key: want_lp is its 5th entry)
+    keys = [key for r in graphed.engine.executor.runners.values() for key in r._steps]
+    assert {key[4] for key in keys} == {True, False}  # (Executor._decode's key: want_lp is its 5th entry)

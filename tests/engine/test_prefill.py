@@ -179,15 +179,15 @@ def test_snapkv_self_speculation_with_chunked_prefill_equals_autoregressive(mode
     and the same drafts (acceptance) as with the prompt observed in one forward."""
     from redwood.speculation.trees import resolve_tree
 
-    from redwood.engine.engine import Engine
+    from redwood.engine.executor import Executor
 
     model = models[0]
     shape = resolve_tree(tree)
     small_chunks(monkeypatch)
     ar = generate(model, PROMPTS, GREEDY)
-    # Every step drafts the whole tree: the tail cut (`Engine._step_tree`) follows the longest row of
+    # Every step drafts the whole tree: the tail cut (`Executor._step_tree`) follows the longest row of
     # each step, so it would differ between these schedules and so would the tail steps' acceptance.
-    monkeypatch.setattr(Engine, "_step_tree", lambda self, recs, graphed, greedy: self.tree)
+    monkeypatch.setattr(Executor, "_step_tree", lambda self, rows, graphed, greedy: self.tree)
     runs = []
     for setup, step_tokens in ((small_chunks, 16), (small_chunks, 2048), (whole_prompts, 2048)):
         setup(monkeypatch)  # forwards of 16 tokens or whole prompts; steps of 16 prompt tokens or all

@@ -19,7 +19,7 @@ SAMPLED = SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.8, to
 
 def test_engine_runners_are_eager_on_the_cpu(tiny_llm):
     tiny_llm.generate(PROMPTS, GREEDY)
-    runners = list(tiny_llm.engine._runners.values())
+    runners = list(tiny_llm.engine.executor.runners.values())
     assert runners and not any(r.use_graphs for r in runners)
     # one runner per batch bucket, over the first rows of the engine's cache
     assert all(r.cache.k is tiny_llm.engine.cache.k for r in runners)
@@ -51,12 +51,12 @@ def test_graphed_autoregressive_matches_eager_and_reuses_graphs(tiny_model_dir):
     eager.model.attention_backend = "reference"
     graphed = LLM(str(tiny_model_dir), device="cuda")
     assert _outputs(graphed, PROMPTS, GREEDY) == _outputs(eager, PROMPTS, GREEDY)
-    captures = {key: r.captures for key, r in graphed.engine._runners.items()}
+    captures = {key: r.captures for key, r in graphed.engine.executor.runners.items()}
     assert captures and all(n == 1 for n in captures.values())  # one step graph per batch bucket
     # A second generation reuses the runners and their graphs, and still matches.
     again = [p[::-1] for p in PROMPTS]
     assert _outputs(graphed, again, GREEDY) == _outputs(eager, again, GREEDY)
-    assert all(graphed.engine._runners[key].captures == 1 for key in captures)
+    assert all(graphed.engine.executor.runners[key].captures == 1 for key in captures)
 
 
 SPECS = {
@@ -100,7 +100,7 @@ def test_offloaded_target_runs_eager_while_its_draft_model_is_graphed(tiny_model
     ar.model.attention_backend = "reference"
     offloaded = LLM(str(tiny_model_dir), device="cuda", speculative=spec, offload=True)
     assert _outputs(offloaded, PROMPTS, GREEDY) == _outputs(ar, PROMPTS, GREEDY)
-    runners = offloaded.engine._runners
+    runners = offloaded.engine.executor.runners
     # the offloaded target runs eagerly; the draft model's forwards are graphed
     assert all(not r.use_graphs for (role, _), r in runners.items() if role == "target")
     drafts = [r for (role, _), r in runners.items() if role == "draft"]

@@ -153,7 +153,7 @@ def assert_draft_cache_consistent(drafter: ModelDrafter, snaps, requests, policy
 def assert_stats_sane(stats: dict, gamma: int, generated: int, agreeing: bool = True):
     s = stats["speculative"]
     assert s["gamma"] == gamma and s["steps"] >= 1
-    # γ per step, fewer on the eager tail steps cut to what the row can still emit (Engine._step_tree)
+    # γ per step, fewer on the eager tail steps cut to what the row can still emit (Executor._step_tree)
     assert s["steps"] <= s["drafted"] <= gamma * s["steps"]
     assert 0 <= s["accepted"] <= s["drafted"]
     if agreeing:

@@ -41,7 +41,7 @@ def test_apply_sets_torch_and_respects_the_environment(monkeypatch):
 
 def test_llm_threads_sets_torch_before_loading(tiny_model_dir, monkeypatch):
     from redwood import LLM
-    import redwood.engine.engine as engine_mod
+    import redwood.engine.loaded as engine_mod
 
     seen = []
     real_load = engine_mod.load_model
@@ -180,8 +180,8 @@ def test_decode_steps_give_the_same_tokens_whatever_the_count(tmp_path, sampled)
             torch.set_num_threads(1)
             engine = RecordingEngine.build(target, None, drafter=ModelDrafter(draft, FullPolicy(), 320),
                                            tree=Tree.chain(3), max_num_seqs=3)
-            assert engine._thread_exact_decode()
-            engine.thread_policy = policy
+            assert engine.models.thread_exact_decode()
+            engine.executor.thread_policy = policy
             _, states, _ = run_engine(target, None, prompts, params, engine=engine)
             outs.append([s.output_ids for s in states])
             if policy is not None:

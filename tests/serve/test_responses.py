@@ -52,7 +52,7 @@ def test_context_finish_is_length_for_openai_and_context_for_redwood():
     has no other value) and in the vLLM-named success counter, "context" in the `redwood` extension."""
     from types import SimpleNamespace
 
-    from redwood.engine.engine import RequestDelta
+    from redwood.engine.output import RequestDelta
     from redwood.serve.metrics import ServerMetrics
     from redwood.serve.responses import ChoiceState, ChunkMaker, completion_response
 

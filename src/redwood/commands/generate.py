@@ -105,7 +105,7 @@ def compare_line(c: dict) -> str:
 
 
 def run(args) -> int:
-    from redwood.engine.engine import check_max_model_len, check_prompt_ids, encode_prompt
+    from redwood.engine.tokenization import check_max_model_len, check_prompt_ids, encode_prompt
     from redwood.errors import ConfigError
     from redwood.llm import LLM
     from redwood.loading import inspect_model

@@ -355,7 +355,7 @@ def speculative_config_from_args(args):
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The Engine's scheduling and memory knobs (redwood.Engine): --max-num-seqs, --max-model-len,
     --block-size, --max-num-batched-tokens, --kv-cache-memory, --enable-prefix-caching."""
-    from redwood.engine.engine import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFILL_CHUNK
+    from redwood.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_NUM_BATCHED_TOKENS
 
     g = p.add_argument_group("engine")
     g.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
@@ -366,7 +366,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"tokens per KV-cache page (default {DEFAULT_BLOCK_SIZE})")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                    help=f"prefill tokens per step: longer prompts prefill in chunks beside the decoding rows "
-                        f"(default {DEFAULT_PREFILL_CHUNK})")
+                        f"(default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
     g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                    help="memory for the KV pages in GiB (default: 90%% of the free GPU memory after loading; "
                         "4 on the CPU)")

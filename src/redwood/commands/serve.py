@@ -74,7 +74,7 @@ def run(args) -> int:
     from redwood.engine.engine import Engine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
-    engine = Engine(args.model, dtype=args.dtype, device=args.device, weights=args.weights,
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, weights=args.weights,
                     **draft_weights_kwargs(args), speculative=spec, **offload,
                     **graphs_kwargs(args), **threads_kwargs(args), **engine_kwargs(args))
     name = args.served_model_name or str(args.model)

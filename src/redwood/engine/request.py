@@ -55,7 +55,7 @@ class SpecStats:
     is the draft tokens emitted, not those the verifier accepted past the stop — `--gamma 60
     --max-new-tokens 8` on a graphed step reports 7 accepted, not 60 (and 8 tokens/step: the definition
     counts a bonus on every step, one too many on a step cut inside its drafts). Eager greedy steps are
-    cut to what a request can still emit (`Engine._step_tree`), so there the counts are exact.
+    cut to what a request can still emit (`Executor._step_tree`), so there the counts are exact.
     """
 
     gamma: int  # draft depth: tokens a step can accept (γ for a chain, tree depth − 1)

@@ -89,7 +89,6 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ event-loop side
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.engine.pool  # noqa: B018 — allocate the KV pages now: a memory error shows at startup
         self._loop = loop
         self._thread = threading.Thread(target=self._run, name="redwood-engine", daemon=True)
         self._thread.start()

@@ -1,0 +1,146 @@
+"""Loaded models: the target, its tokenizer, the drafter and its tree — what several engines can share.
+
+An Engine owns its KV cache (sized when it is built) but not its weights: tools that compare two engines
+over one target (`generate --compare-ar`, `bench speculative`, `bench throughput`) load the models once and
+build an engine per configuration, each with its own memory share (`EngineConfig.kv_cache_memory` /
+`kv_memory_fraction`).
+
+`LoadedModels.load` reads a model (and a draft model, or sets up self-speculation) from a zoo name, folder
+or GGUF file — tokenizers and configs first, so what they refuse is refused before minutes of weight
+loading; `LoadedModels.of` wraps models a caller already holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from redwood.config import SpeculativeConfig
+from redwood.engine.tokenization import check_max_model_len
+from redwood.errors import ConfigError
+from redwood.loading import ModelInfo, inspect_model, load_model, parse_device, parse_dtype
+from redwood.models.cpu_weights import check_weights
+from redwood.speculation.trees import Tree
+
+DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT_MODEL = "qwen2.5-coder-0.5b-instruct"  # shares the target's tokenizer
+
+
+@dataclass
+class LoadedModels:
+    """model: the target `Transformer`; tokenizer (None: token ids only); name / path: where it came from;
+    drafter + tree (both or neither: speculation); verifier (`SpeculativeConfig.verifier`); draft_name:
+    how reports name the drafter; speculative: the config it was made from (None when built from parts);
+    thread_policy: the CPU's per-step thread choice (`engine.threads.AdaptiveThreads`), or None."""
+
+    model: torch.nn.Module
+    tokenizer: object | None = None
+    name: str = "model"
+    path: Path | None = None
+    drafter: object | None = None
+    tree: Tree | None = None
+    verifier: str = "auto"
+    draft_name: str | None = None
+    speculative: SpeculativeConfig | None = None
+    thread_policy: object | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tree, int):
+            self.tree = Tree.chain(self.tree)
+        if (self.drafter is None) != (self.tree is None):
+            raise ConfigError("a drafter needs a tree (Tree.chain(γ) for a chain) and a tree needs a drafter")
+        if self.draft_name is None and self.drafter is not None:
+            self.draft_name = type(self.drafter).__name__
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @classmethod
+    def of(cls, model, tokenizer=None, *, drafter=None, tree=None, verifier: str = "auto",
+           name: str = "model") -> "LoadedModels":
+        """Models the caller already holds (benchmarks, tests: nothing is loaded again)."""
+        return cls(model, tokenizer, name, None, drafter, tree, verifier)
+
+    @classmethod
+    def load(cls, model: str | Path | ModelInfo = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
+             device: str | torch.device = "cpu", speculative: SpeculativeConfig | None = None,
+             offload: bool = False, offload_prefetch: int = 2, threads: int | None = None,
+             weights: str = "auto", draft_weights: str = "auto", max_model_len: int | None = None) -> "LoadedModels":
+        """Load a target (and its drafter); the arguments as `redwood.LLM`'s (max_model_len: checked against
+        the model's context before the weights load)."""
+        from redwood.engine.threads import adaptive_threads, apply_threads, check_threads
+
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise ConfigError(f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}")
+        check_threads(threads)
+        if offload:
+            from redwood.engine.offload import check_prefetch
+
+            check_prefetch(offload_prefetch)
+        dev = parse_device(device)  # (bad values: an error before anything loads)
+        parse_dtype(dtype)
+        check_weights(weights, dev, offload)
+        check_weights(draft_weights, dev, name="draft_weights")
+        if draft_weights != "auto" and (speculative is None or not speculative.draft_model):
+            raise ConfigError("draft_weights applies to a draft model: "
+                              + ("self-speculation drafts with the target's weights" if speculative is not None
+                                 else "give speculative=SpeculativeConfig(draft_model=...)"))
+        # Tokenizers and configs first: what they can refuse is refused before minutes of weight loading.
+        info = inspect_model(model)
+        check_max_model_len(max_model_len, info.config.max_position_embeddings)
+        draft_info = None
+        if speculative is not None and speculative.draft_model:
+            from redwood.speculation.drafters import check_compatible
+
+            draft_info = inspect_model(speculative.draft_model)
+            check_compatible(info.tokenizer, draft_info.tokenizer, info.config.vocab_size,
+                             draft_info.config.vocab_size)
+        if threads is not None or dev.type == "cpu":
+            apply_threads(threads)  # before loading: dequantizing the weights runs on these threads too
+        loaded = load_model(info, dtype=dtype, device="cpu" if offload else device,
+                            weights="float32" if offload else weights)
+        if offload:  # loaded on the host: the layers stay there, the rest moves to the device
+            from redwood.engine.offload import offload_layers
+
+            offload_layers(loaded.model, device, prefetch=offload_prefetch)
+        self = cls(loaded.model, loaded.tokenizer, loaded.source, loaded.path,
+                   verifier="auto" if speculative is None else speculative.verifier, speculative=speculative)
+        if speculative is not None:
+            self.tree = speculative.make_tree()
+            self.drafter, self.draft_name = _make_drafter(speculative, loaded.model, dtype, device, draft_info,
+                                                          draft_weights)
+        if dev.type == "cpu" and not offload and self.thread_exact_decode():
+            self.thread_policy = adaptive_threads(threads)  # (None where the count is the user's or fixed)
+        return self
+
+    def thread_exact_decode(self) -> bool:
+        """Whether a decode step computes the same bits at any thread count: every forward it runs goes through
+        the C++ layers (kquant-kind models; a standalone draft reading its full cache)."""
+        from redwood.kv.policies import FullPolicy
+        from redwood.models import cpu_fused
+
+        d = self.drafter
+        if d is not None and (d.own_model is None or not isinstance(d.policy, FullPolicy)
+                              or not cpu_fused.model_takes(d.own_model)):
+            return False
+        return cpu_fused.model_takes(self.model)
+
+
+def _make_drafter(spec: SpeculativeConfig, target, dtype, device, draft_info, draft_weights: str = "auto"):
+    """The drafter `spec` asks for and its name; a draft model loads from `draft_info` (`inspect_model`:
+    its tokenizer already checked against the target's) in the CPU format `draft_weights`."""
+    from redwood.speculation.drafters import ModelDrafter, SelfDrafter
+
+    policy = spec.make_policy()
+    if spec.self_speculate:
+        return SelfDrafter(target, policy), f"self ({policy.describe()})"
+    draft = load_model(draft_info, dtype=dtype, device=device, weights=draft_weights, draft=True)
+    if spec.draft_quant:
+        draft.model.quantize_skinny(spec.draft_quant)
+    packed = draft.model.weights if draft.model.weights != "float32" else None
+    quant = "".join(f", {q} weights" for q in (spec.draft_quant, packed) if q)
+    name = f"{draft.source} ({policy.describe()}{quant})"
+    return ModelDrafter(draft.model, policy, target.config.vocab_size), name
