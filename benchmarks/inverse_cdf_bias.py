@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from redwood.bench.lattice import first_true, grid_uniform
+from redwood.bench.stats import first_true, grid_uniform
 from redwood.engine.random import RowRandom, inverse_cdf, mix32
 from redwood.engine.sampling import probabilities
 

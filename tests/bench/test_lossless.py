@@ -9,8 +9,6 @@ case demonstrates.)
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -38,33 +36,6 @@ def settings(samples: int = SAMPLES) -> L.Settings:
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     return L.prepare(tmp_path_factory.mktemp("lossless"), settings())
-
-
-# ------------------------------------------------------------------------------------------ statistics
-def test_chi2_sf_matches_closed_forms():
-    for x in (0.1, 1.0, 4.0, 20.0):
-        assert L.chi2_sf(x, 2) == pytest.approx(math.exp(-x / 2), rel=1e-12)  # df 2: exponential
-        assert L.chi2_sf(x, 1) == pytest.approx(math.erfc(math.sqrt(x / 2)), rel=1e-10)
-    assert L.chi2_sf(math.inf, 3) == 0.0 and L.chi2_sf(5.0, 0) == 1.0
-
-
-def test_holm_step_down():
-    # sorted p 0.01, 0.02, 0.04, 0.5 → ×4, ×3, ×2, ×1, then running max, capped at 1
-    assert L.holm([0.04, 0.01, 0.5, 0.02]) == pytest.approx([0.08, 0.04, 0.5, 0.06])
-    assert L.holm([0.3, 0.2]) == pytest.approx([0.4, 0.4])  # 0.2·2, then max(0.4, 0.3)
-    assert L.holm([0.9, 0.8]) == [1.0, 1.0]
-
-
-def test_pooling_and_forbidden_cells():
-    expected = torch.tensor([0.0, 1.0, 2.0, 3.0, 50.0, 100.0], dtype=torch.float64)
-    group = L.pooled_cells(expected)
-    assert group[0] == -1  # probability 0: no group
-    assert len(set(group[1:4].tolist())) == 1  # 1 + 2 + 3 = 6 ≥ 5: one pool
-    assert len(set(group[1:].tolist())) == 3
-    probs = expected / expected.sum()
-    assert L.chi2_fit(torch.tensor([0, 1, 2, 3, 50, 100]), probs)["p"] > 0.5
-    impossible = L.chi2_fit(torch.tensor([1, 1, 2, 3, 50, 99]), probs)
-    assert impossible["forbidden"] == 1 and impossible["p"] == 0.0
 
 
 def test_projections_and_batches():

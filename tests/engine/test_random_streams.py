@@ -17,9 +17,9 @@ Speculative sampling is exact only if all those uniforms are independent, so the
 - `inverse_cdf`: the exact probability each token gets for float32 and float64 uniforms (by bisection
   on the uniforms' grid, through the function itself), against its true probability.
 
-Statistics. Each test draws a fixed seed set (deterministic), computes exact p-values (χ²:
-torch.special.gammaincc; correlations: the standardized cross product 12·Σ(x−½)(y−½)/√n, N(0, 1) for
-independent uniforms) and fails if the smallest one is below 1e-4 / (number of p-values): a false alarm
+Statistics. Each test draws a fixed seed set (deterministic), computes exact p-values (`redwood.bench.stats`:
+χ² tails; correlations: the standardized cross product 12·Σ(x−½)(y−½)/√n, N(0, 1) for independent
+uniforms) and fails if the smallest one is below 1e-4 / (number of p-values): a false alarm
 rate ≤ 1e-4 per test (the thresholds are z = 4.4–5.2). Power: the axis and chain tests correlate
 ~4·10^6 pairs (a correlation of 3e-3 gives z ≈ 6), the tree tests 2·10^6 (4e-3: z ≈ 5.7); each seed
 relation 6.6·10^4 pairs (3e-2: z ≈ 7.7) and all 68 pooled 4.5·10^6 (3e-3: z ≈ 6.4).
@@ -32,7 +32,7 @@ import math
 import pytest
 import torch
 
-from redwood.bench.lattice import first_true, grid_uniform
+from redwood.bench.stats import chi2_sf, first_true, grid_uniform, normal_p, poisson_upper
 from redwood.engine.random import RowRandom, inverse_cdf
 from redwood.engine.sampling import Sampler, probabilities
 from redwood.sampling_params import SamplingParams
@@ -46,22 +46,11 @@ DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["
 # ------------------------------------------------------------------------------------------ statistics
 
 
-def chi2_p(stat: float, df: int) -> float:
-    """Upper tail of χ²(df) at stat (exact: the regularized upper incomplete gamma function)."""
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
-
-
-def normal_p(z: float) -> float:
-    """Two-sided N(0, 1) tail."""
-    return float(torch.special.erfc(torch.tensor(abs(z) / math.sqrt(2), dtype=torch.float64)))
-
-
 def counts_chi2_p(counts: torch.Tensor) -> float:
     """χ² p-value of counts against equal cell probabilities."""
     counts = counts.double().flatten()
     e = counts.sum() / counts.numel()
-    return chi2_p(float(((counts - e) ** 2).sum() / e), counts.numel() - 1)
+    return chi2_sf(float(((counts - e) ** 2).sum() / e), counts.numel() - 1)
 
 
 def uniform_p(x: torch.Tensor, bins: int = 256) -> float:
@@ -325,18 +314,6 @@ def test_streams_of_related_seeds_are_independent(dtype):
 # ------------------------------------------------------------------------------------------ collisions
 
 
-def poisson_upper(lam: float, alpha: float = ALPHA) -> int:
-    """Smallest c with P(Poisson(λ) > c) ≤ alpha (P(X > c) = P(Gamma(c + 1) < λ), the regularized lower
-    incomplete gamma function)."""
-    tail = lambda c: float(torch.special.gammainc(torch.tensor(c + 1.0, dtype=torch.float64),  # noqa: E731
-                                                  torch.tensor(lam, dtype=torch.float64)))
-    lo, hi = 0, int(lam + 20 * math.sqrt(lam) + 50)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if tail(mid) <= alpha else (mid + 1, hi)
-    return lo
-
-
 def coincidences(words: torch.Tensor) -> int:
     """Number of pairs of equal values."""
     _, counts = torch.unique(words.flatten(), return_counts=True)
@@ -354,7 +331,7 @@ def test_item_streams_coincide_no_more_than_53_random_bits_would():
     rows = torch.arange(R).repeat_interleave(L)
     u = torch.stack([r.uniform(rows, (1,), torch.float64)[:, 0] for _ in range(C)])  # [C, R·L]
     n = u.numel()
-    assert coincidences(u) <= poisson_upper(n * (n - 1) / 2 / 2**53)
+    assert coincidences(u) <= poisson_upper(n * (n - 1) / 2 / 2**53, ALPHA)
     same_lane = u.view(C, R, L).sort(dim=1).values  # one draw, one lane, all rows
     assert not bool((same_lane[:, 1:] == same_lane[:, :-1]).any())
 

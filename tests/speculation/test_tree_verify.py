@@ -1,8 +1,8 @@
 """Tree verifiers and child-drawing rules (redwood.speculation.tree_verify).
 
-Distribution tests are χ² goodness-of-fit tests at the 0.1 % level (quantiles hardcoded below), over many
-independent rows per call — every row with its own seeded verifier generator, so each test is
-deterministic. Target and draft distributions go through `redwood.engine.sampling.probabilities`
+Distribution tests are χ² goodness-of-fit tests at the 0.1 % level (the standard table
+`redwood.bench.stats.CHI2_999`), over many independent rows per call — every row with its own seeded
+verifier generator, so each test is deterministic. Target and draft distributions go through `redwood.engine.sampling.probabilities`
 (temperature, then top-k, then top-p), the processing every verifier assumes.
 """
 
@@ -13,19 +13,10 @@ import math
 import pytest
 import torch
 
+from redwood.bench.stats import CHI2_999, chi2_fit_samples
 from redwood.engine.random import RowRandom
 from redwood.engine.sampling import probabilities
 from redwood.speculation.tree_verify import CHILD_RULE, draw_children, verify_tree
-
-# Upper 0.1 % points of χ²(df), df = 1…64 (standard tables).
-CHI2_999 = [
-    None, 10.828, 13.816, 16.266, 18.467, 20.515, 22.458, 24.322, 26.124, 27.877, 29.588, 31.264, 32.909,
-    34.528, 36.123, 37.697, 39.252, 40.790, 42.312, 43.820, 45.315, 46.797, 48.268, 49.728, 51.179, 52.620,
-    54.052, 55.476, 56.892, 58.301, 59.703, 61.098, 62.487, 63.870, 65.247, 66.619, 67.985, 69.346, 70.703,
-    72.055, 73.402, 74.745, 76.084, 77.419, 78.750, 80.077, 81.400, 82.720, 84.037, 85.351, 86.661, 87.968,
-    89.272, 90.573, 91.872, 93.168, 94.461, 95.751, 97.039, 98.324, 99.607, 100.888, 102.166, 103.442,
-    104.716,
-]
 
 
 def assert_fits(samples: torch.Tensor, probs: torch.Tensor, what: str, min_expected: float = 5.0) -> None:
@@ -34,29 +25,11 @@ def assert_fits(samples: torch.Tensor, probs: torch.Tensor, what: str, min_expec
     Cells of probability 0 must never be observed. Cells expecting fewer than `min_expected` draws are
     pooled (with the smallest regular cell if the pool alone is still too small).
     """
-    probs = probs.double().flatten()
-    probs = probs / probs.sum()
-    n = samples.numel()
-    counts = torch.bincount(samples.flatten(), minlength=probs.numel()).double()
-    assert counts.numel() == probs.numel(), f"{what}: sample outside the cells"
-    impossible = probs == 0
-    assert counts[impossible].sum() == 0, f"{what}: drew cells of probability 0: " \
-        f"{(impossible & (counts > 0)).nonzero().flatten().tolist()}"
-    expected = probs * n
-    keep = (expected >= min_expected) & ~impossible
-    small = ~keep & ~impossible
-    obs, exp = counts[keep].tolist(), expected[keep].tolist()
-    if small.any():
-        po, pe = float(counts[small].sum()), float(expected[small].sum())
-        if pe < min_expected and exp:
-            i = min(range(len(exp)), key=exp.__getitem__)
-            po, pe = po + obs.pop(i), pe + exp.pop(i)
-        obs.append(po)
-        exp.append(pe)
-    df = len(obs) - 1
+    fit = chi2_fit_samples(samples, probs, min_expected)
+    assert fit["forbidden"] == 0, f"{what}: drew cells of probability 0: {fit['forbidden_cells']}"
+    df, stat = fit["df"], fit["stat"]
     if df == 0:  # a single possible cell: every sample must be in it (checked above)
         return
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
     assert stat < CHI2_999[df], f"{what}: χ² = {stat:.1f} > {CHI2_999[df]} (df {df})"
 
 

@@ -11,12 +11,11 @@ processing the engine uses.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 from redwood import SamplingParams
+from redwood.bench.stats import chi2_fit_samples, chi2_quantile
 from redwood.engine.sampling import probabilities
 from redwood.errors import ConfigError
 from redwood.speculation.verifiers import verify_greedy, verify_sampling
@@ -25,29 +24,6 @@ from tests.conftest import random_hf_model, tiny_hf_config
 
 # ------------------------------------------------------------------------------------------- χ² helpers
 
-# Upper 0.1 % points of χ² (standard tables), to cross-check the computed quantiles below.
-CHI2_999_TABLE = {1: 10.828, 2: 13.816, 5: 20.515, 10: 29.588, 20: 45.315, 30: 59.703, 40: 73.402}
-
-
-@functools.cache
-def chi2_quantile(df: int, q: float = 0.999) -> float:
-    """The q-quantile of χ²(df): bisection on the regularized incomplete gamma (no scipy here)."""
-    lo, hi = 0.0, 10.0 * df + 100.0
-    a = torch.tensor(df / 2, dtype=torch.float64)
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        if float(torch.special.gammainc(a, torch.tensor(mid / 2, dtype=torch.float64))) < q:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
-
-
-def test_chi2_quantiles_match_tables():
-    for df, value in CHI2_999_TABLE.items():
-        assert chi2_quantile(df) == pytest.approx(value, abs=2e-3)
-
-
 LEVEL = 0.9999  # the χ² quantile a statistic must stay below (false alarms 1e-4 per test)
 
 
@@ -55,30 +31,13 @@ def chi2_fit(samples: torch.Tensor, probs: torch.Tensor, min_expected: float = 5
     """χ² statistic of integer `samples` (cell indices) against cell probabilities `probs`.
 
     Cells of probability exactly 0 must never be observed (asserted). Cells expecting fewer than
-    `min_expected` draws are pooled into one bin. Returns (statistic, the LEVEL quantile, df).
+    `min_expected` draws are pooled into one bin (`redwood.bench.stats.pooled_cells`). Returns
+    (statistic, the LEVEL quantile, df).
     """
-    probs = probs.double().flatten()
-    probs = probs / probs.sum()
-    n = samples.numel()
-    counts = torch.bincount(samples.flatten(), minlength=probs.numel()).double()
-    impossible = probs == 0
-    assert counts[impossible].sum() == 0, f"drew cells of probability 0: {impossible.nonzero().flatten().tolist()}"
-    expected = probs * n
-    keep = (expected >= min_expected) & ~impossible
-    small = ~keep & ~impossible
-    obs_bins, exp_bins = list(counts[keep]), list(expected[keep])
-    if small.any():
-        pooled_o, pooled_e = counts[small].sum(), expected[small].sum()
-        if pooled_e < min_expected and exp_bins:  # too small alone: merge with the smallest kept bin
-            i = min(range(len(exp_bins)), key=lambda j: exp_bins[j])
-            pooled_o, pooled_e = pooled_o + obs_bins.pop(i), pooled_e + exp_bins.pop(i)
-        obs_bins.append(pooled_o)
-        exp_bins.append(pooled_e)
-    o, e = torch.stack(obs_bins), torch.stack(exp_bins)
-    df = len(obs_bins) - 1
-    assert df >= 1
-    stat = float(((o - e) ** 2 / e).sum())
-    return stat, chi2_quantile(df, LEVEL), df
+    fit = chi2_fit_samples(samples, probs, min_expected)
+    assert fit["forbidden"] == 0, f"drew cells of probability 0: {fit['forbidden_cells']}"
+    assert fit["df"] >= 1
+    return fit["stat"], chi2_quantile(fit["df"], LEVEL), fit["df"]
 
 
 def assert_fits(samples: torch.Tensor, probs: torch.Tensor, what: str) -> None:

@@ -26,7 +26,7 @@ import math
 import pytest
 import torch
 
-from redwood.bench.lattice import first_true, grid_uniform as lattice
+from redwood.bench.stats import first_true, grid_uniform as lattice
 from redwood.engine.random import RowRandom
 from redwood.engine.sampling import probabilities
 from redwood.speculation.tree_verify import CHILD_RULE, draw_children, verify_tree_paths

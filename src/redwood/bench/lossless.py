@@ -19,7 +19,7 @@ policy, chain or tree and verifier — at one sampling setting. It generates N s
 The "control" method draws its rows from the exact distribution itself (torch's generator, no engine):
 its p-values show how the tests behave on perfect samples.
 
-p-values come from the χ² survival function, `torch.special.gammaincc(df / 2, stat / 2)`. Holm's step-down
+p-values come from the χ² survival function (`redwood.bench.stats`). Holm's step-down
 correction runs over *every* test of the run (valid under any dependence between the tests); the run
 passes when the smallest corrected p is ≥ α. Effect sizes say what the N could see: per marginal the
 largest |empirical − exact| and the total-variation distance, next to the TV that sampling noise alone
@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from redwood.bench.stats import chi2_fit, chi2_homogeneity, effect, holm
 from redwood.engine.sampling import probabilities
 from redwood.sampling_params import SamplingParams
 
@@ -50,7 +51,6 @@ VOCAB = 16
 PROMPT = (5, 11, 3, 14, 7, 9, 1, 12, 6, 15, 4, 10)
 GENERATED = 5  # K: tokens generated per row (the first comes from the prefill, the rest through verifiers)
 ALPHA = 0.01
-MIN_EXPECTED = 5.0  # χ² cells with a smaller expected count are pooled
 SEED_BASE = 1_000_003
 WIDE_TREE = (6, 2, 1)  # children per node, breadth-first: a root of 6 children (more than top-k 5 keeps)
 
@@ -405,77 +405,7 @@ def _worker_init(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-# ------------------------------------------------------------------------------------------ statistics
-def chi2_sf(stat: float, df: int) -> float:
-    """P(χ²_df ≥ stat)."""
-    if df <= 0:
-        return 1.0
-    if math.isinf(stat):
-        return 0.0
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
-
-
-def pooled_cells(expected: torch.Tensor) -> torch.Tensor:
-    """Cell → group index [C] for χ²: cells of expected count ≥ MIN_EXPECTED stand alone, the rest share
-    one pool, grown by the smallest standalone cells while it is below MIN_EXPECTED. Cells of
-    expected 0 get group −1 (no group)."""
-    group = torch.full((expected.numel(),), -1, dtype=torch.long)
-    live = (expected > 0).nonzero()[:, 0]
-    order = live[expected[live].argsort()]  # live cells, smallest expected first
-    pooled = int((expected[order] < MIN_EXPECTED).sum())  # the first `pooled` cells of `order` share group 0
-    while 0 < expected[order[:pooled]].sum() < MIN_EXPECTED and pooled < len(order):
-        pooled += 1
-    first = 1 if pooled else 0  # standalone cells are numbered after the pool
-    group[order[:pooled]] = 0
-    group[order[pooled:]] = torch.arange(first, first + len(order) - pooled)
-    return group
-
-
-def _grouped(x: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
-    keep = group >= 0
-    return torch.zeros(int(group.max()) + 1 if keep.any() else 0, dtype=torch.float64).index_add_(
-        0, group[keep], x[keep].double())
-
-
-def chi2_fit(counts: torch.Tensor, probs: torch.Tensor) -> dict:
-    """Goodness of fit of counts [C] to probs [C] (sum 1). A count in a cell of probability 0 → p = 0."""
-    n = float(counts.sum())
-    expected = n * probs.double()
-    forbidden = int(counts[probs <= 0].sum())
-    group = pooled_cells(expected)
-    obs, exp = _grouped(counts, group), _grouped(expected, group)
-    stat = math.inf if forbidden else float(((obs - exp) ** 2 / exp).sum())
-    df = len(obs) - 1
-    return dict(stat=stat, df=df, p=chi2_sf(stat, df), forbidden=forbidden)
-
-
-def chi2_homogeneity(a: torch.Tensor, b: torch.Tensor, probs: torch.Tensor) -> dict:
-    """Two samples a, b [C] from one distribution? Cells pooled where min(n_a, n_b)·probs < MIN_EXPECTED
-    (pooling fixed by the exact distribution, not the data)."""
-    na, nb = float(a.sum()), float(b.sum())
-    group = pooled_cells(min(na, nb) * probs.double())
-    oa, ob = _grouped(a, group), _grouped(b, group)
-    total = oa + ob
-    keep = total > 0
-    oa, ob, total = oa[keep], ob[keep], total[keep]
-    ea, eb = total * na / (na + nb), total * nb / (na + nb)
-    stat = float(((oa - ea) ** 2 / ea).sum() + ((ob - eb) ** 2 / eb).sum())
-    df = len(total) - 1
-    return dict(stat=stat, df=df, p=chi2_sf(stat, df))
-
-
-def holm(pvalues: Sequence[float]) -> list[float]:
-    """Holm–Bonferroni adjusted p-values (same order as given)."""
-    m = len(pvalues)
-    order = sorted(range(m), key=lambda i: pvalues[i])
-    adjusted, running = [0.0] * m, 0.0
-    for rank, i in enumerate(order):
-        running = max(running, min(1.0, (m - rank) * pvalues[i]))
-        adjusted[i] = running
-    return adjusted
-
-
+# ------------------------------------------------------------------------------------------ the tests of a case
 def project(joint: torch.Tensor, generated: int, keep: tuple[int, ...]) -> torch.Tensor:
     """[V^K] (a joint or counts over K positions) → that of the positions `keep`, flattened."""
     cube = joint.view([VOCAB] * generated)
@@ -491,15 +421,6 @@ def marginals(joint: torch.Tensor, generated: int) -> list[torch.Tensor]:
 def adjacent_pairs(joint: torch.Tensor, generated: int) -> list[torch.Tensor]:
     """[V^K] → per i < K − 1: the joint of positions (i, i + 1) flattened [V²]."""
     return [project(joint, generated, (i, i + 1)) for i in range(generated - 1)]
-
-
-def effect(counts: torch.Tensor, probs: torch.Tensor) -> dict:
-    """Deviation of the empirical distribution from probs, and the TV that noise alone would give."""
-    n = float(counts.sum())
-    probs = probs.double()
-    diff = counts.double() / n - probs
-    noise = 0.5 * math.sqrt(2 / math.pi) * float((probs * (1 - probs) / n).sqrt().sum())
-    return dict(max_abs=float(diff.abs().max()), tv=0.5 * float(diff.abs().sum()), tv_noise=noise)
 
 
 def families(generated: int) -> list[tuple[str, tuple[int, ...]]]:

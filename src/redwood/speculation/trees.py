@@ -24,6 +24,7 @@ File format (``redwood.tree/1``)::
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -204,8 +205,6 @@ class Tree:
 
         `acceptance`: p_1..p_W (children of rank k get p_k), a per-depth table (row d-1 for children at
         depth d; deeper depths reuse the last row), or an `AcceptanceVector`. Ranks past W get 0."""
-        from redwood.tuning.tree_search import acceptance_rows
-
         rows = acceptance_rows(acceptance, self.max_depth)
         f = [1.0] * self.size
         for i in range(1, self.size):
@@ -285,6 +284,73 @@ class Tree:
     @classmethod
     def load(cls, path: str | Path) -> "Tree":
         return cls.from_dict(read_json(path, "tree"), source=str(path))
+
+
+# ---------------------------------------------------------------------- the positional-acceptance model
+# The value of a tree (`Tree.expected_tokens`, and the tree search in `redwood.tuning.tree_search`): the
+# k-th ranked child of an accepted node is the accepted one with probability p_k (unconditional, Σ p_k ≤ 1),
+# optionally depending on the child's depth.
+
+# Tolerance for sums of probabilities written with rounding (Σ p_k ≤ 1 + SUM_TOLERANCE).
+SUM_TOLERANCE = 1e-4
+
+
+def prob_row(values: Any, what: str) -> tuple[float, ...]:
+    """A validated row of per-rank acceptance probabilities p_1..p_W (`what` names it in errors)."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise ConfigError(f"{what} must be a list of numbers, got {type(values).__name__}")
+    if len(values) == 0:
+        raise ConfigError(f"{what} is empty: give at least p_1")
+    row = []
+    for k, v in enumerate(values, start=1):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"{what}[rank {k}] is not a number: {v!r}")
+        v = float(v)
+        if not math.isfinite(v):
+            raise ConfigError(f"{what}[rank {k}] is not finite: {v}")
+        if v < 0:
+            raise ConfigError(f"{what}[rank {k}] is negative: {v}")
+        if v > 1 + SUM_TOLERANCE:
+            raise ConfigError(f"{what}[rank {k}] is above 1: {v}")
+        row.append(v)
+    total = sum(row)
+    if total > 1 + SUM_TOLERANCE:
+        raise ConfigError(
+            f"{what} sums to {total:.6f} > 1: the per-rank acceptance probabilities are unconditional "
+            f"(rank k accepted, not 'given earlier ranks were rejected'), so they must sum to at most 1"
+        )
+    return tuple(row)
+
+
+def acceptance_rows(acceptance, depth: int | None = None, use_per_depth: bool = True) -> list[np.ndarray]:
+    """Normalise an acceptance input into per-depth rows (row d-1: children at depth d).
+
+    Accepts an `AcceptanceVector` (`redwood.tuning.acceptance`; any record with `values` and
+    `per_depth`: its `per_depth` table when present and `use_per_depth`), a flat sequence p_1..p_W (one
+    row for every depth), or a 2-D sequence (one row per depth). All rows are padded with zeros to a
+    common width. When `depth` is given, the list is extended to at least `depth` rows by repeating the
+    last row."""
+    if hasattr(acceptance, "values") and hasattr(acceptance, "per_depth"):  # an AcceptanceVector
+        raw = [acceptance.values] if (acceptance.per_depth is None or not use_per_depth) \
+            else list(acceptance.per_depth)
+    else:
+        arr = acceptance
+        if isinstance(arr, np.ndarray):
+            arr = arr.tolist()
+        if isinstance(arr, (str, bytes)) or not isinstance(arr, Sequence) or len(arr) == 0:
+            raise ConfigError("acceptance must be an AcceptanceVector, a list p_1..p_W or a per-depth table")
+        if all(isinstance(r, Sequence) and not isinstance(r, (str, bytes)) for r in arr):
+            raw = [tuple(r) for r in arr]
+        else:
+            raw = [tuple(arr)]
+    rows = [prob_row(r, "acceptance" if len(raw) == 1 else f"acceptance[depth {d}]")
+            for d, r in enumerate(raw, start=1)]
+    width = max(len(r) for r in rows)
+    out = [np.array(list(r) + [0.0] * (width - len(r)), dtype=np.float64) for r in rows]
+    if depth is not None:
+        while len(out) < depth:
+            out.append(out[-1])
+    return out
 
 
 def _check_int(v, what: str, minimum: int) -> None:

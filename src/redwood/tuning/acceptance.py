@@ -36,37 +36,10 @@ from typing import Any, Mapping, Sequence
 
 from redwood.errors import ConfigError
 from redwood.jsonfile import check_format, read_json, write_json
+from redwood.speculation.trees import SUM_TOLERANCE, prob_row
 
 FORMAT = "redwood.acceptance/1"
 METHODS = ("dynamic", "static", "manual")
-# Tolerance for sums of probabilities written with rounding (Σ p_k ≤ 1 + SUM_TOLERANCE).
-SUM_TOLERANCE = 1e-4
-
-
-def _prob_row(values: Any, what: str) -> tuple[float, ...]:
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-        raise ConfigError(f"{what} must be a list of numbers, got {type(values).__name__}")
-    if len(values) == 0:
-        raise ConfigError(f"{what} is empty: give at least p_1")
-    row = []
-    for k, v in enumerate(values, start=1):
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ConfigError(f"{what}[rank {k}] is not a number: {v!r}")
-        v = float(v)
-        if not math.isfinite(v):
-            raise ConfigError(f"{what}[rank {k}] is not finite: {v}")
-        if v < 0:
-            raise ConfigError(f"{what}[rank {k}] is negative: {v}")
-        if v > 1 + SUM_TOLERANCE:
-            raise ConfigError(f"{what}[rank {k}] is above 1: {v}")
-        row.append(v)
-    total = sum(row)
-    if total > 1 + SUM_TOLERANCE:
-        raise ConfigError(
-            f"{what} sums to {total:.6f} > 1: the per-rank acceptance probabilities are unconditional "
-            f"(rank k accepted, not 'given earlier ranks were rejected'), so they must sum to at most 1"
-        )
-    return tuple(row)
 
 
 @dataclass(frozen=True)
@@ -85,7 +58,7 @@ class AcceptanceVector:
     notes: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "values", _prob_row(self.values, "values"))
+        object.__setattr__(self, "values", prob_row(self.values, "values"))
         if self.method not in METHODS:
             raise ConfigError(f"acceptance method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.p_none is not None:
@@ -100,7 +73,7 @@ class AcceptanceVector:
             if isinstance(self.per_depth, (str, bytes)) or not isinstance(self.per_depth, Sequence) \
                     or len(self.per_depth) == 0:
                 raise ConfigError("per_depth must be a non-empty list of rows (row d-1: children at depth d)")
-            rows = tuple(_prob_row(r, f"per_depth[depth {d}]") for d, r in enumerate(self.per_depth, start=1))
+            rows = tuple(prob_row(r, f"per_depth[depth {d}]") for d, r in enumerate(self.per_depth, start=1))
             for d, r in enumerate(rows, start=1):
                 if len(r) != len(self.values):
                     raise ConfigError(f"per_depth[depth {d}] has {len(r)} ranks but values has {len(self.values)}")

@@ -50,41 +50,10 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from redwood.errors import ConfigError
 from redwood.jsonfile import check_format, read_json, write_json
-from redwood.tuning.acceptance import AcceptanceVector, _prob_row
-from redwood.speculation.trees import Tree
+from redwood.speculation.trees import Tree, acceptance_rows
+from redwood.tuning.acceptance import AcceptanceVector
 
 NEG = -np.inf
-
-
-# ---------------------------------------------------------------------- acceptance input
-def acceptance_rows(acceptance, depth: int | None = None, use_per_depth: bool = True) -> list[np.ndarray]:
-    """Normalise an acceptance input into per-depth rows (row d-1: children at depth d).
-
-    Accepts an `AcceptanceVector` (its `per_depth` table when present and `use_per_depth`), a flat
-    sequence p_1..p_W (one row for every depth), or a 2-D sequence (one row per depth). All rows are
-    padded with zeros to a common width. When `depth` is given, the list is extended to at least
-    `depth` rows by repeating the last row."""
-    if isinstance(acceptance, AcceptanceVector):
-        raw = [acceptance.values] if (acceptance.per_depth is None or not use_per_depth) \
-            else list(acceptance.per_depth)
-    else:
-        arr = acceptance
-        if isinstance(arr, np.ndarray):
-            arr = arr.tolist()
-        if isinstance(arr, (str, bytes)) or not isinstance(arr, Sequence) or len(arr) == 0:
-            raise ConfigError("acceptance must be an AcceptanceVector, a list p_1..p_W or a per-depth table")
-        if all(isinstance(r, Sequence) and not isinstance(r, (str, bytes)) for r in arr):
-            raw = [tuple(r) for r in arr]
-        else:
-            raw = [tuple(arr)]
-    rows = [_prob_row(r, "acceptance" if len(raw) == 1 else f"acceptance[depth {d}]")
-            for d, r in enumerate(raw, start=1)]
-    width = max(len(r) for r in rows)
-    out = [np.array(list(r) + [0.0] * (width - len(r)), dtype=np.float64) for r in rows]
-    if depth is not None:
-        while len(out) < depth:
-            out.append(out[-1])
-    return out
 
 
 # ---------------------------------------------------------------------- the DP
