@@ -4,7 +4,7 @@ along K (u = w8 + 128 = 16·hi + lo: plane 1 = (hi − 8)·16s, plane 2 = lo·s,
 [x, x]), and the plain int4 head (min/max re-quantized: +2.5% essay perplexity, session 13) for reference.
 Rows 1 (a decode step) and 4 (a γ 3 verify), 1 and 2 threads interleaved, real hidden states from the model.
 
-Usage: PYTHONPATH=src python benchmarks/cpu_head_formats.py [--rounds 3]
+Usage: PYTHONPATH=src:benchmarks python benchmarks/archive/cpu_head_formats.py [--rounds 3]
 """
 
 from __future__ import annotations
