@@ -1,4 +1,4 @@
-"""Session 15 (benchmarks/NOTES.md, 'Session 15 (CPU)'): int8 activations × int8 weights through stock
+"""Session 15 (docs/perf/cpu.md, 'Session 15 (CPU)'): int8 activations × int8 weights through stock
 PyTorch CPU kernels (integer dot products: VNNI on the AMD EPYC machine) against the current weight-only
 kernels, per 1.5B projection shape, M = 1 and 4 rows, 1 and 2 threads.
 

@@ -1,4 +1,4 @@
-"""Session 15 (benchmarks/NOTES.md, 'Session 15 (CPU)'): the 1.5B GGUF target with int8-activation (w8a8)
+"""Session 15 (docs/perf/cpu.md, 'Session 15 (CPU)'): the 1.5B GGUF target with int8-activation (w8a8)
 projections against the file's own format, whole model: perplexity (cpu_weights.py's held-out code and
 essay text), decode tok/s at 1 and 2 threads (interleaved rounds, median step), a 4-token verify forward
 (what a γ 3 speculative step's target forward costs), greedy agreement with gguf.
