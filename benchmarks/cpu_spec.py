@@ -12,7 +12,7 @@ short warm-up) and then greedy chains of each γ with each draft format over the
 prompt (scripts/run.sh). Prints decode tokens/s (over all prompts: their tokens over their decode seconds),
 the speedup over AR, acceptance, tokens per step, and for how many prompts the speculative tokens equal AR's
 (they must, up to numerical ties: DESIGN.md invariant 1; a packed format's logits come out of a bfloat16 LM
-head, so exact ties do occur — benchmarks/NOTES.md session 12).
+head, so exact ties do occur — docs/perf/cpu.md session 12).
 """
 
 from __future__ import annotations

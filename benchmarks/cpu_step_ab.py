@@ -1,4 +1,4 @@
-"""Before / after side by side in one run (benchmarks/NOTES.md session 14): the 1.5B gguf target's decode on the
+"""Before / after side by side in one run (docs/perf/cpu.md session 14): the 1.5B gguf target's decode on the
 CPU from two source trees of redwood — `git archive REV src` (before) and this checkout's src (after) — step by
 step in turn, and llama.cpp's llama-bench on the same file between blocks.
 

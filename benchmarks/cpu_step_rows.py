@@ -1,4 +1,4 @@
-"""Session 17 (benchmarks/NOTES.md, 'Session 17 (CPU)'): what a forward of T new tokens costs against a one-token
+"""Session 17 (docs/perf/cpu.md, 'Session 17 (CPU)'): what a forward of T new tokens costs against a one-token
 decode step (a γ = T − 1 verify's price), per thread count, for a model as `auto` loads it on this CPU (the 1.5B:
 kquant, the 0.5B draft: q4k) — and, with --busy, one-token steps at 1 and 2 threads while another process keeps
 one core busy (what the default thread count must survive). Context: a 128-token code prompt.

@@ -65,7 +65,7 @@ def test_llm_threads_sets_torch_before_loading(tiny_model_dir, monkeypatch):
 def test_packed_projections_give_the_same_rows_at_1_and_2_threads(kind):
     """A decode step's or a verify's rows (under the gemm threshold) do not depend on the thread count:
     the packed kernels split the output rows among threads, never a sum. (A prefill chunk of ≥ 128 rows
-    takes oneDNN's bfloat16 gemm, whose sums do depend on it: NOTES.md session 13; not asserted here.)"""
+    takes oneDNN's bfloat16 gemm, whose sums do depend on it: docs/perf/cpu.md session 13; not asserted here.)"""
     from redwood.models.cpu_weights import INT4_GEMM_ROWS, PackedLinear
 
     g = torch.Generator().manual_seed(0)

@@ -60,7 +60,7 @@ def test_default_target_decode_and_verify_logits_equal_at_1_and_2_threads(real_m
     """The packed kernels (every forward under the gemm threshold: decode steps, verifies, short prefills)
     give the same logits bit for bit at 1 and 2 threads — what lets the thread count change without changing
     a decode. (A prefill chunk of ≥ 128 rows takes oneDNN's bfloat16 gemm, whose sums do depend on the count:
-    measured up to 0.25 apart in the 1.5B's logits, benchmarks/NOTES.md session 13.)"""
+    measured up to 0.25 apart in the 1.5B's logits, docs/perf/cpu.md session 13.)"""
     import torch
 
     from redwood.loading import load_model

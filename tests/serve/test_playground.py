@@ -9,7 +9,8 @@ carries the first (multi-turn), an API-key error shows in the page, the page req
 server, and a screenshot of the result is a real PNG showing both colours. Stop, on a throttled link,
 ends the stream mid-answer and keeps the part that came (a prefix of the full answer).
 
-Chromium: `scripts/setup.sh` installs it when root with apt; set REDWOOD_SKIP_BROWSER=1 to skip instead.
+Chromium: `scripts/setup.sh --test` (run by `scripts/test.sh`) installs it when root with apt; set
+REDWOOD_SKIP_BROWSER=1 to skip instead.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def chromium_executable() -> str:
             return path
     if os.environ.get("REDWOOD_SKIP_BROWSER") == "1":
         pytest.skip("chromium not installed (REDWOOD_SKIP_BROWSER=1)")
-    pytest.fail("the playground test needs Debian's chromium: run scripts/setup.sh as root, or "
+    pytest.fail("the playground test needs Debian's chromium: run scripts/setup.sh --test as root, or "
                 "`sudo apt-get install --no-install-recommends chromium` (or set REDWOOD_SKIP_BROWSER=1 to skip)",
                 pytrace=False)
 

@@ -1,7 +1,7 @@
 """Cost of a T-token forward (a verify over T tokens) against a 1-token decode step, per CPU weight
 format (issue 20 item 2): speculation pays only when a verify over γ + 1 tokens costs about one weight read.
 
-Usage: OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/cpu_verify.py [--models NAME ...]
+Usage: OMP_NUM_THREADS=1 PYTHONPATH=src:benchmarks python benchmarks/archive/cpu_verify.py [--models NAME ...]
     [--formats float32 bfloat16 int8 int4] [--tokens 1 2 4 8 16] [--context 128] [--repeats 5]
 Each forward writes T new tokens after a `--context`-token prompt and is not committed, so every repeat
 reads the same cache. Median milliseconds per forward and its ratio to T = 1; short table last.

@@ -1,4 +1,4 @@
-"""Session 15 (benchmarks/NOTES.md, 'Session 15 (CPU)'): int8 activations × int8 weights through stock
+"""Session 15 (docs/perf/cpu.md, 'Session 15 (CPU)'): int8 activations × int8 weights through stock
 PyTorch CPU kernels (integer dot products: VNNI on the AMD EPYC machine) against the current weight-only
 kernels, per 1.5B projection shape, M = 1 and 4 rows, 1 and 2 threads.
 
@@ -8,7 +8,7 @@ per-tensor quantization is the identity and its int32 sums are exact: each outpu
 · s_row, independent of the other rows (`--check` verifies that bit for bit for M = 1..8 and against an
 exact float64 product).
 
-Usage: PYTHONPATH=src python benchmarks/cpu_int8_act.py [--check] [--shapes qkv o gate_up down head]
+Usage: PYTHONPATH=src:benchmarks python benchmarks/archive/cpu_int8_act.py [--check] [--shapes qkv o gate_up down head]
     [--kinds int4 int8 fbgemm onednn intmm ...] [--rows 1 4] [--threads 1 2] [--reps 20]
 Timings cycle through copies of each weight (≥ 96 MB in all) so that no call finds its weight in the 32 MB
 L3. Median of --reps calls per cell, ms.

@@ -1,4 +1,4 @@
-"""Session 13 (benchmarks/NOTES.md, 'Session 13: CPU'): which of the file's Q6_K tensors cost int4's perplexity: gguf with the head / the layers' Q6_K / every Q6_K re-quantized to int4 (ppl + decode at 1 and 2 threads). Usage: PYTHONPATH=src python benchmarks/cpu_gguf_variants.py"""
+"""Session 13 (docs/perf/cpu.md, 'Session 13: CPU'): which of the file's Q6_K tensors cost int4's perplexity: gguf with the head / the layers' Q6_K / every Q6_K re-quantized to int4 (ppl + decode at 1 and 2 threads). Usage: PYTHONPATH=src:benchmarks python benchmarks/archive/cpu_gguf_variants.py"""
 import sys, time, statistics, torch
 sys.path.insert(0, "benchmarks")
 from cpu_weights import held_out_texts, perplexity, greedy_decode

@@ -1,6 +1,6 @@
 """Prefill speed per CPU weight format (issue 20: int4 prefill was 4x slower than int8's).
 
-Usage: OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/cpu_prefill.py [--formats float32 int8 int4]
+Usage: OMP_NUM_THREADS=1 PYTHONPATH=src:benchmarks python benchmarks/archive/cpu_prefill.py [--formats float32 int8 int4]
     [--lengths 128 256 512] [--repeats 2]
 Each format loads the 1.5B target once, then times a one-chunk prefill (one forward over the whole
 prompt, KV written, last-position logits) of each length on HumanEval code, best of --repeats. int4 runs

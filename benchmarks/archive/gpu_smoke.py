@@ -1,6 +1,6 @@
 """CUDA smoke test: on the GPU, speculative greedy output equals autoregressive (tiny random models, float32).
 
-Run on the GPU machine from the repo root:  PYTHONPATH=src:. python benchmarks/gpu_smoke.py
+Run on the GPU machine from the repo root:  PYTHONPATH=src:. python benchmarks/archive/gpu_smoke.py
 Prints one line per configuration and a short table last.
 """
 

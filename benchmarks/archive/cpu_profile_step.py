@@ -1,4 +1,4 @@
-"""Session 13 (benchmarks/NOTES.md, 'Session 13: CPU'): one decode step of the 1.5B under torch.profiler: int4 / int8 matmuls, the LM head, the rest, at 1 and 2 threads. Usage: PYTHONPATH=src python benchmarks/cpu_profile_step.py gguf int4"""
+"""Session 13 (docs/perf/cpu.md, 'Session 13: CPU'): one decode step of the 1.5B under torch.profiler: int4 / int8 matmuls, the LM head, the rest, at 1 and 2 threads. Usage: PYTHONPATH=src:benchmarks python benchmarks/archive/cpu_profile_step.py gguf int4"""
 import sys, torch
 from torch.profiler import profile, ProfilerActivity
 sys.path.insert(0, "benchmarks")

@@ -1,4 +1,4 @@
-"""Session 13 (benchmarks/NOTES.md, 'Session 13: CPU'): one 8960x1536 packed projection per format at 1 vs 2 threads, 1-300 rows: bit-identical? Usage: PYTHONPATH=src python benchmarks/cpu_threads_matmul.py"""
+"""Session 13 (docs/perf/cpu.md, 'Session 13: CPU'): one 8960x1536 packed projection per format at 1 vs 2 threads, 1-300 rows: bit-identical? Usage: PYTHONPATH=src:benchmarks python benchmarks/archive/cpu_threads_matmul.py"""
 import torch, sys
 from redwood.models.cpu_weights import PackedLinear
 g = torch.Generator().manual_seed(0)

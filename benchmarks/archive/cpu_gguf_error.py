@@ -1,4 +1,4 @@
-"""Session 13 (benchmarks/NOTES.md, 'Session 13: CPU'): element-wise error of gguf / re-quantized int4 / int8 against the 1.5B file's Q4_K values (all layer tensors). Usage: PYTHONPATH=src python benchmarks/cpu_gguf_error.py"""
+"""Session 13 (docs/perf/cpu.md, 'Session 13: CPU'): element-wise error of gguf / re-quantized int4 / int8 against the 1.5B file's Q4_K values (all layer tensors). Usage: PYTHONPATH=src:benchmarks python benchmarks/archive/cpu_gguf_error.py"""
 import torch
 from redwood.loading.gguf import _MappedFile, int4_groups, dequantize
 from redwood.models.cpu_weights import int4_scale_zero, quantize_int4, quantize_int8

@@ -1,4 +1,4 @@
-"""Session 15 (benchmarks/NOTES.md, 'Session 15 (CPU)'): the 1.5B GGUF target with int8-activation (w8a8)
+"""Session 15 (docs/perf/cpu.md, 'Session 15 (CPU)'): the 1.5B GGUF target with int8-activation (w8a8)
 projections against the file's own format, whole model: perplexity (cpu_weights.py's held-out code and
 essay text), decode tok/s at 1 and 2 threads (interleaved rounds, median step), a 4-token verify forward
 (what a γ 3 speculative step's target forward costs), greedy agreement with gguf.
@@ -11,7 +11,7 @@ projection's int8 activations cost the perplexity); w8a8-down-bN (ffn_down's act
 per each of N K-blocks: `BlockW8A8`); int8, float32 (`--weights` of that name). --prose FILE: a second held-out
 text where the essays dataset is not fetched; --ppl-tokens 2048 to resolve differences under ~1%.
 
-Usage: PYTHONPATH=src:benchmarks python benchmarks/cpu_w8a8_model.py [--variants gguf gguf-w8a8 w8a8]
+Usage: PYTHONPATH=src:benchmarks python benchmarks/archive/cpu_w8a8_model.py [--variants gguf gguf-w8a8 w8a8]
     [--threads 1 2] [--rounds 2] [--new-tokens 32]
 """
 

@@ -1,4 +1,4 @@
-"""Session 13 (benchmarks/NOTES.md, 'Session 13: CPU'): one projection of the 1.5B's shapes per format, 1 and 2 threads interleaved. Usage: PYTHONPATH=src python benchmarks/cpu_projections.py"""
+"""Session 13 (docs/perf/cpu.md, 'Session 13: CPU'): one projection of the 1.5B's shapes per format, 1 and 2 threads interleaved. Usage: PYTHONPATH=src:benchmarks python benchmarks/archive/cpu_projections.py"""
 import torch, time, statistics
 from redwood.models.cpu_weights import PackedLinear
 g = torch.Generator().manual_seed(0)

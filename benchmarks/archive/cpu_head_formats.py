@@ -1,10 +1,10 @@
-"""Session 14 (benchmarks/NOTES.md): the 1.5B's LM head (151936×1536; int8 under --weights gguf, from the file's
+"""Session 14 (docs/perf/cpu.md): the 1.5B's LM head (151936×1536; int8 under --weights gguf, from the file's
 Q6_K) through other kernels at the same weights: the int8 kernel against its exact weight held as two int4 planes
 along K (u = w8 + 128 = 16·hi + lo: plane 1 = (hi − 8)·16s, plane 2 = lo·s, summed by the int4 kernel over
 [x, x]), and the plain int4 head (min/max re-quantized: +2.5% essay perplexity, session 13) for reference.
 Rows 1 (a decode step) and 4 (a γ 3 verify), 1 and 2 threads interleaved, real hidden states from the model.
 
-Usage: PYTHONPATH=src python benchmarks/cpu_head_formats.py [--rounds 3]
+Usage: PYTHONPATH=src:benchmarks python benchmarks/archive/cpu_head_formats.py [--rounds 3]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Session 13 (benchmarks/NOTES.md, 'Session 13: CPU'): whole 1.5B forwards at 1 vs 2 threads per format (128-row prefill, decode steps, a 4-token verify, a 40-row prefill). Usage: PYTHONPATH=src python benchmarks/cpu_threads_identity.py gguf int8 int4"""
+"""Session 13 (docs/perf/cpu.md, 'Session 13: CPU'): whole 1.5B forwards at 1 vs 2 threads per format (128-row prefill, decode steps, a 4-token verify, a 40-row prefill). Usage: PYTHONPATH=src:benchmarks python benchmarks/archive/cpu_threads_identity.py gguf int8 int4"""
 import sys, torch
 sys.path.insert(0, "benchmarks")
 from cpu_weights import held_out_texts

@@ -1,7 +1,7 @@
 """Peak resident memory of loading a model in a CPU weight format (issue 20: packing used to build the whole
 float32 model first), and of the forwards after it.
 
-Usage: OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/load_memory.py [--model M] [--weights int8]
+Usage: OMP_NUM_THREADS=1 PYTHONPATH=src:benchmarks python benchmarks/archive/load_memory.py [--model M] [--weights int8]
     [--draft] [--forward 0]
 One load per process (peak RSS is per process: run it once per format). Prints the load's wall time, the
 peak RSS during the load (getrusage's ru_maxrss), the RSS after it, the bytes the model holds (parameters
