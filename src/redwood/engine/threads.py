@@ -1,7 +1,7 @@
 """How many threads torch's CPU kernels use (`torch.set_num_threads`): `--threads N`, `LLM(threads=)`.
 
 Order of precedence: an explicit `threads` → the OMP_NUM_THREADS environment variable (left as the user
-set it: torch already read it) → `default_threads()`, the rule measured in benchmarks/NOTES.md
+set it: torch already read it) → `default_threads()`, the rule measured in docs/perf/cpu.md
 ("Session 11: CPU threads", re-measured with packed weights in "Session 13: CPU"): one thread on a machine
 of at most two cores, torch's own default (its physical cores, as llama.cpp's) above that, where nothing
 was measured. On the 2-core machine, idle, two threads decode 1.4–1.7× faster; with one other busy
@@ -23,7 +23,7 @@ from redwood.errors import ConfigError
 
 # Measured on the 2-core machine (benchmarks/cpu_threads.py): with both cores given to torch, any other
 # work on the machine (a second process, the OS, this process's own Python thread) stalls OpenMP's
-# barrier-synchronised matmuls, and decoding ran 1.8-3.5x slower than on one thread (NOTES.md).
+# barrier-synchronised matmuls, and decoding ran 1.8-3.5x slower than on one thread (docs/perf/cpu.md).
 SMALL_MACHINE_CORES = 2
 _TORCH_DEFAULT = torch.get_num_threads()  # what torch chose at import (its physical cores, or the user's)
 
@@ -81,7 +81,7 @@ class AdaptiveThreads:
     """The thread count of each decode step on a small machine, chosen by measuring both counts as it runs.
 
     Why: on the 2-core machine two threads decode ~1.5× faster than one while the machine is idle and ~2.5× slower
-    while another process holds a core (benchmarks/NOTES.md, session 17: each of a step's ~170 OpenMP regions
+    while another process holds a core (docs/perf/cpu.md, session 17: each of a step's ~170 OpenMP regions
     waits for the descheduled thread), and which of the two holds changes as other work comes and goes. So decode
     steps start at `wide` and time themselves: at the first step of a new shape `key`, right after a step took
     1.5× its average, and every PROBE_EVERY steps — an interval that doubles (to MAX_INTERVAL) each time a probe
