@@ -25,9 +25,9 @@ tests|tests-a|tests-b)  # the GPU tests: kernels vs float64, graphed steps == ea
   # The whole suite takes longer than one call (10 min): tests-a (the megakernel, the other kernels but test_gemv,
   # the engine's CUDA tests; ~5 min) and tests-b (attention + test_gemv; ~8 min) in two calls
   case $step in
-    tests-a) sel="tests/kernels --ignore=tests/kernels/test_gemv.py tests/engine/test_runner.py tests/engine/test_random.py tests/engine/test_logprobs.py tests/engine/test_offload.py" ;;
+    tests-a) sel="tests/kernels --ignore=tests/kernels/test_gemv.py tests/engine/test_runner.py tests/sample/test_random.py tests/engine/test_logprobs.py tests/engine/test_offload.py" ;;
     tests-b) sel="tests/attention tests/kernels/test_gemv.py" ;;
-    *) sel=${GPU_TESTS:-tests/attention tests/kernels tests/engine/test_runner.py tests/engine/test_random.py tests/engine/test_logprobs.py tests/engine/test_offload.py} ;;
+    *) sel=${GPU_TESTS:-tests/attention tests/kernels tests/engine/test_runner.py tests/sample/test_random.py tests/engine/test_logprobs.py tests/engine/test_offload.py} ;;
   esac
   run python3 -m pytest -q -p no:cacheprovider $sel 2>&1 | tee "$OUT/$step.txt" | tail -15 \
     || echo "GPU TESTS FAILED (the steps after this one still run)" ;;

@@ -21,7 +21,7 @@ tokens with p ≥ 1e-4 and with p ≥ 1e-6 (the probabilities a test of 10^6–1
 total variation ½ Σ |P − p|, and the mass of the tokens with p > 0 that are never drawn.
 
 Distributions: softmax of random logits over V = 32,000 / 49,152 / 151,936 (Gaussian logits with σ = 2
-and 4; a Zipf-like law p ∝ (rank + 2.7)^-1.1 in random order), through `redwood.engine.sampling.
+and 4; a Zipf-like law p ∝ (rank + 2.7)^-1.1 in random order), through `redwood.sample.sampler.
 probabilities` at T = 1, T = 0.7 and T = 0.7 with top-p 0.9; and the small-vocabulary distributions of
 the tests (V = 6, softmax(1.5 z) at T = 0.5 / 1 / 1.5).
 
@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 
 from redwood.bench.stats import first_true, grid_uniform
-from redwood.engine.random import RowRandom, inverse_cdf, mix32
-from redwood.engine.sampling import probabilities
+from redwood.sample.random import RowRandom, inverse_cdf, mix32
+from redwood.sample.sampler import probabilities
 
 LOW21 = (1 << 21) - 1
 SALT2 = 0x68BC21EB

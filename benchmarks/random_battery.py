@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from redwood.engine.random import RowRandom
+from redwood.sample.random import RowRandom
 
 STREAMS = ("counters", "rows", "lanes", "elements", "chain", "low")
 GAMMA = 3

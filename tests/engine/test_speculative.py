@@ -226,7 +226,7 @@ def test_draft_with_different_vocab_size_uses_shared_range(draft_name, model_dir
 
 
 def _greedy_sampler(n):
-    from redwood.engine.sampling import Sampler
+    from redwood.sample.sampler import Sampler
 
     return Sampler([SamplingParams()] * n, torch.device("cpu"))
 

@@ -7,7 +7,7 @@ with the target's exact autoregressive distribution (χ² on a vocab-8 model), r
 and independently of the rest of the batch.
 
 The models are those of tests/engine/test_speculative.py (a target with clear greedy margins and a
-noisy copy of it as the standalone draft) and of tests/speculation/test_verifiers.py (the vocab-8 pair).
+noisy copy of it as the standalone draft) and of tests/sample/test_chain_verify.py (the vocab-8 pair).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import redwood.engine.decode as spec_loop
 from redwood import LLM, SamplingParams
 from redwood.config import SpeculativeConfig
 from redwood.engine.engine import Engine
-from redwood.engine.sampling import probabilities
+from redwood.sample.sampler import probabilities
 from redwood.errors import ConfigError
 from redwood.tuning.tree_search import optimal_tree
 from redwood.speculation.trees import Tree, resolve_tree
@@ -28,7 +28,7 @@ from tests.engine.test_speculative import (  # noqa: F401  (model_dirs … ar_ou
     assert_target_cache_is_autoregressive, draft_llm, make_drafter, model_dirs, run_ar, run_speculative,
     target_llm,
 )
-from tests.speculation.test_verifiers import (  # noqa: F401  (tiny_vocab_pair is a fixture)
+from tests.sample.test_chain_verify import (  # noqa: F401  (tiny_vocab_pair is a fixture)
     PROMPT, VOCAB, assert_fits, chi2_fit, exact_pair_distribution, tiny_vocab_pair,
 )
 

@@ -14,7 +14,7 @@ from redwood.config import SpeculativeConfig
 from redwood.tuning.acceptance import load_acceptance
 from redwood.tuning.measure import (dataset_texts, expected_acceptance, held_out_order, measure_dynamic,
                                   static_acceptance, star_tree_spec)
-from redwood.speculation.tree_verify import CHILD_RULE, draw_children, verify_tree
+from redwood.sample.tree_verify import CHILD_RULE, draw_children, verify_tree
 from redwood.speculation.trees import Tree
 from tests.conftest import CORPUS, save_target_and_draft
 

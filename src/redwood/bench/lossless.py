@@ -3,7 +3,7 @@
 A tiny random target (vocabulary V = 16) makes the generated tokens' distribution computable exactly:
 after a fixed prompt, every continuation of K tokens is scored by batched target forwards (all V^d
 prefixes of each length d < K), turned into the distribution a request samples from by
-`redwood.engine.sampling.probabilities` (temperature, top-k, top-p), and multiplied out into the joint
+`redwood.sample.sampler.probabilities` (temperature, top-k, top-p), and multiplied out into the joint
 distribution of the K generated tokens (V^K cells, float64).
 
 Each *configuration* (case) is a method — plain sampling, or speculation with some drafter, draft KV
@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from redwood.bench.stats import chi2_fit, chi2_homogeneity, effect, holm
-from redwood.engine.sampling import probabilities
+from redwood.sample.sampler import probabilities
 from redwood.sampling_params import SamplingParams
 
 VOCAB = 16

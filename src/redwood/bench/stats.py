@@ -174,8 +174,8 @@ def effect(counts: torch.Tensor, probs: torch.Tensor) -> dict:
 # that is monotone in its uniform (an acceptance test, an inverse-CDF draw) changes outcome at grid
 # points; `first_true` finds them by bisection through the code itself, so the measure of every outcome —
 # the exact probability the code gives it — is a difference of grid indices over 2^bits. Used by the
-# exactness tests of the verifiers (`tests/speculation/test_verifiers_exact.py`), of the inverse CDF
-# (`tests/engine/test_random_streams.py`) and `benchmarks/inverse_cdf_bias.py`.
+# exactness tests of the verifiers (`tests/sample/test_verifiers_exact.py`), of the inverse CDF
+# (`tests/sample/test_random_streams.py`) and `benchmarks/inverse_cdf_bias.py`.
 def grid_uniform(k: torch.Tensor, bits: int = 53) -> torch.Tensor:
     """The uniform at grid index k [any shape] (float64, exact for k < 2^53)."""
     return k.double() * 2.0**-bits

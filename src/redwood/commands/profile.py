@@ -62,7 +62,7 @@ def register(subparsers) -> None:
 def _run(args: argparse.Namespace) -> int:
     from redwood.tuning.profile import measure_profile, parse_sizes
     from redwood.tuning.tree_search import save_profile
-    from redwood.speculation.tree_verify import VERIFIERS
+    from redwood.sample.tree_verify import VERIFIERS
 
     tokens = parse_sizes(args.tokens, "--tokens")
     widths = parse_sizes(args.widths, "--widths")

@@ -36,7 +36,7 @@ from redwood.engine.loaded import LoadedModels
 from redwood.engine.prefill import prefill_row, prefill_rows
 from redwood.engine.request import SOURCE_DRAFT, SOURCE_TARGET, TokenLogprob, token_logprob_list
 from redwood.engine.runner import StepRunner, sync
-from redwood.engine.sampling import Sampler, token_logprobs
+from redwood.sample.sampler import Sampler, token_logprobs
 from redwood.engine.threads import set_threads
 from redwood.errors import ConfigError
 from redwood.kv.cache import KVCache

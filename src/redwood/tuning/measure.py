@@ -13,7 +13,7 @@ number of speculation steps. The rank is read off the accepted path the engine h
 **Static (teacher-forced).** One forward of each model over real text (prompt + continuation). At every
 position whose next token lies in the continuation (the ``gen_len`` positions after the first
 ``prompt_len`` tokens), with p and q the target's and draft's processed distributions
-(`redwood.engine.sampling.probabilities`: temperature, then top-p — the very ones the verifiers use),
+(`redwood.sample.sampler.probabilities`: temperature, then top-p — the very ones the verifiers use),
 W children are drawn by the verifier's own rule (`draw_children`, seeded) and the *expected* per-rank
 acceptance given those children is computed exactly — no random acceptance test:
 
@@ -47,11 +47,11 @@ from typing import Any, Sequence
 
 import torch
 
-from redwood.engine.sampling import probabilities
+from redwood.sample.sampler import probabilities
 from redwood.errors import ConfigError
 from redwood.tuning.acceptance import AcceptanceVector
 from redwood.speculation.drafters import Drafter
-from redwood.speculation.tree_verify import CHILD_RULE, VERIFIERS, draw_children
+from redwood.sample.tree_verify import CHILD_RULE, VERIFIERS, draw_children
 
 MODES = ("dynamic", "static")
 EVAL_SHUFFLE_SEED = 0  # the document order evaluation prompts are taken from (front)

@@ -31,12 +31,12 @@ from typing import Callable, Sequence
 import torch
 
 from redwood.engine.runner import sync
-from redwood.engine.random import RowRandom
+from redwood.sample.random import RowRandom
 from redwood.engine.runner import CapturedStep, StepRunner
-from redwood.engine.sampling import probabilities
+from redwood.sample.sampler import probabilities
 from redwood.errors import ConfigError
 from redwood.tuning.tree_search import LatencyProfile
-from redwood.speculation.tree_verify import VERIFIERS, verify_tree_paths
+from redwood.sample.tree_verify import VERIFIERS, verify_tree_paths
 from redwood.speculation.trees import Tree
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from redwood.engine.random import RowRandom, inverse_cdf
+from redwood.sample.random import RowRandom, inverse_cdf
 from redwood.sampling_params import MAX_LOGPROBS, SamplingParams
 
 

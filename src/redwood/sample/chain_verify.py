@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from redwood.engine.random import inverse_cdf
-from redwood.speculation.tree_verify import per_row_uniforms
+from redwood.sample.random import inverse_cdf
+from redwood.sample.tree_verify import per_row_uniforms
 
 
 def verify_greedy(target_probs: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

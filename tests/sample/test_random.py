@@ -1,4 +1,4 @@
-"""Counter-based per-row random numbers (redwood.engine.random)."""
+"""Counter-based per-row random numbers (redwood.sample.random)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from redwood.engine.random import RowRandom, inverse_cdf, mix32
-from redwood.speculation.verifiers import verify_sampling
+from redwood.sample.random import RowRandom, inverse_cdf, mix32
+from redwood.sample.chain_verify import verify_sampling
 
 
 def _mix32_reference(x: int) -> int:

@@ -5,7 +5,7 @@ seeds (so they are deterministic), at a 0.01 % false-positive level per test: ~1
 helpers, so the family fails by chance ≤ 1 % of the time when the random streams change. The proof that
 the verifiers are exact is `test_verifiers_exact.py` (no sampling noise); these check the same property
 through real random streams, batching and the end-to-end engine. Target and draft
-distributions go through `redwood.engine.sampling.probabilities`, the same temperature / top-p
+distributions go through `redwood.sample.sampler.probabilities`, the same temperature / top-p
 processing the engine uses.
 """
 
@@ -16,9 +16,9 @@ import torch
 
 from redwood import SamplingParams
 from redwood.bench.stats import chi2_fit_samples, chi2_quantile
-from redwood.engine.sampling import probabilities
+from redwood.sample.sampler import probabilities
 from redwood.errors import ConfigError
-from redwood.speculation.verifiers import verify_greedy, verify_sampling
+from redwood.sample.chain_verify import verify_greedy, verify_sampling
 from tests.conftest import random_hf_model, tiny_hf_config
 
 

@@ -1,8 +1,8 @@
-"""Tree verifiers and child-drawing rules (redwood.speculation.tree_verify).
+"""Tree verifiers and child-drawing rules (redwood.sample.tree_verify).
 
 Distribution tests are χ² goodness-of-fit tests at the 0.1 % level (the standard table
 `redwood.bench.stats.CHI2_999`), over many independent rows per call — every row with its own seeded
-verifier generator, so each test is deterministic. Target and draft distributions go through `redwood.engine.sampling.probabilities`
+verifier generator, so each test is deterministic. Target and draft distributions go through `redwood.sample.sampler.probabilities`
 (temperature, then top-k, then top-p), the processing every verifier assumes.
 """
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from redwood.bench.stats import CHI2_999, chi2_fit_samples
-from redwood.engine.random import RowRandom
-from redwood.engine.sampling import probabilities
-from redwood.speculation.tree_verify import CHILD_RULE, draw_children, verify_tree
+from redwood.sample.random import RowRandom
+from redwood.sample.sampler import probabilities
+from redwood.sample.tree_verify import CHILD_RULE, draw_children, verify_tree
 
 
 def assert_fits(samples: torch.Tensor, probs: torch.Tensor, what: str, min_expected: float = 5.0) -> None:

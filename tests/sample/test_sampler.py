@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from redwood.engine.sampling import Sampler, probabilities, token_logprobs
+from redwood.sample.sampler import Sampler, probabilities, token_logprobs
 from redwood.sampling_params import SamplingParams
 
 

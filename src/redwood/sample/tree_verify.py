@@ -27,7 +27,7 @@ topk       ``topk``              draw y ~ p; accept the child equal to y, else e
 =========  ====================  ==========================================================================
 
 `sequoia`, `specinfer` and `topk` emit tokens distributed exactly as the target's p; `greedy` is exact for
-temperature 0. The distributions must come from `redwood.engine.sampling.probabilities` (temperature, then
+temperature 0. The distributions must come from `redwood.sample.sampler.probabilities` (temperature, then
 top-k, then top-p) for both models, and `q` must be the very distribution the children were drawn from.
 
 Exhausted support (sequoia). If a node has more children than q has support, the draft side fills the
@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import torch
 
-from redwood.engine.random import RowRandom, inverse_cdf
+from redwood.sample.random import RowRandom, inverse_cdf
 
 VERIFIERS = ("sequoia", "specinfer", "greedy", "topk")
 RULES = ("swor", "replacement", "topk")

@@ -27,10 +27,10 @@ import pytest
 import torch
 
 from redwood.bench.stats import first_true, grid_uniform as lattice
-from redwood.engine.random import RowRandom
-from redwood.engine.sampling import probabilities
-from redwood.speculation.tree_verify import CHILD_RULE, draw_children, verify_tree_paths
-from redwood.speculation.verifiers import verify_greedy, verify_sampling
+from redwood.sample.random import RowRandom
+from redwood.sample.sampler import probabilities
+from redwood.sample.tree_verify import CHILD_RULE, draw_children, verify_tree_paths
+from redwood.sample.chain_verify import verify_greedy, verify_sampling
 
 LATTICE = 2**53  # float64 uniforms are k / 2^53
 TOP = LATTICE - 1  # the largest uniform: rejects whatever can be rejected
@@ -177,7 +177,7 @@ def test_chain_rejection_sampling_is_exact(temperature, top_k, top_p, draft, gam
 
 def test_chain_exactness_check_catches_a_biased_verifier(monkeypatch):
     """The same computation flags a verifier whose acceptance is off by 1 % (the check can fail)."""
-    import redwood.speculation.verifiers as verifiers
+    import redwood.sample.chain_verify as verifiers
 
     p, q = tables(5, 2, 1.0, 0, 1.0, "far", 7)
     honest = verifiers.per_row_uniforms
@@ -465,7 +465,7 @@ def test_tree_greedy_walk_emits_the_target_argmax_path():
 
 def test_tree_exactness_check_catches_a_walk_that_skips_the_residual(monkeypatch):
     """A sequoia walk that forgets to renormalize q after a rejection (a plausible bug) is caught."""
-    import redwood.speculation.tree_verify as tv
+    import redwood.sample.tree_verify as tv
 
     p, q = tables(4, 1, 1.0, 0, 1.0, "far", 9)
     parents = [-1, 0, 0, 0]

@@ -13,7 +13,7 @@ Hash: Chris Wellons' "lowbias32" integer finalizer (xor-shift / multiply rounds 
 multipliers below 2^31 so that every product fits an int64 exactly on every device (no reliance on
 wrap-around). A row's seed gives it two 32-bit keys; every item of a draw gets two words from them, its
 counter and its lane; every element one or two hashes of those words. Uniforms: float32 from 24 hash
-bits, float64 from 53 bits of two hashes (32 + 21). `tests/engine/test_random_streams.py` and
+bits, float64 from 53 bits of two hashes (32 + 21). `tests/sample/test_random_streams.py` and
 `benchmarks/random_battery.py` (dieharder) test the streams along every axis.
 
 Streams. A draw gives each *item* (a node or a row) a block of elements; items of the same batch row get
