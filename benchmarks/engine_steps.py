@@ -22,7 +22,7 @@ import time
 import torch
 
 from redwood.bench.speculative import DEFAULT_DATASET, PromptSource, make_prompts
-from redwood.config import SpeculativeConfig
+from redwood.speculation.config import SpeculativeConfig
 from redwood.engine.engine import Engine
 from redwood.engine.runner import sync
 from redwood.llm import LLM

@@ -49,7 +49,7 @@ def test_qwen2_per_layer_sliding_window_rejected():
 
 
 def test_speculation_depth_is_bounded_and_needs_a_draft_token():
-    from redwood.config import MAX_DRAFT_DEPTH, SpeculativeConfig
+    from redwood.speculation.config import MAX_DRAFT_DEPTH, SpeculativeConfig
 
     assert SpeculativeConfig(self_speculate=True, num_draft_tokens=MAX_DRAFT_DEPTH).make_tree().size == 65
     with pytest.raises(ConfigError, match="at most 64"):

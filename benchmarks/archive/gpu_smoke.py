@@ -12,7 +12,7 @@ import time
 import torch
 
 from redwood import LLM, SamplingParams
-from redwood.config import SpeculativeConfig
+from redwood.speculation.config import SpeculativeConfig
 from tests.conftest import make_tokenizer, random_hf_model, tiny_hf_config
 
 

@@ -1,4 +1,6 @@
-"""Model configuration: one dataclass for every supported decoder family, validated on construction.
+"""Configuration at the bottom of the package: `ModelConfig` (one dataclass for every supported decoder family)
+and `EngineConfig` (an engine's scheduling and memory settings), validated on construction. How to speculate
+is `redwood.speculation.config.SpeculativeConfig`.
 
 Supported families share one decoder (see `models/transformer.py`): pre-norm RMSNorm, GQA attention with
 rotate-half RoPE, SwiGLU MLP. They differ only in the flags below:
@@ -162,109 +164,6 @@ class ModelConfig:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
         return cls.from_hf_dict(d)
-
-
-VERIFIERS = ("auto", "greedy", "sampling", "sequoia", "specinfer", "topk")
-
-
-DRAFT_QUANT = (None, "int8")  # draft weight formats for the one-token draft forwards
-
-# The most draft tokens one step may accept: γ for a chain, depth − 1 for a tree. Acceptance compounds
-# along a path, so even at a per-token acceptance of 0.95 a 64th draft token is accepted in 4% of steps
-# (0.95^64) and expected tokens per step are within 4% of their γ → ∞ limit (1 / (1 − α) = 20); the
-# papers' chains and trees stay at or under ~16-20 levels. Deeper drafts only cost draft forwards and a
-# longer verify (`--gamma 1000` spent 282 s drafting to emit 8 tokens).
-MAX_DRAFT_DEPTH = 64
-
-
-def check_draft_tree(tree, what: str = "tree") -> None:
-    """A ConfigError for a speculation tree with no draft token (a lone root: plain decoding — vLLM
-    likewise rejects num_speculative_tokens 0 with a draft) or deeper than MAX_DRAFT_DEPTH drafts."""
-    if tree.size < 2:
-        raise ConfigError(f"{what} has no draft tokens (a lone root); speculate at least one token per step, "
-                          f"or drop the speculation settings to decode autoregressively")
-    if tree.max_depth - 1 > MAX_DRAFT_DEPTH:
-        raise ConfigError(f"{what} drafts {tree.max_depth - 1} tokens deep; at most {MAX_DRAFT_DEPTH} (a longer "
-                          f"path is almost never accepted whole, and every level costs a draft forward)")
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """How to speculate (MagicDec-style chains).
-
-    draft_model: a zoo name / folder / .gguf of a small model sharing the target's tokenizer; or
-    self_speculate=True: the target drafts for itself, reading a compressed view of its own KV cache.
-    draft_kv: which committed tokens the draft reads — "full", "streaming" (sinks + recent window) or
-    "snapkv" (prefill-selected positions + recent tokens), within `draft_budget` tokens.
-    sinks / window: StreamingLLM's sink count and recent window (window defaults to budget − sinks);
-    for snapkv, `window` is the observation window (default 32) and `pool_kernel` its smoothing.
-    num_draft_tokens: γ, draft tokens per step of a chain (the target verifies γ + 1 positions).
-    tree: a token tree instead of a chain — "chain:G", "chains:KxL", a tree JSON file or a shipped tree
-    name (see `redwood tree-search`); the target verifies all its nodes in one forward.
-    verifier: "greedy" (accept the target's argmax; temperature 0 only), "sampling" (speculative
-    rejection sampling; on a tree, Sequoia's), "sequoia" (children drawn without replacement),
-    "specinfer" (children drawn with replacement), "topk" (the draft's top-k children; the target
-    samples), or "auto" (greedy when every request is greedy, else sampling / sequoia). All but greedy
-    are lossless at any temperature / top-k / top-p.
-    draft_quant: "int8" — the draft model's one-token forwards read int8 copies of its projection
-    weights (per-row scales; CUDA only): half the bytes per draft level. Verification stays exact, so
-    outputs do not change; acceptance may.
-    """
-
-    draft_model: str | None = None
-    self_speculate: bool = False
-    draft_kv: str = "full"
-    draft_budget: int | None = None
-    sinks: int | None = None
-    window: int | None = None
-    pool_kernel: int = 5
-    num_draft_tokens: int = 4
-    tree: str | None = None
-    verifier: str = "auto"
-    draft_quant: str | None = None
-
-    def __post_init__(self) -> None:
-        from redwood.kv.policies import KV_POLICIES
-
-        if bool(self.draft_model) == bool(self.self_speculate):
-            raise ConfigError("speculation needs exactly one of draft_model=... or self_speculate=True")
-        if self.draft_kv not in KV_POLICIES:
-            raise ConfigError(f"unknown draft_kv {self.draft_kv!r}; choose one of {', '.join(KV_POLICIES)}")
-        if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
-            raise ConfigError(f"num_draft_tokens (gamma) must be an integer >= 1, got {self.num_draft_tokens!r}")
-        if self.num_draft_tokens > MAX_DRAFT_DEPTH:
-            raise ConfigError(f"num_draft_tokens (gamma) must be at most {MAX_DRAFT_DEPTH}, got "
-                              f"{self.num_draft_tokens} (see redwood.config.MAX_DRAFT_DEPTH)")
-        if self.verifier not in VERIFIERS:
-            raise ConfigError(f"unknown verifier {self.verifier!r}; choose one of {', '.join(VERIFIERS)}")
-        for name in ("draft_budget", "window"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
-        if self.sinks is not None and (not isinstance(self.sinks, int) or self.sinks < 0):
-            raise ConfigError(f"sinks must be an integer >= 0, got {self.sinks!r}")
-        if self.draft_quant not in DRAFT_QUANT:
-            raise ConfigError(f"unknown draft_quant {self.draft_quant!r}; choose one of {DRAFT_QUANT[1:]} or None")
-        if self.draft_quant and self.self_speculate:
-            raise ConfigError("draft_quant applies to a draft model; self-speculation drafts with the target's weights")
-        self.make_policy()  # validates the policy's own settings
-        self.make_tree()
-
-    def make_tree(self):
-        """The token tree each step drafts: `tree` if given, else a chain of num_draft_tokens."""
-        from redwood.speculation.trees import Tree, resolve_tree
-
-        if not self.tree:
-            return Tree.chain(self.num_draft_tokens)
-        tree = resolve_tree(self.tree)
-        check_draft_tree(tree, f"tree {self.tree}")
-        return tree
-
-    def make_policy(self):
-        from redwood.kv.policies import make_policy
-
-        return make_policy(self.draft_kv, budget=self.draft_budget, sinks=self.sinks, window=self.window,
-                           kernel=self.pool_kernel)
 
 
 DEFAULT_MAX_NUM_SEQS = 256

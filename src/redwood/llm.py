@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from redwood.config import SpeculativeConfig
+from redwood.speculation.config import SpeculativeConfig
 from redwood.engine.engine import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, Engine, engine_config  # noqa: F401 (re-exported)
 from redwood.engine.loaded import LoadedModels
 from redwood.engine.request import TokenLogprob

@@ -84,7 +84,7 @@ def test_run_bench_api_self_draft_accepts_everything(tiny_model_dir, text_file):
     """A standalone draft identical to the target: every draft token is accepted, γ + 1 tokens per step."""
     from redwood import LLM
     from redwood.bench.speculative import PromptSource, format_result, run_bench
-    from redwood.config import SpeculativeConfig
+    from redwood.speculation.config import SpeculativeConfig
 
     llm = LLM(str(tiny_model_dir), speculative=SpeculativeConfig(draft_model=str(tiny_model_dir),
                                                                    num_draft_tokens=3))

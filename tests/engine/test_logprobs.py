@@ -283,7 +283,7 @@ def test_llm_passes_logprobs_sources_and_spans_through(models):
 def test_graphed_steps_give_the_eager_logprobs_and_capture_apart(spec, tiny_model_dir, tiny_draft_dir):
     """On CUDA the logprobs come out of the captured step: the same as eager steps; a step with
     logprobs and one without are different graphs (the flag is in the step's key)."""
-    from redwood.config import SpeculativeConfig
+    from redwood.speculation.config import SpeculativeConfig
 
     kwargs = {None: None, "chain": dict(draft_model=str(tiny_draft_dir), num_draft_tokens=3),
               "tree": dict(self_speculate=True, draft_kv="streaming", sinks=2, window=12, tree="generic-16")}[spec]

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from redwood import LLM, SamplingParams
-from redwood.config import ModelConfig, SpeculativeConfig
+from redwood.config import ModelConfig
+from redwood.speculation.config import SpeculativeConfig
 from redwood.engine.prefill import prefill_batch as prefill
 from redwood.engine.offload import get_offload, offload_layers, restore_layers
 from redwood.errors import ConfigError

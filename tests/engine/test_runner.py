@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from redwood import LLM, SamplingParams
-from redwood.config import SpeculativeConfig
+from redwood.speculation.config import SpeculativeConfig
 from redwood.engine.runner import StepRunner
 from redwood.errors import ConfigError
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from redwood import LLM, SamplingParams
-from redwood.config import SpeculativeConfig
+from redwood.speculation.config import SpeculativeConfig
 from redwood.speculation.trees import Tree
 from redwood.errors import ConfigError
 from redwood.kv.policies import make_policy

@@ -17,7 +17,7 @@ import torch
 
 import redwood.engine.decode as spec_loop
 from redwood import LLM, SamplingParams
-from redwood.config import SpeculativeConfig
+from redwood.speculation.config import SpeculativeConfig
 from redwood.engine.engine import Engine
 from redwood.sample.sampler import probabilities
 from redwood.errors import ConfigError

@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-from redwood.config import ModelConfig, SpeculativeConfig
+from redwood.config import ModelConfig
+from redwood.speculation.config import SpeculativeConfig
 from redwood.errors import ConfigError
 from redwood.kv.policies import FullPolicy, SnapKVPolicy, StreamingPolicy, make_policy
 from redwood.models.transformer import Transformer

@@ -123,7 +123,7 @@ def test_bad_values_and_cuda_are_config_errors():
 
 def test_llm_quantizes_target_and_draft(hf_pair):
     from redwood import LLM, SamplingParams
-    from redwood.config import SpeculativeConfig
+    from redwood.speculation.config import SpeculativeConfig
 
     with pytest.raises(ConfigError, match="unknown weights 'int3'"):
         LLM(str(hf_pair[0]), weights="int3")
@@ -144,7 +144,7 @@ def test_llm_quantizes_target_and_draft(hf_pair):
 
 def test_draft_weights_needs_a_draft_model(hf_pair):
     from redwood import LLM
-    from redwood.config import SpeculativeConfig
+    from redwood.speculation.config import SpeculativeConfig
 
     with pytest.raises(ConfigError, match="unknown draft_weights 'int3'"):
         LLM(str(hf_pair[0]), draft_weights="int3")

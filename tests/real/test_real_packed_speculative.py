@@ -35,7 +35,7 @@ def _w8a8_here() -> bool:
 ])
 def test_main_job_greedy_speculation_equals_ar(real_model, target_weights, draft_weights):
     from redwood import LLM, SamplingParams
-    from redwood.config import SpeculativeConfig
+    from redwood.speculation.config import SpeculativeConfig
 
     real_model(TARGET)
     real_model(DRAFT)

@@ -242,7 +242,7 @@ def tiny_vocab_pair(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_vocab_llm(tiny_vocab_pair):
     from redwood import LLM
-    from redwood.config import SpeculativeConfig
+    from redwood.speculation.config import SpeculativeConfig
 
     target, draft = tiny_vocab_pair
     return LLM(str(target), speculative=SpeculativeConfig(draft_model=str(draft), num_draft_tokens=3))
@@ -287,7 +287,7 @@ def test_end_to_end_first_two_tokens_follow_target(tiny_vocab_llm, temperature, 
 
 def test_greedy_verifier_with_sampled_request_is_an_error(tiny_vocab_pair):
     from redwood import LLM
-    from redwood.config import SpeculativeConfig
+    from redwood.speculation.config import SpeculativeConfig
 
     target, draft = tiny_vocab_pair
     llm = LLM(str(target), speculative=SpeculativeConfig(draft_model=str(draft), verifier="greedy"))

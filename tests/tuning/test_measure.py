@@ -10,7 +10,7 @@ import torch
 
 from redwood import LLM
 from redwood.cli import main
-from redwood.config import SpeculativeConfig
+from redwood.speculation.config import SpeculativeConfig
 from redwood.tuning.acceptance import load_acceptance
 from redwood.tuning.measure import (dataset_texts, expected_acceptance, held_out_order, measure_dynamic,
                                   static_acceptance, star_tree_spec)

@@ -146,7 +146,7 @@ class Method:
     source: str = "engine"
 
     def speculative(self, models: Models):
-        from redwood.config import SpeculativeConfig
+        from redwood.speculation.config import SpeculativeConfig
 
         if self.draft is None:
             return None

@@ -147,7 +147,7 @@ def _run(args: argparse.Namespace) -> int:
         target_name, draft_name = tgt.source, drf.source
     else:
         from redwood.commands.options import graphs_kwargs, threads_kwargs
-        from redwood.config import SpeculativeConfig
+        from redwood.speculation.config import SpeculativeConfig
         from redwood.llm import LLM
 
         spec = SpeculativeConfig(

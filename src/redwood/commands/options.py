@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from redwood.config import DRAFT_QUANT, MAX_DRAFT_DEPTH, check_draft_tree
+from redwood.speculation.config import DRAFT_QUANT, MAX_DRAFT_DEPTH, check_draft_tree
 from redwood.llm import DEFAULT_MODEL
 
 
@@ -317,7 +317,7 @@ def check_tree_arg(args):
 def make_speculative_config(args, *, draft_model: str | None = None, self_speculate: bool = False,
                             gamma: int | None = None):
     """A SpeculativeConfig from the draft KV / verifier flags in `args` (γ given or from --gamma)."""
-    from redwood.config import SpeculativeConfig
+    from redwood.speculation.config import SpeculativeConfig
 
     if gamma is None:
         gamma = args.gamma[0] if isinstance(args.gamma, list) else args.gamma

@@ -7,7 +7,7 @@ import argparse
 import json
 import time
 
-from redwood.config import MAX_DRAFT_DEPTH
+from redwood.speculation.config import MAX_DRAFT_DEPTH
 from redwood.errors import ConfigError
 from redwood.progress import Progress
 

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from redwood.config import EngineConfig, SpeculativeConfig
+from redwood.config import EngineConfig
+from redwood.speculation.config import SpeculativeConfig
 from redwood.engine.decode import resolve_verifier
 from redwood.engine.executor import DecodeRow, Executor, PrefillWork, StepBatch
 from redwood.engine.loaded import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, LoadedModels  # noqa: F401 (re-exported)

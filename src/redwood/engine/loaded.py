@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from redwood.config import SpeculativeConfig
+from redwood.speculation.config import SpeculativeConfig
 from redwood.engine.tokenization import check_max_model_len
 from redwood.errors import ConfigError
 from redwood.loading import ModelInfo, inspect_model, load_model, parse_device, parse_dtype

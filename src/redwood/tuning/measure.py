@@ -40,6 +40,7 @@ the distinct seed `LONG_WINDOW_SEED`, which avoids but cannot rule out overlap w
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -279,6 +280,7 @@ def measure_dynamic(llm, prompts: Sequence[list[int]], width: int, temperature: 
     width-`width` depth-1 tree) and histogram the accepted rank of every step of every row.
 
     Row i samples with seed + i. Prompts are run `batch_size` at a time (rows are independent)."""
+    from redwood.engine.engine import Engine
     from redwood.sampling_params import SamplingParams
     from redwood.speculation.trees import Tree
 
@@ -295,12 +297,12 @@ def measure_dynamic(llm, prompts: Sequence[list[int]], width: int, temperature: 
     engine_steps = 0
     generated = 0
     stats: list[dict] = []
-    engine = llm.engine
-    if engine.has_unfinished():
+    previous = llm._engine
+    if previous is not None and previous.has_unfinished():
         raise ConfigError("dynamic measurement needs an idle engine")
-    original = engine.drafter
-    recorder = _RankRecorder(original, width)
-    engine.drafter = recorder
+    recorder = _RankRecorder(llm.drafter, width)
+    # A fresh engine over the LLM's models with the recorder as its drafter (slots handed out from 0)
+    llm.engine = Engine(dataclasses.replace(llm.models, drafter=recorder), llm.engine_config)
     try:
         for start in range(0, len(prompts), batch_size):
             batch = [list(p) for p in prompts[start:start + batch_size]]
@@ -322,7 +324,7 @@ def measure_dynamic(llm, prompts: Sequence[list[int]], width: int, temperature: 
             if progress is not None:
                 progress(min(start + batch_size, len(prompts)), len(prompts), sum(counts) + none)
     finally:
-        engine.drafter = original
+        llm.engine = previous
     res = DynamicResult(counts=counts, none=none, engine_steps=engine_steps, generated_tokens=generated,
                         request_stats=stats)
     if res.steps != engine_steps:
