@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import torch
 
-from redwood.sample.sampler import Sampler, token_logprobs
 from redwood.errors import ConfigError
 from redwood.models.transformer import Transformer
-from redwood.speculation.drafters import Drafter
-from redwood.sample.tree_verify import CHILD_RULE, verify_tree_paths
-from redwood.speculation.trees import Tree
 from redwood.sample.chain_verify import verify_greedy, verify_sampling
+from redwood.sample.sampler import Sampler, token_logprobs
+from redwood.sample.tree_verify import CHILD_RULE, verify_tree_paths
+from redwood.speculation.drafters import Drafter
+from redwood.speculation.trees import Tree
 
 # Chain verifiers are vectorized special cases of the tree walks: with one child per node, Sequoia's
 # sampling without replacement and SpecInfer are both plain speculative rejection sampling.

@@ -31,19 +31,19 @@ from pathlib import Path
 import torch
 
 from redwood.config import EngineConfig
-from redwood.speculation.config import SpeculativeConfig
+from redwood.engine.batch import DecodeRow, PrefillWork, StepBatch
 from redwood.engine.decode import resolve_verifier
-from redwood.engine.executor import DecodeRow, Executor, PrefillWork, StepBatch
+from redwood.engine.executor import Executor
 from redwood.engine.loaded import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, LoadedModels  # noqa: F401 (re-exported)
 from redwood.engine.output import OutputProcessor, Request, RequestDelta, Update, delta  # noqa: F401
 from redwood.engine.request import RequestState, SpecStats
 from redwood.engine.scheduler import Scheduler, SeqState
-from redwood.engine.tokenization import (check_max_model_len, check_prompt_ids, encode_prompt,  # noqa: F401
-                                         eos_token_ids)
+from redwood.engine.tokenization import check_max_model_len, check_prompt_ids, encode_prompt, eos_token_ids  # noqa: F401
 from redwood.errors import ConfigError
 from redwood.kv.blocks import BlockPool
 from redwood.loading import ModelInfo, parse_device
 from redwood.sampling_params import SamplingParams
+from redwood.speculation.config import SpeculativeConfig
 
 
 class Engine:

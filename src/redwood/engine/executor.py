@@ -26,78 +26,22 @@ target's page table (same block ids, the draft model's pages).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from redwood.config import CPU_KV_MEMORY_GIB, EngineConfig
+from redwood.engine.batch import DecodeRow, PrefillWork, StepBatch, StepResult, Tokens
 from redwood.engine.decode import ARStep, SpecStep, resolve_verifier
 from redwood.engine.loaded import LoadedModels
 from redwood.engine.prefill import prefill_row, prefill_rows
-from redwood.engine.request import SOURCE_DRAFT, SOURCE_TARGET, TokenLogprob, token_logprob_list
+from redwood.engine.request import SOURCE_DRAFT, SOURCE_TARGET, token_logprob_list
 from redwood.engine.runner import StepRunner, sync
-from redwood.sample.sampler import Sampler, token_logprobs
 from redwood.engine.threads import set_threads
 from redwood.errors import ConfigError
 from redwood.kv.cache import KVCache
+from redwood.sample.sampler import Sampler, token_logprobs
 from redwood.sampling_params import SamplingParams
 from redwood.speculation.trees import Tree
-
-
-@dataclass
-class DecodeRow:
-    """A slot that generates this step; `remaining`: tokens its request may still emit (the tree cut)."""
-
-    slot: int
-    params: SamplingParams
-    remaining: int
-
-
-@dataclass
-class PrefillWork:
-    """One prefill chunk: prompt positions [start, stop) of `token_ids` into `slot`; the chunk that ends
-    the prefill (`is_last`) samples the request's first token."""
-
-    slot: int
-    params: SamplingParams
-    token_ids: list[int]
-    start: int
-    stop: int
-    is_last: bool
-
-
-@dataclass
-class StepBatch:
-    decode: list[DecodeRow] = field(default_factory=list)
-    prefill: list[PrefillWork] = field(default_factory=list)
-
-
-@dataclass
-class Tokens:
-    """What one row produced: its new tokens in order, each one's source ("draft" | "target") and, when
-    its request asked, logprobs; spec: (accepted, drafted) of the speculative step that made them (None
-    for an autoregressive step or a prefill's first token)."""
-
-    token_ids: list[int]
-    sources: list[str]
-    logprobs: list[TokenLogprob] | None = None
-    spec: tuple[int, int] | None = None
-
-
-@dataclass
-class StepResult:
-    """A step's outcome on the host. decode[i] belongs to batch.decode[i]; prefill[i] to batch.prefill[i]
-    (None for a chunk that does not end its prefill). Times in seconds, one-time graph captures left out:
-    step_s the decoding step, draft_s / verify_s its parts when measured apart (eager speculative steps,
-    else 0), prefill_s each chunk's share of the step's prefill; capture_s the captures this step ran."""
-
-    decode: list[Tokens] = field(default_factory=list)
-    prefill: list[Tokens | None] = field(default_factory=list)
-    step_s: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    prefill_s: float = 0.0
-    capture_s: float = 0.0
 
 
 class Executor:

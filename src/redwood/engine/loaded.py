@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from redwood.speculation.config import SpeculativeConfig
 from redwood.engine.tokenization import check_max_model_len
 from redwood.errors import ConfigError
 from redwood.loading import ModelInfo, inspect_model, load_model, parse_device, parse_dtype
 from redwood.models.cpu_weights import check_weights
+from redwood.speculation.config import SpeculativeConfig
 from redwood.speculation.trees import Tree
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from redwood.engine.executor import StepBatch, StepResult, Tokens
+from redwood.engine.batch import StepBatch, StepResult, Tokens
 from redwood.engine.request import RequestState, TokenLogprob
 from redwood.engine.scheduler import SeqState
 from redwood.sampling_params import SamplingParams

@@ -1,0 +1,64 @@
+"""What the Engine hands the executor for a step (`StepBatch`) and gets back (`StepResult`): plain host values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from redwood.engine.request import TokenLogprob
+from redwood.sampling_params import SamplingParams
+
+
+@dataclass
+class DecodeRow:
+    """A slot that generates this step; `remaining`: tokens its request may still emit (the tree cut)."""
+
+    slot: int
+    params: SamplingParams
+    remaining: int
+
+
+@dataclass
+class PrefillWork:
+    """One prefill chunk: prompt positions [start, stop) of `token_ids` into `slot`; the chunk that ends
+    the prefill (`is_last`) samples the request's first token."""
+
+    slot: int
+    params: SamplingParams
+    token_ids: list[int]
+    start: int
+    stop: int
+    is_last: bool
+
+
+@dataclass
+class StepBatch:
+    decode: list[DecodeRow] = field(default_factory=list)
+    prefill: list[PrefillWork] = field(default_factory=list)
+
+
+@dataclass
+class Tokens:
+    """What one row produced: its new tokens in order, each one's source ("draft" | "target") and, when
+    its request asked, logprobs; spec: (accepted, drafted) of the speculative step that made them (None
+    for an autoregressive step or a prefill's first token)."""
+
+    token_ids: list[int]
+    sources: list[str]
+    logprobs: list[TokenLogprob] | None = None
+    spec: tuple[int, int] | None = None
+
+
+@dataclass
+class StepResult:
+    """A step's outcome on the host. decode[i] belongs to batch.decode[i]; prefill[i] to batch.prefill[i]
+    (None for a chunk that does not end its prefill). Times in seconds, one-time graph captures left out:
+    step_s the decoding step, draft_s / verify_s its parts when measured apart (eager speculative steps,
+    else 0), prefill_s each chunk's share of the step's prefill; capture_s the captures this step ran."""
+
+    decode: list[Tokens] = field(default_factory=list)
+    prefill: list[Tokens | None] = field(default_factory=list)
+    step_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    prefill_s: float = 0.0
+    capture_s: float = 0.0
