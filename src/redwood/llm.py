@@ -70,6 +70,8 @@ class LLM:
     `redwood.models.cpu_weights.gguf_default`). draft_weights: the same for a draft model ("auto": q4k —
     re-quantized to Q4_K — where kquant runs, else w8a8, else int4; the output is the target's whatever the
     draft's format).
+    execution (an engine_args key): how the models' forwards run (`redwood.config.ExecutionConfig`: megakernel,
+    prefill kernel, CPU fused layers, adaptive threads, …; None: the defaults).
     """
 
     def __init__(self, model: str | Path = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from redwood.config import SpeculativeConfig
+from redwood.config import ExecutionConfig, SpeculativeConfig
 from redwood.engine.decode import ARStep, SpecStep, resolve_verifier
 from redwood.engine.prefill import prefill_row, prefill_rows
 from redwood.engine.request import (SOURCE_DRAFT, SOURCE_TARGET, RequestState, SpecStats, TokenLogprob,
@@ -205,7 +205,8 @@ class Engine:
                  max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, max_model_len: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, max_num_batched_tokens: int = DEFAULT_PREFILL_CHUNK,
                  kv_cache_memory: float | None = None, enable_prefix_caching: bool = False,
-                 threads: int | None = None, weights: str = "auto", draft_weights: str = "auto"):
+                 threads: int | None = None, weights: str = "auto", draft_weights: str = "auto",
+                 execution: ExecutionConfig | None = None):
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise ConfigError(f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}")
         _check_knobs(max_num_seqs, block_size, max_num_batched_tokens, kv_cache_memory)
@@ -237,7 +238,7 @@ class Engine:
         if threads is not None or dev.type == "cpu":
             apply_threads(threads)  # before loading: dequantizing the weights runs on these threads too
         loaded = load_model(model, dtype=dtype, device="cpu" if offload else device,
-                            weights="float32" if offload else weights)
+                            weights="float32" if offload else weights, execution=execution)
         if offload:  # loaded on the host: the layers stay there, the rest moves to the device
             offload_layers(loaded.model, device, prefetch=offload_prefetch)
         on_cuda = loaded.model.device.type == "cuda"
@@ -247,14 +248,14 @@ class Engine:
         self.draft_name = None
         if speculative is not None:
             tree = speculative.make_tree()
-            drafter = self._make_drafter(speculative, dtype, device, draft_info, draft_weights)
+            drafter = self._make_drafter(speculative, dtype, device, draft_info, draft_weights, execution)
         self._setup(loaded.model, loaded.tokenizer, loaded.source, loaded.path, drafter, tree,
                     "auto" if speculative is None else speculative.verifier,
                     on_cuda if cuda_graphs is None else bool(cuda_graphs), max_num_seqs, max_model_len,
                     block_size, max_num_batched_tokens, kv_cache_memory, enable_prefix_caching)
         self.speculative = speculative
         if dev.type == "cpu" and not offload and self._thread_exact_decode():
-            self.thread_policy = adaptive_threads(threads)  # (None where the count is the user's or fixed)
+            self.thread_policy = adaptive_threads(threads, enabled=execution is None or execution.adaptive_threads)
 
     @classmethod
     def build(cls, model, tokenizer=None, *, drafter=None, tree=None, verifier: str = "auto",
@@ -305,7 +306,8 @@ class Engine:
         self.capture_s = 0.0  # one-time CUDA-graph captures (left out of request timings)
         self.num_steps = 0
 
-    def _make_drafter(self, spec: SpeculativeConfig, dtype, device, draft_info, draft_weights: str = "auto"):
+    def _make_drafter(self, spec: SpeculativeConfig, dtype, device, draft_info, draft_weights: str = "auto",
+                      execution: ExecutionConfig | None = None):
         """The drafter `spec` asks for; a draft model loads from `draft_info` (`inspect_model`: its
         tokenizer already checked against the target's) in the CPU format `draft_weights`."""
         from redwood.speculation.drafters import ModelDrafter, SelfDrafter
@@ -314,7 +316,8 @@ class Engine:
         if spec.self_speculate:
             self.draft_name = f"self ({policy.describe()})"
             return SelfDrafter(self.model, policy)
-        draft = load_model(draft_info, dtype=dtype, device=device, weights=draft_weights, draft=True)
+        draft = load_model(draft_info, dtype=dtype, device=device, weights=draft_weights, draft=True,
+                           execution=execution)
         if spec.draft_quant:
             draft.model.quantize_skinny(spec.draft_quant)
         packed = draft.model.weights if draft.model.weights != "float32" else None

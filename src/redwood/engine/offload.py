@@ -339,7 +339,8 @@ def offload_layers(model: Transformer, device: torch.device | str | None = None,
                 child.to(dev)
     manager = OffloadManager(model, dev, prefetch, trace=trace)
     object.__setattr__(model, _ATTR, manager)  # a plain attribute, not a submodule
-    model.megakernel = None  # it reads resident weights through a pointer table (megakernel.misfit says why)
+    if getattr(model.backend, "megakernel", None) is not None:  # it reads resident weights (megakernel.misfit says why)
+        model.backend.set_megakernel(None)
     return manager
 
 

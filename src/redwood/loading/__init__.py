@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from redwood.config import ModelConfig
+from redwood.config import ExecutionConfig, ModelConfig
 from redwood.errors import ConfigError, ModelLoadError
 from redwood.models.cpu_weights import FILE_FORMAT, FILE_FORMATS, auto_formats, resolve_weights
 from redwood.models.transformer import Transformer, build_model
@@ -104,13 +104,16 @@ def inspect_model(model: "str | Path | ModelInfo") -> ModelInfo:
 
 
 def load_model(model: "str | Path | ModelInfo", dtype: str | torch.dtype = "float32",
-               device: str | torch.device = "cpu", weights: str = "float32", draft: bool = False) -> LoadedModel:
+               device: str | torch.device = "cpu", weights: str = "float32", draft: bool = False,
+               execution: ExecutionConfig | None = None) -> LoadedModel:
     """Load a model's weights; a ModelInfo (`inspect_model`) is loaded with the tokenizer it holds.
     weights: the CPU projection format (`redwood.models.cpu_weights`; "auto": "gguf" — each projection as
     its type in the file allows: 4-bit groups as int4 with the file's own grid, the rest int8 — for a GGUF
     file on the CPU, int4 when `draft` (a draft model's auto), else float32; a model whose shapes the format
     cannot pack takes the next of int4 → int8 → float32 under "auto"). A GGUF file is packed tensor by
-    tensor as it is read (the float model never exists whole); a Hugging Face folder is loaded, then packed."""
+    tensor as it is read (the float model never exists whole); a Hugging Face folder is loaded, then packed.
+    execution: how its forwards run (`ExecutionConfig`; None: the defaults) — the backend for the device and
+    weights, which prepares its weights (on CUDA: one q/k/v and one gate/up matmul per layer)."""
     torch_dtype, dev = parse_dtype(dtype), parse_device(device)
     info = model if isinstance(model, ModelInfo) else None
     path = info.path if info is not None else _model_file(model)
@@ -134,9 +137,8 @@ def load_model(model: "str | Path | ModelInfo", dtype: str | torch.dtype = "floa
         net = build_model(config, g.tensors, torch_dtype, dev, rope_freqs=g.rope_freqs)
         del g
         tokenizer = info.tokenizer if info is not None else load_gguf_tokenizer(path)
-    if net.device.type == "cuda":
-        net.fuse_projections()  # one q/k/v and one gate/up matmul per layer: what a GPU step wants
     net.quantize_cpu(kind)
+    net.set_execution(execution)
     return LoadedModel(model=net, tokenizer=tokenizer, config=config, source=str(model), path=path)
 
 
