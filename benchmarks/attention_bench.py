@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import time
 
 import torch
@@ -138,17 +137,6 @@ def sweep(case: Case) -> list[dict]:
     for s in (1, 2, 3, 4, 6, 8) if short else (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
         us = time_per_layer(lambda layer: case.ours(layer, s), case.layers, reps=5)
         rows.append(dict(name=case.name, knob="num_splits", value=s, us=us))
-        if short and s > 1:  # the same splits merged inside the split kernel (taken for ≤ 1 program per SM)
-            prior = os.environ.get("REDWOOD_FUSED_MERGE")
-            os.environ["REDWOOD_FUSED_MERGE"] = "1"
-            try:
-                us = time_per_layer(lambda layer: case.ours(layer, s), case.layers, reps=5)
-            finally:
-                if prior is None:
-                    del os.environ["REDWOOD_FUSED_MERGE"]
-                else:
-                    os.environ["REDWOOD_FUSED_MERGE"] = prior
-            rows.append(dict(name=case.name, knob="num_splits, fused merge", value=s, us=us))
     base = td._launch_config
     configs = ((64, 2, 4, 64), (64, 3, 4, 64), (64, 4, 4, 64), (128, 2, 4, 64), (128, 3, 8, 64), (32, 3, 4, 64),
                (64, 2, 4, 32), (64, 3, 4, 16), (64, 2, 8, 128), (64, 3, 8, 128), (128, 2, 8, 128))

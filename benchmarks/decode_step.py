@@ -2,15 +2,14 @@
 ablation without staging real weights (time per step does not depend on the weights' values).
 
 Usage: PYTHONPATH=src python benchmarks/decode_step.py [--shape 1.5b|0.5b] [--context 128] [--batch 1]
-    [--tokens 1 5] [--quick] [--skinny-rows 8] [--tile-rows 9 64] [--pdl] [--fused-merge] [--int8] [--kernels]
+    [--tokens 1 5] [--quick] [--skinny-rows 8] [--tile-rows 9 64] [--pdl] [--int8] [--kernels]
     [--l2-prefetch 16 32]
 Prints, per variant (eager / graphs, reference / Triton attention, fused kernels on / off, skinny-matmul
 kernels on / off), the median time of one decode step, its tokens/s and its fraction of the weight-read
 floor, short table last. --quick: only the graphed variants with the Triton attention kernel. --pdl: each
-graphed variant also with programmatic dependent launch (REDWOOD_PDL=1, redwood.kernels.pdl), side by side;
---fused-merge: the same with split attention merging inside its split kernel (REDWOOD_FUSED_MERGE=1).
+graphed variant also with programmatic dependent launch (`pdl.request`, redwood.kernels.pdl), side by side.
 --l2-prefetch MB…: the graphed skinny variants again with each layer's o and first MB of gate/up prefetched
-into L2 (REDWOOD_L2_PREFETCH=MB, redwood.kernels.l2_prefetch), 0 off; with --pdl also each with PDL.
+into L2 (`l2_prefetch.set_megabytes`, redwood.kernels.l2_prefetch), 0 off; with --pdl also each with PDL.
 --int8: the skinny path reads int8 weight copies (as `--draft-quant int8` does for the draft). --kernels: per
 variant and token count, the kernels of one forward (profiled eagerly: each kernel's GPU time is the same
 in a graph) — count, their summed time, and the largest — so the graphed step's time splits into kernel
@@ -20,14 +19,14 @@ work and the gaps between kernels.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 import torch
 
 from redwood.bench.ar import copy_bandwidth, weight_bytes
-from redwood.config import ModelConfig
+from redwood.config import ExecutionConfig, ModelConfig
 from redwood.engine.runner import StepRunner
+from redwood.kernels import l2_prefetch, pdl
 from redwood.models.transformer import build_model
 
 QWEN_1_5B = {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960,
@@ -49,7 +48,7 @@ def random_model(fuse: bool, shape: dict = QWEN_1_5B):
     state = {k: (torch.randn(s, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02) for k, s in shapes.items()}
     model = build_model(cfg, state, torch.bfloat16, "cuda")
     if fuse:
-        model.fuse_projections()
+        model.set_execution()  # the CUDA backend (fused projections, the kernels); else the plain layers
     return model
 
 
@@ -107,12 +106,9 @@ def main() -> None:
     ap.add_argument("--int8", action="store_true", help="skinny variants read int8 weight copies")
     ap.add_argument("--kernels", action="store_true", help="list each variant's kernels per forward")
     ap.add_argument("--pdl", action="store_true",
-                    help="also time each graphed variant with programmatic dependent launch (REDWOOD_PDL=1)")
-    ap.add_argument("--fused-merge", action="store_true",
-                    help="also time each graphed variant with split attention merging inside its split kernel "
-                         "(REDWOOD_FUSED_MERGE=1)")
+                    help="also time each graphed variant with programmatic dependent launch")
     ap.add_argument("--l2-prefetch", type=float, nargs="+", default=[], metavar="MB",
-                    help="also time each graphed skinny variant with REDWOOD_L2_PREFETCH=MB (each value)")
+                    help="also time each graphed skinny variant with an L2 prefetch of MB (each value)")
     args = ap.parse_args()
     bw = copy_bandwidth(torch.device("cuda"))
     # (fused projections + small-op kernels, attention backend, graphs, skinny-matmul kernels)
@@ -127,23 +123,22 @@ def main() -> None:
             model.quantize_skinny("int8")
         floor_ms = weight_bytes(model) / bw * 1e3
         runs = [(*v, "") for v in variants if v[0] == fuse]
-        for flag, on in (("pdl", args.pdl), ("fused-merge", args.fused_merge)):
-            if on:
-                runs += [(*v, flag) for v in variants if v[0] == fuse and v[2]]
+        if args.pdl:
+            runs += [(*v, "pdl") for v in variants if v[0] == fuse and v[2]]
         for mb in args.l2_prefetch:
             for pre in ("", "pdl ") if args.pdl else ("",):
                 runs += [(*v, f"{pre}l2={mb:g}") for v in variants if v[0] == fuse and v[2] and v[3]]
         for _, backend, graphs, skinny, mode in runs:
             use_pdl = mode.startswith("pdl")
-            os.environ["REDWOOD_L2_PREFETCH"] = mode.split("l2=")[1] if "l2=" in mode else "0"
-            model.attention_backend = backend
-            model.skinny = skinny
-            if skinny and args.skinny_rows is not None:
-                model.skinny_rows = args.skinny_rows
-            if skinny and args.tile_rows is not None:
-                model.skinny_tile_rows = tuple(args.tile_rows)
-            os.environ["REDWOOD_PDL"] = "1" if use_pdl else "0"  # read when the runner captures its graphs
-            os.environ["REDWOOD_FUSED_MERGE"] = "1" if mode == "fused-merge" else "0"
+            l2_prefetch.set_megabytes(mode.split("l2=")[1] if "l2=" in mode else 0)
+            if fuse:  # (the plain model keeps its reference backend; its attention is the A/B)
+                model.set_execution(ExecutionConfig(
+                    attention=backend, skinny=skinny, megakernel="auto" if skinny else "off",
+                    skinny_rows=args.skinny_rows if skinny else None,
+                    skinny_tile_rows=tuple(args.tile_rows) if skinny and args.tile_rows is not None else None))
+            else:
+                model.set_execution(ExecutionConfig(attention=backend, kernels="off"))
+            pdl.request(use_pdl)  # read when the runner captures its graphs
             cache = model.new_cache(args.batch, args.context + 512)
             cache.lengths.fill_(args.context)
             runner = StepRunner(model, cache, use_graphs=graphs)

@@ -4,16 +4,16 @@
 # On the GPU machine, from the repo root, after staging the GGUF chunks as /root/stage/t?? (1.5B) and
 # /root/stage/d?? (0.5B), carrying .whl (the gguf wheel) and .stage/home (REDWOOD_HOME with the essays,
 # humaneval and mt-bench datasets):
-#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests (tests-a, tests-b) kernels pdl fused l2 tile mega p1 steps p2 p3 p3tree p4 p5 summary pack
+#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests (tests-a, tests-b) kernels pdl l2 tile mega p1 steps p2 p3 p3tree p4 p5 summary pack
 # Each step writes JSON under $OUT and prints its tables; `summary` prints the short P1–P5 table last.
 # Settings (environment): P2_TEMPS, P2_GAMMAS, P2_DRAFT_WEIGHTS (bf16 int8), P2_ACC (a folder of acceptance vectors measured earlier with
 # the same models, [p2-]acc-<dataset>-t<temp>.json: reused instead of measured), P2_ACC_PROMPTS, P3_KV, P3_BATCH, P3_CONTEXT, P3_GAMMAS,
 # P3_GEN, P3_BUDGET (the draft cache's budget, default 512), P3_ACC_PROMPTS (p3tree: essays for the self-draft's acceptance vector, default 8), P3_PROFILE (1: also `redwood profile` each cell's verify and compressed draft forwards at the largest
 # batch), P5_ACC (default: p2's HumanEval greedy vector), P5_BUDGETS, P5_DEPTH, P5_GEN, P5_PREFETCH (layers in the
 # offload ring, default 16), P5_TREE (extra
-# trees), GEMV_ARGS, GPU_TESTS, GPU_FLAGS; REDWOOD_PDL=1 runs every step's captured graphs with programmatic
-# dependent launch (redwood.kernels.pdl); REDWOOD_FUSED_MERGE=1 lets split attention merge inside its split
-# kernel where the grid is ≤ one program per SM (redwood.attention.triton_decode). Each invocation must fit
+# trees), GEMV_ARGS, GPU_TESTS, GPU_FLAGS, L2_MB, MEGA_VARIANTS. Programmatic dependent launch, the L2 prefetch and the
+# megakernel's experiment #defines are arguments of the benchmark scripts (decode_step.py --pdl / --l2-prefetch,
+# megakernel_bench.py --variants), not environment variables. Each invocation must fit
 # the machine's 10-minute call limit: e.g. `tests p1 steps` + greedy p2, then T = 0.6 p2 + p5, then p3 alone.
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
@@ -25,9 +25,9 @@ tests|tests-a|tests-b)  # the GPU tests: kernels vs float64, graphed steps == ea
   # The whole suite takes longer than one call (10 min): tests-a (the megakernel, the other kernels but test_gemv,
   # the engine's CUDA tests; ~5 min) and tests-b (attention + test_gemv; ~8 min) in two calls
   case $step in
-    tests-a) sel="tests/kernels --ignore=tests/kernels/test_gemv.py tests/engine/test_runner.py tests/sample/test_random.py tests/engine/test_logprobs.py tests/engine/test_offload.py" ;;
+    tests-a) sel="tests/kernels --ignore=tests/kernels/test_gemv.py tests/engine/test_runner.py tests/sample/test_random.py tests/engine/test_logprobs.py tests/models/test_offload.py" ;;
     tests-b) sel="tests/attention tests/kernels/test_gemv.py" ;;
-    *) sel=${GPU_TESTS:-tests/attention tests/kernels tests/engine/test_runner.py tests/sample/test_random.py tests/engine/test_logprobs.py tests/engine/test_offload.py} ;;
+    *) sel=${GPU_TESTS:-tests/attention tests/kernels tests/engine/test_runner.py tests/sample/test_random.py tests/engine/test_logprobs.py tests/models/test_offload.py} ;;
   esac
   run python3 -m pytest -q -p no:cacheprovider $sel 2>&1 | tee "$OUT/$step.txt" | tail -15 \
     || echo "GPU TESTS FAILED (the steps after this one still run)" ;;
@@ -39,7 +39,7 @@ kernels)  # the skinny kernels vs cuBLAS (a sweep that merges into this GPU's ti
   run python3 benchmarks/decode_step.py --quick --tokens 1 2 5 8 --skinny-rows 8 2>&1 | tee "$OUT/decode-1.5b.txt" | tail -12
   run python3 benchmarks/decode_step.py --quick --shape 0.5b --tokens 1 2 5 --skinny-rows 8 2>&1 \
       | tee "$OUT/decode-0.5b.txt" | tail -10 ;;
-pdl)  # programmatic dependent launch (REDWOOD_PDL=1) vs plain launches, side by side in one process: decode
+pdl)  # programmatic dependent launch (decode_step.py --pdl) vs plain launches, side by side in one process: decode
      # steps of random 1.5B / 0.5B models, one token (AR, a draft level) and 2-8 (verifies; tree draft levels),
      # the skinny variants taking up to 8 tokens (the tile kernel) next to cuBLAS
   run python3 benchmarks/decode_step.py --quick --pdl --skinny-rows 8 --tokens 1 7 2>&1 | tee "$OUT/pdl-1.5b.txt" | tail -14
@@ -47,7 +47,7 @@ pdl)  # programmatic dependent launch (REDWOOD_PDL=1) vs plain launches, side by
       | tee "$OUT/pdl-0.5b.txt" | tail -26
   # the 2-8-row kernels per matrix (heuristic config: the CUDA-core rows kernel) vs cuBLAS, no sweep
   run python3 benchmarks/gemv_bench.py --rows 2 4 8 2>&1 | tee "$OUT/gemv-rows.txt" | tail -34 ;;
-l2)  # weights prefetched into L2 ahead of their kernel (REDWOOD_L2_PREFETCH=MB, redwood.kernels.l2_prefetch) vs
+l2)  # weights prefetched into L2 ahead of their kernel (decode_step.py --l2-prefetch MB, redwood.kernels.l2_prefetch) vs
      # none, side by side in one process, each also with PDL: one-token forwards of random 1.5B (bf16) and 0.5B
      # (int8: a draft level) models at context 512 — the budget sweep L2_MB
   run python3 benchmarks/decode_step.py --quick --pdl --context 512 --l2-prefetch ${L2_MB:-8 16 24 32 40} 2>&1 \
@@ -57,7 +57,7 @@ l2)  # weights prefetched into L2 ahead of their kernel (REDWOOD_L2_PREFETCH=MB,
 mega)  # the one-token megakernel (redwood.kernels.megakernel) vs the skinny path, side by side in one process: random
       # 1.5B / 0.5B-shaped models at 512 / 4096 keys, paged caches, bf16 then int8 weights (its W8 build vs the
       # skinny int8 kernels), its build with the defaults and each MEGA_VARIANTS string of
-      # REDWOOD_MEGAKERNEL_DEFINES (e.g. MEGA_VARIANTS='"" "NSLOT=4" "ATTN_CPB=16"'; default: the defaults, then the
+      # megakernel_bench.py --variants (#defines, e.g. MEGA_VARIANTS='"" "NSLOT=4" "ATTN_CPB=16"'; default: the defaults, then the
       # pending experiments ATTN_EARLY_ROW and MERGE_PRELOAD, alone and together);
       # then the profiling build's stage timeline (with the slot waits and the slowest block) at 1.5B / 512 keys
   if [ -n "${MEGA_VARIANTS:-}" ]; then eval "variants=($MEGA_VARIANTS)"; else variants=("" ATTN_EARLY_ROW MERGE_PRELOAD "ATTN_EARLY_ROW MERGE_PRELOAD"); fi
@@ -65,14 +65,6 @@ mega)  # the one-token megakernel (redwood.kernels.megakernel) vs the skinny pat
       --variants "${variants[@]}" 2>&1 | tee "$OUT/mega-bench.txt" | tail -$((8 * ${#variants[@]} + 2))
   run python3 benchmarks/megakernel_bench.py --shapes 1.5b --contexts 512 --caches paged --timeline 2>&1 \
       | tee "$OUT/mega-timeline.txt" | head -10 ;;
-fused)  # split attention merging inside its split kernel (REDWOOD_FUSED_MERGE=1) vs the merge kernel, side by
-        # side: one-token and 7-token forwards of random 1.5B / 0.5B (int8) models, then the short-context
-        # attention sweep (splits with and without the fused merge)
-  run python3 benchmarks/decode_step.py --quick --fused-merge --tokens 1 7 2>&1 | tee "$OUT/fused-1.5b.txt" | tail -8
-  run python3 benchmarks/decode_step.py --quick --fused-merge --shape 0.5b --int8 --tokens 1 2>&1 \
-      | tee "$OUT/fused-0.5b.txt" | tail -6
-  run python3 benchmarks/attention_bench.py --only short --sweep --output "$OUT/p4-short.json" 2>&1 \
-      | tee "$OUT/p4-short.txt" | grep -E "sweep|short" | cut -c1-100 ;;
 tile)  # batched one-token forwards (P3's batch-64 draft levels, AR at batch 64) through the skinny path's
        # tile kernel vs cuBLAS + the small fused kernels: the 1.5B matrices at TILE_SWEEP_ROWS (64) rows (a
        # sweep merged into this GPU's table with tile_rows TILE_ROWS, 33-64), the tile kernel's GPU tests,

@@ -6,20 +6,21 @@ Usage: PYTHONPATH=src:benchmarks python benchmarks/megakernel_bench.py [--shapes
        [--caches dense paged] [--weights bf16 int8] [--variants "" "NSLOT=4" …] [--timeline]
 Prints, per case, the agreement of the two paths' logits and new K/V (max |Δ| over max |logit|, argmax), the
 megakernel's error flag, and the median ms per graphed forward of each path; a short table last. --variants builds
-the megakernel once per REDWOOD_MEGAKERNEL_DEFINES string and times each side by side with the skinny path.
+the megakernel once per --variants string of experiment #defines (megakernel.parse_defines) and times each side by side with the skinny path.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
 
 from decode_step import SHAPES, random_model, time_step
 from redwood.bench.ar import copy_bandwidth, weight_bytes
+from redwood.config import ExecutionConfig
 from redwood.engine.runner import StepRunner
+from redwood.kernels import megakernel
 from redwood.kv.cache import KVCache
 
 
@@ -56,8 +57,9 @@ def main() -> None:
     ap.add_argument("--caches", nargs="+", default=["dense", "paged"], choices=["dense", "paged"])
     ap.add_argument("--weights", nargs="+", default=["bf16"], choices=["bf16", "int8"],
                     help="int8: quantize_skinny's copies (the megakernel's W8 build vs the skinny int8 kernels)")
-    ap.add_argument("--variants", nargs="+", default=[os.environ.get("REDWOOD_MEGAKERNEL_DEFINES", "")],
-                    help="REDWOOD_MEGAKERNEL_DEFINES strings, one megakernel build each (default: the environment's)")
+    ap.add_argument("--variants", nargs="+", default=[""],
+                    help='experiment #defines strings ("NAME=VALUE …", megakernel.parse_defines), one megakernel '
+                         'build each (default: the computed defines only)')
     ap.add_argument("--repeats", type=int, default=100)
     ap.add_argument("--timeline", action="store_true",
                     help="also print each case's stage timeline (a profiling build: globaltimer stamps per block)")
@@ -74,48 +76,45 @@ def main() -> None:
                 cache = make_cache(model, context, paged)
                 ids = torch.randint(0, 1000, (1, 1), device="cuda")
                 pos = cache.lengths[:, None].clone()
-                model.use_megakernel(False)
+                model.set_execution(ExecutionConfig(megakernel="off"))
                 ref = model(ids, pos, cache).clone()
                 kv_ref = new_kv(model, cache).clone()
                 runner = StepRunner(model, cache, use_graphs=True)
-                t_skinny = time_step(lambda: runner.forward(ids, pos), repeats=args.repeats)
+                t_skinny = time_step(lambda: runner.forward(ids, pos), repeats=args.repeats)  # noqa: F821 (ruff misreads the loop's del)
                 for variant in args.variants:
-                    os.environ["REDWOOD_MEGAKERNEL_DEFINES"] = variant
-                    model.megakernel = None  # a fresh build for this variant's defines
-                    model.use_megakernel(True)
+                    model.set_execution(ExecutionConfig(megakernel="on"))  # (a ConfigError where it does not fit)
+                    defines = megakernel.parse_defines(variant)
+                    model.backend.set_megakernel(megakernel.MegaForward(model, int8=model.skinny_int8, defines=defines))
                     t0 = time.perf_counter()
                     out = model(ids, pos, cache)  # (the first forward of a new build compiles it with NVRTC)
                     torch.cuda.synchronize()
                     build_s = time.perf_counter() - t0
                     kv = new_kv(model, cache)
-                    err = model.megakernel.error()
+                    err = model.backend.megakernel.error()
                     rel = ((out - ref).abs().max() / ref.abs().max()).item()
                     kv_rel = ((kv.float() - kv_ref.float()).abs().max() / kv_ref.float().abs().max()).item()
                     same = bool(out.argmax() == ref.argmax())
                     runner = StepRunner(model, cache, use_graphs=True)
-                    t_mega = time_step(lambda: runner.forward(ids, pos), repeats=args.repeats)
-                    err = max(err, model.megakernel.error())
+                    t_mega = time_step(lambda: runner.forward(ids, pos), repeats=args.repeats)  # noqa: F821
+                    err = max(err, model.backend.megakernel.error())
                     name = f"{shape}{' int8' if weights == 'int8' else ''} {context} {'paged' if paged else 'dense'}{' ' + variant if variant else ''}"
                     if args.timeline:
-                        from redwood.kernels.megakernel import MegaForward
-
-                        model.megakernel = MegaForward(model, profile=True)
+                        model.backend.set_megakernel(megakernel.MegaForward(model, profile=True, int8=model.skinny_int8,
+                                                                            defines=defines))
                         for _ in range(5):
                             model(ids, pos, cache)
                         torch.cuda.synchronize()
                         print(f"{name} timeline (µs per stage, mean over layers):")
-                        for kind, row in model.megakernel.timeline().items():
+                        for kind, row in model.backend.megakernel.timeline().items():
                             print(f"  {kind:<10} wait {row['wait']:7.2f}  work {row['work']:7.2f}  span {row['span']:8.2f}"
                                   f"  max {row['max']:7.2f}  starve {row['starve']:7.2f}  stall {row['stall']:7.2f}")
-                        phases = model.megakernel.attention_phases()
+                        phases = model.backend.megakernel.attention_phases()
                         print("  attention's slowest key block (µs): "
                               + "  ".join(f"{k} {v:.2f}" for k, v in phases.items()))
-                    model.megakernel = None
-                    model.use_megakernel(False)
+                    model.set_execution(ExecutionConfig(megakernel="off"))
                     rows.append((name, t_skinny, t_mega, floor_ms, rel, kv_rel, same, err, build_s))
                     print(rows[-1], flush=True)
                 del cache, runner
-        model.megakernel = None
         del model
         torch.cuda.empty_cache()
     print(f"\nfloor = weight bytes / {bw / 1e12:.2f} TB/s (in-run copy bandwidth)")

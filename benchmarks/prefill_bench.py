@@ -23,7 +23,7 @@ their K/V exceed the 60 MB L2):
     SDPA over upcast inputs for 256 of the T query tokens (the first and last 128), and the reference
     path's bf16 output against the same.
 Chunk (`engine.prefill.prefill_rows` on a random-weight 1.5B-shaped model, fused projections, 28 layers,
-what the Engine runs for B requests' plain prefill chunks): REDWOOD_PREFILL_KERNEL=0 (today: the score
+what the Engine runs for B requests' plain prefill chunks): ExecutionConfig(prefill_kernel=False) (the score
 budget splits the chunk into forwards of 256-768 tokens; those of ≤ 256 take the decode kernel) vs =1
 (one forward through the prefill kernel) vs =1 with the budget kept (the same forwards as today, isolating
 the kernel from the larger forwards). Floor: attention FLOPs + 2 · 1.31e9 non-embedding parameters per
@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -244,11 +243,12 @@ def qwen_1_5b():
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.normal_(0.0, 0.02)
-    model.fuse_projections()
+    model.set_execution()  # the CUDA backend (fused projections, the kernels)
     return model
 
 
 def measure_chunk(model, B: int, T: int, L: int, gen) -> dict:
+    from redwood.config import ExecutionConfig
     from redwood.engine import prefill
     from redwood.kv.cache import KVCache
 
@@ -275,7 +275,7 @@ def measure_chunk(model, B: int, T: int, L: int, gen) -> dict:
                 ("kernel_budgeted", "1", lambda m, b, t: prefill.prefill_chunk(b, m.config.num_heads, t)))
     with torch.inference_mode():
         for name, env, forward_tokens in variants:
-            os.environ["REDWOOD_PREFILL_KERNEL"] = env
+            model.set_execution(ExecutionConfig(prefill_kernel=env == "1"))
             prefill._forward_tokens = forward_tokens or original
             try:
                 step = prefill._forward_tokens(model, B, L + T)
@@ -286,7 +286,7 @@ def measure_chunk(model, B: int, T: int, L: int, gen) -> dict:
                 res[f"{name}_ms"], res[f"{name}_error"] = None, repr(e)[:200]
             finally:
                 prefill._forward_tokens = original
-                os.environ.pop("REDWOOD_PREFILL_KERNEL", None)
+                model.set_execution(ExecutionConfig())
             torch.cuda.empty_cache()
     if "reference" in logits:
         for name in ("kernel", "kernel_budgeted"):

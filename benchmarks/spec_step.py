@@ -36,7 +36,7 @@ def random_model(config: dict, seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed)
     state = {k: torch.randn(s, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02 for k, s in shapes.items()}
     model = build_model(cfg, state, torch.bfloat16, "cuda")
-    model.fuse_projections()
+    model.set_execution()  # the CUDA backend (fused projections, the kernels)
     return model
 
 

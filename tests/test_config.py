@@ -61,3 +61,27 @@ def test_speculation_depth_is_bounded_and_needs_a_draft_token():
             SpeculativeConfig(self_speculate=True, tree=empty)
     with pytest.raises(ConfigError, match=">= 1"):
         SpeculativeConfig(self_speculate=True, num_draft_tokens=0)
+
+
+def test_execution_config_is_validated_on_construction():
+    from redwood.config import ExecutionConfig
+
+    assert ExecutionConfig() == ExecutionConfig(attention="auto", kernels="auto", megakernel="auto")
+    assert ExecutionConfig(skinny_tile_rows=[9, 64]).skinny_tile_rows == (9, 64)
+    for bad, match in ((dict(attention="sdpa"), "attention='sdpa'"), (dict(kernels=True), "kernels=True"),
+                       (dict(megakernel="yes"), "megakernel='yes'"), (dict(cpu_fused="0"), "cpu_fused='0'"),
+                       (dict(skinny_rows=0), "skinny_rows=0"), (dict(skinny_tile_rows=(64, 9)), "skinny_tile_rows"),
+                       (dict(adaptive_threads=None), "adaptive_threads=None")):
+        with pytest.raises(ConfigError, match=match):
+            ExecutionConfig(**bad)
+
+
+def test_only_envs_reads_redwood_settings_from_the_environment():
+    """Every REDWOOD_ setting the library reads is in redwood.envs (nothing else reads os.environ for one)."""
+    import re
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "src" / "redwood"
+    pattern = re.compile(r"""(environ|getenv)[^\n]*REDWOOD_""")
+    offenders = [str(p.relative_to(src)) for p in src.rglob("*.py") if p.name != "envs.py" and pattern.search(p.read_text())]
+    assert offenders == []

@@ -24,3 +24,8 @@ def test_every_setting_is_documented_and_its_default_is_a_choice():
         assert s.name.startswith("REDWOOD_") and s.doc
         assert s.choices is None or s.default in s.choices
     assert {name for name, _, _ in envs.describe()} == set(envs.SETTINGS)
+
+
+def test_the_registry_holds_only_what_users_set():
+    """Execution switches are ExecutionConfig fields and benchmark switches benchmark arguments, not settings."""
+    assert set(envs.SETTINGS) == {"REDWOOD_HOME", "REDWOOD_CPU_ISA"}

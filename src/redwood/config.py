@@ -1,5 +1,5 @@
 """Configuration at the bottom of the package: `ModelConfig` (one dataclass for every supported decoder family)
-and `EngineConfig` (an engine's scheduling and memory settings), validated on construction. How to speculate
+`EngineConfig` (an engine's scheduling and memory settings) and `ExecutionConfig` (how forwards run), validated on construction. How to speculate
 is `redwood.speculation.config.SpeculativeConfig`.
 
 Supported families share one decoder (see `models/transformer.py`): pre-norm RMSNorm, GQA attention with
@@ -223,3 +223,56 @@ class EngineConfig:
     @classmethod
     def fields(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
+
+
+@dataclass(frozen=True)
+class ExecutionConfig:
+    """How a model's forwards run: which execution backend (redwood.models.backends) and which of its paths,
+    chosen once at load (`Transformer.set_execution`). Every path computes the same forward: the defaults take
+    the fastest path each forward's shape allows; the switches are for A/B measurements and tests.
+
+    attention: "auto" (the Triton decode kernel for decode / verify / tree forwards on CUDA, the reference
+        elsewhere), "reference" (PyTorch SDPA everywhere), "triton" (the kernel; a ConfigError where it cannot run).
+    kernels: the Triton kernels of the CUDA backend (fused q/k/v and gate/up, the small-op and skinny-matmul
+        kernels): "auto" (on CUDA where triton imports), "on" (also in Triton's interpreter on the CPU: tests),
+        "off" (plain PyTorch layers: the A/B baseline).
+    skinny: few-token forwards through the skinny-matmul kernels (False: cuBLAS + the fused small-op kernels).
+    skinny_rows: forwards of ≤ this many rows (batch × tokens) take them (None: the GPU's tuned table).
+    skinny_tile_rows: (lo, hi) rows within 9-64 that take the tile kernel too (None: the tuned table's).
+    megakernel: one-row one-token forwards as one persistent kernel (redwood.kernels.megakernel): "auto" (where
+        the model fits), "on" (a ConfigError where it does not), "off".
+    prefill_kernel: long plain prefill forwards through the flash prefill kernel on CUDA (attention.triton_prefill).
+    cpu_fused: a kquant model's short CPU forwards as one C++ call a layer (redwood.models.cpu_fused).
+    adaptive_threads: on a small CPU machine, decode steps pick 1 or 2 threads by timing both (engine.threads).
+    """
+
+    attention: str = "auto"
+    kernels: str = "auto"
+    skinny: bool = True
+    skinny_rows: int | None = None
+    skinny_tile_rows: tuple[int, int] | None = None
+    megakernel: str = "auto"
+    prefill_kernel: bool = True
+    cpu_fused: bool = True
+    adaptive_threads: bool = True
+
+    def __post_init__(self) -> None:
+        for name, choices in (("attention", ("auto", "reference", "triton")), ("kernels", ("auto", "on", "off")),
+                              ("megakernel", ("auto", "on", "off"))):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"execution {name}={getattr(self, name)!r}: choose one of {', '.join(choices)}")
+        for name in ("skinny", "prefill_kernel", "cpu_fused", "adaptive_threads"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"execution {name}={getattr(self, name)!r}: True or False")
+        if self.skinny_rows is not None and (isinstance(self.skinny_rows, bool) or not isinstance(self.skinny_rows, int)
+                                             or self.skinny_rows < 1):
+            raise ConfigError(f"execution skinny_rows={self.skinny_rows!r}: a positive int or None")
+        if self.skinny_tile_rows is not None:
+            rows = tuple(self.skinny_tile_rows)
+            if len(rows) != 2 or not all(isinstance(r, int) and not isinstance(r, bool) for r in rows) \
+                    or not 1 <= rows[0] <= rows[1]:
+                raise ConfigError(f"execution skinny_tile_rows={self.skinny_tile_rows!r}: (lo, hi) with 1 ≤ lo ≤ hi")
+            object.__setattr__(self, "skinny_tile_rows", rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -29,6 +29,10 @@ def _register(name: str, default: str, doc: str, choices: tuple[str, ...] | None
     return name
 
 
+HOME = _register(
+    "REDWOOD_HOME", "",
+    "where redwood keeps downloaded models and datasets (default ~/.cache/redwood): models/<name>/, data/.")
+
 CPU_ISA = _register(
     "REDWOOD_CPU_ISA", "native",
     "cap the CPU features redwood's own kernels and format choices use: native (all the CPU reports), "

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from redwood.config import ExecutionConfig
 from redwood.speculation.config import SpeculativeConfig
 from redwood.engine.engine import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, Engine, engine_config  # noqa: F401 (re-exported)
 from redwood.engine.loaded import LoadedModels
@@ -57,7 +58,7 @@ class LLM:
     speculative: a SpeculativeConfig (draft model or self-speculation, draft KV policy, γ, verifier);
     None decodes autoregressively. Either way the output is the target model's.
     offload: keep the target's decoder-layer weights in (pinned) host memory and stream them to the
-    device, `offload_prefetch` layers at a time (see `redwood.engine.offload`).
+    device, `offload_prefetch` layers at a time (see `redwood.models.offload`).
     cuda_graphs: capture each step shape in a CUDA graph, once per batch bucket (`redwood.engine.runner`);
     None → on for CUDA. An offloaded target always runs eagerly; a draft model next to it still runs graphed.
     engine_args: the Engine's scheduling and memory knobs (max_num_seqs, max_model_len, block_size,
@@ -72,17 +73,21 @@ class LLM:
     `redwood.models.cpu_weights.gguf_default`). draft_weights: the same for a draft model ("auto": q4k —
     re-quantized to Q4_K — where kquant runs, else w8a8, else int4; the output is the target's whatever the
     draft's format).
+    execution: how the models' forwards run (`redwood.config.ExecutionConfig`: megakernel,
+    prefill kernel, CPU fused layers, adaptive threads, …; None: the defaults).
     """
 
     def __init__(self, model: str | Path = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", speculative: SpeculativeConfig | None = None,
                  offload: bool = False, offload_prefetch: int = 2, cuda_graphs: bool | None = None,
-                 threads: int | None = None, weights: str = "auto", draft_weights: str = "auto", **engine_args):
+                 threads: int | None = None, weights: str = "auto", draft_weights: str = "auto",
+                 execution: ExecutionConfig | None = None, **engine_args):
         self.engine_config = engine_config(cuda_graphs=cuda_graphs, **engine_args)
         if cuda_graphs and parse_device(device).type != "cuda":
             raise ConfigError("cuda_graphs needs device='cuda'")
         self.models = LoadedModels.load(model, dtype, device, speculative, offload, offload_prefetch, threads,
-                                        weights, draft_weights, max_model_len=self.engine_config.max_model_len)
+                                        weights, draft_weights, max_model_len=self.engine_config.max_model_len,
+                                        execution=execution)
         m = self.models
         self.model, self.tokenizer, self.config = m.model, m.tokenizer, m.config
         self.model_name, self.model_path = m.name, m.path

@@ -298,36 +298,6 @@ def test_split_counts_agree(dtype):
 
 
 @needs_kernel
-@pytest.mark.parametrize("mode", ["chain", "tree", "view"])
-def test_fused_merge_equals_the_merge_kernel(mode, monkeypatch):
-    """REDWOOD_FUSED_MERGE=1: the last split of each tile merges the partials inside the split kernel.
-    Same result as the separate merge kernel, within the split path's tolerance; every arrival counter is
-    zero again afterwards (the next launch, or a graph replay, starts from zero). (The fused path is taken
-    for grids of at most one program per SM; the SM count is raised here so that every case takes it.)"""
-    monkeypatch.setattr(td, "_num_sms", lambda device: 10**6)
-    gen = torch.Generator().manual_seed(31)
-    B, Hq, Hkv, T, P, D = 3, 12, 2, (4, 9, 2)[("chain", "tree", "view").index(mode)], 2, 64
-    lens = lengths_for(B, 1)
-    q, k, v, lengths = make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, T=T, D=D, lengths=lens, P=P)
-    kw = {"pending": P}
-    if mode == "tree":
-        among_new = torch.tril(torch.rand(T, T, generator=gen) < 0.5) | torch.eye(T, dtype=torch.bool)
-        kw["new_mask"] = torch.cat([torch.ones(T, P, dtype=torch.bool), among_new], dim=1)
-    if mode == "view":
-        kw.update(zip(("ctx_idx", "ctx_valid"), make_view(gen, lens, Hkv, 30, k.shape[2])))
-    for splits in (2, 5) if SMALL else (2, 5, 64):
-        monkeypatch.setenv("REDWOOD_FUSED_MERGE", "0")
-        two = run_and_check(q, k, v, lengths, num_splits=splits, **kw)
-        monkeypatch.setenv("REDWOOD_FUSED_MERGE", "1")
-        plan = td._Plan(*to_device(q, k, v, lengths), P, *to_device(kw.get("new_mask"), kw.get("ctx_idx"),
-                        kw.get("ctx_valid")), None, None, None, splits)
-        assert plan.consts["FUSED_MERGE"]
-        one = run_and_check(q, k, v, lengths, num_splits=splits, **kw)
-        assert ((one - two).norm() / two.norm()).item() <= TOL[q.dtype]
-        assert int(td._locks(torch.device(DEVICE), 1).abs().sum()) == 0
-
-
-@needs_kernel
 @pytest.mark.parametrize("view", [False, True])
 def test_finished_rows_read_none_of_their_context(view):
     """live[b] = 0: row b attends only to its pending + new tokens; its context slots hold NaN here, so a
@@ -362,11 +332,9 @@ def test_rows_without_visible_keys_are_zero():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA")
-@pytest.mark.parametrize("fused_merge", ["0", "1"])
-def test_cuda_graph_capture_and_replay(fused_merge, monkeypatch):
+def test_cuda_graph_capture_and_replay():
     """No host sync, allocations from shapes only: capture once, change lengths in place, replay (with
-    the merge kernel, and with the split kernel merging itself: its counters must reset every replay)."""
-    monkeypatch.setenv("REDWOOD_FUSED_MERGE", fused_merge)
+    the merge kernel)."""
     gen = torch.Generator().manual_seed(3)
     B, Hq, Hkv, T, D = 3, 12, 2, 4, 128
     q, k, v, lengths = make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, T=T, D=D, lengths=[1300] * B, cap=1400)
@@ -600,25 +568,6 @@ def test_launch_config_tiles_and_stages():
     for m, d, dt in itertools.product((1, 24), (64, 128, 256), (bf16, torch.float32)):
         cfg = td._launch_config(m, d, dt, big_smem=True)
         assert cfg["BLOCK_R"] <= 64 and 64 % cfg["BLOCK_R"] == 0 and cfg["BLOCK_R"] <= cfg["BLOCK_N"]
-
-
-def test_fused_merge_only_for_grids_within_one_program_per_sm(monkeypatch):
-    """The flag allows the fused merge; the plan takes it only for split grids of ≤ one program per SM
-    (where the merge's extra registers cannot cost occupancy), never for one split."""
-    gen = torch.Generator().manual_seed(2)
-
-    def fused(B, splits):
-        q, k, v, lengths = make_inputs(gen, B=B, Hq=12, Hkv=2, T=1, D=64, lengths=[20] * B)
-        plan = td._Plan(q, k, v, lengths, 0, None, None, None, None, None, None, splits)
-        return plan.consts["FUSED_MERGE"], plan.grid
-
-    monkeypatch.setattr(td, "_num_sms", lambda device: 8)
-    monkeypatch.delenv("REDWOOD_FUSED_MERGE", raising=False)
-    assert fused(1, 4) == (False, (1, 4, 2))
-    monkeypatch.setenv("REDWOOD_FUSED_MERGE", "1")
-    assert fused(1, 4) == (True, (1, 4, 2))  # 8 programs on 8 SMs
-    assert fused(2, 4)[0] is False  # 16 programs
-    assert fused(1, 1)[0] is False  # nothing to merge
 
 
 def test_plan_picks_the_paged_variant():

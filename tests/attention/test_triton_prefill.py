@@ -304,11 +304,11 @@ def paged_cache(model, B: int, page_size: int, max_len: int, gen) -> KVCache:
 @pytest.mark.skipif(DEVICE is None, reason="no CUDA device (the interpreter runs this in test_interpreter_suite)")
 def test_prefill_rows_through_the_kernel_equal_the_reference(monkeypatch):
     """A tiny model's batched prefill (prefill_rows: two ragged chunks of > 256 tokens over contexts the
-    first one left; shorter rows padded) with REDWOOD_PREFILL_KERNEL=1 gives the reference backend's
+    first one left; shorter rows padded) with the prefill kernel on (the default) gives the reference attention's
     logits and K/V (float32; in the interpreter the kernel is made 'available' on the CPU)."""
+    from redwood.config import ExecutionConfig
     from redwood.engine.prefill import prefill_rows
 
-    monkeypatch.setenv("REDWOOD_PREFILL_KERNEL", "1")
     if INTERPRET:
         monkeypatch.setattr(tp, "available", lambda device, dtype, head_dim: True)
     model = tiny_model().to(DEVICE)
@@ -317,7 +317,7 @@ def test_prefill_rows_through_the_kernel_equal_the_reference(monkeypatch):
     chunks = [([0, 0, 0], [260, 257, 20]), ([260, 257, 20], [520, 257, 280])]  # row 1: nothing new, row 2: 260
     results = {}
     for backend in ("auto", "reference"):
-        model.attention_backend = backend
+        model.set_execution(ExecutionConfig(attention=backend))
         cache = paged_cache(model, 3, 32, 544, torch.Generator().manual_seed(1))
         seen, forward = [], model.forward
 
@@ -350,30 +350,27 @@ def test_prefill_rows_through_the_kernel_equal_the_reference(monkeypatch):
 def test_backend_choice(monkeypatch):
     """"triton_prefill" only for > FAST_ATTENTION_MAX_NEW new tokens, with the switch on, where the kernel
     is available, for plain forwards (no view, observer, pending tokens or new-token mask); with the
-    switch off (REDWOOD_PREFILL_KERNEL=0), on the CPU, or a model pinned to the reference: unchanged; on by
-    default."""
-    from redwood.models.transformer import FAST_ATTENTION_MAX_NEW
+    switch off (ExecutionConfig(prefill_kernel=False)), on the CPU, or a model pinned to the reference:
+    unchanged; on by default."""
+    from redwood.config import ExecutionConfig
+    from redwood.models.backends import FAST_ATTENTION_MAX_NEW, attention_kernel
 
     model = tiny_model()
     ids = torch.zeros(1, 1, dtype=torch.long)
     long = FAST_ATTENTION_MAX_NEW + 1
-    monkeypatch.setenv("REDWOOD_PREFILL_KERNEL", "1")
-    assert model._backend(ids, long, None) == "reference"  # the CPU: not available
+    assert attention_kernel(model, ids, long, None) == "reference"  # the CPU: not available
     monkeypatch.setattr(tp, "available", lambda device, dtype, head_dim: True)
-    assert model._backend(ids, long, None) == "triton_prefill"
-    monkeypatch.delenv("REDWOOD_PREFILL_KERNEL", raising=False)
-    assert model._backend(ids, long, None) == "triton_prefill"  # on by default where available
-    assert model._backend(ids, FAST_ATTENTION_MAX_NEW, None) == "reference"  # (the CPU: no decode kernel)
+    assert attention_kernel(model, ids, long, None) == "triton_prefill"  # on by default where available
+    assert attention_kernel(model, ids, FAST_ATTENTION_MAX_NEW, None) == "reference"  # (the CPU: no decode kernel)
     view = lambda layer: None  # noqa: E731
-    assert model._backend(ids, long, lambda *a: None) == "reference"  # an observer needs the scores
-    assert model._backend(ids, long, None, view=view) == "reference"
-    assert model._backend(ids, long, None, pending=2) == "reference"
-    assert model._backend(ids, long, None, new_mask=torch.ones(long, long, dtype=torch.bool)) == "reference"
-    model.attention_backend = "reference"
-    assert model._backend(ids, long, None) == "reference" and not model.prefill_kernel()
-    monkeypatch.setenv("REDWOOD_PREFILL_KERNEL", "0")
-    model.attention_backend = "auto"
-    assert model._backend(ids, long, None) == "reference"
+    assert attention_kernel(model, ids, long, lambda *a: None) == "reference"  # an observer needs the scores
+    assert attention_kernel(model, ids, long, None, view=view) == "reference"
+    assert attention_kernel(model, ids, long, None, pending=2) == "reference"
+    assert attention_kernel(model, ids, long, None, new_mask=torch.ones(long, long, dtype=torch.bool)) == "reference"
+    model.set_execution(ExecutionConfig(attention="reference"))
+    assert attention_kernel(model, ids, long, None) == "reference" and not model.prefill_kernel()
+    model.set_execution(ExecutionConfig(prefill_kernel=False))
+    assert attention_kernel(model, ids, long, None) == "reference"
 
 
 def test_forward_tokens_budget(monkeypatch):

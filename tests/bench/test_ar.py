@@ -9,7 +9,7 @@ from redwood.kernels import gemv
 from redwood.loading import load_model
 
 
-def test_weight_bytes_of_int8_copies_counts_them_not_the_model_dtype_projections(tiny_model_dir):
+def test_weight_bytes_of_int8_copies_counts_them_not_the_model_dtype_projections(tiny_model_dir, monkeypatch):
     """A draft with quantize_skinny's int8 copies reads, in a one-token forward, each int8 projection and the int8
     head with their float32 row scales, plus the norms and q/k/v biases — not the model-dtype projections it keeps
     for longer forwards. (quantize_skinny needs CUDA; its layout is built here the way it builds it.)"""
@@ -20,7 +20,7 @@ def test_weight_bytes_of_int8_copies_counts_them_not_the_model_dtype_projections
                "gate_up": gemv.quantize_int8(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
                "down": gemv.quantize_int8(m.down_proj.weight)}
               for a, m in ((layer.self_attn, layer.mlp) for layer in model.layers)]
-    model.skinny_int8 = {"layers": layers, "lm_head": gemv.quantize_int8(model.head_weight)}
+    monkeypatch.setattr(model, "skinny_int8", {"layers": layers, "lm_head": gemv.quantize_int8(model.head_weight)})
     cfg = model.config
     H, F, V, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
     qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim

@@ -31,13 +31,16 @@ def _sweep_report(kind="standalone", speed=1.0):
 
 
 def test_environment_info(monkeypatch):
-    monkeypatch.setenv("REDWOOD_MEGAKERNEL", "0")
+    from redwood.config import ExecutionConfig
+
     monkeypatch.setenv("REDWOOD_HOME", "/somewhere")
-    env = environment_info()
+    monkeypatch.setenv("REDWOOD_CPU_ISA", "avx2")
+    env = environment_info(ExecutionConfig(megakernel="off"))
     for key in ("hostname", "platform", "cpu_count", "python", "torch", "timestamp", "device_name"):
         assert key in env
     assert env["cpu_count"] >= 1 and env["python"].count(".") == 2
-    assert env["settings"]["REDWOOD_MEGAKERNEL"] == "0" and "REDWOOD_HOME" not in env["settings"]
+    assert env["settings"]["execution"]["megakernel"] == "off" and "REDWOOD_HOME" not in env["settings"]
+    assert env["settings"]["REDWOOD_CPU_ISA"] == "avx2"
 
 
 def test_round_trip_and_plots(tmp_path):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from redwood import LLM, SamplingParams
+from redwood.config import ExecutionConfig
 from redwood.speculation.config import SpeculativeConfig
 from redwood.engine.runner import StepRunner
 from redwood.errors import ConfigError
@@ -48,7 +49,7 @@ def _outputs(llm, prompts, params):
 @cuda
 def test_graphed_autoregressive_matches_eager_and_reuses_graphs(tiny_model_dir):
     eager = LLM(str(tiny_model_dir), device="cuda", cuda_graphs=False)
-    eager.model.attention_backend = "reference"
+    eager.model.set_execution(ExecutionConfig(attention="reference"))
     graphed = LLM(str(tiny_model_dir), device="cuda")
     assert _outputs(graphed, PROMPTS, GREEDY) == _outputs(eager, PROMPTS, GREEDY)
     captures = {key: r.captures for key, r in graphed.engine.executor.runners.items()}
@@ -75,13 +76,15 @@ SPECS = {
 def test_graphed_speculation_is_exact_and_replays_eager(name, pdl, tiny_model_dir, tiny_draft_dir, monkeypatch):
     """pdl "1": the graphs' Triton kernels use programmatic dependent launch (redwood.kernels.pdl; on
     GPUs of compute capability >= 9) — the same outputs."""
-    monkeypatch.setenv("REDWOOD_PDL", pdl)
+    from redwood.kernels import pdl as pdl_launches
+
+    monkeypatch.setattr(pdl_launches, "_requested", [pdl == "1"])
     kwargs = dict(SPECS[name])
     if not kwargs.get("self_speculate"):
         kwargs["draft_model"] = str(tiny_draft_dir)
     spec = SpeculativeConfig(**kwargs)
     ar = LLM(str(tiny_model_dir), device="cuda", cuda_graphs=False)
-    ar.model.attention_backend = "reference"
+    ar.model.set_execution(ExecutionConfig(attention="reference"))
     graphed = LLM(str(tiny_model_dir), device="cuda", speculative=spec)
     eager = LLM(str(tiny_model_dir), device="cuda", speculative=spec, cuda_graphs=False)
     # float32 greedy: the target's own output, token for token
@@ -97,7 +100,7 @@ def test_graphed_speculation_is_exact_and_replays_eager(name, pdl, tiny_model_di
 def test_offloaded_target_runs_eager_while_its_draft_model_is_graphed(tiny_model_dir, tiny_draft_dir):
     spec = SpeculativeConfig(draft_model=str(tiny_draft_dir), num_draft_tokens=3)
     ar = LLM(str(tiny_model_dir), device="cuda", cuda_graphs=False)
-    ar.model.attention_backend = "reference"
+    ar.model.set_execution(ExecutionConfig(attention="reference"))
     offloaded = LLM(str(tiny_model_dir), device="cuda", speculative=spec, offload=True)
     assert _outputs(offloaded, PROMPTS, GREEDY) == _outputs(ar, PROMPTS, GREEDY)
     runners = offloaded.engine.executor.runners

@@ -120,13 +120,13 @@ def test_adaptive_ignores_differences_within_its_margin():
 
 
 def test_adaptive_only_where_the_count_is_left_to_redwood():
-    from redwood.engine.threads import ADAPTIVE_ENV, adaptive_threads
+    from redwood.engine.threads import adaptive_threads
 
     assert adaptive_threads(None, env={}, cores=2).wide == 2
     assert adaptive_threads(None, env={}, cores=2).base == 1
     assert adaptive_threads(2, env={}, cores=2) is None  # threads given
     assert adaptive_threads(None, env={"OMP_NUM_THREADS": "2"}, cores=2) is None
-    assert adaptive_threads(None, env={ADAPTIVE_ENV: "0"}, cores=2) is None
+    assert adaptive_threads(None, env={}, cores=2, enabled=False) is None  # ExecutionConfig(adaptive_threads=False)
     assert adaptive_threads(None, env={}, cores=1) is None
     assert adaptive_threads(None, env={}, cores=SMALL_MACHINE_CORES + 1) is None
 

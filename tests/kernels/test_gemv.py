@@ -22,6 +22,7 @@ triton = pytest.importorskip("triton")
 
 from tests.conftest import capture_cuda_graph, interpreter_broken, run_in_triton_interpreter  # noqa: E402
 from tests.kernels.test_fused import DEVICE, DTYPES, INTERPRET, gen, needs_kernel, randn  # noqa: E402
+from redwood.config import ExecutionConfig  # noqa: E402
 from redwood.kernels import gemv  # noqa: E402
 from redwood.models.transformer import RMSNorm  # noqa: E402
 
@@ -296,15 +297,11 @@ def test_model_skinny_path_matches_the_eager_model(tiny_model_dir):
     CPU; cuBLAS matmuls + the fused small-op kernels on CUDA)."""
     from redwood.loading import load_model
 
-    eager = load_model(tiny_model_dir, dtype="float32", device=DEVICE).model
-    eager.skinny = False
+    eager = load_model(tiny_model_dir, dtype="float32", device=DEVICE, execution=ExecutionConfig(skinny=False)).model
     skinny = copy.deepcopy(eager)
-    if skinny.layers[0].self_attn.qkv is None:
-        skinny.fuse_projections()
-    for layer in skinny.layers:  # on the CPU the kernels run only in the interpreter: switch them on
-        layer.self_attn.kernels = layer.mlp.kernels = True
-    skinny.skinny = True
-    skinny.skinny_rows = 4  # 2-4-token forwards through the tile kernel too
+    # (kernels="on": on the CPU the kernels run only in the interpreter); 2-4-token forwards through the tile
+    # kernel too
+    skinny.set_execution(ExecutionConfig(kernels="on", skinny_rows=4))
     gen_ = torch.Generator().manual_seed(0)
     V = eager.config.vocab_size
     caches = [m.new_cache(1, 16) for m in (eager, skinny)]
@@ -327,15 +324,10 @@ def test_model_batched_forwards_through_the_tile_kernel(tiny_model_dir):
     the range, above skinny_rows) take the other path."""
     from redwood.loading import load_model
 
-    eager = load_model(tiny_model_dir, dtype="float32", device=DEVICE).model
-    eager.skinny = False
+    eager = load_model(tiny_model_dir, dtype="float32", device=DEVICE, execution=ExecutionConfig(skinny=False)).model
     tiled = copy.deepcopy(eager)
-    if tiled.layers[0].self_attn.qkv is None:
-        tiled.fuse_projections()
-    for layer in tiled.layers:
-        layer.self_attn.kernels = layer.mlp.kernels = True
-    tiled.skinny, tiled.skinny_rows, tiled.skinny_tile_rows = True, 1, (9, 64)
-    assert [tiled.takes_skinny(n) for n in (1, 2, 8, 9, 64, 65)] == [True, False, False, True, True, False]
+    tiled.set_execution(ExecutionConfig(kernels="on", skinny_rows=1, skinny_tile_rows=(9, 64)))
+    assert [tiled.backend.takes_skinny(n) for n in (1, 2, 8, 9, 64, 65)] == [True, False, False, True, True, False]
     gen_ = torch.Generator().manual_seed(1)
     B, V = 6, eager.config.vocab_size
     caches = [m.new_cache(B, 16) for m in (eager, tiled)]
@@ -358,14 +350,9 @@ def test_model_int8_skinny_path_matches_dequantized_weights(tiny_model_dir):
     head weights are the dequantized int8 values; forwards of more tokens keep the original weights."""
     from redwood.loading import load_model
 
-    model = load_model(tiny_model_dir, dtype="float32", device=DEVICE).model
-    if model.layers[0].self_attn.qkv is None:
-        model.fuse_projections()
-    for layer in model.layers:
-        layer.self_attn.kernels = layer.mlp.kernels = True
-    model.skinny = True
+    model = load_model(tiny_model_dir, dtype="float32", device=DEVICE, execution=ExecutionConfig(kernels="on")).model
     reference = copy.deepcopy(model)
-    reference.skinny = False
+    reference.set_execution(ExecutionConfig(kernels="on", skinny=False))
     model.quantize_skinny("int8")
     q8 = model.skinny_int8
     with torch.no_grad():
@@ -396,7 +383,6 @@ def test_quantize_skinny_needs_the_kernels(tiny_model_dir):
     model = load_model(tiny_model_dir, dtype="float32", device="cpu").model
     with pytest.raises(ConfigError, match="matrix-vector kernels"):
         model.quantize_skinny("int8")
-    model.skinny = True
     with pytest.raises(ConfigError, match="only 'int8'"):
         model.quantize_skinny("int4")
 

@@ -41,17 +41,19 @@ def test_regions_reject_unaligned_weights():
         l2_prefetch.regions(layer, 4096)
 
 
-def test_budget_from_the_environment(monkeypatch):
-    monkeypatch.setenv("REDWOOD_L2_PREFETCH", "24.5")
+def test_budget_is_set_by_the_benchmark_switch(monkeypatch):
+    monkeypatch.setattr(l2_prefetch, "_budget_mb", [l2_prefetch.DEFAULT_MB])
+    assert l2_prefetch.megabytes() == 0  # off by default
+    l2_prefetch.set_megabytes("24.5")
     assert l2_prefetch.megabytes() == 24.5
-    for bad in ("lots", "-1", "nan"):
-        monkeypatch.setenv("REDWOOD_L2_PREFETCH", bad)
-        with pytest.raises(ValueError, match="REDWOOD_L2_PREFETCH"):
-            l2_prefetch.megabytes()
+    for bad in ("lots", "-1", "nan", -1.0):
+        with pytest.raises(ValueError, match="L2 prefetch budget"):
+            l2_prefetch.set_megabytes(bad)
+    assert l2_prefetch.megabytes() == 24.5  # (a bad value changes nothing)
 
 
 def test_off_outside_a_captured_step_and_on_the_cpu(monkeypatch):
-    monkeypatch.setenv("REDWOOD_L2_PREFETCH", "32")
+    monkeypatch.setattr(l2_prefetch, "_budget_mb", [32.0])
     assert not l2_prefetch.enabled(torch.device("cpu"))
     with pdl.launches():
         assert pdl.capturing()
@@ -69,11 +71,12 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("use_pdl", ["0", "1"])
 def test_graphed_forwards_with_prefetch_equal_those_without(int8, use_pdl, monkeypatch):
-    from redwood.config import ModelConfig
+    from redwood.config import ExecutionConfig, ModelConfig
     from redwood.engine.runner import StepRunner
     from redwood.models.transformer import Transformer, build_model
 
-    monkeypatch.setenv("REDWOOD_PDL", use_pdl)
+    monkeypatch.setattr(pdl, "_requested", [use_pdl == "1"])
+    monkeypatch.setattr(l2_prefetch, "_budget_mb", [l2_prefetch.DEFAULT_MB])
     cfg = ModelConfig.from_hf_dict({
         "model_type": "qwen2", "vocab_size": 4096, "hidden_size": 512, "intermediate_size": 1536,
         "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2,
@@ -83,22 +86,22 @@ def test_graphed_forwards_with_prefetch_equal_those_without(int8, use_pdl, monke
     g = torch.Generator(device="cuda").manual_seed(0)
     state = {k: torch.randn(s, device="cuda", generator=g, dtype=torch.bfloat16) * 0.05 for k, s in shapes.items()}
     model = build_model(cfg, state, torch.bfloat16, "cuda")
-    model.fuse_projections()
-    assert model.skinny
-    model.use_megakernel(False)  # the prefetch rides the skinny path's one-token forwards (which it replaces)
+    # the prefetch rides the skinny path's one-token forwards (which the megakernel replaces)
+    model.set_execution(ExecutionConfig(megakernel="off"))
+    assert model.backend.skinny
     if int8:
         model.quantize_skinny("int8")
     ids = torch.randint(0, cfg.vocab_size, (1, 8), device="cuda", generator=g)
 
-    def run(mb: str):
-        monkeypatch.setenv("REDWOOD_L2_PREFETCH", mb)
+    def run(mb: str):  # (set_megabytes: the budget, restored to 0 after the test by the monkeypatch above)
+        l2_prefetch.set_megabytes(mb)
         cache = model.new_cache(1, 256)
         cache.lengths.fill_(100)
         return decode_tokens(StepRunner(model, cache, use_graphs=True), cache, ids)
 
     expected = run("0")
-    assert not model._prefetch_plans
+    assert not model.backend._prefetch_plans
     got = run("1")  # 1 MiB: o and part of each layer's gate/up
-    assert list(model._prefetch_plans) == [(2**20, int8)]
+    assert list(model.backend._prefetch_plans) == [(2**20, int8)]
     for a, b in zip(got, expected):
         assert torch.equal(a, b)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from redwood.config import ModelConfig
+from redwood.config import ExecutionConfig, ModelConfig
 from redwood.errors import ConfigError
 from redwood.kernels import megakernel
 from tests.conftest import decode_tokens
@@ -47,7 +47,7 @@ def _models(cfg: ModelConfig, int8: bool = False):
         if k.endswith("norm.weight"):
             state[k] = (1 + state[k].float()).to(torch.bfloat16)
     model = build_model(cfg, state, torch.bfloat16, "cuda")
-    model.fuse_projections()
+    model.set_execution(ExecutionConfig())
     ref_state = {k: v.double() for k, v in state.items()}
     if int8:
         from redwood.kernels.gemv import quantize_int8
@@ -58,7 +58,7 @@ def _models(cfg: ModelConfig, int8: bool = False):
                 q, scale = quantize_int8(v)
                 ref_state[k] = q.double() * scale.double()[:, None]
     ref = build_model(cfg, ref_state, torch.float64, "cuda")
-    ref.attention_backend = "reference"
+    ref.set_execution(ExecutionConfig(attention="reference", kernels="off"))
     return model, ref
 
 
@@ -107,15 +107,15 @@ def _check(model, ref, cache, ids, pending: int = 0):
     want = ref(ids, pos, c64, pending=pending)
     kv_want = _new_kv(c64, slot)
     got = {}
-    for name, mega in (("skinny", None), ("mega", megakernel.MegaForward(model))):
+    for name, mega in (("skinny", None), ("mega", megakernel.MegaForward(model, int8=model.skinny_int8))):
         c = _as64(cache)
         c.k, c.v = cache.k.clone(), cache.v.clone()
-        model.megakernel = mega
+        model.backend.set_megakernel(mega)
         logits = model(ids, pos, c, pending=pending)
         got[name] = ((logits.double() - want).abs().max().item(), (_new_kv(c, slot) - kv_want).abs().max().item())
         if mega is not None:
             assert mega.launches == 1 and mega.error() == 0  # (it ran: a forward it did not take would pass too)
-    model.megakernel = None
+    model.backend.set_megakernel(None)
     scale = want.abs().max().item()
     for i, what in enumerate(("logits", "new K/V")):
         assert got["mega"][i] <= 2 * got["skinny"][i] + 2e-3 * (scale if i == 0 else 1), (what, got)
@@ -127,9 +127,11 @@ def test_misfits_are_named():
     model = Transformer(_config("d128g2"))  # float32 on the CPU
     assert megakernel.misfit(model) == "not on CUDA"
     with pytest.raises(ConfigError, match="megakernel cannot run this model: not on CUDA"):
-        model.use_megakernel(True)
-    model.use_megakernel(False)
-    assert model.megakernel is None
+        model.set_execution(ExecutionConfig(megakernel="on"))
+    model.set_execution(ExecutionConfig(megakernel="off"))
+    assert getattr(model.backend, "megakernel", None) is None
+    model.set_execution(ExecutionConfig())  # "auto": where it fits, so not here
+    assert getattr(model.backend, "megakernel", None) is None
 
 
 def _hf(**over) -> ModelConfig:
@@ -161,9 +163,8 @@ def test_shapes_it_does_not_take_are_named():
     assert "multiples of 8 / 32 / 8" in megakernel.config_misfit(_hf(vocab_size=151937))
 
 
-def test_layout_on_an_h200(monkeypatch):
+def test_layout_on_an_h200():
     """The layouts the H200 runs measured (132 SMs, 227 KB a block): 8 ring slots of 24 KB (1.5B) / 14 KB (0.5B)."""
-    monkeypatch.delenv("REDWOOD_MEGAKERNEL_DEFINES", raising=False)
     qwen_1_5b = _hf()
     d, smem = megakernel.layout(qwen_1_5b, 64, 132, 232448)
     assert (d["NSLOT"], d["SLOT"], d["RD"], d["NB"], d["D"], d["PS"]) == (8, 24576, 1, 132, 128, 64)
@@ -171,14 +172,12 @@ def test_layout_on_an_h200(monkeypatch):
     qwen_0_5b = _hf(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14)
     d, _ = megakernel.layout(qwen_0_5b, 64, 132, 232448)
     assert (d["NSLOT"], d["SLOT"], d["RD"], d["D"]) == (8, 14336, 1, 64)
-    monkeypatch.setenv("REDWOOD_MEGAKERNEL_DEFINES", "NSLOT=2 ATTN_CPB=16")
-    d, smem2 = megakernel.layout(qwen_1_5b, 64, 132, 232448)
+    d, smem2 = megakernel.layout(qwen_1_5b, 64, 132, 232448, extra=megakernel.parse_defines("NSLOT=2 ATTN_CPB=16"))
     assert d["NSLOT"] == "2" and d["ATTN_CPB"] == "16"
     assert smem2 == 2 * (24576 + 52) + 4 * 128 + 16 + 8 * 6 * 128 * 4 + 8 * 32 * 8 * 4
     with pytest.raises(RuntimeError, match="fewer than two"):
         megakernel.layout(qwen_1_5b, 64, 132, 48 * 1024)
     # a slot also holds a chunk of 32 keys' K and V rows (the K/V ring), which outgrows a small model's tiles
-    monkeypatch.delenv("REDWOOD_MEGAKERNEL_DEFINES")
     d, _ = megakernel.layout(_config("d128g2"), 64, 132, 232448)
     assert d["SLOT"] == 2 * 32 * 128 * 2 > 8 * 512 * 2
     # int8 weights (W8): tiles of a byte an element; a slot still holds a K/V chunk (16 KB at head_dim 128)
@@ -189,14 +188,15 @@ def test_layout_on_an_h200(monkeypatch):
     assert megakernel.layout(qwen_1_5b, 64, 132, 232448)[0]["W8"] == 0
 
 
-def test_experiment_defines(monkeypatch):
-    monkeypatch.setenv("REDWOOD_MEGAKERNEL_DEFINES", "NSLOT=2 ATTN_CPB=16 ATTN_NO_MERGE")
-    assert megakernel.experiment_defines() == {"NSLOT": "2", "ATTN_CPB": "16", "ATTN_NO_MERGE": "1"}
-    monkeypatch.setenv("REDWOOD_MEGAKERNEL_DEFINES", "")
-    assert megakernel.experiment_defines() == {}
-    monkeypatch.setenv("REDWOOD_MEGAKERNEL_DEFINES", "2=NSLOT")
+def test_experiment_defines():
+    """A benchmark's experiment #defines (megakernel_bench.py --variants) parse; nothing in the environment or
+    the library's settings reaches them."""
+    assert megakernel.parse_defines("NSLOT=2 ATTN_CPB=16 ATTN_NO_MERGE") == {"NSLOT": "2", "ATTN_CPB": "16",
+                                                                            "ATTN_NO_MERGE": "1"}
+    assert megakernel.parse_defines("") == {}
     with pytest.raises(ValueError, match="not NAME or NAME=VALUE"):
-        megakernel.experiment_defines()
+        megakernel.parse_defines("2=NSLOT")
+    assert not hasattr(megakernel, "experiment_defines")
 
 
 def test_which_forwards_it_takes():
@@ -216,9 +216,10 @@ def test_which_forwards_it_takes():
     assert not megakernel.MegaForward.takes(one, two_rows, None, None, None)  # one row of a larger cache
 
 
-def test_taken_only_with_the_skinny_path_on():
-    """Transformer.forward hands a one-token forward to the megakernel only while `skinny` is on (off: the
-    cuBLAS A/B path must measure cuBLAS), and only forwards it takes."""
+def test_taken_only_with_the_skinny_path_on(monkeypatch):
+    """The CUDA backend hands a one-token forward to the megakernel only while its skinny path is on (off: the
+    cuBLAS A/B path must measure cuBLAS), and only forwards it takes. (On the CPU: the backend taken with
+    kernels="on", its Triton kernels switched off so that other forwards run the plain layers.)"""
     from redwood.kv.cache import KVCache
     from redwood.models.transformer import Transformer
 
@@ -235,12 +236,15 @@ def test_taken_only_with_the_skinny_path_on():
 
     cfg = _config("d128g2")
     model = Transformer(cfg).to(torch.bfloat16)
-    model.megakernel = mega = Recorder()
+    model.set_execution(ExecutionConfig(kernels="on", skinny=False))
+    monkeypatch.setattr(model.backend, "kernels", False)  # (no Triton interpreter: the plain layers)
+    model.backend.set_megakernel(mega := Recorder())
     cache = KVCache(cfg, 1, 64, torch.bfloat16, "cpu")
     one = torch.zeros(1, 1, dtype=torch.long)
-    model(one, one, cache)  # skinny off (the CPU)
+    model(one, one, cache)  # skinny off
     assert mega.calls == 0
-    model.skinny = True
+    model.set_execution(ExecutionConfig(kernels="on"))
+    model.backend.set_megakernel(mega)
     assert torch.equal(model(one, one, cache), torch.zeros(1, 1, cfg.vocab_size))
     assert mega.calls == 1
 
@@ -258,37 +262,36 @@ def test_a_build_failure_falls_back_to_the_other_path(monkeypatch):
     torch.manual_seed(0)
     model = Transformer(_config("d128g2")).to(torch.bfloat16)
     mega = megakernel.MegaForward.__new__(megakernel.MegaForward)  # (no buffers: the build is all that runs)
-    mega.model, mega.profile, mega._kernels = model, False, {}
-    model.megakernel = mega
-    model.skinny = True  # (the megakernel is taken only with it; on the CPU the layers still run plain)
+    mega.model, mega.profile, mega._kernels, mega.int8, mega.defines = model, False, {}, None, {}
+    model.set_execution(ExecutionConfig(kernels="on"))  # (the megakernel is taken only with the skinny path on)
+    monkeypatch.setattr(model.backend, "kernels", False)  # (no Triton interpreter: the layers run plain)
+    model.backend.set_megakernel(mega)
     ids = torch.tensor([[7]])
     caches = [KVCache(model.config, 1, 64, torch.bfloat16, "cpu") for _ in range(2)]
     with pytest.warns(UserWarning, match="could not be built for this model .*fewer than two"):
         got = model(ids, ids * 0, caches[0])
-    assert model.megakernel is None
+    assert model.backend.megakernel is None
     assert torch.equal(got, model(ids, ids * 0, caches[1]))
 
 
-def test_on_unless_turned_off(monkeypatch):
-    monkeypatch.delenv("REDWOOD_MEGAKERNEL", raising=False)
-    assert megakernel.enabled()
-    monkeypatch.setenv("REDWOOD_MEGAKERNEL", "0")
-    assert not megakernel.enabled()
-    monkeypatch.setenv("REDWOOD_MEGAKERNEL", "yes")
-    with pytest.raises(ConfigError, match="REDWOOD_MEGAKERNEL='yes': 1 .* or 0"):
-        megakernel.enabled()
+def test_on_unless_turned_off():
+    assert ExecutionConfig().megakernel == "auto"
+    assert ExecutionConfig(megakernel="off").megakernel == "off"
+    with pytest.raises(ConfigError, match="execution megakernel='yes': choose one of auto, on, off"):
+        ExecutionConfig(megakernel="yes")
 
 
 def test_offloaded_layers_drop_it():
     """offload_layers points layer weights at host buffers and per-layer slots: the megakernel's pointer table
     would read neither, so the model loses it, and misfit names why."""
-    from redwood.engine.offload import offload_layers
+    from redwood.models.offload import offload_layers
     from redwood.models.transformer import Transformer
 
     model = Transformer(_config("d128g2"))
-    model.megakernel = object()  # (as fuse_projections leaves a fitting CUDA model)
+    model.set_execution(ExecutionConfig(kernels="on"))
+    model.backend.set_megakernel(object())  # (as the CUDA backend leaves a fitting CUDA model)
     offload_layers(model, prefetch=1)
-    assert model.megakernel is None
+    assert model.backend.megakernel is None
     assert megakernel.misfit(model).startswith("layers offloaded")
 
 
@@ -335,14 +338,15 @@ def test_quantizing_a_model_rebuilds_its_megakernel():
     """quantize_skinny after the megakernel was taken (a draft loaded, then made int8): the bf16 build must not
     run on against int8 pointer tables; the model's forwards go through a fresh W8 build."""
     model, _ = _models(_config("d128g2"))
-    assert model.megakernel is not None  # fuse_projections gave it one (on by default)
-    bf16_build = model.megakernel
+    assert model.backend.megakernel is not None  # the CUDA backend gave it one (on by default)
+    bf16_build = model.backend.megakernel
     model.quantize_skinny()
-    assert model.megakernel is not None and model.megakernel is not bf16_build
+    mega = model.backend.megakernel
+    assert mega is not None and mega is not bf16_build
     cache = _cache(model, 40, paged=True)
     model(torch.tensor([[3]], device="cuda"), torch.tensor([[40]], device="cuda"), cache)
-    assert model.megakernel.launches == 1 and model.megakernel.error() == 0
-    assert model.megakernel._kernels[64][2]["W8"] == 1
+    assert mega.launches == 1 and mega.error() == 0
+    assert mega._kernels[64][2]["W8"] == 1
 
 
 @hopper
@@ -350,7 +354,7 @@ def test_graph_replays_equal_eager_launches():
     from redwood.engine.runner import StepRunner
 
     model, _ = _models(_config("d128g2", layers=3))
-    model.use_megakernel(True)
+    model.set_execution(ExecutionConfig(megakernel="on"))
     ids = torch.randint(0, model.config.vocab_size, (1, 6), device="cuda")
 
     def run(graphs: bool):
@@ -360,7 +364,7 @@ def test_graph_replays_equal_eager_launches():
     eager, graphed = run(False), run(True)
     for a, b in zip(eager, graphed):
         assert torch.equal(a, b)
-    assert model.megakernel.launches > 0 and model.megakernel.error() == 0
+    assert model.backend.megakernel.launches > 0 and model.backend.megakernel.error() == 0
 
 
 def test_timeline_reads_the_profile_stamps():

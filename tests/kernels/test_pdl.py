@@ -18,7 +18,8 @@ from redwood.kernels import pdl
 
 def test_off_unless_requested_inside_a_capture_scope_on_a_hopper_gpu(monkeypatch):
     cpu = torch.device("cpu")
-    monkeypatch.setenv("REDWOOD_PDL", "1")
+    monkeypatch.setattr(pdl, "_requested", [True])
+    assert pdl.requested()
     assert not pdl.enabled(cpu)  # not inside launches()
     with pdl.launches():
         assert not pdl.enabled(cpu)  # not a CUDA device
@@ -26,7 +27,7 @@ def test_off_unless_requested_inside_a_capture_scope_on_a_hopper_gpu(monkeypatch
             assert not pdl._active[0]
         assert pdl._active[0]  # restored after a nested scope
     assert not pdl._active[0]
-    monkeypatch.setenv("REDWOOD_PDL", "0")
+    pdl.request(False)
     assert not pdl.requested()
     assert pdl.launch_options(False) == {} and pdl.launch_options(True) == {"launch_pdl": True}
 
@@ -52,7 +53,7 @@ def test_pdl_chain_in_a_graph_equals_eager_without_pdl(int8, monkeypatch):
     from redwood.kernels import gemv, qkv_rope
     from tests.conftest import capture_cuda_graph
 
-    monkeypatch.setenv("REDWOOD_PDL", "1")
+    monkeypatch.setattr(pdl, "_requested", [True])
     dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     H, F, Hq, Hkv, D, cap = 1536, 8960, 12, 2, 128, 512

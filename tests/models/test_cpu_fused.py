@@ -1,7 +1,7 @@
 """The C++ decoder layer (redwood.models.cpu_fused, cpu_kernels/layer.cpp): a kquant-kind model's layers as one
 call each on the CPU.
 
-Against the Python layers (DecoderLayer.forward_packed, the same kquant products) for every forward shape the
+Against the Python layers (backends.cpu_packed.packed_layer, the same kquant products) for every forward shape the
 path takes — a short prefill, decode, a chain verify after pending draft tokens, a tree verify, a ragged batch
 with a finished row, a sliding window, a paged cache — within float32 rounding of the non-matmul ops (their
 sums run in another order); a T-token verify (chain or tree) scores each token bit for bit as the decode
@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from redwood.config import ExecutionConfig
 from redwood.cpu_kernels import kquant
 from redwood.loading import load_model
 from redwood.models import cpu_fused
@@ -44,9 +45,12 @@ def models(tmp_path_factory):
 
 def run(model, fused: bool, monkeypatch, steps):
     """Apply `steps` (callables of (model, cache) returning logits) with the C++ layers on or off → logits."""
-    monkeypatch.setenv(cpu_fused.ENV, "1" if fused else "0")
-    with torch.inference_mode():
-        return steps(model)
+    model.set_execution(ExecutionConfig(cpu_fused=fused))
+    try:
+        with torch.inference_mode():
+            return steps(model)
+    finally:
+        model.set_execution(ExecutionConfig())
 
 
 def ids(*shape, seed=0):
@@ -110,7 +114,7 @@ SCENARIOS = ["decode", "chain_after_pending", "tree", "ragged_batch_with_a_finis
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_the_cpp_layers_match_the_python_layers(models, arch, name, monkeypatch):
-    """Same logits as forward_packed up to float32 rounding of norms / rotary / softmax / SiLU, which sum in
+    """Same logits as packed_layer up to float32 rounding of norms / rotary / softmax / SiLU, which sum in
     another order (~1e-6 here). Now and then such a last bit sends an int8 activation to the neighbouring
     integer (a step of max|x| / 127 in that value), which the following layers of a random model carry to
     ~1% of the logits' scale (seen once in these cases: 0.054 of 5.7, the same in a decode along the path) —
@@ -169,9 +173,9 @@ def test_which_forwards_take_the_cpp_layers(models, tmp_path, monkeypatch):
     assert not forward(m, 4, observer=lambda *a: None)  # SnapKV's scores
     view = lambda layer: (torch.zeros(1, 1, 1, dtype=torch.long), torch.ones(1, 1, 1, dtype=torch.bool))
     assert not forward(m, 1, view=view)  # a compressed draft view
-    monkeypatch.setenv(cpu_fused.ENV, "0")
+    m.set_execution(ExecutionConfig(cpu_fused=False))
     assert not forward(m, 1)
-    monkeypatch.delenv(cpu_fused.ENV)
+    m.set_execution(ExecutionConfig())
     random_hf_model(tiny_hf_config("llama", vocab_size=VOCAB)).save_pretrained(tmp_path / "f")
     assert not cpu_fused.model_takes(load_model(tmp_path / "f").model)  # float32: not a kquant kind
     assert not cpu_fused.model_takes(load_model(tmp_path / "f", weights="w8a8").model)

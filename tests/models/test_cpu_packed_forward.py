@@ -1,4 +1,4 @@
-"""The CPU packed-weights forward (DecoderLayer.forward_packed, PackedLinear.concat / raw): the same
+"""The CPU packed-weights forward (backends.cpu_packed.packed_layer, PackedLinear.concat / raw): the same
 logits as the plain layer forward, bit for bit — only the number of ops and kernel calls changes — for
 int8, int4 and a file's mix of both (q | k as one int4 call, v int8), batch 1 and 2, decode, verify and
 tree-masked forwards, dense and paged caches.
@@ -15,6 +15,7 @@ import torch
 from redwood.config import ModelConfig
 from redwood.kv.cache import KVCache
 from redwood.models import cpu_weights
+from redwood.models.backends.cpu_packed import CpuPackedBackend
 from redwood.models.cpu_weights import PackedLinear
 from redwood.models.transformer import DecoderLayer, Transformer, build_model
 from tests.conftest import random_hf_model, tiny_hf_config
@@ -42,7 +43,7 @@ def _tiny(kinds: str) -> Transformer:
 
 
 def _plain(model, monkeypatch):
-    monkeypatch.setattr(Transformer, "takes_packed", lambda self, x: False)
+    monkeypatch.setattr(CpuPackedBackend, "takes_packed", lambda self, model, x: False)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -125,15 +126,15 @@ def test_packed_forward_equals_the_plain_forward_bit_for_bit(kinds, monkeypatch)
 def test_prefill_chunks_keep_the_plain_path():
     model = _tiny("int4")
     rows = min(cpu_weights.INT8_GEMM_ROWS, cpu_weights.INT4_GEMM_ROWS)
-    assert model.takes_packed(torch.zeros(1, rows - 1, 128))
-    assert not model.takes_packed(torch.zeros(1, rows, 128))
-    assert model.takes_packed(torch.zeros(40, 4, 128))  # a batch of verify steps: tokens per row count
+    assert model.backend.takes_packed(model, torch.zeros(1, rows - 1, 128))
+    assert not model.backend.takes_packed(model, torch.zeros(1, rows, 128))
+    assert model.backend.takes_packed(model, torch.zeros(40, 4, 128))  # a batch of verify steps: tokens per row count
 
 
 def test_a_float_model_keeps_the_plain_path():
     hf_config = tiny_hf_config("qwen2", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
     model = build_model(ModelConfig.from_hf_dict(hf_config.to_dict()), random_hf_model(hf_config).state_dict(),
                         torch.float32, "cpu")
-    assert not model.takes_packed(torch.zeros(1, 1, 128))
+    assert not isinstance(model.backend, CpuPackedBackend)  # a float model: the plain layers
     model.quantize_cpu("bfloat16")  # (bfloat16 projections do not concatenate, but take the packed path)
-    assert model.takes_packed(torch.zeros(1, 1, 128)) and len(model.layers[0].self_attn.cpu_qkv) == 3
+    assert model.backend.takes_packed(model, torch.zeros(1, 1, 128)) and len(model.layers[0].self_attn.cpu_qkv) == 3

@@ -80,7 +80,7 @@ def test_concat_equals_the_members_side_by_side(bias):
 
 
 def test_packed_forward_equals_the_plain_forward_bit_for_bit(monkeypatch):
-    """The layer forward of packed projections (DecoderLayer.forward_packed: q | k | v and gate | up as one
+    """The layer forward of packed projections (backends.cpu_packed.packed_layer: q | k | v and gate | up as one
     w8a8 call each) against the plain one: prefill, decode, verify and a tree at batch 2 (the int8/int4
     test's scenario, tests/models/test_cpu_packed_forward.py)."""
     from tests.models import test_cpu_packed_forward as packed_forward

@@ -50,7 +50,7 @@ class AttentionMetadata:
     observer: Observer | None = None
     live: torch.Tensor | None = None
     # "reference" (SDPA over a dense mask), "triton" (attention.triton_decode: ≤ 256 new tokens) or
-    # "triton_prefill" (attention.triton_prefill: long plain prefill forwards on CUDA; REDWOOD_PREFILL_KERNEL=0 turns it off)
+    # "triton_prefill" (attention.triton_prefill: long plain prefill forwards on CUDA; ExecutionConfig(prefill_kernel=False) turns it off)
     backend: str = "reference"
     _full_mask: torch.Tensor | None = None
     _packed_mask: torch.Tensor | None = None

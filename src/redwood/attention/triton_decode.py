@@ -12,8 +12,7 @@ Design (flash-decoding with GQA packing):
     K/V tile is read once for all of them and QK^T is a real matrix product even at T = 1.
   * Split-KV: the context keys of a row are cut into `num_splits` chunks, one program each; every
     program writes a partial (running max, running sum, unnormalised acc) to a fp32 workspace and a
-    second kernel merges them (or, with REDWOOD_FUSED_MERGE=1 on small grids, the last program of the
-    tile to finish does, told by an arrival counter). The chunk size is computed in the kernel from
+    second kernel merges them. The chunk size is computed in the kernel from
     the row's length, so the host never reads `lengths`; the recent keys (P + T of them) go to the
     last split.
   * num_splits is chosen on the host from static shapes only (capacity or C, B, Hkv, SM count), so a
@@ -39,7 +38,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -396,31 +394,6 @@ def _resident_per_sm(device: torch.device, consts: dict, dtypes: tuple, args) ->
     return _OCCUPANCY[key]
 
 
-def fused_merge_enabled() -> bool:
-    """Whether split programs may merge their partials themselves (REDWOOD_FUSED_MERGE=1; used for grids
-    of at most one program per SM): the last split of each tile to finish — told by an arrival counter —
-    reads the others' partials and writes the output, so a split call is one kernel instead of two. Off
-    by default: measured on the H200 (session 8) it was slower wherever a step is dominated by the split
-    kernel — batch 1, 384 keys, 8 splits 5.8 → 7.0 µs (one program merges serially; 141 instead of 106
-    registers), 1.5B one-token step +2%, 7-token verify +6% — and only an int8 0.5B draft level gained
-    (−3%)."""
-    return os.environ.get("REDWOOD_FUSED_MERGE", "0") == "1"
-
-
-_LOCKS: dict = {}
-
-
-def _locks(device: torch.device, n: int) -> torch.Tensor:
-    """≥ n int32 arrival counters on `device`, all zero between launches (each tile's merging program
-    zeroes its counter again). One buffer per device, grown on demand: kernels on one stream run one at a
-    time, so calls can share it."""
-    buf = _LOCKS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1 << 16), device=device, dtype=torch.int32)
-        _LOCKS[device] = buf
-    return buf
-
-
 def _merge_rows(n_rows: int, num_sms: int) -> int:
     """Output rows per merge program: a power of two in [2, 16] giving ≥ 2 programs per SM."""
     r = max(2, min(16, n_rows // (2 * num_sms)))
@@ -458,11 +431,11 @@ def decode_attention(q, k_cache, v_cache, lengths, *, pending=0, new_mask=None, 
         ws_m, ws_l = ws_ml[0], ws_ml[1]
     else:
         ws_acc = ws_m = ws_l = out  # unused
-    fused = plan.consts["FUSED_MERGE"]  # (only ever set for more than one split)
-    locks = _locks(q.device, plan.grid[0] * plan.grid[2]) if fused else lengths
-    _split_kv_kernel[plan.grid](*plan.args(splits, ws_acc, ws_m, ws_l, locks), SPLIT=splits > 1,
+    # (the kernel's FUSED_MERGE form, the split programs merging themselves, measured slower and is never
+    # launched: FUSED_MERGE=False, LOCKS unread)
+    _split_kv_kernel[plan.grid](*plan.args(splits, ws_acc, ws_m, ws_l, lengths), SPLIT=splits > 1,
                                 BLOCK_S=triton.next_power_of_2(splits), **plan.consts)
-    if splits > 1 and not fused:
+    if splits > 1:
         n_rows = B * T * Hq
         block_r = _merge_rows(n_rows, _num_sms(q.device))
         use_pdl = plan.consts["PDL"]
@@ -536,11 +509,6 @@ class _Plan:
             num_splits = default_num_splits(n_keys, programs, _num_sms(q.device), cfg["BLOCK_M"], per_sm)
         self.num_splits = max(1, int(num_splits))
         self.grid = (m_tiles, self.num_splits, B * Hkv)
-        # The split programs merge themselves only where the grid is at most one program per SM: there
-        # the merge kernel's launch is a large share of a latency-bound call, and the merge's registers
-        # (T = 1: 106 → 141 on sm_90) cannot cost occupancy.
-        self.consts["FUSED_MERGE"] = (fused_merge_enabled() and self.num_splits > 1
-                                      and math.prod(self.grid) <= _num_sms(q.device))
 
     def args(self, splits, ws_acc, ws_m, ws_l, locks) -> tuple:
         """The kernel's run-time arguments for `splits` splits, these workspaces and arrival counters."""

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 
@@ -61,13 +60,6 @@ from redwood.kernels.triton_import import tl, triton
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_HEAD_DIM = 256
 _LOG2E = 1.4426950408889634
-
-
-def enabled() -> bool:
-    """On unless REDWOOD_PREFILL_KERNEL=0 in the environment (read at each forward, so a benchmark can A/B
-    in one process). On by default since session 13: on the H200 a whole 1.5B prefill chunk ran 1.25-3.7×
-    faster than the reference path (benchmarks/prefill_bench.py; NOTES.md, session 13)."""
-    return os.environ.get("REDWOOD_PREFILL_KERNEL", "1") != "0"
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -68,10 +68,13 @@ class ReportError(RedwoodError):
 
 
 # ----------------------------------------------------------------------------------------- environment
-def environment_info() -> dict[str, Any]:
+def environment_info(execution=None) -> dict[str, Any]:
     """Machine and software facts for a report: host, platform, CPUs, Python / torch versions, GPU, time, and the
-    REDWOOD_* settings in the environment."""
+    settings a number was measured with: the `ExecutionConfig` (`execution`; None: the defaults) and redwood's
+    settings from the environment (`envs.describe()`; the home folder, a path, left out)."""
     import redwood
+    from redwood import envs
+    from redwood.config import ExecutionConfig
 
     info: dict[str, Any] = {
         "hostname": socket.gethostname(),
@@ -82,8 +85,8 @@ def environment_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "redwood": getattr(redwood, "__version__", None),
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        # the kernel switches a number was measured with (REDWOOD_MEGAKERNEL, REDWOOD_PDL, …; REDWOOD_HOME is a path)
-        "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("REDWOOD_") and k != "REDWOOD_HOME"},
+        "settings": {"execution": (execution or ExecutionConfig()).to_dict(),
+                     **{name: value for name, value, _ in envs.describe() if name != envs.HOME}},
     }
     try:
         import torch

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from redwood.commands.options import (add_draft_kv_args, add_draft_weights_arg, add_model_args, add_offload_args,
-                                      draft_weights_kwargs, graphs_kwargs, offload_kwargs, threads_kwargs)
+                                      draft_weights_kwargs, execution_kwargs, graphs_kwargs, offload_kwargs,
+                                      threads_kwargs)
 
 _SPEC_HELP = {
     "baseline": ("autoregressive tokens/s on long-text prompts (the speculative benches' baseline)",
@@ -150,7 +151,7 @@ def run_ar(args) -> int:
     for name in ("batch_size", "prompt_len", "gen_len", "repeats"):
         _positive(name.replace("_", "-"), getattr(args, name))
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
-              weights=args.weights, **graphs_kwargs(args), **threads_kwargs(args))
+              weights=args.weights, **graphs_kwargs(args), **threads_kwargs(args), **execution_kwargs(args))
     result = run_ar_bench(llm, args.batch_size, args.prompt_len, args.gen_len, compare_hf=args.compare_hf,
                           dataset=args.dataset, seed=args.seed, repeats=args.repeats)
     result.update(model=llm.model_name, dtype=args.dtype, device=args.device)
@@ -219,7 +220,7 @@ def run_spec_bench(args) -> int:
         spec = configs[0]  # the draft shape varies per run; everything else is shared
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
               weights=args.weights, **draft_weights_kwargs(args), speculative=spec, **graphs_kwargs(args),
-              **offload_kwargs(args), **threads_kwargs(args))
+              **offload_kwargs(args), **threads_kwargs(args), **execution_kwargs(args))
     progress = None if args.json else (lambda msg: print(f"... {msg}", file=sys.stderr, flush=True))
     result = run_bench(llm, kind, args.batch_size, args.prefix_len, args.gen_len, source, gammas, trees=trees,
                        temperature=args.temperature, top_p=args.top_p, seed=args.seed,
@@ -286,7 +287,7 @@ def run_throughput(args) -> int:
     # The LLM only loads the models (its own engine is kept minimal and dropped); the bench builds its own.
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
               weights=args.weights, **draft_weights_kwargs(args), speculative=spec, **graphs_kwargs(args),
-              **offload_kwargs(args), **threads_kwargs(args), max_num_seqs=1,
+              **offload_kwargs(args), **threads_kwargs(args), **execution_kwargs(args), max_num_seqs=1,
               kv_cache_memory=engine_args.get("kv_cache_memory"))
     target, tokenizer, drafter, tree = llm.model, llm.tokenizer, llm.drafter, llm.tree
     model_name, draft_name = llm.model_name, llm.draft_name

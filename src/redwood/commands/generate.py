@@ -9,7 +9,7 @@ import sys
 from redwood.commands.options import (add_engine_args, add_model_args, add_offload_args, add_sampling_args,
                                       add_speculative_args, draft_weights_kwargs, engine_kwargs, graphs_kwargs,
                                       offload_kwargs, sampling_params_from_args, speculative_config_from_args,
-                                      threads_kwargs)
+                                      execution_kwargs, threads_kwargs)
 
 
 def register(sub) -> None:
@@ -119,7 +119,7 @@ def run(args) -> int:
         raise ConfigError(f"--compare-ar N must be >= 2 (the first token comes from the prefill; decode speed needs "
                           f"more), got {args.compare_ar}")
     offload = offload_kwargs(args)
-    threads = threads_kwargs(args)
+    threads = {**threads_kwargs(args), **execution_kwargs(args)}
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     # The prompt's checks need only the tokenizer: made before the weights load (the LLM reuses it).
     info = inspect_model(args.model)

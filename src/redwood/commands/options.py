@@ -18,7 +18,34 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     add_weights_arg(p)
     add_graphs_arg(p)
     add_threads_arg(p)
+    add_execution_args(p)
     add_quiet_arg(p)
+
+
+def add_execution_args(p: argparse.ArgumentParser) -> None:
+    """The `ExecutionConfig` switches users may want (A/B measurements; the defaults take the fastest path):
+    --megakernel, --no-prefill-kernel, --no-cpu-fused, --no-adaptive-threads (`execution_kwargs`)."""
+    g = p.add_argument_group("execution (how forwards run; every choice computes the same model)")
+    g.add_argument("--megakernel", default="auto", choices=["auto", "on", "off"],
+                   help="one-token one-row CUDA forwards as one persistent kernel: auto (where the model fits), "
+                        "on (an error where it does not), off")
+    g.add_argument("--no-prefill-kernel", dest="prefill_kernel", action="store_false",
+                   help="long CUDA prefill chunks attend through the reference path, not the flash prefill kernel")
+    g.add_argument("--no-cpu-fused", dest="cpu_fused", action="store_false",
+                   help="kquant / q4k CPU models keep the Python layers (not one C++ call a layer)")
+    g.add_argument("--no-adaptive-threads", dest="adaptive_threads", action="store_false",
+                   help="on a small CPU machine, decode steps keep the default thread count (no timing of 1 vs 2)")
+
+
+def execution_kwargs(args) -> dict:
+    """LLM(...) / Engine(...) keyword for the execution flags ({} where all are defaults)."""
+    from redwood.config import ExecutionConfig
+
+    execution = ExecutionConfig(megakernel=getattr(args, "megakernel", "auto"),
+                                prefill_kernel=getattr(args, "prefill_kernel", True),
+                                cpu_fused=getattr(args, "cpu_fused", True),
+                                adaptive_threads=getattr(args, "adaptive_threads", True))
+    return {} if execution == ExecutionConfig() else {"execution": execution}
 
 
 def add_quiet_arg(p: argparse.ArgumentParser) -> None:
@@ -34,7 +61,7 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help=f"CPU threads for torch's kernels (default: OMP_NUM_THREADS when set, else 1 on a "
                         f"machine of <= {SMALL_MACHINE_CORES} cores — where decode steps of kquant / q4k models "
-                        f"pick 1 or {SMALL_MACHINE_CORES} by timing both as they run (REDWOOD_ADAPTIVE_THREADS=0: off) "
+                        f"pick 1 or {SMALL_MACHINE_CORES} by timing both as they run (--no-adaptive-threads: off) "
                         f"— torch's default, its physical cores, above that)")
 
 
@@ -135,7 +162,7 @@ def add_offload_args(p: argparse.ArgumentParser) -> None:
 
 def offload_kwargs(args) -> dict:
     """LLM(...) keyword arguments from the offload flags (ConfigError for bad values)."""
-    from redwood.engine.offload import check_prefetch
+    from redwood.models.offload import check_prefetch
     from redwood.errors import ConfigError
 
     if args.offload_prefetch is not None and not args.offload:

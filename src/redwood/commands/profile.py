@@ -97,7 +97,7 @@ def _run(args: argparse.Namespace) -> int:
     target = load_model(args.model, dtype=args.dtype, device="cpu" if offload["offload"] else args.device,
                         weights="float32" if offload["offload"] else args.weights)
     if offload["offload"]:  # as LLM(offload=True): layers in (pinned) host memory, the rest on the device
-        from redwood.engine.offload import offload_layers
+        from redwood.models.offload import offload_layers
 
         offload_layers(target.model, args.device, prefetch=offload["offload_prefetch"])
     draft = (load_model(args.draft_model, dtype=args.dtype, device=args.device,

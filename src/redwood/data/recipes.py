@@ -42,6 +42,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from redwood import envs
 from redwood.errors import ConfigError, DownloadError
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ KINDS = ("long", "prefix", "chat")
 # ----------------------------------------------------------------------------------------------- paths
 def redwood_home() -> Path:
     """The cache root: `$REDWOOD_HOME` if set, else `~/.cache/redwood`."""
-    env = os.environ.get("REDWOOD_HOME")
+    env = envs.get(envs.HOME)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "redwood"
 
 

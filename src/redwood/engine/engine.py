@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from redwood.config import EngineConfig
+from redwood.config import EngineConfig, ExecutionConfig
 from redwood.engine.batch import DecodeRow, PrefillWork, StepBatch
 from redwood.engine.decode import resolve_verifier
 from redwood.engine.executor import Executor
@@ -72,13 +72,14 @@ class Engine:
     def from_pretrained(cls, model: str | Path | ModelInfo = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
                         device: str | torch.device = "cpu", speculative: SpeculativeConfig | None = None,
                         offload: bool = False, offload_prefetch: int = 2, threads: int | None = None,
-                        weights: str = "auto", draft_weights: str = "auto", **config) -> "Engine":
+                        weights: str = "auto", draft_weights: str = "auto", execution: ExecutionConfig | None = None,
+                        **config) -> "Engine":
         """Load the models, then build the engine; `config`: `EngineConfig`'s fields."""
         config = engine_config(**config)
         if config.cuda_graphs and parse_device(device).type != "cuda":
             raise ConfigError("cuda_graphs needs device='cuda'")
         models = LoadedModels.load(model, dtype, device, speculative, offload, offload_prefetch, threads, weights,
-                                   draft_weights, max_model_len=config.max_model_len)
+                                   draft_weights, max_model_len=config.max_model_len, execution=execution)
         return cls(models, config)
 
     @classmethod

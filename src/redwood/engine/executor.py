@@ -179,7 +179,7 @@ class Executor:
         key = (role, n)
         runner = self.runners.get(key)
         if runner is None:
-            from redwood.engine.offload import get_offload
+            from redwood.models.offload import get_offload
 
             if role == "target":
                 model, cache = self.model, self.cache

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from redwood.config import ExecutionConfig
 from redwood.engine.tokenization import check_max_model_len
 from redwood.errors import ConfigError
 from redwood.loading import ModelInfo, inspect_model, load_model, parse_device, parse_dtype
@@ -68,16 +69,19 @@ class LoadedModels:
     def load(cls, model: str | Path | ModelInfo = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
              device: str | torch.device = "cpu", speculative: SpeculativeConfig | None = None,
              offload: bool = False, offload_prefetch: int = 2, threads: int | None = None,
-             weights: str = "auto", draft_weights: str = "auto", max_model_len: int | None = None) -> "LoadedModels":
+             weights: str = "auto", draft_weights: str = "auto", max_model_len: int | None = None,
+             execution: ExecutionConfig | None = None) -> "LoadedModels":
         """Load a target (and its drafter); the arguments as `redwood.LLM`'s (max_model_len: checked against
-        the model's context before the weights load)."""
+        the model's context before the weights load; execution: how both models' forwards run)."""
         from redwood.engine.threads import adaptive_threads, apply_threads, check_threads
 
+        if execution is not None and not isinstance(execution, ExecutionConfig):
+            raise ConfigError(f"execution must be an ExecutionConfig, got {type(execution).__name__}")
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise ConfigError(f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}")
         check_threads(threads)
         if offload:
-            from redwood.engine.offload import check_prefetch
+            from redwood.models.offload import check_prefetch
 
             check_prefetch(offload_prefetch)
         dev = parse_device(device)  # (bad values: an error before anything loads)
@@ -101,9 +105,9 @@ class LoadedModels:
         if threads is not None or dev.type == "cpu":
             apply_threads(threads)  # before loading: dequantizing the weights runs on these threads too
         loaded = load_model(info, dtype=dtype, device="cpu" if offload else device,
-                            weights="float32" if offload else weights)
+                            weights="float32" if offload else weights, execution=execution)
         if offload:  # loaded on the host: the layers stay there, the rest moves to the device
-            from redwood.engine.offload import offload_layers
+            from redwood.models.offload import offload_layers
 
             offload_layers(loaded.model, device, prefetch=offload_prefetch)
         self = cls(loaded.model, loaded.tokenizer, loaded.source, loaded.path,
@@ -111,9 +115,10 @@ class LoadedModels:
         if speculative is not None:
             self.tree = speculative.make_tree()
             self.drafter, self.draft_name = _make_drafter(speculative, loaded.model, dtype, device, draft_info,
-                                                          draft_weights)
+                                                          draft_weights, execution)
         if dev.type == "cpu" and not offload and self.thread_exact_decode():
-            self.thread_policy = adaptive_threads(threads)  # (None where the count is the user's or fixed)
+            # (None where the count is the user's or fixed, or the execution config turns it off)
+            self.thread_policy = adaptive_threads(threads, enabled=execution is None or execution.adaptive_threads)
         return self
 
     def thread_exact_decode(self) -> bool:
@@ -129,7 +134,8 @@ class LoadedModels:
         return cpu_fused.model_takes(self.model)
 
 
-def _make_drafter(spec: SpeculativeConfig, target, dtype, device, draft_info, draft_weights: str = "auto"):
+def _make_drafter(spec: SpeculativeConfig, target, dtype, device, draft_info, draft_weights: str = "auto",
+                  execution: ExecutionConfig | None = None):
     """The drafter `spec` asks for and its name; a draft model loads from `draft_info` (`inspect_model`:
     its tokenizer already checked against the target's) in the CPU format `draft_weights`."""
     from redwood.speculation.drafters import ModelDrafter, SelfDrafter
@@ -137,7 +143,7 @@ def _make_drafter(spec: SpeculativeConfig, target, dtype, device, draft_info, dr
     policy = spec.make_policy()
     if spec.self_speculate:
         return SelfDrafter(target, policy), f"self ({policy.describe()})"
-    draft = load_model(draft_info, dtype=dtype, device=device, weights=draft_weights, draft=True)
+    draft = load_model(draft_info, dtype=dtype, device=device, weights=draft_weights, draft=True, execution=execution)
     if spec.draft_quant:
         draft.model.quantize_skinny(spec.draft_quant)
     packed = draft.model.weights if draft.model.weights != "float32" else None

@@ -6,7 +6,7 @@ row's page table) from slot `start` on — what earlier chunks (or the prefix ca
 [0, start) is its context. Within a chunk the forwards are bounded twice:
 - attention work: a forward of T new tokens over S context slots scores T·Hq·S elements (the reference
   path materializes them), kept near PREFILL_SCORE_BUDGET — unless the model's long forwards go through
-  the flash prefill kernel (`Transformer.prefill_kernel`, on CUDA unless REDWOOD_PREFILL_KERNEL=0), which materializes
+  the flash prefill kernel (`Transformer.prefill_kernel`, on CUDA unless ExecutionConfig(prefill_kernel=False)), which materializes
   none: then one forward takes the whole chunk;
 - an observer (SnapKV's observation window) watches only the forwards that hold window queries; those
   attend through the reference path in pieces small enough for its scores, the others as usual.

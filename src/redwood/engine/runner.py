@@ -115,7 +115,7 @@ class StepRunner:
 def _warm_up_and_capture(graph: torch.cuda.CUDAGraph, pool, run: Callable[[], object]):
     """Run `run` twice on a side stream (lazy initialization, Triton compilation), then capture it.
 
-    Both under `pdl.launches()`: where REDWOOD_PDL=1 asks for it (redwood.kernels.pdl), the Triton
+    Both under `pdl.launches()`: where a benchmark asked for it (`pdl.request`, redwood.kernels.pdl), the Triton
     kernels are launched with programmatic dependent launch — compiled and loaded in the warm-up, so the
     capture only records them. The callers synchronized the device first, so weights written before
     (loading, quantization) are settled: the kernels prefetch their first weight tile before waiting."""

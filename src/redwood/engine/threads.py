@@ -74,9 +74,6 @@ def apply_threads(threads: int | None) -> int:
     return torch.get_num_threads()
 
 
-ADAPTIVE_ENV = "REDWOOD_ADAPTIVE_THREADS"  # "0": decode steps keep the default count too
-
-
 class AdaptiveThreads:
     """The thread count of each decode step on a small machine, chosen by measuring both counts as it runs.
 
@@ -134,12 +131,14 @@ class AdaptiveThreads:
             self.interval = min(2 * self.interval, self.MAX_INTERVAL)  # the probe lost
 
 
-def adaptive_threads(threads: int | None, env: dict | None = None, cores: int | None = None) -> AdaptiveThreads | None:
+def adaptive_threads(threads: int | None, env: dict | None = None, cores: int | None = None,
+                     enabled: bool = True) -> AdaptiveThreads | None:
     """The decode-step policy where the count is left to redwood (no `threads`, no OMP_NUM_THREADS) on a machine
-    of 2..SMALL_MACHINE_CORES cores (where the default is one thread), unless REDWOOD_ADAPTIVE_THREADS=0."""
+    of 2..SMALL_MACHINE_CORES cores (where the default is one thread), unless turned off (`enabled`:
+    ExecutionConfig.adaptive_threads, `--no-adaptive-threads`)."""
     env = os.environ if env is None else env
     cores = usable_cores() if cores is None else cores
-    if threads is not None or env.get("OMP_NUM_THREADS", "").strip() or env.get(ADAPTIVE_ENV, "1") == "0":
+    if not enabled or threads is not None or env.get("OMP_NUM_THREADS", "").strip():
         return None
     if not 1 < cores <= SMALL_MACHINE_CORES:
         return None

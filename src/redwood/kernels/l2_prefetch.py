@@ -21,16 +21,15 @@ loads). Ordering: the side stream forks after the q/k/v kernel of each layer (so
 behind that kernel's loads, not in front of them) and joins the main stream at the end of the forward;
 the prefetch kernel writes nothing.
 
-How much of gate/up to bring in is `REDWOOD_L2_PREFETCH` (MB; split evenly between the gate rows and
-the up rows, which each gate/up program reads in pairs; 0, the default, turns it off): H200's L2 holds 50 MB.
+How much of gate/up to bring in is `set_megabytes(MB)` (a benchmark switch: benchmarks/decode_step.py
+--l2-prefetch; split evenly between the gate rows and the up rows, which each gate/up program reads in pairs;
+0, the default, turns it off): H200's L2 holds 50 MB.
 On only inside a captured step (`pdl.launches()`: `StepRunner` opens it around warm-up and capture), on a
 GPU of compute capability ≥ 9, never in the interpreter, for one-token forwards through the skinny
 kernels (batch-1 decoding and chain draft levels).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -41,24 +40,30 @@ CHUNK = 1 << 16  # bytes per prefetch instruction
 PER_PROGRAM = 16  # instructions per program: a region is spread over many SMs' copy engines
 # Off by default: on an H200 (benchmarks/NOTES.md, session 15) 8 MB was the best of 4-32 and gained only 1-5%
 # (1.5B bf16 −0.9 to −1.6%, 0.5B int8 draft level −1.3 to −5.3%), and the whole GPU suite has not yet run with it on.
-DEFAULT_MB = "0"
+DEFAULT_MB = 0.0
+_budget_mb = [DEFAULT_MB]
+
+
+def set_megabytes(mb: float) -> None:
+    """The prefetch budget in MB (0: off), read at each captured forward, so a benchmark can A/B in one
+    process."""
+    try:
+        value = float(mb)
+    except (TypeError, ValueError):
+        raise ValueError(f"the L2 prefetch budget must be a number of megabytes, not {mb!r}") from None
+    if not value >= 0:
+        raise ValueError(f"the L2 prefetch budget must be ≥ 0 MB, not {mb!r}")
+    _budget_mb[0] = value
 
 
 def megabytes() -> float:
-    """REDWOOD_L2_PREFETCH in MB (read at each call, so a benchmark can A/B in one process)."""
-    raw = os.environ.get("REDWOOD_L2_PREFETCH", DEFAULT_MB)
-    try:
-        mb = float(raw)
-    except ValueError:
-        raise ValueError(f"REDWOOD_L2_PREFETCH must be a number of megabytes, not {raw!r}") from None
-    if not mb >= 0:
-        raise ValueError(f"REDWOOD_L2_PREFETCH must be ≥ 0, not {raw!r}")
-    return mb
+    """The prefetch budget in MB (`set_megabytes`; 0 by default)."""
+    return _budget_mb[0]
 
 
 def enabled(device: torch.device) -> bool:
     """Whether a captured forward on `device` prefetches: inside `pdl.launches()` (a captured step),
-    REDWOOD_L2_PREFETCH > 0, CUDA of compute capability ≥ 9 (the bulk prefetch instruction)."""
+    a budget > 0 (`set_megabytes`), CUDA of compute capability ≥ 9 (the bulk prefetch instruction)."""
     if not pdl.capturing() or INTERPRET or triton is None or device.type != "cuda":
         return False
     return megabytes() > 0 and torch.cuda.get_device_capability(device)[0] >= 9

@@ -17,8 +17,8 @@ Where it applies (`MegaForward.takes`): CUDA, bfloat16, a Llama/Qwen2-style mode
 o / MLP biases, no sliding window, resident (not offloaded) layers, one new token of a one-row cache (with `pending`
 earlier draft tokens), no compressed view or observer; model-dtype weights, or `quantize_skinny`'s int8 copies through its int8 build
 (W8). On by default where it applies (measured faster than the skinny kernels at 512 and 4096 keys for the
-1.5B and 0.5B shapes: benchmarks/results/2026-12-04-h200-session20); REDWOOD_MEGAKERNEL=0 turns it off.
-Transformer.forward takes it first, while the skinny path is on (`model.skinny`; off: the cuBLAS A/B).
+1.5B and 0.5B shapes: benchmarks/results/2026-12-04-h200-session20); `ExecutionConfig(megakernel="off")` turns it
+off. The CUDA backend (redwood.models.backends.cuda) takes it first, while its skinny path is on (off: the cuBLAS A/B).
 
 Rounding matches the skinny path (redwood.kernels.gemv, qkv_rope): float32 sums (in another order), the
 folded RMSNorm, each projection rounded to bf16, RoPE / residual / SiLU·up rounded as eager PyTorch; the
@@ -27,7 +27,6 @@ attention is float32 with a split softmax. Outputs agree with the skinny path wi
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -52,21 +51,9 @@ SMAX = 32  # blocks per KV head in attention at most (partials: HKV × SMAX × G
 T_LAYER0, T_PER_LAYER = 32, 16  # megakernel_cu's table layout
 
 
-def enabled() -> bool:
-    """Whether fuse_projections gives a fitting model the megakernel (REDWOOD_MEGAKERNEL=0: never; default on)."""
-    value = os.environ.get("REDWOOD_MEGAKERNEL", "1")
-    if value not in ("0", "1"):
-        from redwood.errors import ConfigError
-
-        raise ConfigError(f"REDWOOD_MEGAKERNEL={value!r}: 1 (take the one-token megakernel where it applies) or 0")
-    return value == "1"
-
-
 def misfit(model) -> str | None:
     """Why `model` cannot run through the megakernel (None: it can)."""
-    from redwood.engine.offload import get_offload
-
-    if get_offload(model) is not None:
+    if getattr(model, "offloaded", False):
         return "layers offloaded (their weights stream in per layer; the kernel reads resident weights)"
     if model.device.type != "cuda":
         return "not on CUDA"
@@ -111,30 +98,33 @@ def down_rows(cfg, int8: bool = False) -> int | None:
     return None
 
 
-def experiment_defines() -> dict[str, str]:
-    """Timing / design experiments: REDWOOD_MEGAKERNEL_DEFINES="NAME=VALUE …" (a bare NAME means 1) become #defines
-    of the megakernel source, overriding the computed ones (e.g. NSLOT=2, ATTN_CPB=16, ATTN_NO_MERGE)."""
+def parse_defines(text: str) -> dict[str, str]:
+    """Timing / design experiments of benchmarks/megakernel_bench.py (--variants): "NAME=VALUE …" (a bare NAME
+    means 1) → #defines of the megakernel source that override the computed ones (e.g. NSLOT=2, ATTN_CPB=16,
+    ATTN_NO_MERGE). Some give wrong outputs by design (megakernel_cu's header says which): only a benchmark passes
+    them (`MegaForward(defines=...)`); the library never does."""
     out = {}
-    for item in os.environ.get("REDWOOD_MEGAKERNEL_DEFINES", "").split():
+    for item in text.split():
         name, _, value = item.partition("=")
         if not name.isidentifier():
-            raise ValueError(f"REDWOOD_MEGAKERNEL_DEFINES: {item!r} is not NAME or NAME=VALUE")
+            raise ValueError(f"megakernel defines: {item!r} is not NAME or NAME=VALUE")
         out[name] = value or "1"
     return out
 
 
 def layout(cfg, page_size: int, n_sm: int, smem_optin: int, profile: bool = False,
-           int8: bool = False) -> tuple[dict, int]:
+           int8: bool = False, extra: dict[str, str] | None = None) -> tuple[dict, int]:
     """megakernel_cu's #defines for a model shape on a GPU (n_sm multiprocessors, smem_optin bytes of shared
     memory a block) and weights (bf16, or int8 with row scales), and the dynamic shared memory a block asks
     for: a ring of as many weight-tile slots as fit (2 to 8), after the attention's per-warp accumulators and
-    probabilities. A slot holds a weight tile or a chunk of 32 keys' K and V rows."""
+    probabilities. A slot holds a weight tile or a chunk of 32 keys' K and V rows. extra: a benchmark's
+    experiment #defines (`parse_defines`), overriding the computed ones."""
     HEAD_DIM = cfg.head_dim
     H, F = cfg.hidden_size, cfg.intermediate_size
     G = cfg.num_heads // cfg.num_kv_heads
     rd = down_rows(cfg, int8)
     eb = 1 if int8 else 2
-    extra = experiment_defines()
+    extra = extra or {}
     slot = -(-max(max(8 * H, 8 * cfg.num_heads * HEAD_DIM, rd * F) * eb, 128 * HEAD_DIM) // 128) * 128
     fixed = 4 * HEAD_DIM + 16 + 8 * G * HEAD_DIM * 4 + 8 * 32 * 8 * 4  # cos / sin, a word; attention's
     # per-warp accumulators and probabilities
@@ -152,11 +142,11 @@ def layout(cfg, page_size: int, n_sm: int, smem_optin: int, profile: bool = Fals
     return defines, smem
 
 
-def _kernel(model, page_size: int, profile: bool = False):
+def _kernel(model, page_size: int, profile: bool = False, int8: bool = False, extra: dict | None = None):
     props = torch.cuda.get_device_properties(model.device)
     defines, smem = layout(model.config, page_size, props.multi_processor_count,
                            getattr(props, "shared_memory_per_block_optin", 232448), profile,
-                           int8=model.skinny_int8 is not None)
+                           int8=int8, extra=extra)
     key = tuple(sorted((k, str(v)) for k, v in defines.items()))
     if key not in _KERNELS:
         src = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + source()
@@ -169,12 +159,16 @@ def _kernel(model, page_size: int, profile: bool = False):
 class MegaForward:
     """The megakernel bound to one model: its scratch buffers and one pointer table per cache."""
 
-    def __init__(self, model, profile: bool = False):
-        """profile: stamp every block's start and end of every stage (`timeline`)."""
+    def __init__(self, model, profile: bool = False, int8: dict | None = None, defines: dict[str, str] | None = None):
+        """profile: stamp every block's start and end of every stage (`timeline`). int8: the skinny path's int8
+        copies (the CUDA backend's `quantize_int8`), read through the W8 build, or None (the model-dtype weights).
+        defines: a benchmark's experiment #defines (`parse_defines`; never passed by the library)."""
         cfg = model.config
         dev = model.device
         self.model = model
         self.profile = profile
+        self.int8 = int8
+        self.defines = dict(defines or {})
         HEAD_DIM = cfg.head_dim
         G = cfg.num_heads // cfg.num_kv_heads
         qd = cfg.num_heads * HEAD_DIM
@@ -220,7 +214,7 @@ class MegaForward:
                                "(run the forward once eagerly first)")
         m = self.model
         ptr = [0] * (T_LAYER0 + T_PER_LAYER * len(m.layers))
-        q8 = m.skinny_int8  # int8 copies with row scales (quantize_skinny) or None
+        q8 = self.int8  # int8 copies with row scales (quantize_skinny) or None
         ptr[0] = m.embed_tokens.weight.data_ptr()
         ptr[1] = m.norm.weight.data_ptr()
         ptr[2] = (q8["lm_head"][0] if q8 else m.head_weight).data_ptr()
@@ -269,7 +263,8 @@ class MegaForward:
         page_size = cache.k.shape[3]
         if page_size not in self._kernels:
             try:
-                self._kernels[page_size] = _kernel(self.model, page_size, self.profile)
+                self._kernels[page_size] = _kernel(self.model, page_size, self.profile, self.int8 is not None,
+                                                   self.defines)
             except Exception as e:  # (a build failure, never a wrong result: nothing has run yet)
                 raise Unavailable(f"{type(e).__name__}: {e}") from e
         kernel, smem, defines = self._kernels[page_size]

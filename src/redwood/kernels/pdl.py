@@ -13,7 +13,8 @@ start, so the next one may be scheduled as soon as this one's last programs are 
 
 The launches are on only inside `launches()` — `StepRunner` opens it around the warm-up and the capture
 of its graphs, after a device synchronization (so weights loaded earlier are settled) — on a GPU of
-compute capability ≥ 9, with REDWOOD_PDL=1 (off by default: measured on an H200, a 0.5B draft level
+compute capability ≥ 9, where `request()` asked for it (a benchmark switch, benchmarks/decode_step.py --pdl;
+off by default: measured on an H200, a 0.5B draft level
 −4%, a 1.5B step −1%, nothing visible end to end; benchmarks/NOTES.md, session 6). Eager forwards
 never use it. Kernels take a PDL constexpr (`flag`) and the launch options from `launch_options`
 (Triton's `launch_pdl`).
@@ -22,7 +23,6 @@ never use it. Kernels take a PDL constexpr (`flag`) and the launch options from 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
@@ -48,9 +48,18 @@ def capturing() -> bool:
     return _active[0]
 
 
+_requested = [False]
+
+
+def request(on: bool = True) -> None:
+    """Ask for (or stop asking for) PDL launches in captured steps: a benchmark switch (benchmarks/decode_step.py
+    --pdl), read at each launch, so a benchmark can A/B in one process. Off by default."""
+    _requested[0] = bool(on)
+
+
 def requested() -> bool:
-    """REDWOOD_PDL=1 in the environment (read at each call, so a benchmark can A/B in one process)."""
-    return os.environ.get("REDWOOD_PDL", "0") == "1"
+    """Whether `request()` asked for PDL launches."""
+    return _requested[0]
 
 
 def enabled(device: torch.device) -> bool:

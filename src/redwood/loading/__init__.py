@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from redwood.config import ModelConfig
+from redwood.config import ExecutionConfig, ModelConfig
+from redwood.devices import DTYPES, parse_device, parse_dtype  # noqa: F401 (re-exported)
 from redwood.errors import ConfigError, ModelLoadError
 from redwood.models.cpu_weights import FILE_FORMAT, FILE_FORMATS, auto_formats, resolve_weights
 from redwood.models.transformer import Transformer, build_model
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -23,28 +23,6 @@ class LoadedModel:
     config: ModelConfig
     source: str  # what the user asked for (zoo name or path)
     path: Path  # the file or folder actually read
-
-
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPES.values():
-            raise ConfigError(f"unsupported dtype {dtype}; choose one of {', '.join(DTYPES)}")
-        return dtype
-    if dtype not in DTYPES:
-        raise ConfigError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
-
-
-def parse_device(device: str | torch.device) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise ConfigError(f"unknown device {device!r}; use 'cpu' or 'cuda' (or 'cuda:N')") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"unsupported device {device!r}; use 'cpu' or 'cuda'")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device 'cuda' requested but no CUDA GPU is available (use --device cpu)")
-    return dev
 
 
 def resolve_model_path(model: str | Path) -> Path:
@@ -104,13 +82,16 @@ def inspect_model(model: "str | Path | ModelInfo") -> ModelInfo:
 
 
 def load_model(model: "str | Path | ModelInfo", dtype: str | torch.dtype = "float32",
-               device: str | torch.device = "cpu", weights: str = "float32", draft: bool = False) -> LoadedModel:
+               device: str | torch.device = "cpu", weights: str = "float32", draft: bool = False,
+               execution: ExecutionConfig | None = None) -> LoadedModel:
     """Load a model's weights; a ModelInfo (`inspect_model`) is loaded with the tokenizer it holds.
     weights: the CPU projection format (`redwood.models.cpu_weights`; "auto": "gguf" — each projection as
     its type in the file allows: 4-bit groups as int4 with the file's own grid, the rest int8 — for a GGUF
     file on the CPU, int4 when `draft` (a draft model's auto), else float32; a model whose shapes the format
     cannot pack takes the next of int4 → int8 → float32 under "auto"). A GGUF file is packed tensor by
-    tensor as it is read (the float model never exists whole); a Hugging Face folder is loaded, then packed."""
+    tensor as it is read (the float model never exists whole); a Hugging Face folder is loaded, then packed.
+    execution: how its forwards run (`ExecutionConfig`; None: the defaults) — the backend for the device and
+    weights, which prepares its weights (on CUDA: one q/k/v and one gate/up matmul per layer)."""
     torch_dtype, dev = parse_dtype(dtype), parse_device(device)
     info = model if isinstance(model, ModelInfo) else None
     path = info.path if info is not None else _model_file(model)
@@ -134,9 +115,8 @@ def load_model(model: "str | Path | ModelInfo", dtype: str | torch.dtype = "floa
         net = build_model(config, g.tensors, torch_dtype, dev, rope_freqs=g.rope_freqs)
         del g
         tokenizer = info.tokenizer if info is not None else load_gguf_tokenizer(path)
-    if net.device.type == "cuda":
-        net.fuse_projections()  # one q/k/v and one gate/up matmul per layer: what a GPU step wants
     net.quantize_cpu(kind)
+    net.set_execution(execution)
     return LoadedModel(model=net, tokenizer=tokenizer, config=config, source=str(model), path=path)
 
 

@@ -3,7 +3,7 @@
 Where: a float32 CPU model whose every projection is a kquant kind (`--weights kquant` / `q4k`, the CPU
 default for GGUF files where the kernel builds), in a forward of at most `reference.BY_QUERY_MAX_NEW` new
 tokens per row (decode, chain and tree verifies, drafting) that reads the full context (no compressed view,
-no SnapKV observer). Everything else keeps `DecoderLayer.forward_packed`.
+no SnapKV observer). Everything else keeps `backends.cpu_packed.packed_layer`.
 
 Why: the projections of a 1.5B decode step take ~50 ms on one core, and the ~25 small PyTorch ops a layer
 between them (norms, bias adds, rotary, cache write, the page gather, attention, SiLU, residual adds) and the
@@ -14,25 +14,18 @@ The key plan — which cache slots each new token attends to — is computed onc
 as ranges of logical slots: one range [0, L + P + t + 1) for a causal decode / chain / draft query, the
 mask's runs for a tree or a finished row (`reference.query_keys`).
 
-REDWOOD_CPU_FUSED=0 turns the path off (A/B measurements).
+`ExecutionConfig(cpu_fused=False)` turns the path off (A/B measurements). Taken by the CPU packed backend
+(redwood.models.backends.cpu_packed).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from redwood.attention import reference
 from redwood.models import cpu_weights
-
-ENV = "REDWOOD_CPU_FUSED"
-
-
-def enabled() -> bool:
-    return os.environ.get(ENV, "1") != "0"
-
 
 def layer_args(layer) -> tuple | None:
     """The layer's constant arguments for the C++ call (weights, types, biases, groups, norms, eps), or None
@@ -84,7 +77,7 @@ def plan(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, de
     """The C++ layers' shared arguments for a forward of x [B, T, H] (cos / sin [B, T, D], dest the new
     tokens' (pages, offsets) [B, T]), or None when this forward keeps the Python layers."""
     B, T, _ = x.shape
-    if (not enabled() or x.dtype != torch.float32 or x.device.type != "cpu" or T > reference.BY_QUERY_MAX_NEW
+    if (not model.execution.cpu_fused or x.dtype != torch.float32 or x.device.type != "cpu" or T > reference.BY_QUERY_MAX_NEW
             or meta.view is not None or meta.observer is not None or not model_takes(model)):
         return None
     lengths = meta.lengths.tolist()

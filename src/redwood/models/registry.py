@@ -37,6 +37,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from redwood import envs
 from redwood.errors import ConfigError, DownloadError, ModelLoadError, RegistryUnavailableError
 
 
@@ -98,7 +99,7 @@ _CHUNK = 8 << 20  # copy/hash buffer
 
 def models_home() -> Path:
     """`$REDWOOD_HOME` if set, else `~/.cache/redwood`."""
-    home = os.environ.get("REDWOOD_HOME")
+    home = envs.get(envs.HOME)
     return Path(home).expanduser() if home else Path.home() / ".cache" / "redwood"
 
 

@@ -177,7 +177,7 @@ def overhead_latency(vocab: int, sizes: Sequence[int], batch: int, device: torch
 
 
 def _offloaded(model) -> bool:
-    from redwood.engine.offload import get_offload
+    from redwood.models.offload import get_offload
 
     return get_offload(model) is not None
 

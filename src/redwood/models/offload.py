@@ -46,10 +46,10 @@ import torch
 from torch import nn
 
 from redwood.errors import ConfigError
-from redwood.models.transformer import Transformer
+from redwood.models.transformer import OFFLOAD_ATTR, Transformer
 
 _ALIGN_BYTES = 256  # each parameter's view starts on this boundary inside a flat buffer
-_ATTR = "_redwood_offload"
+_ATTR = OFFLOAD_ATTR
 
 
 # ---------------------------------------------------------------------------------------------- sync
@@ -325,7 +325,7 @@ def offload_layers(model: Transformer, device: torch.device | str | None = None,
     parameter in 16-bit dtypes (≈ 140 GB for a 70B model), 4 in float32. Device memory: embeddings,
     norm, LM head, the KV cache and `prefetch` layers. Returns the manager (also `get_offload(model)`).
     """
-    from redwood.loading import parse_device
+    from redwood.devices import parse_device
 
     check_prefetch(prefetch)
     if get_offload(model) is not None:
@@ -339,7 +339,8 @@ def offload_layers(model: Transformer, device: torch.device | str | None = None,
                 child.to(dev)
     manager = OffloadManager(model, dev, prefetch, trace=trace)
     object.__setattr__(model, _ATTR, manager)  # a plain attribute, not a submodule
-    model.megakernel = None  # it reads resident weights through a pointer table (megakernel.misfit says why)
+    if getattr(model.backend, "megakernel", None) is not None:  # it reads resident weights (megakernel.misfit says why)
+        model.backend.set_megakernel(None)
     return manager
 
 
