@@ -186,10 +186,10 @@ def _attention_by_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan)
     """`attention` one query (row b, token t) at a time, over exactly the keys it may see, unmasked.
 
     Why: SDPA's CPU kernel blocks its work by the number of queries, so row t of a T-token call differs in
-    the last bits from a one-token call over the same keys (measured: 3.6e-7 at T = 4). A verify must score
-    its tokens like the AR steps it stands for, and on the CPU the packed weights round activations to
-    bfloat16, which turns those last bits into other greedy tokens now and then (the README's main job
-    diverged from AR at its 6th token). Here every query — a decode step's, a chain or tree verify's — is
+    the last bits from a one-token call over the same keys. A verify must score its tokens like the AR
+    steps it stands for, and on the CPU the packed weights round activations to bfloat16, which turns
+    those last bits into other greedy tokens now and then (seen in the README's main job; docs/perf/cpu.md,
+    "Figures cited from the source"). Here every query — a decode step's, a chain or tree verify's — is
     the same call: SDPA over the keys its mask allows, in slot order (a slice when they are contiguous,
     as for decode and chains; gathered for trees), which is the same key set, same order, same values as
     the one-token step that would produce that token. (The output does not depend on the slice's strides
@@ -218,10 +218,10 @@ def _attention_by_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan)
 def _one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Softmax attention of one query over all of k / v, unmasked: q [1, Hq, 1, D], k, v [1, Hkv, S, D] →
     [1, Hq, 1, D]; query head h reads KV head h // (Hq / Hkv). Two batched matmuls and a softmax, the query
-    heads of a KV head side by side as rows: on the CPU 1.1–2.4× faster than SDPA's kernel for one query
-    (60 → 57 µs at S = 128, 275 → 151 at 600, 619 → 256 at 1200; 12 / 2 heads of 128, one thread), which
-    is a decode step's whole attention. Every query of `_attention_by_query` takes this same path, so a
-    verify still scores each token like its decode step (tests/attention/test_reference.py)."""
+    heads of a KV head side by side as rows: on the CPU faster than SDPA's kernel for one query, more so
+    the longer the context (docs/perf/cpu.md, session 16), which is a decode step's whole attention. Every
+    query of `_attention_by_query` takes this same path, so a verify still scores each token like its
+    decode step (tests/attention/test_reference.py)."""
     _, Hq, _, D = q.shape
     Hkv = k.shape[1]
     qq = q.reshape(1, Hkv, Hq // Hkv, D)

@@ -21,11 +21,11 @@ Design (flash-decoding with GQA packing):
     page j to a physical one (read in the kernel, like the lengths). Slots stay logical everywhere
     (lengths, views, windows, the recent keys); only the K/V loads translate them. A context tile starts
     at a multiple of BLOCK_N, so where page_size is one too it lies in one page: one table lookup per
-    tile, loaded a tile ahead, then the same contiguous [BLOCK_N, D] loads as the dense layout (H200,
-    batch 64 × 32K: within 2% of the dense time, bit-identical). Other page sizes, gathered views and
-    the recent keys look up each key's page (each key's D values are still contiguous; context tiles
-    that way cost +3% at T = 1, +40% at T = 5). Without a table the cache is dense [B, Hkv, capacity,
-    D] and the kernel is the unpaged variant.
+    tile, loaded a tile ahead, then the same contiguous [BLOCK_N, D] loads as the dense layout (about the
+    dense time, bit-identical). Other page sizes, gathered views and the recent keys look up each key's
+    page (each key's D values are still contiguous; context tiles read that way are slower, most for
+    several new tokens; the table: docs/perf/attention.md, session 10). Without a table the cache is
+    dense [B, Hkv, capacity, D] and the kernel is the unpaged variant.
   * Online softmax in base 2, fp32 accumulation; rows that see no key output 0 (never NaN).
 
 triton is imported guarded (`redwood.kernels.triton_import`): without it this module still imports, and
@@ -316,19 +316,20 @@ def _big_shared_memory(device: torch.device) -> bool:
 
 
 def _launch_config(M: int, D: int, dtype: torch.dtype, big_smem: bool = False, n_keys: int | None = None) -> dict:
-    """Block sizes and launch options, from static shapes (measured on an H200: attention_bench.py).
+    """Block sizes and launch options, from static shapes (chosen on an H200 with attention_bench.py;
+    the figures: docs/perf/attention.md, session 7).
 
     BLOCK_M: the G*T packed rows: 16 (tl.dot's minimum) for ≤ 16 rows, else 64 — larger M (big trees)
-    tiles over M, and adjacent M tiles share the K/V tile through L2. At batch 64 × 32K the 64-row
-    tiles read K/V at the floor for 8 causal tokens and 8-node trees (101%) where 32-row ones took
-    94% (4-5 causal tokens) and 85% (4-node trees); 128 rows with 8 warps was slower for trees.
+    tiles over M, and adjacent M tiles share the K/V tile through L2. At long contexts the 64-row tiles
+    read K/V at the floor for causal chains and small trees where 32-row ones fell short of it; 128
+    rows with 8 warps was slower for trees.
     BLOCK_N: 64 context keys per step (32 where the K/V tiles would be large: fp32 or D > 128).
     BLOCK_R: keys per step over the pending + new tokens, ≤ 64 so that a tile's tree-mask bits lie
     in one int64 word (pack_new_mask).
     num_stages: 3 for 64-row tiles where shared memory allows (the compute-heavier tree and T = 8
-    steps gained 10-20%), and for short contexts (n_keys, the static bound on a row's context keys,
-    < 2048: a batch-64 draft level through a 256-token cache took 10.1 µs instead of 12.5); else 2
-    (decode at T ≤ 2 over long contexts is at the HBM floor either way, with more programs per SM).
+    steps gain from the deeper pipeline), and for short contexts (n_keys, the static bound on a row's
+    context keys, < 2048, as a batch-64 draft level through a short cache); else 2 (decode at T ≤ 2
+    over long contexts is at the HBM floor either way, with more programs per SM).
     """
     block_d = max(16, triton.next_power_of_2(D))
     block_m = 16 if M <= 16 else 64
@@ -347,12 +348,12 @@ def default_num_splits(n_keys: int, programs: int, num_sms: int, block_m: int = 
     lengths themselves, so the call stays graph-capturable. programs: B * Hkv * M tiles. per_sm: the
     compiled kernel's resident programs per SM (redwood.kernels.occupancy); None → the estimate of 2
     programs of 64 rows, 3 of ≤ 32 rows. A last, partial wave costs about as much as a full one
-    (measured: 288 programs on 264 slots ran 1.5x slower than 256), so take the fewest splits whose
+    (docs/perf/attention.md, "Figures cited from the source"), so take the fewest splits whose
     waves are ≥ 95% full — or, if none is, the best filled. Each split keeps ≥ 1024 keys of the bound
     (short rows just leave later splits empty); at most 64 splits.
     A grid that fills ≤ 1/8 of the GPU (batch 1-4) is latency-bound instead: its few programs walk
     their keys one tile after another. There the context splits into up to 8 pieces of ≥ 64 keys even
-    when short (batch 1, 384 keys: 10.1 µs as one split, 5.3 µs as 8 with the merge kernel).
+    when short (docs/perf/attention.md, session 7, attempt 17).
     """
     slots = num_sms * (per_sm or (3 if block_m <= 32 else 2))
     max_splits = max(1, min(64, n_keys // 1024))
@@ -370,10 +371,10 @@ def default_num_splits(n_keys: int, programs: int, num_sms: int, block_m: int = 
 
 _OCCUPANCY: dict = {}
 # How a paged cache whose page size is a multiple of the key tile finds a context tile's page (the
-# others only for measuring; H200, session 10, batch 64 × 32K, 5 causal tokens: 1.006 / 1.12 / 1.40 ×
-# the dense time): "prefetch": one table load per tile, issued a tile ahead (its latency hides behind
-# the current tile); "tile": one per tile, in the tile's step (the load before the K/V copies stalls
-# the 3-stage pipeline); "key": one per key, as for other page sizes.
+# others only for measuring; their times against the dense layout: docs/perf/attention.md, session 10):
+# "prefetch": one table load per tile, issued a tile ahead (its latency hides behind the current tile);
+# "tile": one per tile, in the tile's step (the load before the K/V copies stalls the 3-stage pipeline);
+# "key": one per key, as for other page sizes.
 _PAGE_LOOKUP = "prefetch"
 
 

@@ -31,7 +31,7 @@ Design (flash-attention forward with the decode kernel's GQA packing and paging)
                  s > L_b + t_hi, are never visited).
     lo is tile-aligned, so every tile starts at a multiple of BLOCK_N: where page_size is a multiple
     of BLOCK_N a tile lies in one page — one block-table lookup per tile (issued one tile ahead in the
-    unmasked loop, as triton_decode's "prefetch", which measured 1.006× dense there); other page sizes
+    unmasked loop, as triton_decode's "prefetch", which reads at about the dense time there); other page sizes
     (a dense cache: page_size = capacity) look up each key's page.
   * Online softmax in base 2 (scores scaled by log2(e)/sqrt(D) in fp32), fp32 accumulation; P is
     rounded to V's dtype for the PV product (16-bit inputs), fp32 inputs use IEEE dots. Every real row
@@ -252,10 +252,10 @@ def launch_config(D: int, dtype: torch.dtype, big_smem: bool = False) -> dict:
     """Block sizes and launch options from static shapes: the flash-attention forward's usual
     Hopper/Ampere choice for 16-bit operands at D ≤ 128 — 128 query rows × 64 keys per step, 8 warps
     (two warpgroups of 64 rows), 3 stages where shared memory allows (q 32 KB + 3 × (K + V) 32 KB =
-    128 KB at D = 128). On the H200 (prefill_bench.py --sweep, NOTES.md session 13) it was the fastest of
-    seven tilings in every case (300-410 TFLOP/s at the 1.5B's G = 6, D = 128). Compiled for
-    sm_90 by triton 3.9 on the CPU machine (NOTES.md, session 12): bf16 D = 128 230 registers, no spills,
-    wgmma; 128 × 128 tiles spill (144 B), as do 4-warp 128-row tiles. D > 128: 64 × 32, 8 warps (no
+    128 KB at D = 128). On the H200 (prefill_bench.py --sweep) it was the fastest of the tilings swept
+    in every case (docs/perf/engine.md, session 13). Compiled for sm_90 (docs/perf/attention.md,
+    session 12): bf16 D = 128 fits its registers without spills and uses wgmma; 128 × 128 tiles spill,
+    as do 4-warp 128-row tiles. D > 128: 64 × 32, 8 warps (no
     spill at D = 256). fp32 (tests; not a speed path: its IEEE dots are FMA loops that spill at
     D = 128 whatever the tile): 64 × 32 × 8 warps at D ≤ 64 (no spill),
     32 × 16 × 4 warps above (the least spilled)."""

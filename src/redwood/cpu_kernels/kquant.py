@@ -5,14 +5,14 @@ file's own super-blocks (uint8 [N, K / 256 · block bytes]); each activation row
 to int8 and every super-block's dot product is integer arithmetic (AVX-512 VNNI), so the bytes read per
 token are the file's and each output row depends only on its own input row (the kernel's docstring).
 
-The kernel is C++ compiled with the machine's g++ the first time it is needed (~30 s, then cached by
+The kernel is C++ compiled with the machine's g++ the first time it is needed (tens of seconds, then cached by
 torch.utils.cpp_extension under TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). `available()`
 says whether this machine can run it (x86 with AVX-512 BW / VL / VNNI and F16C, a C++ compiler, and a build
 that succeeds); `why_unavailable()` says why not.
 
 The wrappers here check their arguments in Python before calling the C++ ops (which check them again): on
 some torch builds an exception thrown by a JIT-built extension kills the process instead of raising
-(benchmarks/NOTES.md, session 17: a minimal TORCH_CHECK extension segfaults on the H200 machine's torch 2.11),
+(a minimal TORCH_CHECK extension crashes that way on one such build: docs/perf/cpu.md, session 17),
 so bad input must never depend on the C++ checks.
 """
 

@@ -8,10 +8,10 @@
 //   h = rms_norm(x; norm2);  x += (silu(h · Wgᵀ + bg) * (h · Wuᵀ + bu)) · Wdᵀ + bd
 //
 // Every projection is a kquant product (kquant.h: the GGUF file's Q4_K / Q6_K blocks × int8 activations).
-// Why one call: a decode step of the 1.5B spends ~50 ms in those products and ~20 ms in the ~25 PyTorch ops and
-// the Python between them per layer (norms, bias adds, rotary, the cache write and page gather, attention's
+// Why one call: besides those products, a decode step spent a large share of its time in the ~25 PyTorch ops a
+// layer and the Python between them (norms, bias adds, rotary, the cache write and page gather, attention's
 // matmuls and softmax, SiLU, residual adds: each a dispatch and an allocation over a few KB). Here they are
-// loops over the same few KB.
+// loops over the same few KB. (The profile: docs/perf/cpu.md, session 17.)
 //
 // Shapes: x float32 [M, H] (M = B·T new tokens, row-major over (b, t)), updated in place (the residual stream);
 // weights: the layer's packed projections in order — `groups[0]` tensors whose outputs side by side are

@@ -149,9 +149,9 @@ class RequestState:
     context leaves after the prompt; reaching both at once is "length") once done. Text is detokenized
     incrementally; `pop_delta` returns the text added since its last call (held back while the tail is
     an incomplete UTF-8 sequence). A fast (Rust) tokenizer detokenizes through its own incremental
-    decoder (`tokenizers.decoders.DecodeStream`, ~1.5 µs a token); others through two `decode` calls over
-    a short window per token (11–36 µs: at 64 rows × 3 tokens per step that was 7 ms of host time per
-    step on the H200). Text is made when needed — every token when stop strings must be checked, else
+    decoder (`tokenizers.decoders.DecodeStream`); others through two `decode` calls over a short window
+    per token, which at large batch was a visible share of a step's host time (docs/perf/engine.md,
+    session 11). Text is made when needed — every token when stop strings must be checked, else
     when `text` / `pop_delta` is read.
 
     Per output token (aligned with output_ids): its source ("draft" / "target") and, when the request

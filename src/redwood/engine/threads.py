@@ -4,12 +4,12 @@ Order of precedence: an explicit `threads` → the OMP_NUM_THREADS environment v
 set it: torch already read it) → `default_threads()`, the rule measured in docs/perf/cpu.md
 ("Session 11: CPU threads", re-measured with packed weights in "Session 13: CPU"): one thread on a machine
 of at most two cores, torch's own default (its physical cores, as llama.cpp's) above that, where nothing
-was measured. On the 2-core machine, idle, two threads decode 1.4–1.7× faster; with one other busy
-process, 2.2–2.5× slower. So where the count is left to redwood on such a machine, the Engine's decode steps
-choose 1 or 2 as they run (`AdaptiveThreads`, session 17) for models whose decode steps are bit-identical at
-any count (kquant kinds: every forward through the C++ layers), while loading and prefill chunks keep the one
-thread (≥ 128-row prefill chunks through oneDNN's gemm round differently at another count), so the output
-never depends on the machine's load. The setting is process-wide
+was measured. On the 2-core machine two threads decode faster while it is idle and much slower while one
+other process is busy (OpenMP's barriers wait for the descheduled thread). So where the count is left to
+redwood on such a machine, the Engine's decode steps choose 1 or 2 as they run (`AdaptiveThreads`) for models
+whose decode steps are bit-identical at any count (kquant kinds: every forward through the C++ layers), while
+loading and prefill chunks keep the one thread (≥ 128-row prefill chunks through oneDNN's gemm round
+differently at another count), so the output never depends on the machine's load. The setting is process-wide
 (torch has one intra-op pool), so the last Engine built sets it for every model in the process.
 """
 
@@ -21,9 +21,9 @@ import torch
 
 from redwood.errors import ConfigError
 
-# Measured on the 2-core machine (benchmarks/cpu_threads.py): with both cores given to torch, any other
-# work on the machine (a second process, the OS, this process's own Python thread) stalls OpenMP's
-# barrier-synchronised matmuls, and decoding ran 1.8-3.5x slower than on one thread (docs/perf/cpu.md).
+# On the 2-core machine, with both cores given to torch, any other work on the machine (a second process,
+# the OS, this process's own Python thread) stalls OpenMP's barrier-synchronised matmuls, and decoding ran
+# slower than on one thread (docs/perf/cpu.md, "Session 11: CPU threads").
 SMALL_MACHINE_CORES = 2
 _TORCH_DEFAULT = torch.get_num_threads()  # what torch chose at import (its physical cores, or the user's)
 
@@ -77,16 +77,16 @@ def apply_threads(threads: int | None) -> int:
 class AdaptiveThreads:
     """The thread count of each decode step on a small machine, chosen by measuring both counts as it runs.
 
-    Why: on the 2-core machine two threads decode ~1.5× faster than one while the machine is idle and ~2.5× slower
-    while another process holds a core (docs/perf/cpu.md, session 17: each of a step's ~170 OpenMP regions
-    waits for the descheduled thread), and which of the two holds changes as other work comes and goes. So decode
-    steps start at `wide` and time themselves: at the first step of a new shape `key`, right after a step took
-    1.5× its average, and every PROBE_EVERY steps — an interval that doubles (to MAX_INTERVAL) each time a probe
-    loses, so a lasting state costs few slow probe steps — one step runs at the other count; the faster count
-    (by MARGIN, against noise) is kept. Prefill chunks stay at `base` (their gemm paths may round differently at
-    another thread count); a decode step computes the same bits at any count for the models this is used with
-    (`engine.Engine`: kquant-kind models, whose layer and kernel rows are thread-count exact — tested), so the
-    output never depends on the choice.
+    Why: on the 2-core machine two threads decode faster than one while the machine is idle and much slower while
+    another process holds a core (each of a step's OpenMP regions waits for the descheduled thread; the figures:
+    docs/perf/cpu.md, session 17), and which of the two holds changes as other work comes and goes. So decode steps
+    start at `wide` and time themselves: at the first step of a new shape `key`, right after a step took 1.5× its
+    average, and every PROBE_EVERY steps — an interval that doubles (to MAX_INTERVAL) each time a probe loses, so a
+    lasting state costs few slow probe steps — one step runs at the other count; the faster count (by MARGIN,
+    against noise) is kept. Prefill chunks stay at `base` (their gemm paths may round differently at another thread
+    count); a decode step computes the same bits at any count for the models this is used with (`engine.Engine`:
+    kquant-kind models, whose layer and kernel rows are thread-count exact — tested), so the output never depends on
+    the choice.
     """
 
     PROBE_EVERY = 32

@@ -1,20 +1,21 @@
 """Weights pulled into L2 ahead of the kernel that reads them, for captured one-token forwards.
 
-At batch 1 a decoder layer reads ~94 MB of weights (the 1.5B in bf16), 88% of it in the gate/up and down
-matrices, but the HBM is busy only while those two kernels run: the q/k/v projection, attention and the
-o projection before them read little (11 MB, attention a few KB) and are bound by latency — ~13 µs a
-layer in which the memory system idles (benchmarks/NOTES.md, sessions 4-14). The persistent forward of
-session 14 tried to remove those bubbles by fusing every stage into one kernel; this does it without
+At batch 1 most of a decoder layer's weight bytes are in the gate/up and down matrices, but the HBM is
+busy only while those two kernels run: the q/k/v projection, attention and the o projection before them
+read little and are bound by latency, a stretch of every layer in which the memory system idles (the
+byte counts and times: docs/perf/megakernel.md, session 15). A persistent forward fusing every stage into
+one kernel tried to remove those bubbles; this does it without
 touching the kernels: once a layer's q/k/v kernel has run, a small kernel on a side stream asks the copy
 engines (Hopper's `cp.async.bulk.prefetch.L2`, one instruction per 64 KB, PER_PROGRAM instructions per
 program so that many SMs issue them, nothing loaded into registers) to bring the layer's o projection and
 the first part of its gate/up matrix into L2, while attention runs. The gate/up kernel then finds that
 part in L2 and reads only the rest from HBM.
 
-Measured (H200, session 15): it gains 1-5%, not the ~15% the byte count predicted — the skinny kernels are
-bound by their programs' memory round trips, not by HBM bandwidth, so L2 hits shorten them little; and a
-single issuing program (the first version) made a step up to 2x slower (one SM's copy engine issues the
-prefetches slowly, and the side stream's chain of prefetch kernels became the critical path).
+It gains far less than the byte count predicted (docs/perf/megakernel.md, session 15): the skinny kernels
+are bound by their programs' memory round trips, not by HBM bandwidth, so L2 hits shorten them little. The
+prefetches are spread over many programs because a single issuing program made steps slower (one SM's copy
+engine issues the prefetches slowly, and the side stream's chain of prefetch kernels became the critical
+path).
 
 Results are unchanged bit for bit: a prefetch is a hint (the kernels read the same values by the same
 loads). Ordering: the side stream forks after the q/k/v kernel of each layer (so its prefetches queue
@@ -38,8 +39,8 @@ from redwood.kernels.triton_import import INTERPRET, jit, tl, triton
 
 CHUNK = 1 << 16  # bytes per prefetch instruction
 PER_PROGRAM = 16  # instructions per program: a region is spread over many SMs' copy engines
-# Off by default: on an H200 (benchmarks/NOTES.md, session 15) 8 MB was the best of 4-32 and gained only 1-5%
-# (1.5B bf16 −0.9 to −1.6%, 0.5B int8 draft level −1.3 to −5.3%), and the whole GPU suite has not yet run with it on.
+# Off by default: the best budget gained little (docs/perf/megakernel.md, session 15), and the whole GPU suite
+# has not yet run with it on.
 DEFAULT_MB = 0.0
 _budget_mb = [DEFAULT_MB]
 

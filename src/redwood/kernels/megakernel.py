@@ -2,7 +2,8 @@
 
 Why: a batch-1 forward through the skinny kernels is ~150 launches (5 per layer + the head), and each
 kernel's launch, ramp-up and drain — plus the latency-bound q/k/v, attention and o stages — leave the HBM
-idle for ~40% of a step (benchmarks/NOTES.md, sessions 4-15). In the kernel one block per SM streams
+idle for a large part of a step (docs/perf/gpu.md, sessions 4-6, and docs/perf/megakernel.md, session 15;
+the share: megakernel.md, "Figures cited from the source"). In the kernel one block per SM streams
 its share of every weight tile of the forward into a shared-memory ring with bulk copies, running ahead
 across stage and layer boundaries, while its consumer warps run the stages in order and the blocks meet
 at device-side counters instead of kernel boundaries.
@@ -16,8 +17,8 @@ the table must exist before capture, which the StepRunner's eager warm-up ensure
 Where it applies (`MegaForward.takes`): CUDA, bfloat16, a Llama/Qwen2-style model with head_dim 64 or 128, no
 o / MLP biases, no sliding window, resident (not offloaded) layers, one new token of a one-row cache (with `pending`
 earlier draft tokens), no compressed view or observer; model-dtype weights, or `quantize_skinny`'s int8 copies through its int8 build
-(W8). On by default where it applies (measured faster than the skinny kernels at 512 and 4096 keys for the
-1.5B and 0.5B shapes: benchmarks/results/2026-12-04-h200-session20); `ExecutionConfig(megakernel="off")` turns it
+(W8). On by default where it applies (faster than the skinny kernels for the 1.5B and 0.5B shapes at short and
+long contexts: docs/perf/megakernel.md, session 20); `ExecutionConfig(megakernel="off")` turns it
 off. The CUDA backend (redwood.models.backends.cuda) takes it first, while its skinny path is on (off: the cuBLAS A/B).
 
 Rounding matches the skinny path (redwood.kernels.gemv, qkv_rope): float32 sums (in another order), the

@@ -2,8 +2,8 @@
 
 Inside a CUDA graph a batch-1 forward is a chain of small kernels, each of which waits for the previous
 one to finish, then ramps up and starts reading its weights: a few microseconds per kernel of which
-little is bytes (NOTES.md: the 0.5B draft's layers run at ~3x their byte floor). A kernel launched with
-PDL may start while the previous kernel in the stream is still running; it must execute `gdc_wait`
+little is bytes (the draft's layers run well above their byte floor: docs/perf/gpu.md, session 5). A kernel
+launched with PDL may start while the previous kernel in the stream is still running; it must execute `gdc_wait`
 (griddepcontrol.wait: the previous grid has completed and its writes are visible) before it reads
 anything an earlier kernel wrote, and before it writes anything. What it does before that wait is free
 to overlap: the skinny matmuls prefetch their first weight tile into L2 there (hints only: the tile is
@@ -14,8 +14,8 @@ start, so the next one may be scheduled as soon as this one's last programs are 
 The launches are on only inside `launches()` — `StepRunner` opens it around the warm-up and the capture
 of its graphs, after a device synchronization (so weights loaded earlier are settled) — on a GPU of
 compute capability ≥ 9, where `request()` asked for it (a benchmark switch, benchmarks/decode_step.py --pdl;
-off by default: measured on an H200, a 0.5B draft level
-−4%, a 1.5B step −1%, nothing visible end to end; benchmarks/NOTES.md, session 6). Eager forwards
+off by default: on an H200 it shortened one-token forwards a little and nothing visible end to end;
+docs/perf/gpu.md, session 6). Eager forwards
 never use it. Kernels take a PDL constexpr (`flag`) and the launch options from `launch_options`
 (Triton's `launch_pdl`).
 """

@@ -29,8 +29,8 @@ def heuristic_config(N: int, K: int, silu: bool = False, int8: bool = False, row
     """A tile config for shapes the tuned table lacks. One row: enough programs to keep every SM
     streaming (few weight rows per program when N is small) and ~8K-element W tiles per iteration (twice
     the elements for int8 weights: the same bytes) — except int8 gate/up and LM-head-sized matrices, whose
-    sweeps on the H200 (1.5B and 0.5B shapes, session 5) all chose 8-16 rows × 512 columns. 2-8 rows
-    (the tensor-core tile kernel measured 1.5-3x slower than cuBLAS, session 5): the one-row config with
+    sweeps on the H200 (1.5B and 0.5B shapes) all chose 8-16 rows × 512 columns. 2-8 rows (the tensor-core
+    tile kernel lost to cuBLAS there: docs/perf/gpu.md, session 5, attempt 9): the one-row config with
     BLOCK_N ≤ 8, which runs the CUDA-core rows kernel (unmeasured); tile configs (BLOCK_N ≥ 16) come only
     from a sweep's table — except for 9-64 rows, which only the tile kernel takes: 32 weight rows × 128
     columns per step, 3 stages."""

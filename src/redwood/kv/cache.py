@@ -163,8 +163,8 @@ class KVCache:
     def _context_cpu(self, buf: torch.Tensor, n: int, num_slots: int) -> torch.Tensor:
         """context() of one layer's buffer [pages, Hkv, ps, D] on the CPU: the first n pages of every row
         concatenated along the slots ([B, Hkv, num_slots, D], a view of the page when B = n = 1). The same
-        values as indexing the buffer by the page table (one cat of page views: ~4× faster than the
-        index + transposing reshape at 2 pages)."""
+        values as indexing the buffer by the page table (one cat of page views: faster than the index +
+        transposing reshape; docs/perf/cpu.md, session 14)."""
         B, (_, H, ps, D) = self.batch_size, buf.shape
         pages = self.block_table[:, :n].tolist()
         if B == 1 and n == 1:

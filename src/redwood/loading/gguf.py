@@ -11,13 +11,13 @@ Three details of the format matter here:
 - llama.cpp's converter reorders the rows of the Q and K projections of *llama*-architecture models
   so that each head's two rotary halves are interleaved (the layout of llama.cpp's own RoPE). redwood
   applies rotate-half RoPE, so those rows are put back. Qwen2 files are written without the reordering.
-- Weights are block-quantized. The `gguf` package can dequantize every type, but its numpy code runs
-  at 35-60 M values/s on two cores, so this module decodes the supported block types with vectorized
-  torch code (bit-exact with `gguf.quants.dequantize`; tests check this) a few thousand blocks at a
-  time, which keeps the temporaries in cache and runs several times faster.
+- Weights are block-quantized. The `gguf` package can dequantize every type, but its numpy code is
+  slow on a small CPU, so this module decodes the supported block types with vectorized torch code
+  (bit-exact with `gguf.quants.dequantize`; tests check this) a few thousand blocks at a time, which
+  keeps the temporaries in cache (figures: docs/perf/cpu.md, "Figures cited from the source").
 
 Speed is also why the header is parsed here rather than with `gguf.GGUFReader`, which builds a numpy
-view per metadata element and needs ~20 s for the 300K vocabulary strings of a Qwen2.5 file. The
+view per metadata element — slow for the large vocabulary arrays of a Qwen2.5 file (same page). The
 `gguf` package still supplies the type table (`GGMLQuantizationType`, `GGML_QUANT_SIZES`).
 """
 
@@ -153,9 +153,9 @@ class GGUFHeader:
 class _HeaderParser:
     """Reads a GGUF header (v2/v3, little-endian) from a buffer with `struct`.
 
-    The `gguf` package's GGUFReader builds numpy views for every metadata element and takes ~20 s on a
-    Qwen2.5 file (300K tokenizer strings); this walks the same bytes in well under a second, skipping
-    the contents of array fields.
+    The `gguf` package's GGUFReader builds numpy views for every metadata element, which is slow for the
+    large tokenizer arrays of a Qwen2.5 file (docs/perf/cpu.md, "Figures cited from the source"); this
+    walks the same bytes, skipping the contents of array fields.
     """
 
     def __init__(self, buf, size: int) -> None:
@@ -724,7 +724,7 @@ def _build(f: _MappedFile, path: Path, dtype: torch.dtype, transform=None) -> GG
     tensors: dict[str, torch.Tensor] = {}
     type_counts: dict[str, int] = {}
     permute = config.arch == "llama"
-    # (dequantizing is the load's slow part: 10-160 s for a 1.5B model on a busy 2-core machine)
+    # (dequantizing is the load's slow part, hence the progress bar)
     with Progress(total=sum(t.n_bytes for t in wanted.values()), desc=f"loading {path.name}", unit="B") as bar:
         for target, t in wanted.items():
             type_counts[t.type_name] = type_counts.get(t.type_name, 0) + 1
@@ -810,8 +810,9 @@ def load_gguf_tokenizer(path: str | Path):
 
     The chat template comes from the file's `tokenizer.chat_template` field when there is one.
     `PreTrainedTokenizerFast.from_pretrained(..., gguf_file=...)` is used rather than `AutoTokenizer`: the
-    latter first parses the whole file with `gguf.GGUFReader` to pick a model-specific class (~25 s for
-    a Qwen2.5 vocabulary on two cores, against ~3 s), and the tokenizer it builds encodes identically.
+    latter first parses the whole file with `gguf.GGUFReader` to pick a model-specific class (several times
+    slower for a Qwen2.5 vocabulary: docs/perf/cpu.md, "Figures cited from the source"), and the tokenizer
+    it builds encodes identically.
     """
     path = _check_path(path)
     metadata = read_gguf_metadata(path)  # also reports a corrupt file clearly before transformers sees it

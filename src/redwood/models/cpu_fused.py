@@ -5,10 +5,10 @@ default for GGUF files where the kernel builds), in a forward of at most `refere
 tokens per row (decode, chain and tree verifies, drafting) that reads the full context (no compressed view,
 no SnapKV observer). Everything else keeps `backends.cpu_packed.packed_layer`.
 
-Why: the projections of a 1.5B decode step take ~50 ms on one core, and the ~25 small PyTorch ops a layer
-between them (norms, bias adds, rotary, cache write, the page gather, attention, SiLU, residual adds) and the
-Python that calls them took ~20 ms more (benchmarks/NOTES.md, session 17). The C++ layer does the same
-arithmetic in loops over the same few KB.
+Why: besides the projections, the ~25 small PyTorch ops a layer between them (norms, bias adds, rotary,
+cache write, the page gather, attention, SiLU, residual adds) and the Python that calls them cost a decode step
+a large share of its time, each a dispatch and an allocation over a few KB. The C++ layer does the same
+arithmetic in loops over the same few KB (the profile before and after: docs/perf/cpu.md, session 17).
 
 The key plan — which cache slots each new token attends to — is computed once per forward (for all layers)
 as ranges of logical slots: one range [0, L + P + t + 1) for a causal decode / chain / draft query, the

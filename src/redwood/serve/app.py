@@ -4,9 +4,9 @@
     GET  /v1/models, /v1/models/{name}, /health, /metrics, /   (the playground page)
 
 A request is validated (`protocol`), tokenized here (the chat template for chat) on a small thread pool,
-never on the event loop: a 24K-token prompt takes ~0.1 s to encode, and encoding every prompt on the loop
-in turn stalled streaming and capped admissions below what the engine steps (measured on the H200: the
-server fed 64 long-context slots at about half the in-process rate). The tokenizers library releases the
+never on the event loop: a long prompt takes a noticeable time to encode, and encoding every prompt on the
+loop in turn stalled streaming and capped admissions below what the engine steps (the figures:
+docs/perf/engine.md, "Figures cited from the source"). The tokenizers library releases the
 GIL while it encodes, so the engine thread keeps stepping meanwhile. The prompt is then checked against the
 context, turned into n `SamplingParams` (choice i seeded seed + i) and handed to the `EngineLoop` as one
 group; its deltas come back on one asyncio queue and are built into OpenAI JSON (`responses`). A
