@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine.test_engine import models  # noqa: F401 — the (target, draft, tokenizer) fixture
+
 RECORDING = Path(__file__).with_name("recorded_workload.json")
 
 MODES = ["ar", "chain-draft-full", "chain-draft-streaming", "tree-draft-full", "chain-self-streaming",
@@ -92,21 +94,10 @@ def run_workload(target, draft, tokenizer, mode: str) -> dict:
     return {"deltas": out, "preempted": preempted[0]}
 
 
-@pytest.fixture(scope="module")
-def recorded_models(tmp_path_factory, tokenizer):
-    from redwood import LLM
-    from tests.conftest import save_target_and_draft
-
-    root = tmp_path_factory.mktemp("recorded-models")
-    save_target_and_draft(root, tokenizer, noise=0.01)
-    target, draft = LLM(str(root / "target")), LLM(str(root / "draft"))
-    return target.model, draft.model, target.tokenizer
-
-
 @pytest.mark.parametrize("mode", MODES)
-def test_step_matches_the_recording(recorded_models, mode):
+def test_step_matches_the_recording(models, mode):
     want = json.loads(RECORDING.read_text())[mode]
-    got = json.loads(json.dumps(run_workload(*recorded_models, mode)))  # (tuples → lists, as recorded)
+    got = json.loads(json.dumps(run_workload(*models, mode)))  # (tuples → lists, as recorded)
     assert got == want
 
 
