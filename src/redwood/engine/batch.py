@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from redwood.engine.request import TokenLogprob
 from redwood.sampling_params import SamplingParams
 
@@ -62,3 +64,12 @@ class StepResult:
     verify_s: float = 0.0
     prefill_s: float = 0.0
     capture_s: float = 0.0
+
+
+def logprob_rows(rows: list[DecodeRow], lp: tuple[torch.Tensor, ...]) -> dict[int, tuple[list, list, list]]:
+    """The step's `token_logprobs` output on the host, for the rows whose requests asked:
+    {slot: (chosen [A], top values [A][20], top ids [A][20])} (only those rows are copied)."""
+    slots = [r.slot for r in rows if r.params.logprobs is not None]
+    idx = torch.tensor(slots).to(lp[0].device)
+    chosen, top_v, top_i = (t.index_select(0, idx).tolist() for t in lp)
+    return {b: (chosen[k], top_v[k], top_i[k]) for k, b in enumerate(slots)}

@@ -30,7 +30,7 @@ import time
 import torch
 
 from redwood.config import CPU_KV_MEMORY_GIB, EngineConfig
-from redwood.engine.batch import DecodeRow, PrefillWork, StepBatch, StepResult, Tokens
+from redwood.engine.batch import DecodeRow, PrefillWork, StepBatch, StepResult, Tokens, logprob_rows
 from redwood.engine.decode import ARStep, SpecStep, resolve_verifier
 from redwood.engine.loaded import LoadedModels
 from redwood.engine.prefill import prefill_row, prefill_rows
@@ -169,10 +169,9 @@ class Executor:
             return tree
         if depth < 1:
             return None
-        cut = self._cut_trees.get(depth)
-        if cut is None:  # the first depth + 1 levels (nodes are numbered breadth-first: a prefix)
-            cut = self._cut_trees[depth] = Tree(tree.parents[:tree.levels[depth].stop])
-        return cut
+        if depth not in self._cut_trees:
+            self._cut_trees[depth] = tree.first_levels(depth)
+        return self._cut_trees[depth]
 
     def runner(self, role: str, n: int) -> StepRunner:
         """The runner of `role` ("target" | "draft") over the first n slots (made on first use)."""
@@ -189,15 +188,6 @@ class Executor:
             runner = StepRunner(model, cache.rows(n), use_graphs=graphs)
             self.runners[key] = runner
         return runner
-
-    @staticmethod
-    def _logprob_rows(rows: list[DecodeRow], lp: tuple[torch.Tensor, ...]) -> dict[int, tuple[list, list, list]]:
-        """The step's `token_logprobs` output on the host, for the rows whose requests asked:
-        {slot: (chosen [A], top values [A][20], top ids [A][20])} (only those rows are copied)."""
-        slots = [r.slot for r in rows if r.params.logprobs is not None]
-        idx = torch.tensor(slots).to(lp[0].device)
-        chosen, top_v, top_i = (t.index_select(0, idx).tolist() for t in lp)
-        return {b: (chosen[k], top_v[k], top_i[k]) for k, b in enumerate(slots)}
 
     def _decode(self, rows: list[DecodeRow], result: StepResult) -> None:
         slots = [r.slot for r in rows]
@@ -243,7 +233,7 @@ class Executor:
             draft_capture_s = captures() - capture0
             path, accepted, nxt, new_prev, host, lp = step.verify(tokens, q)
         host_list = host.tolist()  # the step's one host synchronization
-        lp_rows = self._logprob_rows(rows, lp) if want_lp else {}
+        lp_rows = logprob_rows(rows, lp) if want_lp else {}
         # Rows that did not generate keep their random counters (their draws are discarded).
         generating = torch.zeros(n, dtype=torch.bool)
         generating[slots] = True

@@ -110,6 +110,10 @@ class Tree:
         starts.append(self.size)
         return tuple(range(a, b) for a, b in zip(starts[:-1], starts[1:]))
 
+    def first_levels(self, depth: int) -> "Tree":
+        """The tree cut to its first depth + 1 levels (nodes are numbered breadth-first: a prefix)."""
+        return self if depth >= self.max_depth - 1 else Tree(self.parents[:self.levels[depth].stop])
+
     @cached_property
     def level_slices(self) -> tuple[slice, ...]:
         return tuple(slice(r.start, r.stop) for r in self.levels)
