@@ -10,7 +10,7 @@ floor, short table last. --quick: only the graphed variants with the Triton atte
 graphed variant also with programmatic dependent launch (`pdl.request`, redwood.kernels.pdl), side by side.
 --l2-prefetch MB…: the graphed skinny variants again with each layer's o and first MB of gate/up prefetched
 into L2 (`l2_prefetch.set_megabytes`, redwood.kernels.l2_prefetch), 0 off; with --pdl also each with PDL.
---int8: the skinny path reads int8 weight copies (as `--draft-quant int8` does for the draft). --kernels: per
+--int8: the skinny path reads int8 weight copies (as `--draft-weights int8` does for a CUDA draft). --kernels: per
 variant and token count, the kernels of one forward (profiled eagerly: each kernel's GPU time is the same
 in a graph) — count, their summed time, and the largest — so the graphed step's time splits into kernel
 work and the gaps between kernels.

@@ -139,7 +139,7 @@ def speculative_config(variant: str, args) -> SpeculativeConfig:
     kv = "full" if variant == "draft-full" else "streaming"
     return SpeculativeConfig(draft_model=args.draft_model, draft_kv=kv,
                              draft_budget=None if kv == "full" else args.budget, num_draft_tokens=args.gamma,
-                             draft_quant="int8" if variant == "draft-int8" else None)
+                             draft_weights="int8" if variant == "draft-int8" else "auto")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ Each timing replays one CUDA graph of `--calls` products cycling through enough 
 weights come from HBM, not L2 (≥ 256 MB per shape) — launch gaps inside a graph included, as in a
 decode step. Usage:
     PYTHONPATH=src:. python benchmarks/gemv_bench.py [--sweep] [--int8] [--write src/redwood/kernels/gemv_configs]
---int8 also times every matrix with int8 weights (per-row scales; `--draft-quant int8`), vs bf16 cuBLAS;
+--int8 also times every matrix with int8 weights (per-row scales; `--draft-weights int8` on CUDA), vs bf16 cuBLAS;
 --rows 1 2 4 8 times 2-8 activation rows too (the CUDA-core rows kernel and the tensor-core tile kernel,
 whichever config wins); --rows 16 32 64 the tile kernel at batched-decoding sizes (P3's batch-64 draft
 levels), where the cuBLAS+ops column adds the small kernels the fused op replaces on that path (the norm

@@ -90,7 +90,7 @@ p1)  # batch-1 autoregressive decode vs the memory floor vs HF transformers, sam
 steps)  # what one speculative step costs next to the forwards it runs (random 1.5B/0.5B-shaped models)
   run python3 benchmarks/spec_step.py --kernels --gen-len 64 2>&1 | tee "$OUT/spec-step.txt" | tail -40 ;;
 p2)  # batch-1 speculation with the 0.5B draft: chains and the hardware-aware DP tree, code and chat;
-     # once per draft weight format (P2_DRAFT_WEIGHTS: bf16, int8 = --draft-quant int8; acceptance vectors
+     # once per draft weight format (P2_DRAFT_WEIGHTS: bf16, int8 = --draft-weights int8; acceptance vectors
      # are measured once, with the bf16 draft)
   mkdir -p "$OUT/p2"
   for temp in ${P2_TEMPS:-0 0.6}; do
@@ -109,7 +109,7 @@ p2)  # batch-1 speculation with the 0.5B draft: chains and the hardware-aware DP
     done
     for wq in ${P2_DRAFT_WEIGHTS:-bf16 int8}; do
       sfx=""; quant=""
-      if [ $wq = int8 ]; then sfx="-int8"; quant="--draft-quant int8"; fi
+      if [ $wq = int8 ]; then sfx="-int8"; quant="--draft-weights int8"; fi
       run $R profile --model "$T" --draft-model "$D" $GPU $quant --temperature $temp \
           --output "$OUT/p2/profile-t$temp$sfx.json"
       for ds in humaneval mt-bench; do

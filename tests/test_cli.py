@@ -151,9 +151,10 @@ def test_generate_sampling_speculation(tiny_model_dir, capsys):
     (["--self-speculate", "--sinks", "-1"], "--sinks must be >= 0"),
     (["--self-speculate", "--draft-kv", "snapkv", "--draft-budget", "40", "--pool-kernel", "4"], "odd"),
     (["--self-speculate", "--verifier", "greedy", "--temperature", "0.7"], "--verifier greedy"),
-    (["--draft-quant", "int8"], "--draft-quant only applies when speculating"),
-    (["--draft-model", "d", "--draft-quant", "int4"], "--draft-quant must be one of int8"),
-    (["--self-speculate", "--draft-quant", "int8"], "self-speculation drafts with the target's weights"),
+    (["--draft-weights", "int8"], "--draft-weights only applies when speculating"),
+    (["--draft-model", "d", "--draft-weights", "int4", "--device", "cuda"],
+     "--draft-weights int4 is a CPU format; on CUDA the draft takes auto or float32 (--dtype) or int8"),
+    (["--self-speculate", "--draft-weights", "int8"], "self-speculation drafts with the target's weights"),
     (["--self-speculate", "--gamma", "1000"], "--gamma must be at most 64"),
     (["--self-speculate", "--gamma", "0"], "--gamma must be >= 1"),
     (["--threads", "0"], "--threads must be a positive integer, got 0"),
@@ -165,12 +166,21 @@ def test_speculation_flag_errors(flags, msg, tmp_path, capsys):
     assert err.startswith("redwood: error:") and msg in err and err.count("\n") == 1, err
 
 
-def test_int8_draft_needs_the_cuda_kernels(tiny_model_dir, capsys):
-    """--draft-quant int8 on the CPU: one clear line (the int8 path is the CUDA matrix-vector kernels)."""
+def test_int8_draft_on_the_cpu_is_the_cpu_int8_format(tiny_model_dir, capsys):
+    """--draft-weights int8 on the CPU: the draft loads in the CPU int8 format (the one-token int8 copies
+    are the CUDA matrix-vector kernels' — on the CPU, quantize_skinny is one clear error)."""
+    import pytest
+
+    from redwood.errors import ConfigError
+    from redwood.loading import load_draft_model, load_model
+
     rc = main(["generate", "--model", str(tiny_model_dir), "--prompt", "x", "--draft-model", str(tiny_model_dir),
-               "--draft-quant", "int8", "--max-new-tokens", "2"])
-    err = capsys.readouterr().err
-    assert rc == 2 and err.startswith("redwood: error:") and "matrix-vector kernels" in err and err.count("\n") == 1
+               "--draft-weights", "int8", "--max-new-tokens", "2"])
+    assert rc == 0, capsys.readouterr().err
+    draft = load_draft_model(tiny_model_dir, draft_weights="int8")
+    assert draft.model.weights == "int8" and draft.model.skinny_int8 is None
+    with pytest.raises(ConfigError, match="matrix-vector kernels"):
+        load_model(tiny_model_dir).model.quantize_skinny("int8")
 
 
 def test_incompatible_draft_tokenizer(tiny_model_dir, tmp_path, capsys):

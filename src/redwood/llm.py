@@ -70,9 +70,7 @@ class LLM:
     and a C++ compiler), else "w8a8" — int8 weights × int8 activations — where the CPU's int8 sums are exact,
     else "gguf", the file's own 4-bit grid as int4 and its other types int8; float32 for other checkpoints;
     "float32" | "bfloat16" | "int8" | "int4" | "w8a8" | "q4k" | "gguf" | "kquant"; see
-    `redwood.models.cpu_weights.gguf_default`). draft_weights: the same for a draft model ("auto": q4k —
-    re-quantized to Q4_K — where kquant runs, else w8a8, else int4; the output is the target's whatever the
-    draft's format).
+    `redwood.models.cpu_weights.gguf_default`). A draft model's format: `SpeculativeConfig.draft_weights`.
     execution: how the models' forwards run (`redwood.config.ExecutionConfig`: megakernel,
     prefill kernel, CPU fused layers, adaptive threads, …; None: the defaults).
     """
@@ -80,13 +78,13 @@ class LLM:
     def __init__(self, model: str | Path = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", speculative: SpeculativeConfig | None = None,
                  offload: bool = False, offload_prefetch: int = 2, cuda_graphs: bool | None = None,
-                 threads: int | None = None, weights: str = "auto", draft_weights: str = "auto",
+                 threads: int | None = None, weights: str = "auto",
                  execution: ExecutionConfig | None = None, **engine_args):
         self.engine_config = engine_config(cuda_graphs=cuda_graphs, **engine_args)
         if cuda_graphs and parse_device(device).type != "cuda":
             raise ConfigError("cuda_graphs needs device='cuda'")
         self.models = LoadedModels.load(model, dtype, device, speculative, offload, offload_prefetch, threads,
-                                        weights, draft_weights, max_model_len=self.engine_config.max_model_len,
+                                        weights, max_model_len=self.engine_config.max_model_len,
                                         execution=execution)
         m = self.models
         self.model, self.tokenizer, self.config = m.model, m.tokenizer, m.config

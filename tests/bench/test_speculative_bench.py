@@ -56,13 +56,14 @@ def test_standalone_table_and_report(tiny_model_dir, tiny_draft_dir, text_file, 
     out = _bench(["standalone", "--model", str(tiny_model_dir), "--draft-model", str(tiny_draft_dir),
                   "--prompts-file", str(text_file), "--prefix-len", "20", "40", "--gen-len", "6",
                   "--gamma", "2", "--draft-kv", "snapkv", "--draft-budget", "16", "--window", "8",
-                  "--output", str(tmp_path / "rep")], capsys)
+                  "--draft-weights", "int8", "--output", str(tmp_path / "rep")], capsys)
     assert out.startswith("standalone: ") and "snapkv(budget=16, window=8" in out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["1"]]
     assert [(r[1], r[2]) for r in rows] == [("20", "chain:2"), ("40", "chain:2")]
     assert all(r[12] == "yes" for r in rows)  # same as autoregressive (the column after ms/step)
     rep = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert rep["kind"] == "standalone" and rep["models"]["draft"].startswith(str(tiny_draft_dir))
+    assert rep["config"]["draft_weights"] == "int8" and "int8 weights" in rep["models"]["draft"]
     assert [r["prefix_len"] for r in rep["runs"]] == [20, 40]
     assert all(r["identical_to_ar"] is True and r["speedup"] > 0 for r in rep["runs"])
     assert "speedup_vs_context_length.png" in rep["plots"]

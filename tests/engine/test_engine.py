@@ -210,6 +210,22 @@ def test_engine_config_is_validated_on_construction():
         Engine.build(None, max_seqs=2)
 
 
+@pytest.mark.parametrize("name", ["draft_weights", "draft_quant"])
+def test_draft_weights_keyword_says_where_it_moved(name, tmp_path):
+    """The draft's weight format is SpeculativeConfig.draft_weights: the old keywords (Engine / LLM's
+    draft_weights, the config's draft_quant) say so, before anything loads (the model path does not exist)."""
+    from redwood import LLM
+    from redwood.engine.engine import engine_config
+
+    moved = r"draft_weights moved to SpeculativeConfig\(draft_weights=\.\.\.\)"
+    with pytest.raises(ConfigError, match=moved):
+        engine_config(**{name: "int8"})
+    with pytest.raises(ConfigError, match=moved):
+        Engine.from_pretrained(str(tmp_path / "nope"), **{name: "int8"})
+    with pytest.raises(ConfigError, match=moved):
+        LLM(str(tmp_path / "nope"), **{name: "int8"})
+
+
 def test_engines_share_loaded_models_and_each_sizes_its_own_kv(models):
     """Two engines over one LoadedModels: each allocates its KV when built (no lazy allocation), within its
     own memory share, and both generate the same greedy tokens."""

@@ -66,7 +66,7 @@ SPECS = {
     "self-streaming-tree": dict(self_speculate=True, draft_kv="streaming", sinks=2, window=12, tree="generic-16"),
     "draft-full-tree": dict(tree="generic-16"),
     "draft-snapkv-chain": dict(draft_kv="snapkv", draft_budget=16, window=4, num_draft_tokens=3),
-    "draft-int8-chain": dict(num_draft_tokens=3, draft_quant="int8"),  # int8 draft weights: outputs unchanged
+    "draft-int8-chain": dict(num_draft_tokens=3, draft_weights="int8"),  # int8 draft weights: outputs unchanged
 }
 
 

@@ -388,8 +388,10 @@ def test_speculative_config_valid():
     (dict(self_speculate=True, draft_kv="snapkv"), "draft-budget"),
     (dict(self_speculate=True, draft_kv="snapkv", draft_budget=8, window=16), "window"),
     (dict(self_speculate=True, draft_kv="snapkv", draft_budget=64, pool_kernel=2), "odd"),
-    (dict(draft_model="d", draft_quant="int4"), "unknown draft_quant"),
-    (dict(self_speculate=True, draft_quant="int8"), "self-speculation drafts with the target"),
+    (dict(draft_model="d", draft_weights="int3"), "unknown draft_weights 'int3'; choose one of auto, float32"),
+    (dict(draft_model="d", draft_weights=None), "unknown draft_weights None"),
+    (dict(self_speculate=True, draft_weights="int8"),
+     "draft_weights applies to a draft model; self-speculation drafts with the target"),
 ])
 def test_speculative_config_errors(kwargs, match):
     with pytest.raises(ConfigError, match=match):

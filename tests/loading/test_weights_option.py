@@ -3,6 +3,8 @@ CLI's --weights): what "auto" resolves to, and the ConfigErrors for bad values a
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -136,7 +138,7 @@ def test_llm_quantizes_target_and_draft(hf_pair):
     want = ar.generate(prompt, params)[0].token_ids
     assert llm.generate(prompt, params)[0].token_ids == want
     for kind in ("int8", "int4"):
-        llm = LLM(str(hf_pair[0]), weights="int8", draft_weights=kind, speculative=spec)
+        llm = LLM(str(hf_pair[0]), weights="int8", speculative=replace(spec, draft_weights=kind))
         assert llm.model.weights == "int8" and llm.engine.drafter.own_model.weights == kind
         assert f"{kind} weights" in llm.draft_name
         assert llm.generate(prompt, params)[0].token_ids == want  # the draft's format moves acceptance only
@@ -147,12 +149,46 @@ def test_draft_weights_needs_a_draft_model(hf_pair):
     from redwood.speculation.config import SpeculativeConfig
 
     with pytest.raises(ConfigError, match="unknown draft_weights 'int3'"):
-        LLM(str(hf_pair[0]), draft_weights="int3")
-    with pytest.raises(ConfigError, match="draft_weights applies to a draft model: give speculative="):
+        SpeculativeConfig(draft_model=str(hf_pair[1]), draft_weights="int3")
+    with pytest.raises(ConfigError, match="draft_weights moved to SpeculativeConfig\\(draft_weights=...\\)"):
         LLM(str(hf_pair[0]), draft_weights="int4")
-    spec = SpeculativeConfig(self_speculate=True, draft_kv="streaming", draft_budget=8, num_draft_tokens=2)
     with pytest.raises(ConfigError, match="self-speculation drafts with the target's weights"):
-        LLM(str(hf_pair[0]), draft_weights="int4", speculative=spec)
+        SpeculativeConfig(self_speculate=True, draft_kv="streaming", draft_budget=8, num_draft_tokens=2,
+                          draft_weights="int4")
+
+
+def test_draft_weights_on_each_device():
+    """What SpeculativeConfig.draft_weights means where the draft runs: every CPU format on the CPU; on CUDA
+    auto / float32 (the model's dtype) or int8 (int8 copies for the one-token forwards), else a ConfigError."""
+    from redwood.models.cpu_weights import WEIGHT_CHOICES, draft_weights_on
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert all(draft_weights_on(w, cpu) == (w, None) for w in WEIGHT_CHOICES)
+    assert draft_weights_on("auto", cuda) == ("auto", None) and draft_weights_on("float32", cuda) == ("float32", None)
+    assert draft_weights_on("int8", cuda) == ("auto", "int8")
+    for w in ("bfloat16", "int4", "w8a8", "q4k", "gguf", "kquant"):
+        with pytest.raises(ConfigError, match=f"draft_weights='{w}' is a CPU format; on CUDA a draft model takes "
+                                              f"auto or float32 \\(its dtype\\) or int8"):
+            draft_weights_on(w, cuda)
+    with pytest.raises(ConfigError, match="unknown draft_weights 'int3'"):
+        draft_weights_on("int3", cpu)
+
+
+def test_cuda_draft_format_is_refused_before_loading(hf_pair, monkeypatch):
+    """A CPU format for a CUDA draft: the error comes before any weight loads (any machine: nothing loads)."""
+    import redwood.engine.loaded as loaded
+    from redwood import LLM
+    from redwood.speculation.config import SpeculativeConfig
+
+    def no_loading(*a, **k):
+        raise AssertionError("weights loaded before the draft format was checked")
+
+    monkeypatch.setattr(loaded, "load_model", no_loading)
+    monkeypatch.setattr(loaded, "inspect_model", no_loading)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (the check needs no GPU)
+    spec = SpeculativeConfig(draft_model=str(hf_pair[1]), draft_weights="int4")
+    with pytest.raises(ConfigError, match="draft_weights='int4' is a CPU format; on CUDA"):
+        LLM(str(hf_pair[0]), device="cuda", speculative=spec)
 
 
 def test_cli_weights_flag(hf_pair, capsys):

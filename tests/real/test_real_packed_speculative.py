@@ -40,8 +40,8 @@ def test_main_job_greedy_speculation_equals_ar(real_model, target_weights, draft
     real_model(TARGET)
     real_model(DRAFT)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    spec = LLM(TARGET, weights=target_weights, draft_weights=draft_weights,
-               speculative=SpeculativeConfig(draft_model=DRAFT, num_draft_tokens=3))
+    spec = LLM(TARGET, weights=target_weights,
+               speculative=SpeculativeConfig(draft_model=DRAFT, num_draft_tokens=3, draft_weights=draft_weights))
     from redwood.models.cpu_weights import gguf_default
 
     want_target = gguf_default() if target_weights == "auto" else target_weights  # (the target's CPU default)

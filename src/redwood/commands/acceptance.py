@@ -13,8 +13,7 @@ import sys
 import time
 
 from redwood.commands.options import (DEFAULT_POOL_KERNEL, add_draft_cache_args, add_graphs_arg, add_threads_arg,
-                                      apply_threads_arg, check_draft_cache_args, check_draft_weights_arg,
-                                      draft_weights_kwargs)
+                                      apply_threads_arg, check_draft_cache_args, check_draft_weights_arg)
 from redwood.errors import ConfigError
 
 
@@ -135,12 +134,12 @@ def _run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
 
     if static:
-        from redwood.loading import load_model
+        from redwood.loading import load_draft_model, load_model
         from redwood.speculation.drafters import check_compatible
 
         tgt = load_model(args.model, dtype=args.dtype, device=args.device, weights=args.weights)
-        drf = load_model(args.draft_model, dtype=args.dtype, device=args.device,
-                         weights=args.draft_weights or "auto", draft=True)
+        drf = load_draft_model(args.draft_model, dtype=args.dtype, device=args.device,
+                               draft_weights=args.draft_weights or "auto")
         check_compatible(tgt.tokenizer, drf.tokenizer, tgt.config.vocab_size, drf.config.vocab_size)
         tokenizer, max_pos = tgt.tokenizer, min(tgt.config.max_position_embeddings,
                                                  drf.config.max_position_embeddings)
@@ -153,9 +152,10 @@ def _run(args: argparse.Namespace) -> int:
         spec = SpeculativeConfig(
             draft_model=args.draft_model, self_speculate=args.self_speculate, tree=star_tree_spec(args.width),
             verifier=verifier, draft_kv=args.draft_kv or "full", draft_budget=args.draft_budget, sinks=args.sinks,
-            window=args.window, pool_kernel=DEFAULT_POOL_KERNEL if args.pool_kernel is None else args.pool_kernel)
+            window=args.window, pool_kernel=DEFAULT_POOL_KERNEL if args.pool_kernel is None else args.pool_kernel,
+            draft_weights=args.draft_weights or "auto")
         llm = LLM(args.model, dtype=args.dtype, device=args.device,
-                  weights=args.weights, **draft_weights_kwargs(args), speculative=spec, **graphs_kwargs(args),
+                  weights=args.weights, speculative=spec, **graphs_kwargs(args),
                   **threads_kwargs(args))
         tokenizer, max_pos = llm.tokenizer, llm.config.max_position_embeddings
         target_name = llm.model_name

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from redwood.commands.options import (add_draft_kv_args, add_draft_weights_arg, add_model_args, add_offload_args,
-                                      draft_weights_kwargs, execution_kwargs, graphs_kwargs, offload_kwargs,
+                                      execution_kwargs, graphs_kwargs, offload_kwargs,
                                       threads_kwargs)
 
 _SPEC_HELP = {
@@ -219,7 +219,7 @@ def run_spec_bench(args) -> int:
                                            self_speculate=kind == "selfspec", gamma=g) for g in gammas or [4]]
         spec = configs[0]  # the draft shape varies per run; everything else is shared
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
-              weights=args.weights, **draft_weights_kwargs(args), speculative=spec, **graphs_kwargs(args),
+              weights=args.weights, speculative=spec, **graphs_kwargs(args),
               **offload_kwargs(args), **threads_kwargs(args), **execution_kwargs(args))
     progress = None if args.json else (lambda msg: print(f"... {msg}", file=sys.stderr, flush=True))
     result = run_bench(llm, kind, args.batch_size, args.prefix_len, args.gen_len, source, gammas, trees=trees,
@@ -232,7 +232,7 @@ def run_spec_bench(args) -> int:
         if spec is not None:
             extra.update(draft_kv=spec.draft_kv, draft_budget=spec.draft_budget, sinks=spec.sinks,
                          window=spec.window, pool_kernel=spec.pool_kernel, draft_policy=spec.make_policy().describe(),
-                         draft_quant=spec.draft_quant)
+                         draft_weights=spec.draft_weights)
         path = write_report(args.output, to_report(result, extra))
         if not args.json:
             print(f"wrote {path}", file=sys.stderr)
@@ -286,7 +286,7 @@ def run_throughput(args) -> int:
         spec = speculative_config_from_args(args)
     # The LLM only loads the models (its own engine is kept minimal and dropped); the bench builds its own.
     llm = LLM(args.model, dtype=args.dtype, device=args.device,
-              weights=args.weights, **draft_weights_kwargs(args), speculative=spec, **graphs_kwargs(args),
+              weights=args.weights, speculative=spec, **graphs_kwargs(args),
               **offload_kwargs(args), **threads_kwargs(args), **execution_kwargs(args), max_num_seqs=1,
               kv_cache_memory=engine_args.get("kv_cache_memory"))
     target, tokenizer, drafter, tree = llm.model, llm.tokenizer, llm.drafter, llm.tree
@@ -318,7 +318,8 @@ def run_throughput(args) -> int:
         "seed": args.seed, "prompt_seed": args.prompt_seed, "workload_seed": args.workload_seed,
         "ignore_eos": True, "dtype": args.dtype, "device": str(target.device),
         **({"draft_kv": spec.draft_kv, "draft_budget": spec.draft_budget, "sinks": spec.sinks,
-            "window": spec.window, "gamma": spec.num_draft_tokens} if spec else {}),
+            "window": spec.window, "gamma": spec.num_draft_tokens, "draft_weights": spec.draft_weights}
+           if spec else {}),
     }
     if args.output:
         from pathlib import Path

@@ -7,7 +7,7 @@ import json
 import sys
 
 from redwood.commands.options import (add_engine_args, add_model_args, add_offload_args, add_sampling_args,
-                                      add_speculative_args, draft_weights_kwargs, engine_kwargs, graphs_kwargs,
+                                      add_speculative_args, engine_kwargs, graphs_kwargs,
                                       offload_kwargs, sampling_params_from_args, speculative_config_from_args,
                                       execution_kwargs, threads_kwargs)
 
@@ -130,7 +130,7 @@ def run(args) -> int:
     # all of it is resident: for 256 slots × the whole context it was the whole 4 GiB CPU budget).
     engine = {"max_num_seqs": 1, "max_model_len": min(context, len(ids) + args.max_new_tokens), **engine_kwargs(args)}
     llm = LLM(info, dtype=args.dtype, device=args.device,
-              weights=args.weights, **draft_weights_kwargs(args), speculative=spec, **offload, **graphs_kwargs(args),
+              weights=args.weights, speculative=spec, **offload, **graphs_kwargs(args),
               **threads, **engine)
     if args.json:
         out = llm.generate([prompt], params, chat=args.chat)[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from redwood.speculation.config import DRAFT_QUANT, MAX_DRAFT_DEPTH, check_draft_tree
+from redwood.speculation.config import MAX_DRAFT_DEPTH, check_draft_tree
 from redwood.llm import DEFAULT_MODEL
 
 
@@ -104,16 +104,19 @@ def add_weights_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_draft_weights_arg(p) -> None:
-    """--draft-weights (args.draft_weights, default None = auto): the CPU weight format of a draft model;
-    for every command that takes --weights and --draft-model (checked by `check_draft_weights_arg`)."""
+    """--draft-weights (args.draft_weights, default None = auto): the weight format of a draft model
+    (`SpeculativeConfig.draft_weights`); for every command that takes --weights and --draft-model (checked
+    by `check_draft_weights_arg`)."""
     from redwood.models.cpu_weights import DRAFT_GGUF_DEFAULT, DRAFT_GGUF_FALLBACK, W8A8_DEFAULT, WEIGHT_CHOICES
 
     p.add_argument("--draft-weights", default=None, choices=WEIGHT_CHOICES,
-                   help=f"CPU weight format of the draft model's projections (default auto: {DRAFT_GGUF_DEFAULT} "
-                        f"— re-quantized to Q4_K — for a .gguf draft where kquant runs, else {W8A8_DEFAULT} on "
-                        f"an AVX512-VNNI CPU, else {DRAFT_GGUF_FALLBACK} — the fastest "
-                        f"speculation measured — and float32 for other checkpoints). The "
-                        f"output is the target's whatever the draft's format; only acceptance and speed move")
+                   help=f"weight format of the draft model's projections. On the CPU any CPU format (default "
+                        f"auto: {DRAFT_GGUF_DEFAULT} — re-quantized to Q4_K — for a .gguf draft where kquant "
+                        f"runs, else {W8A8_DEFAULT} on an AVX512-VNNI CPU, else {DRAFT_GGUF_FALLBACK} — the "
+                        f"fastest speculation measured — and float32 for other checkpoints). On CUDA auto / "
+                        f"float32 (--dtype) or int8: int8 copies of its weights for the one-token draft "
+                        f"forwards (half the bytes per draft step). The output is the target's whatever the "
+                        f"draft's format; only acceptance and speed move")
 
 
 def check_draft_weights_arg(args, default_draft: bool = False) -> None:
@@ -121,6 +124,7 @@ def check_draft_weights_arg(args, default_draft: bool = False) -> None:
     command drafts with its default draft model then), with self-speculation, or a CPU format on CUDA —
     before any model loads."""
     from redwood.errors import ConfigError
+    from redwood.models.cpu_weights import CUDA_DRAFT_WEIGHTS
 
     weights = getattr(args, "draft_weights", None)
     if weights is None:
@@ -130,15 +134,9 @@ def check_draft_weights_arg(args, default_draft: bool = False) -> None:
                           "weights (--weights)")
     if not getattr(args, "draft_model", None) and not default_draft:
         raise ConfigError("--draft-weights only applies with --draft-model M")
-    if weights not in ("auto", "float32") and not str(getattr(args, "device", "cpu")).startswith("cpu"):
-        raise ConfigError(f"--draft-weights {weights} is a CPU format; on CUDA the draft runs in --dtype "
-                          f"(--draft-quant int8 gives its one-token forwards int8 weights)")
-
-
-def draft_weights_kwargs(args) -> dict:
-    """LLM(...) / Engine(...) keyword for --draft-weights (nothing when not given: the default, auto)."""
-    weights = getattr(args, "draft_weights", None)
-    return {} if weights is None else {"draft_weights": weights}
+    if weights not in CUDA_DRAFT_WEIGHTS and not str(getattr(args, "device", "cpu")).startswith("cpu"):
+        raise ConfigError(f"--draft-weights {weights} is a CPU format; on CUDA the draft takes auto or float32 "
+                          f"(--dtype) or int8 (int8 copies for its one-token forwards)")
 
 
 def add_graphs_arg(p: argparse.ArgumentParser) -> None:
@@ -230,9 +228,6 @@ def add_draft_kv_args(p: argparse.ArgumentParser, sweep: bool = False, tree: boo
                         "sequoia (children drawn without replacement), specinfer (with replacement), topk "
                         "(the draft's top children; the target samples) or auto (default: greedy when every "
                         "request is greedy, else sampling)")
-    g.add_argument("--draft-quant", default=None, metavar="{int8}",
-                   help="a draft model's one-token forwards read int8 copies of its weights (CUDA; half the "
-                        "bytes per draft step; outputs unchanged — verification is exact)")
     if tree:
         g.add_argument("--tree", default=None, metavar="FILE.json|chain:G|chains:KxL|NAME",
                        help="speculate over a token tree instead of a chain of --gamma drafts: a tree file "
@@ -251,7 +246,7 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
 
 
 _SPEC_FLAGS = ("draft_kv", "draft_budget", "sinks", "window", "pool_kernel", "gamma", "tree", "verifier",
-               "draft_quant", "draft_weights")
+               "draft_weights")
 
 
 def _flag(name: str) -> str:
@@ -286,24 +281,12 @@ def check_draft_cache_args(args) -> None:
                               f"({window}{'' if args.window is not None else ', the default'})")
 
 
-def check_draft_quant_arg(args) -> None:
-    """A one-line error (ConfigError) for an unknown --draft-quant."""
-    from redwood.errors import ConfigError
-
-    quant = getattr(args, "draft_quant", None)
-    if quant is not None and quant not in DRAFT_QUANT:
-        raise ConfigError(f"--draft-quant must be one of {', '.join(q for q in DRAFT_QUANT if q)}, got {quant!r}")
-
-
 def check_draft_kv_args(args) -> None:
     """One-line errors (ConfigError) for bad draft KV / γ / verifier values, before any model loads."""
     from redwood.errors import ConfigError
 
     if args.verifier is not None and args.verifier not in VERIFIER_CHOICES:
         raise ConfigError(f"--verifier must be one of {', '.join(VERIFIER_CHOICES)}, got {args.verifier!r}")
-    check_draft_quant_arg(args)
-    if getattr(args, "draft_quant", None) and getattr(args, "self_speculate", False):
-        raise ConfigError("--draft-quant applies to a --draft-model; self-speculation drafts with the target's weights")
     gammas = args.gamma if isinstance(args.gamma, list) else [args.gamma]
     for gamma in gammas:
         if gamma is not None and gamma < 1:
@@ -353,7 +336,7 @@ def make_speculative_config(args, *, draft_model: str | None = None, self_specul
         draft_budget=args.draft_budget, sinks=args.sinks, window=args.window,
         pool_kernel=DEFAULT_POOL_KERNEL if args.pool_kernel is None else args.pool_kernel,
         num_draft_tokens=DEFAULT_GAMMA if gamma is None else gamma, tree=getattr(args, "tree", None),
-        verifier=args.verifier or "auto", draft_quant=getattr(args, "draft_quant", None),
+        verifier=args.verifier or "auto", draft_weights=getattr(args, "draft_weights", None) or "auto",
     )
 
 

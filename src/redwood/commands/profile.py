@@ -8,7 +8,7 @@ import time
 
 from redwood.commands.options import (DEFAULT_POOL_KERNEL, add_draft_cache_args, add_graphs_arg, add_offload_args,
                                       add_threads_arg, apply_threads_arg, check_draft_cache_args,
-                                      check_draft_quant_arg, check_draft_weights_arg, offload_kwargs)
+                                      check_draft_weights_arg, offload_kwargs)
 from redwood.errors import ConfigError
 
 
@@ -51,8 +51,6 @@ def register(subparsers) -> None:
     p.add_argument("--output", "-o", required=True, metavar="FILE", help="write the profile here (JSON)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     add_offload_args(p)  # profile the target as an offloaded run streams it (the draft stays resident)
-    p.add_argument("--draft-quant", default=None, metavar="{int8}",
-                   help="time the draft's one-token forwards on int8 weights, as `--draft-quant` runs them")
     add_draft_cache_args(p.add_argument_group(
         "draft KV (the draft forwards read the context through it, as a compressed draft runs: e.g. "
         "MagicDec self-speculation with --draft-kv streaming --draft-budget 256)"))
@@ -84,12 +82,9 @@ def _run(args: argparse.Namespace) -> int:
 
     policy = make_policy(args.draft_kv or "full", budget=args.draft_budget, sinks=args.sinks, window=args.window,
                          kernel=DEFAULT_POOL_KERNEL if args.pool_kernel is None else args.pool_kernel)
-    check_draft_quant_arg(args)
-    if args.draft_quant is not None and not args.draft_model:
-        raise ConfigError("--draft-quant needs --draft-model")
-    check_draft_weights_arg(args)
+    check_draft_weights_arg(args)  # (--draft-weights int8 on CUDA: the one-token forwards on int8 copies)
 
-    from redwood.loading import load_model
+    from redwood.loading import load_draft_model, load_model
 
     offload = offload_kwargs(args)
     apply_threads_arg(args)
@@ -100,10 +95,8 @@ def _run(args: argparse.Namespace) -> int:
         from redwood.models.offload import offload_layers
 
         offload_layers(target.model, args.device, prefetch=offload["offload_prefetch"])
-    draft = (load_model(args.draft_model, dtype=args.dtype, device=args.device,
-                        weights=args.draft_weights or "auto", draft=True) if args.draft_model else None)
-    if args.draft_quant:
-        draft.model.quantize_skinny(args.draft_quant)
+    draft = (load_draft_model(args.draft_model, dtype=args.dtype, device=args.device,
+                              draft_weights=args.draft_weights or "auto") if args.draft_model else None)
     say = None if args.quiet else (lambda msg: print(f"profiling: {msg}", file=sys.stderr, flush=True))
     prof = measure_profile(
         target.model, draft.model if draft else None, target_name=target.source,

@@ -13,7 +13,7 @@ import logging
 import sys
 
 from redwood.commands.options import (add_engine_args, add_model_args, add_offload_args, add_speculative_args,
-                                      draft_weights_kwargs, engine_kwargs, graphs_kwargs, offload_kwargs,
+                                      engine_kwargs, graphs_kwargs, offload_kwargs,
                                       speculative_config_from_args, execution_kwargs, threads_kwargs)
 
 log = logging.getLogger("redwood.serve")
@@ -75,7 +75,7 @@ def run(args) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, weights=args.weights,
-                    **draft_weights_kwargs(args), speculative=spec, **offload,
+                    speculative=spec, **offload,
                     **graphs_kwargs(args), **threads_kwargs(args), **execution_kwargs(args), **engine_kwargs(args))
     name = args.served_model_name or str(args.model)
     app = create_app(engine, served_model_name=name, api_key=args.api_key, max_queue=args.max_queue,

@@ -72,14 +72,14 @@ class Engine:
     def from_pretrained(cls, model: str | Path | ModelInfo = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
                         device: str | torch.device = "cpu", speculative: SpeculativeConfig | None = None,
                         offload: bool = False, offload_prefetch: int = 2, threads: int | None = None,
-                        weights: str = "auto", draft_weights: str = "auto", execution: ExecutionConfig | None = None,
+                        weights: str = "auto", execution: ExecutionConfig | None = None,
                         **config) -> "Engine":
         """Load the models, then build the engine; `config`: `EngineConfig`'s fields."""
         config = engine_config(**config)
         if config.cuda_graphs and parse_device(device).type != "cuda":
             raise ConfigError("cuda_graphs needs device='cuda'")
         models = LoadedModels.load(model, dtype, device, speculative, offload, offload_prefetch, threads, weights,
-                                   draft_weights, max_model_len=config.max_model_len, execution=execution)
+                                   max_model_len=config.max_model_len, execution=execution)
         return cls(models, config)
 
     @classmethod
@@ -231,6 +231,10 @@ class Engine:
 
 def engine_config(**fields) -> EngineConfig:
     """An EngineConfig from keyword arguments (a ConfigError naming an unknown one)."""
+    moved = [name for name in ("draft_weights", "draft_quant") if name in fields]
+    if moved:
+        raise ConfigError(f"{moved[0]} is not an engine setting: draft_weights moved to "
+                          f"SpeculativeConfig(draft_weights=...)")
     unknown = sorted(set(fields) - set(EngineConfig.fields()))
     if unknown:
         raise ConfigError(f"unknown engine setting(s) {', '.join(unknown)}; known: {', '.join(EngineConfig.fields())}")

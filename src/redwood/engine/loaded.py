@@ -20,8 +20,8 @@ import torch
 from redwood.config import ExecutionConfig
 from redwood.engine.tokenization import check_max_model_len
 from redwood.errors import ConfigError
-from redwood.loading import ModelInfo, inspect_model, load_model, parse_device, parse_dtype
-from redwood.models.cpu_weights import check_weights
+from redwood.loading import ModelInfo, inspect_model, load_draft_model, load_model, parse_device, parse_dtype
+from redwood.models.cpu_weights import check_weights, draft_weights_on
 from redwood.speculation.config import SpeculativeConfig
 from redwood.speculation.trees import Tree
 
@@ -69,10 +69,11 @@ class LoadedModels:
     def load(cls, model: str | Path | ModelInfo = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
              device: str | torch.device = "cpu", speculative: SpeculativeConfig | None = None,
              offload: bool = False, offload_prefetch: int = 2, threads: int | None = None,
-             weights: str = "auto", draft_weights: str = "auto", max_model_len: int | None = None,
+             weights: str = "auto", max_model_len: int | None = None,
              execution: ExecutionConfig | None = None) -> "LoadedModels":
         """Load a target (and its drafter); the arguments as `redwood.LLM`'s (max_model_len: checked against
-        the model's context before the weights load; execution: how both models' forwards run)."""
+        the model's context before the weights load; execution: how both models' forwards run). A draft
+        model loads in `speculative.draft_weights`."""
         from redwood.engine.threads import adaptive_threads, apply_threads, check_threads
 
         if execution is not None and not isinstance(execution, ExecutionConfig):
@@ -87,11 +88,8 @@ class LoadedModels:
         dev = parse_device(device)  # (bad values: an error before anything loads)
         parse_dtype(dtype)
         check_weights(weights, dev, offload)
-        check_weights(draft_weights, dev, name="draft_weights")
-        if draft_weights != "auto" and (speculative is None or not speculative.draft_model):
-            raise ConfigError("draft_weights applies to a draft model: "
-                              + ("self-speculation drafts with the target's weights" if speculative is not None
-                                 else "give speculative=SpeculativeConfig(draft_model=...)"))
+        if speculative is not None and speculative.draft_model:
+            draft_weights_on(speculative.draft_weights, dev)  # (a CPU format on CUDA: an error now)
         # Tokenizers and configs first: what they can refuse is refused before minutes of weight loading.
         info = inspect_model(model)
         check_max_model_len(max_model_len, info.config.max_position_embeddings)
@@ -115,7 +113,7 @@ class LoadedModels:
         if speculative is not None:
             self.tree = speculative.make_tree()
             self.drafter, self.draft_name = _make_drafter(speculative, loaded.model, dtype, device, draft_info,
-                                                          draft_weights, execution)
+                                                          execution)
         if dev.type == "cpu" and not offload and self.thread_exact_decode():
             # (None where the count is the user's or fixed, or the execution config turns it off)
             self.thread_policy = adaptive_threads(threads, enabled=execution is None or execution.adaptive_threads)
@@ -134,19 +132,19 @@ class LoadedModels:
         return cpu_fused.model_takes(self.model)
 
 
-def _make_drafter(spec: SpeculativeConfig, target, dtype, device, draft_info, draft_weights: str = "auto",
+def _make_drafter(spec: SpeculativeConfig, target, dtype, device, draft_info,
                   execution: ExecutionConfig | None = None):
     """The drafter `spec` asks for and its name; a draft model loads from `draft_info` (`inspect_model`:
-    its tokenizer already checked against the target's) in the CPU format `draft_weights`."""
+    its tokenizer already checked against the target's) in the format `spec.draft_weights`."""
     from redwood.speculation.drafters import ModelDrafter, SelfDrafter
 
     policy = spec.make_policy()
     if spec.self_speculate:
         return SelfDrafter(target, policy), f"self ({policy.describe()})"
-    draft = load_model(draft_info, dtype=dtype, device=device, weights=draft_weights, draft=True, execution=execution)
-    if spec.draft_quant:
-        draft.model.quantize_skinny(spec.draft_quant)
+    draft = load_draft_model(draft_info, dtype=dtype, device=device, draft_weights=spec.draft_weights,
+                             execution=execution)
+    skinny = "int8" if draft.model.skinny_int8 is not None else None  # (CUDA: int8 one-token forwards)
     packed = draft.model.weights if draft.model.weights != "float32" else None
-    quant = "".join(f", {q} weights" for q in (spec.draft_quant, packed) if q)
+    quant = "".join(f", {q} weights" for q in (skinny, packed) if q)
     name = f"{draft.source} ({policy.describe()}{quant})"
     return ModelDrafter(draft.model, policy, target.config.vocab_size), name

@@ -11,7 +11,7 @@ import torch
 from redwood.config import ExecutionConfig, ModelConfig
 from redwood.devices import DTYPES, parse_device, parse_dtype  # noqa: F401 (re-exported)
 from redwood.errors import ConfigError, ModelLoadError
-from redwood.models.cpu_weights import FILE_FORMAT, FILE_FORMATS, auto_formats, resolve_weights
+from redwood.models.cpu_weights import FILE_FORMAT, FILE_FORMATS, auto_formats, draft_weights_on, resolve_weights
 from redwood.models.transformer import Transformer, build_model
 
 
@@ -118,6 +118,19 @@ def load_model(model: "str | Path | ModelInfo", dtype: str | torch.dtype = "floa
     net.quantize_cpu(kind)
     net.set_execution(execution)
     return LoadedModel(model=net, tokenizer=tokenizer, config=config, source=str(model), path=path)
+
+
+def load_draft_model(model: "str | Path | ModelInfo", dtype: str | torch.dtype = "float32",
+                     device: str | torch.device = "cpu", draft_weights: str = "auto",
+                     execution: ExecutionConfig | None = None) -> LoadedModel:
+    """Load a draft model in the weight format `draft_weights` (`SpeculativeConfig.draft_weights`; what it
+    means on `device`: `cpu_weights.draft_weights_on`): a CPU format on the CPU; on CUDA the model's dtype,
+    with int8 copies for its one-token forwards under "int8" (`Transformer.quantize_skinny`)."""
+    weights, skinny = draft_weights_on(draft_weights, parse_device(device))
+    loaded = load_model(model, dtype=dtype, device=device, weights=weights, draft=True, execution=execution)
+    if skinny:
+        loaded.model.quantize_skinny(skinny)
+    return loaded
 
 
 def _cpu_format(weights: str, device: torch.device, path: Path, draft: bool, config: ModelConfig | None) -> str:

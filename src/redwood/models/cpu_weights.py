@@ -585,7 +585,28 @@ def check_weights(weights: str, device: torch.device, offload: bool = False, nam
         raise ConfigError(f"unknown {name} {weights!r}; choose one of {', '.join(WEIGHT_CHOICES)}")
     if weights not in ("auto", "float32") and (device.type != "cpu" or offload):
         raise ConfigError(f"{name}={weights!r} is a CPU format; on CUDA the model runs in its dtype "
-                          f"(--dtype bfloat16; a draft model can use --draft-quant int8)")
+                          f"(--dtype bfloat16; a draft model can use draft_weights int8)")
+
+
+CUDA_DRAFT_WEIGHTS = ("auto", "float32", "int8")  # a draft model's formats on CUDA (`draft_weights_on`)
+
+
+def draft_weights_on(weights: str, device: torch.device) -> tuple[str, str | None]:
+    """What a draft model's `draft_weights` means on `device`: (the format it loads in — `load_model`'s
+    weights — and the scheme of the int8 copies its one-token forwards read, `Transformer.quantize_skinny`,
+    or None). On the CPU every CPU format (`WEIGHT_CHOICES`); on CUDA auto / float32 (the model's dtype) or
+    int8 (int8 copies for the one-token forwards); anything else is a ConfigError, raised before any weight
+    loads."""
+    from redwood.errors import ConfigError
+
+    if weights not in WEIGHT_CHOICES:
+        raise ConfigError(f"unknown draft_weights {weights!r}; choose one of {', '.join(WEIGHT_CHOICES)}")
+    if device.type == "cpu":
+        return weights, None
+    if weights not in CUDA_DRAFT_WEIGHTS:
+        raise ConfigError(f"draft_weights={weights!r} is a CPU format; on CUDA a draft model takes auto or "
+                          f"float32 (its dtype) or int8 (int8 copies for its one-token forwards)")
+    return ("auto", "int8") if weights == "int8" else (weights, None)
 
 
 def resolve_weights(weights: str, device: torch.device, path, draft: bool = False) -> str:

@@ -7,12 +7,10 @@ from dataclasses import dataclass
 
 from redwood.errors import ConfigError
 from redwood.kv.policies import KV_POLICIES, make_policy
+from redwood.models.cpu_weights import WEIGHT_CHOICES
 from redwood.speculation.trees import Tree, resolve_tree
 
 VERIFIERS = ("auto", "greedy", "sampling", "sequoia", "specinfer", "topk")
-
-
-DRAFT_QUANT = (None, "int8")  # draft weight formats for the one-token draft forwards
 
 # The most draft tokens one step may accept: γ for a chain, depth − 1 for a tree. Acceptance compounds
 # along a path, so even at a per-token acceptance of 0.95 a 64th draft token is accepted in 4% of steps
@@ -51,9 +49,13 @@ class SpeculativeConfig:
     "specinfer" (children drawn with replacement), "topk" (the draft's top-k children; the target
     samples), or "auto" (greedy when every request is greedy, else sampling / sequoia). All but greedy
     are lossless at any temperature / top-k / top-p.
-    draft_quant: "int8" — the draft model's one-token forwards read int8 copies of its projection
-    weights (per-row scales; CUDA only): half the bytes per draft level. Verification stays exact, so
-    outputs do not change; acceptance may.
+    draft_weights: the draft model's weight format on its device (`redwood.models.cpu_weights`). On the
+    CPU every CPU format ("auto": q4k — re-quantized to Q4_K — for a GGUF draft where kquant runs, else
+    w8a8 on an AVX512-VNNI CPU, else int4; float32 for other checkpoints; "float32" | "bfloat16" | "int8"
+    | "int4" | "w8a8" | "q4k" | "gguf" | "kquant"). On CUDA "auto" / "float32" (the model's dtype) or
+    "int8": its one-token forwards read int8 copies of its projection weights (per-row scales), half the
+    bytes per draft level; another CPU format there is a ConfigError as the models load
+    (`cpu_weights.draft_weights_on`). Verification stays exact, so outputs do not change; acceptance may.
     """
 
     draft_model: str | None = None
@@ -66,7 +68,7 @@ class SpeculativeConfig:
     num_draft_tokens: int = 4
     tree: str | None = None
     verifier: str = "auto"
-    draft_quant: str | None = None
+    draft_weights: str = "auto"
 
     def __post_init__(self) -> None:
         if bool(self.draft_model) == bool(self.self_speculate):
@@ -86,10 +88,11 @@ class SpeculativeConfig:
                 raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
         if self.sinks is not None and (not isinstance(self.sinks, int) or self.sinks < 0):
             raise ConfigError(f"sinks must be an integer >= 0, got {self.sinks!r}")
-        if self.draft_quant not in DRAFT_QUANT:
-            raise ConfigError(f"unknown draft_quant {self.draft_quant!r}; choose one of {DRAFT_QUANT[1:]} or None")
-        if self.draft_quant and self.self_speculate:
-            raise ConfigError("draft_quant applies to a draft model; self-speculation drafts with the target's weights")
+        if self.draft_weights not in WEIGHT_CHOICES:
+            raise ConfigError(f"unknown draft_weights {self.draft_weights!r}; choose one of {', '.join(WEIGHT_CHOICES)}")
+        if self.draft_weights != "auto" and self.self_speculate:
+            raise ConfigError("draft_weights applies to a draft model; self-speculation drafts with the target's "
+                              "weights")
         self.make_policy()  # validates the policy's own settings
         self.make_tree()
 

@@ -111,7 +111,7 @@ def quantize(model, kind: str) -> None:
         raise ConfigError(f"the model's weights are already {model.weights}; load it again for {kind}")
     if model.device.type != "cpu":
         raise ConfigError(f"weights={kind!r} is a CPU format; on {model.device} the model keeps its dtype "
-                          f"(CUDA drafts can use draft_quant='int8')")
+                          f"(CUDA drafts can use draft_weights='int8')")
     if model.layers[0].self_attn.qkv is not None:
         raise ConfigError("quantize_cpu needs the unfused projections (the CUDA backend fuses them)")
     why = None if file_format else format_misfit(model, kind)
