@@ -21,8 +21,8 @@ import argparse
 import gc
 
 import torch
-
 from cpu_weights import held_out_texts
+
 from redwood import Engine, SamplingParams
 from redwood.engine.tokenization import encode_prompt
 from redwood.kv.policies import FullPolicy

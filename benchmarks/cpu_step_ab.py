@@ -37,9 +37,9 @@ TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 def worker(ops: list[str]) -> None:
     """Serve one step per stdin line ({"op", "threads"}) → one stdout line {"s": seconds, "tokens": [...]}."""
     import torch
-
     from cpu_spec import CHAT
     from cpu_weights import held_out_texts
+
     from redwood import Engine, SamplingParams
     from redwood.engine.tokenization import encode_prompt
     from redwood.kv.policies import FullPolicy

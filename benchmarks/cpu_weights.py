@@ -121,7 +121,7 @@ def main() -> None:
             torch.set_num_threads(max(args.threads))
             ppl = {k: perplexity(model, ids) for k, ids in texts.items()}
             steps, prefills, outs = {n: [] for n in args.threads}, {n: [] for n in args.threads}, {}
-            for r in range(args.rounds):
+            for _ in range(args.rounds):
                 for n in args.threads:
                     torch.set_num_threads(n)
                     toks, prefill, st = greedy_decode(model, prompt, args.new_tokens)

@@ -22,11 +22,11 @@ import time
 import torch
 
 from redwood.bench.speculative import DEFAULT_DATASET, PromptSource, make_prompts
-from redwood.speculation.config import SpeculativeConfig
 from redwood.engine.engine import Engine
 from redwood.engine.runner import sync
 from redwood.llm import LLM
 from redwood.sampling_params import SamplingParams
+from redwood.speculation.config import SpeculativeConfig
 
 
 def fill(engine, prompts, new_tokens: int) -> None:

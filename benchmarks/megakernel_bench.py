@@ -15,8 +15,8 @@ import argparse
 import time
 
 import torch
-
 from decode_step import SHAPES, random_model, time_step
+
 from redwood.bench.ar import copy_bandwidth, weight_bytes
 from redwood.config import ExecutionConfig
 from redwood.engine.runner import StepRunner

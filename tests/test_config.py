@@ -14,8 +14,8 @@ def test_families_map_their_flags():
     assert q.qkv_bias and not q.o_bias and q.sliding_window is None
     m = ModelConfig.from_hf_dict(tiny_hf_config("mistral", sliding_window=9).to_dict())
     assert m.sliding_window == 9 and not m.qkv_bias
-    l = ModelConfig.from_hf_dict(tiny_hf_config("llama", attention_bias=True, tie_word_embeddings=True).to_dict())
-    assert l.qkv_bias and l.o_bias and l.tie_word_embeddings and l.head_dim == 16 and l.group_size == 2
+    llama = ModelConfig.from_hf_dict(tiny_hf_config("llama", attention_bias=True, tie_word_embeddings=True).to_dict())
+    assert llama.qkv_bias and llama.o_bias and llama.tie_word_embeddings and llama.head_dim == 16 and llama.group_size == 2
 
 
 def test_transformers4_style_rope_fields():

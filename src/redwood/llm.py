@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 
 from redwood.config import ExecutionConfig
-from redwood.speculation.config import SpeculativeConfig
 from redwood.engine.engine import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, Engine, engine_config  # noqa: F401 (re-exported)
 from redwood.engine.loaded import LoadedModels
 from redwood.engine.request import TokenLogprob
@@ -18,6 +17,7 @@ from redwood.errors import ConfigError, ContextLengthError
 from redwood.loading import parse_device
 from redwood.progress import Progress
 from redwood.sampling_params import SamplingParams
+from redwood.speculation.config import SpeculativeConfig
 
 Prompt = str | Sequence[int]
 

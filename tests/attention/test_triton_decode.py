@@ -28,9 +28,9 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from tests.conftest import import_without_triton, interpreter_broken, run_in_triton_interpreter  # noqa: E402
 from redwood.attention import reference  # noqa: E402
 from redwood.attention import triton_decode as td  # noqa: E402
+from tests.conftest import import_without_triton, interpreter_broken, run_in_triton_interpreter  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET else ("cuda" if torch.cuda.is_available() else None)

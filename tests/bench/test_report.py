@@ -7,8 +7,15 @@ import json
 
 import pytest
 
-from redwood.bench.report import (SCHEMA, ReportError, add_report_parser, environment_info, read_report,
-                                  render_markdown, write_report)
+from redwood.bench.report import (
+    SCHEMA,
+    ReportError,
+    add_report_parser,
+    environment_info,
+    read_report,
+    render_markdown,
+    write_report,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

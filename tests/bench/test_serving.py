@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from redwood.bench.serving import (apportion, error_message, normalize_base_url, parse_endpoint, spec_counters)
+from redwood.bench.serving import apportion, error_message, normalize_base_url, parse_endpoint, spec_counters
 from redwood.bench.throughput import poisson_arrivals
 from redwood.cli import main
 from tests.conftest import CORPUS

@@ -7,8 +7,14 @@ import math
 
 import pytest
 
-from redwood.bench.throughput import (RequestRecord, latency_samples, output_lengths, parse_rates,
-                                      poisson_arrivals, shared_prefix_prompts)
+from redwood.bench.throughput import (
+    RequestRecord,
+    latency_samples,
+    output_lengths,
+    parse_rates,
+    poisson_arrivals,
+    shared_prefix_prompts,
+)
 from redwood.cli import main
 from tests.conftest import CORPUS
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import random
+
 import pytest
 
 from redwood.data import prompts, recipes
-from redwood.data.prompts import (build_prompts, chat_prompts, long_context_prompts, short_prefix_prompts,
-                                  window_offsets)
+from redwood.data.prompts import build_prompts, chat_prompts, long_context_prompts, short_prefix_prompts, window_offsets
 from redwood.errors import ConfigError
 
 CHAT_TEMPLATE = (

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from redwood import Engine, LLM, SamplingParams
+from redwood import LLM, Engine, SamplingParams
 from redwood.cli import main
 from tests.engine.test_engine import MODES, models  # noqa: F401 — (target, draft, tokenizer) fixture
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from redwood import Engine, SamplingParams
 from redwood.errors import ConfigError, ContextLengthError

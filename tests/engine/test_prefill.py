@@ -177,9 +177,8 @@ def test_observation_window_scores_are_bounded_per_row_group(models, monkeypatch
 def test_snapkv_self_speculation_with_chunked_prefill_equals_autoregressive(models, monkeypatch, tree):
     """Greedy self-speculation with SnapKV observed through 16-token chunks: the target's own output,
     and the same drafts (acceptance) as with the prompt observed in one forward."""
-    from redwood.speculation.trees import resolve_tree
-
     from redwood.engine.executor import Executor
+    from redwood.speculation.trees import resolve_tree
 
     model = models[0]
     shape = resolve_tree(tree)

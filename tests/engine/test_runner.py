@@ -7,9 +7,9 @@ import torch
 
 from redwood import LLM, SamplingParams
 from redwood.config import ExecutionConfig
-from redwood.speculation.config import SpeculativeConfig
 from redwood.engine.runner import StepRunner
 from redwood.errors import ConfigError
+from redwood.speculation.config import SpeculativeConfig
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

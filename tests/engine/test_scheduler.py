@@ -111,7 +111,7 @@ def test_length_limits_and_stop():
     r = req("a", 5, max_new=4)
     s.add(r)
     run_step(s, s.schedule())
-    out = s.schedule()
+    s.schedule()
     kept = s.update_after_step(r, 4, [1, 2, 3, 4])  # a speculative commit past max_new_tokens
     assert kept == [1, 2, 3] and r.status is Status.FINISHED_LENGTH and len(r.output_token_ids) == 4
     assert s.pool.num_free == s.pool.num_blocks

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from redwood import LLM, SamplingParams
-from redwood.speculation.config import SpeculativeConfig
-from redwood.speculation.trees import Tree
 from redwood.errors import ConfigError
 from redwood.kv.policies import make_policy
+from redwood.speculation.config import SpeculativeConfig
 from redwood.speculation.drafters import ModelDrafter, SelfDrafter
+from redwood.speculation.trees import Tree
 from tests.conftest import clear_margin_model, make_tokenizer, perturbed, random_hf_model, tiny_hf_config
 from tests.engine.driver import prefill_kv, run_engine
 

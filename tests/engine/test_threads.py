@@ -40,8 +40,8 @@ def test_apply_sets_torch_and_respects_the_environment(monkeypatch):
 
 
 def test_llm_threads_sets_torch_before_loading(tiny_model_dir, monkeypatch):
-    from redwood import LLM
     import redwood.engine.loaded as engine_mod
+    from redwood import LLM
 
     seen = []
     real_load = engine_mod.load_model

@@ -17,21 +17,34 @@ import torch
 
 import redwood.engine.decode as spec_loop
 from redwood import LLM, SamplingParams
-from redwood.speculation.config import SpeculativeConfig
 from redwood.engine.engine import Engine
-from redwood.sample.sampler import probabilities
 from redwood.errors import ConfigError
-from redwood.tuning.tree_search import optimal_tree
+from redwood.sample.sampler import probabilities
+from redwood.speculation.config import SpeculativeConfig
 from redwood.speculation.trees import Tree, resolve_tree
+from redwood.tuning.tree_search import optimal_tree
 from tests.engine.test_speculative import (  # noqa: F401  (model_dirs … ar_outputs are fixtures)
-    BATCHES, NEW_TOKENS, _prompts, ar_outputs, assert_draft_cache_consistent,
-    assert_target_cache_is_autoregressive, draft_llm, make_drafter, model_dirs, run_ar, run_speculative,
+    BATCHES,
+    NEW_TOKENS,
+    _prompts,
+    ar_outputs,
+    assert_draft_cache_consistent,
+    assert_target_cache_is_autoregressive,
+    draft_llm,
+    make_drafter,
+    model_dirs,
+    run_ar,
+    run_speculative,
     target_llm,
 )
 from tests.sample.test_chain_verify import (  # noqa: F401  (tiny_vocab_pair is a fixture)
-    PROMPT, VOCAB, assert_fits, chi2_fit, exact_pair_distribution, tiny_vocab_pair,
+    PROMPT,
+    VOCAB,
+    assert_fits,
+    chi2_fit,
+    exact_pair_distribution,
+    tiny_vocab_pair,
 )
-
 
 # A root with 6 children, each with one child (wide and shallow).
 WIDE = Tree((-1, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6))

@@ -30,10 +30,10 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from tests.conftest import capture_cuda_graph, import_without_triton, run_in_triton_interpreter  # noqa: E402
 from redwood.kernels import fused as fk  # noqa: E402
 from redwood.models.rope import RotaryEmbedding, apply_rotary  # noqa: E402
 from redwood.models.transformer import RMSNorm  # noqa: E402
+from tests.conftest import capture_cuda_graph, import_without_triton, run_in_triton_interpreter  # noqa: E402
 
 INTERPRET = fk._INTERPRET  # what the kernels were decorated under
 DEVICE = "cpu" if INTERPRET else ("cuda" if torch.cuda.is_available() else None)

@@ -20,11 +20,11 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from tests.conftest import capture_cuda_graph, interpreter_broken, run_in_triton_interpreter  # noqa: E402
-from tests.kernels.test_fused import DEVICE, DTYPES, INTERPRET, gen, needs_kernel, randn  # noqa: E402
 from redwood.config import ExecutionConfig  # noqa: E402
 from redwood.kernels import gemv  # noqa: E402
 from redwood.models.transformer import RMSNorm  # noqa: E402
+from tests.conftest import capture_cuda_graph, interpreter_broken, run_in_triton_interpreter  # noqa: E402
+from tests.kernels.test_fused import DEVICE, DTYPES, INTERPRET, gen, needs_kernel, randn  # noqa: E402
 
 if INTERPRET and (why := interpreter_broken()):  # the K loop's bound is a kernel argument
     pytest.skip(why, allow_module_level=True)

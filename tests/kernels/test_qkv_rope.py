@@ -12,18 +12,18 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from redwood.kernels import gemv, qkv_rope  # noqa: E402
 from tests.conftest import interpreter_broken, run_in_triton_interpreter  # noqa: E402
 from tests.kernels.test_fused import DEVICE, DTYPES, INTERPRET, gen, needs_kernel, randn  # noqa: E402
 from tests.kernels.test_gemv import ULP  # noqa: E402
-from redwood.kernels import gemv, qkv_rope  # noqa: E402
 
 if INTERPRET and (why := interpreter_broken()):  # the K loop's bound is a kernel argument
     pytest.skip(why, allow_module_level=True)
 
 
 def rope_case(dtype, Hq, Hkv, D, H, cap, seed, int8=False, num_pages=1):
-    from redwood.models.rope import RotaryEmbedding
     from redwood.config import ModelConfig
+    from redwood.models.rope import RotaryEmbedding
 
     g = gen(seed)
     x = randn(g, 1, 1, H, dtype=dtype, scale=2.0)

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from redwood.config import ModelConfig
-from redwood.speculation.config import SpeculativeConfig
 from redwood.errors import ConfigError
 from redwood.kv.policies import FullPolicy, SnapKVPolicy, StreamingPolicy, make_policy
 from redwood.models.transformer import Transformer
+from redwood.speculation.config import SpeculativeConfig
 
 
 def valid_slots(idx: torch.Tensor, valid: torch.Tensor) -> list[int]:

@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from redwood.cpu_kernels import kquant
 from redwood.errors import ConfigError
 from redwood.loading import load_model
-from redwood.cpu_kernels import kquant
 from redwood.models.cpu_weights import auto_formats, check_weights, gguf_default, resolve_weights, w8a8_exact
 from tests.conftest import save_target_and_draft
 from tests.loading.test_gguf import QWEN_TYPES, random_state_dict, write_gguf

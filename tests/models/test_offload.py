@@ -15,11 +15,11 @@ import torch
 
 from redwood import LLM, SamplingParams
 from redwood.config import ModelConfig
-from redwood.speculation.config import SpeculativeConfig
 from redwood.engine.prefill import prefill_batch as prefill
-from redwood.models.offload import get_offload, offload_layers, restore_layers
 from redwood.errors import ConfigError
+from redwood.models.offload import get_offload, offload_layers, restore_layers
 from redwood.models.transformer import build_model
+from redwood.speculation.config import SpeculativeConfig
 from tests.conftest import random_hf_model, save_target_and_draft, tiny_hf_config
 
 NUM_LAYERS = 5

@@ -16,11 +16,10 @@ import torch
 
 from redwood import SamplingParams
 from redwood.bench.stats import chi2_fit_samples, chi2_quantile
-from redwood.sample.sampler import probabilities
 from redwood.errors import ConfigError
 from redwood.sample.chain_verify import verify_greedy, verify_sampling
+from redwood.sample.sampler import probabilities
 from tests.conftest import random_hf_model, tiny_hf_config
-
 
 # ------------------------------------------------------------------------------------------- χ² helpers
 

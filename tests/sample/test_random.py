@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from redwood.sample.random import RowRandom, inverse_cdf, mix32
 from redwood.sample.chain_verify import verify_sampling
+from redwood.sample.random import RowRandom, inverse_cdf, mix32
 
 
 def _mix32_reference(x: int) -> int:

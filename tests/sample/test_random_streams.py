@@ -33,11 +33,11 @@ import pytest
 import torch
 
 from redwood.bench.stats import chi2_sf, first_true, grid_uniform, normal_p, poisson_upper
+from redwood.sample.chain_verify import verify_sampling
 from redwood.sample.random import RowRandom, inverse_cdf
 from redwood.sample.sampler import Sampler, probabilities
-from redwood.sampling_params import SamplingParams
 from redwood.sample.tree_verify import draw_children, verify_tree_paths
-from redwood.sample.chain_verify import verify_sampling
+from redwood.sampling_params import SamplingParams
 
 ALPHA = 1e-4  # false-alarm probability per test
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])

@@ -26,11 +26,12 @@ import math
 import pytest
 import torch
 
-from redwood.bench.stats import first_true, grid_uniform as lattice
+from redwood.bench.stats import first_true
+from redwood.bench.stats import grid_uniform as lattice
+from redwood.sample.chain_verify import verify_greedy, verify_sampling
 from redwood.sample.random import RowRandom
 from redwood.sample.sampler import probabilities
 from redwood.sample.tree_verify import CHILD_RULE, draw_children, verify_tree_paths
-from redwood.sample.chain_verify import verify_greedy, verify_sampling
 
 LATTICE = 2**53  # float64 uniforms are k / 2^53
 TOP = LATTICE - 1  # the largest uniform: rejects whatever can be rejected

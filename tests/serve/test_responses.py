@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from redwood.engine.request import TokenLogprob
-from redwood.serve.responses import (TokenText, _byte_level_decoder, chat_logprobs, completion_logprobs,
-                                     redwood_stats)
+from redwood.serve.responses import TokenText, _byte_level_decoder, chat_logprobs, completion_logprobs, redwood_stats
 
 
 def test_byte_level_alphabet_is_a_bijection_onto_bytes():

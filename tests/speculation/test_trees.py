@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from redwood.errors import ConfigError, RedwoodError
-from redwood.tuning.acceptance import AcceptanceVector
 from redwood.speculation.trees import FORMAT, Tree, load_shipped_tree, resolve_tree, shipped_trees
+from redwood.tuning.acceptance import AcceptanceVector
 
 # root 0 → 1, 2; 1 → 3, 4; 2 → 5; 3 → 6
 HAND = (-1, 0, 0, 1, 1, 2, 3)
@@ -135,7 +136,7 @@ def test_equality_ignores_meta_and_is_hashable():
     a, b = Tree(HAND, meta={"x": 1}), Tree(list(HAND))
     assert a == b and hash(a) == hash(b)
     assert a.meta == {"x": 1}
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         a.parents = (-1,)
 
 

@@ -8,7 +8,11 @@ import pytest
 
 from redwood.errors import ConfigError
 from redwood.tuning.acceptance import (
-    FORMAT, AcceptanceVector, acceptance_from_legacy, load_acceptance, save_acceptance,
+    FORMAT,
+    AcceptanceVector,
+    acceptance_from_legacy,
+    load_acceptance,
+    save_acceptance,
 )
 
 

@@ -10,12 +10,18 @@ import torch
 
 from redwood import LLM
 from redwood.cli import main
-from redwood.speculation.config import SpeculativeConfig
-from redwood.tuning.acceptance import load_acceptance
-from redwood.tuning.measure import (dataset_texts, expected_acceptance, held_out_order, measure_dynamic,
-                                  static_acceptance, star_tree_spec)
 from redwood.sample.tree_verify import CHILD_RULE, draw_children, verify_tree
+from redwood.speculation.config import SpeculativeConfig
 from redwood.speculation.trees import Tree
+from redwood.tuning.acceptance import load_acceptance
+from redwood.tuning.measure import (
+    dataset_texts,
+    expected_acceptance,
+    held_out_order,
+    measure_dynamic,
+    star_tree_spec,
+    static_acceptance,
+)
 from tests.conftest import CORPUS, save_target_and_draft
 
 

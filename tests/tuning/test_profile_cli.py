@@ -7,11 +7,10 @@ import json
 import pytest
 
 from redwood.cli import main
+from redwood.speculation.trees import Tree
 from redwood.tuning.profile import parse_sizes, profile_tree
 from redwood.tuning.tree_search import load_profile
-from redwood.speculation.trees import Tree
 from tests.conftest import CORPUS
-
 
 FAST = ["--context", "16", "--repeats", "2", "--warmup", "1", "--quiet"]
 

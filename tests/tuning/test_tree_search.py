@@ -8,12 +8,19 @@ import numpy as np
 import pytest
 
 from redwood.errors import ConfigError
+from redwood.speculation.trees import Tree
 from redwood.tuning.acceptance import AcceptanceVector
 from redwood.tuning.tree_search import (
-    PROFILE_FORMAT, LatencyProfile, expected_tokens_table, load_profile, optimal_tree, save_profile,
-    select_tree, solve_tree_dp, step_time,
+    PROFILE_FORMAT,
+    LatencyProfile,
+    expected_tokens_table,
+    load_profile,
+    optimal_tree,
+    save_profile,
+    select_tree,
+    solve_tree_dp,
+    step_time,
 )
-from redwood.speculation.trees import Tree
 
 
 def all_trees(n: int):

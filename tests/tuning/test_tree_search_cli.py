@@ -7,9 +7,9 @@ import json
 import pytest
 
 from redwood.cli import main
+from redwood.speculation.trees import Tree
 from redwood.tuning.acceptance import AcceptanceVector, save_acceptance
 from redwood.tuning.tree_search import LatencyProfile, optimal_tree, save_profile
-from redwood.speculation.trees import Tree
 
 
 def test_inline_values_prints_expected_and_writes_tree(tmp_path, capsys):

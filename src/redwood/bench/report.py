@@ -243,7 +243,7 @@ def render_markdown(dirs: Sequence[str | Path], base: str | Path | None = None) 
 
     # overview: one row per report
     rows = []
-    for name, (d, data) in zip(names, reports):
+    for name, (_, data) in zip(names, reports):
         env, models = data.get("environment") or {}, data.get("models") or {}
         device = env.get("device_name") or (f"CPU ×{env['cpu_count']}" if env.get("cpu_count") else "–")
         rows.append([name, _fmt("kind", data.get("kind")), _fmt("", models.get("target")),

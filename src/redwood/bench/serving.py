@@ -726,7 +726,7 @@ def write_plot(path: str | Path, reports: Sequence[tuple[str, dict]]) -> Path:
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
     plain = FuncFormatter(lambda v, _: f"{v:g}")
-    for key, ax in axes.items():
+    for ax in axes.values():
         ax.set_xlabel("output tokens/s")
         ax.set_ylabel("latency (ms)")
         ax.set_yscale("log")

@@ -12,8 +12,15 @@ import shlex
 import sys
 import time
 
-from redwood.commands.options import (DEFAULT_POOL_KERNEL, add_draft_cache_args, add_graphs_arg, add_threads_arg,
-                                      apply_threads_arg, check_draft_cache_args, check_draft_weights_arg)
+from redwood.commands.options import (
+    DEFAULT_POOL_KERNEL,
+    add_draft_cache_args,
+    add_graphs_arg,
+    add_threads_arg,
+    apply_threads_arg,
+    check_draft_cache_args,
+    check_draft_weights_arg,
+)
 from redwood.errors import ConfigError
 
 
@@ -123,8 +130,15 @@ def _progress(quiet: bool, what: str):
 def _run(args: argparse.Namespace) -> int:
     from redwood.llm import DEFAULT_DRAFT_MODEL
     from redwood.tuning.acceptance import save_acceptance
-    from redwood.tuning.measure import (dataset_texts, file_texts, make_vector, measure_dynamic, measure_static,
-                                      read_prompt_file, star_tree_spec)
+    from redwood.tuning.measure import (
+        dataset_texts,
+        file_texts,
+        make_vector,
+        measure_dynamic,
+        measure_static,
+        read_prompt_file,
+        star_tree_spec,
+    )
 
     verifier = _check(args)
     apply_threads_arg(args)  # (the static mode loads the models itself)
@@ -146,8 +160,8 @@ def _run(args: argparse.Namespace) -> int:
         target_name, draft_name = tgt.source, drf.source
     else:
         from redwood.commands.options import graphs_kwargs, threads_kwargs
-        from redwood.speculation.config import SpeculativeConfig
         from redwood.llm import LLM
+        from redwood.speculation.config import SpeculativeConfig
 
         spec = SpeculativeConfig(
             draft_model=args.draft_model, self_speculate=args.self_speculate, tree=star_tree_spec(args.width),

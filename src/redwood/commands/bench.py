@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import json
 
-from redwood.commands.options import (add_draft_kv_args, add_draft_weights_arg, add_model_args, add_offload_args,
-                                      execution_kwargs, graphs_kwargs, offload_kwargs,
-                                      threads_kwargs)
+from redwood.commands.options import (
+    add_draft_kv_args,
+    add_draft_weights_arg,
+    add_model_args,
+    add_offload_args,
+    execution_kwargs,
+    graphs_kwargs,
+    offload_kwargs,
+    threads_kwargs,
+)
 
 _SPEC_HELP = {
     "baseline": ("autoregressive tokens/s on long-text prompts (the speculative benches' baseline)",
@@ -180,8 +187,14 @@ def run_spec_bench(args) -> int:
     """`redwood bench baseline|standalone|selfspec`: validate everything, load once, sweep, report."""
     import sys
 
-    from redwood.bench.speculative import (DEFAULT_DATASET, PromptSource, check_sizes, format_result, run_bench,
-                                           to_report)
+    from redwood.bench.speculative import (
+        DEFAULT_DATASET,
+        PromptSource,
+        check_sizes,
+        format_result,
+        run_bench,
+        to_report,
+    )
     from redwood.commands.options import check_draft_kv_args, check_draft_weights_arg, make_speculative_config
     from redwood.errors import ConfigError
     from redwood.llm import LLM

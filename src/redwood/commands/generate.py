@@ -6,10 +6,20 @@ import dataclasses
 import json
 import sys
 
-from redwood.commands.options import (add_engine_args, add_model_args, add_offload_args, add_sampling_args,
-                                      add_speculative_args, engine_kwargs, graphs_kwargs,
-                                      offload_kwargs, sampling_params_from_args, speculative_config_from_args,
-                                      execution_kwargs, threads_kwargs)
+from redwood.commands.options import (
+    add_engine_args,
+    add_model_args,
+    add_offload_args,
+    add_sampling_args,
+    add_speculative_args,
+    engine_kwargs,
+    execution_kwargs,
+    graphs_kwargs,
+    offload_kwargs,
+    sampling_params_from_args,
+    speculative_config_from_args,
+    threads_kwargs,
+)
 
 
 def register(sub) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from redwood.speculation.config import MAX_DRAFT_DEPTH, check_draft_tree
 from redwood.llm import DEFAULT_MODEL
+from redwood.speculation.config import MAX_DRAFT_DEPTH, check_draft_tree
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -160,8 +160,8 @@ def add_offload_args(p: argparse.ArgumentParser) -> None:
 
 def offload_kwargs(args) -> dict:
     """LLM(...) keyword arguments from the offload flags (ConfigError for bad values)."""
-    from redwood.models.offload import check_prefetch
     from redwood.errors import ConfigError
+    from redwood.models.offload import check_prefetch
 
     if args.offload_prefetch is not None and not args.offload:
         raise ConfigError("--offload-prefetch only applies with --offload")
@@ -365,7 +365,7 @@ def speculative_config_from_args(args):
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The Engine's scheduling and memory knobs (redwood.Engine): --max-num-seqs, --max-model-len,
     --block-size, --max-num-batched-tokens, --kv-cache-memory, --enable-prefix-caching."""
-    from redwood.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_NUM_BATCHED_TOKENS
+    from redwood.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
     g = p.add_argument_group("engine")
     g.add_argument("--max-num-seqs", type=int, default=None, metavar="N",

@@ -6,9 +6,17 @@ import argparse
 import sys
 import time
 
-from redwood.commands.options import (DEFAULT_POOL_KERNEL, add_draft_cache_args, add_graphs_arg, add_offload_args,
-                                      add_threads_arg, apply_threads_arg, check_draft_cache_args,
-                                      check_draft_weights_arg, offload_kwargs)
+from redwood.commands.options import (
+    DEFAULT_POOL_KERNEL,
+    add_draft_cache_args,
+    add_graphs_arg,
+    add_offload_args,
+    add_threads_arg,
+    apply_threads_arg,
+    check_draft_cache_args,
+    check_draft_weights_arg,
+    offload_kwargs,
+)
 from redwood.errors import ConfigError
 
 
@@ -58,9 +66,9 @@ def register(subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from redwood.sample.tree_verify import VERIFIERS
     from redwood.tuning.profile import measure_profile, parse_sizes
     from redwood.tuning.tree_search import save_profile
-    from redwood.sample.tree_verify import VERIFIERS
 
     tokens = parse_sizes(args.tokens, "--tokens")
     widths = parse_sizes(args.widths, "--widths")

@@ -12,9 +12,18 @@ from __future__ import annotations
 import logging
 import sys
 
-from redwood.commands.options import (add_engine_args, add_model_args, add_offload_args, add_speculative_args,
-                                      engine_kwargs, graphs_kwargs, offload_kwargs,
-                                      speculative_config_from_args, execution_kwargs, threads_kwargs)
+from redwood.commands.options import (
+    add_engine_args,
+    add_model_args,
+    add_offload_args,
+    add_speculative_args,
+    engine_kwargs,
+    execution_kwargs,
+    graphs_kwargs,
+    offload_kwargs,
+    speculative_config_from_args,
+    threads_kwargs,
+)
 
 log = logging.getLogger("redwood.serve")
 

@@ -7,9 +7,9 @@ import argparse
 import json
 import time
 
-from redwood.speculation.config import MAX_DRAFT_DEPTH
 from redwood.errors import ConfigError
 from redwood.progress import Progress
+from redwood.speculation.config import MAX_DRAFT_DEPTH
 
 # The largest --budget: the DP holds [budget, budget] arrays (134 MB each at 4096) and its time grows
 # with budget² · depth · W — 4096 nodes, 65 levels and 8 ranks take about a minute on a 2-core machine,
@@ -54,7 +54,7 @@ def _parse_values(text: str) -> list[float]:
 
 def _run(args: argparse.Namespace) -> int:
     from redwood.tuning.acceptance import AcceptanceVector, load_acceptance
-    from redwood.tuning.tree_search import load_profile, select_tree, solve_tree_dp, _provenance
+    from redwood.tuning.tree_search import _provenance, load_profile, select_tree, solve_tree_dp
 
     if args.budget < 1:
         raise ConfigError(f"--budget must be at least 1, got {args.budget}")

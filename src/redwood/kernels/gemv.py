@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import torch
 
-from redwood.kernels.fused import _INTERPRET, _inv, _rms_scale, _round, _rounding, _silu_mul
 from redwood.kernels import pdl
+from redwood.kernels.fused import _INTERPRET, _inv, _rms_scale, _round, _rounding, _silu_mul
 from redwood.kernels.fused import available as _fused_available
 from redwood.kernels.skinny_configs import Config, config_for
 from redwood.kernels.triton_import import jit as _jit

@@ -15,7 +15,6 @@ from redwood.models.cpu_weights import FILE_FORMAT, FILE_FORMATS, auto_formats, 
 from redwood.models.transformer import Transformer, build_model
 
 
-
 @dataclass
 class LoadedModel:
     model: Transformer

@@ -27,6 +27,7 @@ import torch
 from redwood.attention import reference
 from redwood.models import cpu_weights
 
+
 def layer_args(layer) -> tuple | None:
     """The layer's constant arguments for the C++ call (weights, types, biases, groups, norms, eps), or None
     when a projection is not a kquant kind. Kept on the layer after the first call."""

@@ -25,7 +25,6 @@ from redwood.models.backends.cuda import CudaBackend
 from redwood.models.backends.reference import ReferenceBackend
 from redwood.models.rope import RotaryEmbedding, apply_rotary
 
-
 OFFLOAD_ATTR = "_redwood_offload"  # the OffloadManager of an offloaded model (`models.offload`)
 
 

@@ -37,8 +37,16 @@ from redwood.serve.engine_loop import EngineFailed, EngineLoop, QueueFull
 from redwood.serve.guard import Guard
 from redwood.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from redwood.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from redwood.serve.responses import (SSE_DONE, ChoiceState, ChunkMaker, TokenText, chat_response,
-                                     completion_response, new_id, sse)
+from redwood.serve.responses import (
+    SSE_DONE,
+    ChoiceState,
+    ChunkMaker,
+    TokenText,
+    chat_response,
+    completion_response,
+    new_id,
+    sse,
+)
 
 log = logging.getLogger("redwood.serve")
 

@@ -18,8 +18,14 @@ is thread-safe.
 from __future__ import annotations
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 (re-exported for the route)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,  # noqa: F401 (re-exported for the route)
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 # No `…_created` series beside every counter and histogram (as vLLM: they double the output for nothing a
 # dashboard reads). (A process-wide switch of prometheus-client.)

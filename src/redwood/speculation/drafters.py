@@ -26,10 +26,10 @@ from functools import lru_cache
 
 import torch
 
-from redwood.sample.sampler import Sampler
 from redwood.errors import ConfigError
 from redwood.kv.policies import DraftKVPolicy, FullPolicy
 from redwood.models.transformer import Transformer
+from redwood.sample.sampler import Sampler
 from redwood.sample.tree_verify import draw_children
 from redwood.speculation.trees import Tree
 

@@ -48,11 +48,11 @@ from typing import Any, Sequence
 
 import torch
 
-from redwood.sample.sampler import probabilities
 from redwood.errors import ConfigError
-from redwood.tuning.acceptance import AcceptanceVector
-from redwood.speculation.drafters import Drafter
+from redwood.sample.sampler import probabilities
 from redwood.sample.tree_verify import CHILD_RULE, VERIFIERS, draw_children
+from redwood.speculation.drafters import Drafter
+from redwood.tuning.acceptance import AcceptanceVector
 
 MODES = ("dynamic", "static")
 EVAL_SHUFFLE_SEED = 0  # the document order evaluation prompts are taken from (front)
@@ -397,8 +397,7 @@ def file_texts(tokenizer, lines: Sequence[str], count: int, prompt_len: int, gen
 def dataset_texts(tokenizer, dataset: str, count: int, prompt_len: int, gen_len: int,
                   static: bool) -> tuple[list[MeasurementText], str]:
     """Held-out measurement texts from a dataset (see the module docstring); returns (texts, split note)."""
-    from redwood.data.prompts import (chat_prompt_ids, encode, has_chat_template, long_context_prompts,
-                                      _chat_text)
+    from redwood.data.prompts import _chat_text, chat_prompt_ids, encode, has_chat_template, long_context_prompts
     from redwood.data.recipes import dataset_kind, load_dataset
 
     kind = dataset_kind(dataset)

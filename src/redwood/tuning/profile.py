@@ -30,14 +30,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from redwood.engine.runner import sync
-from redwood.sample.random import RowRandom
-from redwood.engine.runner import CapturedStep, StepRunner
-from redwood.sample.sampler import probabilities
+from redwood.engine.runner import CapturedStep, StepRunner, sync
 from redwood.errors import ConfigError
-from redwood.tuning.tree_search import LatencyProfile
+from redwood.sample.random import RowRandom
+from redwood.sample.sampler import probabilities
 from redwood.sample.tree_verify import VERIFIERS, verify_tree_paths
 from redwood.speculation.trees import Tree
+from redwood.tuning.tree_search import LatencyProfile
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16, 32, 64)

@@ -39,9 +39,9 @@ with one point (width 1) is taken as width-independent, which reproduces the ori
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
-import bisect
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
