@@ -46,8 +46,7 @@ def random_tree(T: int, gen: torch.Generator) -> torch.Tensor:
 class Case:
     """One configuration's inputs: `layers` distinct caches [B, Hkv, cap, D], q, lengths, mask."""
 
-    def __init__(self, name: str, B: int, T: int, new_mask: torch.Tensor | None, gen: torch.Generator,
-                 ctx: int = CTX):
+    def __init__(self, name: str, B: int, T: int, new_mask: torch.Tensor | None, gen: torch.Generator, ctx: int = CTX):
         self.name, self.B, self.T, self.ctx = name, B, T, ctx
         cap = ctx + T
         self.kv_bytes = 2 * B * HKV * (ctx + T) * D * 2  # K and V of one layer that the call reads
@@ -66,13 +65,15 @@ class Case:
         self.compute_us = 4 * D * B * HQ * T * (ctx + T) / PEAK_FLOPS * 1e6
 
     def ours(self, layer: int, num_splits: int | None = None) -> torch.Tensor:
-        return td.decode_attention(self.q, self.k[layer], self.v[layer], self.lengths,
-                                   new_mask=self.packed_mask, num_splits=num_splits)  # [B, T, Hq, D]
+        return td.decode_attention(
+            self.q, self.k[layer], self.v[layer], self.lengths, new_mask=self.packed_mask, num_splits=num_splits
+        )  # [B, T, Hq, D]
 
     def sdpa(self, layer: int) -> torch.Tensor:
         S = self.ctx + self.T
-        out = F.scaled_dot_product_attention(self.q, self.k[layer, :, :, :S], self.v[layer, :, :, :S],
-                                             attn_mask=self.sdpa_mask, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            self.q, self.k[layer, :, :, :S], self.v[layer, :, :, :S], attn_mask=self.sdpa_mask, enable_gqa=True
+        )
         return out.transpose(1, 2)
 
 
@@ -93,6 +94,7 @@ def time_per_layer(fn, layers: int, reps: int = 10) -> float:
         def run():
             for layer in range(layers):
                 fn(layer)
+
     return time_step(run, repeats=reps, warmup=1) * 1e3 / layers
 
 
@@ -124,10 +126,21 @@ def measure(case: Case) -> dict:
     ours_us = time_per_layer(case.ours, case.layers)
     sdpa_us = time_per_layer(case.sdpa, min(case.layers, 4))
     err = rel_err(case.ours(0), case.sdpa(0))
-    return dict(name=case.name, B=case.B, T=case.T, num_splits=splits, layers=case.layers,
-                kv_mb=case.kv_bytes / 1e6, floor_us=case.floor_us, compute_us=case.compute_us,
-                ours_us=ours_us, sdpa_us=sdpa_us,
-                floor_frac=case.floor_us / ours_us, speedup_vs_sdpa=sdpa_us / ours_us, rel_err_vs_sdpa=err)
+    return dict(
+        name=case.name,
+        B=case.B,
+        T=case.T,
+        num_splits=splits,
+        layers=case.layers,
+        kv_mb=case.kv_bytes / 1e6,
+        floor_us=case.floor_us,
+        compute_us=case.compute_us,
+        ours_us=ours_us,
+        sdpa_us=sdpa_us,
+        floor_frac=case.floor_us / ours_us,
+        speedup_vs_sdpa=sdpa_us / ours_us,
+        rel_err_vs_sdpa=err,
+    )
 
 
 def sweep(case: Case) -> list[dict]:
@@ -138,16 +151,38 @@ def sweep(case: Case) -> list[dict]:
         us = time_per_layer(lambda layer: case.ours(layer, s), case.layers, reps=5)
         rows.append(dict(name=case.name, knob="num_splits", value=s, us=us))
     base = td._launch_config
-    configs = ((64, 2, 4, 64), (64, 3, 4, 64), (64, 4, 4, 64), (128, 2, 4, 64), (128, 3, 8, 64), (32, 3, 4, 64),
-               (64, 2, 4, 32), (64, 3, 4, 16), (64, 2, 8, 128), (64, 3, 8, 128), (128, 2, 8, 128))
+    configs = (
+        (64, 2, 4, 64),
+        (64, 3, 4, 64),
+        (64, 4, 4, 64),
+        (128, 2, 4, 64),
+        (128, 3, 8, 64),
+        (32, 3, 4, 64),
+        (64, 2, 4, 32),
+        (64, 3, 4, 16),
+        (64, 2, 8, 128),
+        (64, 3, 8, 128),
+        (128, 2, 8, 128),
+    )
     if short:  # fewer, wider key steps: the few programs each walk the whole context
-        configs = ((64, 2, 4, 64), (64, 3, 4, 64), (32, 2, 4, 64), (32, 4, 4, 64), (128, 1, 4, 64), (128, 2, 4, 64),
-                   (128, 2, 8, 64), (256, 1, 8, 64), (64, 2, 8, 64))
+        configs = (
+            (64, 2, 4, 64),
+            (64, 3, 4, 64),
+            (32, 2, 4, 64),
+            (32, 4, 4, 64),
+            (128, 1, 4, 64),
+            (128, 2, 4, 64),
+            (128, 2, 8, 64),
+            (256, 1, 8, 64),
+            (64, 2, 8, 64),
+        )
     for block_n, stages, warps, max_m in configs:
+
         def cfg(M, Dh, dtype, big_smem=False, n_keys=None, bn=block_n, st=stages, w=warps, mm=max_m):
             c = base(M, Dh, dtype, big_smem, n_keys)
             c.update(BLOCK_N=bn, num_stages=st, num_warps=w, BLOCK_M=max(16, min(td.triton.next_power_of_2(M), mm)))
             return c
+
         td._launch_config = cfg
         try:
             us = time_per_layer(case.ours, case.layers, reps=5)
@@ -156,8 +191,9 @@ def sweep(case: Case) -> list[dict]:
             print(f"  {case.name}: config {block_n, stages, warps, max_m} failed: {type(e).__name__}")
         finally:
             td._launch_config = base
-        rows.append(dict(name=case.name, knob="BLOCK_N,stages,warps,max_M", value=[block_n, stages, warps, max_m],
-                         us=us))
+        rows.append(
+            dict(name=case.name, knob="BLOCK_N,stages,warps,max_M", value=[block_n, stages, warps, max_m], us=us)
+        )
     for r in rows:
         print(f"  sweep {r['name']}: {r['knob']}={r['value']}: {r['us']:.1f} us", flush=True)
     return rows
@@ -178,27 +214,45 @@ def main() -> None:
             continue
         case = make()
         r = measure(case)
-        print(f"{r['name']}: ours {r['ours_us']:.1f} us, floor {r['floor_us']:.1f} us, sdpa {r['sdpa_us']:.1f} us, "
-              f"rel err {r['rel_err_vs_sdpa']:.1e}", flush=True)
+        print(
+            f"{r['name']}: ours {r['ours_us']:.1f} us, floor {r['floor_us']:.1f} us, sdpa {r['sdpa_us']:.1f} us, "
+            f"rel err {r['rel_err_vs_sdpa']:.1e}",
+            flush=True,
+        )
         results.append(r)
         if args.sweep and (case.name.startswith("short") or case.name in SWEPT):
             sweeps += sweep(case)
         del case
         torch.cuda.empty_cache()
-    info = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=td.triton.__version__,
-                seconds=time.time() - t0, hq=HQ, hkv=HKV, head_dim=D, context=CTX, dtype="bfloat16")
+    info = dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=td.triton.__version__,
+        seconds=time.time() - t0,
+        hq=HQ,
+        hkv=HKV,
+        head_dim=D,
+        context=CTX,
+        dtype="bfloat16",
+    )
     if args.output:
         with open(args.output, "w") as f:
             json.dump(dict(info=info, results=results, sweeps=sweeps), f, indent=1)
-    print(f"\n{info['device']}, torch {info['torch']}, triton {info['triton']}; per layer, "
-          f"Hq={HQ} Hkv={HKV} D={D} bf16, context {CTX}")
+    print(
+        f"\n{info['device']}, torch {info['torch']}, triton {info['triton']}; per layer, "
+        f"Hq={HQ} Hkv={HKV} D={D} bf16, context {CTX}"
+    )
     print("floor: K/V bytes / 4.29e12 B/s; flops: 4*D*Hq*T*S / 790e12 (trees of 64+ nodes are compute-bound)")
-    print(f"{'config':<22}{'splits':>7}{'KV MB':>8}{'floor us':>10}{'flops us':>10}{'ours us':>10}{'%floor':>8}"
-          f"{'SDPA us':>10}{'vs SDPA':>9}{'rel err':>9}")
+    print(
+        f"{'config':<22}{'splits':>7}{'KV MB':>8}{'floor us':>10}{'flops us':>10}{'ours us':>10}{'%floor':>8}"
+        f"{'SDPA us':>10}{'vs SDPA':>9}{'rel err':>9}"
+    )
     for r in results:
-        print(f"{r['name']:<22}{r['num_splits']:>7}{r['kv_mb']:>8.1f}{r['floor_us']:>10.1f}{r['compute_us']:>10.1f}"
-              f"{r['ours_us']:>10.1f}{100 * r['floor_frac']:>7.0f}%{r['sdpa_us']:>10.1f}"
-              f"{r['speedup_vs_sdpa']:>8.1f}x{r['rel_err_vs_sdpa']:>9.1e}")
+        print(
+            f"{r['name']:<22}{r['num_splits']:>7}{r['kv_mb']:>8.1f}{r['floor_us']:>10.1f}{r['compute_us']:>10.1f}"
+            f"{r['ours_us']:>10.1f}{100 * r['floor_frac']:>7.0f}%{r['sdpa_us']:>10.1f}"
+            f"{r['speedup_vs_sdpa']:>8.1f}x{r['rel_err_vs_sdpa']:>9.1e}"
+        )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,12 @@ from redwood.cpu_kernels import kquant
 from redwood.loading import gguf
 from redwood.models.registry import model_path
 
-DEFAULT_VARIANTS = ["pf0=-DKQ_PREFETCH=0", "pf1k=-DKQ_PREFETCH=1024", "pf2k=-DKQ_PREFETCH=2048",
-                    "pf4k=-DKQ_PREFETCH=4096"]
+DEFAULT_VARIANTS = [
+    "pf0=-DKQ_PREFETCH=0",
+    "pf1k=-DKQ_PREFETCH=1024",
+    "pf2k=-DKQ_PREFETCH=2048",
+    "pf4k=-DKQ_PREFETCH=4096",
+]
 
 
 def build(name: str, macros: list[str], source: str | None = None):
@@ -37,9 +41,14 @@ def build(name: str, macros: list[str], source: str | None = None):
 
     ns = f"kq_{name}"
     source = source or str(Path(kquant.__file__).with_name("kquant.cpp"))
-    cpp_extension.load(name=f"redwood_kquant_bench_{name}", sources=[source],
-                       extra_cflags=kquant._FLAGS + [f"-DKQ_NS={ns}"] + macros, extra_ldflags=["-fopenmp"],
-                       is_python_module=False, verbose=False)
+    cpp_extension.load(
+        name=f"redwood_kquant_bench_{name}",
+        sources=[source],
+        extra_cflags=kquant._FLAGS + [f"-DKQ_NS={ns}"] + macros,
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
     return getattr(torch.ops, ns).kquant_linear
 
 
@@ -60,9 +69,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--variant", nargs="+", default=DEFAULT_VARIANTS,
-                    help="NAME[@SOURCE.cpp]=-DMACRO=VALUE[,-DMACRO2=VALUE] (comma-separated compiler flags; "
-                         "SOURCE: another version of kquant.cpp, e.g. `git show REV:src/redwood/cpu_kernels/kquant.cpp`)")
+    ap.add_argument(
+        "--variant",
+        nargs="+",
+        default=DEFAULT_VARIANTS,
+        help="NAME[@SOURCE.cpp]=-DMACRO=VALUE[,-DMACRO2=VALUE] (comma-separated compiler flags; "
+        "SOURCE: another version of kquant.cpp, e.g. `git show REV:src/redwood/cpu_kernels/kquant.cpp`)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     variants = {}
@@ -75,8 +88,11 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     xs = {(M, K): torch.randn(M, K, generator=g) for M in args.rows for K in {m[2] for m in mats}}
     flat = torch.cat([m[0].view(-1) for m in mats]).view(torch.int64)
-    print(f"{len(mats)} matrices, {total / 1e9:.3f} GB; threads {args.threads}; variants "
-          + ", ".join(f"{k}: {v}" for k, v in zip(variants, args.variant)), flush=True)
+    print(
+        f"{len(mats)} matrices, {total / 1e9:.3f} GB; threads {args.threads}; variants "
+        + ", ".join(f"{k}: {v}" for k, v in zip(variants, args.variant)),
+        flush=True,
+    )
     # hot: 384 rows of one Q4_K and one Q6_K matrix (~0.3 MB each, held in L2), many times over — the
     # kernel's compute rate without DRAM
     hot = []
@@ -111,8 +127,10 @@ def main() -> None:
         for M in args.rows:
             t = statistics.median(times[(v, M)])
             h = statistics.median(hot_times[(v, M)])
-            print(f"| {v} | {M} | {t * 1e3:.1f} | {total / t / 1e9:.1f} | {t / fl:.2f} | {t / one:.2f} | "
-                  f"{hot_bytes / h / 1e9:.1f} |")
+            print(
+                f"| {v} | {M} | {t * 1e3:.1f} | {total / t / 1e9:.1f} | {t / fl:.2f} | {t / one:.2f} | "
+                f"{hot_bytes / h / 1e9:.1f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ def main() -> None:
         tk, drafts = entry.split(":")
         target = load_model(TARGET, weights=tk)
         code = held_out_texts(target.tokenizer, 1024 * args.code_prompts)["code"]
-        prompts = [code[i * 1024:i * 1024 + 128] for i in range(args.code_prompts)]
+        prompts = [code[i * 1024 : i * 1024 + 128] for i in range(args.code_prompts)]
         if args.chat:
             prompts.append(encode_prompt(target.tokenizer, CHAT, chat=True))
         engine = Engine.build(target.model, target.tokenizer, max_num_seqs=1, max_model_len=512)
@@ -87,32 +87,53 @@ def main() -> None:
         for n in args.threads:
             torch.set_num_threads(n)
             ar_ids[n], ar[n] = run_all(engine, prompts, params)
-            print(f"AR {tk}, {n} thread(s): {ar[n]['decode_tokens_per_s']:.2f} tok/s"
-                  + ("" if ar_ids[n] == ar_ids[args.threads[0]] else " (tokens differ from the first count's)"),
-                  flush=True)
+            print(
+                f"AR {tk}, {n} thread(s): {ar[n]['decode_tokens_per_s']:.2f} tok/s"
+                + ("" if ar_ids[n] == ar_ids[args.threads[0]] else " (tokens differ from the first count's)"),
+                flush=True,
+            )
         del engine
         for dk in drafts.split("/"):
             draft = load_model(DRAFT, weights=dk)
             for g in args.gammas:
                 drafter = ModelDrafter(draft.model, FullPolicy(), target.config.vocab_size)
-                engine = Engine.build(target.model, target.tokenizer, drafter=drafter, tree=Tree.chain(g),
-                                      max_num_seqs=1, max_model_len=512)
+                engine = Engine.build(
+                    target.model,
+                    target.tokenizer,
+                    drafter=drafter,
+                    tree=Tree.chain(g),
+                    max_num_seqs=1,
+                    max_model_len=512,
+                )
                 for n in args.threads:
                     torch.set_num_threads(n)
                     ids, st = run_all(engine, prompts, params)
                     a = ar[n]["decode_tokens_per_s"]
-                    row = (tk, dk, g, n, a, st["decode_tokens_per_s"], st["acceptance_rate"],
-                           st["mean_accepted_length"], f"{sum(x == y for x, y in zip(ids, ar_ids[n]))}/{len(ids)}")
+                    row = (
+                        tk,
+                        dk,
+                        g,
+                        n,
+                        a,
+                        st["decode_tokens_per_s"],
+                        st["acceptance_rate"],
+                        st["mean_accepted_length"],
+                        f"{sum(x == y for x, y in zip(ids, ar_ids[n]))}/{len(ids)}",
+                    )
                     rows.append(row)
-                    print(f"  {tk} target, {dk} draft, γ {g}, {n} thread(s): {row[5]:.2f} tok/s = {row[5] / a:.2f}× AR, "
-                          f"acceptance {row[6]:.2f}, {row[7]:.2f} tokens/step, prompts with tokens == AR: {row[8]}",
-                          flush=True)
+                    print(
+                        f"  {tk} target, {dk} draft, γ {g}, {n} thread(s): {row[5]:.2f} tok/s = {row[5] / a:.2f}× AR, "
+                        f"acceptance {row[6]:.2f}, {row[7]:.2f} tokens/step, prompts with tokens == AR: {row[8]}",
+                        flush=True,
+                    )
                 del engine
             del draft
             gc.collect()
         del target
         gc.collect()
-    print("\n| target | draft | γ | threads | AR tok/s | spec tok/s | × AR | acceptance | tokens/step | prompts == AR |")
+    print(
+        "\n| target | draft | γ | threads | AR tok/s | spec tok/s | × AR | acceptance | tokens/step | prompts == AR |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for tk, dk, g, n, a, s, acc, mal, same in rows:
         print(f"| {tk} | {dk} | {g} | {n} | {a:.2f} | {s:.2f} | {s / a:.2f} | {acc:.2f} | {mal:.2f} | {same} |")

@@ -57,8 +57,14 @@ def worker(ops: list[str]) -> None:
         engines["engine"] = Engine.build(m, target.tokenizer, max_num_seqs=1, max_model_len=512)
     if "spec" in ops:
         draft = load_model(DRAFT, weights="int4")
-        engines["spec"] = Engine.build(m, target.tokenizer, max_num_seqs=1, max_model_len=512, tree=Tree.chain(3),
-                                       drafter=ModelDrafter(draft.model, FullPolicy(), target.config.vocab_size))
+        engines["spec"] = Engine.build(
+            m,
+            target.tokenizer,
+            max_num_seqs=1,
+            max_model_len=512,
+            tree=Tree.chain(3),
+            drafter=ModelDrafter(draft.model, FullPolicy(), target.config.vocab_size),
+        )
     served = {name: 0 for name in engines}
     state = {}
 
@@ -97,9 +103,15 @@ def worker(ops: list[str]) -> None:
 
 
 def llama_bench(path: str, threads: int) -> float:
-    gguf = next((Path(os.environ.get("REDWOOD_HOME", Path.home() / ".cache/redwood")) / "models" / TARGET).glob("*.gguf"))
-    res = subprocess.run([path, "-m", str(gguf), "-p", "0", "-n", "64", "-d", "128", "-t", str(threads), "-r", "2",
-                          "-o", "json"], capture_output=True, text=True, check=True)
+    gguf = next(
+        (Path(os.environ.get("REDWOOD_HOME", Path.home() / ".cache/redwood")) / "models" / TARGET).glob("*.gguf")
+    )
+    res = subprocess.run(
+        [path, "-m", str(gguf), "-p", "0", "-n", "64", "-d", "128", "-t", str(threads), "-r", "2", "-o", "json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(res.stdout)[0]["avg_ts"]
 
 
@@ -110,7 +122,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=24, help="timed steps per tree, op, thread count and round")
     ap.add_argument("--ops", nargs="+", default=["model", "engine", "spec"], choices=["model", "engine", "spec"])
-    default_lb = Path(os.environ.get("REDWOOD_HOME", Path.home() / ".cache/redwood")) / "bench/llama.cpp/build/bin/llama-bench"
+    default_lb = (
+        Path(os.environ.get("REDWOOD_HOME", Path.home() / ".cache/redwood")) / "bench/llama.cpp/build/bin/llama-bench"
+    )
     ap.add_argument("--llama-bench", default=str(default_lb) if default_lb.exists() else "none")
     ap.add_argument("--output")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -118,17 +132,27 @@ def main() -> None:
     if args.worker:
         return worker(args.ops)
     tmp = Path(tempfile.mkdtemp(prefix="redwood-ab-"))
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", args.before, "src"], capture_output=True, check=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", args.before, "src"], capture_output=True, check=True
+    ).stdout
     (tmp / "src.tar").write_bytes(archive)
     with tarfile.open(tmp / "src.tar") as t:
         t.extractall(tmp / "before", filter="data")
-    rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.before], capture_output=True, text=True).stdout.strip()
+    rev = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", args.before], capture_output=True, text=True
+    ).stdout.strip()
     trees = {f"before ({rev})": tmp / "before" / "src", "after (checkout)": REPO / "src"}
     procs = {}
     for name, src in trees.items():
         env = dict(os.environ, PYTHONPATH=f"{src}:{REPO / 'benchmarks'}")
-        procs[name] = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", "--ops", *args.ops],
-                                       env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        procs[name] = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--worker", "--ops", *args.ops],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
     for name, p in procs.items():
         while (line := p.stdout.readline()) and line.strip() != "ready":
             pass
@@ -140,32 +164,49 @@ def main() -> None:
     lc = {n: [] for n in args.threads}
     loads = []
     for r in range(args.rounds):
-        for n in (args.threads if r % 2 == 0 else args.threads[::-1]):
+        for n in args.threads if r % 2 == 0 else args.threads[::-1]:
             for op in args.ops:
                 for i in range(args.steps):
-                    for name in (names if i % 2 == 0 else names[::-1]):
+                    for name in names if i % 2 == 0 else names[::-1]:
                         procs[name].stdin.write(json.dumps({"op": op, "threads": n}) + "\n")
                         reply = json.loads(procs[name].stdout.readline())
                         steps.setdefault((name, n, op), []).append((reply["s"], reply["tokens"]))
                 loads.append(os.getloadavg()[0])
-                print(f"round {r}, {n} thread(s), {op}: " + ", ".join(
-                    f"{name} {sum(len(t) for _, t in steps[(name, n, op)][-args.steps:]) / sum(s for s, _ in steps[(name, n, op)][-args.steps:]):.2f} tok/s"
-                    for name in names) + f"  (load {loads[-1]:.2f})", flush=True)
+                print(
+                    f"round {r}, {n} thread(s), {op}: "
+                    + ", ".join(
+                        f"{name} {sum(len(t) for _, t in steps[(name, n, op)][-args.steps :]) / sum(s for s, _ in steps[(name, n, op)][-args.steps :]):.2f} tok/s"
+                        for name in names
+                    )
+                    + f"  (load {loads[-1]:.2f})",
+                    flush=True,
+                )
             if args.llama_bench != "none":
                 lc[n].append(llama_bench(args.llama_bench, n))
-                print(f"round {r}, {n} thread(s), llama.cpp tg64 @ d128: {lc[n][-1]:.2f} tok/s  (load {os.getloadavg()[0]:.2f})",
-                      flush=True)
+                print(
+                    f"round {r}, {n} thread(s), llama.cpp tg64 @ d128: {lc[n][-1]:.2f} tok/s  (load {os.getloadavg()[0]:.2f})",
+                    flush=True,
+                )
     for p in procs.values():
         p.stdin.close()
         p.wait()
     if args.output:
-        Path(args.output).write_text(json.dumps({"steps": {f"{k[0]}|{k[1]}|{k[2]}": v for k, v in steps.items()},
-                                                 "llama.cpp": lc, "loads": loads}))
+        Path(args.output).write_text(
+            json.dumps(
+                {"steps": {f"{k[0]}|{k[1]}|{k[2]}": v for k, v in steps.items()}, "llama.cpp": lc, "loads": loads}
+            )
+        )
     have_lc = args.llama_bench != "none"
-    print(f"\nload average over the blocks {min(loads):.2f}–{max(loads):.2f}; {args.rounds} rounds × {args.steps} steps "
-          "per tree, op and thread count, single steps alternating between the trees")
-    print("| threads | op | " + " | ".join(f"{x} tok/s (median step ms)" for x in names) + " | after / before | tokens equal |"
-          + (" llama.cpp tg64 @ d128 tok/s | after / llama.cpp |" if have_lc else ""))
+    print(
+        f"\nload average over the blocks {min(loads):.2f}–{max(loads):.2f}; {args.rounds} rounds × {args.steps} steps "
+        "per tree, op and thread count, single steps alternating between the trees"
+    )
+    print(
+        "| threads | op | "
+        + " | ".join(f"{x} tok/s (median step ms)" for x in names)
+        + " | after / before | tokens equal |"
+        + (" llama.cpp tg64 @ d128 tok/s | after / llama.cpp |" if have_lc else "")
+    )
     print("|---|---|" + "---|" * (len(names) + 2) + ("---|---|" if have_lc else ""))
     for n in args.threads:
         for op in args.ops:

@@ -6,6 +6,7 @@ one core busy (what the default thread count must survive). Context: a 128-token
 Usage: PYTHONPATH=src python benchmarks/cpu_step_rows.py [--model NAME] [--draft] [--busy]
 Short table last.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -50,7 +50,7 @@ def perplexity(model, ids: list[int], chunk: int = 128) -> float:
         e = min(s + chunk, len(ids) - 1)
         logits = model(x[:, s:e], torch.arange(s, e)[None], cache)
         cache.commit(e - s)
-        nll += torch.nn.functional.cross_entropy(logits[0], x[0, s + 1:e + 1], reduction="sum").item()
+        nll += torch.nn.functional.cross_entropy(logits[0], x[0, s + 1 : e + 1], reduction="sum").item()
         count += e - s
     return math.exp(nll / count)
 
@@ -60,8 +60,9 @@ def greedy_decode(model, prompt: list[int], new: int) -> tuple[list[int], float,
     """Greedy tokens, prefill seconds and the seconds of each decode step (batch 1)."""
     cache = model.new_cache(1, len(prompt) + new + 1)
     t = time.perf_counter()
-    logits = model(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache,
-                   logits_at=torch.tensor([[len(prompt) - 1]]))
+    logits = model(
+        torch.tensor([prompt]), torch.arange(len(prompt))[None], cache, logits_at=torch.tensor([[len(prompt) - 1]])
+    )
     cache.commit(len(prompt))
     prefill = time.perf_counter() - t
     out, steps = [int(logits[0, -1].argmax())], []
@@ -99,8 +100,9 @@ def formats(base, kinds, name):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"])
-    ap.add_argument("--formats", nargs="+", default=list(WEIGHT_FORMATS) + list(FILE_FORMATS),
-                    choices=WEIGHT_FORMATS + FILE_FORMATS)
+    ap.add_argument(
+        "--formats", nargs="+", default=list(WEIGHT_FORMATS) + list(FILE_FORMATS), choices=WEIGHT_FORMATS + FILE_FORMATS
+    )
     ap.add_argument("--threads", nargs="+", type=int, default=[torch.get_num_threads()])
     ap.add_argument("--rounds", type=int, default=1, help="decode passes per thread count, interleaved")
     ap.add_argument("--ppl-tokens", type=int, default=512)
@@ -115,7 +117,7 @@ def main() -> None:
         loaded = load_model(name, dtype="float32")
         print(f"{name}: loaded in {time.perf_counter() - t:.0f} s", flush=True)
         texts = held_out_texts(loaded.tokenizer, args.ppl_tokens)
-        prompt = texts["code"][:args.prompt_tokens]
+        prompt = texts["code"][: args.prompt_tokens]
         ref = None
         for kind, model in formats(loaded.model, args.formats, name):
             torch.set_num_threads(max(args.threads))
@@ -137,22 +139,31 @@ def main() -> None:
             prefill = {n: min(v) for n, v in prefills.items()}
             row = (name, kind, nbytes / 1e9, ppl, step, nbytes / 1e9 / bw, agree, prefill, same_threads)
             rows.append(row)
-            print(f"  {kind:9s} {nbytes / 1e9:5.2f} GB/step  ppl " + " ".join(f"{k} {v:.3f}" for k, v in ppl.items())
-                  + "  decode " + ", ".join(f"{n}t {1 / step[n]:5.2f} tok/s ({step[n] * 1e3:.0f} ms)" for n in args.threads)
-                  + f" (floor {nbytes / 1e9 / bw * 1e3:.0f} ms)  prefill {args.prompt_tokens} tok "
-                  + ", ".join(f"{n}t {prefill[n]:.1f} s" for n in args.threads)
-                  + f"  greedy = float32 for {agree}/{len(ref)}, = across threads {same_threads}", flush=True)
+            print(
+                f"  {kind:9s} {nbytes / 1e9:5.2f} GB/step  ppl "
+                + " ".join(f"{k} {v:.3f}" for k, v in ppl.items())
+                + "  decode "
+                + ", ".join(f"{n}t {1 / step[n]:5.2f} tok/s ({step[n] * 1e3:.0f} ms)" for n in args.threads)
+                + f" (floor {nbytes / 1e9 / bw * 1e3:.0f} ms)  prefill {args.prompt_tokens} tok "
+                + ", ".join(f"{n}t {prefill[n]:.1f} s" for n in args.threads)
+                + f"  greedy = float32 for {agree}/{len(ref)}, = across threads {same_threads}",
+                flush=True,
+            )
             del model
         del loaded
     threads = " | ".join(f"decode tok/s {n}t (ms)" for n in args.threads)
-    print(f"\n| model | weights | GB/step | ppl | {threads} | floor ms at {bw:.1f} GB/s | "
-          f"prefill {args.prompt_tokens} s | greedy = f32 | = across threads |")
+    print(
+        f"\n| model | weights | GB/step | ppl | {threads} | floor ms at {bw:.1f} GB/s | "
+        f"prefill {args.prompt_tokens} s | greedy = f32 | = across threads |"
+    )
     print("|---|---|---|---|" + "---|" * len(args.threads) + "---|---|---|---|")
     for name, kind, gb, ppl, step, floor, agree, prefill, same in rows:
         p = " / ".join(f"{k} {v:.3f}" for k, v in ppl.items())
         t = " | ".join(f"{1 / step[n]:.2f} ({step[n] * 1e3:.0f})" for n in args.threads)
-        print(f"| {name} | {kind} | {gb:.2f} | {p} | {t} | {floor * 1e3:.0f} | "
-              f"{' / '.join(f'{prefill[n]:.1f}' for n in args.threads)} | {agree}/{args.new_tokens} | {same} |")
+        print(
+            f"| {name} | {kind} | {gb:.2f} | {p} | {t} | {floor * 1e3:.0f} | "
+            f"{' / '.join(f'{prefill[n]:.1f}' for n in args.threads)} | {agree}/{args.new_tokens} | {same} |"
+        )
 
 
 if __name__ == "__main__":

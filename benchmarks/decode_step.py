@@ -29,12 +29,27 @@ from redwood.engine.runner import StepRunner
 from redwood.kernels import l2_prefetch, pdl
 from redwood.models.transformer import build_model
 
-QWEN_1_5B = {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960,
-             "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
-             "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
-             "tie_word_embeddings": True, "eos_token_id": 151645}
-QWEN_0_5B = {**QWEN_1_5B, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-             "num_attention_heads": 14}
+QWEN_1_5B = {
+    "model_type": "qwen2",
+    "vocab_size": 151936,
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1e6,
+    "tie_word_embeddings": True,
+    "eos_token_id": 151645,
+}
+QWEN_0_5B = {
+    **QWEN_1_5B,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+}
 SHAPES = {"1.5b": QWEN_1_5B, "0.5b": QWEN_0_5B}
 
 
@@ -68,8 +83,10 @@ def kernel_table(forward) -> list[tuple[str, int, float]]:
 
 def print_kernels(label: str, table: list[tuple[str, int, float]], step_ms: float) -> None:
     calls, total = sum(r[1] for r in table), sum(r[2] for r in table) / 1e3
-    print(f"{label}: {calls} kernels, {total:.3f} ms of kernel time; graphed step {step_ms:.3f} ms "
-          f"→ {1e3 * (step_ms - total) / max(calls, 1):.2f} µs of gap per kernel")
+    print(
+        f"{label}: {calls} kernels, {total:.3f} ms of kernel time; graphed step {step_ms:.3f} ms "
+        f"→ {1e3 * (step_ms - total) / max(calls, 1):.2f} µs of gap per kernel"
+    )
     for name, n, us in table[:10]:
         print(f"  {us:9.1f} µs {n:5d}x {us / n:7.2f} µs each  {name[:80]}")
 
@@ -97,18 +114,35 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1.5b")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--skinny-rows", type=int, default=None,
-                    help="tokens per forward the skinny variants take through the skinny kernels (default: the "
-                         "tuned table's max_rows); compare with --tokens 2 4 8 to choose max_rows")
-    ap.add_argument("--tile-rows", type=int, nargs=2, default=None, metavar=("LO", "HI"),
-                    help="batch × tokens in [LO, HI] (within 9-64) that the skinny variants take through the tile "
-                         "kernel (default: the tuned table's tile_rows); compare with --batch 64 to choose tile_rows")
+    ap.add_argument(
+        "--skinny-rows",
+        type=int,
+        default=None,
+        help="tokens per forward the skinny variants take through the skinny kernels (default: the "
+        "tuned table's max_rows); compare with --tokens 2 4 8 to choose max_rows",
+    )
+    ap.add_argument(
+        "--tile-rows",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("LO", "HI"),
+        help="batch × tokens in [LO, HI] (within 9-64) that the skinny variants take through the tile "
+        "kernel (default: the tuned table's tile_rows); compare with --batch 64 to choose tile_rows",
+    )
     ap.add_argument("--int8", action="store_true", help="skinny variants read int8 weight copies")
     ap.add_argument("--kernels", action="store_true", help="list each variant's kernels per forward")
-    ap.add_argument("--pdl", action="store_true",
-                    help="also time each graphed variant with programmatic dependent launch")
-    ap.add_argument("--l2-prefetch", type=float, nargs="+", default=[], metavar="MB",
-                    help="also time each graphed skinny variant with an L2 prefetch of MB (each value)")
+    ap.add_argument(
+        "--pdl", action="store_true", help="also time each graphed variant with programmatic dependent launch"
+    )
+    ap.add_argument(
+        "--l2-prefetch",
+        type=float,
+        nargs="+",
+        default=[],
+        metavar="MB",
+        help="also time each graphed skinny variant with an L2 prefetch of MB (each value)",
+    )
     args = ap.parse_args()
     bw = copy_bandwidth(torch.device("cuda"))
     # (fused projections + small-op kernels, attention backend, graphs, skinny-matmul kernels)
@@ -132,10 +166,15 @@ def main() -> None:
             use_pdl = mode.startswith("pdl")
             l2_prefetch.set_megabytes(mode.split("l2=")[1] if "l2=" in mode else 0)
             if fuse:  # (the plain model keeps its reference backend; its attention is the A/B)
-                model.set_execution(ExecutionConfig(
-                    attention=backend, skinny=skinny, megakernel="auto" if skinny else "off",
-                    skinny_rows=args.skinny_rows if skinny else None,
-                    skinny_tile_rows=tuple(args.tile_rows) if skinny and args.tile_rows is not None else None))
+                model.set_execution(
+                    ExecutionConfig(
+                        attention=backend,
+                        skinny=skinny,
+                        megakernel="auto" if skinny else "off",
+                        skinny_rows=args.skinny_rows if skinny else None,
+                        skinny_tile_rows=tuple(args.tile_rows) if skinny and args.tile_rows is not None else None,
+                    )
+                )
             else:
                 model.set_execution(ExecutionConfig(attention=backend, kernels="off"))
             pdl.request(use_pdl)  # read when the runner captures its graphs
@@ -146,17 +185,26 @@ def main() -> None:
                 ids = torch.randint(0, 1000, (args.batch, T), device="cuda")
                 pos = cache.lengths[:, None] + torch.arange(T, device="cuda")
                 ms = time_step(lambda: runner.forward(ids, pos))
-                rows.append((f"fused={'yes' if fuse else 'no'} attn={backend} graphs={'yes' if graphs else 'no'}"
-                             f"{' skinny' if skinny else ''}{' ' + mode if mode else ''}", T, ms,
-                             args.batch * 1e3 / ms, floor_ms / ms))
+                rows.append(
+                    (
+                        f"fused={'yes' if fuse else 'no'} attn={backend} graphs={'yes' if graphs else 'no'}"
+                        f"{' skinny' if skinny else ''}{' ' + mode if mode else ''}",
+                        T,
+                        ms,
+                        args.batch * 1e3 / ms,
+                        floor_ms / ms,
+                    )
+                )
                 print(rows[-1], flush=True)
                 if args.kernels and not mode:
                     eager = StepRunner(model, cache, use_graphs=False)
                     print_kernels(f"{rows[-1][0]} T={T}", kernel_table(lambda: eager.forward(ids, pos)), ms)
         del model
         torch.cuda.empty_cache()
-    print(f"\nweight-read floor {floor_ms:.3f} ms/step at {bw / 1e12:.2f} TB/s; {args.shape}, batch {args.batch}, "
-          f"context {args.context}")
+    print(
+        f"\nweight-read floor {floor_ms:.3f} ms/step at {bw / 1e12:.2f} TB/s; {args.shape}, batch {args.batch}, "
+        f"context {args.context}"
+    )
     print(f"{'variant':<51}{'T':>4}{'ms/step':>9}{'tok/s (T=1)':>13}{'floor/time':>11}")
     for name, T, ms, tps, frac in rows:
         print(f"{name:<51}{T:>4}{ms:>9.3f}{tps:>13.0f}{frac:>11.2f}")

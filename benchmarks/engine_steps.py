@@ -71,11 +71,14 @@ def main() -> None:
     ap.add_argument("--gamma", type=int, default=3)
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--draft-model", help="a standalone draft (e.g. the 0.5B GGUF) for the 'draft' variants")
-    ap.add_argument("--variants", default="self",
-                    help="comma-separated speculative variants, each timed against the one AR run: self "
-                         "(self-speculation, streaming --budget), draft (--draft-model, its own cache read "
-                         "through a streaming --budget view), draft-full (the draft reads its whole cache), "
-                         "draft-int8 (streaming, int8 draft projections)")
+    ap.add_argument(
+        "--variants",
+        default="self",
+        help="comma-separated speculative variants, each timed against the one AR run: self "
+        "(self-speculation, streaming --budget), draft (--draft-model, its own cache read "
+        "through a streaming --budget view), draft-full (the draft reads its whole cache), "
+        "draft-int8 (streaming, int8 draft projections)",
+    )
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (the eager step also splits draft / verify)")
@@ -91,8 +94,9 @@ def main() -> None:
             ap.error(f"variant {v!r} needs --draft-model")
     specs = {}  # variant → (its target, drafter, tree): one load each (a self-drafter holds its target)
     for v in variants:
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative=speculative_config(v, args),
-                  max_num_seqs=1)
+        llm = LLM(
+            args.model, dtype=args.dtype, device=args.device, speculative=speculative_config(v, args), max_num_seqs=1
+        )
         specs[v] = (llm.model, llm.drafter, llm.tree)
         tok = llm.tokenizer
         llm.engine = None
@@ -104,8 +108,16 @@ def main() -> None:
     rows = []
     for mode in ["ar", *variants]:
         target, drafter, tree = specs[mode]
-        engine = Engine.build(target, tok, drafter=drafter, tree=tree, max_num_seqs=args.rows, max_model_len=args.context + new + 8,
-                              max_num_batched_tokens=args.context, cuda_graphs=not args.eager)
+        engine = Engine.build(
+            target,
+            tok,
+            drafter=drafter,
+            tree=tree,
+            max_num_seqs=args.rows,
+            max_model_len=args.context + new + 8,
+            max_num_batched_tokens=args.context,
+            cuda_graphs=not args.eager,
+        )
         fill(engine, prompts, new)
         timed_steps(engine, 3, target.device)  # warm-up: graph captures of this bucket
         times, tokens = timed_steps(engine, args.steps, target.device)
@@ -121,8 +133,10 @@ def main() -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     draft = "" if not args.draft_model else f", draft {args.draft_model.rsplit('/', 1)[-1]}"
-    print(f"\nEngine steps, {args.dtype}, {args.rows} rows × {args.context} context, streaming budget "
-          f"{args.budget}{draft}, γ={args.gamma}, graphs={not args.eager}")
+    print(
+        f"\nEngine steps, {args.dtype}, {args.rows} rows × {args.context} context, streaming budget "
+        f"{args.budget}{draft}, γ={args.gamma}, graphs={not args.eager}"
+    )
     print("| mode | step ms (median) | tokens/row/step | tok/s | step / AR | tok/s / AR |")
     print("|---|---|---|---|---|---|")
     for mode, ms, tpr, tps in rows:
@@ -134,12 +148,17 @@ VARIANTS = ("self", "draft", "draft-full", "draft-int8")
 
 def speculative_config(variant: str, args) -> SpeculativeConfig:
     if variant == "self":
-        return SpeculativeConfig(self_speculate=True, draft_kv="streaming", draft_budget=args.budget,
-                                 num_draft_tokens=args.gamma)
+        return SpeculativeConfig(
+            self_speculate=True, draft_kv="streaming", draft_budget=args.budget, num_draft_tokens=args.gamma
+        )
     kv = "full" if variant == "draft-full" else "streaming"
-    return SpeculativeConfig(draft_model=args.draft_model, draft_kv=kv,
-                             draft_budget=None if kv == "full" else args.budget, num_draft_tokens=args.gamma,
-                             draft_weights="int8" if variant == "draft-int8" else "auto")
+    return SpeculativeConfig(
+        draft_model=args.draft_model,
+        draft_kv=kv,
+        draft_budget=None if kv == "full" else args.budget,
+        num_draft_tokens=args.gamma,
+        draft_weights="int8" if variant == "draft-int8" else "auto",
+    )
 
 
 if __name__ == "__main__":

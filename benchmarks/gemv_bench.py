@@ -37,11 +37,15 @@ from redwood.kernels.triton_import import triton
 # (name, N, K, fused op): one layer's projections and the LM head, as the model's skinny path calls them;
 # "rope": the q/k/v projection with RoPE and the cache write (qkv_rope.qkv_rope_write; heads in ROPE_HEADS)
 MATRICES = [
-    ("1.5b qkv", 2048, 1536, "norm+bias+rope"), ("1.5b o", 1536, 1536, "residual"),
-    ("1.5b gate_up", 8960, 1536, "norm+silu"), ("1.5b down", 1536, 8960, "residual"),
+    ("1.5b qkv", 2048, 1536, "norm+bias+rope"),
+    ("1.5b o", 1536, 1536, "residual"),
+    ("1.5b gate_up", 8960, 1536, "norm+silu"),
+    ("1.5b down", 1536, 8960, "residual"),
     ("1.5b lm_head", 151936, 1536, "norm"),
-    ("0.5b qkv", 1152, 896, "norm+bias+rope"), ("0.5b o", 896, 896, "residual"),
-    ("0.5b gate_up", 4864, 896, "norm+silu"), ("0.5b down", 896, 4864, "residual"),
+    ("0.5b qkv", 1152, 896, "norm+bias+rope"),
+    ("0.5b o", 896, 896, "residual"),
+    ("0.5b gate_up", 4864, 896, "norm+silu"),
+    ("0.5b down", 896, 4864, "residual"),
     ("0.5b lm_head", 151936, 896, "norm"),
 ]
 ROPE_HEADS = {"1.5b": (12, 2, 128), "0.5b": (14, 2, 64)}  # (Hq, Hkv, D)
@@ -81,11 +85,20 @@ def cublas_path(x, w, b, kw):
     return fused.silu_mul(y) if kw["silu_mul"] else y
 
 
-def table_json(device_name: str, entries: list[dict], max_rows: int = 1, tile_rows=None,
-               made_by: str = "benchmarks/gemv_bench.py --sweep [--int8] [--rows R...] --write") -> str:
+def table_json(
+    device_name: str,
+    entries: list[dict],
+    max_rows: int = 1,
+    tile_rows=None,
+    made_by: str = "benchmarks/gemv_bench.py --sweep [--int8] [--rows R...] --write",
+) -> str:
     """The tuned table's text: a header, then one line per matrix."""
-    header = {"device": device_name, "made_by": made_by, "config": "[BLOCK_N, BLOCK_K, num_warps, num_stages]",
-              "max_rows": max_rows}
+    header = {
+        "device": device_name,
+        "made_by": made_by,
+        "config": "[BLOCK_N, BLOCK_K, num_warps, num_stages]",
+        "max_rows": max_rows,
+    }
     if tile_rows:
         header["tile_rows"] = list(tile_rows)
     head = json.dumps(header, indent=1)
@@ -115,6 +128,7 @@ def sweep_configs(silu: bool, rows: int = 1):
 def merged(path: Path, entries: list[dict]) -> tuple[list[dict], int, list[int] | None]:
     """The entries of an existing table at `path` with `entries` replacing those of the same key; and
     its max_rows (1 if none) and tile_rows (None if none)."""
+
     def key(e):
         return e["N"], e["K"], e["silu"], e.get("weight", "float"), e.get("rows", 1)
 
@@ -133,15 +147,29 @@ def main() -> None:
     ap.add_argument("--int8", action="store_true", help="also time int8 weights (per-row scales)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1], help="activation rows to time (1-64; default 1)")
     ap.add_argument("--only", default="", help="matrices whose name contains this (e.g. '0.5b', 'lm_head')")
-    ap.add_argument("--weights", choices=("all", "float", "int8"), default="all",
-                    help="with --int8: time only these weights (default: bf16 and int8)")
+    ap.add_argument(
+        "--weights",
+        choices=("all", "float", "int8"),
+        default="all",
+        help="with --int8: time only these weights (default: bf16 and int8)",
+    )
     ap.add_argument("--block-k", type=int, nargs="+", help="with --sweep: only these BLOCK_K values (one row)")
-    ap.add_argument("--tile-rows", type=int, nargs=2, default=None, metavar=("LO", "HI"),
-                    help="with --write: the table's tile_rows (batch × tokens in [LO, HI] within 9-64 take the tile "
-                         "kernel; set it from decode_step.py --tile-rows)")
-    ap.add_argument("--max-rows", type=int, default=None,
-                    help="with --write: the table's max_rows (the model's skinny path takes forwards of up to "
-                         "this many tokens; set it from decode_step.py --skinny-rows; default: keep the file's)")
+    ap.add_argument(
+        "--tile-rows",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("LO", "HI"),
+        help="with --write: the table's tile_rows (batch × tokens in [LO, HI] within 9-64 take the tile "
+        "kernel; set it from decode_step.py --tile-rows)",
+    )
+    ap.add_argument(
+        "--max-rows",
+        type=int,
+        default=None,
+        help="with --write: the table's max_rows (the model's skinny path takes forwards of up to "
+        "this many tokens; set it from decode_step.py --skinny-rows; default: keep the file's)",
+    )
     args = ap.parse_args()
     if args.block_k:
         SWEEP["block_k"] = tuple(args.block_k)
@@ -149,8 +177,10 @@ def main() -> None:
     kinds = tuple(k for k in kinds if args.weights in ("all", k))
     matrices = [m for m in MATRICES if args.only in m[0]]
     if not matrices or not kinds:
-        ap.error(f"nothing to time: --only {args.only!r} matches none of {[m[0] for m in MATRICES]}, or "
-                 "--weights int8 without --int8")
+        ap.error(
+            f"nothing to time: --only {args.only!r} matches none of {[m[0] for m in MATRICES]}, or "
+            "--weights int8 without --int8"
+        )
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     table, tuned = [], []
@@ -162,7 +192,7 @@ def main() -> None:
         nbytes = rows * K * (1 if kind == "int8" else 2)
         copies = max(1, -(-(256 << 20) // nbytes))
         calls = args.calls if nbytes < (64 << 20) else max(4, args.calls // 8)
-        ws = [torch.randn(rows, K, device=dev, dtype=torch.bfloat16) * K ** -0.5 for _ in range(copies)]
+        ws = [torch.randn(rows, K, device=dev, dtype=torch.bfloat16) * K**-0.5 for _ in range(copies)]
         qs = [gemv.quantize_int8(w) for w in ws] if kind == "int8" else [(w, None) for w in ws]
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         g = torch.rand(K, device=dev, dtype=torch.bfloat16) + 0.5
@@ -172,18 +202,20 @@ def main() -> None:
 
         if "rope" in op:
             hq, hkv, d = ROPE_HEADS[name.split()[0]]
-            rope = dict(cos=torch.rand(1, 1, d, device=dev, dtype=torch.bfloat16),
-                        sin=torch.rand(1, 1, d, device=dev, dtype=torch.bfloat16),
-                        k_cache=torch.zeros(1, hkv, 64, d, device=dev, dtype=torch.bfloat16),
-                        v_cache=torch.zeros(1, hkv, 64, d, device=dev, dtype=torch.bfloat16),
-                        pages=torch.zeros(1, 1, dtype=torch.long, device=dev),
-                        offsets=torch.tensor([[5]], device=dev), num_heads=hq)
+            rope = dict(
+                cos=torch.rand(1, 1, d, device=dev, dtype=torch.bfloat16),
+                sin=torch.rand(1, 1, d, device=dev, dtype=torch.bfloat16),
+                k_cache=torch.zeros(1, hkv, 64, d, device=dev, dtype=torch.bfloat16),
+                v_cache=torch.zeros(1, hkv, 64, d, device=dev, dtype=torch.bfloat16),
+                pages=torch.zeros(1, 1, dtype=torch.long, device=dev),
+                offsets=torch.tensor([[5]], device=dev),
+                num_heads=hq,
+            )
 
         def ours(i, cfg=None):
             w, scale = qs[i]
             if "rope" in op:
-                return qkv_rope.qkv_rope_write(x.view(1, 1, K), w, b, scale=scale, norm=kw["norm"], config=cfg,
-                                               **rope)
+                return qkv_rope.qkv_rope_write(x.view(1, 1, K), w, b, scale=scale, norm=kw["norm"], config=cfg, **rope)
             return gemv.linear(x, w, b, scale=scale, residual=r if op == "residual" else None, config=cfg, **kw)
 
         cublas = graph_time_us(lambda i: F.linear(x, ws[i], b), copies, calls)
@@ -203,8 +235,14 @@ def main() -> None:
                 if us < best:
                     best, best_cfg = us, cfg
         used = skinny_configs.config_for(key_n, K, two, dev, int8=kind == "int8", rows=M)
-        entry = {"N": key_n, "K": K, "silu": two, "weight": kind, "config": list(best_cfg or used),
-                 "us": round(best, 2)}
+        entry = {
+            "N": key_n,
+            "K": K,
+            "silu": two,
+            "weight": kind,
+            "config": list(best_cfg or used),
+            "us": round(best, 2),
+        }
         if M > 1:
             entry["rows"] = skinny_configs.rows_bucket(M)
         tuned.append(entry)
@@ -220,13 +258,19 @@ def main() -> None:
         entries, max_rows, tile_rows = merged(path, tuned)
         path.write_text(table_json(name, entries, args.max_rows or max_rows, args.tile_rows or tile_rows))
         print(f"wrote {path}")
-    print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; µs per product (CUDA graphs of {args.calls} products, LM "
-          "heads fewer); ours = tuned table or heuristic; cuBLAS = F.linear (+ bias) without the fused op")
-    print(f"{'matrix':<19}{'fused':<15}{'floor':>7}{'cuBLAS':>8}{'+ops':>8}{'ours':>8}{'best':>8}"
-          f"{'(cuBLAS+ops)/best':>18}{'ours GB/s':>10}  best config")
+    print(
+        f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; µs per product (CUDA graphs of {args.calls} products, LM "
+        "heads fewer); ours = tuned table or heuristic; cuBLAS = F.linear (+ bias) without the fused op"
+    )
+    print(
+        f"{'matrix':<19}{'fused':<15}{'floor':>7}{'cuBLAS':>8}{'+ops':>8}{'ours':>8}{'best':>8}"
+        f"{'(cuBLAS+ops)/best':>18}{'ours GB/s':>10}  best config"
+    )
     for name, op, floor, cb, cb_ops, mine, best, nbytes, cfg in table:
-        print(f"{name:<19}{op:<15}{floor:>7.1f}{cb:>8.1f}{cb_ops:>8.1f}{mine:>8.1f}{best:>8.1f}{cb_ops / best:>18.2f}"
-              f"{nbytes / mine / 1e3:>10.0f}  {cfg}")
+        print(
+            f"{name:<19}{op:<15}{floor:>7.1f}{cb:>8.1f}{cb_ops:>8.1f}{mine:>8.1f}{best:>8.1f}{cb_ops / best:>18.2f}"
+            f"{nbytes / mine / 1e3:>10.0f}  {cfg}"
+        )
 
 
 if __name__ == "__main__":

@@ -22,9 +22,11 @@ def p1(out: Path) -> list[str]:
     red = next(x for x in r["runs"] if x["engine"] == "redwood")
     hf = next((x for x in r["runs"] if x["engine"] == "hf"), None)
     floor = r.get("floor", {})
-    line = (f"P1 batch-1 AR 1.5B bf16: redwood {red['tokens_per_s']:.0f} tok/s = "
-            f"{100 * floor.get('fraction_of_floor', 0):.0f}% of the {floor.get('floor_tokens_per_s', 0):.0f} tok/s floor "
-            f"(goal ≥ 70%)")
+    line = (
+        f"P1 batch-1 AR 1.5B bf16: redwood {red['tokens_per_s']:.0f} tok/s = "
+        f"{100 * floor.get('fraction_of_floor', 0):.0f}% of the {floor.get('floor_tokens_per_s', 0):.0f} tok/s floor "
+        f"(goal ≥ 70%)"
+    )
     if hf:
         line += f"; HF generate {hf['tokens_per_s']:.1f} tok/s → {red['tokens_per_s'] / hf['tokens_per_s']:.1f}× (goal ≥ 25×)"
     eager = load(out / "p1-eager")
@@ -43,7 +45,7 @@ def p2(out: Path) -> list[str]:
             continue
         summary_path = out / "p2" / f"tree-{ds}-t{temp}{sfx}.summary.json"
         text_ = summary_path.read_text() if summary_path.is_file() else ""
-        pred = json.loads(text_[text_.index("{"):]) if "{" in text_ else {}
+        pred = json.loads(text_[text_.index("{") :]) if "{" in text_ else {}
         runs = r["runs"]
         chains = [x for x in runs if str(x["tree"]).startswith("chain:")]
         trees = [x for x in runs if not str(x["tree"]).startswith("chain:")]
@@ -54,12 +56,15 @@ def p2(out: Path) -> list[str]:
         if best_chain:
             text += f"; best chain γ={best_chain['gamma']} {best_chain['speedup']:.2f}×"
         if tree:
-            text += (f"; DP tree {tree['tree_size']} nodes {tree['speedup']:.2f}× "
-                     f"({tree['tokens_per_step']:.2f} tok/step")
+            text += (
+                f"; DP tree {tree['tree_size']} nodes {tree['speedup']:.2f}× ({tree['tokens_per_step']:.2f} tok/step"
+            )
             if pred:
-                text += (f" vs {pred['expected_tokens']:.2f} predicted = "
-                         f"{100 * tree['tokens_per_step'] / pred['expected_tokens']:.0f}%; "
-                         f"predicted speedup {pred.get('predicted_speedup', 0):.2f}×")
+                text += (
+                    f" vs {pred['expected_tokens']:.2f} predicted = "
+                    f"{100 * tree['tokens_per_step'] / pred['expected_tokens']:.0f}%; "
+                    f"predicted speedup {pred.get('predicted_speedup', 0):.2f}×"
+                )
             text += ")"
         if r.get("aggregate", {}).get("greedy_identical_to_ar") is False:
             text += " OUTPUT DIFFERS"
@@ -77,23 +82,36 @@ def p3(out: Path) -> list[str]:
             continue
         for r in reports:
             for b in r.get("best_gamma", []):
-                run = next((x for x in r["runs"] if x["batch_size"] == b["batch_size"]
-                            and x["prefix_len"] == b["prefix_len"] and x["tree"] == b["tree"]), {})
+                run = next(
+                    (
+                        x
+                        for x in r["runs"]
+                        if x["batch_size"] == b["batch_size"]
+                        and x["prefix_len"] == b["prefix_len"]
+                        and x["tree"] == b["tree"]
+                    ),
+                    {},
+                )
                 mem = run.get("peak_memory_bytes")
-                lines.append(f"P3 selfspec {kv:<9} batch {b['batch_size']:>2} context {b['prefix_len']:>5}: "
-                             f"best {b['tree']} {b['speedup']:.2f}× over AR ({run.get('ar_tokens_per_s', 0):.0f} → "
-                             f"{b['tokens_per_s']:.0f} tok/s, {run.get('tokens_per_step', 0):.2f} tok/step"
-                             + (f", peak {mem / 2**30:.1f} GiB" if mem else "") + ")"
-                             + _best_steady(r["runs"], b["batch_size"], b["prefix_len"]))
+                lines.append(
+                    f"P3 selfspec {kv:<9} batch {b['batch_size']:>2} context {b['prefix_len']:>5}: "
+                    f"best {b['tree']} {b['speedup']:.2f}× over AR ({run.get('ar_tokens_per_s', 0):.0f} → "
+                    f"{b['tokens_per_s']:.0f} tok/s, {run.get('tokens_per_step', 0):.2f} tok/step"
+                    + (f", peak {mem / 2**30:.1f} GiB" if mem else "")
+                    + ")"
+                    + _best_steady(r["runs"], b["batch_size"], b["prefix_len"])
+                )
     for d in sorted(out.glob("p3tree-*")):  # a Sequoia tree for the self-draft next to chains
         r = load(d / "bench")
         if r is None:
             lines.append(f"P3 tree {d.name}: not run")
             continue
         for run in r["runs"]:
-            lines.append(f"P3 tree {d.name} {_shape(run['tree'])}: {run['speedup']:.2f}× end-to-end, "
-                         f"{run.get('steady_speedup') or 0:.2f}× steady ({run['tokens_per_step']:.2f} tok/step, "
-                         f"{run.get('ms_per_step', 0):.1f} ms/step)")
+            lines.append(
+                f"P3 tree {d.name} {_shape(run['tree'])}: {run['speedup']:.2f}× end-to-end, "
+                f"{run.get('steady_speedup') or 0:.2f}× steady ({run['tokens_per_step']:.2f} tok/step, "
+                f"{run.get('ms_per_step', 0):.1f} ms/step)"
+            )
     return lines
 
 
@@ -119,9 +137,11 @@ def p4(out: Path) -> list[str]:
     data = json.loads(p.read_text())
     lines = []
     for x in data.get("results", []):
-        lines.append(f"P4 {x['name']:<16}: kernel {x['ours_us']:.0f} µs = {x['ours_us'] / x['floor_us']:.2f}× the KV-read "
-                     f"floor ({x['floor_us']:.0f} µs; compute bound {x['compute_us']:.0f} µs), "
-                     f"{x['speedup_vs_sdpa']:.1f}× faster than SDPA")
+        lines.append(
+            f"P4 {x['name']:<16}: kernel {x['ours_us']:.0f} µs = {x['ours_us'] / x['floor_us']:.2f}× the KV-read "
+            f"floor ({x['floor_us']:.0f} µs; compute bound {x['compute_us']:.0f} µs), "
+            f"{x['speedup_vs_sdpa']:.1f}× faster than SDPA"
+        )
     return lines or ["P4: no rows"]
 
 
@@ -131,8 +151,10 @@ def p5(out: Path) -> list[str]:
         return ["P5 not run"]
     lines = []
     for x in r["runs"]:
-        lines.append(f"P5 offloaded {x['tree']} ({x['tree_size']} nodes): {x['tokens_per_s']:.1f} tok/s vs offloaded AR "
-                     f"{x['ar_tokens_per_s']:.1f} → {x['speedup']:.2f}× ({x['tokens_per_step']:.2f} tok/step; goal ≥ 5×)")
+        lines.append(
+            f"P5 offloaded {x['tree']} ({x['tree_size']} nodes): {x['tokens_per_s']:.1f} tok/s vs offloaded AR "
+            f"{x['ar_tokens_per_s']:.1f} → {x['speedup']:.2f}× ({x['tokens_per_step']:.2f} tok/step; goal ≥ 5×)"
+        )
     return lines
 
 

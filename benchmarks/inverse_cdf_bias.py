@@ -96,9 +96,14 @@ def stats(P: torch.Tensor, probs: torch.Tensor) -> dict[str, float]:
     p = probs.double() / probs.double().sum()
     err = (P - p).abs()
     rel = lambda floor: float((err[p >= floor] / p[p >= floor]).max()) if bool((p >= floor).any()) else 0.0  # noqa: E731
-    return {"max abs": float(err.max()), "max abs / 2^-24": float(err.max()) * 2**24,
-            "rel p≥1e-4": rel(1e-4), "rel p≥1e-6": rel(1e-6), "TV": float(err.sum()) / 2,
-            "never drawn mass": float(p[(P == 0) & (p > 0)].sum())}
+    return {
+        "max abs": float(err.max()),
+        "max abs / 2^-24": float(err.max()) * 2**24,
+        "rel p≥1e-4": rel(1e-4),
+        "rel p≥1e-6": rel(1e-6),
+        "TV": float(err.sum()) / 2,
+        "never drawn mass": float(p[(P == 0) & (p > 0)].sum()),
+    }
 
 
 def distributions(seed: int = 0):
@@ -110,12 +115,16 @@ def distributions(seed: int = 0):
         fams["zipf 1.1"] = zipf[torch.randperm(V, generator=g)].float()
         for fam, logits in fams.items():
             for t, top_p in settings:
-                yield f"V={V} {fam} T={t} top-p {top_p}", probabilities(
-                    logits[None], torch.tensor([t]), torch.tensor([0]), torch.tensor([top_p]))[0]
+                yield (
+                    f"V={V} {fam} T={t} top-p {top_p}",
+                    probabilities(logits[None], torch.tensor([t]), torch.tensor([0]), torch.tensor([top_p]))[0],
+                )
     z = torch.randn(6, generator=g) * 1.5
     for t in (0.5, 1.0, 1.5):
-        yield f"V=6 softmax(1.5z) T={t}", probabilities(z[None], torch.tensor([t]), torch.tensor([0]),
-                                                          torch.tensor([1.0]))[0]
+        yield (
+            f"V=6 softmax(1.5z) T={t}",
+            probabilities(z[None], torch.tensor([t]), torch.tensor([0]), torch.tensor([1.0]))[0],
+        )
 
 
 def main() -> None:
@@ -137,25 +146,40 @@ def main() -> None:
                 worst[k, c] = max(worst[k, c], s[k])
             rows[c].append(head + " | ".join(f"{s[k]:.3g}" for k in keys) + " |")
         print(name, " ".join(f"{c}: TV {stats(P[c], probs)['TV']:.3g}" for c in cols), flush=True)
-    lines = ["# inverse_cdf: exact token probabilities under the uniforms fed to it", "",
-             f"Command: `./.venv/bin/python benchmarks/inverse_cdf_bias.py {' '.join(sys.argv[1:])}`", "",
-             "Exact (bisection over every grid of uniforms, through the function itself); see the script's "
-             "docstring for the columns. RowRandom's float64 uniforms now "
-             + ("lie on the 2^32-point lattice (column f64 2^32)." if lattice else
-                "carry 53 random bits (column f64 ideal); f64 2^32 is what they were before the two-word hash."),
-             "",
-             "## Worst over all distributions", "", "| measure | " + " | ".join(cols) + " |",
-             "|---" * (len(cols) + 1) + "|"]
+    lines = [
+        "# inverse_cdf: exact token probabilities under the uniforms fed to it",
+        "",
+        f"Command: `./.venv/bin/python benchmarks/inverse_cdf_bias.py {' '.join(sys.argv[1:])}`",
+        "",
+        "Exact (bisection over every grid of uniforms, through the function itself); see the script's "
+        "docstring for the columns. RowRandom's float64 uniforms now "
+        + (
+            "lie on the 2^32-point lattice (column f64 2^32)."
+            if lattice
+            else "carry 53 random bits (column f64 ideal); f64 2^32 is what they were before the two-word hash."
+        ),
+        "",
+        "## Worst over all distributions",
+        "",
+        "| measure | " + " | ".join(cols) + " |",
+        "|---" * (len(cols) + 1) + "|",
+    ]
     for k in keys:
         lines.append(f"| {k} | " + " | ".join(f"{worst[k, c]:.3g}" for c in cols) + " |")
-    titles = {"f32": "float32 uniforms (2^24 grid), current inverse_cdf (float64 sums)",
-              "f64 ideal": "float64 uniforms on the full 2^53 grid, current inverse_cdf",
-              "f64 2^32": "float64 uniforms on the 2^32-point lattice (RowRandom's before the two-word hash)",
-              "f32 sums": "float32 uniforms, inverse_cdf with float32 sums (before the float64 change)"}
+    titles = {
+        "f32": "float32 uniforms (2^24 grid), current inverse_cdf (float64 sums)",
+        "f64 ideal": "float64 uniforms on the full 2^53 grid, current inverse_cdf",
+        "f64 2^32": "float64 uniforms on the 2^32-point lattice (RowRandom's before the two-word hash)",
+        "f32 sums": "float32 uniforms, inverse_cdf with float32 sums (before the float64 change)",
+    }
     for c in cols:
-        lines += ["", f"## {c}: {titles[c]}", "",
-                  "| distribution | support | mass of p < 2^-24 | " + " | ".join(keys) + " |",
-                  "|---" * (3 + len(keys)) + "|"] + rows[c]
+        lines += [
+            "",
+            f"## {c}: {titles[c]}",
+            "",
+            "| distribution | support | mass of p < 2^-24 | " + " | ".join(keys) + " |",
+            "|---" * (3 + len(keys)) + "|",
+        ] + rows[c]
     text = "\n".join(lines) + "\n"
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

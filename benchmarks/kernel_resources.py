@@ -26,9 +26,23 @@ from triton.compiler import ASTSource
 from redwood.attention import triton_decode as td
 from redwood.kernels.occupancy import resident_programs
 
-POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "OUT": "*bf16", "LENGTHS": "*i64", "LIVE": "*i64",
-            "NEW_MASK": "*i64", "CTX_IDX": "*i64", "CTX_VALID": "*u8", "QPOS": "*i64", "WS_ACC": "*fp32",
-            "WS_M": "*fp32", "WS_L": "*fp32", "LOCKS": "*i32", "qk_scale": "fp32"}
+POINTERS = {
+    "Q": "*bf16",
+    "K": "*bf16",
+    "V": "*bf16",
+    "OUT": "*bf16",
+    "LENGTHS": "*i64",
+    "LIVE": "*i64",
+    "NEW_MASK": "*i64",
+    "CTX_IDX": "*i64",
+    "CTX_VALID": "*u8",
+    "QPOS": "*i64",
+    "WS_ACC": "*fp32",
+    "WS_M": "*fp32",
+    "WS_L": "*fp32",
+    "LOCKS": "*i32",
+    "qk_scale": "fp32",
+}
 UNIT_STRIDES = ("sq_d", "sk_d", "sv_d", "sci_c", "scv_c")  # 1 at run time: Triton specializes them
 ALIGNED = ("sq_b", "sq_h", "sq_t", "sk_b", "sk_h", "sk_n", "sv_b", "sv_h", "sv_n")  # multiples of 16
 
@@ -37,18 +51,32 @@ def compile_variant(T: int, mask: bool, live: bool, G: int = 6, D: int = 128, fu
     """The kernel as decode_attention launches it for T new tokens per row (bf16, split KV)."""
     fn = td._split_kv_kernel
     cfg = td._launch_config(G * T, D, torch.bfloat16, big_smem=True)
-    consts = {**{name: 1 for name in UNIT_STRIDES}, "G": G, "D": D, "BLOCK_M": cfg["BLOCK_M"],
-              "BLOCK_N": cfg["BLOCK_N"], "BLOCK_R": cfg["BLOCK_R"], "BLOCK_D": cfg["BLOCK_D"], "HAS_VIEW": False,
-              "HAS_NEW_MASK": mask, "HAS_WINDOW": False, "HAS_LIVE": live, "SPLIT": True, "FUSED_MERGE": fused_merge, "BLOCK_S": 4,
-              "UPCAST": False, "PRECISION": "tf32",
-              "PDL": False}
+    consts = {
+        **{name: 1 for name in UNIT_STRIDES},
+        "G": G,
+        "D": D,
+        "BLOCK_M": cfg["BLOCK_M"],
+        "BLOCK_N": cfg["BLOCK_N"],
+        "BLOCK_R": cfg["BLOCK_R"],
+        "BLOCK_D": cfg["BLOCK_D"],
+        "HAS_VIEW": False,
+        "HAS_NEW_MASK": mask,
+        "HAS_WINDOW": False,
+        "HAS_LIVE": live,
+        "SPLIT": True,
+        "FUSED_MERGE": fused_merge,
+        "BLOCK_S": 4,
+        "UPCAST": False,
+        "PRECISION": "tf32",
+        "PDL": False,
+    }
     names = fn.arg_names
     sig = {n: "constexpr" if n in consts else POINTERS.get(n, "i32") for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-             if n in ALIGNED or (sig[n].startswith("*"))}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in ALIGNED or (sig[n].startswith("*"))}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+    kernel = triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    )
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -57,23 +85,43 @@ def compile_variant(T: int, mask: bool, live: bool, G: int = 6, D: int = 128, fu
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     spill = int(re.search(r"STACK:(\d+)", usage).group(1))
     shared = kernel.metadata.shared
-    return dict(T=T, mask=mask, live=live, fused=fused_merge, block_m=cfg["BLOCK_M"], stages=cfg["num_stages"],
-                regs=regs, stack=spill, shared=shared, per_sm=resident_programs(regs, shared, cfg["num_warps"]),
-                assumed=3 if cfg["BLOCK_M"] <= 32 else 2)
+    return dict(
+        T=T,
+        mask=mask,
+        live=live,
+        fused=fused_merge,
+        block_m=cfg["BLOCK_M"],
+        stages=cfg["num_stages"],
+        regs=regs,
+        stack=spill,
+        shared=shared,
+        per_sm=resident_programs(regs, shared, cfg["num_warps"]),
+        assumed=3 if cfg["BLOCK_M"] <= 32 else 2,
+    )
 
 
 def main() -> None:
     # live: rows that finished read no context (P3); fused: the split programs merge (REDWOOD_FUSED_MERGE)
-    rows = [compile_variant(T, mask, live, fused_merge=fused) for T, mask, (live, fused) in
-            itertools.product((1, 2, 4, 8, 16), (False, True), ((False, False), (True, False), (True, True)))]
-    print(f"triton {triton.__version__}, sm_90 (H100/H200 limits), bf16, G=6, D=128; per_sm = resident "
-          f"programs per SM (decode_attention sizes its split grid with it; assumed: the estimate without it)")
-    print(f"{'T':>3} {'mask':>5} {'live':>5} {'fused':>5} {'BLOCK_M':>7} {'stages':>6} {'regs':>5} {'stack B':>7} "
-          f"{'smem KB':>7} {'per_sm':>6} {'assumed':>7}")
+    rows = [
+        compile_variant(T, mask, live, fused_merge=fused)
+        for T, mask, (live, fused) in itertools.product(
+            (1, 2, 4, 8, 16), (False, True), ((False, False), (True, False), (True, True))
+        )
+    ]
+    print(
+        f"triton {triton.__version__}, sm_90 (H100/H200 limits), bf16, G=6, D=128; per_sm = resident "
+        f"programs per SM (decode_attention sizes its split grid with it; assumed: the estimate without it)"
+    )
+    print(
+        f"{'T':>3} {'mask':>5} {'live':>5} {'fused':>5} {'BLOCK_M':>7} {'stages':>6} {'regs':>5} {'stack B':>7} "
+        f"{'smem KB':>7} {'per_sm':>6} {'assumed':>7}"
+    )
     for r in rows:
-        print(f"{r['T']:>3} {r['mask']!s:>5} {r['live']!s:>5} {r['fused']!s:>5} {r['block_m']:>7} {r['stages']:>6} "
-              f"{r['regs']:>5} "
-              f"{r['stack']:>7} {r['shared'] / 1024:>7.1f} {r['per_sm']:>6} {r['assumed']:>7}")
+        print(
+            f"{r['T']:>3} {r['mask']!s:>5} {r['live']!s:>5} {r['fused']!s:>5} {r['block_m']:>7} {r['stages']:>6} "
+            f"{r['regs']:>5} "
+            f"{r['stack']:>7} {r['shared'] / 1024:>7.1f} {r['per_sm']:>6} {r['assumed']:>7}"
+        )
 
 
 if __name__ == "__main__":

@@ -34,21 +34,37 @@ from redwood.bench import lossless
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--samples", type=int, default=None,
-                    help="rows per configuration (default 1,000,000 on cuda, 20,000 on cpu)")
+    ap.add_argument(
+        "--samples", type=int, default=None, help="rows per configuration (default 1,000,000 on cuda, 20,000 on cpu)"
+    )
     ap.add_argument("--quick", action="store_true", help="every method at the two small settings only")
     ap.add_argument("--methods", default=None, help=f"comma-separated subset of: {', '.join(lossless.METHODS)}")
-    ap.add_argument("--full-grid", default=None,
-                    help=f"methods run at the full grid (default {','.join(lossless.FULL_GRID_METHODS)}; '' none)")
+    ap.add_argument(
+        "--full-grid",
+        default=None,
+        help=f"methods run at the full grid (default {','.join(lossless.FULL_GRID_METHODS)}; '' none)",
+    )
     ap.add_argument("--generated", type=int, default=lossless.GENERATED, help="tokens generated per row (K)")
-    ap.add_argument("--batch", type=int, default=None,
-                    help="rows per generate call (default 4096 on cuda, 1024 on cpu: smaller runs faster per row there)")
-    ap.add_argument("--workers", type=int, default=None,
-                    help="processes sampling configurations in parallel (default on cuda: min(12, cores − 2), "
-                         "each holding at most ~1.1 MB of GPU memory per batch row; on cpu 1)")
+    ap.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="rows per generate call (default 4096 on cuda, 1024 on cpu: smaller runs faster per row there)",
+    )
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="processes sampling configurations in parallel (default on cuda: min(12, cores − 2), "
+        "each holding at most ~1.1 MB of GPU memory per batch row; on cpu 1)",
+    )
     ap.add_argument("--part", type=int, default=250_000, help="rows per worker job (a case runs in parts)")
-    ap.add_argument("--time-limit", type=float, default=None,
-                    help="seconds: start no part after this; cases keep the parts done (so the run ends in time)")
+    ap.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        help="seconds: start no part after this; cases keep the parts done (so the run ends in time)",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch threads per sampling process")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="eager forwards on cuda")
     ap.add_argument("--alpha", type=float, default=lossless.ALPHA)
@@ -76,10 +92,18 @@ def main(argv=None) -> int:
     cases = lossless.default_matrix(args.quick, split(args.methods), split(args.full_grid))
     # (this process scores the exact distributions with every thread; worker processes default to one)
     threads = args.threads or (torch.get_num_threads() if args.workers <= 1 else 1)
-    settings = lossless.Settings(samples=args.samples, generated=args.generated, batch=args.batch,
-                                 device=args.device, part=args.part, workers=args.workers,
-                                 time_limit=args.time_limit, threads=threads,
-                                 cuda_graphs=False if args.no_cuda_graphs else None, alpha=args.alpha)
+    settings = lossless.Settings(
+        samples=args.samples,
+        generated=args.generated,
+        batch=args.batch,
+        device=args.device,
+        part=args.part,
+        workers=args.workers,
+        time_limit=args.time_limit,
+        threads=threads,
+        cuda_graphs=False if args.no_cuda_graphs else None,
+        alpha=args.alpha,
+    )
     t0 = time.perf_counter()
     report = lossless.run(cases, settings, log=lambda line: print(line, flush=True))
     if torch.cuda.is_available() and args.device == "cuda":

@@ -55,14 +55,26 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["1.5b", "0.5b"], choices=sorted(SHAPES))
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
     ap.add_argument("--caches", nargs="+", default=["dense", "paged"], choices=["dense", "paged"])
-    ap.add_argument("--weights", nargs="+", default=["bf16"], choices=["bf16", "int8"],
-                    help="int8: quantize_skinny's copies (the megakernel's W8 build vs the skinny int8 kernels)")
-    ap.add_argument("--variants", nargs="+", default=[""],
-                    help='experiment #defines strings ("NAME=VALUE …", megakernel.parse_defines), one megakernel '
-                         'build each (default: the computed defines only)')
+    ap.add_argument(
+        "--weights",
+        nargs="+",
+        default=["bf16"],
+        choices=["bf16", "int8"],
+        help="int8: quantize_skinny's copies (the megakernel's W8 build vs the skinny int8 kernels)",
+    )
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=[""],
+        help='experiment #defines strings ("NAME=VALUE …", megakernel.parse_defines), one megakernel '
+        "build each (default: the computed defines only)",
+    )
     ap.add_argument("--repeats", type=int, default=100)
-    ap.add_argument("--timeline", action="store_true",
-                    help="also print each case's stage timeline (a profiling build: globaltimer stamps per block)")
+    ap.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also print each case's stage timeline (a profiling build: globaltimer stamps per block)",
+    )
     args = ap.parse_args()
     bw = copy_bandwidth(torch.device("cuda"))
     rows = []
@@ -99,18 +111,23 @@ def main() -> None:
                     err = max(err, model.backend.megakernel.error())
                     name = f"{shape}{' int8' if weights == 'int8' else ''} {context} {'paged' if paged else 'dense'}{' ' + variant if variant else ''}"
                     if args.timeline:
-                        model.backend.set_megakernel(megakernel.MegaForward(model, profile=True, int8=model.skinny_int8,
-                                                                            defines=defines))
+                        model.backend.set_megakernel(
+                            megakernel.MegaForward(model, profile=True, int8=model.skinny_int8, defines=defines)
+                        )
                         for _ in range(5):
                             model(ids, pos, cache)
                         torch.cuda.synchronize()
                         print(f"{name} timeline (µs per stage, mean over layers):")
                         for kind, row in model.backend.megakernel.timeline().items():
-                            print(f"  {kind:<10} wait {row['wait']:7.2f}  work {row['work']:7.2f}  span {row['span']:8.2f}"
-                                  f"  max {row['max']:7.2f}  starve {row['starve']:7.2f}  stall {row['stall']:7.2f}")
+                            print(
+                                f"  {kind:<10} wait {row['wait']:7.2f}  work {row['work']:7.2f}  span {row['span']:8.2f}"
+                                f"  max {row['max']:7.2f}  starve {row['starve']:7.2f}  stall {row['stall']:7.2f}"
+                            )
                         phases = model.backend.megakernel.attention_phases()
-                        print("  attention's slowest key block (µs): "
-                              + "  ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+                        print(
+                            "  attention's slowest key block (µs): "
+                            + "  ".join(f"{k} {v:.2f}" for k, v in phases.items())
+                        )
                     model.set_execution(ExecutionConfig(megakernel="off"))
                     rows.append((name, t_skinny, t_mega, floor_ms, rel, kv_rel, same, err, build_s))
                     print(rows[-1], flush=True)
@@ -118,11 +135,15 @@ def main() -> None:
         del model
         torch.cuda.empty_cache()
     print(f"\nfloor = weight bytes / {bw / 1e12:.2f} TB/s (in-run copy bandwidth)")
-    print(f"{'case':<36}{'skinny ms':>10}{'mega ms':>9}{'speedup':>8}{'floor':>7}{'mega/floor':>11}"
-          f"{'logit rel':>11}{'kv rel':>9}{'argmax':>7}{'err':>5}{'1st s':>7}")
+    print(
+        f"{'case':<36}{'skinny ms':>10}{'mega ms':>9}{'speedup':>8}{'floor':>7}{'mega/floor':>11}"
+        f"{'logit rel':>11}{'kv rel':>9}{'argmax':>7}{'err':>5}{'1st s':>7}"
+    )
     for name, t0, t1, fl, rel, kv_rel, same, err, build_s in rows:
-        print(f"{name:<36}{t0:>10.3f}{t1:>9.3f}{t0 / t1:>8.2f}{fl:>7.3f}{fl / t1:>11.2f}{rel:>11.2e}{kv_rel:>9.2e}"
-              f"{str(same):>7}{err:>5}{build_s:>7.1f}")
+        print(
+            f"{name:<36}{t0:>10.3f}{t1:>9.3f}{t0 / t1:>8.2f}{fl:>7.3f}{fl / t1:>11.2f}{rel:>11.2e}{kv_rel:>9.2e}"
+            f"{str(same):>7}{err:>5}{build_s:>7.1f}"
+        )
     print("1st s: the megakernel's first forward (an NVRTC compile where the build is new)")
 
 

@@ -51,21 +51,30 @@ DEVICE = "cuda"
 PEAK_FLOPS = 790e12  # dense bf16 matrix products, H200 (the device library's KINDS.md: 769-798 measured)
 L2_DEFEAT_BYTES = 512 * 2**20
 CASES = [(1, 8192, 0), (1, 2048, 22528), (8, 1024, 23552), (1, 8192, 24576)]
-SWEEP = [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3), dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
-         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2), dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
-         dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3), dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),
-         dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)]
+SWEEP = [
+    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+    dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3),
+    dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),
+    dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+]
 
 
 def need_cuda() -> None:
     if not torch.cuda.is_available():
-        sys.exit("prefill_bench.py needs a CUDA GPU: torch.cuda.is_available() is False here. Run it on the GPU "
-                 "machine: PYTHONPATH=src python3 benchmarks/prefill_bench.py")
+        sys.exit(
+            "prefill_bench.py needs a CUDA GPU: torch.cuda.is_available() is False here. Run it on the GPU "
+            "machine: PYTHONPATH=src python3 benchmarks/prefill_bench.py"
+        )
     from redwood.attention import triton_prefill
 
     if not triton_prefill.available(torch.device("cuda"), torch.bfloat16, D):
-        sys.exit("prefill_bench.py: the Triton prefill kernel is not available on this GPU (needs triton, compute "
-                 "capability ≥ 8.0, TRITON_INTERPRET unset)")
+        sys.exit(
+            "prefill_bench.py: the Triton prefill kernel is not available on this GPU (needs triton, compute "
+            "capability ≥ 8.0, TRITON_INTERPRET unset)"
+        )
 
 
 def attn_flops(B: int, T: int, L: int) -> float:
@@ -117,8 +126,16 @@ class LayerCase:
         self.B, self.T, self.L = B, T, L
         kv_bytes = 2 * B * HKV * (L + T) * D * 2
         self.sets = max(2, min(16, math.ceil(L2_DEFEAT_BYTES / kv_bytes)))
-        cfg = ModelConfig(arch="qwen2", vocab_size=16, hidden_size=HQ * D, intermediate_size=16,
-                          num_layers=self.sets, num_heads=HQ, num_kv_heads=HKV, head_dim=D)
+        cfg = ModelConfig(
+            arch="qwen2",
+            vocab_size=16,
+            hidden_size=HQ * D,
+            intermediate_size=16,
+            num_layers=self.sets,
+            num_heads=HQ,
+            num_kv_heads=HKV,
+            head_dim=D,
+        )
         table, pages = shuffled_table(B, L + T, gen)
         cache = KVCache.paged(cfg, B, pages, PAGE, table.shape[1] * PAGE, torch.bfloat16, DEVICE)
         for layer in range(self.sets):
@@ -128,11 +145,13 @@ class LayerCase:
         cache.lengths.fill_(L)
         cache.live.fill_(1)
         self.cache = cache
-        self.q = [torch.randn(B, T, HQ, D, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)
-                  for _ in range(self.sets)]
+        self.q = [
+            torch.randn(B, T, HQ, D, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2) for _ in range(self.sets)
+        ]
         self.positions = cache.lengths[:, None] + torch.arange(T, device=DEVICE)[None, :]
-        self.meta = lambda: AttentionMetadata(lengths=cache.lengths, num_new=T, live=cache.live,
-                                              q_positions=self.positions)
+        self.meta = lambda: AttentionMetadata(
+            lengths=cache.lengths, num_new=T, live=cache.live, q_positions=self.positions
+        )
         self._meta = self.meta()  # one forward's metadata: its mask is built once, for every layer
         self.flops = attn_flops(B, T, L)
 
@@ -140,8 +159,9 @@ class LayerCase:
         from redwood.attention.triton_prefill import prefill_attention
 
         c = self.cache
-        return prefill_attention(self.q[i], c.k[i], c.v[i], c.lengths, c.block_table, live=c.live, config=config,
-                                 out=out)
+        return prefill_attention(
+            self.q[i], c.k[i], c.v[i], c.lengths, c.block_table, live=c.live, config=config, out=out
+        )
 
     def decode(self, i: int) -> torch.Tensor:
         from redwood.attention.triton_decode import decode_attention
@@ -232,9 +252,19 @@ def qwen_1_5b():
     from redwood.config import ModelConfig
     from redwood.models.transformer import Transformer
 
-    cfg = ModelConfig(arch="qwen2", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_layers=LAYERS,
-                      num_heads=HQ, num_kv_heads=HKV, max_position_embeddings=32768, rope_theta=1e6,
-                      tie_word_embeddings=True, qkv_bias=True)
+    cfg = ModelConfig(
+        arch="qwen2",
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_layers=LAYERS,
+        num_heads=HQ,
+        num_kv_heads=HKV,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        qkv_bias=True,
+    )
     torch.manual_seed(0)
     with torch.device(DEVICE):
         model = Transformer(cfg)
@@ -268,11 +298,13 @@ def measure_chunk(model, B: int, T: int, L: int, gen) -> dict:
 
     params = LAYERS * (HIDDEN * (HQ + 2 * HKV) * D + HQ * D * HIDDEN + 3 * HIDDEN * INTERMEDIATE)  # 1.31e9
     flops = LAYERS * attn_flops(B, T, L) + 2.0 * params * B * T + 2.0 * HIDDEN * VOCAB * B
-    res = dict(B=B, T=T, L=L, flops=flops, attn_flops=LAYERS * attn_flops(B, T, L),
-               floor_ms=flops / PEAK_FLOPS * 1e3)
+    res = dict(B=B, T=T, L=L, flops=flops, attn_flops=LAYERS * attn_flops(B, T, L), floor_ms=flops / PEAK_FLOPS * 1e3)
     logits = {}
-    variants = (("reference", "0", None), ("kernel", "1", None),
-                ("kernel_budgeted", "1", lambda m, b, t: prefill.prefill_chunk(b, m.config.num_heads, t)))
+    variants = (
+        ("reference", "0", None),
+        ("kernel", "1", None),
+        ("kernel_budgeted", "1", lambda m, b, t: prefill.prefill_chunk(b, m.config.num_heads, t)),
+    )
     with torch.inference_mode():
         for name, env, forward_tokens in variants:
             model.set_execution(ExecutionConfig(prefill_kernel=env == "1"))
@@ -292,8 +324,9 @@ def measure_chunk(model, B: int, T: int, L: int, gen) -> dict:
         for name in ("kernel", "kernel_budgeted"):
             if name in logits:
                 res[f"{name}_logits_err"] = rel(logits[name], logits["reference"])
-                res[f"{name}_argmax_agree"] = float((logits[name].argmax(-1) == logits["reference"].argmax(-1))
-                                                    .float().mean())
+                res[f"{name}_argmax_agree"] = float(
+                    (logits[name].argmax(-1) == logits["reference"].argmax(-1)).float().mean()
+                )
     for name in ("reference", "kernel", "kernel_budgeted"):
         if res.get(f"{name}_ms"):
             res[f"{name}_tflops"] = flops / res[f"{name}_ms"] / 1e9
@@ -320,8 +353,12 @@ def main() -> None:
 
     cases = [tuple(int(x) for x in c.split(":")) for c in args.cases] if args.cases else CASES
     gen = torch.Generator().manual_seed(0)
-    info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                sms=torch.cuda.get_device_properties(0).multi_processor_count)
+    info = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        sms=torch.cuda.get_device_properties(0).multi_processor_count,
+    )
     print(info, flush=True)
     layers, chunks = [], []
     for B, T, L in cases:
@@ -341,33 +378,49 @@ def main() -> None:
         with open(args.output, "w") as f:
             json.dump(dict(info=info, layers=layers, chunks=chunks), f, indent=1)
 
-    print(f"\n{info['gpu']}, triton {info['triton']}, torch {info['torch']}; bf16 Hq={HQ} Hkv={HKV} D={D}, "
-          f"{PAGE}-slot pages; floor at {PEAK_FLOPS / 1e12:.0f} TFLOP/s")
+    print(
+        f"\n{info['gpu']}, triton {info['triton']}, torch {info['torch']}; bf16 Hq={HQ} Hkv={HKV} D={D}, "
+        f"{PAGE}-slot pages; floor at {PEAK_FLOPS / 1e12:.0f} TFLOP/s"
+    )
     print("one layer's attention (ms; TFLOP/s of the prefill kernel; err: vs float64 on 256 query rows)")
-    print(f"{'B x T over L':>20} {'floor':>7} {'prefill':>8} {'TFLOP/s':>7} {'decode':>8} {'ref':>8} {'mask':>7} "
-          f"{'ref/pre':>7} {'err':>8} {'ref err':>8} ok")
+    print(
+        f"{'B x T over L':>20} {'floor':>7} {'prefill':>8} {'TFLOP/s':>7} {'decode':>8} {'ref':>8} {'mask':>7} "
+        f"{'ref/pre':>7} {'err':>8} {'ref err':>8} ok"
+    )
     for r in layers:
         ratio = r["reference_ms"] / r["prefill_ms"] if r.get("reference_ms") else None
-        print(f"{r['B']:>4} x {r['T']:>5} over {r['L']:>5} {r['floor_ms']:>7.2f} {r['prefill_ms']:>8.2f} "
-              f"{r['prefill_tflops']:>7.0f} {fmt(r.get('decode_ms')):>8} {fmt(r.get('reference_ms')):>8} "
-              f"{fmt(r.get('mask_ms')):>7} {fmt(ratio, '.1f'):>7} {r['err_vs_f64']:>8.1e} "
-              f"{fmt(r.get('ref_err_vs_f64'), '.1e'):>8} {r['finite']}")
+        print(
+            f"{r['B']:>4} x {r['T']:>5} over {r['L']:>5} {r['floor_ms']:>7.2f} {r['prefill_ms']:>8.2f} "
+            f"{r['prefill_tflops']:>7.0f} {fmt(r.get('decode_ms')):>8} {fmt(r.get('reference_ms')):>8} "
+            f"{fmt(r.get('mask_ms')):>7} {fmt(ratio, '.1f'):>7} {r['err_vs_f64']:>8.1e} "
+            f"{fmt(r.get('ref_err_vs_f64'), '.1e'):>8} {r['finite']}"
+        )
         for e in r.get("sweep", []):
-            print(f"{'':>20}   tiles {e['BLOCK_M']}x{e['BLOCK_N']} w{e['num_warps']} s{e['num_stages']}: "
-                  + (f"{e['ms']:.2f} ms {e['tflops']:.0f} TFLOP/s err {e['err_vs_f64']:.1e} ok {e['finite']}"
-                     if "ms" in e else e.get("error", "?")))
+            print(
+                f"{'':>20}   tiles {e['BLOCK_M']}x{e['BLOCK_N']} w{e['num_warps']} s{e['num_stages']}: "
+                + (
+                    f"{e['ms']:.2f} ms {e['tflops']:.0f} TFLOP/s err {e['err_vs_f64']:.1e} ok {e['finite']}"
+                    if "ms" in e
+                    else e.get("error", "?")
+                )
+            )
     if chunks:
-        print("whole prefill chunk through the 1.5B (prefill_rows, 28 layers; ms; forward tokens; TFLOP/s incl. "
-              "matmuls)")
-        print(f"{'B x T over L':>20} {'floor':>7} {'ref':>8} {'fwd':>5} {'kernel':>8} {'fwd':>5} {'TFLOP/s':>7} "
-              f"{'ref/ker':>7} {'budgeted':>8} {'logit err':>9}")
+        print(
+            "whole prefill chunk through the 1.5B (prefill_rows, 28 layers; ms; forward tokens; TFLOP/s incl. matmuls)"
+        )
+        print(
+            f"{'B x T over L':>20} {'floor':>7} {'ref':>8} {'fwd':>5} {'kernel':>8} {'fwd':>5} {'TFLOP/s':>7} "
+            f"{'ref/ker':>7} {'budgeted':>8} {'logit err':>9}"
+        )
         for r in chunks:
             ratio = (r["reference_ms"] / r["kernel_ms"]) if r.get("reference_ms") and r.get("kernel_ms") else None
-            print(f"{r['B']:>4} x {r['T']:>5} over {r['L']:>5} {r['floor_ms']:>7.1f} {fmt(r.get('reference_ms'), '.1f'):>8} "
-                  f"{r.get('reference_forward_tokens', '-'):>5} {fmt(r.get('kernel_ms'), '.1f'):>8} "
-                  f"{r.get('kernel_forward_tokens', '-'):>5} {fmt(r.get('kernel_tflops'), '.0f'):>7} "
-                  f"{fmt(ratio, '.2f'):>7} {fmt(r.get('kernel_budgeted_ms'), '.1f'):>8} "
-                  f"{fmt(r.get('kernel_logits_err'), '.1e'):>9}")
+            print(
+                f"{r['B']:>4} x {r['T']:>5} over {r['L']:>5} {r['floor_ms']:>7.1f} {fmt(r.get('reference_ms'), '.1f'):>8} "
+                f"{r.get('reference_forward_tokens', '-'):>5} {fmt(r.get('kernel_ms'), '.1f'):>8} "
+                f"{r.get('kernel_forward_tokens', '-'):>5} {fmt(r.get('kernel_tflops'), '.0f'):>7} "
+                f"{fmt(ratio, '.2f'):>7} {fmt(r.get('kernel_budgeted_ms'), '.1f'):>8} "
+                f"{fmt(r.get('kernel_logits_err'), '.1e'):>9}"
+            )
 
 
 if __name__ == "__main__":

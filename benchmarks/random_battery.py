@@ -53,10 +53,14 @@ GAMMA = 3
 # (dieharder -d, -n) pairs: what `dieharder -a` runs, except diehard_sums ("do not use") and the
 # lagged sums at lags 4-5, 7-14, 16-32 (lag n reads (n + 1)× the words: the whole set takes ~30 min
 # per stream on one core); lag 6 is the chain stream's period (7 words per step).
-TESTS = tuple((d, None) for d in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 15, 16, 17, 100, 101, 102)) + \
-    tuple((200, n) for n in range(1, 13)) + tuple((201, n) for n in range(2, 6)) + \
-    tuple((202, n) for n in range(2, 6)) + tuple((203, n) for n in (0, 1, 2, 3, 6, 15)) + \
-    tuple((d, None) for d in (204, 205, 206, 207, 208, 209))
+TESTS = (
+    tuple((d, None) for d in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 15, 16, 17, 100, 101, 102))
+    + tuple((200, n) for n in range(1, 13))
+    + tuple((201, n) for n in range(2, 6))
+    + tuple((202, n) for n in range(2, 6))
+    + tuple((203, n) for n in (0, 1, 2, 3, 6, 15))
+    + tuple((d, None) for d in (204, 205, 206, 207, 208, 209))
+)
 
 
 EMITTER_C = r"""
@@ -120,6 +124,7 @@ def emitter() -> str:
     """Path of the compiled word emitter (built once per source version, in the system temp dir)."""
     import hashlib
     import tempfile
+
     src = EMITTER_C.replace("GAMMA", str(GAMMA))
     exe = Path(tempfile.gettempdir()) / f"redwood_rowrandom_emit_{hashlib.sha1(src.encode()).hexdigest()[:12]}"
     if not exe.exists():
@@ -137,6 +142,7 @@ def stream_words(stream: str, seed: int, n: int) -> np.ndarray:
 def reference_words(stream: str, seed: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     """The first n words of a stream from RowRandom itself: (top 32 bits of the float64 uniforms,
     24 bits of the float32 uniforms)."""
+
     def draws(dtype):
         one = torch.zeros(1, dtype=torch.long)
         if stream == "counters":
@@ -156,6 +162,7 @@ def reference_words(stream: str, seed: int, n: int) -> tuple[np.ndarray, np.ndar
             out += [r.uniform(one, (1,), dtype)[0] for _ in range(GAMMA)]
             out.append(r.uniform(one, (GAMMA + 1,), dtype)[0])
         return torch.cat(out)[:n]
+
     u64, u32 = draws(torch.float64).numpy(), draws(torch.float32).double().numpy()
     if stream == "low":  # float64 uniforms' low 21 bits (the top 21 of the low word)
         return ((u64 * 2.0**53).astype(np.uint64) & np.uint64((1 << 21) - 1)).astype(np.uint32), None
@@ -167,8 +174,11 @@ def check_against_rowrandom(n: int = 2048) -> None:
         for seed in (0, 3):
             mine = stream_words(stream, seed, n)
             ref, top24 = reference_words(stream, seed, n)
-            same = np.array_equal(mine >> np.uint32(11), ref) if stream == "low" else \
-                np.array_equal(mine, ref) and np.array_equal(mine >> np.uint32(8), top24)
+            same = (
+                np.array_equal(mine >> np.uint32(11), ref)
+                if stream == "low"
+                else np.array_equal(mine, ref) and np.array_equal(mine >> np.uint32(8), top24)
+            )
             if not same:
                 sys.exit(f"{stream} (seed {seed}): the C transcription differs from RowRandom — update EMITTER_C")
 
@@ -179,8 +189,12 @@ RESULT = re.compile(r"^\s*(\S+)\|\s*(\d+)\|\s*(\d+)\|\s*(\d+)\|([0-9.]+)\|\s*(PA
 def run_test(stream: str, test: tuple[int, int | None], seed: int) -> str:
     gen = subprocess.Popen([emitter(), stream, str(seed)], stdout=subprocess.PIPE)
     d, n = test
-    dh = subprocess.run(["dieharder", "-g", "200", "-d", str(d), "-Y", "1"] + ([] if n is None else ["-n", str(n)]),
-                        stdin=gen.stdout, capture_output=True, text=True)
+    dh = subprocess.run(
+        ["dieharder", "-g", "200", "-d", str(d), "-Y", "1"] + ([] if n is None else ["-n", str(n)]),
+        stdin=gen.stdout,
+        capture_output=True,
+        text=True,
+    )
     gen.stdout.close()
     gen.kill()
     gen.wait()
@@ -197,24 +211,36 @@ def final_round(rows: list[tuple]) -> list[tuple]:
 def summarize(out: Path, streams: list[str], tests: list[tuple], texts: dict[str, list[str]], meta: dict) -> str:
     """summary.md from each stream's per-test dieharder outputs (in the order of `tests`)."""
     parse = lambda text: [m.groups() for line in text.splitlines() if (m := RESULT.match(line))]  # noqa: E731
-    lines = ["# dieharder on RowRandom's word streams", "",
-             f"Command: `{meta['command']}`  ",
-             f"dieharder {meta['dieharder']}, -g 200 (raw uint32 on stdin), -Y 1 (resolve ambiguity: a WEAK "
-             f"result is re-run with more p-samples until it reads PASSED or FAILED); {meta['seconds']:.0f} s "
-             f"on {meta['cores']} cores. Words checked equal to RowRandom's own (float64 top 32 bits, float32 "
-             "24 bits; `low`: float64 low 21 bits) before the run.", "",
-             "Counts are over each test's final round; `lines` also counts the rounds a WEAK result was re-run.", "",
-             "| stream | results | PASSED | WEAK | FAILED | lowest p | highest p | lines |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# dieharder on RowRandom's word streams",
+        "",
+        f"Command: `{meta['command']}`  ",
+        f"dieharder {meta['dieharder']}, -g 200 (raw uint32 on stdin), -Y 1 (resolve ambiguity: a WEAK "
+        f"result is re-run with more p-samples until it reads PASSED or FAILED); {meta['seconds']:.0f} s "
+        f"on {meta['cores']} cores. Words checked equal to RowRandom's own (float64 top 32 bits, float32 "
+        "24 bits; `low`: float64 low 21 bits) before the run.",
+        "",
+        "Counts are over each test's final round; `lines` also counts the rounds a WEAK result was re-run.",
+        "",
+        "| stream | results | PASSED | WEAK | FAILED | lowest p | highest p | lines |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for s in streams:
         every = [r for t in texts[s] for r in parse(t)]
         rows = [r for t in texts[s] for r in final_round(parse(t))]
         n = {a: sum(r[5] == a for r in rows) for a in ("PASSED", "WEAK", "FAILED")}
         ps = [float(r[4]) for r in rows]
-        lines.append(f"| {s} | {len(rows)} | {n['PASSED']} | {n['WEAK']} | {n['FAILED']} | "
-                     f"{min(ps):.2g} | {max(ps):.6g} | {len(every)} |")
-    lines += ["", "## Per test (passed / results of the final round; seed = the test's position in the list)", "",
-              "| test | " + " | ".join(streams) + " |", "|---" * (len(streams) + 1) + "|"]
+        lines.append(
+            f"| {s} | {len(rows)} | {n['PASSED']} | {n['WEAK']} | {n['FAILED']} | "
+            f"{min(ps):.2g} | {max(ps):.6g} | {len(every)} |"
+        )
+    lines += [
+        "",
+        "## Per test (passed / results of the final round; seed = the test's position in the list)",
+        "",
+        "| test | " + " | ".join(streams) + " |",
+        "|---" * (len(streams) + 1) + "|",
+    ]
     for k, t in enumerate(tests):
         names, cells = set(), []
         for s in streams:
@@ -235,7 +261,9 @@ def summarize(out: Path, streams: list[str], tests: list[tuple], texts: dict[str
     return text
 
 
-BANNER = "#=============================================================================#\n#            dieharder version"
+BANNER = (
+    "#=============================================================================#\n#            dieharder version"
+)
 
 
 def main() -> None:
@@ -244,12 +272,18 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--limit", type=int, default=None, help="with --emit: stop after this many words")
     ap.add_argument("--streams", default=",".join(STREAMS))
-    ap.add_argument("--tests", default=",".join(str(d) if n is None else f"{d}:{n}" for d, n in TESTS),
-                    help="dieharder tests: -d number, or number:ntuple for -d number -n ntuple")
+    ap.add_argument(
+        "--tests",
+        default=",".join(str(d) if n is None else f"{d}:{n}" for d, n in TESTS),
+        help="dieharder tests: -d number, or number:ntuple for -d number -n ntuple",
+    )
     ap.add_argument("--jobs", type=int, default=2, help="dieharder processes at a time")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/random-battery"))
-    ap.add_argument("--resummarize", action="store_true",
-                    help="rebuild summary.md from the dieharder-<stream>.txt and run.json already in --out")
+    ap.add_argument(
+        "--resummarize",
+        action="store_true",
+        help="rebuild summary.md from the dieharder-<stream>.txt and run.json already in --out",
+    )
     args = ap.parse_args()
     if args.emit:
         cmd = [emitter(), args.emit, str(args.seed)] + ([] if args.limit is None else [str(args.limit)])
@@ -276,8 +310,12 @@ def main() -> None:
         texts[s].append(text)
     for s in streams:
         (args.out / f"dieharder-{s}.txt").write_text("".join(texts[s]))
-    meta = {"command": "./.venv/bin/python benchmarks/random_battery.py " + " ".join(sys.argv[1:]),
-            "dieharder": dieharder_version(), "seconds": time.time() - t0, "cores": os.cpu_count()}
+    meta = {
+        "command": "./.venv/bin/python benchmarks/random_battery.py " + " ".join(sys.argv[1:]),
+        "dieharder": dieharder_version(),
+        "seconds": time.time() - t0,
+        "cores": os.cpu_count(),
+    }
     (args.out / "run.json").write_text(json.dumps(meta, indent=1) + "\n")
     print(summarize(args.out, streams, tests, texts, meta))
 

@@ -25,8 +25,14 @@ from redwood.sampling_params import SamplingParams
 from redwood.speculation.drafters import ModelDrafter, draft_plan
 from redwood.speculation.trees import resolve_tree
 
-QWEN_0_5B = dict(QWEN_1_5B, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                 num_attention_heads=14, num_key_value_heads=2)
+QWEN_0_5B = dict(
+    QWEN_1_5B,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+)
 
 
 def random_model(config: dict, seed: int):
@@ -42,8 +48,10 @@ def random_model(config: dict, seed: int):
 
 def run(engine, prompts, temperature, gen_len):
     """(decode seconds, tokens decoded, final stats per request) of one batch through `engine`."""
-    params = [SamplingParams(temperature=temperature, max_new_tokens=gen_len, ignore_eos=True, seed=b)
-              for b in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=temperature, max_new_tokens=gen_len, ignore_eos=True, seed=b)
+        for b in range(len(prompts))
+    ]
     for p, q in zip(prompts, params):
         engine.add_request(p, q)
     stats = []
@@ -72,8 +80,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--gen-len", type=int, default=96)
     ap.add_argument("--kernels", action="store_true", help="also list the draft/target forward's kernels")
-    ap.add_argument("--trees", nargs="+", default=["chain:1", "chain:2", "chain:3", "chain:4", "generic-16",
-                                                   "generic-64"])
+    ap.add_argument(
+        "--trees", nargs="+", default=["chain:1", "chain:2", "chain:3", "chain:4", "generic-16", "generic-64"]
+    )
     args = ap.parse_args()
     target, draft = random_model(QWEN_1_5B, 0), random_model(QWEN_0_5B, 1)
     g = torch.Generator().manual_seed(0)
@@ -114,8 +123,10 @@ def main() -> None:
     if args.kernels:
         for label, model in (("draft 0.5B", draft), ("target 1.5B", target)):
             forward_kernels(label, model, args.batch, args.context)
-    print(f"\nbatch {args.batch}, context {args.context}, random Qwen2.5-Coder 1.5B / 0.5B-shaped bf16 models; "
-          f"draft forward alone {d1:.3f} ms")
+    print(
+        f"\nbatch {args.batch}, context {args.context}, random Qwen2.5-Coder 1.5B / 0.5B-shaped bf16 models; "
+        f"draft forward alone {d1:.3f} ms"
+    )
     print(f"{'shape':<16}{'sampling':>9}{'ms/step':>9}{'forwards ms':>13}{'rest ms':>9}{'draft levels':>14}")
     for name, mode, ms, fwd, levels in rows:
         print(f"{name:<16}{mode:>9}{ms:>9.3f}{fwd:>13.3f}{ms - fwd:>9.3f}{levels:>14}")

@@ -40,10 +40,13 @@ def main() -> None:
     keep = times[True] < times[False]
     if not keep and "tile_rows" in table:
         del table["tile_rows"]
-        path.write_text(table_json(table["device"], table["configs"], table.get("max_rows", 1),
-                                   made_by=table["made_by"]))
-    print(f"batched step: tile kernel {times[True]:.3f} ms, cuBLAS + small kernels {times[False]:.3f} ms → "
-          f"{'keep' if keep else 'drop'} tile_rows {table.get('tile_rows')}")
+        path.write_text(
+            table_json(table["device"], table["configs"], table.get("max_rows", 1), made_by=table["made_by"])
+        )
+    print(
+        f"batched step: tile kernel {times[True]:.3f} ms, cuBLAS + small kernels {times[False]:.3f} ms → "
+        f"{'keep' if keep else 'drop'} tile_rows {table.get('tile_rows')}"
+    )
 
 
 if __name__ == "__main__":

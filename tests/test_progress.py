@@ -38,8 +38,10 @@ def test_log_lines_are_throttled_and_carry_an_estimate(monkeypatch):
     clock.t += progress.LOG_EVERY_S
     bar.update(7)  # the last one always shows
     bar.close()
-    assert out.getvalue().splitlines() == ["prefill: 2/10 tokens (20%), 2s, ~8s left",
-                                           "prefill: 10/10 tokens (100%), 8s"]
+    assert out.getvalue().splitlines() == [
+        "prefill: 2/10 tokens (20%), 2s, ~8s left",
+        "prefill: 10/10 tokens (100%), 8s",
+    ]
 
 
 def test_quick_work_quiet_and_bytes(monkeypatch):

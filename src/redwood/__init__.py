@@ -9,4 +9,13 @@ from redwood.llm import LLM, RequestOutput  # noqa: E402
 from redwood.sampling_params import SamplingParams  # noqa: E402
 from redwood.speculation.config import SpeculativeConfig  # noqa: E402
 
-__all__ = ["LLM", "Engine", "RequestDelta", "SamplingParams", "SpeculativeConfig", "RequestOutput", "RedwoodError", "__version__"]
+__all__ = [
+    "LLM",
+    "Engine",
+    "RequestDelta",
+    "SamplingParams",
+    "SpeculativeConfig",
+    "RequestOutput",
+    "RedwoodError",
+    "__version__",
+]

@@ -64,8 +64,16 @@ class ModelConfig:
             )
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.hidden_size // max(self.num_heads, 1))
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"model config: {name} must be a positive integer, got {value!r}")
@@ -257,20 +265,27 @@ class ExecutionConfig:
     adaptive_threads: bool = True
 
     def __post_init__(self) -> None:
-        for name, choices in (("attention", ("auto", "reference", "triton")), ("kernels", ("auto", "on", "off")),
-                              ("megakernel", ("auto", "on", "off"))):
+        for name, choices in (
+            ("attention", ("auto", "reference", "triton")),
+            ("kernels", ("auto", "on", "off")),
+            ("megakernel", ("auto", "on", "off")),
+        ):
             if getattr(self, name) not in choices:
                 raise ConfigError(f"execution {name}={getattr(self, name)!r}: choose one of {', '.join(choices)}")
         for name in ("skinny", "prefill_kernel", "cpu_fused", "adaptive_threads"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"execution {name}={getattr(self, name)!r}: True or False")
-        if self.skinny_rows is not None and (isinstance(self.skinny_rows, bool) or not isinstance(self.skinny_rows, int)
-                                             or self.skinny_rows < 1):
+        if self.skinny_rows is not None and (
+            isinstance(self.skinny_rows, bool) or not isinstance(self.skinny_rows, int) or self.skinny_rows < 1
+        ):
             raise ConfigError(f"execution skinny_rows={self.skinny_rows!r}: a positive int or None")
         if self.skinny_tile_rows is not None:
             rows = tuple(self.skinny_tile_rows)
-            if len(rows) != 2 or not all(isinstance(r, int) and not isinstance(r, bool) for r in rows) \
-                    or not 1 <= rows[0] <= rows[1]:
+            if (
+                len(rows) != 2
+                or not all(isinstance(r, int) and not isinstance(r, bool) for r in rows)
+                or not 1 <= rows[0] <= rows[1]
+            ):
                 raise ConfigError(f"execution skinny_tile_rows={self.skinny_tile_rows!r}: (lo, hi) with 1 ≤ lo ≤ hi")
             object.__setattr__(self, "skinny_tile_rows", rows)
 

@@ -30,15 +30,19 @@ def _register(name: str, default: str, doc: str, choices: tuple[str, ...] | None
 
 
 HOME = _register(
-    "REDWOOD_HOME", "",
-    "where redwood keeps downloaded models and datasets (default ~/.cache/redwood): models/<name>/, data/.")
+    "REDWOOD_HOME",
+    "",
+    "where redwood keeps downloaded models and datasets (default ~/.cache/redwood): models/<name>/, data/.",
+)
 
 CPU_ISA = _register(
-    "REDWOOD_CPU_ISA", "native",
+    "REDWOOD_CPU_ISA",
+    "native",
     "cap the CPU features redwood's own kernels and format choices use: native (all the CPU reports), "
     "avx2 (as an AVX2-only CPU: no AVX-512, no VNNI, no AMX). With ATEN_CPU_CAPABILITY=avx2 it runs the "
     "suite as an AVX2 machine would on an AVX-512 one.",
-    ("native", "avx2"))
+    ("native", "avx2"),
+)
 
 
 def get(name: str) -> str:

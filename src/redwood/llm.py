@@ -75,17 +75,35 @@ class LLM:
     prefill kernel, CPU fused layers, adaptive threads, …; None: the defaults).
     """
 
-    def __init__(self, model: str | Path = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
-                 device: str | torch.device = "cpu", speculative: SpeculativeConfig | None = None,
-                 offload: bool = False, offload_prefetch: int = 2, cuda_graphs: bool | None = None,
-                 threads: int | None = None, weights: str = "auto",
-                 execution: ExecutionConfig | None = None, **engine_args):
+    def __init__(
+        self,
+        model: str | Path = DEFAULT_MODEL,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        speculative: SpeculativeConfig | None = None,
+        offload: bool = False,
+        offload_prefetch: int = 2,
+        cuda_graphs: bool | None = None,
+        threads: int | None = None,
+        weights: str = "auto",
+        execution: ExecutionConfig | None = None,
+        **engine_args,
+    ):
         self.engine_config = engine_config(cuda_graphs=cuda_graphs, **engine_args)
         if cuda_graphs and parse_device(device).type != "cuda":
             raise ConfigError("cuda_graphs needs device='cuda'")
-        self.models = LoadedModels.load(model, dtype, device, speculative, offload, offload_prefetch, threads,
-                                        weights, max_model_len=self.engine_config.max_model_len,
-                                        execution=execution)
+        self.models = LoadedModels.load(
+            model,
+            dtype,
+            device,
+            speculative,
+            offload,
+            offload_prefetch,
+            threads,
+            weights,
+            max_model_len=self.engine_config.max_model_len,
+            execution=execution,
+        )
         m = self.models
         self.model, self.tokenizer, self.config = m.model, m.tokenizer, m.config
         self.model_name, self.model_path = m.name, m.path
@@ -159,8 +177,12 @@ class LLM:
                 bar.close()
 
     # ------------------------------------------------------------------ generation
-    def stream(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-               chat: bool = False) -> Iterator[StreamDelta]:
+    def stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat: bool = False,
+    ) -> Iterator[StreamDelta]:
         """Yield each request's new text and tokens as they are generated."""
         _, ids = self._add(prompts, params, chat)
         index = {rid: i for i, rid in enumerate(ids)}
@@ -172,16 +194,27 @@ class LLM:
                     if d.request_id in index:
                         if d.finish_reason is not None:
                             left.discard(d.request_id)
-                        yield StreamDelta(index=index[d.request_id], text=d.text, token_ids=d.token_ids,
-                                          finish_reason=d.finish_reason, stats=d.stats, sources=d.sources,
-                                          logprobs=d.logprobs, spans=d.spans)
+                        yield StreamDelta(
+                            index=index[d.request_id],
+                            text=d.text,
+                            token_ids=d.token_ids,
+                            finish_reason=d.finish_reason,
+                            stats=d.stats,
+                            sources=d.sources,
+                            logprobs=d.logprobs,
+                            spans=d.spans,
+                        )
         finally:  # a consumer that stops early (or an error) leaves nothing running
             steps.close()
             for rid in left:
                 self.engine.abort(rid, notify=False)
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 chat: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat: bool = False,
+    ) -> list[RequestOutput]:
         """Generate for every prompt (continuously batched); one RequestOutput per prompt, in order."""
         prompt_list, ids = self._add(prompts, params, chat)
         outs: list[RequestOutput | None] = [None] * len(ids)
@@ -199,7 +232,7 @@ class LLM:
                         continue
                     tokens[i] += d.token_ids
                     if d.logprobs is not None:
-                        logprobs[i] = (logprobs[i] or [])
+                        logprobs[i] = logprobs[i] or []
                         logprobs[i] += d.logprobs
                     texts[i].append(d.text)
                     if d.finish_reason is not None:
@@ -207,8 +240,12 @@ class LLM:
                         outs[i] = RequestOutput(
                             prompt=p if isinstance(p, str) else None,
                             prompt_token_ids=d.prompt_token_ids,
-                            text="".join(texts[i]), token_ids=tokens[i], finish_reason=d.finish_reason,
-                            stats=d.stats or {}, logprobs=logprobs[i])
+                            text="".join(texts[i]),
+                            token_ids=tokens[i],
+                            finish_reason=d.finish_reason,
+                            stats=d.stats or {},
+                            logprobs=logprobs[i],
+                        )
                         left -= 1
         finally:
             steps.close()

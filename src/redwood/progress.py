@@ -33,8 +33,9 @@ class Progress:
     """Counts `total` units of work (see the module docstring). unit "B": counts bytes, shown in MB /
     GB. `stream`: where to write (stderr); `enabled`: False shows nothing (nor after `set_quiet`)."""
 
-    def __init__(self, total: int, desc: str, unit: str = "it", delay: float = DEFAULT_DELAY_S,
-                 enabled: bool = True, stream=None):
+    def __init__(
+        self, total: int, desc: str, unit: str = "it", delay: float = DEFAULT_DELAY_S, enabled: bool = True, stream=None
+    ):
         self.total, self.desc, self.unit, self.delay = max(int(total), 0), desc, unit, delay
         self.stream = sys.stderr if stream is None else stream
         self.enabled = enabled and not _quiet
@@ -45,8 +46,16 @@ class Progress:
         if self.enabled and _isatty(self.stream):
             from tqdm import tqdm
 
-            self._bar = tqdm(total=self.total, desc=desc, unit=unit, unit_scale=unit == "B", delay=delay,
-                             file=self.stream, leave=False, dynamic_ncols=True)
+            self._bar = tqdm(
+                total=self.total,
+                desc=desc,
+                unit=unit,
+                unit_scale=unit == "B",
+                delay=delay,
+                file=self.stream,
+                leave=False,
+                dynamic_ncols=True,
+            )
 
     def update(self, n: int = 1) -> None:
         self.n += n

@@ -38,8 +38,12 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
-        if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
-                or not math.isfinite(self.temperature) or self.temperature < 0):
+        if (
+            not isinstance(self.temperature, (int, float))
+            or isinstance(self.temperature, bool)
+            or not math.isfinite(self.temperature)
+            or self.temperature < 0
+        ):
             raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
@@ -51,10 +55,15 @@ class SamplingParams:
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
             raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ConfigError(f"logprobs must be None (off) or an integer in [0, {MAX_LOGPROBS}] (the most likely "
-                              f"alternatives returned per token), got {self.logprobs!r}")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int)
+            or isinstance(self.logprobs, bool)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ConfigError(
+                f"logprobs must be None (off) or an integer in [0, {MAX_LOGPROBS}] (the most likely "
+                f"alternatives returned per token), got {self.logprobs!r}"
+            )
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ConfigError(f"stop strings must be non-empty strings, got {s!r}")

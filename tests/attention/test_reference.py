@@ -37,11 +37,11 @@ def test_a_verify_row_equals_the_one_token_step_bit_for_bit():
             # another batch (row b alone) and another read length (masked slots past it)
             n = L + t + 1
             extra = 7
-            kk = torch.cat([k[b:b + 1, :, :n], torch.randn(1, Hkv, extra, D, generator=g)], 2)
-            vv = torch.cat([v[b:b + 1, :, :n], torch.randn(1, Hkv, extra, D, generator=g)], 2)
+            kk = torch.cat([k[b : b + 1, :, :n], torch.randn(1, Hkv, extra, D, generator=g)], 2)
+            vv = torch.cat([v[b : b + 1, :, :n], torch.randn(1, Hkv, extra, D, generator=g)], 2)
             m = (torch.arange(n + extra) < n)[None, None, None]
-            step = attention(q[b:b + 1, :, t:t + 1], kk, vv, m)
-            assert torch.equal(out[b:b + 1, :, t:t + 1], step)
+            step = attention(q[b : b + 1, :, t : t + 1], kk, vv, m)
+            assert torch.equal(out[b : b + 1, :, t : t + 1], step)
     # the same attention as the one masked call (semantics unchanged), to float rounding
     torch.testing.assert_close(out, _sdpa(q, k, v, _chain_mask(lengths, T, S)), atol=1e-6, rtol=1e-6)
 
@@ -55,13 +55,24 @@ def test_the_plain_masked_call_is_not_row_exact():
     k, v = torch.randn(1, 2, S, 128, generator=g), torch.randn(1, 2, S, 128, generator=g)
     mask = _chain_mask([S - T], T, S)
     full = _sdpa(q, k, v, mask)
-    rows = torch.cat([_sdpa(q[:, :, t:t + 1], k[:, :, :S - T + t + 1], v[:, :, :S - T + t + 1], None)
-                      for t in range(T)], 2)
+    rows = torch.cat(
+        [_sdpa(q[:, :, t : t + 1], k[:, :, : S - T + t + 1], v[:, :, : S - T + t + 1], None) for t in range(T)], 2
+    )
     assert not torch.equal(full, rows)
     # the per-query path: each row bit for bit its one-token step's (which is not SDPA's kernel but the same
     # attention to float rounding)
-    steps = torch.cat([attention(q[:, :, t:t + 1], k[:, :, :S - T + t + 1], v[:, :, :S - T + t + 1],
-                                 torch.ones(1, 1, 1, S - T + t + 1, dtype=torch.bool)) for t in range(T)], 2)
+    steps = torch.cat(
+        [
+            attention(
+                q[:, :, t : t + 1],
+                k[:, :, : S - T + t + 1],
+                v[:, :, : S - T + t + 1],
+                torch.ones(1, 1, 1, S - T + t + 1, dtype=torch.bool),
+            )
+            for t in range(T)
+        ],
+        2,
+    )
     assert torch.equal(attention(q, k, v, mask), steps)
     torch.testing.assert_close(steps, rows, atol=1e-6, rtol=1e-6)
 
@@ -87,8 +98,10 @@ def test_a_tree_node_equals_the_step_over_its_path():
     for i in range(T):
         path = [L + j for j in range(T) if anc[i, j]]
         keys = list(range(L)) + path
-        step = attention(q[:, :, i:i + 1], k[:, :, keys], v[:, :, keys], torch.ones(1, 1, 1, len(keys), dtype=torch.bool))
-        assert torch.equal(out[:, :, i:i + 1], step)
+        step = attention(
+            q[:, :, i : i + 1], k[:, :, keys], v[:, :, keys], torch.ones(1, 1, 1, len(keys), dtype=torch.bool)
+        )
+        assert torch.equal(out[:, :, i : i + 1], step)
     torch.testing.assert_close(out, _sdpa(q, k, v, mask), atol=1e-6, rtol=1e-6)
 
 
@@ -119,8 +132,10 @@ def test_long_forwards_and_per_head_masks_keep_the_one_call():
     assert torch.equal(attention(q, k, v, mask), _sdpa(q, k, v, mask))
     per_head = mask.expand(1, Hkv, T, T).clone()
     per_head[0, 1, :, 0] = False
-    torch.testing.assert_close(attention(q[:, :, :4], k, v, per_head[:, :, :4]),
-                               _sdpa(q[:, :, :4], k, v, per_head[:, :, :4].repeat_interleave(Hq // Hkv, 1)))
+    torch.testing.assert_close(
+        attention(q[:, :, :4], k, v, per_head[:, :, :4]),
+        _sdpa(q[:, :, :4], k, v, per_head[:, :, :4].repeat_interleave(Hq // Hkv, 1)),
+    )
 
 
 @pytest.mark.parametrize("T", [1, 4])
@@ -131,7 +146,7 @@ def test_batch_rows_do_not_depend_on_each_other(T):
     q = torch.randn(2, Hq, T, D, generator=g)
     k, v = torch.randn(2, Hkv, S, D, generator=g), torch.randn(2, Hkv, S, D, generator=g)
     both = attention(q, k, v, _chain_mask([10, 64], T, S))
-    alone = attention(q[:1], k[:1, :, :10 + T], v[:1, :, :10 + T], _chain_mask([10], T, 10 + T))
+    alone = attention(q[:1], k[:1, :, : 10 + T], v[:1, :, : 10 + T], _chain_mask([10], T, 10 + T))
     assert torch.equal(both[:1], alone)
 
 
@@ -162,7 +177,13 @@ def test_the_query_plan_is_read_once_per_mask_and_gives_the_same_outputs():
     step_mask = _chain_mask([17], 1, S)  # a decode step: one call over the slice
     one = attention(q[:1, :, :1], k[:1], v[:1], step_mask, AttentionMetadata(lengths=torch.tensor([17]), num_new=1))
     assert torch.equal(one, reference._one_query(q[:1, :, :1], k[:1, :, :18], v[:1, :, :18]))
-    torch.testing.assert_close(one, F.scaled_dot_product_attention(q[:1, :, :1], k[:1, :, :18], v[:1, :, :18],
-                                                                   enable_gqa=True), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        one,
+        F.scaled_dot_product_attention(q[:1, :, :1], k[:1, :, :18], v[:1, :, :18], enable_gqa=True),
+        atol=1e-6,
+        rtol=1e-6,
+    )
     broadcast = _chain_mask([17], 1, S)  # a mask broadcast over the rows
-    assert torch.equal(attention(q[:, :, :1], k, v, broadcast), attention(q[:, :, :1], k, v, broadcast.expand(2, -1, -1, -1)))
+    assert torch.equal(
+        attention(q[:, :, :1], k, v, broadcast), attention(q[:, :, :1], k, v, broadcast.expand(2, -1, -1, -1))
+    )

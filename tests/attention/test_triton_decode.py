@@ -38,7 +38,8 @@ SMALL = DEVICE == "cpu"  # the interpreter runs every program in Python: keep co
 TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5}
 
 needs_kernel = pytest.mark.skipif(
-    DEVICE is None, reason="no CUDA device (the interpreter runs these in test_interpreter_suite)")
+    DEVICE is None, reason="no CUDA device (the interpreter runs these in test_interpreter_suite)"
+)
 
 
 if INTERPRET and (why := interpreter_broken()):
@@ -88,13 +89,25 @@ def make_inputs(gen, *, B, Hq, Hkv, T, D, lengths, P=0, dtype=torch.bfloat16, ca
     k = torch.randn(B, Hkv, cap, D + 8, generator=gen).to(dtype)[..., :D]  # padded rows
     v = torch.randn(2, B, Hkv, cap, D, generator=gen).to(dtype)[1]  # one layer of a cache
     for b, L in enumerate(lengths):
-        k[b, :, L + P + T:] = float("nan")
-        v[b, :, L + P + T:] = float("nan")
+        k[b, :, L + P + T :] = float("nan")
+        v[b, :, L + P + T :] = float("nan")
     return q, k, v, torch.tensor(lengths, dtype=torch.int64)
 
 
-def reference_attention(q, k, v, lengths, *, pending=0, new_mask=None, ctx_idx=None, ctx_valid=None,
-                        q_positions=None, sliding_window=None, live=None) -> torch.Tensor:
+def reference_attention(
+    q,
+    k,
+    v,
+    lengths,
+    *,
+    pending=0,
+    new_mask=None,
+    ctx_idx=None,
+    ctx_valid=None,
+    q_positions=None,
+    sliding_window=None,
+    live=None,
+) -> torch.Tensor:
     """float64 attention over explicit key lists per (row, KV head) → [B, T, Hq, D]. live[b] = 0: row b
     sees none of its context (only pending + new tokens)."""
     q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
@@ -123,9 +136,9 @@ def reference_attention(q, k, v, lengths, *, pending=0, new_mask=None, ctx_idx=N
             safe = torch.where(used, slots, 0)
             kk = torch.where(used[:, None], k[b, h, safe], 0.0)  # unused keys may be NaN slots
             vv = torch.where(used[:, None], v[b, h, safe], 0.0)
-            s = q[b, h * G:(h + 1) * G] @ kk.T / math.sqrt(D)  # [G, T, S]
+            s = q[b, h * G : (h + 1) * G] @ kk.T / math.sqrt(D)  # [G, T, S]
             p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
-            out[b, :, h * G:(h + 1) * G] = (p @ vv).transpose(0, 1)
+            out[b, :, h * G : (h + 1) * G] = (p @ vv).transpose(0, 1)
     return out
 
 
@@ -151,8 +164,8 @@ def paginate(gen, k, v, lengths, reach, page_size, spare=3, dtype=torch.int32):
             i += 1
             n = min(page_size, cap - s0)
             table[b, j] = page
-            kp[page, :, :n] = k[b, :, s0:s0 + n]
-            vp[page, :, :n] = v[b, :, s0:s0 + n]
+            kp[page, :, :n] = k[b, :, s0 : s0 + n]
+            vp[page, :, :n] = v[b, :, s0 : s0 + n]
     return kp, vp, table
 
 
@@ -192,8 +205,10 @@ def lengths_for(B: int, seed: int) -> list[int]:
 # Kernel cases (DEVICE: CUDA in this process, or the CPU in the interpreter child run)
 
 HEADS = [(12, 2), (14, 2), (4, 4), (8, 1)]
-CAUSAL = [(hq, hkv, (64, 128)[i % 2], t, (3, 1)[(i // 2) % 2])
-          for i, ((hq, hkv), t) in enumerate((h, t) for h in HEADS for t in (1, 2, 5, 8, 16))]
+CAUSAL = [
+    (hq, hkv, (64, 128)[i % 2], t, (3, 1)[(i // 2) % 2])
+    for i, ((hq, hkv), t) in enumerate((h, t) for h in HEADS for t in (1, 2, 5, 8, 16))
+]
 
 
 @needs_kernel
@@ -210,8 +225,7 @@ def test_causal_chain_bf16(Hq, Hkv, D, T, B):
 def test_causal_other_dtypes(dtype, Hq, Hkv, D, T, P):
     """fp32 goes through IEEE dots (1e-5); D = 96 is padded to a 128 block."""
     gen = torch.Generator().manual_seed(T * 7 + P)
-    q, k, v, lengths = make_inputs(gen, B=3, Hq=Hq, Hkv=Hkv, T=T, D=D, lengths=lengths_for(3, P), P=P,
-                                   dtype=dtype)
+    q, k, v, lengths = make_inputs(gen, B=3, Hq=Hq, Hkv=Hkv, T=T, D=D, lengths=lengths_for(3, P), P=P, dtype=dtype)
     run_and_check(q, k, v, lengths, pending=P, num_splits=2)
 
 
@@ -260,8 +274,7 @@ def test_context_view(shared, T, P, tree):
     new_mask = None
     if tree:
         new_mask = torch.cat([torch.ones(T, P, dtype=torch.bool), random_tree_mask(gen, T)[0]], dim=1)
-    run_and_check(q, k, v, lengths, pending=P, new_mask=new_mask, ctx_idx=ctx_idx, ctx_valid=ctx_valid,
-                  num_splits=3)
+    run_and_check(q, k, v, lengths, pending=P, new_mask=new_mask, ctx_idx=ctx_idx, ctx_valid=ctx_valid, num_splits=3)
 
 
 @needs_kernel
@@ -306,8 +319,8 @@ def test_finished_rows_read_none_of_their_context(view):
     B, Hq, Hkv, T, P, D = 3, 12, 2, 4, 2, 64
     lens = [40, 130, 77] if SMALL else [400, 1300, 770]
     q, k, v, lengths = make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, T=T, D=D, lengths=lens, P=P)
-    k[1, :, :lens[1]] = float("nan")
-    v[1, :, :lens[1]] = float("nan")
+    k[1, :, : lens[1]] = float("nan")
+    v[1, :, : lens[1]] = float("nan")
     live = torch.tensor([1, 0, 1])
     kw = {}
     if view:
@@ -324,8 +337,10 @@ def test_rows_without_visible_keys_are_zero():
     q, k, v, lengths = make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, T=T, D=D, lengths=[0, 50])
     new_mask = torch.tril(torch.ones(T, T, dtype=torch.bool))[None].repeat(B, 1, 1)
     new_mask[:, 1] = False  # token 1 sees nothing new
-    for kw in (dict(), dict(ctx_idx=torch.zeros(B, 1, 4, dtype=torch.int64),
-                            ctx_valid=torch.zeros(B, 1, 4, dtype=torch.bool))):
+    for kw in (
+        dict(),
+        dict(ctx_idx=torch.zeros(B, 1, 4, dtype=torch.int64), ctx_valid=torch.zeros(B, 1, 4, dtype=torch.bool)),
+    ):
         for splits in (1, 4):
             out = run_and_check(q, k, v, lengths, new_mask=new_mask, num_splits=splits, **kw)
             assert (out[:, 1] == 0).all() if kw else (out[0, 1] == 0).all()
@@ -404,16 +419,24 @@ def test_page_lookup_modes_agree(mode, monkeypatch):
     lens = lengths_for(B, 1)
     q, k, v, lengths = make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, T=T, D=D, lengths=lens, P=P)
     paged = paginate(gen, k, v, lens, P + T, 64)
-    for kw in (dict(num_splits=2), dict(num_splits=3, sliding_window=70,
-                                        q_positions=lengths[:, None] + P + torch.arange(T)[None, :])):
+    for kw in (
+        dict(num_splits=2),
+        dict(num_splits=3, sliding_window=70, q_positions=lengths[:, None] + P + torch.arange(T)[None, :]),
+    ):
         dense = run_and_check(q, k, v, lengths, pending=P, **kw)
         assert_same(run_and_check(q, k, v, lengths, paged=paged, pending=P, **kw), dense)
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype,table_dtype,page_size", [
-    (torch.float32, torch.int64, 32), (torch.float32, torch.int32, 48), (torch.float16, torch.int64, 64),
-    (torch.bfloat16, torch.int32, 96)])
+@pytest.mark.parametrize(
+    "dtype,table_dtype,page_size",
+    [
+        (torch.float32, torch.int64, 32),
+        (torch.float32, torch.int32, 48),
+        (torch.float16, torch.int64, 64),
+        (torch.bfloat16, torch.int32, 96),
+    ],
+)
 def test_paged_other_dtypes_tables_and_default_splits(dtype, table_dtype, page_size):
     """fp32 (32-key tiles: 32 takes one lookup per tile, 48 one per key), fp16, int32 and int64 tables,
     a page size (96) that is no multiple of the 64-key tile; the default split count and a few."""
@@ -453,10 +476,15 @@ def test_paged_sliding_window_and_finished_rows(page_size, window):
     B, Hq, Hkv, T, P, D = 3, 8, 2, 6, 2, 64
     lens = [40, 130, 77] if SMALL else [400, 1300, 770]
     q, k, v, lengths = make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, T=T, D=D, lengths=lens, P=P)
-    k[1, :, :lens[1]] = float("nan")
-    v[1, :, :lens[1]] = float("nan")
-    kw = dict(pending=P, sliding_window=window, q_positions=lengths[:, None] + P + torch.arange(T)[None, :],
-              live=torch.tensor([1, 0, 1]), num_splits=2)
+    k[1, :, : lens[1]] = float("nan")
+    v[1, :, : lens[1]] = float("nan")
+    kw = dict(
+        pending=P,
+        sliding_window=window,
+        q_positions=lengths[:, None] + P + torch.arange(T)[None, :],
+        live=torch.tensor([1, 0, 1]),
+        num_splits=2,
+    )
     dense = run_and_check(q, k, v, lengths, **kw)
     out = run_and_check(q, k, v, lengths, paged=paginate(gen, k, v, lens, P + T, page_size), **kw)
     assert_same(out, dense)
@@ -514,8 +542,7 @@ def test_float64_reference_matches_project_reference():
     gen = torch.Generator().manual_seed(11)
     B, Hq, Hkv, T, P, D = 3, 6, 2, 5, 2, 16
     lens = [0, 37, 20]
-    q, k, v, lengths = make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, T=T, D=D, lengths=lens, P=P,
-                                   dtype=torch.float64)
+    q, k, v, lengths = make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, T=T, D=D, lengths=lens, P=P, dtype=torch.float64)
     k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)  # the project reference reads every slot
     anc, depth = random_tree_mask(gen, T)
     new_mask = torch.cat([torch.ones(T, P, dtype=torch.bool), anc], dim=1)
@@ -523,14 +550,32 @@ def test_float64_reference_matches_project_reference():
     ctx_idx = torch.where(ctx_valid, ctx_idx, 0)  # the project reference gathers every entry
     q_positions = lengths[:, None] + P + depth[None, :]
     for view, live in itertools.product((None, lambda layer: (ctx_idx, ctx_valid)), (None, torch.tensor([1, 0, 1]))):
-        meta = reference.AttentionMetadata(lengths=lengths, num_new=T, kv_len=max(lens) + P + T, pending=P,
-                                           new_mask=new_mask, q_positions=q_positions, sliding_window=30,
-                                           view=view, live=live)
+        meta = reference.AttentionMetadata(
+            lengths=lengths,
+            num_new=T,
+            kv_len=max(lens) + P + T,
+            pending=P,
+            new_mask=new_mask,
+            q_positions=q_positions,
+            sliding_window=30,
+            view=view,
+            live=live,
+        )
         kk, vv, mask = reference.read_kv(_DenseLayer(k, v), 0, meta)
         expected = reference.attention(q, kk, vv, mask).transpose(1, 2)
         view_kw = dict(ctx_idx=ctx_idx, ctx_valid=ctx_valid) if view else {}
-        got = reference_attention(q, k, v, lengths, pending=P, new_mask=new_mask, q_positions=q_positions,
-                                  sliding_window=30, live=live, **view_kw)
+        got = reference_attention(
+            q,
+            k,
+            v,
+            lengths,
+            pending=P,
+            new_mask=new_mask,
+            q_positions=q_positions,
+            sliding_window=30,
+            live=live,
+            **view_kw,
+        )
         torch.testing.assert_close(got, expected)  # every query sees itself: no empty rows
 
 
@@ -583,8 +628,7 @@ def test_plan_picks_the_paged_variant():
             k = v = torch.zeros(7, 2, page_size, 64, dtype=dtype)
             table = torch.zeros(2, width, dtype=torch.int32)
         ci = torch.zeros(2, 1, 3, dtype=torch.int64) if view else None
-        p = td._Plan(q, k, v, lengths, 0, None, ci, None if ci is None else ci.bool(), None, None, None, None,
-                     table)
+        p = td._Plan(q, k, v, lengths, 0, None, ci, None if ci is None else ci.bool(), None, None, None, None, table)
         assert p.consts["PREFETCH"] == p.consts["PAGE_TILES"]  # (the default lookup: a tile ahead)
         return p.consts["PAGED"], p.consts["PAGE_TILES"]
 
@@ -595,8 +639,9 @@ def test_plan_picks_the_paged_variant():
     assert plan(128, view=True) == (True, False)
     q = torch.zeros(64, 12, 1, 128, dtype=torch.bfloat16)
     pages = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16).expand(64 * 128, 2, 256, 128)  # 32K per row
-    splits = td.num_splits_for(q, pages, pages, torch.zeros(64, dtype=torch.int64),
-                               block_table=torch.zeros(64, 128, dtype=torch.int32))
+    splits = td.num_splits_for(
+        q, pages, pages, torch.zeros(64, dtype=torch.int64), block_table=torch.zeros(64, 128, dtype=torch.int32)
+    )
     assert splits == td.default_num_splits(128 * 256, 64 * 2, td._num_sms(q.device), 16)
 
 

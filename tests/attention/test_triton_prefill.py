@@ -47,7 +47,8 @@ ULPS = {torch.bfloat16: 4, torch.float16: 4, torch.float32: 256}
 TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5}
 
 needs_kernel = pytest.mark.skipif(
-    DEVICE is None, reason="no CUDA device (the interpreter runs these in test_interpreter_suite)")
+    DEVICE is None, reason="no CUDA device (the interpreter runs these in test_interpreter_suite)"
+)
 cuda_only = pytest.mark.skipif(DEVICE != "cuda", reason="long contexts: CUDA only (too slow in the interpreter)")
 
 if INTERPRET and (why := interpreter_broken()):
@@ -61,8 +62,16 @@ SMALL_TILES = dict(BLOCK_M=32, BLOCK_N=16)  # many tiles (and diagonal tiles) at
 
 
 def layer_config(Hq: int, Hkv: int, D: int) -> ModelConfig:
-    return ModelConfig(arch="qwen2", vocab_size=16, hidden_size=Hq * D, intermediate_size=16, num_layers=1,
-                       num_heads=Hq, num_kv_heads=Hkv, head_dim=D)
+    return ModelConfig(
+        arch="qwen2",
+        vocab_size=16,
+        hidden_size=Hq * D,
+        intermediate_size=16,
+        num_layers=1,
+        num_heads=Hq,
+        num_kv_heads=Hkv,
+        head_dim=D,
+    )
 
 
 class Case:
@@ -77,8 +86,22 @@ class Case:
     same values with NaN → 0 (the reference gathers every slot below max L + T, masked).
     """
 
-    def __init__(self, gen, *, B, Hq, Hkv, D, T, lengths, page_size, dtype=torch.bfloat16, counts=None,
-                 table_dtype=torch.int32, spare=2):
+    def __init__(
+        self,
+        gen,
+        *,
+        B,
+        Hq,
+        Hkv,
+        D,
+        T,
+        lengths,
+        page_size,
+        dtype=torch.bfloat16,
+        counts=None,
+        table_dtype=torch.int32,
+        spare=2,
+    ):
         self.B, self.Hq, self.Hkv, self.D, self.T, self.dtype = B, Hq, Hkv, D, T, dtype
         self.counts = counts or [T] * B
         self.lengths = torch.tensor(lengths, dtype=torch.int64)
@@ -125,8 +148,13 @@ class Case:
 
     def reference(self, live=None, sliding_window=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(out, P|V|) [B, T, Hq, D] float64 through reference.read_kv + reference.attention."""
-        meta = reference.AttentionMetadata(lengths=self.cache.lengths, num_new=self.T, live=live,
-                                           q_positions=self.positions, sliding_window=sliding_window)
+        meta = reference.AttentionMetadata(
+            lengths=self.cache.lengths,
+            num_new=self.T,
+            live=live,
+            q_positions=self.positions,
+            sliding_window=sliding_window,
+        )
         k, v, mask = reference.read_kv(self.cache, 0, meta)
         q = self.q.double()
         out = reference.attention(q, k, v, mask).transpose(1, 2)
@@ -149,9 +177,18 @@ class Case:
             kc, vc, table = k, v, None
         else:
             kc, vc, table = self.kp, self.vp, self.table
-        got = tp.prefill_attention(dev(self.q), dev(kc), dev(vc), dev(self.lengths), dev(table),
-                                   q_positions=dev(self.positions) if sliding_window else None,
-                                   sliding_window=sliding_window, live=dev(live), config=config, out=out)
+        got = tp.prefill_attention(
+            dev(self.q),
+            dev(kc),
+            dev(vc),
+            dev(self.lengths),
+            dev(table),
+            q_positions=dev(self.positions) if sliding_window else None,
+            sliding_window=sliding_window,
+            live=dev(live),
+            config=config,
+            out=out,
+        )
         assert got.data_ptr() == out.data_ptr()
         return out.cpu()
 
@@ -165,8 +202,10 @@ class Case:
         err = (got.double() - out).abs()
         bound = ULPS[self.dtype] * UNIT[self.dtype] * (out.abs() + absv)
         bad = (err > bound) & real
-        assert not bad.any(), (f"{int(bad.sum())} elements past {ULPS[self.dtype]} u (|ref| + P|V|); worst "
-                               f"{float((err / bound)[real.expand_as(err)].max()):.1f}×")
+        assert not bad.any(), (
+            f"{int(bad.sum())} elements past {ULPS[self.dtype]} u (|ref| + P|V|); worst "
+            f"{float((err / bound)[real.expand_as(err)].max()):.1f}×"
+        )
         rel = float((err * real).norm() / (out * real).norm())
         assert rel <= TOL[self.dtype], f"relative error {rel:.2e} > {TOL[self.dtype]:.0e}"
         return rel
@@ -214,8 +253,18 @@ def test_ragged_rows_as_prefill_rows_pads_them(dtype, page_size):
     outputs are discarded, but must be finite) and their K/V sit past the row's chunk — in its own last
     page or on the trash page that every row's padding shares. Real tokens get the reference's result."""
     gen = torch.Generator().manual_seed(page_size + (dtype == torch.float32))
-    run_case(gen, B=4, Hq=12, Hkv=2, D=64, T=70, lengths=[0, 130, 77, 64], counts=[70, 53, 5, 1],
-             page_size=page_size, dtype=dtype)
+    run_case(
+        gen,
+        B=4,
+        Hq=12,
+        Hkv=2,
+        D=64,
+        T=70,
+        lengths=[0, 130, 77, 64],
+        counts=[70, 53, 5, 1],
+        page_size=page_size,
+        dtype=dtype,
+    )
 
 
 @needs_kernel
@@ -224,8 +273,19 @@ def test_sliding_window(window, dtype):
     """Mistral's window: query t sees slots s with q_position − s < window (leading tiles skipped, the
     window's edge masked); windows inside one key tile, a few tiles, longer than some rows."""
     gen = torch.Generator().manual_seed(window)
-    run_case(gen, B=3, Hq=8, Hkv=2, D=64, T=60, lengths=[0, 150, 77], page_size=64, dtype=dtype,
-             sliding_window=window, config=SMALL_TILES)
+    run_case(
+        gen,
+        B=3,
+        Hq=8,
+        Hkv=2,
+        D=64,
+        T=60,
+        lengths=[0, 150, 77],
+        page_size=64,
+        dtype=dtype,
+        sliding_window=window,
+        config=SMALL_TILES,
+    )
 
 
 @needs_kernel
@@ -233,8 +293,19 @@ def test_sliding_window(window, dtype):
 def test_finished_rows_read_none_of_their_context(window):
     """live[b] = 0: row b sees only its new tokens; its context holds NaN here, so a read shows."""
     gen = torch.Generator().manual_seed(5)
-    run_case(gen, B=3, Hq=12, Hkv=2, D=64, T=40, lengths=[100, 130, 0], page_size=64, live=torch.tensor([1, 0, 0]),
-             sliding_window=window, config=SMALL_TILES)
+    run_case(
+        gen,
+        B=3,
+        Hq=12,
+        Hkv=2,
+        D=64,
+        T=40,
+        lengths=[100, 130, 0],
+        page_size=64,
+        live=torch.tensor([1, 0, 0]),
+        sliding_window=window,
+        config=SMALL_TILES,
+    )
 
 
 @needs_kernel
@@ -254,8 +325,13 @@ def test_tile_configs_agree(dtype):
     gen = torch.Generator().manual_seed(11)
     case = Case(gen, B=2, Hq=12, Hkv=2, D=64, T=30, lengths=[0, 90], page_size=64, dtype=dtype)
     ref = case.reference()
-    configs = [None, dict(BLOCK_M=16, BLOCK_N=32), dict(BLOCK_M=64, BLOCK_N=16), dict(BLOCK_M=128, BLOCK_N=64),
-               dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)]
+    configs = [
+        None,
+        dict(BLOCK_M=16, BLOCK_N=32),
+        dict(BLOCK_M=64, BLOCK_N=16),
+        dict(BLOCK_M=128, BLOCK_N=64),
+        dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+    ]
     for config in configs:
         case.check(case.kernel(config=config), ref)
 
@@ -263,19 +339,18 @@ def test_tile_configs_agree(dtype):
 @needs_kernel
 def test_int64_table_and_fp16():
     gen = torch.Generator().manual_seed(3)
-    run_case(gen, B=2, Hq=8, Hkv=2, D=128, T=33, lengths=[70, 0], page_size=64, dtype=torch.float16,
-             table_dtype=torch.int64)
+    run_case(
+        gen, B=2, Hq=8, Hkv=2, D=128, T=33, lengths=[70, 0], page_size=64, dtype=torch.float16, table_dtype=torch.int64
+    )
 
 
 @cuda_only
-@pytest.mark.parametrize("lengths,T,window", [([3000, 0, 1500], 1100, None), ([5000], 700, 4096),
-                                              ([0], 2100, None)])
+@pytest.mark.parametrize("lengths,T,window", [([3000, 0, 1500], 1100, None), ([5000], 700, 4096), ([0], 2100, None)])
 def test_long_prefill_on_cuda(lengths, T, window):
     """The 1.5B's shapes (G = 6, D = 128, bf16, 128-slot pages) at thousands of keys: many unmasked
     tiles between the diagonal and the window edge."""
     gen = torch.Generator().manual_seed(T)
-    run_case(gen, B=len(lengths), Hq=12, Hkv=2, D=128, T=T, lengths=lengths, page_size=128,
-             sliding_window=window)
+    run_case(gen, B=len(lengths), Hq=12, Hkv=2, D=128, T=T, lengths=lengths, page_size=128, sliding_window=window)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -285,8 +360,17 @@ def test_long_prefill_on_cuda(lengths, T, window):
 def tiny_model(seed: int = 0, **overrides):
     from redwood.models.transformer import Transformer
 
-    cfg = dict(arch="qwen2", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=2,
-               num_kv_heads=1, max_position_embeddings=2048, qkv_bias=True)
+    cfg = dict(
+        arch="qwen2",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        max_position_embeddings=2048,
+        qkv_bias=True,
+    )
     cfg.update(overrides)
     torch.manual_seed(seed)
     return Transformer(ModelConfig(**cfg)).eval()
@@ -330,8 +414,16 @@ def test_prefill_rows_through_the_kernel_equal_the_reference(monkeypatch):
         with torch.inference_mode():
             for starts, stops in chunks:
                 rows = [i for i in range(3) if stops[i] > starts[i]]
-                logits.append(prefill_rows(model, cache, rows, [prompts[i] for i in rows],
-                                           [starts[i] for i in rows], [stops[i] for i in rows]))
+                logits.append(
+                    prefill_rows(
+                        model,
+                        cache,
+                        rows,
+                        [prompts[i] for i in rows],
+                        [starts[i] for i in rows],
+                        [stops[i] for i in rows],
+                    )
+                )
         monkeypatch.setattr(model, "forward", forward)
         results[backend] = logits, cache, seen
         assert model.prefill_kernel() == (backend == "auto")
@@ -348,7 +440,7 @@ def test_prefill_rows_through_the_kernel_equal_the_reference(monkeypatch):
 
 
 def test_backend_choice(monkeypatch):
-    """"triton_prefill" only for > FAST_ATTENTION_MAX_NEW new tokens, with the switch on, where the kernel
+    """ "triton_prefill" only for > FAST_ATTENTION_MAX_NEW new tokens, with the switch on, where the kernel
     is available, for plain forwards (no view, observer, pending tokens or new-token mask); with the
     switch off (ExecutionConfig(prefill_kernel=False)), on the CPU, or a model pinned to the reference:
     unchanged; on by default."""

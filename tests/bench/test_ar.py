@@ -15,11 +15,15 @@ def test_weight_bytes_of_int8_copies_counts_them_not_the_model_dtype_projections
     for longer forwards. (quantize_skinny needs CUDA; its layout is built here the way it builds it.)"""
     model = load_model(tiny_model_dir).model
     full = weight_bytes(model)
-    layers = [{"qkv": gemv.quantize_int8(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
-               "o": gemv.quantize_int8(a.o_proj.weight),
-               "gate_up": gemv.quantize_int8(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
-               "down": gemv.quantize_int8(m.down_proj.weight)}
-              for a, m in ((layer.self_attn, layer.mlp) for layer in model.layers)]
+    layers = [
+        {
+            "qkv": gemv.quantize_int8(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+            "o": gemv.quantize_int8(a.o_proj.weight),
+            "gate_up": gemv.quantize_int8(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
+            "down": gemv.quantize_int8(m.down_proj.weight),
+        }
+        for a, m in ((layer.self_attn, layer.mlp) for layer in model.layers)
+    ]
     monkeypatch.setattr(model, "skinny_int8", {"layers": layers, "lm_head": gemv.quantize_int8(model.head_weight)})
     cfg = model.config
     H, F, V, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers

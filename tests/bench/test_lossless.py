@@ -39,11 +39,11 @@ def prepared(tmp_path_factory):
 
 
 def test_projections_and_batches():
-    joint = torch.rand(L.VOCAB ** 3, dtype=torch.float64)
+    joint = torch.rand(L.VOCAB**3, dtype=torch.float64)
     cube = joint.view(L.VOCAB, L.VOCAB, L.VOCAB)
     assert torch.allclose(L.marginals(joint, 3)[1], cube.sum(dim=(0, 2)))
     assert torch.allclose(L.adjacent_pairs(joint, 3)[1], cube.sum(dim=0).reshape(-1))
-    assert torch.equal(L.adjacent_pairs(joint[: L.VOCAB ** 2], 2)[0], joint[: L.VOCAB ** 2])  # nothing summed
+    assert torch.equal(L.adjacent_pairs(joint[: L.VOCAB**2], 2)[0], joint[: L.VOCAB**2])  # nothing summed
     assert L.encode(torch.tensor([[1, 2, 3]])).item() == (1 * L.VOCAB + 2) * L.VOCAB + 3
     assert L.batch_sizes(1_000_000, 4096) == [4000] * 250  # a divisor: one batch shape
     assert L.batch_sizes(10_007, 4096) == [3336, 3336, 3335]  # a prime: near-equal
@@ -52,7 +52,7 @@ def test_projections_and_batches():
 def test_exact_joint_is_a_distribution_matching_its_marginals(prepared):
     s = L.Sampling(0.6, 0.8, 5)
     joint = L.exact_joint(prepared.levels, s)
-    assert joint.shape == (L.VOCAB ** GENERATED,)
+    assert joint.shape == (L.VOCAB**GENERATED,)
     assert float(joint.sum()) == pytest.approx(1.0, abs=1e-9)
     first = L.marginals(joint, GENERATED)[0]
     assert torch.allclose(first, L.level_probs(prepared.levels[0], s)[0].double(), atol=1e-7)

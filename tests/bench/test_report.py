@@ -24,17 +24,29 @@ def _sweep_report(kind="standalone", speed=1.0):
     runs = []
     for prefix_len in (1024, 4096):
         for batch in (1, 4, 16):
-            runs.append({
-                "method": kind, "batch_size": batch, "prefix_len": prefix_len, "gamma": 3,
-                "tokens_per_s": 100.0 * batch * speed, "speedup": speed * (1 + batch / 16 + prefix_len / 8192),
-                "acceptance_rate": 0.7, "mean_accepted_length": 2.4,
-                "acceptance_by_position": [0.9, 0.75, 0.6], "tokens_per_step": 3.4,
-                "peak_memory_bytes": 3 * 2**30,
-                "per_prompt": [{"id": "p0", "tokens": 64, "seconds": 0.5}],
-            })
-    return {"kind": kind, "models": {"target": "qwen2.5-1.5b", "draft": "qwen2.5-0.5b", "dtype": "bfloat16"},
-            "config": {"dataset": "essays", "max_new_tokens": 64, "seed": 0},
-            "runs": runs, "aggregate": {"speedup": 1.5 * speed, "tokens_per_s": 420.0}}
+            runs.append(
+                {
+                    "method": kind,
+                    "batch_size": batch,
+                    "prefix_len": prefix_len,
+                    "gamma": 3,
+                    "tokens_per_s": 100.0 * batch * speed,
+                    "speedup": speed * (1 + batch / 16 + prefix_len / 8192),
+                    "acceptance_rate": 0.7,
+                    "mean_accepted_length": 2.4,
+                    "acceptance_by_position": [0.9, 0.75, 0.6],
+                    "tokens_per_step": 3.4,
+                    "peak_memory_bytes": 3 * 2**30,
+                    "per_prompt": [{"id": "p0", "tokens": 64, "seconds": 0.5}],
+                }
+            )
+    return {
+        "kind": kind,
+        "models": {"target": "qwen2.5-1.5b", "draft": "qwen2.5-0.5b", "dtype": "bfloat16"},
+        "config": {"dataset": "essays", "max_new_tokens": 64, "seed": 0},
+        "runs": runs,
+        "aggregate": {"speedup": 1.5 * speed, "tokens_per_s": 420.0},
+    }
 
 
 def test_environment_info(monkeypatch):
@@ -66,15 +78,18 @@ def test_round_trip_and_plots(tmp_path):
     assert data["runs"][1] == report["runs"][1]
     assert data["aggregate"]["nan"] is None
     assert data["models"] == report["models"] and data["config"] == report["config"]
-    assert sorted(data["plots"]) == ["acceptance_by_position.png", "speedup_vs_batch_size.png",
-                                     "speedup_vs_context_length.png"]
+    assert sorted(data["plots"]) == [
+        "acceptance_by_position.png",
+        "speedup_vs_batch_size.png",
+        "speedup_vs_context_length.png",
+    ]
     for name in data["plots"]:
         blob = (tmp_path / "out" / name).read_bytes()
         assert blob.startswith(PNG_MAGIC) and len(blob) > 5000
 
 
 def test_tree_size_plot_and_minimal_report(tmp_path):
-    runs = [{"method": "sequoia", "tree_size": t, "tokens_per_step": 1 + t ** 0.5 / 2} for t in (8, 16, 32, 64)]
+    runs = [{"method": "sequoia", "tree_size": t, "tokens_per_step": 1 + t**0.5 / 2} for t in (8, 16, 32, 64)]
     write_report(tmp_path / "seq", {"kind": "sequoia", "runs": runs, "environment": {"hostname": "h"}})
     data = read_report(tmp_path / "seq")
     assert data["plots"] == ["tokens_per_step_vs_tree_size.png"]
@@ -94,8 +109,10 @@ def test_markdown_compares_reports(tmp_path):
     assert "## Overview" in md and "| a | standalone | qwen2.5-1.5b | qwen2.5-0.5b |" in md
     assert "| setting | a | b |" in md and "| max_new_tokens | 64 | 64 |" in md
     header = next(line for line in md.splitlines() if line.startswith("| report | method"))
-    assert header == ("| report | method | batch_size | prefix_len | gamma | tokens_per_s | speedup | "
-                      "acceptance_rate | mean_accepted_length | tokens_per_step | peak_memory_bytes |")
+    assert header == (
+        "| report | method | batch_size | prefix_len | gamma | tokens_per_s | speedup | "
+        "acceptance_rate | mean_accepted_length | tokens_per_step | peak_memory_bytes |"
+    )
     assert "| b | selfspec | 16 | 4096 | 3 | 3,200 | 5.00x | 0.700 | 2.4 | 3.4 | 3.00 GiB |" in md
     assert "| metric | a | b |" in md and "| speedup | 1.50x | 3.00x |" in md
     assert "## Acceptance by position" in md and "| p1 | p2 | p3 |" in md

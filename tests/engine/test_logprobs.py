@@ -37,8 +37,10 @@ def models(tmp_path_factory, tokenizer):
     target folder."""
     root = tmp_path_factory.mktemp("logprob-models")
     save_target_and_draft(root, tokenizer, noise=0.01)
-    loaded = {name: load_model(root / folder) for name, folder in
-              (("target", "target"), ("draft", "draft"), ("twin", "target"))}
+    loaded = {
+        name: load_model(root / folder)
+        for name, folder in (("target", "target"), ("draft", "draft"), ("twin", "target"))
+    }
     return {name: m.model for name, m in loaded.items()}, loaded["target"].tokenizer, root / "target"
 
 
@@ -54,14 +56,16 @@ def _run(models, prompts, params, drafter=None, tree=None, max_num_seqs=None):
     """Run the prompts through one Engine; → per request: {token_ids, sources, logprobs, text, spans,
     deltas, state} gathered from its deltas."""
     m, tok, _ = models
-    engine = Engine.build(m["target"], tok, drafter=drafter, tree=tree, max_num_seqs=max_num_seqs or len(prompts),
-                          block_size=16)
+    engine = Engine.build(
+        m["target"], tok, drafter=drafter, tree=tree, max_num_seqs=max_num_seqs or len(prompts), block_size=16
+    )
     plist = params if isinstance(params, list) else [params] * len(prompts)
     out = {}
     for i, (p, sp) in enumerate(zip(prompts, plist)):
         rid = engine.add_request(p, sp, request_id=f"r{i}")
-        out[rid] = dict(token_ids=[], sources=[], logprobs=None, text="", spans=[], deltas=[],
-                        state=engine._requests[rid].state)
+        out[rid] = dict(
+            token_ids=[], sources=[], logprobs=None, text="", spans=[], deltas=[], state=engine._requests[rid].state
+        )
     while engine.has_unfinished():
         for d in engine.step():
             r = out[d.request_id]
@@ -85,7 +89,7 @@ def _reference_logprobs(model, prompt: list[int], output: list[int]) -> torch.Te
     cache = model.new_cache(1, ids.shape[1])
     cache.live.fill_(1)
     logits = model(ids, torch.arange(ids.shape[1])[None], cache)[0].float()
-    return torch.log_softmax(logits, -1)[len(prompt) - 1:len(prompt) - 1 + len(output)]
+    return torch.log_softmax(logits, -1)[len(prompt) - 1 : len(prompt) - 1 + len(output)]
 
 
 def _assert_logprobs_match(logprobs, output, ref, k):
@@ -126,11 +130,12 @@ def test_ar_logprobs_are_the_raw_target_distribution_per_row(models):
     """Greedy, sampled with top-k / top-p (logprobs stay raw: temperature 1, no filter), k = 0 / 5 / 20,
     and a request without logprobs, in one batch: each asking row gets log_softmax of a plain forward."""
     m, _, _ = models
-    params = [SamplingParams(max_new_tokens=NEW, ignore_eos=True, logprobs=5),
-              SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=0.7, top_k=8, top_p=0.9, seed=3,
-                             logprobs=20),
-              SamplingParams(max_new_tokens=NEW, ignore_eos=True, logprobs=0),
-              SamplingParams(max_new_tokens=NEW, ignore_eos=True)]
+    params = [
+        SamplingParams(max_new_tokens=NEW, ignore_eos=True, logprobs=5),
+        SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=0.7, top_k=8, top_p=0.9, seed=3, logprobs=20),
+        SamplingParams(max_new_tokens=NEW, ignore_eos=True, logprobs=0),
+        SamplingParams(max_new_tokens=NEW, ignore_eos=True),
+    ]
     prompts = PROMPTS + [PROMPTS[0]]
     runs = _run(models, prompts, params)
     for prompt, sp, r in zip(prompts, params, runs):
@@ -138,8 +143,9 @@ def test_ar_logprobs_are_the_raw_target_distribution_per_row(models):
         if sp.logprobs is None:
             assert r["logprobs"] is None and all(d.logprobs is None for d in r["deltas"])
             continue
-        _assert_logprobs_match(r["logprobs"], r["token_ids"], _reference_logprobs(m["target"], prompt, r["token_ids"]),
-                               sp.logprobs)
+        _assert_logprobs_match(
+            r["logprobs"], r["token_ids"], _reference_logprobs(m["target"], prompt, r["token_ids"]), sp.logprobs
+        )
     assert runs[3]["token_ids"] == runs[0]["token_ids"]  # (the same prompt, greedy, with and without)
 
 
@@ -232,14 +238,21 @@ def test_spans_through_the_engine_join_to_the_text_and_keep_each_tokens_source(m
     m, tok, _ = models
     stopped = 0
     for seed in range(5):
-        params = [SamplingParams(max_new_tokens=40, temperature=1.0, seed=seed * 10 + i,
-                                 stop=[" the", "e"] if i == 0 else []) for i in range(3)]
+        params = [
+            SamplingParams(max_new_tokens=40, temperature=1.0, seed=seed * 10 + i, stop=[" the", "e"] if i == 0 else [])
+            for i in range(3)
+        ]
         runs = _run(models, PROMPTS, params, _drafter("draft", models), Tree.chain(3))
         for sp, r in zip(params, runs):
             state = r["state"]
             assert r["text"] == state.text == "".join(t for t, _ in r["spans"])
-            fresh = RequestState(prompt_ids=state.prompt_ids, params=sp, tokenizer=tok, eos_ids=state.eos_ids,
-                                 max_new_tokens=state.max_new_tokens)
+            fresh = RequestState(
+                prompt_ids=state.prompt_ids,
+                params=sp,
+                tokenizer=tok,
+                eos_ids=state.eos_ids,
+                max_new_tokens=state.max_new_tokens,
+            )
             for t, src in zip(r["token_ids"], r["sources"]):
                 fresh.append(t, src)
             text, spans = fresh.pop_delta_spans()
@@ -285,13 +298,18 @@ def test_graphed_steps_give_the_eager_logprobs_and_capture_apart(spec, tiny_mode
     logprobs and one without are different graphs (the flag is in the step's key)."""
     from redwood.speculation.config import SpeculativeConfig
 
-    kwargs = {None: None, "chain": dict(draft_model=str(tiny_draft_dir), num_draft_tokens=3),
-              "tree": dict(self_speculate=True, draft_kv="streaming", sinks=2, window=12, tree="generic-16")}[spec]
+    kwargs = {
+        None: None,
+        "chain": dict(draft_model=str(tiny_draft_dir), num_draft_tokens=3),
+        "tree": dict(self_speculate=True, draft_kv="streaming", sinks=2, window=12, tree="generic-16"),
+    }[spec]
     config = None if kwargs is None else SpeculativeConfig(**kwargs)
     graphed = LLM(str(tiny_model_dir), device="cuda", speculative=config)
     eager = LLM(str(tiny_model_dir), device="cuda", speculative=config, cuda_graphs=False)
-    params = [SamplingParams(max_new_tokens=16, ignore_eos=True, logprobs=20),
-              SamplingParams(max_new_tokens=16, ignore_eos=True)]
+    params = [
+        SamplingParams(max_new_tokens=16, ignore_eos=True, logprobs=20),
+        SamplingParams(max_new_tokens=16, ignore_eos=True),
+    ]
     got, want = graphed.generate(PROMPTS[:2], params), eager.generate(PROMPTS[:2], params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     _assert_same_logprobs(got[0].logprobs, want[0].logprobs)

@@ -71,8 +71,9 @@ class PrefillForwards:
 
 def generate(model, prompts, params, drafter=None, tree=None, **kw) -> list[list[int]]:
     """Output token ids of the prompts through an Engine (autoregressive when no drafter)."""
-    _, states, _ = run_engine(model, None, prompts, params, drafter=drafter,
-                              tree=None if drafter is None else (tree or Tree.chain(3)), **kw)
+    _, states, _ = run_engine(
+        model, None, prompts, params, drafter=drafter, tree=None if drafter is None else (tree or Tree.chain(3)), **kw
+    )
     return [r.output_ids for r in states]
 
 
@@ -155,8 +156,9 @@ def test_chunked_observation_selects_as_one_forward(models, monkeypatch, window,
             for h in range(model.config.num_kv_heads):
                 got = chunked.selected[layer][b, h][chunked.selected_valid[layer][b, h]].tolist()
                 want = one.selected[layer][b, h][one.selected_valid[layer][b, h]].tolist()
-                assert_same_selection(set(got), set(want), want_scores[b, h].tolist(),
-                                      f"layer {layer} row {b} head {h}")
+                assert_same_selection(
+                    set(got), set(want), want_scores[b, h].tolist(), f"layer {layer} row {b} head {h}"
+                )
 
 
 @torch.inference_mode()
@@ -191,8 +193,9 @@ def test_snapkv_self_speculation_with_chunked_prefill_equals_autoregressive(mode
     for setup, step_tokens in ((small_chunks, 16), (small_chunks, 2048), (whole_prompts, 2048)):
         setup(monkeypatch)  # forwards of 16 tokens or whole prompts; steps of 16 prompt tokens or all
         drafter = SelfDrafter(model, SnapKVPolicy(16, window=8))
-        _, states, _ = run_engine(model, None, PROMPTS, GREEDY, drafter=drafter, tree=shape,
-                                  max_num_batched_tokens=step_tokens)
+        _, states, _ = run_engine(
+            model, None, PROMPTS, GREEDY, drafter=drafter, tree=shape, max_num_batched_tokens=step_tokens
+        )
         runs.append(states)
     for b in range(len(PROMPTS)):
         for states in runs:
@@ -221,14 +224,27 @@ def test_prefix_cache_shares_blocks_and_changes_nothing(models, monkeypatch, mod
         if mode == "ar":
             return None
         policy = StreamingPolicy(4, 12) if mode == "self-streaming" else SnapKVPolicy(16, window=8)
-        return SelfDrafter(target, policy) if mode.startswith("self") else ModelDrafter(draft, policy, target.config.vocab_size)
+        return (
+            SelfDrafter(target, policy)
+            if mode.startswith("self")
+            else ModelDrafter(draft, policy, target.config.vocab_size)
+        )
 
     plain = generate(target, prompts, GREEDY, drafter())
     forwards = PrefillForwards(monkeypatch, target)
     # request 1 arrives after request 0 has finished (its blocks are cached, refcount 0)
-    engine, states, _ = run_engine(target, None, prompts, GREEDY, drafter=drafter(),
-                                   tree=None if mode == "ar" else Tree.chain(3), arrivals=[0, 30, 31],
-                                   enable_prefix_caching=True, block_size=16, max_num_seqs=2)
+    engine, states, _ = run_engine(
+        target,
+        None,
+        prompts,
+        GREEDY,
+        drafter=drafter(),
+        tree=None if mode == "ar" else Tree.chain(3),
+        arrivals=[0, 30, 31],
+        enable_prefix_caching=True,
+        block_size=16,
+        max_num_seqs=2,
+    )
     assert [r.output_ids for r in states] == plain
     starts = [s for s, _, _ in forwards.calls]
     limit = 48 if "snapkv" not in mode else (50 - 8) // 16 * 16  # SnapKV computes the last 8 prompt tokens
@@ -241,8 +257,9 @@ def test_blocks_are_all_free_after_finish_and_abort(models):
     decoding), and the untouched requests' outputs are unchanged."""
     target, _ = models
     plain = generate(target, PROMPTS, GREEDY)
-    engine, states, _ = run_engine(target, None, PROMPTS, GREEDY, aborts={1: 3, 3: 0}, block_size=16,
-                                   max_num_batched_tokens=16)
+    engine, states, _ = run_engine(
+        target, None, PROMPTS, GREEDY, aborts={1: 3, 3: 0}, block_size=16, max_num_batched_tokens=16
+    )
     for b in (0, 2, 4):
         assert states[b].output_ids == plain[b]
     assert states[3].finish_reason == "abort" and states[1].finish_reason == "abort"
@@ -261,8 +278,9 @@ def test_a_last_chunk_near_the_context_end_beside_a_longer_chunk(models, tokeniz
     params = SamplingParams(max_new_tokens=2, ignore_eos=True)
 
     def engine():
-        return Engine.build(target, tokenizer, max_num_seqs=2, max_model_len=64, block_size=8,
-                            max_num_batched_tokens=56)
+        return Engine.build(
+            target, tokenizer, max_num_seqs=2, max_model_len=64, block_size=8, max_num_batched_tokens=56
+        )
 
     def solo(prompt):
         e = engine()

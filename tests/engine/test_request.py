@@ -20,8 +20,13 @@ class CountingTokenizer:
 
 
 def _request(tok, **params):
-    return RequestState(prompt_ids=[1], params=SamplingParams(max_new_tokens=20, **params), tokenizer=tok,
-                        eos_ids=frozenset({9}), max_new_tokens=20)
+    return RequestState(
+        prompt_ids=[1],
+        params=SamplingParams(max_new_tokens=20, **params),
+        tokenizer=tok,
+        eos_ids=frozenset({9}),
+        max_new_tokens=20,
+    )
 
 
 def test_text_is_built_only_when_read_and_equals_the_streamed_deltas():
@@ -70,8 +75,13 @@ def _stream(state, tokens, sources):
 def test_spans_give_each_token_its_own_characters_with_its_source():
     r = _request(CountingTokenizer())
     deltas = _stream(r, [1, 2, 3, 4, 5], ["target", "draft", "draft", "target", "draft"])
-    assert [spans for _, spans in deltas] == [[("Hel", "target")], [("lo", "draft")], [(" wor", "draft")],
-                                              [("ld", "target")], [("!", "draft")]]
+    assert [spans for _, spans in deltas] == [
+        [("Hel", "target")],
+        [("lo", "draft")],
+        [(" wor", "draft")],
+        [("ld", "target")],
+        [("!", "draft")],
+    ]
     assert r.output_sources == ["target", "draft", "draft", "target", "draft"]
 
 
@@ -82,8 +92,12 @@ def test_held_back_text_keeps_its_tokens_and_a_stop_string_leaves_no_span():
     r = _request(CountingTokenizer(), stop=[" END"])
     deltas = _stream(r, [1, 2, 4, 6], ["target", "draft", "target", "draft"])
     assert r.finish_reason == "stop" and r.text == "Hellold"
-    assert deltas == [("", []), ("He", [("He", "target")]), ("ll", [("l", "target"), ("l", "draft")]),
-                      ("old", [("o", "draft"), ("ld", "target")])]
+    assert deltas == [
+        ("", []),
+        ("He", [("He", "target")]),
+        ("ll", [("l", "target"), ("l", "draft")]),
+        ("old", [("o", "draft"), ("ld", "target")]),
+    ]
 
 
 def test_eos_gets_no_span():
@@ -142,14 +156,19 @@ def test_spans_match_a_byte_level_oracle_over_random_streams(tokenizer):
         stop = []
         if rng.random() < 0.5:
             a = rng.randrange(len(text))
-            stop = [text[a:a + rng.randint(1, 3)]]
+            stop = [text[a : a + rng.randint(1, 3)]]
         with_eos = rng.random() < 0.3
         sources = [rng.choice(["draft", "target"]) for _ in ids] + ["target"]
-        state = RequestState(prompt_ids=[1], params=SamplingParams(max_new_tokens=100, stop=stop),
-                             tokenizer=tokenizer, eos_ids=frozenset({eos}), max_new_tokens=100)
+        state = RequestState(
+            prompt_ids=[1],
+            params=SamplingParams(max_new_tokens=100, stop=stop),
+            tokenizer=tokenizer,
+            eos_ids=frozenset({eos}),
+            max_new_tokens=100,
+        )
         deltas = _stream(state, ids + ([eos] if with_eos else []), sources)
         final = state.text
-        want_text = text[:text.find(stop[0])] if stop and stop[0] in text else text
+        want_text = text[: text.find(stop[0])] if stop and stop[0] in text else text
         assert final == want_text, (trial, text, stop)
         assert "".join(t for t, _ in deltas) == final
         at = 0
@@ -178,8 +197,13 @@ def test_fast_and_window_detokenizers_agree_with_decode_over_random_ids(tokenize
     streams = [[rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 40))] for _ in range(120)]
 
     def texts(ids):
-        state = RequestState(prompt_ids=[1], params=SamplingParams(max_new_tokens=100), tokenizer=tokenizer,
-                             eos_ids=frozenset(), max_new_tokens=100)
+        state = RequestState(
+            prompt_ids=[1],
+            params=SamplingParams(max_new_tokens=100),
+            tokenizer=tokenizer,
+            eos_ids=frozenset(),
+            max_new_tokens=100,
+        )
         out = []
         for t in ids:
             state.append(t)
@@ -191,7 +215,7 @@ def test_fast_and_window_detokenizers_agree_with_decode_over_random_ids(tokenize
         fast, stream = texts(ids)
         assert stream, "the tiny fast tokenizer should take the DecodeStream path"
         for got, ref in zip(fast, want):
-            assert ref.startswith(got) and (got == ref or ref[len(got):].strip("\ufffd") == ""), (got, ref)
+            assert ref.startswith(got) and (got == ref or ref[len(got) :].strip("\ufffd") == ""), (got, ref)
         assert fast[-1] == want[-1].rstrip("\ufffd") or fast[-1] == want[-1]
         with monkeypatch.context() as m:
             m.setattr(request_module, "_decode_stream", lambda tok: None)

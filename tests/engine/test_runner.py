@@ -71,8 +71,11 @@ SPECS = {
 
 
 @cuda
-@pytest.mark.parametrize("name,pdl", [(name, "0") for name in SPECS]
-                         + [("self-streaming-chain", "1"), ("draft-int8-chain", "1"), ("draft-full-tree", "1")])
+@pytest.mark.parametrize(
+    "name,pdl",
+    [(name, "0") for name in SPECS]
+    + [("self-streaming-chain", "1"), ("draft-int8-chain", "1"), ("draft-full-tree", "1")],
+)
 def test_graphed_speculation_is_exact_and_replays_eager(name, pdl, tiny_model_dir, tiny_draft_dir, monkeypatch):
     """pdl "1": the graphs' Triton kernels use programmatic dependent launch (redwood.kernels.pdl; on
     GPUs of compute capability >= 9) — the same outputs."""

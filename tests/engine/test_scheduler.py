@@ -16,8 +16,9 @@ def token(rid: str, j: int) -> int:
     return (sum(map(ord, rid)) * 7919 + j * 104729) % 1000
 
 
-def make(max_num_seqs=4, budget=8, num_blocks=64, block_size=4, lookahead=1, max_model_len=1000,
-         prefix=False, prefills=1):
+def make(
+    max_num_seqs=4, budget=8, num_blocks=64, block_size=4, lookahead=1, max_model_len=1000, prefix=False, prefills=1
+):
     pool = BlockPool(num_blocks, block_size, enable_prefix_cache=prefix)
     return Scheduler(max_num_seqs, budget, pool, lookahead, max_model_len, max_prefill_requests=prefills)
 
@@ -282,6 +283,7 @@ def test_several_prefills_share_the_step_budget():
 
 # --- randomized simulation --------------------------------------------------------------------------
 
+
 def check_invariants(s: Scheduler, out, kv: dict, admitted_order: list, prefix: bool):
     pool = s.pool
     assert pool.num_free + pool.num_used == pool.num_blocks
@@ -318,11 +320,14 @@ def check_invariants(s: Scheduler, out, kv: dict, admitted_order: list, prefix: 
 
 @pytest.mark.parametrize("prefills", [1, 3])
 @pytest.mark.parametrize("prefix", [False, True])
-@pytest.mark.parametrize("num_blocks,lookahead,max_num_seqs,budget", [
-    (12, 1, 3, 8),  # tiny pool: constant preemption
-    (16, 5, 4, 6),  # speculative lookahead, small chunks, preemption
-    (200, 3, 8, 32),  # roomy: no preemption
-])
+@pytest.mark.parametrize(
+    "num_blocks,lookahead,max_num_seqs,budget",
+    [
+        (12, 1, 3, 8),  # tiny pool: constant preemption
+        (16, 5, 4, 6),  # speculative lookahead, small chunks, preemption
+        (200, 3, 8, 32),  # roomy: no preemption
+    ],
+)
 def test_random_simulation(prefix, num_blocks, lookahead, max_num_seqs, budget, prefills):
     rng = random.Random(1234 + num_blocks + lookahead)
     block_size, max_model_len = 4, 40
@@ -336,7 +341,7 @@ def test_random_simulation(prefix, num_blocks, lookahead, max_num_seqs, budget, 
         assert step < 20000
         for _ in range(rng.choice([0, 0, 1, 2]) if len(reqs) < n_requests else 0):
             n = rng.randrange(1, 30)
-            prompt = (rng.choice(bases)[:n] if rng.random() < 0.5 else [rng.randrange(50) for _ in range(n)])
+            prompt = rng.choice(bases)[:n] if rng.random() < 0.5 else [rng.randrange(50) for _ in range(n)]
             max_new = rng.randrange(1, 15)
             final = min(n + max_new, max_model_len)
             r = SeqState(f"r{len(reqs)}", prompt, max_new)
@@ -374,7 +379,7 @@ def test_random_simulation(prefix, num_blocks, lookahead, max_num_seqs, budget, 
             stopped = False
             sa = stop_at[r.request_id]
             if sa is not None and n_out <= sa < n_out + k:
-                new, stopped = new[:sa - n_out + 1], True  # the engine cuts after the stop token
+                new, stopped = new[: sa - n_out + 1], True  # the engine cuts after the stop token
             s.update_after_step(r, len(new), new, stopped)
         check_invariants(s, out, kv, first_admission, prefix)
     assert s.pool.num_free == num_blocks and s.pool.num_used == 0

@@ -37,7 +37,6 @@ def _prompts(lengths, seed=0):
 BATCHES = {"single": _prompts([57]), "ragged3": _prompts([40, 90, 65], seed=1)}
 
 
-
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory, tokenizer):
     """target/ and draft/ (target + N(0, 0.01²) noise) sharing the conftest tokenizer; plus drafts with a
@@ -55,8 +54,9 @@ def model_dirs(tmp_path_factory, tokenizer):
     tokenizer.save_pretrained(root / "draft")
 
     for name, vocab in (("draft-big-vocab", config.vocab_size + 32), ("draft-small-vocab", 300)):
-        cfg = tiny_hf_config("qwen2", vocab_size=vocab, eos_token_id=tokenizer.eos_token_id,
-                             bos_token_id=tokenizer.bos_token_id)
+        cfg = tiny_hf_config(
+            "qwen2", vocab_size=vocab, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id
+        )
         m = random_hf_model(cfg, seed=4)
         resized = {}
         for k, v in state.items():
@@ -104,8 +104,17 @@ def make_drafter(kind: str, policy_name: str, target_llm, draft_llm):
 def run_speculative(llm, drafter, prompts, params, gamma, monkeypatch=None, verifier="auto", configure=None, **kw):
     """Run prompts through an Engine with this drafter; → (RequestStates, {row: [Snapshot…]})."""
     tree = gamma if isinstance(gamma, Tree) else Tree.chain(gamma)
-    _, states, snaps = run_engine(llm.model, llm.tokenizer, prompts, params, drafter=drafter, tree=tree,
-                                  verifier=verifier, configure=configure, **kw)
+    _, states, snaps = run_engine(
+        llm.model,
+        llm.tokenizer,
+        prompts,
+        params,
+        drafter=drafter,
+        tree=tree,
+        verifier=verifier,
+        configure=configure,
+        **kw,
+    )
     return states, snaps
 
 
@@ -180,8 +189,9 @@ def assert_stats_sane(stats: dict, gamma: int, generated: int, agreeing: bool = 
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("policy_name", list(POLICIES))
 @pytest.mark.parametrize("kind", ["standalone", "self"])
-def test_greedy_speculative_equals_autoregressive(kind, policy_name, batch, gamma, target_llm, draft_llm,
-                                                 ar_outputs, monkeypatch):
+def test_greedy_speculative_equals_autoregressive(
+    kind, policy_name, batch, gamma, target_llm, draft_llm, ar_outputs, monkeypatch
+):
     prompts = BATCHES[batch]
     drafter = make_drafter(kind, policy_name, target_llm, draft_llm)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
@@ -222,7 +232,7 @@ def test_draft_with_different_vocab_size_uses_shared_range(draft_name, model_dir
     logits = torch.randn(2, d.model.config.vocab_size)[:, : d.shared_vocab]  # _draft keeps the shared range
     q = d.pad_to_target(_greedy_sampler(2).probs(logits))
     assert q.shape == (2, target_llm.config.vocab_size)
-    assert (q[:, llm.drafter.shared_vocab:] == 0).all()
+    assert (q[:, llm.drafter.shared_vocab :] == 0).all()
 
 
 def _greedy_sampler(n):
@@ -280,8 +290,14 @@ def test_finished_rows_are_marked_dead_in_the_cache(mode, target_llm, draft_llm)
             assert flag == (1 if rec is not None and not rec.seq.is_prefilling else 0), (row, live)
         seen["mixed"] |= 0 < sum(live) < len(live)
 
-    engine, _, _ = run_engine(target_llm.model, target_llm.tokenizer, FINISH_PROMPTS, params, on_step=check,
-                              **_mode(mode, target_llm, draft_llm))
+    engine, _, _ = run_engine(
+        target_llm.model,
+        target_llm.tokenizer,
+        FINISH_PROMPTS,
+        params,
+        on_step=check,
+        **_mode(mode, target_llm, draft_llm),
+    )
     assert seen["mixed"] and engine.cache.live.tolist() == [0, 0, 0]
 
 
@@ -308,8 +324,9 @@ def test_timings_leave_out_one_time_graph_captures(mode, target_llm, draft_llm, 
     monkeypatch.setattr(StepRunner, "forward", forward_capturing_once)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 30, 21)]
     t0 = time.perf_counter()
-    engine, states, _ = run_engine(target_llm.model, target_llm.tokenizer, FINISH_PROMPTS, params,
-                                   **_mode(mode, target_llm, draft_llm))
+    engine, states, _ = run_engine(
+        target_llm.model, target_llm.tokenizer, FINISH_PROMPTS, params, **_mode(mode, target_llm, draft_llm)
+    )
     assert not first[0] and engine.capture_s >= CAPTURE_S
     assert time.perf_counter() - t0 > CAPTURE_S  # the capture did happen in this run
     for r in states:
@@ -334,8 +351,7 @@ def test_eos_stops_only_its_row(kind, policy_name, target_llm, draft_llm, monkey
     params = SamplingParams(max_new_tokens=30)
     ar = run_ar(target_llm, FINISH_PROMPTS, params, configure)
     drafter = make_drafter(kind, policy_name, target_llm, draft_llm)
-    requests, cache = run_speculative(target_llm, drafter, FINISH_PROMPTS, params, 4, monkeypatch,
-                                      configure=configure)
+    requests, cache = run_speculative(target_llm, drafter, FINISH_PROMPTS, params, 4, monkeypatch, configure=configure)
     assert [r.output_ids for r in requests] == [r.output_ids for r in ar]
     assert [r.finish_reason for r in requests] == [r.finish_reason for r in ar]
     assert requests[0].output_ids == free[: free.index(eos_tok) + 1] and requests[0].finish_reason == "stop"
@@ -353,13 +369,15 @@ def test_stop_strings_per_row(target_llm, model_dirs):
     params = [greedy, SamplingParams(max_new_tokens=30, ignore_eos=True, stop=(stop,)), greedy]
     ar = target_llm.generate(prompts, params)
     assert ar[1].finish_reason == "stop" and stop not in ar[1].text
-    for spec in (SpeculativeConfig(self_speculate=True, draft_kv="streaming", draft_budget=8, sinks=2,
-                                   num_draft_tokens=4),
-                 SpeculativeConfig(draft_model=str(model_dirs / "draft"), num_draft_tokens=4)):
+    for spec in (
+        SpeculativeConfig(self_speculate=True, draft_kv="streaming", draft_budget=8, sinks=2, num_draft_tokens=4),
+        SpeculativeConfig(draft_model=str(model_dirs / "draft"), num_draft_tokens=4),
+    ):
         llm = LLM(str(model_dirs / "target"), speculative=spec)
         outs = llm.generate(prompts, params)
-        assert [(o.text, o.token_ids, o.finish_reason) for o in outs] == \
-            [(o.text, o.token_ids, o.finish_reason) for o in ar]
+        assert [(o.text, o.token_ids, o.finish_reason) for o in outs] == [
+            (o.text, o.token_ids, o.finish_reason) for o in ar
+        ]
 
 
 # ------------------------------------------------------------------------------------------- API, sampling
@@ -368,10 +386,12 @@ def test_stop_strings_per_row(target_llm, model_dirs):
 def test_llm_api_speculative_generate_and_stream(model_dirs, ar_outputs):
     prompts = BATCHES["ragged3"]
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    for spec in (SpeculativeConfig(self_speculate=True, draft_kv="snapkv", draft_budget=16, window=4,
-                                   num_draft_tokens=3),
-                 SpeculativeConfig(draft_model=str(model_dirs / "draft"), draft_kv="streaming", draft_budget=16,
-                                   num_draft_tokens=5)):
+    for spec in (
+        SpeculativeConfig(self_speculate=True, draft_kv="snapkv", draft_budget=16, window=4, num_draft_tokens=3),
+        SpeculativeConfig(
+            draft_model=str(model_dirs / "draft"), draft_kv="streaming", draft_budget=16, num_draft_tokens=5
+        ),
+    ):
         llm = LLM(str(model_dirs / "target"), speculative=spec)
         outs = llm.generate(prompts, params)
         assert [o.token_ids for o in outs] == ar_outputs["ragged3"]
@@ -386,12 +406,12 @@ def test_llm_api_speculative_generate_and_stream(model_dirs, ar_outputs):
         assert all(f is not None and "speculative" in f for f in finals)
 
 
-@pytest.mark.parametrize("kind,policy_name", [("self", "streaming"), ("standalone", "full"),
-                                              ("standalone", "snapkv")])
+@pytest.mark.parametrize("kind,policy_name", [("self", "streaming"), ("standalone", "full"), ("standalone", "snapkv")])
 def test_sampling_reproducible_and_batch_independent(kind, policy_name, target_llm, draft_llm, monkeypatch):
     prompts = BATCHES["ragged3"]
-    params = [SamplingParams(temperature=0.8, seed=100 + i, max_new_tokens=20, ignore_eos=True)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=0.8, seed=100 + i, max_new_tokens=20, ignore_eos=True) for i in range(len(prompts))
+    ]
 
     def run(rows, prms):
         drafter = make_drafter(kind, policy_name, target_llm, draft_llm)
@@ -403,8 +423,9 @@ def test_sampling_reproducible_and_batch_independent(kind, policy_name, target_l
     assert run([0, 1, 2], params) == a
     assert run([1], [params[1]]) == [a[1]]
     assert run([2, 0], [params[2], params[0]]) == [a[2], a[0]]
-    other = run([0, 1, 2], [SamplingParams(temperature=0.8, seed=7 + i, max_new_tokens=20, ignore_eos=True)
-                            for i in range(3)])
+    other = run(
+        [0, 1, 2], [SamplingParams(temperature=0.8, seed=7 + i, max_new_tokens=20, ignore_eos=True) for i in range(3)]
+    )
     assert other != a
     assert all(len(x) == 20 for x in a)
 
@@ -413,8 +434,10 @@ def test_mixed_greedy_and_sampled_rows(target_llm, draft_llm, ar_outputs, monkey
     """One batch, one greedy and two seeded sampled rows (so the sampling verifier runs for all): the
     greedy row still equals greedy AR decoding, the sampled rows equal their runs without it."""
     prompts = BATCHES["ragged3"]
-    sampled = [SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_new_tokens=NEW_TOKENS, ignore_eos=True),
-               SamplingParams(temperature=1.2, top_k=20, seed=12, max_new_tokens=NEW_TOKENS, ignore_eos=True)]
+    sampled = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_new_tokens=NEW_TOKENS, ignore_eos=True),
+        SamplingParams(temperature=1.2, top_k=20, seed=12, max_new_tokens=NEW_TOKENS, ignore_eos=True),
+    ]
     params = [SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)] + sampled
     for kind, policy_name in (("self", "snapkv"), ("standalone", "streaming")):
         drafter = make_drafter(kind, policy_name, target_llm, draft_llm)
@@ -426,8 +449,6 @@ def test_mixed_greedy_and_sampled_rows(target_llm, draft_llm, ar_outputs, monkey
         assert_target_cache_is_autoregressive(target_llm.model, cache, requests)
 
 
-
-
 # ------------------------------------------------------------------------------------------- γ near the end
 
 
@@ -437,16 +458,16 @@ def test_drafts_are_cut_to_what_the_request_can_still_emit(target_llm, draft_llm
     prompts = BATCHES["single"]
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     # the target drafting for itself over its full cache: every draft token is accepted
-    requests, _ = run_speculative(target_llm, make_drafter("self", "full", target_llm, draft_llm), prompts,
-                                  params, 8)
+    requests, _ = run_speculative(target_llm, make_drafter("self", "full", target_llm, draft_llm), prompts, params, 8)
     assert requests[0].output_ids == ar_outputs["single"][0][:4]
     s = requests[0].stats.to_dict()["speculative"]
     assert (s["gamma"], s["steps"], s["drafted"], s["accepted"]) == (8, 1, 2, 2)
     assert s["mean_accepted_length"] == 3.0
     # a standalone draft (some drafts rejected): never more drafts than tokens left, and exact counts
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    requests, _ = run_speculative(target_llm, make_drafter("standalone", "full", target_llm, draft_llm), prompts,
-                                  params, 8)
+    requests, _ = run_speculative(
+        target_llm, make_drafter("standalone", "full", target_llm, draft_llm), prompts, params, 8
+    )
     assert requests[0].output_ids == ar_outputs["single"][0][:6]
     s = requests[0].stats.to_dict()["speculative"]
     assert s["drafted"] <= 4 * s["steps"] and s["steps"] + s["accepted"] == 5

@@ -22,8 +22,15 @@ from tests.engine.test_engine import models  # noqa: F401 — the (target, draft
 
 RECORDING = Path(__file__).with_name("recorded_workload.json")
 
-MODES = ["ar", "chain-draft-full", "chain-draft-streaming", "tree-draft-full", "chain-self-streaming",
-         "chain-self-snapkv", "tree-self-streaming"]
+MODES = [
+    "ar",
+    "chain-draft-full",
+    "chain-draft-streaming",
+    "tree-draft-full",
+    "chain-self-streaming",
+    "chain-self-snapkv",
+    "tree-self-streaming",
+]
 
 
 def _drafter(mode, target, draft):
@@ -54,9 +61,15 @@ def run_workload(target, draft, tokenizer, mode: str) -> dict:
     params = []
     for i in range(n):
         sampled = i % 3 == 1
-        params.append(SamplingParams(max_new_tokens=rng.randrange(4, 28), ignore_eos=i != 4,
-                                     temperature=0.8 if sampled else 0.0, seed=100 + i if sampled else None,
-                                     stop=("w\r",) if i == 3 else ()))
+        params.append(
+            SamplingParams(
+                max_new_tokens=rng.randrange(4, 28),
+                ignore_eos=i != 4,
+                temperature=0.8 if sampled else 0.0,
+                seed=100 + i if sampled else None,
+                stop=("w\r",) if i == 3 else (),
+            )
+        )
     arrivals = sorted(rng.randrange(0, 12) for _ in range(n))
     aborts = {2: arrivals[2] + 2, 5: arrivals[5] + 1}
     c = target.config
@@ -65,8 +78,16 @@ def run_workload(target, draft, tokenizer, mode: str) -> dict:
         d = draft.config
         per_block += 2 * d.num_layers * d.num_kv_heads * d.head_dim * 8 * 4
     drafter, tree = _drafter(mode, target, draft)
-    engine = Engine.build(target, tokenizer, drafter=drafter, tree=tree, max_num_seqs=3, block_size=8,
-                          max_num_batched_tokens=16, kv_cache_memory=(14 + 1) * per_block / 2**30)
+    engine = Engine.build(
+        target,
+        tokenizer,
+        drafter=drafter,
+        tree=tree,
+        max_num_seqs=3,
+        block_size=8,
+        max_num_batched_tokens=16,
+        kv_cache_memory=(14 + 1) * per_block / 2**30,
+    )
     preempted = [0]
     schedule = engine.scheduler.schedule
 

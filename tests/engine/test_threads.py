@@ -171,15 +171,18 @@ def test_decode_steps_give_the_same_tokens_whatever_the_count(tmp_path, sampled)
     draft = load_model(tmp_path / "m", weights="q4k").model
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 320) for _ in range(rng.randrange(5, 30))] for _ in range(3)]
-    params = [SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.8 if sampled else 0.0, seed=i)
-              for i in range(3)]
+    params = [
+        SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.8 if sampled else 0.0, seed=i)
+        for i in range(3)
+    ]
     before = torch.get_num_threads()
     outs = []
     try:
         for policy in (None, Alternating()):
             torch.set_num_threads(1)
-            engine = RecordingEngine.build(target, None, drafter=ModelDrafter(draft, FullPolicy(), 320),
-                                           tree=Tree.chain(3), max_num_seqs=3)
+            engine = RecordingEngine.build(
+                target, None, drafter=ModelDrafter(draft, FullPolicy(), 320), tree=Tree.chain(3), max_num_seqs=3
+            )
             assert engine.models.thread_exact_decode()
             engine.executor.thread_policy = policy
             _, states, _ = run_engine(target, None, prompts, params, engine=engine)

@@ -58,8 +58,13 @@ TREES = {
 }
 # (drafter kind, draft KV policy): the small standalone draft over its full / compressed cache, and the
 # target drafting for itself through a compressed view of its own cache.
-DRAFTERS = [("standalone", "full"), ("standalone", "streaming"), ("standalone", "snapkv"),
-            ("self", "streaming"), ("self", "snapkv")]
+DRAFTERS = [
+    ("standalone", "full"),
+    ("standalone", "streaming"),
+    ("standalone", "snapkv"),
+    ("self", "streaming"),
+    ("self", "snapkv"),
+]
 
 
 def test_tree_shapes_are_what_the_names_say():
@@ -91,9 +96,12 @@ class PathRecorder:
             self.calls += 1
             ranks = Tree(tuple(parents)).child_rank
             accepted = [[v for v in row if v >= 0] for row in path.tolist()]
-            self.paths += [[ranks[v] for v in nodes] for b, nodes in enumerate(accepted)
-                           if self.requests is None or (b < len(self.requests) and self.requests[b].output_ids
-                                                        and not self.requests[b].finished)]
+            self.paths += [
+                [ranks[v] for v in nodes]
+                for b, nodes in enumerate(accepted)
+                if self.requests is None
+                or (b < len(self.requests) and self.requests[b].output_ids and not self.requests[b].finished)
+            ]
             return path, nxt
 
         monkeypatch.setattr(spec_loop, "verify_tree_paths", wrapper)
@@ -129,8 +137,9 @@ def run_tree(llm, drafter, prompts, params, tree, verifier="auto", configure=Non
 @pytest.mark.parametrize("tree_name", list(TREES))
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("kind,policy_name", DRAFTERS)
-def test_greedy_tree_speculation_equals_autoregressive(kind, policy_name, batch, tree_name, target_llm,
-                                                      draft_llm, ar_outputs):
+def test_greedy_tree_speculation_equals_autoregressive(
+    kind, policy_name, batch, tree_name, target_llm, draft_llm, ar_outputs
+):
     tree = TREES[tree_name]
     prompts = BATCHES[batch]
     drafter = make_drafter(kind, policy_name, target_llm, draft_llm)
@@ -219,11 +228,13 @@ def test_llm_api_with_tree_spec(model_dirs, ar_outputs, tmp_path):
     """SpeculativeConfig(tree=...) through LLM: a shipped name, chains:KxL and a JSON file."""
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     path = TREES["dp-12"].save(tmp_path / "dp.json")
-    for spec in (SpeculativeConfig(self_speculate=True, draft_kv="streaming", draft_budget=16, sinks=4,
-                                   tree="generic-16"),
-                 SpeculativeConfig(draft_model=str(model_dirs / "draft"), tree="chains:3x2"),
-                 SpeculativeConfig(draft_model=str(model_dirs / "draft"), draft_kv="snapkv", draft_budget=16,
-                                   window=4, tree=str(path))):
+    for spec in (
+        SpeculativeConfig(self_speculate=True, draft_kv="streaming", draft_budget=16, sinks=4, tree="generic-16"),
+        SpeculativeConfig(draft_model=str(model_dirs / "draft"), tree="chains:3x2"),
+        SpeculativeConfig(
+            draft_model=str(model_dirs / "draft"), draft_kv="snapkv", draft_budget=16, window=4, tree=str(path)
+        ),
+    ):
         llm = LLM(str(model_dirs / "target"), speculative=spec)
         tree = spec.make_tree()
         outs = llm.generate(BATCHES["ragged3"], params)
@@ -243,8 +254,10 @@ SAMPLED_TREE = Tree((-1, 0, 0, 0, 1, 1))  # the root with 3 children, the first 
 @pytest.mark.parametrize("kind,policy_name", [("standalone", "full"), ("self", "streaming")])
 def test_sampling_reproducible_and_batch_independent(kind, policy_name, verifier, target_llm, draft_llm):
     prompts = BATCHES["ragged3"]
-    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=200 + i, max_new_tokens=20, ignore_eos=True)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.95, seed=200 + i, max_new_tokens=20, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     tree = TREES["generic-16"]
     seen = []
 
@@ -262,8 +275,10 @@ def test_sampling_reproducible_and_batch_independent(kind, policy_name, verifier
     assert run([0, 1, 2], params) == a
     assert run([1], [params[1]]) == [a[1]]
     assert run([2, 0], [params[2], params[0]]) == [a[2], a[0]]
-    other = run([0, 1, 2], [SamplingParams(temperature=0.9, top_p=0.95, seed=7 + i, max_new_tokens=20,
-                                           ignore_eos=True) for i in range(3)])
+    other = run(
+        [0, 1, 2],
+        [SamplingParams(temperature=0.9, top_p=0.95, seed=7 + i, max_new_tokens=20, ignore_eos=True) for i in range(3)],
+    )
     assert other != a
     assert sum(seen) > 0  # compaction of non-first children ran under sampling too
 
@@ -273,8 +288,10 @@ def test_mixed_greedy_and_sampled_rows_on_a_tree(verifier, target_llm, draft_llm
     """One greedy row among sampled ones (so a sampling verifier runs for all): with one-hot p and q the
     walk still picks the target's argmax, and the sampled rows equal their runs without the greedy row."""
     prompts = BATCHES["ragged3"]
-    sampled = [SamplingParams(temperature=0.8, top_p=0.9, seed=21, max_new_tokens=NEW_TOKENS, ignore_eos=True),
-               SamplingParams(temperature=1.2, top_k=20, seed=22, max_new_tokens=NEW_TOKENS, ignore_eos=True)]
+    sampled = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=21, max_new_tokens=NEW_TOKENS, ignore_eos=True),
+        SamplingParams(temperature=1.2, top_k=20, seed=22, max_new_tokens=NEW_TOKENS, ignore_eos=True),
+    ]
     params = [SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)] + sampled
     drafter = make_drafter("standalone", "full", target_llm, draft_llm)
     requests, cache, _ = run_tree(target_llm, drafter, prompts, params, TREES["dp-12"], verifier)
@@ -294,8 +311,9 @@ def test_sampling_verifier_on_a_tree_is_sequoia(target_llm, draft_llm):
     assert spec_loop.resolve_verifier("auto", SAMPLED_TREE, all_greedy=True) == "greedy"
     assert spec_loop.resolve_verifier("auto", Tree.chain(3), all_greedy=False) == "sampling"
     prompts = BATCHES["ragged3"]
-    params = [SamplingParams(temperature=1.0, seed=300 + i, max_new_tokens=15, ignore_eos=True)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=1.0, seed=300 + i, max_new_tokens=15, ignore_eos=True) for i in range(len(prompts))
+    ]
     outs = {}
     for verifier in ("sampling", "auto", "sequoia", "specinfer"):
         drafter = make_drafter("standalone", "full", target_llm, draft_llm)
@@ -330,8 +348,9 @@ def exact_triple_distribution(model, prompt: list[int], params: SamplingParams) 
 
     def probs(x):
         n = x.shape[0]
-        return probabilities(x, torch.full((n,), params.temperature), torch.full((n,), params.top_k),
-                             torch.full((n,), params.top_p))
+        return probabilities(
+            x, torch.full((n,), params.temperature), torch.full((n,), params.top_k), torch.full((n,), params.top_p)
+        )
 
     p1 = probs(logits[:1, -3])[0]  # after the prompt
     p2 = probs(logits[::V, -2])  # [V, V]: after prompt + [t1]
@@ -340,8 +359,14 @@ def exact_triple_distribution(model, prompt: list[int], params: SamplingParams) 
 
 
 CHI2_ROWS = 4000
-CHI2_CASES = [("sequoia", 1.0, 1.0), ("specinfer", 1.0, 1.0), ("topk", 1.0, 1.0), ("sequoia", 0.7, 0.9),
-              ("specinfer", 0.7, 0.9), ("topk", 0.7, 0.9)]
+CHI2_CASES = [
+    ("sequoia", 1.0, 1.0),
+    ("specinfer", 1.0, 1.0),
+    ("topk", 1.0, 1.0),
+    ("sequoia", 0.7, 0.9),
+    ("specinfer", 0.7, 0.9),
+    ("topk", 0.7, 0.9),
+]
 
 
 @pytest.mark.parametrize("verifier,temperature,top_p", CHI2_CASES)
@@ -353,10 +378,13 @@ def test_tree_verifiers_end_to_end_follow_target(verifier, temperature, top_p, t
     step, or the next step's."""
     target, draft = tiny_vocab_pair
     tree_file = SAMPLED_TREE.save(tmp_path / "tree.json")
-    llm = LLM(str(target), speculative=SpeculativeConfig(draft_model=str(draft), tree=str(tree_file),
-                                                         verifier=verifier))
-    params = [SamplingParams(temperature=temperature, top_p=top_p, seed=s, max_new_tokens=3, ignore_eos=True)
-              for s in range(CHI2_ROWS)]
+    llm = LLM(
+        str(target), speculative=SpeculativeConfig(draft_model=str(draft), tree=str(tree_file), verifier=verifier)
+    )
+    params = [
+        SamplingParams(temperature=temperature, top_p=top_p, seed=s, max_new_tokens=3, ignore_eos=True)
+        for s in range(CHI2_ROWS)
+    ]
     mp = pytest.MonkeyPatch()
     rec = PathRecorder().install(mp)
     try:
@@ -383,8 +411,12 @@ def test_end_to_end_chi2_detects_a_lossy_tree_verifier(tiny_vocab_pair, tmp_path
     """Control: Sequoia's walk fed q = 0 (accept any child the target can emit) follows the draft, and the
     same end-to-end test rejects it — the fits above have power."""
     target, draft = tiny_vocab_pair
-    llm = LLM(str(target), speculative=SpeculativeConfig(draft_model=str(draft), tree=str(
-        SAMPLED_TREE.save(tmp_path / "tree.json")), verifier="sequoia"))
+    llm = LLM(
+        str(target),
+        speculative=SpeculativeConfig(
+            draft_model=str(draft), tree=str(SAMPLED_TREE.save(tmp_path / "tree.json")), verifier="sequoia"
+        ),
+    )
     real = spec_loop.verify_tree_paths
 
     def lossy(verifier, parents, tokens, p, q, rand):
@@ -424,8 +456,11 @@ def test_tree_without_drafts_decodes_like_the_target(target_llm, draft_llm, ar_o
     rows = 2000
     params = [SamplingParams(temperature=1.0, seed=s, max_new_tokens=2, ignore_eos=True) for s in range(rows)]
     toks = torch.tensor([o.token_ids for o in llm.generate([PROMPT] * rows, params)])
-    assert_fits(toks[:, 0] * VOCAB + toks[:, 1], exact_pair_distribution(llm.model, PROMPT, params[0]),
-                "chain:0: first two tokens")
+    assert_fits(
+        toks[:, 0] * VOCAB + toks[:, 1],
+        exact_pair_distribution(llm.model, PROMPT, params[0]),
+        "chain:0: first two tokens",
+    )
 
 
 def test_a_tree_is_cut_to_the_levels_the_request_can_still_emit(target_llm, draft_llm, ar_outputs):

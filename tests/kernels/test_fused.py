@@ -40,7 +40,8 @@ DEVICE = "cpu" if INTERPRET else ("cuda" if torch.cuda.is_available() else None)
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 needs_kernel = pytest.mark.skipif(
-    DEVICE is None, reason="no CUDA device (the interpreter runs these in test_interpreter_suite)")
+    DEVICE is None, reason="no CUDA device (the interpreter runs these in test_interpreter_suite)"
+)
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -59,8 +60,9 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def assert_ulps(out, ref, max_ulps: int, max_frac: float = 1.0):
     d = ulps(out.cpu(), ref.cpu())
     frac = (d > 0).double().mean().item()
-    assert d.max().item() <= max_ulps and frac <= max_frac, \
+    assert d.max().item() <= max_ulps and frac <= max_frac, (
         f"max {d.max().item()} ulp (allowed {max_ulps}), {frac:.2e} of elements differ (allowed {max_frac})"
+    )
 
 
 def gen(seed: int) -> torch.Generator:
@@ -134,7 +136,7 @@ def test_rms_norm_strided_rows_and_promoted_weight():
     ref = ref_mod(x)
     assert out.dtype == torch.float32
     # the bf16 normalized value may differ by 1 bf16 ulp → up to ~2 bf16 ulps relative in fp32
-    torch.testing.assert_close(out, ref, rtol=2 ** -7, atol=0)
+    torch.testing.assert_close(out, ref, rtol=2**-7, atol=0)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -189,7 +191,7 @@ def rope_case(dtype, B, T, Hq, Hkv, D, cap, seed, page_size=None):
     else:
         width = -(-cap // page_size)
         n_pages = B * width + 2
-        table = torch.randperm(n_pages, generator=g)[:B * width].view(B, width)
+        table = torch.randperm(n_pages, generator=g)[: B * width].view(B, width)
         pages = table.gather(1, slots // page_size)
         offsets = slots % page_size
     k_cache = randn(g, n_pages, Hkv, page_size, D, dtype=dtype)
@@ -221,8 +223,9 @@ def untouched(cache, before, pages, offsets):
 if INTERPRET:  # a few cases covering every value (the interpreter runs each program in Python)
     ROPE_CASES = [(1, 1, 12, 2, 128), (2, 1, 4, 4, 64), (1, 5, 12, 2, 64), (2, 5, 4, 4, 128)]
 else:
-    ROPE_CASES = [(B, T, Hq, Hkv, D) for B in (1, 3) for T in (1, 5) for Hq, Hkv in ((12, 2), (4, 4))
-                  for D in (64, 128)]
+    ROPE_CASES = [
+        (B, T, Hq, Hkv, D) for B in (1, 3) for T in (1, 5) for Hq, Hkv in ((12, 2), (4, 4)) for D in (64, 128)
+    ]
 
 
 @needs_kernel
@@ -312,13 +315,24 @@ def test_cuda_graph_capture():
     static = [q, k, v, cos, sin, pages, offsets, x, res, gate_up]
 
     def step():
-        return (fk.rope_and_write(q, k, v, cos, sin, kc, vc, pages, offsets), *fk.add_rms_norm(x, res, w, 1e-6),
-                fk.silu_mul(gate_up))
+        return (
+            fk.rope_and_write(q, k, v, cos, sin, kc, vc, pages, offsets),
+            *fk.add_rms_norm(x, res, w, 1e-6),
+            fk.silu_mul(gate_up),
+        )
 
     graph, outs = capture_cuda_graph(step)
     fresh = rope_case(dtype, 1, 1, 12, 2, 128, cap=64, seed=9, page_size=16)  # another page and offset
-    for dst, src in zip(static, [*fresh[:5], *fresh[7:], randn(g, 1, 1, 1536, dtype=dtype),
-                                 randn(g, 1, 1, 1536, dtype=dtype), randn(g, 1, 1, 2 * 8960, dtype=dtype)]):
+    for dst, src in zip(
+        static,
+        [
+            *fresh[:5],
+            *fresh[7:],
+            randn(g, 1, 1, 1536, dtype=dtype),
+            randn(g, 1, 1, 1536, dtype=dtype),
+            randn(g, 1, 1, 2 * 8960, dtype=dtype),
+        ],
+    ):
         dst.copy_(src)
     kc0, vc0 = kc.clone(), vc.clone()
     graph.replay()

@@ -29,8 +29,11 @@ from tests.kernels.test_fused import DEVICE, DTYPES, INTERPRET, gen, needs_kerne
 if INTERPRET and (why := interpreter_broken()):  # the K loop's bound is a kernel argument
     pytest.skip(why, allow_module_level=True)
 # (N, K): odd sizes exercise the masks; on the GPU the real 1.5B / 0.5B projection shapes
-SHAPES = ([(24, 80), (40, 96), (9, 200), (1, 3)] if INTERPRET else
-          [(2048, 1536), (1536, 8960), (1152, 896), (896, 4864), (17920, 1536), (151936, 896), (100, 70)])
+SHAPES = (
+    [(24, 80), (40, 96), (9, 200), (1, 3)]
+    if INTERPRET
+    else [(2048, 1536), (1536, 8960), (1152, 896), (896, 4864), (17920, 1536), (151936, 896), (100, 70)]
+)
 
 
 def reference_linear(x, w, b=None):
@@ -39,7 +42,7 @@ def reference_linear(x, w, b=None):
     return out.to(x.dtype)
 
 
-ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2.0 ** -20}  # relative, at most
+ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-20}  # relative, at most
 
 
 def check(out, ref, ulps: int = 1):
@@ -59,7 +62,7 @@ def test_linear(dtype, N, K, bias, M):
     rows past M masked)."""
     g = gen(7 + N + M)
     x = randn(g, M, K, dtype=dtype)
-    w = randn(g, N, K, dtype=dtype, scale=K ** -0.5)
+    w = randn(g, N, K, dtype=dtype, scale=K**-0.5)
     b = randn(g, N, dtype=dtype) if bias else None
     out = gemv.linear(x, w, b)
     assert out.shape == (M, N) and out.dtype == dtype
@@ -86,7 +89,7 @@ def test_norm_folded_in(dtype, N, K, M):
     2-8 rows feed x_k · g_k to the 16-bit dot as hi + lo parts, ~16 bits: within the same bound)."""
     g = gen(11)
     x = randn(g, M, K, dtype=dtype, scale=4.0)
-    w = randn(g, N, K, dtype=dtype, scale=K ** -0.5)
+    w = randn(g, N, K, dtype=dtype, scale=K**-0.5)
     norm = RMSNorm(K, 1e-6).to(DEVICE, dtype)
     with torch.no_grad():
         norm.weight.copy_(torch.rand(K, generator=g) * 1.5 + 0.5)
@@ -103,7 +106,7 @@ def test_norm_folded_in(dtype, N, K, M):
 def test_residual_epilogue_updates_in_place(dtype, N, K, M):
     g = gen(12)
     x = randn(g, M, K, dtype=dtype)
-    w = randn(g, N, K, dtype=dtype, scale=K ** -0.5)
+    w = randn(g, N, K, dtype=dtype, scale=K**-0.5)
     r = randn(g, M, N, dtype=dtype, scale=8.0)
     before = r.clone()
     out = gemv.linear(x, w, residual=r)
@@ -111,8 +114,9 @@ def test_residual_epilogue_updates_in_place(dtype, N, K, M):
     y = reference_linear(x, w)
     # r + y rounds as eager does, on a y that may be one ulp off: where r + y cancels, that ulp of |y| is
     # all the difference (larger than an ulp of the small sum)
-    torch.testing.assert_close(r.float(), (before + y).float(), rtol=ULP[dtype],
-                               atol=ULP[dtype] * y.abs().max().item() + 2e-5)
+    torch.testing.assert_close(
+        r.float(), (before + y).float(), rtol=ULP[dtype], atol=ULP[dtype] * y.abs().max().item() + 2e-5
+    )
 
 
 @needs_kernel
@@ -123,7 +127,7 @@ def test_residual_epilogue_updates_in_place(dtype, N, K, M):
 def test_silu_mul_epilogue(dtype, F_, K, bias, M):
     g = gen(13)
     x = randn(g, M, K, dtype=dtype)
-    w = randn(g, 2 * F_, K, dtype=dtype, scale=2 * K ** -0.5)
+    w = randn(g, 2 * F_, K, dtype=dtype, scale=2 * K**-0.5)
     b = randn(g, 2 * F_, dtype=dtype) if bias else None
     out = gemv.linear(x, w, b, silu_mul=True)
     assert out.shape == (M, F_)
@@ -150,8 +154,10 @@ def check_silu_mul(out, g, u):
     o = out.float()
     tol = ULP[out.dtype] * torch.maximum(lo.abs(), hi.abs()) + 2e-5 * max(1.0, hi.abs().max().item())
     bad = (o < lo - tol) | (o > hi + tol) | o.isnan()
-    assert not bad.any(), (f"{int(bad.sum())} of {o.numel()} outside [lo, hi] ± tol, e.g. at "
-                           f"{bad.nonzero()[0].tolist()}: {o[bad][0].item()} vs [{lo[bad][0].item()}, {hi[bad][0].item()}]")
+    assert not bad.any(), (
+        f"{int(bad.sum())} of {o.numel()} outside [lo, hi] ± tol, e.g. at "
+        f"{bad.nonzero()[0].tolist()}: {o[bad][0].item()} vs [{lo[bad][0].item()}, {hi[bad][0].item()}]"
+    )
 
 
 # 2-8 rows: the CUDA-core rows kernel (configs with BLOCK_N < 16) and the tensor-core tile kernel (≥ 16)
@@ -169,7 +175,7 @@ def test_rows_kernel_rows_are_the_one_row_kernels(dtype, M):
     N, K = (40, 96) if INTERPRET else (1536, 1536)
     g = gen(70 + M)
     x = randn(g, M, K, dtype=dtype)
-    w = randn(g, 2 * N, K, dtype=dtype, scale=K ** -0.5)
+    w = randn(g, 2 * N, K, dtype=dtype, scale=K**-0.5)
     b = randn(g, 2 * N, dtype=dtype)
     cases = [dict(weight=w, bias=b), dict(weight=w, bias=b, silu_mul=True)]
     if dtype != torch.float32:
@@ -177,7 +183,7 @@ def test_rows_kernel_rows_are_the_one_row_kernels(dtype, M):
         cases.append(dict(weight=q, bias=b, scale=sc))
     for kw in cases:
         rows = gemv.linear(x, config=ROWS_GEMV, **kw)
-        one = torch.cat([gemv.linear(x[i:i + 1], config=ROWS_GEMV, **kw) for i in range(M)])
+        one = torch.cat([gemv.linear(x[i : i + 1], config=ROWS_GEMV, **kw) for i in range(M)])
         if INTERPRET:
             assert torch.equal(rows, one)
         else:  # an ulp in gate and up moves SiLU·up by up to ~3
@@ -186,16 +192,18 @@ def test_rows_kernel_rows_are_the_one_row_kernels(dtype, M):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config,M", [(ROWS_GEMV, 3), (ROWS_GEMV, 8), (ROWS_TILE, 3), (ROWS_TILE, 8),
-                                      (ROWS_TILE, 17), (ROWS_TILE, 64)],
-                         ids=["rows-gemv-3", "rows-gemv-8", "tile-3", "tile-8", "tile-17", "tile-64"])
+@pytest.mark.parametrize(
+    "config,M",
+    [(ROWS_GEMV, 3), (ROWS_GEMV, 8), (ROWS_TILE, 3), (ROWS_TILE, 8), (ROWS_TILE, 17), (ROWS_TILE, 64)],
+    ids=["rows-gemv-3", "rows-gemv-8", "tile-3", "tile-8", "tile-17", "tile-64"],
+)
 def test_both_rows_kernels_with_every_fused_op(dtype, config, M):
     """norm + bias + SiLU·up, and the residual epilogue, through either 2-8-row kernel and the tile
     kernel's 32- and 64-row tiles (float64 refs)."""
     N, K = (24, 80) if INTERPRET else (2048, 1536)
     g = gen(80 + M)
     x = randn(g, M, K, dtype=dtype, scale=3.0)
-    w = randn(g, 2 * N, K, dtype=dtype, scale=K ** -0.5)
+    w = randn(g, 2 * N, K, dtype=dtype, scale=K**-0.5)
     b = randn(g, 2 * N, dtype=dtype)
     nw = (torch.rand(K, generator=g) + 0.5).to(dtype).to(DEVICE)
     out = gemv.linear(x, w, b, norm=(nw, 1e-6), silu_mul=True, config=config)
@@ -207,8 +215,9 @@ def test_both_rows_kernels_with_every_fused_op(dtype, config, M):
     before = r.clone()
     assert gemv.linear(x, w, residual=r, config=config) is r
     y = reference_linear(x, w)
-    torch.testing.assert_close(r.float(), (before + y).float(), rtol=ULP[dtype],
-                               atol=ULP[dtype] * y.abs().max().item() + 2e-5)
+    torch.testing.assert_close(
+        r.float(), (before + y).float(), rtol=ULP[dtype], atol=ULP[dtype] * y.abs().max().item() + 2e-5
+    )
 
 
 def test_quantize_int8_rows():
@@ -236,7 +245,7 @@ def test_int8_weights(dtype, op, M):
     g = gen(41)
     rows = 2 * N if op == "silu" else N
     x = randn(g, M, K, dtype=dtype, scale=2.0)
-    q, scale = gemv.quantize_int8(randn(g, rows, K, dtype=dtype, scale=K ** -0.5))
+    q, scale = gemv.quantize_int8(randn(g, rows, K, dtype=dtype, scale=K**-0.5))
     b = randn(g, rows, dtype=dtype)
     w = dequantized(q, scale)
     xd = x.double()
@@ -307,7 +316,7 @@ def test_model_skinny_path_matches_the_eager_model(tiny_model_dir):
     caches = [m.new_cache(1, 16) for m in (eager, skinny)]
     for T in (5, 1, 3, 1, 4):
         ids = torch.randint(0, V, (1, T), generator=gen_).to(DEVICE)
-        pos = (caches[0].lengths[:, None] + torch.arange(T, device=DEVICE)[None])
+        pos = caches[0].lengths[:, None] + torch.arange(T, device=DEVICE)[None]
         with torch.inference_mode():
             ref = eager(ids, pos, caches[0])
             out = skinny(ids, pos, caches[1])

@@ -24,8 +24,11 @@ def test_regions_are_o_then_the_first_part_of_gate_and_of_up():
     layer = _layer((64, 32), (2 * 96, 32))  # o 4 KiB; gate and up 6 KiB each
     o, gu = layer["o"], layer["gate_up"]
     half = 96 * 32 * 2
-    assert l2_prefetch.regions(layer, 2048) == [(o.data_ptr(), 4096), (gu.data_ptr(), 1024),
-                                                (gu.data_ptr() + half, 1024)]
+    assert l2_prefetch.regions(layer, 2048) == [
+        (o.data_ptr(), 4096),
+        (gu.data_ptr(), 1024),
+        (gu.data_ptr() + half, 1024),
+    ]
     # a budget beyond the matrix takes each half whole, never past it
     assert l2_prefetch.regions(layer, 10**9)[1:] == [(gu.data_ptr(), half), (gu.data_ptr() + half, half)]
     assert l2_prefetch.regions(layer, 0) == [(o.data_ptr(), 4096)]  # o only
@@ -63,8 +66,10 @@ def test_off_outside_a_captured_step_and_on_the_cpu(monkeypatch):
         assert not l2_prefetch.enabled(torch.device("cuda"))  # not inside a captured step
 
 
-hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                            reason="the bulk L2 prefetch needs a GPU of compute capability >= 9")
+hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+    reason="the bulk L2 prefetch needs a GPU of compute capability >= 9",
+)
 
 
 @hopper
@@ -77,10 +82,21 @@ def test_graphed_forwards_with_prefetch_equal_those_without(int8, use_pdl, monke
 
     monkeypatch.setattr(pdl, "_requested", [use_pdl == "1"])
     monkeypatch.setattr(l2_prefetch, "_budget_mb", [l2_prefetch.DEFAULT_MB])
-    cfg = ModelConfig.from_hf_dict({
-        "model_type": "qwen2", "vocab_size": 4096, "hidden_size": 512, "intermediate_size": 1536,
-        "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2,
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": True})
+    cfg = ModelConfig.from_hf_dict(
+        {
+            "model_type": "qwen2",
+            "vocab_size": 4096,
+            "hidden_size": 512,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1e6,
+            "tie_word_embeddings": True,
+        }
+    )
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Transformer(cfg).state_dict().items()}
     g = torch.Generator(device="cuda").manual_seed(0)

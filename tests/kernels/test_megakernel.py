@@ -18,20 +18,35 @@ from redwood.errors import ConfigError
 from redwood.kernels import megakernel
 from tests.conftest import decode_tokens
 
-hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                            reason="the megakernel needs a GPU of compute capability >= 9")
+hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+    reason="the megakernel needs a GPU of compute capability >= 9",
+)
 
 SHAPES = {  # (hidden, heads, kv heads) → head_dim 128 / G 2, head_dim 64 / G 8, head_dim 128 / G 6
-    "d128g2": (512, 4, 2), "d64g8": (512, 8, 1), "d128g6": (768, 6, 1),
+    "d128g2": (512, 4, 2),
+    "d64g8": (512, 8, 1),
+    "d128g6": (768, 6, 1),
 }
 
 
 def _config(name: str, layers: int = 2, tie: bool = True) -> ModelConfig:
     hidden, heads, kv = SHAPES[name]
-    return ModelConfig.from_hf_dict({
-        "model_type": "qwen2", "vocab_size": 2048, "hidden_size": hidden, "intermediate_size": 1024,
-        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1e4, "tie_word_embeddings": tie})
+    return ModelConfig.from_hf_dict(
+        {
+            "model_type": "qwen2",
+            "vocab_size": 2048,
+            "hidden_size": hidden,
+            "intermediate_size": 1024,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv,
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1e4,
+            "tie_word_embeddings": tie,
+        }
+    )
 
 
 def _models(cfg: ModelConfig, int8: bool = False):
@@ -135,17 +150,33 @@ def test_misfits_are_named():
 
 
 def _hf(**over) -> ModelConfig:
-    base = {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960,
-            "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
-            "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": True}
+    base = {
+        "model_type": "qwen2",
+        "vocab_size": 151936,
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "tie_word_embeddings": True,
+    }
     return ModelConfig.from_hf_dict({**base, **over})
 
 
 def test_shapes_it_takes_and_the_down_tile():
     qwen_1_5b = _hf()
     qwen_0_5b = _hf(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14)
-    llama_8b = _hf(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                   num_attention_heads=32, num_key_value_heads=8)
+    llama_8b = _hf(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+    )
     for cfg in (qwen_1_5b, qwen_0_5b, llama_8b):
         assert megakernel.config_misfit(cfg) is None
     # the down tile: as many rows as fit the slot the 8-row tiles of the other stages need, in whole K chunks
@@ -157,8 +188,9 @@ def test_shapes_it_takes_and_the_down_tile():
 def test_shapes_it_does_not_take_are_named():
     assert "head_dim 96" in megakernel.config_misfit(_hf(hidden_size=1152))  # 12 heads of 96
     assert "whole number ≤ 8" in megakernel.config_misfit(_hf(num_attention_heads=12, num_key_value_heads=1))
-    assert "sliding-window" in megakernel.config_misfit(_hf(model_type="mistral", use_sliding_window=True,
-                                                            sliding_window=4096))
+    assert "sliding-window" in megakernel.config_misfit(
+        _hf(model_type="mistral", use_sliding_window=True, sliding_window=4096)
+    )
     assert "multiples of 8 / 32 / 8" in megakernel.config_misfit(_hf(intermediate_size=8968))
     assert "multiples of 8 / 32 / 8" in megakernel.config_misfit(_hf(vocab_size=151937))
 
@@ -191,8 +223,11 @@ def test_layout_on_an_h200():
 def test_experiment_defines():
     """A benchmark's experiment #defines (megakernel_bench.py --variants) parse; nothing in the environment or
     the library's settings reaches them."""
-    assert megakernel.parse_defines("NSLOT=2 ATTN_CPB=16 ATTN_NO_MERGE") == {"NSLOT": "2", "ATTN_CPB": "16",
-                                                                            "ATTN_NO_MERGE": "1"}
+    assert megakernel.parse_defines("NSLOT=2 ATTN_CPB=16 ATTN_NO_MERGE") == {
+        "NSLOT": "2",
+        "ATTN_CPB": "16",
+        "ATTN_NO_MERGE": "1",
+    }
     assert megakernel.parse_defines("") == {}
     with pytest.raises(ValueError, match="not NAME or NAME=VALUE"):
         megakernel.parse_defines("2=NSLOT")

@@ -39,8 +39,10 @@ def test_scope_is_restored_after_an_error():
     assert not pdl._active[0]
 
 
-hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                            reason="programmatic dependent launch needs a GPU of compute capability >= 9")
+hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+    reason="programmatic dependent launch needs a GPU of compute capability >= 9",
+)
 
 
 @hopper
@@ -59,7 +61,7 @@ def test_pdl_chain_in_a_graph_equals_eager_without_pdl(int8, monkeypatch):
     H, F, Hq, Hkv, D, cap = 1536, 8960, 12, 2, 128, 512
 
     def w(n, k):
-        m = torch.randn(n, k, device=dev, generator=g, dtype=torch.float32) * k ** -0.5
+        m = torch.randn(n, k, device=dev, generator=g, dtype=torch.float32) * k**-0.5
         return gemv.quantize_int8(m) if int8 else (m.to(dt), None)
 
     Wqkv, Wo, Wgu, Wd = w((Hq + 2 * Hkv) * D, H), w(H, Hq * D), w(2 * F, H), w(H, F)
@@ -78,9 +80,20 @@ def test_pdl_chain_in_a_graph_equals_eager_without_pdl(int8, monkeypatch):
 
     def chain():
         for _ in range(3):
-            q = qkv_rope.qkv_rope_write(x, Wqkv[0], bqkv, scale=Wqkv[1], norm=(g1, 1e-6), cos=cos, sin=sin,
-                                        k_cache=kc, v_cache=vc, pages=pages, offsets=offsets,
-                                        num_heads=Hq)
+            q = qkv_rope.qkv_rope_write(
+                x,
+                Wqkv[0],
+                bqkv,
+                scale=Wqkv[1],
+                norm=(g1, 1e-6),
+                cos=cos,
+                sin=sin,
+                k_cache=kc,
+                v_cache=vc,
+                pages=pages,
+                offsets=offsets,
+                num_heads=Hq,
+            )
             att = decode_attention(q, kc, vc, lengths).reshape(1, 1, Hq * D)
             gemv.linear(att, Wo[0], scale=Wo[1], residual=x)
             act = gemv.linear(x, Wgu[0], scale=Wgu[1], norm=(g2, 1e-6), silu_mul=True)

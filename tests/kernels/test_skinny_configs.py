@@ -17,11 +17,19 @@ def test_tile_configs_from_the_table_else_the_heuristic():
     assert (2048, 1536, False, "float", 1) in table and (8960, 1536, True, "float", 1) in table  # 1.5B qkv, gate/up
     assert skinny_configs.tuned_configs("no such GPU") == {}
     assert skinny_configs._file_stem("NVIDIA H200 NVL") == "NVIDIA_H200_NVL"
-    for cfg in [*table.values(), skinny_configs.heuristic_config(5, 3), skinny_configs.heuristic_config(100_000, 8192, True),
-                skinny_configs.heuristic_config(896, 4864, int8=True)]:
+    for cfg in [
+        *table.values(),
+        skinny_configs.heuristic_config(5, 3),
+        skinny_configs.heuristic_config(100_000, 8192, True),
+        skinny_configs.heuristic_config(896, 4864, int8=True),
+    ]:
         assert len(cfg) == 4 and all(v > 0 and v & (v - 1) == 0 for v in cfg[:3]) and cfg[3] >= 1
-    assert skinny_configs.config_for(2048, 1536, False, torch.device("cpu")) == skinny_configs.heuristic_config(2048, 1536)
-    assert skinny_configs.config_for(2048, 1536, False, torch.device("cpu"), rows=3) == skinny_configs.heuristic_config(2048, 1536, rows=4)
+    assert skinny_configs.config_for(2048, 1536, False, torch.device("cpu")) == skinny_configs.heuristic_config(
+        2048, 1536
+    )
+    assert skinny_configs.config_for(2048, 1536, False, torch.device("cpu"), rows=3) == skinny_configs.heuristic_config(
+        2048, 1536, rows=4
+    )
     # 2-8 rows: the CUDA-core rows kernel (BLOCK_N < 16; the tile kernel only from a tuned table)
     assert all(skinny_configs.heuristic_config(n, 1536, rows=4, int8=q)[0] < 16 for n in (2048, 151936) for q in (0, 1))
     assert [skinny_configs.rows_bucket(m) for m in (1, 2, 3, 5, 8, 9, 33, 64)] == [1, 2, 4, 8, 8, 16, 64, 64]

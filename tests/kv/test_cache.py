@@ -31,8 +31,8 @@ def _paged_twin(dense: KVCache, page: int, seed: int) -> KVCache:
     for b in range(B):
         for j in range(width):
             n = min(page, cap - j * page)
-            paged.k[:, perm[b, j], :, :n] = dense.k[:, b, :, j * page:j * page + n]
-            paged.v[:, perm[b, j], :, :n] = dense.v[:, b, :, j * page:j * page + n]
+            paged.k[:, perm[b, j], :, :n] = dense.k[:, b, :, j * page : j * page + n]
+            paged.v[:, perm[b, j], :, :n] = dense.v[:, b, :, j * page : j * page + n]
     paged.lengths.copy_(dense.lengths)
     paged.live.copy_(dense.live)
     return paged

@@ -54,8 +54,9 @@ def test_streaming_keeps_sinks_and_last_window(sinks, window):
 # ------------------------------------------------------------------------------------------- snapkv
 
 
-def snapkv_reference(q: torch.Tensor, k: torch.Tensor, lengths: list[int], budget: int, window: int,
-                     kernel: int, pool: str):
+def snapkv_reference(
+    q: torch.Tensor, k: torch.Tensor, lengths: list[int], budget: int, window: int, kernel: int, pool: str
+):
     """Selection of one layer, written with loops: per row b and KV head h,
 
     1. every observation query i (the last `window` prompt tokens, i < L) attends to keys 0…i
@@ -120,15 +121,18 @@ def random_qk(B, Hq, Hkv, S, D, layers, seed):
     return qs, ks
 
 
-@pytest.mark.parametrize("budget,window,kernel,pool,Hq,Hkv", [
-    (16, 4, 5, "avg", 4, 2),
-    (16, 4, 5, "max", 4, 2),
-    (12, 6, 3, "avg", 6, 2),   # window not tied to the GQA ratio
-    (20, 1, 7, "avg", 4, 4),   # MHA; window smaller than kernel // 2
-    (20, 2, 7, "max", 8, 1),   # MQA
-    (10, 10, 5, "avg", 4, 2),  # budget = window: nothing selected
-    (9, 3, 1, "avg", 4, 2),    # no pooling
-])
+@pytest.mark.parametrize(
+    "budget,window,kernel,pool,Hq,Hkv",
+    [
+        (16, 4, 5, "avg", 4, 2),
+        (16, 4, 5, "max", 4, 2),
+        (12, 6, 3, "avg", 6, 2),  # window not tied to the GQA ratio
+        (20, 1, 7, "avg", 4, 4),  # MHA; window smaller than kernel // 2
+        (20, 2, 7, "max", 8, 1),  # MQA
+        (10, 10, 5, "avg", 4, 2),  # budget = window: nothing selected
+        (9, 3, 1, "avg", 4, 2),  # no pooling
+    ],
+)
 def test_snapkv_selection_matches_loop_reference(budget, window, kernel, pool, Hq, Hkv):
     lengths = [37, 12, 50, 5, 24]  # ragged; one shorter than the window plus budget, one barely longer
     S = max(lengths)
@@ -203,7 +207,7 @@ def test_snapkv_selection_is_batch_independent():
         run_observe(batch, qs, ks, lengths)
         for b, L in enumerate(lengths):
             alone = SnapKVPolicy(14, window=window, kernel=kernel)
-            run_observe(alone, [qs[0][b:b + 1, :, :L]], [ks[0][b:b + 1, :, :L]], [L])
+            run_observe(alone, [qs[0][b : b + 1, :, :L]], [ks[0][b : b + 1, :, :L]], [L])
             for h in range(2):
                 got = set(batch.selected[0][b, h][batch.selected_valid[0][b, h]].tolist())
                 want = set(alone.selected[0][0, h][alone.selected_valid[0][0, h]].tolist())
@@ -265,8 +269,16 @@ def test_snapkv_budget_at_least_prompt_is_full_cache(budget):
 
 
 def tiny_transformer(seed=0) -> Transformer:
-    config = ModelConfig(arch="llama", vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2,
-                         num_heads=4, num_kv_heads=2, max_position_embeddings=256)
+    config = ModelConfig(
+        arch="llama",
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(seed)
     model = Transformer(config)
     with torch.no_grad():
@@ -336,24 +348,27 @@ def test_make_policy_builds_each_policy():
     assert (k.budget, k.window, k.kernel, k.pool) == (10, 3, 7, "max")
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(name="lru", budget=8), "unknown draft KV policy"),
-    (dict(name="streaming"), "needs --draft-budget or --window"),
-    (dict(name="streaming", budget=4), "window >= 1"),           # budget = sinks (default 4): no window
-    (dict(name="streaming", budget=3), "window >= 1"),           # budget < sinks
-    (dict(name="streaming", budget=6, sinks=8), "window >= 1"),  # budget < sinks
-    (dict(name="streaming", budget=10, sinks=2, window=5), "!= sinks"),
-    (dict(name="streaming", sinks=-1, window=5), "sinks >= 0"),
-    (dict(name="streaming", sinks=2, window=0), "window >= 1"),
-    (dict(name="snapkv"), "needs --draft-budget"),
-    (dict(name="snapkv", budget=0, window=1), "budget >= 1"),
-    (dict(name="snapkv", budget=16, window=-2), "window >= 1"),
-    (dict(name="snapkv", budget=16, window=4, kernel=4), "odd"),
-    (dict(name="snapkv", budget=16, window=4, kernel=0), "odd"),
-    (dict(name="snapkv", budget=16, window=4, pool="mean"), "'avg' or 'max'"),
-    (dict(name="snapkv", budget=8, window=16), "window"),        # budget < observation window
-    (dict(name="snapkv", budget=16), "window"),                  # default window 32 > budget
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(name="lru", budget=8), "unknown draft KV policy"),
+        (dict(name="streaming"), "needs --draft-budget or --window"),
+        (dict(name="streaming", budget=4), "window >= 1"),  # budget = sinks (default 4): no window
+        (dict(name="streaming", budget=3), "window >= 1"),  # budget < sinks
+        (dict(name="streaming", budget=6, sinks=8), "window >= 1"),  # budget < sinks
+        (dict(name="streaming", budget=10, sinks=2, window=5), "!= sinks"),
+        (dict(name="streaming", sinks=-1, window=5), "sinks >= 0"),
+        (dict(name="streaming", sinks=2, window=0), "window >= 1"),
+        (dict(name="snapkv"), "needs --draft-budget"),
+        (dict(name="snapkv", budget=0, window=1), "budget >= 1"),
+        (dict(name="snapkv", budget=16, window=-2), "window >= 1"),
+        (dict(name="snapkv", budget=16, window=4, kernel=4), "odd"),
+        (dict(name="snapkv", budget=16, window=4, kernel=0), "odd"),
+        (dict(name="snapkv", budget=16, window=4, pool="mean"), "'avg' or 'max'"),
+        (dict(name="snapkv", budget=8, window=16), "window"),  # budget < observation window
+        (dict(name="snapkv", budget=16), "window"),  # default window 32 > budget
+    ],
+)
 def test_make_policy_errors(kwargs, match):
     kwargs = dict(kwargs)
     with pytest.raises(ConfigError, match=match):
@@ -370,29 +385,34 @@ def test_speculative_config_valid():
     assert SpeculativeConfig(self_speculate=True).num_draft_tokens >= 1
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(), "exactly one of"),
-    (dict(draft_model="d", self_speculate=True), "exactly one of"),
-    (dict(draft_model=""), "exactly one of"),
-    (dict(self_speculate=True, draft_kv="quest"), "unknown draft_kv"),
-    (dict(self_speculate=True, num_draft_tokens=0), "num_draft_tokens"),
-    (dict(self_speculate=True, num_draft_tokens=-3), "num_draft_tokens"),
-    (dict(self_speculate=True, num_draft_tokens=2.5), "num_draft_tokens"),
-    (dict(self_speculate=True, verifier="typical"), "unknown verifier"),
-    (dict(self_speculate=True, draft_kv="streaming", draft_budget=0), "draft_budget"),
-    (dict(self_speculate=True, draft_kv="streaming", draft_budget=-8), "draft_budget"),
-    (dict(self_speculate=True, draft_kv="streaming", window=0), "window"),
-    (dict(self_speculate=True, draft_kv="streaming", sinks=-1, window=4), "sinks"),
-    (dict(self_speculate=True, draft_kv="streaming", draft_budget=3, sinks=4), "window >= 1"),
-    (dict(self_speculate=True, draft_kv="streaming"), "draft-budget"),
-    (dict(self_speculate=True, draft_kv="snapkv"), "draft-budget"),
-    (dict(self_speculate=True, draft_kv="snapkv", draft_budget=8, window=16), "window"),
-    (dict(self_speculate=True, draft_kv="snapkv", draft_budget=64, pool_kernel=2), "odd"),
-    (dict(draft_model="d", draft_weights="int3"), "unknown draft_weights 'int3'; choose one of auto, float32"),
-    (dict(draft_model="d", draft_weights=None), "unknown draft_weights None"),
-    (dict(self_speculate=True, draft_weights="int8"),
-     "draft_weights applies to a draft model; self-speculation drafts with the target"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(), "exactly one of"),
+        (dict(draft_model="d", self_speculate=True), "exactly one of"),
+        (dict(draft_model=""), "exactly one of"),
+        (dict(self_speculate=True, draft_kv="quest"), "unknown draft_kv"),
+        (dict(self_speculate=True, num_draft_tokens=0), "num_draft_tokens"),
+        (dict(self_speculate=True, num_draft_tokens=-3), "num_draft_tokens"),
+        (dict(self_speculate=True, num_draft_tokens=2.5), "num_draft_tokens"),
+        (dict(self_speculate=True, verifier="typical"), "unknown verifier"),
+        (dict(self_speculate=True, draft_kv="streaming", draft_budget=0), "draft_budget"),
+        (dict(self_speculate=True, draft_kv="streaming", draft_budget=-8), "draft_budget"),
+        (dict(self_speculate=True, draft_kv="streaming", window=0), "window"),
+        (dict(self_speculate=True, draft_kv="streaming", sinks=-1, window=4), "sinks"),
+        (dict(self_speculate=True, draft_kv="streaming", draft_budget=3, sinks=4), "window >= 1"),
+        (dict(self_speculate=True, draft_kv="streaming"), "draft-budget"),
+        (dict(self_speculate=True, draft_kv="snapkv"), "draft-budget"),
+        (dict(self_speculate=True, draft_kv="snapkv", draft_budget=8, window=16), "window"),
+        (dict(self_speculate=True, draft_kv="snapkv", draft_budget=64, pool_kernel=2), "odd"),
+        (dict(draft_model="d", draft_weights="int3"), "unknown draft_weights 'int3'; choose one of auto, float32"),
+        (dict(draft_model="d", draft_weights=None), "unknown draft_weights None"),
+        (
+            dict(self_speculate=True, draft_weights="int8"),
+            "draft_weights applies to a draft model; self-speculation drafts with the target",
+        ),
+    ],
+)
 def test_speculative_config_errors(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         SpeculativeConfig(**kwargs)

@@ -28,15 +28,24 @@ HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 300
 HEAD_DIM = HIDDEN // HEADS
 
 GGUF_LAYER = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
 }
 
 
 def gguf_name(hf: str) -> str:
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if hf in top:
         return top[hf]
     _, _, i, rest = hf.split(".", 3)
@@ -56,16 +65,27 @@ def random_state_dict(seed: int, qkv_bias: bool, tied: bool) -> dict[str, np.nda
         sd["lm_head.weight"] = w(VOCAB, HIDDEN)
     for i in range(LAYERS):
         p = f"model.layers.{i}."
-        sd.update({
-            p + "self_attn.q_proj.weight": w(q, HIDDEN), p + "self_attn.k_proj.weight": w(kv, HIDDEN),
-            p + "self_attn.v_proj.weight": w(kv, HIDDEN), p + "self_attn.o_proj.weight": w(HIDDEN, q),
-            p + "mlp.gate_proj.weight": w(FFN, HIDDEN), p + "mlp.up_proj.weight": w(FFN, HIDDEN),
-            p + "mlp.down_proj.weight": w(HIDDEN, FFN),
-            p + "input_layernorm.weight": 1 + w(HIDDEN), p + "post_attention_layernorm.weight": 1 + w(HIDDEN),
-        })
+        sd.update(
+            {
+                p + "self_attn.q_proj.weight": w(q, HIDDEN),
+                p + "self_attn.k_proj.weight": w(kv, HIDDEN),
+                p + "self_attn.v_proj.weight": w(kv, HIDDEN),
+                p + "self_attn.o_proj.weight": w(HIDDEN, q),
+                p + "mlp.gate_proj.weight": w(FFN, HIDDEN),
+                p + "mlp.up_proj.weight": w(FFN, HIDDEN),
+                p + "mlp.down_proj.weight": w(HIDDEN, FFN),
+                p + "input_layernorm.weight": 1 + w(HIDDEN),
+                p + "post_attention_layernorm.weight": 1 + w(HIDDEN),
+            }
+        )
         if qkv_bias:
-            sd.update({p + "self_attn.q_proj.bias": w(q), p + "self_attn.k_proj.bias": w(kv),
-                       p + "self_attn.v_proj.bias": w(kv)})
+            sd.update(
+                {
+                    p + "self_attn.q_proj.bias": w(q),
+                    p + "self_attn.k_proj.bias": w(kv),
+                    p + "self_attn.v_proj.bias": w(kv),
+                }
+            )
     return sd
 
 
@@ -81,13 +101,21 @@ def random_k_blocks(qtype: QT, rows: int, cols: int, seed: int) -> np.ndarray:
     raw = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
     scale_at = {QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [size - 2], QT.Q2_K: [size - 4, size - 2]}[qtype]
     for at in scale_at:
-        raw[:, at:at + 2] = (rng.uniform(1e-4, 1e-3, size=(raw.shape[0], 1))).astype(np.float16).view(np.uint8)
+        raw[:, at : at + 2] = (rng.uniform(1e-4, 1e-3, size=(raw.shape[0], 1))).astype(np.float16).view(np.uint8)
     return raw.reshape(rows, cols // block * size)
 
 
-def write_gguf(path: Path, arch: str, sd: dict[str, np.ndarray], *, types: dict[str, QT] | None = None,
-               raw: dict[str, tuple[np.ndarray, QT]] | None = None, skip: tuple[str, ...] = (),
-               extra_kv=None, rope_freqs: np.ndarray | None = None) -> None:
+def write_gguf(
+    path: Path,
+    arch: str,
+    sd: dict[str, np.ndarray],
+    *,
+    types: dict[str, QT] | None = None,
+    raw: dict[str, tuple[np.ndarray, QT]] | None = None,
+    skip: tuple[str, ...] = (),
+    extra_kv=None,
+    rope_freqs: np.ndarray | None = None,
+) -> None:
     """Write `sd` (HF names, HF layouts) as a GGUF file the way llama.cpp's converter lays it out."""
     types, raw = types or {}, raw or {}
     writer = gguf.GGUFWriter(path, arch)
@@ -130,21 +158,37 @@ def write_gguf(path: Path, arch: str, sd: dict[str, np.ndarray], *, types: dict[
 
 
 # Quantized layouts in the test files (the rest stay F32): value tolerance from each type's step size.
-LLAMA_TYPES = {"blk.0.attn_q.weight": QT.Q8_0, "blk.0.attn_k.weight": QT.Q4_0, "blk.0.ffn_gate.weight": QT.Q4_1,
-               "blk.1.attn_q.weight": QT.Q5_0, "blk.1.ffn_up.weight": QT.Q5_1, "blk.1.attn_v.weight": QT.F16,
-               "blk.1.attn_k.weight": QT.BF16}
+LLAMA_TYPES = {
+    "blk.0.attn_q.weight": QT.Q8_0,
+    "blk.0.attn_k.weight": QT.Q4_0,
+    "blk.0.ffn_gate.weight": QT.Q4_1,
+    "blk.1.attn_q.weight": QT.Q5_0,
+    "blk.1.ffn_up.weight": QT.Q5_1,
+    "blk.1.attn_v.weight": QT.F16,
+    "blk.1.attn_k.weight": QT.BF16,
+}
 QWEN_TYPES = {"token_embd.weight": QT.Q8_0, "blk.0.attn_v.weight": QT.Q4_0, "blk.1.ffn_down.weight": QT.Q5_0}
-TOLERANCE = {QT.F32: 0.0, QT.F16: 1e-4, QT.BF16: 1e-3, QT.Q8_0: 2e-3, QT.Q5_0: 1.5e-2, QT.Q5_1: 1.5e-2,
-             QT.Q4_0: 3e-2, QT.Q4_1: 3e-2}
+TOLERANCE = {
+    QT.F32: 0.0,
+    QT.F16: 1e-4,
+    QT.BF16: 1e-3,
+    QT.Q8_0: 2e-3,
+    QT.Q5_0: 1.5e-2,
+    QT.Q5_1: 1.5e-2,
+    QT.Q4_0: 3e-2,
+    QT.Q4_1: 3e-2,
+}
 
 
 @pytest.fixture(scope="module")
 def llama_file(tmp_path_factory):
     sd = random_state_dict(0, qkv_bias=False, tied=False)
     path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
-    k_raw = {"blk.0.ffn_down.weight": (random_k_blocks(QT.Q4_K, HIDDEN, FFN, 1), QT.Q4_K),
-             "blk.1.ffn_gate.weight": (random_k_blocks(QT.Q6_K, FFN, HIDDEN, 2), QT.Q6_K),
-             "blk.1.attn_output.weight": (random_k_blocks(QT.Q5_K, HIDDEN, HIDDEN, 3), QT.Q5_K)}
+    k_raw = {
+        "blk.0.ffn_down.weight": (random_k_blocks(QT.Q4_K, HIDDEN, FFN, 1), QT.Q4_K),
+        "blk.1.ffn_gate.weight": (random_k_blocks(QT.Q6_K, FFN, HIDDEN, 2), QT.Q6_K),
+        "blk.1.attn_output.weight": (random_k_blocks(QT.Q5_K, HIDDEN, HIDDEN, 3), QT.Q5_K),
+    }
     write_gguf(path, "llama", sd, types=LLAMA_TYPES, raw=k_raw)
     return path, sd, k_raw
 
@@ -201,8 +245,12 @@ def test_llama_permutation_is_undone_exactly(llama_file):
     """An F32 Q/K tensor comes back bit-identical to the HF original (and differs from the file's layout)."""
     path, sd, _ = llama_file
     model = read_gguf(path)
-    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight",
-                 "model.layers.1.self_attn.k_proj.weight", "model.layers.0.self_attn.k_proj.weight"):
+    for name in (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+    ):
         assert tuple(model.tensors[name].shape) == sd[name].shape
     q0 = sd["model.layers.1.self_attn.k_proj.weight"]
     assert not np.array_equal(llamacpp_permute(q0, KV_HEADS), q0)
@@ -236,8 +284,12 @@ def test_bfloat16_output(qwen_file):
 def test_bfloat16_quantized_equals_rounded_float32(llama_file):
     path, _, _ = llama_file
     f32, bf16 = read_gguf(path), read_gguf(path, dtype=torch.bfloat16)
-    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
-                 "model.layers.1.mlp.gate_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
+    for name in (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.1.mlp.gate_proj.weight",
+        "model.layers.1.self_attn.k_proj.weight",
+    ):
         assert bf16.tensors[name].dtype == torch.bfloat16
         assert torch.equal(bf16.tensors[name], f32.tensors[name].to(torch.bfloat16)), name
 
@@ -249,6 +301,7 @@ def test_header_matches_gguf_reader(llama_file, tmp_path):
     def align(w):
         w.add_custom_alignment(64)
         w.data_alignment = 64
+
     aligned = tmp_path / "aligned.gguf"
     write_gguf(aligned, "llama", sd, types=LLAMA_TYPES, extra_kv=align)
     for p in (path, aligned):
@@ -306,6 +359,7 @@ def test_rope_freqs_and_linear_scaling(tmp_path):
     def linear(w):
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(4.0)
+
     path2 = tmp_path / "linear.gguf"
     write_gguf(path2, "llama", sd, extra_kv=linear)
     scaling = read_gguf(path2).config.rope_scaling
@@ -313,6 +367,7 @@ def test_rope_freqs_and_linear_scaling(tmp_path):
 
     def yarn(w):
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+
     path3 = tmp_path / "yarn.gguf"
     write_gguf(path3, "llama", sd, extra_kv=yarn)
     with pytest.raises(UnsupportedModelError, match="yarn"):
@@ -351,6 +406,7 @@ def test_bad_metadata(tmp_path):
 
     def partial_rotary(w):
         w.add_uint32("llama.rope.dimension_count", HEAD_DIM // 2)
+
     path = tmp_path / "partial.gguf"
     write_gguf(path, "llama", sd, extra_kv=partial_rotary)
     with pytest.raises(UnsupportedModelError, match="partial rotary"):
@@ -358,6 +414,7 @@ def test_bad_metadata(tmp_path):
 
     def wrong_type(w):
         w.add_string("llama.block_count", "two")
+
     path = tmp_path / "wrongtype.gguf"
     write_gguf(path, "llama", sd, extra_kv=wrong_type)  # replaces the uint32 field
     assert read_gguf_metadata(path)["llama.block_count"] == "two"
@@ -422,6 +479,7 @@ def test_tokenizer_from_gguf(tmp_path):
         w.add_token_list(tokens)
         w.add_token_types([TokenType.CONTROL if i in control else TokenType.NORMAL for i in range(len(tokens))])
         w.add_token_merges(["a b", "ab c"])
+
     path = tmp_path / "tok.gguf"
     write_gguf(path, "llama", sd, extra_kv=tok)
     tokenizer = load_gguf_tokenizer(path)
@@ -490,8 +548,9 @@ def test_real_file_matches_transformers(name, real_model):
     tokenizer = load_gguf_tokenizer(path)
     assert tokenizer.chat_template == model.metadata["chat_template"]
     assert tokenizer.eos_token_id in model.config.eos_token_ids
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert "hi" in text and tokenizer.eos_token in text
 
 
@@ -507,9 +566,11 @@ def test_real_qwen_1_5b_loads_fast_and_shares_the_0_5b_tokenizer(real_model):
     # Spot-check K-quant tensors against gguf's own numpy dequantizer (gguf.GGUFReader would take ~20 s
     # to parse the header; test_header_matches_gguf_reader checks redwood's parser against it instead).
     header = read_gguf_header(big)
-    for name, hf in (("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight"),
-                     ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight"),
-                     ("output.weight", "lm_head.weight")):
+    for name, hf in (
+        ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight"),
+        ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight"),
+        ("output.weight", "lm_head.weight"),
+    ):
         info = header.tensors[name]
         raw = np.memmap(big, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.n_bytes,))
         expect = gguf.quants.dequantize(raw.reshape(info.shape[0], -1), QT[info.type_name])

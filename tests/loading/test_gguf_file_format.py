@@ -66,12 +66,12 @@ def test_int4_groups_reproduce_the_files_values_through_the_kernel(qtype, rows, 
     if qtype == QT.Q4_K:
         assert torch.equal(groups, ref)
     else:
-        assert ((groups - ref).abs() <= 2 ** -23 * ref.abs() * 2 + 1e-12).all()
+        assert ((groups - ref).abs() <= 2**-23 * ref.abs() * 2 + 1e-12).all()
     # the kernel's weight against the file's: within the bound int4_scale_zero derives (bfloat16 half ulps)
     w = kernel_weight(q, step, offset)
     scale, zero = int4_scale_zero(step, offset)
     zero_star = 8 * scale.float() - offset - 7.5 * (scale.float() - step)
-    bound = (2 ** -8 * (7.5 * step.abs() + zero_star.abs()) * 1.001).repeat_interleave(32, 1)
+    bound = (2**-8 * (7.5 * step.abs() + zero_star.abs()) * 1.001).repeat_interleave(32, 1)
     err = (w - ref).abs()
     assert (err <= bound + 1e-12).all()
     # the packed projection multiplies by exactly that weight (its products: rounded once to bfloat16)
@@ -105,16 +105,20 @@ def test_zero_scale_groups_and_negative_offsets():
     offset = torch.tensor([[-0.02, 0.011]]).repeat(16, 1)
     ref = (q.float().view(16, 2, 32) * step[..., None] - offset[..., None]).view(16, 64)
     w = kernel_weight(q, step, offset)
-    assert ((w - ref).abs()[:, :32] <= 2 ** -8 * 0.02).all()  # (the zero's bfloat16 rounding alone)
-    assert ((w - ref).abs()[:, 32:] <= 2 ** -8 * (7.5e-3 + 0.02)).all()
+    assert ((w - ref).abs()[:, :32] <= 2**-8 * 0.02).all()  # (the zero's bfloat16 rounding alone)
+    assert ((w - ref).abs()[:, 32:] <= 2**-8 * (7.5e-3 + 0.02)).all()
 
 
 # A tiny llama file (Q/K rows permuted by the converter) of every layout the format handles.
 FILE_TYPES = {  # GGUF name -> the kernel format "gguf" must give it
-    "blk.0.attn_q.weight": (QT.Q4_K, "int4"), "blk.0.attn_k.weight": (QT.Q4_0, "int4"),
-    "blk.0.ffn_gate.weight": (QT.Q4_1, "int4"), "blk.0.ffn_down.weight": (QT.Q6_K, "int8"),
-    "blk.0.attn_v.weight": (QT.Q8_0, "int8"), "blk.1.attn_q.weight": (QT.Q5_0, "int8"),
-    "blk.1.attn_k.weight": (QT.Q4_K, "int4"), "blk.1.ffn_up.weight": (QT.F16, "int8"),
+    "blk.0.attn_q.weight": (QT.Q4_K, "int4"),
+    "blk.0.attn_k.weight": (QT.Q4_0, "int4"),
+    "blk.0.ffn_gate.weight": (QT.Q4_1, "int4"),
+    "blk.0.ffn_down.weight": (QT.Q6_K, "int8"),
+    "blk.0.attn_v.weight": (QT.Q8_0, "int8"),
+    "blk.1.attn_q.weight": (QT.Q5_0, "int8"),
+    "blk.1.attn_k.weight": (QT.Q4_K, "int4"),
+    "blk.1.ffn_up.weight": (QT.F16, "int8"),
     "output.weight": (QT.Q4_K, "int8"),  # (300 rows: int4 cannot tile them → int8 from the file's floats)
 }  # (the rest F32 → int8)
 
@@ -154,7 +158,7 @@ def test_load_gguf_format_packs_each_projection_by_its_file_type(mixed_file):
         assert module.kind == want, g
         w, r = module.dequantized(), ref[hf]
         if want == "int4":  # the file's grid: within bfloat16 roundings (scale, zero; the read-out's output)
-            assert ((w - r).abs() <= 2 ** -7 * r.abs().amax(1, keepdim=True)).all(), g
+            assert ((w - r).abs() <= 2**-7 * r.abs().amax(1, keepdim=True)).all(), g
         else:  # int8 per row: half a step of the row's largest value
             assert ((w - r).abs() <= r.abs().amax(1, keepdim=True) / 127 * 0.52 + 1e-7).all(), g
     assert len(kinds) == 2 * 7 + 1
@@ -185,7 +189,7 @@ def test_llama_q_rows_follow_the_unpermutation(mixed_file):
     ref = read_gguf(mixed_file).tensors["model.layers.0.self_attn.q_proj.weight"]
     w = m.layers[0].self_attn.q_proj.dequantized()
     err = (w - ref).abs().amax(1)
-    assert (err <= 2 ** -7 * ref.abs().amax(1)).all()
+    assert (err <= 2**-7 * ref.abs().amax(1)).all()
     from redwood.loading.gguf import permute_qk
 
     wrong = permute_qk(ref, 4)  # (the converter's order: what an un-permutation bug would leave)
@@ -196,8 +200,11 @@ def test_gguf_format_errors(tmp_path, mixed_file):
     from tests.conftest import random_hf_model, tiny_hf_config
 
     random_hf_model(tiny_hf_config("qwen2")).save_pretrained(tmp_path / "hf")
-    with pytest.raises(ConfigError, match="weights='gguf' keeps a GGUF file's own quantization, and .* is not a "
-                                          ".gguf file; choose one of float32, bfloat16, int8, int4"):
+    with pytest.raises(
+        ConfigError,
+        match="weights='gguf' keeps a GGUF file's own quantization, and .* is not a "
+        ".gguf file; choose one of float32, bfloat16, int8, int4",
+    ):
         load_model(tmp_path / "hf", weights="gguf")
     f32 = load(mixed_file, "float32")
     with pytest.raises(ConfigError, match="chosen as the file loads: load_model\\(path, weights='gguf'\\)"):
@@ -220,8 +227,7 @@ def test_greedy_speculation_equals_greedy_ar_under_gguf(mixed_file, tokenizer, m
     if mode == "self-streaming":
         drafter, tree = SelfDrafter(target, StreamingPolicy(2, 10)), Tree.chain(3)
     else:
-        drafter, tree = ModelDrafter(load(mixed_file, "int4"), FullPolicy(), 300), \
-            resolve_tree("chains:2x3")
+        drafter, tree = ModelDrafter(load(mixed_file, "int4"), FullPolicy(), 300), resolve_tree("chains:2x3")
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(5, 40))] for _ in range(3)]
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)

@@ -53,8 +53,9 @@ def test_auto_is_the_files_own_types_for_gguf_on_the_cpu_and_float32_otherwise(g
     assert int4(ids, torch.arange(4)[None], int4.new_cache(1, 8)).shape == (1, 4, 300)
 
 
-def test_draft_auto_is_int4_for_a_gguf_draft_on_the_cpu_and_falls_back_where_int4_does_not_fit(gguf_file, tmp_path,
-                                                                                                monkeypatch):
+def test_draft_auto_is_int4_for_a_gguf_draft_on_the_cpu_and_falls_back_where_int4_does_not_fit(
+    gguf_file, tmp_path, monkeypatch
+):
     from pathlib import Path
 
     from tests.conftest import random_hf_model, tiny_hf_config
@@ -104,8 +105,10 @@ def test_a_gguf_packed_as_it_loads_equals_the_loaded_model_packed(tmp_path, tied
         a, b = dict(streamed.named_buffers()), dict(ref.named_buffers())
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), kind
         assert streamed.layers[0].self_attn.q_proj.bias is not None
-        assert torch.equal(streamed(ids, torch.arange(5)[None], streamed.new_cache(1, 8)),
-                           ref(ids, torch.arange(5)[None], ref.new_cache(1, 8)))
+        assert torch.equal(
+            streamed(ids, torch.arange(5)[None], streamed.new_cache(1, 8)),
+            ref(ids, torch.arange(5)[None], ref.new_cache(1, 8)),
+        )
 
 
 def test_bad_values_and_cuda_are_config_errors():
@@ -153,8 +156,9 @@ def test_draft_weights_needs_a_draft_model(hf_pair):
     with pytest.raises(ConfigError, match="draft_weights moved to SpeculativeConfig\\(draft_weights=...\\)"):
         LLM(str(hf_pair[0]), draft_weights="int4")
     with pytest.raises(ConfigError, match="self-speculation drafts with the target's weights"):
-        SpeculativeConfig(self_speculate=True, draft_kv="streaming", draft_budget=8, num_draft_tokens=2,
-                          draft_weights="int4")
+        SpeculativeConfig(
+            self_speculate=True, draft_kv="streaming", draft_budget=8, num_draft_tokens=2, draft_weights="int4"
+        )
 
 
 def test_draft_weights_on_each_device():
@@ -167,8 +171,11 @@ def test_draft_weights_on_each_device():
     assert draft_weights_on("auto", cuda) == ("auto", None) and draft_weights_on("float32", cuda) == ("float32", None)
     assert draft_weights_on("int8", cuda) == ("auto", "int8")
     for w in ("bfloat16", "int4", "w8a8", "q4k", "gguf", "kquant"):
-        with pytest.raises(ConfigError, match=f"draft_weights='{w}' is a CPU format; on CUDA a draft model takes "
-                                              f"auto or float32 \\(its dtype\\) or int8"):
+        with pytest.raises(
+            ConfigError,
+            match=f"draft_weights='{w}' is a CPU format; on CUDA a draft model takes "
+            f"auto or float32 \\(its dtype\\) or int8",
+        ):
             draft_weights_on(w, cuda)
     with pytest.raises(ConfigError, match="unknown draft_weights 'int3'"):
         draft_weights_on("int3", cpu)
@@ -199,8 +206,19 @@ def test_cli_weights_flag(hf_pair, capsys):
     assert "invalid choice: 'int3'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", [["generate"], ["serve"], ["acceptance"], ["profile"], ["bench", "ar"],
-                                     ["bench", "standalone"], ["bench", "selfspec"], ["bench", "throughput"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["generate"],
+        ["serve"],
+        ["acceptance"],
+        ["profile"],
+        ["bench", "ar"],
+        ["bench", "standalone"],
+        ["bench", "selfspec"],
+        ["bench", "throughput"],
+    ],
+)
 def test_every_command_that_loads_a_model_takes_weights(command, capsys):
     """Each command passes args.weights to what it loads, so each parser must define --weights."""
     from redwood.cli import main
@@ -210,8 +228,9 @@ def test_every_command_that_loads_a_model_takes_weights(command, capsys):
     assert "--weights {auto,float32,bfloat16,int8,int4,w8a8,q4k,gguf,kquant}" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("command", [["generate"], ["serve"], ["acceptance"], ["profile"], ["bench", "standalone"],
-                                     ["bench", "throughput"]])
+@pytest.mark.parametrize(
+    "command", [["generate"], ["serve"], ["acceptance"], ["profile"], ["bench", "standalone"], ["bench", "throughput"]]
+)
 def test_every_command_with_a_draft_model_takes_draft_weights(command, capsys):
     from redwood.cli import main
 
@@ -221,15 +240,39 @@ def test_every_command_with_a_draft_model_takes_draft_weights(command, capsys):
     assert "--draft-model" in out and "--draft-weights {auto,float32,bfloat16,int8,int4,w8a8,q4k,gguf,kquant}" in out
 
 
-@pytest.mark.parametrize("command, flags, msg", [
-    (["generate", "--prompt", "x"], ["--draft-weights", "int4"], "--draft-weights only applies when speculating"),
-    (["generate", "--prompt", "x"], ["--self-speculate", "--draft-weights", "int4"],
-     "self-speculation drafts with the target's weights"),
-    (["profile", "--output", "p.json"], ["--draft-weights", "int8"], "--draft-weights only applies with --draft-model"),
-    (["acceptance", "--width", "2", "--mode", "dynamic", "--temperature", "0", "--dataset", "humaneval",
-      "--output", "a.json"], ["--self-speculate", "--draft-kv", "streaming", "--draft-budget", "8",
-                              "--draft-weights", "int4"], "self-speculation drafts with the target's weights"),
-])
+@pytest.mark.parametrize(
+    "command, flags, msg",
+    [
+        (["generate", "--prompt", "x"], ["--draft-weights", "int4"], "--draft-weights only applies when speculating"),
+        (
+            ["generate", "--prompt", "x"],
+            ["--self-speculate", "--draft-weights", "int4"],
+            "self-speculation drafts with the target's weights",
+        ),
+        (
+            ["profile", "--output", "p.json"],
+            ["--draft-weights", "int8"],
+            "--draft-weights only applies with --draft-model",
+        ),
+        (
+            [
+                "acceptance",
+                "--width",
+                "2",
+                "--mode",
+                "dynamic",
+                "--temperature",
+                "0",
+                "--dataset",
+                "humaneval",
+                "--output",
+                "a.json",
+            ],
+            ["--self-speculate", "--draft-kv", "streaming", "--draft-budget", "8", "--draft-weights", "int4"],
+            "self-speculation drafts with the target's weights",
+        ),
+    ],
+)
 def test_draft_weights_flag_errors(command, flags, msg, tmp_path, capsys):
     """One line on stderr, exit status 2, before any model loads (the model path does not exist)."""
     from redwood.cli import main

@@ -21,16 +21,24 @@ from redwood.models import cpu_fused
 from tests.conftest import random_hf_model, tiny_hf_config
 from tests.models.test_cpu_kquant import decode_steps, prefilled
 
-pytestmark = pytest.mark.skipif(not kquant.available(),
-                                reason=f"kquant kernel unavailable here: {kquant.why_unavailable()}")
+pytestmark = pytest.mark.skipif(
+    not kquant.available(), reason=f"kquant kernel unavailable here: {kquant.why_unavailable()}"
+)
 
 VOCAB = 320
 
 
 def q4k_model(tmp_path, arch: str, **overrides):
     """A tiny random HF model of `arch` (Qwen2: q/k/v biases) loaded with every projection as Q4_K."""
-    cfg = tiny_hf_config(arch, vocab_size=VOCAB, hidden_size=128, intermediate_size=320, num_attention_heads=4,
-                         num_key_value_heads=2, **overrides)
+    cfg = tiny_hf_config(
+        arch,
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=320,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **overrides,
+    )
     random_hf_model(cfg, seed=3).save_pretrained(tmp_path / arch)
     model = load_model(tmp_path / arch, weights="q4k").model
     assert cpu_fused.model_takes(model)
@@ -219,8 +227,14 @@ def test_the_op_rejects_bad_arguments():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", OP_CHECKS], capture_output=True, text=True, timeout=300, cwd=root,
-                         env={**os.environ, "PYTHONPATH": f"{root / 'src'}:{root}"})
+    out = subprocess.run(
+        [sys.executable, "-c", OP_CHECKS],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": f"{root / 'src'}:{root}"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()[-5:]
     assert lines[0] == "ran"

@@ -26,8 +26,9 @@ from redwood.models import cpu_weights
 from redwood.models.cpu_weights import KQUANT, PackedLinear
 from tests.loading.test_gguf import HIDDEN, VOCAB, gguf_name, random_state_dict, write_gguf
 
-pytestmark = pytest.mark.skipif(not kquant.available(),
-                                reason=f"kquant kernel unavailable here: {kquant.why_unavailable()}")
+pytestmark = pytest.mark.skipif(
+    not kquant.available(), reason=f"kquant kernel unavailable here: {kquant.why_unavailable()}"
+)
 
 
 def k_blocks(qtype: QT, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -67,12 +68,21 @@ def fallback() -> str:
 # (q Q6_K, k Q4_K, v Q8_0; gate Q4_K, up Q5_0; o F32); the head Q6_K (300 rows: a tail of 12 after 16-row
 # chunks); the embedding Q8_0 (a lookup, not packed).
 KQ_TYPES = {
-    "blk.0.attn_q.weight": QT.Q4_K, "blk.0.attn_k.weight": QT.Q4_K, "blk.0.attn_v.weight": QT.Q4_K,
-    "blk.0.attn_output.weight": QT.Q6_K, "blk.0.ffn_gate.weight": QT.Q6_K, "blk.0.ffn_up.weight": QT.Q6_K,
+    "blk.0.attn_q.weight": QT.Q4_K,
+    "blk.0.attn_k.weight": QT.Q4_K,
+    "blk.0.attn_v.weight": QT.Q4_K,
+    "blk.0.attn_output.weight": QT.Q6_K,
+    "blk.0.ffn_gate.weight": QT.Q6_K,
+    "blk.0.ffn_up.weight": QT.Q6_K,
     "blk.0.ffn_down.weight": QT.Q4_K,
-    "blk.1.attn_q.weight": QT.Q6_K, "blk.1.attn_k.weight": QT.Q4_K, "blk.1.attn_v.weight": QT.Q8_0,
-    "blk.1.ffn_gate.weight": QT.Q4_K, "blk.1.ffn_up.weight": QT.Q5_0, "blk.1.ffn_down.weight": QT.Q6_K,
-    "output.weight": QT.Q6_K, "token_embd.weight": QT.Q8_0,
+    "blk.1.attn_q.weight": QT.Q6_K,
+    "blk.1.attn_k.weight": QT.Q4_K,
+    "blk.1.attn_v.weight": QT.Q8_0,
+    "blk.1.ffn_gate.weight": QT.Q4_K,
+    "blk.1.ffn_up.weight": QT.Q5_0,
+    "blk.1.ffn_down.weight": QT.Q6_K,
+    "output.weight": QT.Q6_K,
+    "token_embd.weight": QT.Q8_0,
 }
 
 
@@ -115,7 +125,7 @@ def decode_steps(m, cache, toks: torch.Tensor, positions) -> torch.Tensor:
     """One-token forwards of toks[:, t] at positions[t], each committed → their logits side by side [1, T, V]."""
     out = []
     for t, pos in enumerate(positions):
-        out.append(m(toks[:, t:t + 1], torch.tensor([[pos]]), cache))
+        out.append(m(toks[:, t : t + 1], torch.tensor([[pos]]), cache))
         cache.commit(1)
     return torch.cat(out, 1)
 
@@ -159,8 +169,12 @@ def test_from_kquant_forward_is_the_kernel_on_float32_inputs(qtype):
 @pytest.mark.parametrize("bias", [False, True])
 def test_concat_equals_the_members_side_by_side(bias):
     g = torch.Generator().manual_seed(3)
-    members = [PackedLinear.from_kquant(torch.from_numpy(k_blocks(QT.Q4_K, n, 256, n)), "Q4_K",
-                                        torch.randn(n, generator=g) if bias else None) for n in (96, 48, 40)]
+    members = [
+        PackedLinear.from_kquant(
+            torch.from_numpy(k_blocks(QT.Q4_K, n, 256, n)), "Q4_K", torch.randn(n, generator=g) if bias else None
+        )
+        for n in (96, 48, 40)
+    ]
     x = torch.randn(9, 256, generator=g)
     before, nbytes = [m(x) for m in members], sum(m.nbytes for m in members)
     assert cpu_weights.can_concat(members)
@@ -251,7 +265,7 @@ def test_every_projection_and_a_t_token_forward_are_row_exact(kq_model):
     g = torch.Generator().manual_seed(5)
     for name, module in projections(kq_model):
         x = torch.randn(7, module.in_features, generator=g)
-        ones = torch.cat([module(x[i:i + 1]) for i in range(7)])
+        ones = torch.cat([module(x[i : i + 1]) for i in range(7)])
         assert torch.equal(module(x), ones), name
     m = kq_model
     prompt = torch.randint(3, VOCAB, (1, 20), generator=g)
@@ -281,8 +295,9 @@ def test_greedy_speculation_equals_greedy_ar(kq_file, kq_model, tokenizer, mode)
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     _, ar, _ = run_engine(target, tokenizer, prompts, params, max_num_seqs=3)
     tree = Tree.chain(3) if mode == "chain" else resolve_tree("chains:2x3")
-    _, spec, _ = run_engine(target, tokenizer, prompts, params, drafter=ModelDrafter(draft, FullPolicy(), VOCAB),
-                            tree=tree, max_num_seqs=3)
+    _, spec, _ = run_engine(
+        target, tokenizer, prompts, params, drafter=ModelDrafter(draft, FullPolicy(), VOCAB), tree=tree, max_num_seqs=3
+    )
     for a, s in zip(ar, spec):
         assert s.output_ids == a.output_ids and len(a.output_ids) == 20
     assert 0 < sum(s.stats.spec.accepted for s in spec) < sum(s.stats.spec.drafted for s in spec)
@@ -295,8 +310,11 @@ def test_kquant_errors(tmp_path, kq_file, monkeypatch):
     from tests.conftest import random_hf_model, tiny_hf_config
 
     random_hf_model(tiny_hf_config("qwen2")).save_pretrained(tmp_path / "hf")
-    with pytest.raises(ConfigError, match="weights='kquant' keeps a GGUF file's own quantization, and .* is not a "
-                                          ".gguf file; choose one of float32, bfloat16, int8, int4, w8a8"):
+    with pytest.raises(
+        ConfigError,
+        match="weights='kquant' keeps a GGUF file's own quantization, and .* is not a "
+        ".gguf file; choose one of float32, bfloat16, int8, int4, w8a8",
+    ):
         load_model(tmp_path / "hf", weights="kquant")
     with pytest.raises(ConfigError, match="draft_weights='kquant' keeps a GGUF file's own quantization"):
         cpu_weights.resolve_weights("kquant", torch.device("cpu"), tmp_path / "hf", draft=True)
@@ -309,8 +327,9 @@ def test_kquant_errors(tmp_path, kq_file, monkeypatch):
     assert cpu_weights.auto_formats(KQUANT) == (KQUANT, "w8a8", "int8", "float32")
     # where the kernel cannot run, an explicit kquant says why before any weight is read
     monkeypatch.setattr(kquant, "why_unavailable", lambda: "this CPU lacks avx512_vnni")
-    with pytest.raises(ConfigError, match="weights='kquant' cannot be used: .*kernel.* cannot run here: "
-                                          "this CPU lacks avx512_vnni"):
+    with pytest.raises(
+        ConfigError, match="weights='kquant' cannot be used: .*kernel.* cannot run here: this CPU lacks avx512_vnni"
+    ):
         load(kq_file, KQUANT)
 
 
@@ -330,7 +349,7 @@ def test_q4k_quantizes_near_the_weight_pads_with_zeros_and_is_row_exact(K):
     dq = dequantize(rows, "Q4_K", (40, Kp))
     # (whole padded sub-blocks are zero; one that mixes weights and padding holds 0 on its grid, which need
     # not be exactly 0 — the padded inputs are zero, so it never counts)
-    assert torch.all(dq[:, -(-K // 32) * 32:] == 0)
+    assert torch.all(dq[:, -(-K // 32) * 32 :] == 0)
     assert ((dq[:, :K] - w).norm() / w.norm()).item() < 0.12
     bias = torch.randn(40, generator=g)
     m = PackedLinear(w, bias, "q4k")
@@ -339,7 +358,7 @@ def test_q4k_quantizes_near_the_weight_pads_with_zeros_and_is_row_exact(K):
     want = kquant.kquant_linear(torch.nn.functional.pad(x, (0, Kp - K)), m.kq, "Q4_K") + bias
     assert torch.equal(m(x), want)
     for M in range(1, 10):
-        assert torch.equal(m(x[:M]), torch.cat([m(x[i:i + 1]) for i in range(M)]))
+        assert torch.equal(m(x[:M]), torch.cat([m(x[i : i + 1]) for i in range(M)]))
 
 
 def test_q4k_target_and_draft_greedy_speculation_equals_greedy_ar(kq_file, tokenizer):
@@ -358,8 +377,15 @@ def test_q4k_target_and_draft_greedy_speculation_equals_greedy_ar(kq_file, token
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(5, 40))] for _ in range(3)]
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     _, ar, _ = run_engine(target, tokenizer, prompts, params, max_num_seqs=3)
-    _, spec, _ = run_engine(target, tokenizer, prompts, params, drafter=ModelDrafter(draft, FullPolicy(), VOCAB),
-                            tree=Tree.chain(3), max_num_seqs=3)
+    _, spec, _ = run_engine(
+        target,
+        tokenizer,
+        prompts,
+        params,
+        drafter=ModelDrafter(draft, FullPolicy(), VOCAB),
+        tree=Tree.chain(3),
+        max_num_seqs=3,
+    )
     for a, s in zip(ar, spec):
         assert s.output_ids == a.output_ids and len(a.output_ids) == 16
 

@@ -24,8 +24,9 @@ from tests.conftest import random_hf_model, tiny_hf_config
 def _tiny(kinds: str) -> Transformer:
     """kinds: "int8" / "int4" / "bfloat16" for every projection, or "mixed" (v_proj and down_proj int8 in layer 0, the
     rest int4: the layout of a Q4_K_M file, taken as "gguf")."""
-    hf_config = tiny_hf_config("qwen2", hidden_size=128, intermediate_size=192, num_attention_heads=4,
-                               num_key_value_heads=2)
+    hf_config = tiny_hf_config(
+        "qwen2", hidden_size=128, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2
+    )
     hf = random_hf_model(hf_config, seed=4, scale=0.08)
     model = build_model(ModelConfig.from_hf_dict(hf_config.to_dict()), hf.state_dict(), torch.float32, "cpu")
     if kinds != "mixed":
@@ -37,7 +38,9 @@ def _tiny(kinds: str) -> Transformer:
             setattr(m, name, PackedLinear(lin.weight, lin.bias, "int8" if (i, name) == (0, "v_proj") else "int4"))
         for name in ("gate_proj", "up_proj", "down_proj"):
             lin = getattr(layer.mlp, name)
-            setattr(layer.mlp, name, PackedLinear(lin.weight, lin.bias, "int8" if (i, name) == (0, "down_proj") else "int4"))
+            setattr(
+                layer.mlp, name, PackedLinear(lin.weight, lin.bias, "int8" if (i, name) == (0, "down_proj") else "int4")
+            )
     model.quantize_cpu("gguf")
     return model
 
@@ -50,8 +53,10 @@ def _plain(model, monkeypatch):
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_concat_equals_the_members_side_by_side(kind, bias):
     g = torch.Generator().manual_seed(0)
-    members = [PackedLinear(torch.randn(n, 128, generator=g) * 0.05, torch.randn(n, generator=g) if bias else None,
-                            kind) for n in (192, 64, 64)]
+    members = [
+        PackedLinear(torch.randn(n, 128, generator=g) * 0.05, torch.randn(n, generator=g) if bias else None, kind)
+        for n in (192, 64, 64)
+    ]
     x = torch.randn(17, 128, generator=g)
     xl = torch.randn(1, 130, 128, generator=g)  # a prefill chunk: the gemm paths
     before, before_gemm = [m(x) for m in members], [m(xl) for m in members]
@@ -105,7 +110,7 @@ def test_packed_forward_equals_the_plain_forward_bit_for_bit(kinds, monkeypatch)
             out.append(model(prompt, torch.arange(40)[None].expand(2, -1), cache))
             cache.commit(40)
             for t in range(3):
-                out.append(model(steps[:, t:t + 1], cache.lengths[:, None].clone(), cache))
+                out.append(model(steps[:, t : t + 1], cache.lengths[:, None].clone(), cache))
                 cache.commit(1)
             pos = cache.lengths[:, None] + torch.arange(4)
             out.append(model(steps[:, 3:7], pos, cache))
@@ -133,8 +138,9 @@ def test_prefill_chunks_keep_the_plain_path():
 
 def test_a_float_model_keeps_the_plain_path():
     hf_config = tiny_hf_config("qwen2", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
-    model = build_model(ModelConfig.from_hf_dict(hf_config.to_dict()), random_hf_model(hf_config).state_dict(),
-                        torch.float32, "cpu")
+    model = build_model(
+        ModelConfig.from_hf_dict(hf_config.to_dict()), random_hf_model(hf_config).state_dict(), torch.float32, "cpu"
+    )
     assert not isinstance(model.backend, CpuPackedBackend)  # a float model: the plain layers
     model.quantize_cpu("bfloat16")  # (bfloat16 projections do not concatenate, but take the packed path)
     assert model.backend.takes_packed(model, torch.zeros(1, 1, 128)) and len(model.layers[0].self_attn.cpu_qkv) == 3

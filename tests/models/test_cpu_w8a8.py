@@ -37,7 +37,7 @@ def test_rows_equal_one_row_products_and_the_exact_product(shape, bias):
     x = torch.randn(130, K, generator=g)
     x[:, :3] *= 50  # outlier channels
     x[5] = 0
-    ones = torch.cat([p(x[i:i + 1]) for i in range(130)])
+    ones = torch.cat([p(x[i : i + 1]) for i in range(130)])
     for m in list(range(1, 10)) + [130]:
         assert torch.equal(p(x[:m]), ones[:m])
     assert torch.equal(p(x.view(10, 13, K)), ones.view(10, 13, N))  # [B, T, K] inputs
@@ -63,8 +63,10 @@ def test_from_int8_multiplies_by_the_int8_weight():
 @pytest.mark.parametrize("bias", [False, True])
 def test_concat_equals_the_members_side_by_side(bias):
     g = torch.Generator().manual_seed(0)
-    members = [PackedLinear(torch.randn(n, 128, generator=g) * 0.05, torch.randn(n, generator=g) if bias else None,
-                            "w8a8") for n in (192, 32, 32)]
+    members = [
+        PackedLinear(torch.randn(n, 128, generator=g) * 0.05, torch.randn(n, generator=g) if bias else None, "w8a8")
+        for n in (192, 32, 32)
+    ]
     x = torch.randn(17, 128, generator=g)
     before, nbytes = [m(x) for m in members], sum(m.nbytes for m in members)
     assert cpu_weights.can_concat(members)
@@ -118,8 +120,9 @@ def test_greedy_speculation_equals_greedy_ar(models, mode, draft_kind):
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     _, ar, _ = run_engine(target, models[2], prompts, params, max_num_seqs=3)
     tree = Tree.chain(3) if mode == "chain" else resolve_tree("chains:2x3")
-    _, spec, _ = run_engine(target, models[2], prompts, params, drafter=ModelDrafter(draft, FullPolicy(), 320),
-                            tree=tree, max_num_seqs=3)
+    _, spec, _ = run_engine(
+        target, models[2], prompts, params, drafter=ModelDrafter(draft, FullPolicy(), 320), tree=tree, max_num_seqs=3
+    )
     for a, s in zip(ar, spec):
         assert s.output_ids == a.output_ids and len(a.output_ids) == 24
     assert 0 < sum(s.stats.spec.accepted for s in spec) < sum(s.stats.spec.drafted for s in spec)

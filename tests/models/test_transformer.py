@@ -10,8 +10,13 @@ from redwood.models.hf_compat import to_hf_model
 from redwood.models.transformer import build_model
 from tests.conftest import random_hf_model, tiny_hf_config
 
-LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64}
+LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 CASES = {
     "llama": ("llama", {}),
@@ -60,7 +65,7 @@ def test_incremental_decode_matches_full_forward(name):
     outs, t = [], 0
     for n in [60, 1, 1, 5, 1, 5, 7]:
         pos = torch.arange(t, t + n)[None].expand(2, -1)
-        outs.append(model(ids[:, t:t + n], pos, cache))
+        outs.append(model(ids[:, t : t + n], pos, cache))
         cache.commit(n)
         t += n
     assert (torch.cat(outs, 1) - ref).abs().max().item() <= 1e-4

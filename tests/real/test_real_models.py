@@ -26,8 +26,9 @@ def _load_both(name: str, real_model):
 
     path = real_model(name)  # (pulled when missing; skips only when the registry is unreachable)
     llm = LLM(name, weights="float32")  # HF runs the dequantized float32 weights
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                           dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     return llm, hf
 
 
@@ -58,8 +59,15 @@ def test_greedy_generation_matches_hf_qwen05(qwen05):
     for prompt, out in zip(PROMPTS, outs):
         ids = torch.tensor([llm.encode(prompt)])
         with torch.no_grad():
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, min_new_tokens=32,
-                              do_sample=False, eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
+            ref = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=32,
+                min_new_tokens=32,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, ids.shape[1] :].tolist()
         assert out.token_ids == ref, f"prompt {prompt!r}"
     assert len(set(tuple(o.token_ids) for o in outs)) == len(PROMPTS)
 

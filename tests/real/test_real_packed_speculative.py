@@ -28,11 +28,21 @@ def _w8a8_here() -> bool:
     return w8a8_exact()
 
 
-@pytest.mark.parametrize("target_weights, draft_weights", [
-    ("auto", "auto"), ("int8", "gguf"),
-    pytest.param("w8a8", "w8a8", marks=pytest.mark.skipif(
-        not _w8a8_here(), reason="w8a8 needs fbgemm's exact int32 sums (AVX512-VNNI); this CPU / build lacks them")),
-])
+@pytest.mark.parametrize(
+    "target_weights, draft_weights",
+    [
+        ("auto", "auto"),
+        ("int8", "gguf"),
+        pytest.param(
+            "w8a8",
+            "w8a8",
+            marks=pytest.mark.skipif(
+                not _w8a8_here(),
+                reason="w8a8 needs fbgemm's exact int32 sums (AVX512-VNNI); this CPU / build lacks them",
+            ),
+        ),
+    ],
+)
 def test_main_job_greedy_speculation_equals_ar(real_model, target_weights, draft_weights):
     from redwood import LLM, SamplingParams
     from redwood.speculation.config import SpeculativeConfig
@@ -40,8 +50,11 @@ def test_main_job_greedy_speculation_equals_ar(real_model, target_weights, draft
     real_model(TARGET)
     real_model(DRAFT)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    spec = LLM(TARGET, weights=target_weights,
-               speculative=SpeculativeConfig(draft_model=DRAFT, num_draft_tokens=3, draft_weights=draft_weights))
+    spec = LLM(
+        TARGET,
+        weights=target_weights,
+        speculative=SpeculativeConfig(draft_model=DRAFT, num_draft_tokens=3, draft_weights=draft_weights),
+    )
     from redwood.models.cpu_weights import gguf_default
 
     want_target = gguf_default() if target_weights == "auto" else target_weights  # (the target's CPU default)

@@ -22,7 +22,7 @@ NEW_TOKENS = 24
 TIE_GAP = 1e-5
 PROMPTS = [  # two prompts: CPU decoding of the 1.5B runs at a few tokens/s
     "import numpy as np\n\n# compute the mean of each column of a matrix, ignoring NaN values\ndef column_means(m):\n",
-    "class Stack:\n    \"\"\"A last-in first-out stack backed by a Python list.\"\"\"\n\n    def __init__(self):\n",
+    'class Stack:\n    """A last-in first-out stack backed by a Python list."""\n\n    def __init__(self):\n',
 ]
 
 
@@ -81,8 +81,10 @@ def check_equal_or_tie(target, prompt_ids, ar_outputs, outputs, label):
             continue
         i = next((j for j, (x, y) in enumerate(zip(ar, ours)) if x != y), min(len(ar), len(ours)))
         gap, top = top2_gap(target.model, prompt_ids[b] + ar[:i])
-        print(f"{label} row {b}: diverges at generated token {i}: AR {ar[i:i + 1]} vs speculative "
-              f"{ours[i:i + 1]}; target top-2 {top}, logit gap {gap:.3g}")
+        print(
+            f"{label} row {b}: diverges at generated token {i}: AR {ar[i : i + 1]} vs speculative "
+            f"{ours[i : i + 1]}; target top-2 {top}, logit gap {gap:.3g}"
+        )
         assert gap < TIE_GAP, f"{label} row {b}: diverges at token {i} with top-2 logit gap {gap:.3g} (not a tie)"
 
 
@@ -93,8 +95,9 @@ def run_speculative(target, drafter, prompt_ids, gamma):
 
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     t = time.perf_counter()
-    _, requests, _ = run_engine(target.model, target.tokenizer, prompt_ids, params, drafter=drafter,
-                                tree=Tree.chain(gamma), kv_cache_memory=1.0)
+    _, requests, _ = run_engine(
+        target.model, target.tokenizer, prompt_ids, params, drafter=drafter, tree=Tree.chain(gamma), kv_cache_memory=1.0
+    )
     elapsed = time.perf_counter() - t
     return [r.output_ids for r in requests], [r.stats.spec.to_dict() for r in requests], elapsed
 
@@ -111,17 +114,19 @@ def test_standalone_draft_greedy_equals_autoregressive(target, draft, prompt_ids
     assert all(s["acceptance_rate"] > 0.2 for s in stats)  # the 0.5B agrees with the 1.5B on easy code
 
 
-@pytest.mark.parametrize("policy_name,settings", [
-    ("streaming", dict(budget=12, sinks=4)),
-    ("snapkv", dict(budget=12, window=4)),
-])
+@pytest.mark.parametrize(
+    "policy_name,settings",
+    [
+        ("streaming", dict(budget=12, sinks=4)),
+        ("snapkv", dict(budget=12, window=4)),
+    ],
+)
 def test_self_speculation_greedy_equals_autoregressive(target, prompt_ids, ar_outputs, policy_name, settings):
     from redwood.kv.policies import make_policy
     from redwood.speculation.drafters import SelfDrafter
 
     drafter = SelfDrafter(target.model, make_policy(policy_name, **settings))
     outputs, stats, elapsed = run_speculative(target, drafter, prompt_ids, gamma=3)
-    print(f"self {drafter.policy.describe()}, γ=3: {elapsed:.1f}s, "
-          f"acceptance {[s['acceptance_rate'] for s in stats]}")
+    print(f"self {drafter.policy.describe()}, γ=3: {elapsed:.1f}s, acceptance {[s['acceptance_rate'] for s in stats]}")
     check_equal_or_tie(target, prompt_ids, ar_outputs, outputs, f"self-{policy_name}")
     assert all(s["steps"] > 0 for s in stats)

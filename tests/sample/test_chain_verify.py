@@ -53,14 +53,17 @@ def one_hot_rows(best: list[list[int]], V: int = 10) -> torch.Tensor:
     return torch.nn.functional.one_hot(t, V).float()
 
 
-@pytest.mark.parametrize("best,drafts,accepted,nxt", [
-    ([[3, 4, 5, 6]], [[3, 4, 5]], 3, 6),  # all accepted: the bonus token is the target's last argmax
-    ([[3, 4, 5, 6]], [[3, 4, 9]], 2, 5),  # first mismatch at position 2: correction = target's argmax there
-    ([[3, 4, 5, 6]], [[7, 4, 5]], 0, 3),  # later matches after a mismatch do not count
-    ([[3, 4, 5, 6]], [[3, 8, 5]], 1, 4),
-    ([[1, 2]], [[1]], 1, 2),              # γ = 1
-    ([[1, 2]], [[0]], 0, 1),
-])
+@pytest.mark.parametrize(
+    "best,drafts,accepted,nxt",
+    [
+        ([[3, 4, 5, 6]], [[3, 4, 5]], 3, 6),  # all accepted: the bonus token is the target's last argmax
+        ([[3, 4, 5, 6]], [[3, 4, 9]], 2, 5),  # first mismatch at position 2: correction = target's argmax there
+        ([[3, 4, 5, 6]], [[7, 4, 5]], 0, 3),  # later matches after a mismatch do not count
+        ([[3, 4, 5, 6]], [[3, 8, 5]], 1, 4),
+        ([[1, 2]], [[1]], 1, 2),  # γ = 1
+        ([[1, 2]], [[0]], 0, 1),
+    ],
+)
 def test_verify_greedy_cases(best, drafts, accepted, nxt):
     a, n = verify_greedy(one_hot_rows(best), torch.tensor(drafts))
     assert a.tolist() == [accepted] and n.tolist() == [nxt]
@@ -68,11 +71,13 @@ def test_verify_greedy_cases(best, drafts, accepted, nxt):
 
 def test_verify_greedy_batch_rows_independent_and_uses_argmax():
     # Soft (not one-hot) probabilities: only the argmax matters.
-    p = torch.tensor([
-        [[0.1, 0.6, 0.3], [0.5, 0.2, 0.3], [0.2, 0.2, 0.6]],
-        [[0.1, 0.6, 0.3], [0.5, 0.2, 0.3], [0.2, 0.2, 0.6]],
-        [[0.7, 0.2, 0.1], [0.1, 0.1, 0.8], [0.3, 0.4, 0.3]],
-    ])
+    p = torch.tensor(
+        [
+            [[0.1, 0.6, 0.3], [0.5, 0.2, 0.3], [0.2, 0.2, 0.6]],
+            [[0.1, 0.6, 0.3], [0.5, 0.2, 0.3], [0.2, 0.2, 0.6]],
+            [[0.7, 0.2, 0.1], [0.1, 0.1, 0.8], [0.3, 0.4, 0.3]],
+        ]
+    )
     drafts = torch.tensor([[1, 0], [1, 2], [2, 2]])
     a, n = verify_greedy(p, drafts)
     assert a.tolist() == [2, 1, 0]
@@ -86,8 +91,9 @@ V = 6
 
 def make_dists(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     n = logits.shape[0]
-    return probabilities(logits, torch.full((n,), temperature), torch.zeros(n, dtype=torch.long),
-                         torch.full((n,), top_p))
+    return probabilities(
+        logits, torch.full((n,), temperature), torch.zeros(n, dtype=torch.long), torch.full((n,), top_p)
+    )
 
 
 def draft_logits(kind: str, target_logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -107,8 +113,9 @@ def draft_logits(kind: str, target_logits: torch.Tensor, gen: torch.Generator) -
     raise ValueError(kind)
 
 
-def simulate(P: torch.Tensor, Q: torch.Tensor, gamma: int, rows: int, n_tokens: int, seed: int,
-             verifier=verify_sampling) -> torch.Tensor:
+def simulate(
+    P: torch.Tensor, Q: torch.Tensor, gamma: int, rows: int, n_tokens: int, seed: int, verifier=verify_sampling
+) -> torch.Tensor:
     """Run the draft → verify loop for `rows` independent sequences until each emitted `n_tokens`.
 
     The synthetic target is context-free: the distribution of the k-th emitted token is P[k]
@@ -256,8 +263,9 @@ def exact_pair_distribution(model, prompt: list[int], params: SamplingParams) ->
 
     def probs(x):
         n = x.shape[0]
-        return probabilities(x, torch.full((n,), params.temperature), torch.full((n,), params.top_k),
-                             torch.full((n,), params.top_p))
+        return probabilities(
+            x, torch.full((n,), params.temperature), torch.full((n,), params.top_k), torch.full((n,), params.top_p)
+        )
 
     p1 = probs(logits[:1, -2])[0]  # after the prompt
     p2 = probs(logits[:, -1])  # [V, V]: after prompt + [t1]
@@ -271,8 +279,10 @@ def test_end_to_end_first_two_tokens_follow_target(tiny_vocab_llm, temperature, 
     goes through the verifier (the first comes from the prefill)."""
     llm = tiny_vocab_llm
     rows = 3000
-    params = [SamplingParams(temperature=temperature, top_p=top_p, seed=s, max_new_tokens=2, ignore_eos=True)
-              for s in range(rows)]
+    params = [
+        SamplingParams(temperature=temperature, top_p=top_p, seed=s, max_new_tokens=2, ignore_eos=True)
+        for s in range(rows)
+    ]
     outs = llm.generate([PROMPT] * rows, params)
     pairs = torch.tensor([o.token_ids for o in outs])
     assert pairs.shape == (rows, 2)

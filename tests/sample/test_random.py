@@ -129,4 +129,3 @@ def test_a_rows_counter_advances_only_with_its_own_draws_and_reseed_restarts_it(
     batch.reseed(0, 42)
     assert batch.counter.tolist() == [0, 2]
     assert torch.equal(batch.uniform(torch.tensor([0]), (5,))[0], first[1])  # 42's first draw again
-

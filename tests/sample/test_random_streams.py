@@ -89,8 +89,9 @@ def assert_all_pass(pvalues: dict[str, float]) -> None:
     """Fail if any p-value is below ALPHA / len(pvalues) (Bonferroni: ≤ ALPHA false alarms per test)."""
     threshold = ALPHA / len(pvalues)
     bad = {k: v for k, v in pvalues.items() if v < threshold}
-    assert not bad, f"{len(bad)} of {len(pvalues)} p-values below {threshold:.2g}: " + \
-        ", ".join(f"{k}: {v:.3g}" for k, v in sorted(bad.items(), key=lambda kv: kv[1])[:12])
+    assert not bad, f"{len(bad)} of {len(pvalues)} p-values below {threshold:.2g}: " + ", ".join(
+        f"{k}: {v:.3g}" for k, v in sorted(bad.items(), key=lambda kv: kv[1])[:12]
+    )
 
 
 def low_bits(u: torch.Tensor, dtype: torch.dtype, nbits: int) -> torch.Tensor:
@@ -143,11 +144,17 @@ def test_the_consumers_draw_in_the_layouts_these_tests_reproduce():
     # chain: one draw per draft level (k = 1), then the verifier's γ + 1
     rec = Recording(list(range(B)))
     q = dist(B, gamma)
-    drafts = torch.stack([draw_children(q[:, j], 1, rule, rec, arange)[:, 0]
-                          for j, rule in enumerate(("replacement", "swor", "replacement"))], 1)
+    drafts = torch.stack(
+        [
+            draw_children(q[:, j], 1, rule, rec, arange)[:, 0]
+            for j, rule in enumerate(("replacement", "swor", "replacement"))
+        ],
+        1,
+    )
     verify_sampling(dist(B, gamma + 1), q, drafts, rec)
-    assert [(c[0].tolist(), c[1]) for c in rec.calls] == [(arange.tolist(), (1,))] * gamma + \
-        [(arange.tolist(), (gamma + 1,))]
+    assert [(c[0].tolist(), c[1]) for c in rec.calls] == [(arange.tolist(), (1,))] * gamma + [
+        (arange.tolist(), (gamma + 1,))
+    ]
     # tree: level t draws for its T nodes (rows repeated T times) k children each, then (2, n)
     parents = [-1, 0, 0, 1, 1, 2, 2]
     rec = Recording(list(range(B)))
@@ -159,8 +166,7 @@ def test_the_consumers_draw_in_the_layouts_these_tests_reproduce():
     tokens = torch.cat([torch.zeros(B, 1, dtype=torch.long), kids0, kids1.view(B, 4)], 1)
     verify_tree_paths("specinfer", parents, tokens, dist(B, 7), q_nodes, rec)
     got = [(c[0].tolist(), c[1]) for c in rec.calls]
-    assert got == [(arange.tolist(), (2,)), (rows1.tolist(), (2,)), (rows1.tolist(), (V,)),
-                   (arange.tolist(), (2, 7))]
+    assert got == [(arange.tolist(), (2,)), (rows1.tolist(), (2,)), (rows1.tolist(), (V,)), (arange.tolist(), (2, 7))]
     assert rec.calls[2][2] == torch.float64  # drawing without replacement: float64 keys
     # plain sampling: one uniform per row
     s = Sampler([SamplingParams(temperature=1.0, seed=i) for i in range(B)], torch.device("cpu"))
@@ -192,11 +198,14 @@ def axis_samples(axis: str, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("axis", ["counters", "lanes", "elements", "rows"])
 def test_uniform_marginals_serial_pairs_and_lags_along_each_axis(axis, dtype):
     u = axis_samples(axis, dtype)  # [strands, length], the axis last
-    p = {"marginal": uniform_p(u), "low byte": uniform_p(low_bits(u, dtype, 8)),
-         "pairs (even, odd)": joint_p(u[:, 0::2], u[:, 1::2]),
-         "pairs (odd, even)": joint_p(u[:, 1:-1:2], u[:, 2::2]),
-         "low-nibble pairs": joint_p(low_bits(u[:, 0::2], dtype, 4), low_bits(u[:, 1::2], dtype, 4)),
-         "triples": joint_p(u[:, 0:-2:3], u[:, 1:-1:3], u[:, 2::3], bins=8)}
+    p = {
+        "marginal": uniform_p(u),
+        "low byte": uniform_p(low_bits(u, dtype, 8)),
+        "pairs (even, odd)": joint_p(u[:, 0::2], u[:, 1::2]),
+        "pairs (odd, even)": joint_p(u[:, 1:-1:2], u[:, 2::2]),
+        "low-nibble pairs": joint_p(low_bits(u[:, 0::2], dtype, 4), low_bits(u[:, 1::2], dtype, 4)),
+        "triples": joint_p(u[:, 0:-2:3], u[:, 1:-1:3], u[:, 2::3], bins=8),
+    }
     for lag in (1, 2, 3, 5, 7):
         p[f"lag {lag}"] = normal_p(cross_z(u[:, :-lag], u[:, lag:]))
     assert_all_pass(p)
@@ -226,16 +235,20 @@ def test_chain_step_draft_acceptance_and_correction_uniforms_are_independent(dty
     both = torch.cat([u[:-1], u[1:]], 2).reshape(-1, 2 * len(names))
     z = z_matrix(both)
     cols = names + [f"next {n}" for n in names]
-    p = {f"corr {cols[i]} × {cols[j]}": normal_p(float(z[i, j]))
-         for i in range(len(names)) for j in range(i + 1, len(cols))}
+    p = {
+        f"corr {cols[i]} × {cols[j]}": normal_p(float(z[i, j]))
+        for i in range(len(names))
+        for j in range(i + 1, len(cols))
+    }
     flat = u.reshape(-1, len(names))
     col = {n: flat[:, i] for i, n in enumerate(names)}
     for j in range(gamma):
         p[f"joint draft{j} × accept{j}"] = joint_p(col[f"draft{j}"], col[f"accept{j}"])
         p[f"joint accept{j} × correction"] = joint_p(col[f"accept{j}"], col["correction"])
         p[f"joint draft{j} × correction"] = joint_p(col[f"draft{j}"], col["correction"])
-        p[f"joint draft{j} × accept{j} × correction"] = joint_p(col[f"draft{j}"], col[f"accept{j}"],
-                                                              col["correction"], bins=8)
+        p[f"joint draft{j} × accept{j} × correction"] = joint_p(
+            col[f"draft{j}"], col[f"accept{j}"], col["correction"], bins=8
+        )
     p["joint correction × next draft0"] = joint_p(u[:-1, :, -1], u[1:, :, 0])
     assert_all_pass(p)
 
@@ -250,9 +263,12 @@ def tree_steps(dtype: torch.dtype, rows: int, steps: int, swor_elements: int | N
     arange = torch.arange(rows)
     level_rows = [arange, arange.repeat_interleave(2)]
     shape = (2,) if swor_elements is None else (swor_elements,)
-    names = [f"L0 n0 e{e}" for e in range(shape[0])] + \
-        [f"L1 n{v} e{e}" for v in (1, 2) for e in range(shape[0])] + \
-        [f"accept child {v}" for v in range(n)] + [f"draw at {v}" for v in range(n)]
+    names = (
+        [f"L0 n0 e{e}" for e in range(shape[0])]
+        + [f"L1 n{v} e{e}" for v in (1, 2) for e in range(shape[0])]
+        + [f"accept child {v}" for v in range(n)]
+        + [f"draw at {v}" for v in range(n)]
+    )
     out = []
     for _ in range(steps):
         parts = [r.uniform(lr, shape, dtype).view(rows, -1) for lr in level_rows]
@@ -261,9 +277,15 @@ def tree_steps(dtype: torch.dtype, rows: int, steps: int, swor_elements: int | N
     return torch.cat(out), names
 
 
-@pytest.mark.parametrize("rule, dtype", [("replacement", torch.float32), ("replacement", torch.float64),
-                                         ("swor", torch.float64)],  # (without replacement: float64 keys)
-                         ids=["replacement-float32", "replacement-float64", "swor-float64"])
+@pytest.mark.parametrize(
+    "rule, dtype",
+    [
+        ("replacement", torch.float32),
+        ("replacement", torch.float64),
+        ("swor", torch.float64),
+    ],  # (without replacement: float64 keys)
+    ids=["replacement-float32", "replacement-float64", "swor-float64"],
+)
 def test_tree_step_uniforms_are_independent(rule, dtype):
     u, names = tree_steps(dtype, rows=1 << 14, steps=128, swor_elements=None if rule == "replacement" else 4)
     z = z_matrix(u)
@@ -272,8 +294,13 @@ def test_tree_step_uniforms_are_independent(rule, dtype):
     idx = {nm: i for i, nm in enumerate(names)}
     for v in range(1, 7):  # a child's acceptance test against the draw of a sibling / the node's draw
         p[f"joint accept {v} × draw at {v}"] = joint_p(u[:, idx[f"accept child {v}"]], u[:, idx[f"draw at {v}"]])
-    for a, b in (("L0 n0 e0", "L0 n0 e1"), ("L0 n0 e0", "L1 n1 e0"), ("L1 n1 e0", "L1 n2 e0"),
-                 ("L1 n1 e1", "accept child 3"), ("L1 n2 e0", "draw at 0")):
+    for a, b in (
+        ("L0 n0 e0", "L0 n0 e1"),
+        ("L0 n0 e0", "L1 n1 e0"),
+        ("L1 n1 e0", "L1 n2 e0"),
+        ("L1 n1 e1", "accept child 3"),
+        ("L1 n2 e0", "draw at 0"),
+    ):
         p[f"joint {a} × {b}"] = joint_p(u[:, idx[a]], u[:, idx[b]])
     assert_all_pass(p)
 
@@ -291,8 +318,10 @@ def test_streams_of_related_seeds_are_independent(dtype):
     relations = {"s+1": lambda s: s + 1, "s+2^32": lambda s: s + 2**32, "s+2^32+1": lambda s: s + 2**32 + 1}
     relations |= {f"s^2^{j}": (lambda j: lambda s: s ^ (1 << j))(j) for j in range(63)}
     consecutive = list(range(P))  # also from seed 0, 1, … (the usual seeds)
-    pairs = {"0..: s+1": (consecutive, [s + 1 for s in consecutive]),
-             "0..: s+2^32": (consecutive, [s + 2**32 for s in consecutive])}
+    pairs = {
+        "0..: s+1": (consecutive, [s + 1 for s in consecutive]),
+        "0..: s+2^32": (consecutive, [s + 2**32 for s in consecutive]),
+    }
     pairs |= {name: (base, [f(s) for s in base]) for name, f in relations.items()}
     seeds = [s for a, b in pairs.values() for s in a + b]
     r = RowRandom(seeds, "cpu")
@@ -301,7 +330,7 @@ def test_streams_of_related_seeds_are_independent(dtype):
     for (name, _), (x, y) in zip(pairs.items(), u):
         p[f"corr {name}"] = normal_p(cross_z(x, y))
         p[f"joint {name}"] = joint_p(x, y)
-        same = (~((x * 2**24).long() ^ (y * 2**24).long()) & (2**24 - 1))  # agreeing bits of the top 24
+        same = ~((x * 2**24).long() ^ (y * 2**24).long()) & (2**24 - 1)  # agreeing bits of the top 24
         agree = sum(int(((same >> b) & 1).sum()) for b in range(24))
         n = 24 * x.numel()
         p[f"bits {name}"] = normal_p((agree - n / 2) / math.sqrt(n / 4))
@@ -348,9 +377,13 @@ def test_counter_and_lane_never_alias():
     later = r.uniform(four, (8,), torch.float64)  # counter 65535
     advance(r, 65535 - 1)
     latest = r.uniform(four, (8,), torch.float64)  # counter 131070
-    shared = [f"lane {b} at counter {c} = lane {a} at counter 0"
-              for c, x in ((65535, later), (131070, latest)) for b in range(4) for a in range(4)
-              if torch.equal(x[b], first[a])]
+    shared = [
+        f"lane {b} at counter {c} = lane {a} at counter 0"
+        for c, x in ((65535, later), (131070, latest))
+        for b in range(4)
+        for a in range(4)
+        if torch.equal(x[b], first[a])
+    ]
     assert not shared, shared
 
 
@@ -405,11 +438,15 @@ def test_float64_low_bits_are_uniform_and_independent_of_the_high_bits():
     of the top bits (16 × 16 joint χ²; correlation), and the uniforms are not float32 values widened."""
     u = RowRandom(list(range(1 << 12)), "cpu").uniform(None, (1 << 10,), torch.float64).flatten()
     low = low_bits(u, torch.float64, 21)
-    assert_all_pass({"low 21 bits uniform": uniform_p(low),
-                     "lowest 8 bits uniform": uniform_p(low_bits(u, torch.float64, 8)),
-                     "high × low joint": joint_p(u, low),
-                     "high × low corr": normal_p(cross_z(u, low)),
-                     "bits 21-24 × lowest 4": joint_p(low, low_bits(u, torch.float64, 4))})
+    assert_all_pass(
+        {
+            "low 21 bits uniform": uniform_p(low),
+            "lowest 8 bits uniform": uniform_p(low_bits(u, torch.float64, 8)),
+            "high × low joint": joint_p(u, low),
+            "high × low corr": normal_p(cross_z(u, low)),
+            "bits 21-24 × lowest 4": joint_p(low, low_bits(u, torch.float64, 4)),
+        }
+    )
     assert float((u * 2**24 == torch.floor(u * 2**24)).double().mean()) < 1e-4
 
 
@@ -432,13 +469,16 @@ def exact_token_probabilities(probs: torch.Tensor, dtype: torch.dtype) -> torch.
 def sample_distributions():
     """The small test vocabularies and a large-vocabulary sampling distribution."""
     g = torch.Generator().manual_seed(0)
-    out = {"V=6 softmax(1.5·z)": torch.softmax(torch.randn(6, generator=g) * 1.5, -1),
-           "V=5 with zeros": torch.tensor([0.0, 0.5, 0.0, 0.5, 0.0]),
-           "V=3 tiny token": torch.tensor([0.5, 1e-9, 0.5])}
+    out = {
+        "V=6 softmax(1.5·z)": torch.softmax(torch.randn(6, generator=g) * 1.5, -1),
+        "V=5 with zeros": torch.tensor([0.0, 0.5, 0.0, 0.5, 0.0]),
+        "V=3 tiny token": torch.tensor([0.5, 1e-9, 0.5]),
+    }
     z = torch.randn(1, 32768, generator=g) * 2.5
     for t, top_p in ((1.0, 1.0), (0.7, 0.9)):
         out[f"V=32768 N(0, 2.5²) T={t} top-p {top_p}"] = probabilities(
-            z, torch.tensor([t]), torch.tensor([0]), torch.tensor([top_p]))[0]
+            z, torch.tensor([t]), torch.tensor([0]), torch.tensor([top_p])
+        )[0]
     return out
 
 

@@ -33,9 +33,18 @@ def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p:
     return out / out.sum()
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [
-    (1.0, 0, 1.0), (0.5, 0, 1.0), (1.5, 0, 0.9), (1.0, 5, 1.0), (0.7, 10, 0.8), (0.0, 0, 1.0), (2.0, 3, 0.5),
-])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p",
+    [
+        (1.0, 0, 1.0),
+        (0.5, 0, 1.0),
+        (1.5, 0, 0.9),
+        (1.0, 5, 1.0),
+        (0.7, 10, 0.8),
+        (0.0, 0, 1.0),
+        (2.0, 3, 0.5),
+    ],
+)
 def test_probabilities_match_reference(temperature, top_k, top_p):
     logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(0)) * 3
     n = logits.shape[0]
@@ -47,8 +56,12 @@ def test_probabilities_match_reference(temperature, top_k, top_p):
 def test_mixed_rows_use_their_own_parameters():
     logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(1))
     settings = [(0.0, 0, 1.0), (1.0, 4, 1.0), (0.8, 0, 0.7)]
-    probs = probabilities(logits, torch.tensor([s[0] for s in settings]), torch.tensor([s[1] for s in settings]),
-                          torch.tensor([s[2] for s in settings]))
+    probs = probabilities(
+        logits,
+        torch.tensor([s[0] for s in settings]),
+        torch.tensor([s[1] for s in settings]),
+        torch.tensor([s[2] for s in settings]),
+    )
     for row, (t, k, p) in enumerate(settings):
         assert torch.allclose(probs[row], reference_probs(logits[row], t, k, p), atol=1e-6)
 
@@ -72,9 +85,16 @@ def test_draws_follow_the_distribution():
 def test_sampling_params_validation():
     from redwood.errors import ConfigError
 
-    for kwargs, msg in [({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-                        ({"top_k": -3}, "top_k"), ({"max_new_tokens": 0}, "max_new_tokens"), ({"seed": -1}, "seed"),
-                        ({"stop": ("",)}, "stop"), ({"temperature": float("nan")}, "temperature")]:
+    for kwargs, msg in [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -3}, "top_k"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"seed": -1}, "seed"),
+        ({"stop": ("",)}, "stop"),
+        ({"temperature": float("nan")}, "temperature"),
+    ]:
         with pytest.raises(ConfigError, match=msg):
             SamplingParams(**kwargs)
     assert SamplingParams(stop="###").stop == ("###",)

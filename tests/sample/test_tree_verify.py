@@ -42,8 +42,9 @@ def dist(logits, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
     logits = torch.as_tensor(logits, dtype=torch.float32)
     flat = logits.reshape(-1, logits.shape[-1])
     m = flat.shape[0]
-    out = probabilities(flat, torch.full((m,), float(temperature)), torch.zeros(m, dtype=torch.long),
-                        torch.full((m,), float(top_p)))
+    out = probabilities(
+        flat, torch.full((m,), float(temperature)), torch.zeros(m, dtype=torch.long), torch.full((m,), float(top_p))
+    )
     return out.reshape(logits.shape)
 
 
@@ -54,8 +55,9 @@ def emitted(tokens: torch.Tensor, accepted: list[list[int]], next_token: torch.T
     return [[tok[b][v] for v in path] + [nxt[b]] for b, path in enumerate(accepted)]
 
 
-def depth1_round(verifier: str, p: torch.Tensor, q: torch.Tensor, k: int, rows: int, seed: int,
-                 source: str = "generators"):
+def depth1_round(
+    verifier: str, p: torch.Tensor, q: torch.Tensor, k: int, rows: int, seed: int, source: str = "generators"
+):
     """One step over a root with k children drawn from q by the verifier's rule, for `rows` rows.
 
     source "generators": the draft side uses one generator for all rows (one call), the verifier one
@@ -68,8 +70,9 @@ def depth1_round(verifier: str, p: torch.Tensor, q: torch.Tensor, k: int, rows: 
     else:
         draft_rand = RowRandom([seed], "cpu")
         verify_rand = RowRandom([(seed + 1) * 1_000_003 + i for i in range(rows)], "cpu")
-    children = draw_children(q.expand(rows, V), k, CHILD_RULE[verifier], draft_rand,
-                             rows=torch.zeros(rows, dtype=torch.long))
+    children = draw_children(
+        q.expand(rows, V), k, CHILD_RULE[verifier], draft_rand, rows=torch.zeros(rows, dtype=torch.long)
+    )
     tokens = torch.cat([torch.zeros(rows, 1, dtype=torch.long), children], dim=1)
     target = p.expand(rows, k + 1, V).contiguous()
     draft = q.expand(rows, k + 1, V).contiguous()
@@ -111,8 +114,7 @@ def test_first_token_is_distributed_as_target(verifier, case, source):
 
 
 @pytest.mark.parametrize("verifier", STOCHASTIC)
-@pytest.mark.parametrize("temperature,top_p", [(0.5, 1.0), (1.0, 1.0), (1.5, 1.0), (0.5, 0.9), (1.0, 0.9),
-                                               (1.5, 0.9)])
+@pytest.mark.parametrize("temperature,top_p", [(0.5, 1.0), (1.0, 1.0), (1.5, 1.0), (0.5, 0.9), (1.0, 0.9), (1.5, 0.9)])
 def test_first_token_under_temperature_and_top_p(verifier, temperature, top_p):
     g = torch.Generator().manual_seed(int(temperature * 10 + top_p * 100))
     V = 8
@@ -137,8 +139,13 @@ def markov_round(verifier: str, P: torch.Tensor, Q: torch.Tensor, widths: list[i
     for w in widths:
         prev = level_nodes[-1]
         prev_tok = torch.stack([tokens[v] for v in prev], dim=1)  # [rows, m]
-        kids = draw_children(Q[prev_tok.flatten()], w, CHILD_RULE[verifier], [draft_gen],
-                             rows=torch.zeros(prev_tok.numel(), dtype=torch.long)).view(rows, len(prev), w)
+        kids = draw_children(
+            Q[prev_tok.flatten()],
+            w,
+            CHILD_RULE[verifier],
+            [draft_gen],
+            rows=torch.zeros(prev_tok.numel(), dtype=torch.long),
+        ).view(rows, len(prev), w)
         nodes = []
         for i, v in enumerate(prev):
             for j in range(w):
@@ -257,12 +264,15 @@ def test_topk_one_candidate_acceptance_is_p_of_draft_top1():
     assert abs(hits - rows * rate) < 4.5 * math.sqrt(rows * rate * (1 - rate))
 
 
-@pytest.mark.parametrize("p,q,k,always", [
-    ([0.5, 0.3, 0.2, 0, 0, 0], [0.1, 0.1, 0.1, 0.1, 0.3, 0.3], 4, False),   # covers in some rows
-    ([0.5, 0.3, 0.2, 0, 0, 0], [0.4, 0.05, 0.05, 0.5, 0, 0], 4, True),     # supp q ⊇ supp p, k = |supp q|
-    ([0.0, 0.6, 0.4, 0, 0], [1.0, 0, 0, 0, 0], 3, False),                  # exhausted support, uniform fill
-    ([0.2, 0.2, 0.2, 0.2, 0.2], [0.96, 0.01, 0.01, 0.01, 0.01], 5, True),   # k = V
-])
+@pytest.mark.parametrize(
+    "p,q,k,always",
+    [
+        ([0.5, 0.3, 0.2, 0, 0, 0], [0.1, 0.1, 0.1, 0.1, 0.3, 0.3], 4, False),  # covers in some rows
+        ([0.5, 0.3, 0.2, 0, 0, 0], [0.4, 0.05, 0.05, 0.5, 0, 0], 4, True),  # supp q ⊇ supp p, k = |supp q|
+        ([0.0, 0.6, 0.4, 0, 0], [1.0, 0, 0, 0, 0], 3, False),  # exhausted support, uniform fill
+        ([0.2, 0.2, 0.2, 0.2, 0.2], [0.96, 0.01, 0.01, 0.01, 0.01], 5, True),  # k = V
+    ],
+)
 def test_sequoia_cover_accepts_whenever_children_cover_target_support(p, q, k, always):
     p, q = torch.tensor(p), torch.tensor(q)
     rows = 4000
@@ -312,7 +322,7 @@ def test_rows_are_independent_of_the_batch_and_draws_are_fresh(verifier):
     a_batch, n_batch = verify_tree(verifier, parents, tokens, target, draft, gens(64, 9))
     for b in (0, 17, 63):  # the same row alone, with a freshly seeded copy of its generator
         g = torch.Generator().manual_seed(9 * 1_000_003 + b)
-        a, nt = verify_tree(verifier, parents, tokens[b:b + 1], target[b:b + 1], draft[b:b + 1], [g])
+        a, nt = verify_tree(verifier, parents, tokens[b : b + 1], target[b : b + 1], draft[b : b + 1], [g])
         assert a[0] == a_batch[b] and int(nt[0]) == int(n_batch[b])
     # Reusing the generators for a second step gives fresh draws, not a replay.
     gs = gens(64, 9)
@@ -360,8 +370,9 @@ def test_swor_children_distinct_and_first_two_are_sequential_draws():
 def test_swor_exhausted_support_fills_uniformly_from_untried_tokens():
     q = torch.tensor([0.0, 0.8, 0.0, 0.2, 0.0, 0.0])
     N, V = 6000, 6
-    kids = draw_children(q.expand(N, V), 5, "swor", [torch.Generator().manual_seed(3)],
-                         rows=torch.zeros(N, dtype=torch.long))
+    kids = draw_children(
+        q.expand(N, V), 5, "swor", [torch.Generator().manual_seed(3)], rows=torch.zeros(N, dtype=torch.long)
+    )
     assert all(len(set(r)) == 5 for r in kids.tolist())
     assert_fits(kids[:, 0], q, "swor exhausted: first draw")
     assert all(set(r[:2]) == {1, 3} for r in kids.tolist())  # the support comes first

@@ -66,8 +66,11 @@ def tables(V: int, depth: int, temperature: float, top_k: int, top_p: float, dra
     g = torch.Generator().manual_seed(seed)
     keys = prefixes(V, depth)
     lp = torch.randn(len(keys), V, generator=g) * 1.5
-    lq = {"near": lp + 0.7 * torch.randn(len(keys), V, generator=g),
-          "far": torch.randn(len(keys), V, generator=g) * 1.5, "same": lp}[draft]
+    lq = {
+        "near": lp + 0.7 * torch.randn(len(keys), V, generator=g),
+        "far": torch.randn(len(keys), V, generator=g) * 1.5,
+        "same": lp,
+    }[draft]
     n = len(keys)
     args = (torch.full((n,), float(temperature)), torch.full((n,), top_k), torch.full((n,), float(top_p)))
     P, Q = probabilities(lp, *args), probabilities(lq, *args)
@@ -89,8 +92,10 @@ def extended(emitted: dict[tuple[int, ...], float], p: dict, length: int) -> dic
     V = len(p[()])
     out = dict.fromkeys(itertools.product(range(V), repeat=length), 0.0)
     for y in out:
-        out[y] = sum(emitted.get(y[:m], 0.0) * math.prod(float(p[y[:j]][y[j]]) for j in range(m, length))
-                     for m in range(1, length + 1))
+        out[y] = sum(
+            emitted.get(y[:m], 0.0) * math.prod(float(p[y[:j]][y[j]]) for j in range(m, length))
+            for m in range(1, length + 1)
+        )
     return out
 
 
@@ -100,7 +105,8 @@ def assert_joint_matches(emitted: dict, p: dict, length: int, label: str) -> Non
     got, want = extended(emitted, p, length), target_joint(p, length)
     worst = max(want, key=lambda y: abs(got[y] - want[y]))
     assert abs(got[worst] - want[worst]) <= ATOL, (
-        f"{label}: P{worst} = {got[worst]:.9f} emitted vs {want[worst]:.9f} target")
+        f"{label}: P{worst} = {got[worst]:.9f} emitted vs {want[worst]:.9f} target"
+    )
 
 
 # ------------------------------------------------------------------------------------------ chains
@@ -393,7 +399,7 @@ def tree_emission_topk(parents: list[int], p: dict, q: dict) -> dict:
             path, nxt = verify_tree_paths("topk", parents, node_tokens, P.expand(V, -1, -1), None, Scripted(u))
             if level < path.shape[1]:
                 moved = path[:, level] >= 0
-                nxt = torch.where(moved, node_tokens.gather(1, path[:, level:level + 1].clamp(min=0))[:, 0], nxt)
+                nxt = torch.where(moved, node_tokens.gather(1, path[:, level : level + 1].clamp(min=0))[:, 0], nxt)
             return nxt > xs
 
         def path_len(u):

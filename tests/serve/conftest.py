@@ -42,4 +42,3 @@ def server(serve_factory) -> ServerProcess:
 @pytest.fixture(scope="session")
 def server_url(server) -> str:
     return server.url
-

@@ -91,8 +91,7 @@ def start_server(flags: list[str], timeout: float = 120, env: dict | None = None
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), child_env.get("PYTHONPATH")]))
     child_env.update(env or {})
     cmd = [sys.executable, "-m", "redwood.cli", "serve", "--host", "127.0.0.1", "--port", "0", *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            env=child_env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=child_env)
     server = ServerProcess(proc)
     try:
         server.wait_ready(timeout)

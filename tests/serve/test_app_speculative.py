@@ -19,8 +19,11 @@ N = 32
 
 @pytest.fixture(scope="module", params=["draft", "self"])
 def spec_server(request, serve_factory, tiny_draft_dir):
-    flags = (["--draft-model", str(tiny_draft_dir), "--gamma", "3"] if request.param == "draft" else
-             ["--self-speculate", "--draft-kv", "streaming", "--draft-budget", "12", "--sinks", "2", "--gamma", "3"])
+    flags = (
+        ["--draft-model", str(tiny_draft_dir), "--gamma", "3"]
+        if request.param == "draft"
+        else ["--self-speculate", "--draft-kv", "streaming", "--draft-budget", "12", "--sinks", "2", "--gamma", "3"]
+    )
     return serve_factory(*flags)
 
 
@@ -28,15 +31,22 @@ def test_speculative_server_matches_offline_autoregressive(spec_server, tiny_mod
     want = LLM(str(tiny_model_dir)).generate(PROMPTS, SamplingParams(max_new_tokens=N, ignore_eos=True))
     url = spec_server.url
     for prompt, w in zip(PROMPTS, want):
-        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": N, "temperature": 0, "ignore_eos": True,
-                "redwood": {"stats": True}}
+        body = {
+            "model": MODEL_NAME,
+            "prompt": prompt,
+            "max_tokens": N,
+            "temperature": 0,
+            "ignore_eos": True,
+            "redwood": {"stats": True},
+        }
         r = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
         assert r["choices"][0]["text"] == w.text
         stats = r["redwood"]
         assert stats["drafted"] > 0 and stats["steps"] > 0 and 0 <= stats["accepted"] <= stats["drafted"]
         assert stats["acceptance_rate"] == pytest.approx(stats["accepted"] / stats["drafted"], abs=1e-4)
-        assert stats["mean_accepted_length"] == pytest.approx((stats["accepted"] + stats["steps"]) / stats["steps"],
-                                                              abs=1e-4)
+        assert stats["mean_accepted_length"] == pytest.approx(
+            (stats["accepted"] + stats["steps"]) / stats["steps"], abs=1e-4
+        )
         with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
             chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
         assert "".join(c["choices"][0]["text"] for c in chunks) == w.text
@@ -47,8 +57,9 @@ def test_speculative_server_matches_offline_autoregressive(spec_server, tiny_mod
         assert sources <= {"draft", "target"} and "target" in sources
         assert chunks[-1]["redwood"]["drafted"] == stats["drafted"]
     m = httpx.get(url + "/metrics", timeout=10).text
-    drafts, tokens, accepted = (metric(m, f"spec_decode_num_{k}_total") for k in ("drafts", "draft_tokens",
-                                                                                   "accepted_tokens"))
+    drafts, tokens, accepted = (
+        metric(m, f"spec_decode_num_{k}_total") for k in ("drafts", "draft_tokens", "accepted_tokens")
+    )
     # (γ 3 per step, fewer on a greedy request's last steps: cut to the tokens it can still emit)
     assert drafts > 0 and drafts <= tokens <= 3 * drafts and 0 <= accepted <= tokens
     assert metric(m, "spec_decode_num_accepted_tokens_per_pos_total") == accepted  # (summed over positions)

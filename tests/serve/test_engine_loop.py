@@ -14,8 +14,16 @@ import openai
 from redwood import LLM, SamplingParams
 from tests.serve.conftest import API_KEY, MODEL_NAME
 
-PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of", "for i in range(10):",
-           "Speculative decoding", "Rome is", "print(i * i)", "The lazy dog"]
+PROMPTS = [
+    "The quick brown fox",
+    "def add(a, b):",
+    "Paris is the capital of",
+    "for i in range(10):",
+    "Speculative decoding",
+    "Rome is",
+    "print(i * i)",
+    "The lazy dog",
+]
 N = 40
 N_CANCELLED = 200  # (long enough that the client is gone before the engine could finish it)
 
@@ -33,9 +41,14 @@ def test_concurrent_streams_with_cancellations(server, tiny_model_dir):
 
     async def client_task(c, i):
         cancel = i % 3 == 0
-        stream = await c.completions.create(model=MODEL_NAME, prompt=PROMPTS[i % len(PROMPTS)],
-                                            max_tokens=N_CANCELLED if cancel else N,
-                                            temperature=0, stream=True, extra_body={"ignore_eos": True})
+        stream = await c.completions.create(
+            model=MODEL_NAME,
+            prompt=PROMPTS[i % len(PROMPTS)],
+            max_tokens=N_CANCELLED if cancel else N,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         text, chunks = "", 0
         async for chunk in stream:
             text += chunk.choices[0].text
@@ -67,11 +80,12 @@ def test_concurrent_streams_with_cancellations(server, tiny_model_dir):
     assert idle == (0, 0, 0)
     assert metric(m, "kv_blocks_free") > 0
     assert server.alive
+
     def grew(name):
         return metric(m, name) - metric(before, name)
 
     # the cancelled requests were cut short (not run to their N tokens) and are not successes
-    assert grew('request_success_total') == 21
+    assert grew("request_success_total") == 21
     assert 21 * N < grew("generation_tokens_total") < 21 * N + 11 * N_CANCELLED
     assert grew("time_to_first_token_seconds_count") == 32
     assert grew("e2e_request_latency_seconds_count") == 21

@@ -16,8 +16,13 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "m
 
 
 def post(url, path, body, headers=AUTH, **kw):
-    return httpx.post(url + path, headers=headers, timeout=30, **kw,
-                      **({"json": body} if not isinstance(body, (str, bytes)) else {"content": body}))
+    return httpx.post(
+        url + path,
+        headers=headers,
+        timeout=30,
+        **kw,
+        **({"json": body} if not isinstance(body, (str, bytes)) else {"content": body}),
+    )
 
 
 def assert_error(r: httpx.Response, status: int, param=None, code=None) -> dict:
@@ -76,8 +81,9 @@ def test_bad_chat_parameters_are_400(server_url, change, param):
 
 
 def test_malformed_bodies_are_400(server_url):
-    err = assert_error(post(server_url, "/v1/completions", b"{not json", headers={**AUTH,
-                                                                                  "content-type": "application/json"}), 400)
+    err = assert_error(
+        post(server_url, "/v1/completions", b"{not json", headers={**AUTH, "content-type": "application/json"}), 400
+    )
     assert "JSON" in err["message"]
     assert_error(post(server_url, "/v1/completions", [1, 2]), 400)
     assert_error(post(server_url, "/v1/completions", {"model": MODEL_NAME}), 400, param="prompt")  # missing
@@ -85,17 +91,27 @@ def test_malformed_bodies_are_400(server_url):
 
 def test_prompt_longer_than_the_context_is_400(server_url):
     long = " ".join(["fox"] * 400)  # > 256 tokens: the tiny model's context
-    for path, body in (("/v1/completions", {**COMPLETION, "prompt": long}),
-                       ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": long}]})):
+    for path, body in (
+        ("/v1/completions", {**COMPLETION, "prompt": long}),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": long}]}),
+    ):
         assert_error(post(server_url, path, body), 400, code="context_length_exceeded")
     # prompt + max_tokens over the context, as OpenAI and vLLM answer
-    assert_error(post(server_url, "/v1/completions", {**COMPLETION, "max_tokens": 300}), 400, param="max_tokens",
-                 code="context_length_exceeded")
+    assert_error(
+        post(server_url, "/v1/completions", {**COMPLETION, "max_tokens": 300}),
+        400,
+        param="max_tokens",
+        code="context_length_exceeded",
+    )
 
 
 def test_unknown_model_is_404(server_url):
-    assert_error(post(server_url, "/v1/completions", {**COMPLETION, "model": "gpt-4"}), 404, param="model",
-                 code="model_not_found")
+    assert_error(
+        post(server_url, "/v1/completions", {**COMPLETION, "model": "gpt-4"}),
+        404,
+        param="model",
+        code="model_not_found",
+    )
     assert_error(httpx.get(server_url + "/v1/models/gpt-4", headers=AUTH, timeout=10), 404, code="model_not_found")
     assert_error(httpx.get(server_url + "/v1/nothing-here", headers=AUTH, timeout=10), 404)
 
@@ -130,8 +146,12 @@ def test_body_over_the_limit_is_413(small_server):
     def chunked():  # no Content-Length: the limit holds while the body streams in
         yield json.dumps(big).encode()
 
-    assert_error(httpx.post(url + "/v1/completions", content=chunked(), timeout=30,
-                            headers={"content-type": "application/json"}), 413)
+    assert_error(
+        httpx.post(
+            url + "/v1/completions", content=chunked(), timeout=30, headers={"content-type": "application/json"}
+        ),
+        413,
+    )
     assert post(url, "/v1/completions", COMPLETION, headers={}).status_code == 200
 
 

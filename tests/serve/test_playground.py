@@ -47,14 +47,18 @@ def chromium_executable() -> str:
             return path
     if os.environ.get("REDWOOD_SKIP_BROWSER") == "1":
         pytest.skip("chromium not installed (REDWOOD_SKIP_BROWSER=1)")
-    pytest.fail("the playground test needs Debian's chromium: run scripts/setup.sh --test as root, or "
-                "`sudo apt-get install --no-install-recommends chromium` (or set REDWOOD_SKIP_BROWSER=1 to skip)",
-                pytrace=False)
+    pytest.fail(
+        "the playground test needs Debian's chromium: run scripts/setup.sh --test as root, or "
+        "`sudo apt-get install --no-install-recommends chromium` (or set REDWOOD_SKIP_BROWSER=1 to skip)",
+        pytrace=False,
+    )
 
 
 # A small Python process that moves the two pipe ends onto fds 3 and 4, then becomes the browser (exec).
-_FD_SHIM = ("import os, sys; r, w = int(sys.argv[1]), int(sys.argv[2]); os.dup2(r, 3); os.dup2(w, 4); "
-            "os.close(r); os.close(w); os.execv(sys.argv[3], sys.argv[3:])")
+_FD_SHIM = (
+    "import os, sys; r, w = int(sys.argv[1]), int(sys.argv[2]); os.dup2(r, 3); os.dup2(w, 4); "
+    "os.close(r); os.close(w); os.execv(sys.argv[3], sys.argv[3:])"
+)
 
 
 def _high_pipe() -> tuple[int, int]:
@@ -74,16 +78,34 @@ class Browser:
     def __init__(self, executable: str, profile: Path):
         to_child_r, self._to_child = _high_pipe()
         self._from_child, from_child_w = _high_pipe()
-        args = [executable, "--headless", "--no-sandbox",  # (root needs --no-sandbox)
-                "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run", "--no-default-browser-check",
-                "--disable-extensions", "--disable-background-networking", "--disable-component-update",
-                "--disable-sync", "--mute-audio", "--hide-scrollbars", f"--window-size={WIDTH},{HEIGHT}",
-                f"--user-data-dir={profile}", "--remote-debugging-pipe", "about:blank"]
+        args = [
+            executable,
+            "--headless",
+            "--no-sandbox",  # (root needs --no-sandbox)
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--no-first-run",
+            "--no-default-browser-check",
+            "--disable-extensions",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--mute-audio",
+            "--hide-scrollbars",
+            f"--window-size={WIDTH},{HEIGHT}",
+            f"--user-data-dir={profile}",
+            "--remote-debugging-pipe",
+            "about:blank",
+        ]
         self.log = profile / "chromium.log"
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-c", _FD_SHIM, str(to_child_r), str(from_child_w), *args],
-                                         pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=log)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _FD_SHIM, str(to_child_r), str(from_child_w), *args],
+                pass_fds=(to_child_r, from_child_w),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+            )
         os.close(to_child_r)
         os.close(from_child_w)
         self._next_id = 0
@@ -107,8 +129,7 @@ class Browser:
                     if box is not None:
                         box.put(message)
 
-    def send(self, method: str, params: dict | None = None, session: str | None = None,
-             timeout: float = 30.0) -> dict:
+    def send(self, method: str, params: dict | None = None, session: str | None = None, timeout: float = 30.0) -> dict:
         with self._lock:
             self._next_id += 1
             call_id = self._next_id
@@ -120,8 +141,10 @@ class Browser:
         try:
             reply = box.get(timeout=timeout)
         except queue.Empty:
-            raise TimeoutError(f"chromium gave no reply to {method} in {timeout} s; its log:\n"
-                               f"{self.log.read_text(errors='replace')[-3000:]}") from None
+            raise TimeoutError(
+                f"chromium gave no reply to {method} in {timeout} s; its log:\n"
+                f"{self.log.read_text(errors='replace')[-3000:]}"
+            ) from None
         if "error" in reply:
             raise RuntimeError(f"{method}: {reply['error']}")
         return reply["result"]
@@ -151,8 +174,10 @@ class Tab:
         self.session = browser.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         for domain in ("Page", "Runtime", "Network"):
             self.send(f"{domain}.enable")
-        self.send("Emulation.setDeviceMetricsOverride",
-                  {"width": WIDTH, "height": HEIGHT, "deviceScaleFactor": 1, "mobile": False})
+        self.send(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": WIDTH, "height": HEIGHT, "deviceScaleFactor": 1, "mobile": False},
+        )
         # The light palette, whatever the host prefers: the screenshot check looks for its colours.
         self.send("Emulation.setEmulatedMedia", {"features": [{"name": "prefers-color-scheme", "value": "light"}]})
 
@@ -160,8 +185,7 @@ class Tab:
         return self.browser.send(method, params, session=self.session, timeout=timeout)
 
     def eval(self, expression: str):
-        result = self.send("Runtime.evaluate", {"expression": expression, "returnByValue": True,
-                                                 "awaitPromise": True})
+        result = self.send("Runtime.evaluate", {"expression": expression, "returnByValue": True, "awaitPromise": True})
         if "exceptionDetails" in result:
             raise RuntimeError(f"{expression!r} threw: {result['exceptionDetails']}")
         return result["result"].get("value")
@@ -170,16 +194,19 @@ class Tab:
         deadline = time.monotonic() + timeout
         while not (value := self.eval(expression)):
             if time.monotonic() > deadline:
-                state = self.eval("document.body && [document.body.dataset.state, "
-                                  "document.getElementById('error').textContent]")
+                state = self.eval(
+                    "document.body && [document.body.dataset.state, document.getElementById('error').textContent]"
+                )
                 raise TimeoutError(f"{expression!r} still false after {timeout} s (page state, error: {state})")
             time.sleep(0.05)
         return value
 
     def click(self, selector: str) -> None:
         """A mouse press and release at the element's centre, as a user's click."""
-        x, y = self.eval(f"(() => {{ const r = document.querySelector({json.dumps(selector)})"
-                         ".getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; })()")
+        x, y = self.eval(
+            f"(() => {{ const r = document.querySelector({json.dumps(selector)})"
+            ".getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; })()"
+        )
         for kind in ("mousePressed", "mouseReleased"):
             self.send("Input.dispatchMouseEvent", {"type": kind, "x": x, "y": y, "button": "left", "clickCount": 1})
 
@@ -211,8 +238,9 @@ def playground_url(serve_factory, tmp_path_factory, tokenizer) -> str:
     answers hold both accepted draft tokens and the target's own) and an API key; → its base URL."""
     root = tmp_path_factory.mktemp("playground-models")
     save_target_and_draft(root, tokenizer, noise=0.01)
-    return serve_factory("--draft-model", str(root / "draft"), "--gamma", "3", "--api-key", API_KEY,
-                         model=root / "target").url
+    return serve_factory(
+        "--draft-model", str(root / "draft"), "--gamma", "3", "--api-key", API_KEY, model=root / "target"
+    ).url
 
 
 @pytest.fixture(scope="module")
@@ -235,15 +263,18 @@ def tab(chromium, tmp_path):
 
 def greedy_answer(url: str, model: str, messages: list[dict]) -> dict:
     """The server's non-streamed greedy answer, with its redwood stats."""
-    _, _, raw = _request(url + "/v1/chat/completions",
-                         {"model": model, "messages": messages, "temperature": 0, "max_tokens": MAX_TOKENS,
-                          "redwood": {"stats": True}})
+    _, _, raw = _request(
+        url + "/v1/chat/completions",
+        {"model": model, "messages": messages, "temperature": 0, "max_tokens": MAX_TOKENS, "redwood": {"stats": True}},
+    )
     return json.loads(raw)
 
 
 # ---------------------------------------------------------------------------------------------- the test
-TOKENS_JS = ("Array.from(document.querySelectorAll('#messages .msg.assistant')).map(m => "
-             "Array.from(m.querySelectorAll('.tok')).map(s => [s.textContent, s.className]))")
+TOKENS_JS = (
+    "Array.from(document.querySelectorAll('#messages .msg.assistant')).map(m => "
+    "Array.from(m.querySelectorAll('.tok')).map(s => [s.textContent, s.className]))"
+)
 
 
 def test_playground_page_is_self_contained(playground_url):
@@ -252,7 +283,7 @@ def test_playground_page_is_self_contained(playground_url):
     assert status == 200 and content_type.startswith("text/html")
     assert page == (Path(__file__).parents[2] / "src/redwood/serve/static/playground.html").read_text()
     # Nothing that needs the network: no external URL a browser would load; model text only via textContent.
-    for external in ("http://", "https://", "//fonts.", "@import", "<script src", "<link rel=\"stylesheet\""):
+    for external in ("http://", "https://", "//fonts.", "@import", "<script src", '<link rel="stylesheet"'):
         assert external not in page, external
     script = page.split("<script>", 1)[1].split("</script>", 1)[0]
     for html_sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval("):
@@ -279,8 +310,11 @@ def test_playground_streams_coloured_tokens(chromium, playground_url, tab, tmp_p
     for turn, prompt in enumerate(prompts):
         tab.type("#prompt", prompt)
         tab.click("#send")
-        tab.wait_for(f"document.body.dataset.state === 'done' && "
-                     f"document.querySelectorAll('#messages .msg.assistant').length === {turn + 1}", timeout=60)
+        tab.wait_for(
+            f"document.body.dataset.state === 'done' && "
+            f"document.querySelectorAll('#messages .msg.assistant').length === {turn + 1}",
+            timeout=60,
+        )
         spans = tab.eval(TOKENS_JS)[turn]
         messages.append({"role": "user", "content": prompt})
         reference = greedy_answer(playground_url, model, messages)  # (the same conversation, the page's history)
@@ -293,10 +327,13 @@ def test_playground_streams_coloured_tokens(chromium, playground_url, tab, tmp_p
         assert "".join(text for text, _ in spans) == answer
         # The counters: the server's token count, and at the end its acceptance figures for the same request.
         stats = reference["redwood"]
-        assert tab.eval("document.getElementById('stat-tokens').textContent") == \
-            str(reference["usage"]["completion_tokens"])
-        assert tab.eval("document.getElementById('stat-acceptance').textContent") == \
-            f"{100 * stats['acceptance_rate']:.1f}%"
+        assert tab.eval("document.getElementById('stat-tokens').textContent") == str(
+            reference["usage"]["completion_tokens"]
+        )
+        assert (
+            tab.eval("document.getElementById('stat-acceptance').textContent")
+            == f"{100 * stats['acceptance_rate']:.1f}%"
+        )
         assert tab.eval("document.getElementById('stat-mal').textContent") == f"{stats['mean_accepted_length']:.2f}"
         share = 100 * sum(cls == "tok draft" for _, cls in spans) / len(spans)
         shown = tab.eval("document.getElementById('stat-draft').textContent")
@@ -330,8 +367,10 @@ def open_playground(tab: Tab, url: str) -> str:
 def test_playground_stop_keeps_the_partial_answer(chromium, playground_url, tab):
     model = open_playground(tab, playground_url)
     # A slow link (~2 KB/s, each chunk is ~0.5 KB) so the answer is still streaming when Stop is pressed.
-    tab.send("Network.emulateNetworkConditions", {"offline": False, "latency": 0, "downloadThroughput": 2000,
-                                                  "uploadThroughput": -1})
+    tab.send(
+        "Network.emulateNetworkConditions",
+        {"offline": False, "latency": 0, "downloadThroughput": 2000, "uploadThroughput": -1},
+    )
     prompt = "def add(a, b):"
     tab.type("#prompt", prompt)
     tab.click("#send")
@@ -339,8 +378,10 @@ def test_playground_stop_keeps_the_partial_answer(chromium, playground_url, tab)
     assert tab.eval("document.body.dataset.state") == "streaming"
     tab.click("#stop")
     tab.wait_for("document.body.dataset.state === 'stopped'", timeout=15)
-    tab.send("Network.emulateNetworkConditions", {"offline": False, "latency": 0, "downloadThroughput": -1,
-                                                  "uploadThroughput": -1})
+    tab.send(
+        "Network.emulateNetworkConditions",
+        {"offline": False, "latency": 0, "downloadThroughput": -1, "uploadThroughput": -1},
+    )
     partial = "".join(text for text, _ in tab.eval(TOKENS_JS)[0])
     answer = greedy_answer(playground_url, model, [{"role": "user", "content": prompt}])
     full = answer["choices"][0]["message"]["content"]
@@ -352,8 +393,9 @@ def test_playground_stop_keeps_the_partial_answer(chromium, playground_url, tab)
 
 # An SSE body with what a reader must cope with: CRLF, LF and lone-CR line ends, a comment, a field with no
 # space after the colon, an event of two data lines, a multi-byte character, a last event with no blank line.
-SSE_BODY = ('data: {"a": "é€😀"}\r\n\r\n: keep-alive\n\ndata:{"b": 1}\n\nevent: x\ndata: line 1\ndata: line 2\r\r'
-            'data: [DONE]')
+SSE_BODY = (
+    'data: {"a": "é€😀"}\r\n\r\n: keep-alive\n\ndata:{"b": 1}\n\nevent: x\ndata: line 1\ndata: line 2\r\rdata: [DONE]'
+)
 SSE_EVENTS = ['{"a": "é€😀"}', '{"b": 1}', "line 1\nline 2", "[DONE]"]
 
 

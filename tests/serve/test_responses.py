@@ -35,8 +35,11 @@ def test_logprob_formats():
 
 def test_stats_sum_over_choices():
     def stats(drafted, accepted, steps, generated, decode_s):
-        return {"generated_tokens": generated, "decode_s": decode_s,
-                "speculative": {"drafted": drafted, "accepted": accepted, "steps": steps}}
+        return {
+            "generated_tokens": generated,
+            "decode_s": decode_s,
+            "speculative": {"drafted": drafted, "accepted": accepted, "steps": steps},
+        }
 
     s = redwood_stats([stats(30, 12, 10, 23, 1.0), stats(30, 18, 10, 29, 1.0)])
     assert (s["drafted"], s["accepted"], s["steps"]) == (60, 30, 20)
@@ -63,8 +66,9 @@ def test_context_finish_is_length_for_openai_and_context_for_redwood():
     out = completion_response("cmpl-x", "m", choices, [4], TokenText(None), None, stats=True)
     assert [c["finish_reason"] for c in out["choices"]] == ["length", "length"]
     assert out["redwood"]["finish_reasons"] == ["context", "length"]
-    maker = ChunkMaker("cmpl-x", "m", chat=False, token_text=TokenText(None), num_logprobs=None, stats=True,
-                       include_usage=False)
+    maker = ChunkMaker(
+        "cmpl-x", "m", chat=False, token_text=TokenText(None), num_logprobs=None, stats=True, include_usage=False
+    )
     last = maker.delta(choices[0], RequestDelta("r0", [7], "c", "context", stats))
     assert last["choices"][0]["finish_reason"] == "length" and last["redwood"]["finish_reason"] == "context"
 

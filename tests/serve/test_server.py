@@ -14,8 +14,15 @@ from tests.serve.conftest import MODEL_NAME
 
 def test_sigterm_lets_running_requests_finish_then_exits_0(serve_factory):
     server = serve_factory()
-    body = {"model": MODEL_NAME, "prompt": "The quick", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "The quick",
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     first_chunk, lines = threading.Event(), []
 
     def long_request():

@@ -16,18 +16,21 @@ from redwood.tuning.acceptance import AcceptanceVector
 HAND = (-1, 0, 0, 1, 1, 2, 3)
 
 
-@pytest.mark.parametrize("parents, message", [
-    ([], "at least its root"),
-    ([0, 0], r"parents\[0\] must be -1"),
-    ([-1, -1], "only the root"),
-    ([-1, 0, 3, 1], "must come before its children"),
-    ([-1, 0, 1, 2, 2], None),  # valid chain + sibling (control)
-    ([-1, 0, 1, 0], "children contiguous"),  # root's children 1 and 3 split by node 2
-    ([-1, 0, 0, 2, 1], "breadth-first"),  # node 3 (child of 2) before node 4 (child of 1)
-    ([-1, 0.0], "not an integer"),
-    ([-1, True], "not an integer"),
-    ("abc", "list of integers"),
-])
+@pytest.mark.parametrize(
+    "parents, message",
+    [
+        ([], "at least its root"),
+        ([0, 0], r"parents\[0\] must be -1"),
+        ([-1, -1], "only the root"),
+        ([-1, 0, 3, 1], "must come before its children"),
+        ([-1, 0, 1, 2, 2], None),  # valid chain + sibling (control)
+        ([-1, 0, 1, 0], "children contiguous"),  # root's children 1 and 3 split by node 2
+        ([-1, 0, 0, 2, 1], "breadth-first"),  # node 3 (child of 2) before node 4 (child of 1)
+        ([-1, 0.0], "not an integer"),
+        ([-1, True], "not an integer"),
+        ("abc", "list of integers"),
+    ],
+)
 def test_validation(parents, message):
     if message is None:
         Tree(tuple(parents))
@@ -59,15 +62,18 @@ def test_hand_tree_structure():
 
 def test_hand_tree_mask_and_depths():
     t = Tree(HAND)
-    expected = torch.tensor([
-        [1, 0, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0, 0],
-        [1, 0, 1, 0, 0, 0, 0],
-        [1, 1, 0, 1, 0, 0, 0],
-        [1, 1, 0, 0, 1, 0, 0],
-        [1, 0, 1, 0, 0, 1, 0],
-        [1, 1, 0, 1, 0, 0, 1],
-    ], dtype=torch.bool)
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0, 0],
+            [1, 0, 1, 0, 0, 0, 0],
+            [1, 1, 0, 1, 0, 0, 0],
+            [1, 1, 0, 0, 1, 0, 0],
+            [1, 0, 1, 0, 0, 1, 0],
+            [1, 1, 0, 1, 0, 0, 1],
+        ],
+        dtype=torch.bool,
+    )
     m = t.ancestor_mask()
     assert m.dtype == torch.bool and m.shape == (7, 7)
     assert torch.equal(m, expected)
@@ -84,10 +90,17 @@ def _mask_by_paths(t: Tree) -> torch.Tensor:
     return m
 
 
-@pytest.mark.parametrize("tree", [
-    Tree.chain(0), Tree.chain(5), Tree.k_chains(3, 4), Tree.k_chains(1, 2), Tree(HAND),
-    Tree.from_branching([3, 2, 0, 1, 2, 1]),
-])
+@pytest.mark.parametrize(
+    "tree",
+    [
+        Tree.chain(0),
+        Tree.chain(5),
+        Tree.k_chains(3, 4),
+        Tree.k_chains(1, 2),
+        Tree(HAND),
+        Tree.from_branching([3, 2, 0, 1, 2, 1]),
+    ],
+)
 def test_mask_matches_paths_and_invariants(tree):
     assert torch.equal(tree.ancestor_mask(), _mask_by_paths(tree))
     # siblings share a depth; the mask is lower-triangular with a true diagonal
@@ -191,15 +204,18 @@ def test_resolve_tree_forms(tmp_path):
     assert resolve_tree(name) == load_shipped_tree(name)
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("chain:x", "chain:G"),
-    ("chain:-1", "chain:G"),
-    ("chains:3", "chains:KxL"),
-    ("chains:0x3", "chains:KxL"),
-    ("no-such-tree", "unknown tree"),
-    ("missing/tree.json", "not found"),
-    ("", "non-empty"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("chain:x", "chain:G"),
+        ("chain:-1", "chain:G"),
+        ("chains:3", "chains:KxL"),
+        ("chains:0x3", "chains:KxL"),
+        ("no-such-tree", "unknown tree"),
+        ("missing/tree.json", "not found"),
+        ("", "non-empty"),
+    ],
+)
 def test_resolve_tree_errors(spec, message):
     with pytest.raises(ConfigError, match=message):
         resolve_tree(spec)

@@ -17,9 +17,18 @@ from redwood.tuning.acceptance import (
 
 
 def _record(**over):
-    d = {"format": FORMAT, "models": {"target": "t", "draft": "d"}, "method": "dynamic", "width": 3,
-         "temperature": 0.6, "top_p": 1.0, "dataset": "c4", "samples": 100,
-         "values": [0.5, 0.2, 0.1], "p_none": 0.2}
+    d = {
+        "format": FORMAT,
+        "models": {"target": "t", "draft": "d"},
+        "method": "dynamic",
+        "width": 3,
+        "temperature": 0.6,
+        "top_p": 1.0,
+        "dataset": "c4",
+        "samples": 100,
+        "values": [0.5, 0.2, 0.1],
+        "p_none": 0.2,
+    }
     d.update(over)
     return d
 
@@ -52,27 +61,30 @@ def test_minimal_and_static():
     assert s.method == "static" and "p_none" in s.to_dict()
 
 
-@pytest.mark.parametrize("over, message", [
-    ({"format": "sequoia"}, "format"),
-    ({"format": None}, "format"),
-    ({"values": [0.5, -0.1, 0.1]}, "negative"),
-    ({"values": [0.6, 0.3, 0.2], "p_none": None}, "sums to 1.1"),
-    ({"values": [0.5, 0.2, 0.1], "p_none": 0.3}, "p_none sum"),
-    ({"values": [0.5, "x", 0.1]}, "not a number"),
-    ({"values": [0.5, float("nan"), 0.1]}, "not finite"),
-    ({"values": []}, "empty"),
-    ({"values": 0.5}, "list of numbers"),
-    ({"width": 4}, "width is 4"),
-    ({"method": "magic"}, "method"),
-    ({"p_none": -0.1}, "p_none"),
-    ({"per_depth": [[0.5, 0.2]]}, "has 2 ranks"),
-    ({"per_depth": [[0.9, 0.2, 0.1]]}, "per_depth\\[depth 1\\] sums"),
-    ({"per_depth": []}, "per_depth"),
-    ({"samples": -3}, "samples"),
-    ({"temperature": -1}, "temperature"),
-    ({"models": ["a"]}, "models"),
-    ({"extra": 1}, "unknown field"),
-])
+@pytest.mark.parametrize(
+    "over, message",
+    [
+        ({"format": "sequoia"}, "format"),
+        ({"format": None}, "format"),
+        ({"values": [0.5, -0.1, 0.1]}, "negative"),
+        ({"values": [0.6, 0.3, 0.2], "p_none": None}, "sums to 1.1"),
+        ({"values": [0.5, 0.2, 0.1], "p_none": 0.3}, "p_none sum"),
+        ({"values": [0.5, "x", 0.1]}, "not a number"),
+        ({"values": [0.5, float("nan"), 0.1]}, "not finite"),
+        ({"values": []}, "empty"),
+        ({"values": 0.5}, "list of numbers"),
+        ({"width": 4}, "width is 4"),
+        ({"method": "magic"}, "method"),
+        ({"p_none": -0.1}, "p_none"),
+        ({"per_depth": [[0.5, 0.2]]}, "has 2 ranks"),
+        ({"per_depth": [[0.9, 0.2, 0.1]]}, "per_depth\\[depth 1\\] sums"),
+        ({"per_depth": []}, "per_depth"),
+        ({"samples": -3}, "samples"),
+        ({"temperature": -1}, "temperature"),
+        ({"models": ["a"]}, "models"),
+        ({"extra": 1}, "unknown field"),
+    ],
+)
 def test_validation_errors(over, message):
     with pytest.raises(ConfigError, match=message):
         AcceptanceVector.from_dict(_record(**over))

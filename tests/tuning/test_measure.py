@@ -121,8 +121,7 @@ def test_sums_at_most_one_random():
     for verifier in ("sequoia", "specinfer", "topk"):
         acc = static_acceptance(p, q, 8, verifier, g)
         assert float(acc.sum(1).max()) <= 1 + 1e-6 and float(acc.min()) >= 0
-    greedy = static_acceptance(torch.nn.functional.one_hot(p.argmax(-1), 30).float(), q, 8, "greedy", g,
-                               rank_by=q)
+    greedy = static_acceptance(torch.nn.functional.one_hot(p.argmax(-1), 30).float(), q, 8, "greedy", g, rank_by=q)
     assert set(greedy.sum(1).tolist()) <= {0.0, 1.0}
 
 
@@ -138,8 +137,7 @@ def test_dataset_texts_are_held_out_from_build_prompts(tokenizer, monkeypatch):
     from redwood.data import prompts as prompts_mod
     from redwood.data import recipes
 
-    docs = [{"id": f"d{i}", "text": f"doc {i}: " + " ".join(CORPUS[(i + j) % 5] for j in range(3))}
-            for i in range(20)]
+    docs = [{"id": f"d{i}", "text": f"doc {i}: " + " ".join(CORPUS[(i + j) % 5] for j in range(3))} for i in range(20)]
     monkeypatch.setattr(recipes, "load_dataset", lambda name, **kw: docs)
     monkeypatch.setattr(prompts_mod, "load_dataset", lambda name, **kw: docs)
     monkeypatch.setattr(recipes, "dataset_kind", lambda name: "prefix")
@@ -155,6 +153,7 @@ def test_dataset_texts_are_held_out_from_build_prompts(tokenizer, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------ tiny models
+
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory, tokenizer):
@@ -202,10 +201,36 @@ def test_dynamic_chain_width_one(pair):
 
 def test_dynamic_cli_writes_valid_vector(pair, prompt_file, tmp_path, capsys):
     out = tmp_path / "dyn.json"
-    rc = main(["acceptance", "--model", str(pair / "target"), "--draft-model", str(pair / "draft"),
-               "--width", "4", "--mode", "dynamic", "--temperature", "0.8", "--top-p", "0.95",
-               "--prompts", str(prompt_file), "--num-prompts", "3", "--prompt-len", "24", "--gen-len", "12",
-               "--seed", "7", "--output", str(out), "--quiet"])
+    rc = main(
+        [
+            "acceptance",
+            "--model",
+            str(pair / "target"),
+            "--draft-model",
+            str(pair / "draft"),
+            "--width",
+            "4",
+            "--mode",
+            "dynamic",
+            "--temperature",
+            "0.8",
+            "--top-p",
+            "0.95",
+            "--prompts",
+            str(prompt_file),
+            "--num-prompts",
+            "3",
+            "--prompt-len",
+            "24",
+            "--gen-len",
+            "12",
+            "--seed",
+            "7",
+            "--output",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert rc == 0
     assert "dynamic acceptance (sequoia, W=4" in capsys.readouterr().out
     vec = load_acceptance(out)
@@ -221,9 +246,32 @@ def test_dynamic_cli_writes_valid_vector(pair, prompt_file, tmp_path, capsys):
 
 def test_dynamic_draft_equals_target_greedy_accepts_rank_one(pair, prompt_file, tmp_path):
     out = tmp_path / "same.json"
-    rc = main(["acceptance", "--model", str(pair / "target"), "--draft-model", str(pair / "target"),
-               "--width", "3", "--mode", "dynamic", "--temperature", "0", "--prompts", str(prompt_file),
-               "--num-prompts", "2", "--prompt-len", "20", "--gen-len", "10", "--output", str(out), "--quiet"])
+    rc = main(
+        [
+            "acceptance",
+            "--model",
+            str(pair / "target"),
+            "--draft-model",
+            str(pair / "target"),
+            "--width",
+            "3",
+            "--mode",
+            "dynamic",
+            "--temperature",
+            "0",
+            "--prompts",
+            str(prompt_file),
+            "--num-prompts",
+            "2",
+            "--prompt-len",
+            "20",
+            "--gen-len",
+            "10",
+            "--output",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert rc == 0
     vec = load_acceptance(out)
     assert vec.notes["verifier"] == "greedy"
@@ -232,9 +280,32 @@ def test_dynamic_draft_equals_target_greedy_accepts_rank_one(pair, prompt_file, 
 
 def test_static_cli(pair, prompt_file, tmp_path, capsys):
     out = tmp_path / "static.json"
-    rc = main(["acceptance", "--model", str(pair / "target"), "--draft-model", str(pair / "draft"),
-               "--width", "4", "--mode", "static", "--temperature", "0.6", "--prompts", str(prompt_file),
-               "--num-prompts", "4", "--prompt-len", "30", "--gen-len", "20", "--output", str(out), "--quiet"])
+    rc = main(
+        [
+            "acceptance",
+            "--model",
+            str(pair / "target"),
+            "--draft-model",
+            str(pair / "draft"),
+            "--width",
+            "4",
+            "--mode",
+            "static",
+            "--temperature",
+            "0.6",
+            "--prompts",
+            str(prompt_file),
+            "--num-prompts",
+            "4",
+            "--prompt-len",
+            "30",
+            "--gen-len",
+            "20",
+            "--output",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert rc == 0
     vec = load_acceptance(out)
     assert vec.method == "static" and vec.p_none is None and vec.samples == 4 * 20
@@ -242,26 +313,60 @@ def test_static_cli(pair, prompt_file, tmp_path, capsys):
     assert vec.notes["expected_none"] == pytest.approx(1 - sum(vec.values), abs=1e-9)
     # draft == target: p == q at every position, so rank 1 is always accepted
     same = tmp_path / "same.json"
-    assert main(["acceptance", "--model", str(pair / "target"), "--draft-model", str(pair / "target"),
-                 "--width", "2", "--mode", "static", "--temperature", "1.0", "--prompts", str(prompt_file),
-                 "--num-prompts", "2", "--prompt-len", "30", "--gen-len", "10", "--output", str(same),
-                 "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "acceptance",
+                "--model",
+                str(pair / "target"),
+                "--draft-model",
+                str(pair / "target"),
+                "--width",
+                "2",
+                "--mode",
+                "static",
+                "--temperature",
+                "1.0",
+                "--prompts",
+                str(prompt_file),
+                "--num-prompts",
+                "2",
+                "--prompt-len",
+                "30",
+                "--gen-len",
+                "10",
+                "--output",
+                str(same),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert load_acceptance(same).values == (1.0, 0.0)
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--width", "0"], "--width"),
-    (["--mode", "sideways"], "--mode"),
-    (["--verifier", "greedy", "--temperature", "0.5"], "greedy"),
-    (["--verifier", "bogus"], "verifier"),
-    (["--top-p", "0"], "--top-p"),
-    (["--gen-len", "1"], "--gen-len"),
-    (["--prompt-len", "500", "--mode", "static"], "context"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--width", "0"], "--width"),
+        (["--mode", "sideways"], "--mode"),
+        (["--verifier", "greedy", "--temperature", "0.5"], "greedy"),
+        (["--verifier", "bogus"], "verifier"),
+        (["--top-p", "0"], "--top-p"),
+        (["--gen-len", "1"], "--gen-len"),
+        (["--prompt-len", "500", "--mode", "static"], "context"),
+    ],
+)
 def test_cli_errors_are_one_line(pair, prompt_file, tmp_path, capsys, argv, needle):
-    base = {"--model": str(pair / "target"), "--draft-model": str(pair / "draft"), "--width": "2",
-            "--mode": "dynamic", "--temperature": "0.5", "--prompts": str(prompt_file),
-            "--output": str(tmp_path / "x.json")}
+    base = {
+        "--model": str(pair / "target"),
+        "--draft-model": str(pair / "draft"),
+        "--width": "2",
+        "--mode": "dynamic",
+        "--temperature": "0.5",
+        "--prompts": str(prompt_file),
+        "--output": str(tmp_path / "x.json"),
+    }
     for flag, value in zip(argv[::2], argv[1::2]):
         base[flag] = value
     if "--prompt-len" in base:
@@ -277,21 +382,62 @@ def test_cli_errors_are_one_line(pair, prompt_file, tmp_path, capsys, argv, need
 
 
 def test_cli_missing_prompt_file(pair, tmp_path, capsys):
-    rc = main(["acceptance", "--model", str(pair / "target"), "--width", "2", "--mode", "static",
-               "--temperature", "0", "--prompts", str(tmp_path / "nope.txt"), "--output", str(tmp_path / "x.json")])
+    rc = main(
+        [
+            "acceptance",
+            "--model",
+            str(pair / "target"),
+            "--width",
+            "2",
+            "--mode",
+            "static",
+            "--temperature",
+            "0",
+            "--prompts",
+            str(tmp_path / "nope.txt"),
+            "--output",
+            str(tmp_path / "x.json"),
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "no such file" in err
 
 
-@pytest.mark.parametrize("kv,flags", [("streaming", ["--draft-budget", "8"]),
-                                      ("snapkv", ["--draft-budget", "8", "--window", "4"])])
+@pytest.mark.parametrize(
+    "kv,flags", [("streaming", ["--draft-budget", "8"]), ("snapkv", ["--draft-budget", "8", "--window", "4"])]
+)
 def test_dynamic_self_speculation_through_a_compressed_cache(kv, flags, pair, prompt_file, tmp_path):
     """--self-speculate --draft-kv: MagicDec's draft (the target over a compressed cache) measured on
     policy; the vector names the cache, so tree-search plans trees for that draft."""
     out = tmp_path / "self.json"
-    rc = main(["acceptance", "--model", str(pair / "target"), "--self-speculate", "--draft-kv", kv, *flags,
-               "--width", "2", "--mode", "dynamic", "--temperature", "0.7", "--prompts", str(prompt_file),
-               "--num-prompts", "2", "--prompt-len", "24", "--gen-len", "10", "--output", str(out), "--quiet"])
+    rc = main(
+        [
+            "acceptance",
+            "--model",
+            str(pair / "target"),
+            "--self-speculate",
+            "--draft-kv",
+            kv,
+            *flags,
+            "--width",
+            "2",
+            "--mode",
+            "dynamic",
+            "--temperature",
+            "0.7",
+            "--prompts",
+            str(prompt_file),
+            "--num-prompts",
+            "2",
+            "--prompt-len",
+            "24",
+            "--gen-len",
+            "10",
+            "--output",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert rc == 0
     vec = load_acceptance(out)
     assert vec.models["draft"].startswith(f"{pair / 'target'} [{kv}(") and vec.notes["draft_kv"] == kv
@@ -299,24 +445,55 @@ def test_dynamic_self_speculation_through_a_compressed_cache(kv, flags, pair, pr
 
 
 def test_self_speculating_llm_measures_with_its_policy(pair):
-    spec = SpeculativeConfig(self_speculate=True, draft_kv="streaming", draft_budget=8, tree=star_tree_spec(2),
-                             verifier="sequoia")
+    spec = SpeculativeConfig(
+        self_speculate=True, draft_kv="streaming", draft_budget=8, tree=star_tree_spec(2), verifier="sequoia"
+    )
     llm = LLM(str(pair / "target"), speculative=spec)
     assert llm.drafter.policy.name == "streaming"
     res = measure_dynamic(llm, _prompts(2, 20, seed=3), 2, 0.8, 1.0, gen_len=10, seed=2)
     assert res.steps == res.engine_steps > 0 and llm.drafter.policy.name == "streaming"
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--self-speculate", "--width", "2", "--mode", "dynamic"], "needs --draft-kv streaming or snapkv"),
-    (["--self-speculate", "--draft-model", "x", "--draft-kv", "streaming", "--draft-budget", "8", "--width", "2",
-      "--mode", "dynamic"], "mutually exclusive"),
-    (["--draft-kv", "streaming", "--draft-budget", "8", "--width", "2", "--mode", "static"], "--mode dynamic"),
-    (["--draft-kv", "lru", "--width", "2", "--mode", "dynamic"], "--draft-kv must be one of"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--self-speculate", "--width", "2", "--mode", "dynamic"], "needs --draft-kv streaming or snapkv"),
+        (
+            [
+                "--self-speculate",
+                "--draft-model",
+                "x",
+                "--draft-kv",
+                "streaming",
+                "--draft-budget",
+                "8",
+                "--width",
+                "2",
+                "--mode",
+                "dynamic",
+            ],
+            "mutually exclusive",
+        ),
+        (["--draft-kv", "streaming", "--draft-budget", "8", "--width", "2", "--mode", "static"], "--mode dynamic"),
+        (["--draft-kv", "lru", "--width", "2", "--mode", "dynamic"], "--draft-kv must be one of"),
+    ],
+)
 def test_draft_cache_errors_are_one_line(argv, needle, pair, prompt_file, tmp_path, capsys):
-    rc = main(["acceptance", "--quiet", "--model", str(pair / "target"), "--temperature", "0.5",
-               "--prompts", str(prompt_file), "--output", str(tmp_path / "x.json"), *argv])
+    rc = main(
+        [
+            "acceptance",
+            "--quiet",
+            "--model",
+            str(pair / "target"),
+            "--temperature",
+            "0.5",
+            "--prompts",
+            str(prompt_file),
+            "--output",
+            str(tmp_path / "x.json"),
+            *argv,
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and needle in err
     assert not (tmp_path / "x.json").exists()

@@ -26,6 +26,7 @@ from redwood.tuning.tree_search import (
 def all_trees(n: int):
     """Every tree with n nodes: breadth-first numbering with contiguous children is exactly a
     non-decreasing `parents` with parents[i] < i, so enumerate those sequences."""
+
     def rec(ps):
         if len(ps) == n:
             yield Tree(tuple(ps))
@@ -33,6 +34,7 @@ def all_trees(n: int):
         i = len(ps)
         for p in range(max(ps[-1], 0), i):
             yield from rec(ps + [p])
+
     yield from rec([-1])
 
 
@@ -40,8 +42,7 @@ TREES = {n: list(all_trees(n)) for n in range(1, 8)}
 
 
 def brute_force(acceptance, n: int, d: int, width: int) -> float:
-    vals = [t.expected_tokens(acceptance) for t in TREES[n]
-            if t.max_depth <= d and max(t.num_children) <= width]
+    vals = [t.expected_tokens(acceptance) for t in TREES[n] if t.max_depth <= d and max(t.num_children) <= width]
     return max(vals) if vals else -math.inf
 
 
@@ -115,7 +116,7 @@ def test_hand_computed_small_case():
 
 
 def power_law(width: int, p1: float = 0.6, alpha: float = 1.5, total: float = 0.9) -> list[float]:
-    raw = [k ** -alpha for k in range(1, width + 1)]
+    raw = [k**-alpha for k in range(1, width + 1)]
     rest = [r / sum(raw[1:]) * (total - p1) for r in raw[1:]]
     return [p1] + rest
 
@@ -126,7 +127,7 @@ def test_monotone_in_size_and_depth():
         col = t[1:, d]
         fin = col[np.isfinite(col)]
         assert np.all(np.diff(fin) >= -1e-12)
-        capacity = sum(8 ** j for j in range(d))  # W = 8 ranks: 1 + 8 + 64 + ... nodes fit in d levels
+        capacity = sum(8**j for j in range(d))  # W = 8 ranks: 1 + 8 + 64 + ... nodes fit in d levels
         assert len(fin) == min(200, capacity)
     for n in range(1, 201):
         row = t[n, 1:]
@@ -138,8 +139,9 @@ def test_trees_beat_chains_and_keep_growing():
     p = power_law(32)
     dp = solve_tree_dp(p, 513, 16)
     # the best k independent chains within the budget
-    best_chains = max(Tree.k_chains(k, L).expected_tokens(p)
-                      for k in range(1, 33) for L in range(1, 17) if 1 + k * L <= 513)
+    best_chains = max(
+        Tree.k_chains(k, L).expected_tokens(p) for k in range(1, 33) for L in range(1, 17) if 1 + k * L <= 513
+    )
     # k chains can never beat 1 + Σ_k p_k / (1 - p_1): each chain continues with rank-1 children only
     bound = 1 + sum(p) / (1 - p[0])
     assert best_chains <= bound
@@ -158,7 +160,7 @@ def test_trees_beat_chains_and_keep_growing():
 def test_chain_is_optimal_when_only_rank_one_accepts():
     dp = solve_tree_dp([0.7], 9, 12)
     assert dp.tree(9, 12) == Tree.chain(8)
-    assert dp.results[9, 12] == pytest.approx(sum(0.7 ** k for k in range(9)))
+    assert dp.results[9, 12] == pytest.approx(sum(0.7**k for k in range(9)))
 
 
 def test_per_depth_equal_rows_match_flat_and_vector_input():
@@ -202,21 +204,25 @@ def test_optimal_tree_meta_and_budget_that_does_not_fit():
     assert optimal_tree([0.5], 3, 3)[0].meta["acceptance"]["values"] == [0.5]
 
 
-@pytest.mark.parametrize("args, message", [
-    (([0.5], 0, 3), "budget"),
-    (([0.5], 3, 0), "max depth"),
-    (([-0.5], 3, 3), "negative"),
-    (([0.7, 0.7], 3, 3), "sums to"),
-    (("0.5", 3, 3), "acceptance"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (([0.5], 0, 3), "budget"),
+        (([0.5], 3, 0), "max depth"),
+        (([-0.5], 3, 3), "negative"),
+        (([0.7, 0.7], 3, 3), "sums to"),
+        (("0.5", 3, 3), "acceptance"),
+    ],
+)
 def test_dp_errors(args, message):
     with pytest.raises(ConfigError, match=message):
         solve_tree_dp(*args)
 
 
 # ---------------------------------------------------------------------- profiles and selection
-DEMO = LatencyProfile(target_tokens=(1, 2, 4, 8, 16, 32), target_ms=(10, 10, 10, 12, 14, 18),
-                      draft_width=(1,), draft_ms=(0.3,))
+DEMO = LatencyProfile(
+    target_tokens=(1, 2, 4, 8, 16, 32), target_ms=(10, 10, 10, 12, 14, 18), draft_width=(1,), draft_ms=(0.3,)
+)
 
 
 def test_demo_config_reproduces_the_chain_and_2_05x():
@@ -234,9 +240,14 @@ def test_demo_config_reproduces_the_chain_and_2_05x():
 
 def synthetic_profile() -> LatencyProfile:
     sizes = (1, 2, 4, 8, 16, 24, 32, 48)
-    return LatencyProfile(target_tokens=sizes, target_ms=tuple(20 + 0.4 * n + 0.004 * n * n for n in sizes),
-                          draft_width=(1, 4, 8, 16, 32), draft_ms=(1.0, 1.2, 1.5, 2.5, 4.0),
-                          overhead_tokens=(1, 48), overhead_ms=(0.2, 1.0))
+    return LatencyProfile(
+        target_tokens=sizes,
+        target_ms=tuple(20 + 0.4 * n + 0.004 * n * n for n in sizes),
+        draft_width=(1, 4, 8, 16, 32),
+        draft_ms=(1.0, 1.2, 1.5, 2.5, 4.0),
+        overhead_tokens=(1, 48),
+        overhead_ms=(0.2, 1.0),
+    )
 
 
 @pytest.mark.parametrize("acceptance", [power_law(8), [0.75, 0.1, 0.05], [power_law(6, 0.7), power_law(6, 0.4)]])
@@ -305,6 +316,7 @@ def test_profile_round_trip_and_errors(tmp_path):
         ({**good, "overhead": "lots"}, "overhead"),
     ]
     import json
+
     for d, message in bad_cases:
         p = tmp_path / "bad.json"
         p.write_text(json.dumps(d))

@@ -14,8 +14,19 @@ from redwood.tuning.tree_search import LatencyProfile, optimal_tree, save_profil
 
 def test_inline_values_prints_expected_and_writes_tree(tmp_path, capsys):
     out = tmp_path / "t.json"
-    rc = main(["tree-search", "--acceptance-values", "0.6,0.2,0.1", "--budget", "32", "--max-depth", "6",
-               "--output", str(out)])
+    rc = main(
+        [
+            "tree-search",
+            "--acceptance-values",
+            "0.6,0.2,0.1",
+            "--budget",
+            "32",
+            "--max-depth",
+            "6",
+            "--output",
+            str(out),
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0
     want_tree, want = optimal_tree([0.6, 0.2, 0.1], 32, 6)
@@ -28,16 +39,26 @@ def test_inline_values_prints_expected_and_writes_tree(tmp_path, capsys):
 
 
 def test_acceptance_file_and_json_summary(tmp_path, capsys):
-    vec = AcceptanceVector(values=(0.5, 0.2), method="dynamic", p_none=0.3, models={"target": "T", "draft": "D"},
-                           temperature=0.6, per_depth=((0.6, 0.2), (0.4, 0.2)))
+    vec = AcceptanceVector(
+        values=(0.5, 0.2),
+        method="dynamic",
+        p_none=0.3,
+        models={"target": "T", "draft": "D"},
+        temperature=0.6,
+        per_depth=((0.6, 0.2), (0.4, 0.2)),
+    )
     path = save_acceptance(vec, tmp_path / "a.json")
     assert main(["tree-search", "--acceptance", str(path), "--budget", "20", "--max-depth", "5", "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
     _, want = optimal_tree(vec, 20, 5)
     assert s["size"] == 20 and s["per_depth"] is True
     assert s["expected_tokens"] == pytest.approx(want)
-    assert main(["tree-search", "--acceptance", str(path), "--budget", "20", "--max-depth", "5", "--json",
-                 "--no-per-depth"]) == 0
+    assert (
+        main(
+            ["tree-search", "--acceptance", str(path), "--budget", "20", "--max-depth", "5", "--json", "--no-per-depth"]
+        )
+        == 0
+    )
     s2 = json.loads(capsys.readouterr().out)
     assert s2["per_depth"] is False
     assert s2["expected_tokens"] == pytest.approx(optimal_tree([0.5, 0.2], 20, 5)[1])
@@ -50,12 +71,34 @@ def test_budget_that_does_not_fit_is_noted(capsys):
 
 
 def test_profile_selection(tmp_path, capsys):
-    prof = LatencyProfile(target_tokens=(1, 2, 4, 8, 16, 32), target_ms=(10, 10, 10, 12, 14, 18),
-                          draft_width=(1,), draft_ms=(0.3,), device="test")
+    prof = LatencyProfile(
+        target_tokens=(1, 2, 4, 8, 16, 32),
+        target_ms=(10, 10, 10, 12, 14, 18),
+        draft_width=(1,),
+        draft_ms=(0.3,),
+        device="test",
+    )
     ppath = save_profile(prof, tmp_path / "p.json")
     out = tmp_path / "sel.json"
-    rc = main(["tree-search", "--acceptance-values", "0.6355,0.06,0.03,0.02", "--budget", "32", "--max-depth", "8",
-               "--profile", str(ppath), "--sizes", "measured", "--top", "3", "--output", str(out)])
+    rc = main(
+        [
+            "tree-search",
+            "--acceptance-values",
+            "0.6355,0.06,0.03,0.02",
+            "--budget",
+            "32",
+            "--max-depth",
+            "8",
+            "--profile",
+            str(ppath),
+            "--sizes",
+            "measured",
+            "--top",
+            "3",
+            "--output",
+            str(out),
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0
     assert "selected: size 4, depth 4" in text
@@ -64,22 +107,41 @@ def test_profile_selection(tmp_path, capsys):
     tree = Tree.load(out)
     assert tree == Tree.chain(3) and tree.meta["selected"]["predicted_speedup"] == pytest.approx(2.05, abs=0.005)
     assert tree.meta["profile"]["device"] == "test"
-    rc = main(["tree-search", "--acceptance-values", "0.6355,0.06,0.03,0.02", "--budget", "32", "--max-depth", "8",
-               "--profile", str(ppath), "--json", "--top", "3"])
+    rc = main(
+        [
+            "tree-search",
+            "--acceptance-values",
+            "0.6355,0.06,0.03,0.02",
+            "--budget",
+            "32",
+            "--max-depth",
+            "8",
+            "--profile",
+            str(ppath),
+            "--json",
+            "--top",
+            "3",
+        ]
+    )
     s = json.loads(capsys.readouterr().out)
     assert rc == 0 and len(s["candidates"]) == 3
     assert s["candidates"][0]["tau_ms"] == pytest.approx(s["tau_ms"])
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--acceptance-values", "0.6,0.5", "--budget", "8", "--max-depth", "3"], "sums to"),
-    (["--acceptance-values", "0.6,x", "--budget", "8", "--max-depth", "3"], "comma-separated"),
-    (["--acceptance-values", "0.6", "--budget", "0", "--max-depth", "3"], "--budget"),
-    (["--acceptance-values", "0.6", "--budget", "8", "--max-depth", "0"], "--max-depth"),
-    (["--acceptance", "/nonexistent/a.json", "--budget", "8", "--max-depth", "3"], "not found"),
-    (["--acceptance-values", "0.6", "--budget", "8", "--max-depth", "3", "--profile", "/nonexistent/p.json"],
-     "profile file not found"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--acceptance-values", "0.6,0.5", "--budget", "8", "--max-depth", "3"], "sums to"),
+        (["--acceptance-values", "0.6,x", "--budget", "8", "--max-depth", "3"], "comma-separated"),
+        (["--acceptance-values", "0.6", "--budget", "0", "--max-depth", "3"], "--budget"),
+        (["--acceptance-values", "0.6", "--budget", "8", "--max-depth", "0"], "--max-depth"),
+        (["--acceptance", "/nonexistent/a.json", "--budget", "8", "--max-depth", "3"], "not found"),
+        (
+            ["--acceptance-values", "0.6", "--budget", "8", "--max-depth", "3", "--profile", "/nonexistent/p.json"],
+            "profile file not found",
+        ),
+    ],
+)
 def test_errors_are_one_line(argv, message, capsys):
     assert main(["tree-search", *argv]) == 2
     err = capsys.readouterr().err.strip()
@@ -92,10 +154,13 @@ def test_acceptance_source_is_required(capsys):
         main(["tree-search", "--budget", "8", "--max-depth", "3"])
 
 
-@pytest.mark.parametrize("flags,msg", [
-    (["--budget", "100000", "--max-depth", "8"], "--budget must be at most 4096 nodes"),
-    (["--budget", "64", "--max-depth", "100"], "--max-depth must be at most 65 levels"),
-])
+@pytest.mark.parametrize(
+    "flags,msg",
+    [
+        (["--budget", "100000", "--max-depth", "8"], "--budget must be at most 4096 nodes"),
+        (["--budget", "64", "--max-depth", "100"], "--max-depth must be at most 65 levels"),
+    ],
+)
 def test_work_is_bounded(flags, msg, capsys):
     assert main(["tree-search", "--acceptance-values", "0.6,0.2"] + flags) == 2
     err = capsys.readouterr().err

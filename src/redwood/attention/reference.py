@@ -140,8 +140,9 @@ def read_kv(cache, layer: int, meta: AttentionMetadata):
 BY_QUERY_MAX_NEW = 80
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-              meta: AttentionMetadata | None = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, meta: AttentionMetadata | None = None
+) -> torch.Tensor:
     """q: [B, Hq, T, D]; k, v: [B, Hkv, S, D]; mask [B, 1 or Hkv, T, S] → [B, Hq, T, D]. meta: the
     forward's metadata, where the by-query path keeps its plan for a mask every layer shares."""
     Hq, Hkv = q.shape[1], k.shape[1]
@@ -157,7 +158,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=Hq != Hkv)
 
 
-def query_keys(mask: torch.Tensor, shape: tuple[int, int, int]) -> list[list[tuple[int, int, torch.Tensor | None] | None]]:
+def query_keys(
+    mask: torch.Tensor, shape: tuple[int, int, int]
+) -> list[list[tuple[int, int, torch.Tensor | None] | None]]:
     """For a mask broadcastable to [B, 1, T, S] (shape = (B, T, S)): per row b and new token t, the keys
     that query sees — (lo, hi, None) when they are the slots [lo, hi), (lo, hi, idx) when they are the
     slots idx (not contiguous), None when none. One pass over the mask (one host read) instead of a
@@ -208,10 +211,10 @@ def _attention_by_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan)
                 continue
             lo, hi, idx = keys
             if idx is None:  # contiguous: views into the read, no copy
-                kb, vb = k[b:b + 1, :, lo:hi], v[b:b + 1, :, lo:hi]
+                kb, vb = k[b : b + 1, :, lo:hi], v[b : b + 1, :, lo:hi]
             else:
-                kb, vb = k[b:b + 1, :, idx], v[b:b + 1, :, idx]
-            out[b, :, t] = _one_query(q[b:b + 1, :, t:t + 1], kb, vb)[0, :, 0]
+                kb, vb = k[b : b + 1, :, idx], v[b : b + 1, :, idx]
+            out[b, :, t] = _one_query(q[b : b + 1, :, t : t + 1], kb, vb)[0, :, 0]
     return out
 
 
@@ -225,5 +228,5 @@ def _one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
     _, Hq, _, D = q.shape
     Hkv = k.shape[1]
     qq = q.reshape(1, Hkv, Hq // Hkv, D)
-    scores = torch.matmul(qq, k.transpose(-1, -2)).mul_(D ** -0.5)  # [1, Hkv, Hq / Hkv, S]
+    scores = torch.matmul(qq, k.transpose(-1, -2)).mul_(D**-0.5)  # [1, Hkv, Hq / Hkv, S]
     return torch.matmul(torch.softmax(scores, dim=-1), v).reshape(1, Hq, 1, D)

@@ -26,7 +26,6 @@ def make_prompts(llm, batch_size: int, prompt_len: int, dataset: str | None, see
     return torch.randint(0, llm.config.vocab_size, (batch_size, prompt_len), generator=g).tolist()
 
 
-
 def hf_decode_rate(hf, prompts: list[list[int]], gen_len: int) -> dict:
     """HF `generate` greedy: prefill time (1 new token) and decode tokens/s (the rest)."""
     device = next(hf.parameters()).device
@@ -45,9 +44,12 @@ def hf_decode_rate(hf, prompts: list[list[int]], gen_len: int) -> dict:
         t_prefill, _ = timed(1)
         t_total, out = timed(gen_len)
     decode_s = max(t_total - t_prefill, 1e-9)
-    return {"prefill_s": t_prefill, "decode_s": decode_s,
-            "decode_tokens_per_s": (gen_len - 1) * len(prompts) / decode_s,
-            "token_ids": out[:, ids.shape[1]:].tolist()}
+    return {
+        "prefill_s": t_prefill,
+        "decode_s": decode_s,
+        "decode_tokens_per_s": (gen_len - 1) * len(prompts) / decode_s,
+        "token_ids": out[:, ids.shape[1] :].tolist(),
+    }
 
 
 def weight_bytes(model) -> int:
@@ -93,20 +95,35 @@ def decode_floor(model, batch_size: int, prompt_len: int, gen_len: int, bandwidt
     mean_context = prompt_len + gen_len / 2
     step_bytes = weight_bytes(model) + batch_size * mean_context * kv_per_token
     step_s = step_bytes / bandwidth
-    return {"bandwidth_bytes_per_s": bandwidth, "weight_bytes": weight_bytes(model), "step_bytes": step_bytes,
-            "floor_step_ms": step_s * 1e3, "floor_tokens_per_s": batch_size / step_s}
+    return {
+        "bandwidth_bytes_per_s": bandwidth,
+        "weight_bytes": weight_bytes(model),
+        "step_bytes": step_bytes,
+        "floor_step_ms": step_s * 1e3,
+        "floor_tokens_per_s": batch_size / step_s,
+    }
 
 
-def run_ar_bench(llm, batch_size: int, prompt_len: int, gen_len: int, compare_hf: bool = False,
-                 dataset: str | None = None, seed: int = 0, repeats: int = 1) -> dict:
+def run_ar_bench(
+    llm,
+    batch_size: int,
+    prompt_len: int,
+    gen_len: int,
+    compare_hf: bool = False,
+    dataset: str | None = None,
+    seed: int = 0,
+    repeats: int = 1,
+) -> dict:
     from redwood.errors import ConfigError
 
     if gen_len < 2:
         raise ConfigError("--gen-len must be at least 2 (one token from the prefill, the rest decoded)")
     weights = getattr(llm.model, "weights", "float32")
     if compare_hf and weights != "float32":
-        raise ConfigError(f"--compare-hf runs Hugging Face transformers on the same float weights; the model holds "
-                          f"{weights} weights (--weights auto packs a .gguf file on the CPU): add --weights float32")
+        raise ConfigError(
+            f"--compare-hf runs Hugging Face transformers on the same float weights; the model holds "
+            f"{weights} weights (--weights auto packs a .gguf file on the CPU): add --weights float32"
+        )
     prompts = make_prompts(llm, batch_size, prompt_len, dataset, seed)
     params = SamplingParams(max_new_tokens=gen_len, ignore_eos=True)
     llm.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm-up
@@ -114,12 +131,20 @@ def run_ar_bench(llm, batch_size: int, prompt_len: int, gen_len: int, compare_hf
     for _ in range(repeats):
         outs = llm.generate(prompts, params)
         decode_s = max(o.stats["decode_s"] for o in outs)
-        run = {"prefill_s": outs[0].stats["prefill_s"], "decode_s": decode_s,
-               "decode_tokens_per_s": (gen_len - 1) * batch_size / decode_s}
+        run = {
+            "prefill_s": outs[0].stats["prefill_s"],
+            "decode_s": decode_s,
+            "decode_tokens_per_s": (gen_len - 1) * batch_size / decode_s,
+        }
         if best is None or run["decode_tokens_per_s"] > best["decode_tokens_per_s"]:
             best = run
-    result = {"batch_size": batch_size, "prompt_len": prompt_len, "gen_len": gen_len, "weights": weights,
-              "redwood": best}
+    result = {
+        "batch_size": batch_size,
+        "prompt_len": prompt_len,
+        "gen_len": gen_len,
+        "weights": weights,
+        "redwood": best,
+    }
     device = llm.model.device
     if device.type == "cuda":
         floor = decode_floor(llm.model, batch_size, prompt_len, gen_len, copy_bandwidth(device))
@@ -138,18 +163,24 @@ def run_ar_bench(llm, batch_size: int, prompt_len: int, gen_len: int, compare_hf
 
 
 def format_result(r: dict) -> str:
-    lines = [f"batch {r['batch_size']}, prompt {r['prompt_len']} tokens, {r['gen_len']} generated (greedy), "
-             f"{r.get('weights', 'float32')} weights",
-             f"{'engine':<14}{'prefill s':>12}{'decode tok/s':>15}"]
+    lines = [
+        f"batch {r['batch_size']}, prompt {r['prompt_len']} tokens, {r['gen_len']} generated (greedy), "
+        f"{r.get('weights', 'float32')} weights",
+        f"{'engine':<14}{'prefill s':>12}{'decode tok/s':>15}",
+    ]
     for name in ("redwood", "hf"):
         if name in r:
             lines.append(f"{name:<14}{r[name]['prefill_s']:>12.3f}{r[name]['decode_tokens_per_s']:>15.2f}")
     if "floor" in r:
         f = r["floor"]
-        lines.append(f"memory floor ({f['step_bytes'] / 1e9:.2f} GB per step at "
-                     f"{f['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s measured): {f['floor_tokens_per_s']:.0f} tok/s; "
-                     f"redwood reaches {100 * f['fraction_of_floor']:.0f}%")
+        lines.append(
+            f"memory floor ({f['step_bytes'] / 1e9:.2f} GB per step at "
+            f"{f['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s measured): {f['floor_tokens_per_s']:.0f} tok/s; "
+            f"redwood reaches {100 * f['fraction_of_floor']:.0f}%"
+        )
     if "speedup_vs_hf" in r:
-        lines.append(f"redwood / HF decode tokens/s: {r['speedup_vs_hf']:.2f}x"
-                     f"  (same tokens: {'yes' if r['hf_same_tokens'] else 'NO'})")
+        lines.append(
+            f"redwood / HF decode tokens/s: {r['speedup_vs_hf']:.2f}x"
+            f"  (same tokens: {'yes' if r['hf_same_tokens'] else 'NO'})"
+        )
     return "\n".join(lines)

@@ -82,9 +82,19 @@ def _hf_config(arch: str, layers: int):
     import transformers
 
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[arch]
-    return cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
-               bos_token_id=0, eos_token_id=2, tie_word_embeddings=False)
+    return cls(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        bos_token_id=0,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
 
 
 def build_models(root: str | Path, seed: int = 0, close_noise: float = 0.01) -> Models:
@@ -121,8 +131,14 @@ class Sampling:
         return f"T={self.temperature:g} p={self.top_p:g} k={self.top_k}"
 
     def params(self, seed: int, max_new_tokens: int) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=seed,
-                              max_new_tokens=max_new_tokens, ignore_eos=True)
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=seed,
+            max_new_tokens=max_new_tokens,
+            ignore_eos=True,
+        )
 
 
 @dataclass(frozen=True)
@@ -152,31 +168,42 @@ class Method:
             return None
         tree = models.wide_tree if self.tree == "wide" else self.tree
         draft = dict(self_speculate=True) if self.draft == "self" else dict(draft_model=getattr(models, self.draft))
-        return SpeculativeConfig(**draft, draft_kv=self.draft_kv, draft_budget=self.budget, sinks=self.sinks,
-                                 window=self.window, num_draft_tokens=self.gamma, tree=tree, verifier=self.verifier)
+        return SpeculativeConfig(
+            **draft,
+            draft_kv=self.draft_kv,
+            draft_budget=self.budget,
+            sinks=self.sinks,
+            window=self.window,
+            num_draft_tokens=self.gamma,
+            tree=tree,
+            verifier=self.verifier,
+        )
 
 
 STREAM = dict(draft_kv="streaming", budget=6, sinks=2)  # 2 sinks + 4 recent tokens
 SNAP = dict(draft_kv="snapkv", budget=6, window=2)  # 4 prompt positions per KV head + 2 recent
 
-METHODS = {m.name: m for m in (
-    Method("control", source="exact"),
-    Method("plain"),
-    Method("close-chain1", "close", gamma=1),
-    Method("close-chain3", "close"),
-    Method("far-chain3", "far"),
-    Method("close-stream-chain3", "close", **STREAM),
-    Method("close-g16-sequoia", "close", tree="generic-16", verifier="sequoia"),
-    Method("close-g16-specinfer", "close", tree="generic-16", verifier="specinfer"),
-    Method("close-g16-topk", "close", tree="generic-16", verifier="topk"),
-    Method("far-wide-sequoia", "far", tree="wide", verifier="sequoia"),
-    Method("far-wide-specinfer", "far", tree="wide", verifier="specinfer"),
-    Method("far-wide-topk", "far", tree="wide", verifier="topk"),
-    Method("self-stream-chain3", "self", **STREAM),
-    Method("self-stream-g16-sequoia", "self", **STREAM, tree="generic-16", verifier="sequoia"),
-    Method("self-snapkv-chain3", "self", **SNAP),
-    Method("self-snapkv-g16-specinfer", "self", **SNAP, tree="generic-16", verifier="specinfer"),
-)}
+METHODS = {
+    m.name: m
+    for m in (
+        Method("control", source="exact"),
+        Method("plain"),
+        Method("close-chain1", "close", gamma=1),
+        Method("close-chain3", "close"),
+        Method("far-chain3", "far"),
+        Method("close-stream-chain3", "close", **STREAM),
+        Method("close-g16-sequoia", "close", tree="generic-16", verifier="sequoia"),
+        Method("close-g16-specinfer", "close", tree="generic-16", verifier="specinfer"),
+        Method("close-g16-topk", "close", tree="generic-16", verifier="topk"),
+        Method("far-wide-sequoia", "far", tree="wide", verifier="sequoia"),
+        Method("far-wide-specinfer", "far", tree="wide", verifier="specinfer"),
+        Method("far-wide-topk", "far", tree="wide", verifier="topk"),
+        Method("self-stream-chain3", "self", **STREAM),
+        Method("self-stream-g16-sequoia", "self", **STREAM, tree="generic-16", verifier="sequoia"),
+        Method("self-snapkv-chain3", "self", **SNAP),
+        Method("self-snapkv-g16-specinfer", "self", **SNAP, tree="generic-16", verifier="specinfer"),
+    )
+}
 
 FULL_GRID = tuple(Sampling(t, p, k) for t in (0.6, 1.0, 1.5) for p in (1.0, 0.8) for k in (0, 5))
 SMALL_GRID = (Sampling(1.0), Sampling(0.6, 0.8, 5))
@@ -193,8 +220,9 @@ class Case:
         return f"{self.method.name} {self.sampling.label}"
 
 
-def default_matrix(quick: bool = False, methods: Sequence[str] | None = None,
-                   full_grid: Sequence[str] | None = None) -> list[Case]:
+def default_matrix(
+    quick: bool = False, methods: Sequence[str] | None = None, full_grid: Sequence[str] | None = None
+) -> list[Case]:
     """Every method at SMALL_GRID, and FULL_GRID for `full_grid` methods (none when quick); grouped by
     method, so that consecutive cases reuse one loaded LLM."""
     names = list(methods or METHODS)
@@ -208,19 +236,21 @@ def default_matrix(quick: bool = False, methods: Sequence[str] | None = None,
 # ------------------------------------------------------------------------------------------ exact
 def prefixes(d: int, vocab: int = VOCAB) -> torch.Tensor:
     """All d-token sequences [V^d, d] in base-V order (the first token most significant)."""
-    codes = torch.arange(vocab ** d)
+    codes = torch.arange(vocab**d)
     digits = [(codes // vocab ** (d - 1 - i)) % vocab for i in range(d)]
     return torch.stack(digits, dim=1) if d else codes.new_zeros(1, 0)
 
 
 @torch.inference_mode()
-def continuation_logits(model, prompt: Sequence[int], generated: int, rows_per_forward: int = 8192) -> list[torch.Tensor]:
+def continuation_logits(
+    model, prompt: Sequence[int], generated: int, rows_per_forward: int = 8192
+) -> list[torch.Tensor]:
     """levels[d]: [V^d, V] float32 logits of generated token d + 1 after the prompt and each d-token
     prefix (rows in `prefixes` order), d = 0 … K − 1, by full forwards over prompt + prefix."""
     device = model.device
     levels = []
     for d in range(generated):
-        ids = torch.cat([torch.tensor(prompt).expand(VOCAB ** d, -1), prefixes(d)], dim=1).to(device)
+        ids = torch.cat([torch.tensor(prompt).expand(VOCAB**d, -1), prefixes(d)], dim=1).to(device)
         out = []
         for chunk in ids.split(rows_per_forward):
             n, T = chunk.shape
@@ -235,8 +265,9 @@ def continuation_logits(model, prompt: Sequence[int], generated: int, rows_per_f
 def level_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """[R, V] logits → [R, V] the distribution a request with sampling `s` draws from."""
     R = logits.shape[0]
-    return probabilities(logits, torch.full((R,), float(s.temperature)), torch.full((R,), s.top_k),
-                         torch.full((R,), float(s.top_p)))
+    return probabilities(
+        logits, torch.full((R,), float(s.temperature)), torch.full((R,), s.top_k), torch.full((R,), float(s.top_p))
+    )
 
 
 def conditional(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
@@ -307,9 +338,14 @@ class Sample:
     @staticmethod
     def merge(parts: list["Sample"]) -> "Sample":
         """One case's parts (disjoint seed ranges) as one sample, in seed order as given."""
-        return Sample(torch.cat([p.codes for p in parts]), sum(p.seconds for p in parts),
-                      sum(p.steps for p in parts), sum(p.drafted for p in parts),
-                      sum(p.accepted for p in parts), parts[0].draft_name)
+        return Sample(
+            torch.cat([p.codes for p in parts]),
+            sum(p.seconds for p in parts),
+            sum(p.steps for p in parts),
+            sum(p.drafted for p in parts),
+            sum(p.accepted for p in parts),
+            parts[0].draft_name,
+        )
 
 
 def sample_exact(joint: torch.Tensor, n: int, seed: int) -> Sample:
@@ -337,8 +373,9 @@ def encode(tokens: torch.Tensor, vocab: int = VOCAB) -> torch.Tensor:
     return (tokens.long() * weights).sum(1)
 
 
-def sample_rows(llm, sampling: Sampling, seeds: range, generated: int, batch: int,
-                prompt: Sequence[int] = PROMPT) -> Sample:
+def sample_rows(
+    llm, sampling: Sampling, seeds: range, generated: int, batch: int, prompt: Sequence[int] = PROMPT
+) -> Sample:
     """Generate len(seeds) rows (row i seeded seeds[i]) through `llm.generate`, `batch` rows per call."""
     t0 = time.perf_counter()
     codes, steps, drafted, accepted = [], 0, 0, 0
@@ -390,9 +427,12 @@ def _llm_for(job: Job):
         if job.device.startswith("cuda"):
             torch.cuda.empty_cache()
         spec = job.case.method.speculative(job.models)
-        _loaded.update(method=job.case.method.name,
-                       llm=LLM(job.models.target, dtype="float32", device=job.device, speculative=spec,
-                               cuda_graphs=job.cuda_graphs))
+        _loaded.update(
+            method=job.case.method.name,
+            llm=LLM(
+                job.models.target, dtype="float32", device=job.device, speculative=spec, cuda_graphs=job.cuda_graphs
+            ),
+        )
     return _loaded["llm"]
 
 
@@ -472,13 +512,24 @@ def make_jobs(cases: list[Case], models: Models, settings: Settings) -> list[Job
     for offset in range(0, N, part):
         for c, case in enumerate(cases):
             start = settings.seed_base + c * N + offset
-            jobs.append(Job(c, case, models, range(start, start + min(part, N - offset)), settings.generated,
-                            settings.batch, settings.device, settings.cuda_graphs))
+            jobs.append(
+                Job(
+                    c,
+                    case,
+                    models,
+                    range(start, start + min(part, N - offset)),
+                    settings.generated,
+                    settings.batch,
+                    settings.device,
+                    settings.cuda_graphs,
+                )
+            )
     return jobs
 
 
-def sample_all(cases: list[Case], models: Models, settings: Settings,
-               log: Callable[[str], None]) -> list[Sample | None]:
+def sample_all(
+    cases: list[Case], models: Models, settings: Settings, log: Callable[[str], None]
+) -> list[Sample | None]:
     """Sample every case, in this process or in `settings.workers` processes. Past `time_limit` seconds
     no new part starts; a case gets the parts done by then (None: none)."""
     jobs = make_jobs(cases, models, settings)
@@ -501,15 +552,18 @@ def sample_all(cases: list[Case], models: Models, settings: Settings,
         from concurrent.futures import ProcessPoolExecutor, as_completed
         from multiprocessing import get_context
 
-        with ProcessPoolExecutor(settings.workers, mp_context=get_context("spawn"), initializer=_worker_init,
-                                 initargs=(settings.threads,)) as pool:
+        with ProcessPoolExecutor(
+            settings.workers, mp_context=get_context("spawn"), initializer=_worker_init, initargs=(settings.threads,)
+        ) as pool:
             futures = {pool.submit(run_job, job): job for job in jobs}
             for future in as_completed(futures):
                 if not future.cancelled() and done(futures[future], future.result()):
                     for f in futures:
                         f.cancel()  # (parts already running finish)
-    merged = [Sample.merge([s for _, s in sorted(parts[c], key=lambda x: x[0])]) if c in parts else None
-              for c in range(len(cases))]
+    merged = [
+        Sample.merge([s for _, s in sorted(parts[c], key=lambda x: x[0])]) if c in parts else None
+        for c in range(len(cases))
+    ]
     if len(parts) < len(cases) or sum(len(v) for v in parts.values()) < len(jobs):
         log(f"time limit: {sum(len(v) for v in parts.values())} of {len(jobs)} parts sampled")
     return merged
@@ -522,7 +576,7 @@ def evaluate(cases: list[Case], samples: list[Sample | None], levels: list[torch
     skipped = [case.name for case, s in zip(cases, samples) if s is None]  # (past the time limit)
 
     def counted(sample: Sample) -> dict:
-        return projections(torch.bincount(sample.codes, minlength=VOCAB ** K), K)
+        return projections(torch.bincount(sample.codes, minlength=VOCAB**K), K)
 
     # (several cases share each sampling setting: its exact distribution and plain rows are read once)
     plain = {case.sampling: counted(s) for case, s in sampled if case.method.name == "plain"}
@@ -536,15 +590,23 @@ def evaluate(cases: list[Case], samples: list[Sample | None], levels: list[torch
         for t in tests:
             t["case"] = case.name
         all_tests += tests
-        rows.append(dict(
-            case=case.name, method=asdict(case.method), sampling=asdict(case.sampling), samples=len(s.codes),
-            seconds=round(s.seconds, 2), draft=s.draft_name,
-            acceptance_rate=round(s.accepted / s.drafted, 4) if s.drafted else None,
-            tokens_per_step=round((s.accepted + s.steps) / s.steps, 4) if s.steps else None,
-            near_cut=near[case.sampling], tests=tests, effects=effects,
-            max_tv=max(e["tv"] for e in effects if e["of"].startswith("marginal")),
-            max_tv_noise=max(e["tv_noise"] for e in effects if e["of"].startswith("marginal")),
-        ))
+        rows.append(
+            dict(
+                case=case.name,
+                method=asdict(case.method),
+                sampling=asdict(case.sampling),
+                samples=len(s.codes),
+                seconds=round(s.seconds, 2),
+                draft=s.draft_name,
+                acceptance_rate=round(s.accepted / s.drafted, 4) if s.drafted else None,
+                tokens_per_step=round((s.accepted + s.steps) / s.steps, 4) if s.steps else None,
+                near_cut=near[case.sampling],
+                tests=tests,
+                effects=effects,
+                max_tv=max(e["tv"] for e in effects if e["of"].startswith("marginal")),
+                max_tv_noise=max(e["tv_noise"] for e in effects if e["of"].startswith("marginal")),
+            )
+        )
     adjusted = holm([t["p"] for t in all_tests])
     for t, a in zip(all_tests, adjusted):
         t["p_holm"] = a
@@ -554,12 +616,22 @@ def evaluate(cases: list[Case], samples: list[Sample | None], levels: list[torch
         row["worst_test"] = min(row["tests"], key=lambda t: t["p"])["test"]
     min_holm = min(adjusted) if adjusted else 1.0
     # Under the null each raw p is (about) uniform: the share below a level should be about the level.
-    below = {str(a): round(sum(p < a for p in (t["p"] for t in all_tests)) / max(1, len(all_tests)), 4)
-             for a in (0.001, 0.01, 0.05, 0.1)}
+    below = {
+        str(a): round(sum(p < a for p in (t["p"] for t in all_tests)) / max(1, len(all_tests)), 4)
+        for a in (0.001, 0.01, 0.05, 0.1)
+    }
     return dict(
-        format="redwood.lossless/1", settings=asdict(settings), vocab=VOCAB, prompt=list(PROMPT),
-        tests=len(all_tests), min_p_holm=min_holm, alpha=settings.alpha, share_of_p_below=below,
-        verdict="PASS" if min_holm >= settings.alpha and rows else "FAIL", cases=rows, skipped=skipped,
+        format="redwood.lossless/1",
+        settings=asdict(settings),
+        vocab=VOCAB,
+        prompt=list(PROMPT),
+        tests=len(all_tests),
+        min_p_holm=min_holm,
+        alpha=settings.alpha,
+        share_of_p_below=below,
+        verdict="PASS" if min_holm >= settings.alpha and rows else "FAIL",
+        cases=rows,
+        skipped=skipped,
     )
 
 
@@ -580,8 +652,7 @@ def prepare(root: str | Path, settings: Settings) -> Prepared:
     return Prepared(models, continuation_logits(target, PROMPT, settings.generated))
 
 
-def run_cases(cases: list[Case], settings: Settings, prepared: Prepared,
-              log: Callable[[str], None] = print) -> dict:
+def run_cases(cases: list[Case], settings: Settings, prepared: Prepared, log: Callable[[str], None] = print) -> dict:
     """Sample and test every case; returns the report."""
     t0 = time.perf_counter()
     log(f"sampling {len(cases)} cases × {settings.samples} rows")
@@ -591,8 +662,9 @@ def run_cases(cases: list[Case], settings: Settings, prepared: Prepared,
         samples[i] = sample
     for i, case in enumerate(cases):
         if case.method.source == "exact":
-            samples[i] = sample_exact(exact_joint(prepared.levels, case.sampling), settings.samples,
-                                      settings.seed_base + i)
+            samples[i] = sample_exact(
+                exact_joint(prepared.levels, case.sampling), settings.samples, settings.seed_base + i
+            )
     report = evaluate(cases, samples, prepared.levels, settings)
     report["seconds"] = round(time.perf_counter() - t0, 1)
     return report
@@ -603,21 +675,26 @@ def run(cases: list[Case], settings: Settings, log: Callable[[str], None] = prin
     with tempfile.TemporaryDirectory(prefix="redwood-lossless-") as tmp:
         t0 = time.perf_counter()
         prepared = prepare(tmp, settings)
-        log(f"exact distributions: {VOCAB}^{settings.generated} continuations scored in "
-            f"{time.perf_counter() - t0:.1f}s")
+        log(
+            f"exact distributions: {VOCAB}^{settings.generated} continuations scored in {time.perf_counter() - t0:.1f}s"
+        )
         return run_cases(cases, settings, prepared, log)
 
 
 def format_table(report: dict) -> str:
     """One line per case, then the verdict."""
-    lines = [f"{'case':44} {'N':>8} {'accept':>6} {'tok/st':>6} {'max TV':>7} {'noise':>7} "
-             f"{'min p':>9} {'min p_holm':>10} {'secs':>6}  worst test"]
+    lines = [
+        f"{'case':44} {'N':>8} {'accept':>6} {'tok/st':>6} {'max TV':>7} {'noise':>7} "
+        f"{'min p':>9} {'min p_holm':>10} {'secs':>6}  worst test"
+    ]
     for r in report["cases"]:
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.3f}"
         tps = "-" if r["tokens_per_step"] is None else f"{r['tokens_per_step']:.2f}"
-        lines.append(f"{r['case']:44} {r['samples']:>8} {acc:>6} {tps:>6} {r['max_tv']:>7.4f} "
-                     f"{r['max_tv_noise']:>7.4f} {r['min_p']:>9.2e} {r['min_p_holm']:>10.3g} {r['seconds']:>6.1f}  "
-                     f"{r['worst_test']}")
+        lines.append(
+            f"{r['case']:44} {r['samples']:>8} {acc:>6} {tps:>6} {r['max_tv']:>7.4f} "
+            f"{r['max_tv_noise']:>7.4f} {r['min_p']:>9.2e} {r['min_p_holm']:>10.3g} {r['seconds']:>6.1f}  "
+            f"{r['worst_test']}"
+        )
     if report["skipped"]:
         lines.append(f"not sampled (time limit): {', '.join(report['skipped'])}")
     near = [r["case"] for r in report["cases"] if r["near_cut"]["mass"] > 0]
@@ -625,6 +702,8 @@ def format_table(report: dict) -> str:
         lines.append(f"warning: a top-k / top-p cut within {NEAR_CUT} of rounding in: {', '.join(near)}")
     shares = ", ".join(f"{float(v):.1%} < {a}" for a, v in report["share_of_p_below"].items())
     lines.append(f"raw p-values: {shares} (about the level each, if nothing deviates)")
-    lines.append(f"{report['tests']} tests; min Holm-adjusted p = {report['min_p_holm']:.3g}; "
-                 f"{report['verdict']} at alpha = {report['alpha']} after correction")
+    lines.append(
+        f"{report['tests']} tests; min Holm-adjusted p = {report['min_p_holm']:.3g}; "
+        f"{report['verdict']} at alpha = {report['alpha']} after correction"
+    )
     return "\n".join(lines)

@@ -12,8 +12,18 @@ from pathlib import Path
 from typing import Any
 
 # settings that tell series apart on a plot (besides the plot's x axis)
-SERIES_KEYS = ("method", "dataset", "draft", "batch_size", "prefix_len", "context_len", "gamma", "tree_size",
-               "budget", "temperature")
+SERIES_KEYS = (
+    "method",
+    "dataset",
+    "draft",
+    "batch_size",
+    "prefix_len",
+    "context_len",
+    "gamma",
+    "tree_size",
+    "budget",
+    "temperature",
+)
 _CONTEXT_KEYS = ("prefix_len", "context_len")
 
 
@@ -70,8 +80,9 @@ def _save(fig, ax, path: Path, legend: bool) -> None:
     fig.savefig(path, format="png")
 
 
-def _line_plot(path: Path, series, xlabel: str, ylabel: str, title: str, *, unity: bool = False,
-               log2x: bool = False) -> bool:
+def _line_plot(
+    path: Path, series, xlabel: str, ylabel: str, title: str, *, unity: bool = False, log2x: bool = False
+) -> bool:
     if not series:
         return False
     fig, ax = _figure()
@@ -97,8 +108,11 @@ def _line_plot(path: Path, series, xlabel: str, ylabel: str, title: str, *, unit
 
 
 def _acceptance_plot(path: Path, runs: list[dict], max_lines: int = 12) -> bool:
-    rows = [r for r in runs if isinstance(r.get("acceptance_by_position"), list)
-            and any(_num(a) for a in r["acceptance_by_position"])][:max_lines]
+    rows = [
+        r
+        for r in runs
+        if isinstance(r.get("acceptance_by_position"), list) and any(_num(a) for a in r["acceptance_by_position"])
+    ][:max_lines]
     if not rows:
         return False
     keys = _varying(rows, ())
@@ -123,18 +137,36 @@ def write_plots(out_dir: str | Path, report: dict) -> list[str]:
     out = Path(out_dir)
     runs = [r for r in (report.get("runs") or []) if isinstance(r, dict)]
     written = []
-    if _line_plot(out / "speedup_vs_batch_size.png", _series(runs, "batch_size", "speedup"),
-                  "batch size", "speedup over autoregressive", "Speedup vs batch size", unity=True, log2x=True):
+    if _line_plot(
+        out / "speedup_vs_batch_size.png",
+        _series(runs, "batch_size", "speedup"),
+        "batch size",
+        "speedup over autoregressive",
+        "Speedup vs batch size",
+        unity=True,
+        log2x=True,
+    ):
         written.append("speedup_vs_batch_size.png")
     ctx = next((k for k in _CONTEXT_KEYS if len({r.get(k) for r in runs if _num(r.get(k))}) > 1), None)
-    if ctx and _line_plot(out / "speedup_vs_context_length.png", _series(runs, ctx, "speedup"),
-                          "context length (tokens)", "speedup over autoregressive", "Speedup vs context length",
-                          unity=True, log2x=True):
+    if ctx and _line_plot(
+        out / "speedup_vs_context_length.png",
+        _series(runs, ctx, "speedup"),
+        "context length (tokens)",
+        "speedup over autoregressive",
+        "Speedup vs context length",
+        unity=True,
+        log2x=True,
+    ):
         written.append("speedup_vs_context_length.png")
     if _acceptance_plot(out / "acceptance_by_position.png", runs):
         written.append("acceptance_by_position.png")
-    if _line_plot(out / "tokens_per_step_vs_tree_size.png", _series(runs, "tree_size", "tokens_per_step"),
-                  "tree size (tokens verified per step)", "tokens per step", "Tokens per step vs tree size",
-                  log2x=True):
+    if _line_plot(
+        out / "tokens_per_step_vs_tree_size.png",
+        _series(runs, "tree_size", "tokens_per_step"),
+        "tree size (tokens verified per step)",
+        "tokens per step",
+        "Tokens per step vs tree size",
+        log2x=True,
+    ):
         written.append("tokens_per_step_vs_tree_size.png")
     return written

@@ -56,10 +56,29 @@ SCHEMA = "redwood.bench/1"
 REPORT_FILE = "report.json"
 
 # run fields shown as configuration columns (in this order, when present), and as measurement columns
-CONFIG_KEYS = ("label", "method", "dataset", "batch_size", "prefix_len", "context_len", "gamma", "tree_size",
-               "draft", "budget", "temperature", "max_new_tokens")
-METRIC_KEYS = ("tokens_per_s", "speedup", "acceptance_rate", "mean_accepted_length", "tokens_per_step",
-               "latency_ms_per_token", "peak_memory_bytes")
+CONFIG_KEYS = (
+    "label",
+    "method",
+    "dataset",
+    "batch_size",
+    "prefix_len",
+    "context_len",
+    "gamma",
+    "tree_size",
+    "draft",
+    "budget",
+    "temperature",
+    "max_new_tokens",
+)
+METRIC_KEYS = (
+    "tokens_per_s",
+    "speedup",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "tokens_per_step",
+    "latency_ms_per_token",
+    "peak_memory_bytes",
+)
 _LIST_KEYS = ("acceptance_by_position", "per_prompt")
 
 
@@ -85,8 +104,10 @@ def environment_info(execution=None) -> dict[str, Any]:
         "python": platform.python_version(),
         "redwood": getattr(redwood, "__version__", None),
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "settings": {"execution": (execution or ExecutionConfig()).to_dict(),
-                     **{name: value for name, value, _ in envs.describe() if name != envs.HOME}},
+        "settings": {
+            "execution": (execution or ExecutionConfig()).to_dict(),
+            **{name: value for name, value, _ in envs.describe() if name != envs.HOME},
+        },
     }
     try:
         import torch
@@ -106,6 +127,7 @@ def environment_info(execution=None) -> dict[str, Any]:
             info["device_name"] = None
     try:
         import transformers
+
         info["transformers"] = transformers.__version__
     except ImportError:
         info["transformers"] = None
@@ -131,6 +153,7 @@ def _jsonable(x: Any) -> Any:
         return _jsonable(x.item())
     if hasattr(x, "__dataclass_fields__"):
         from dataclasses import asdict
+
         return _jsonable(asdict(x))
     return str(x)
 
@@ -173,8 +196,11 @@ def read_report(path: str | Path) -> dict:
     except (OSError, ValueError) as e:
         raise ReportError(f"{p} is not a readable report: {e}") from None
     if not isinstance(data, dict) or not str(data.get("schema", "")).startswith("redwood.bench/"):
-        raise ReportError(f"{p} is not a redwood benchmark report (schema {data.get('schema')!r})"
-                          if isinstance(data, dict) else f"{p} is not a redwood benchmark report")
+        raise ReportError(
+            f"{p} is not a redwood benchmark report (schema {data.get('schema')!r})"
+            if isinstance(data, dict)
+            else f"{p} is not a redwood benchmark report"
+        )
     return data
 
 
@@ -207,8 +233,9 @@ def _run_columns(runs: list[dict]) -> tuple[list[str], list[str]]:
     present = {k for r in runs for k, v in r.items() if v is not None and k not in _LIST_KEYS}
     config = [k for k in CONFIG_KEYS if k in present]
     metrics = [k for k in METRIC_KEYS if k in present]
-    extra = sorted(k for k in present - set(config) - set(metrics)
-                   if all(not isinstance(r.get(k), (list, dict)) for r in runs))
+    extra = sorted(
+        k for k in present - set(config) - set(metrics) if all(not isinstance(r.get(k), (list, dict)) for r in runs)
+    )
     return config + extra, metrics
 
 
@@ -246,11 +273,25 @@ def render_markdown(dirs: Sequence[str | Path], base: str | Path | None = None) 
     for name, (_, data) in zip(names, reports):
         env, models = data.get("environment") or {}, data.get("models") or {}
         device = env.get("device_name") or (f"CPU ×{env['cpu_count']}" if env.get("cpu_count") else "–")
-        rows.append([name, _fmt("kind", data.get("kind")), _fmt("", models.get("target")),
-                     _fmt("", models.get("draft")), device, _fmt("", env.get("torch")),
-                     _fmt("", env.get("hostname")), _fmt("", env.get("timestamp")), str(len(data.get("runs") or []))])
-    out += ["## Overview", "", _table(["report", "kind", "target", "draft", "device", "torch", "host", "time", "runs"],
-                                      rows), ""]
+        rows.append(
+            [
+                name,
+                _fmt("kind", data.get("kind")),
+                _fmt("", models.get("target")),
+                _fmt("", models.get("draft")),
+                device,
+                _fmt("", env.get("torch")),
+                _fmt("", env.get("hostname")),
+                _fmt("", env.get("timestamp")),
+                str(len(data.get("runs") or [])),
+            ]
+        )
+    out += [
+        "## Overview",
+        "",
+        _table(["report", "kind", "target", "draft", "device", "torch", "host", "time", "runs"], rows),
+        "",
+    ]
 
     # shared configuration, side by side
     cfg_keys = sorted({k for _, data in reports for k in (data.get("config") or {})})
@@ -263,8 +304,10 @@ def render_markdown(dirs: Sequence[str | Path], base: str | Path | None = None) 
     if all_runs:
         config_cols, metric_cols = _run_columns([r for _, r in all_runs])
         header = (["report"] if len(reports) > 1 else []) + config_cols + metric_cols
-        rows = [([name] if len(reports) > 1 else []) + [_fmt(k, r.get(k)) for k in config_cols + metric_cols]
-                for name, r in all_runs]
+        rows = [
+            ([name] if len(reports) > 1 else []) + [_fmt(k, r.get(k)) for k in config_cols + metric_cols]
+            for name, r in all_runs
+        ]
         out += ["## Runs", "", _table(header, rows), ""]
 
         with_pos = [(name, r) for name, r in all_runs if r.get("acceptance_by_position")]
@@ -275,15 +318,24 @@ def render_markdown(dirs: Sequence[str | Path], base: str | Path | None = None) 
             rows = []
             for name, r in with_pos:
                 acc = list(r["acceptance_by_position"])[:width]
-                rows.append(([name] if len(reports) > 1 else []) + [_fmt(k, r.get(k)) for k in config_cols]
-                            + [f"{a:.2f}" if isinstance(a, (int, float)) else "–" for a in acc]
-                            + [""] * (width - len(acc)))
+                rows.append(
+                    ([name] if len(reports) > 1 else [])
+                    + [_fmt(k, r.get(k)) for k in config_cols]
+                    + [f"{a:.2f}" if isinstance(a, (int, float)) else "–" for a in acc]
+                    + [""] * (width - len(acc))
+                )
             out += ["## Acceptance by position", "", _table(header, rows), ""]
 
     # aggregates side by side
     agg_keys = [k for k in METRIC_KEYS if any(k in (data.get("aggregate") or {}) for _, data in reports)]
-    agg_keys += sorted({k for _, data in reports for k, v in (data.get("aggregate") or {}).items()
-                        if k not in agg_keys and not isinstance(v, (list, dict))})
+    agg_keys += sorted(
+        {
+            k
+            for _, data in reports
+            for k, v in (data.get("aggregate") or {}).items()
+            if k not in agg_keys and not isinstance(v, (list, dict))
+        }
+    )
     if agg_keys:
         rows = [[k] + [_fmt(k, (data.get("aggregate") or {}).get(k)) for _, data in reports] for k in agg_keys]
         out += ["## Aggregate", "", _table(["metric"] + names, rows), ""]
@@ -306,9 +358,10 @@ def render_markdown(dirs: Sequence[str | Path], base: str | Path | None = None) 
 def add_report_parser(bench_subparsers) -> None:
     """Add `report DIR [DIR…] [--output FILE.md]` to the subparsers of `redwood bench`."""
     p = bench_subparsers.add_parser(
-        "report", help="summarize benchmark report folders as Markdown",
+        "report",
+        help="summarize benchmark report folders as Markdown",
         description="Render report folders written by `redwood bench … --output DIR` as one Markdown "
-                    "summary: runs side by side in tables, with links to their plots.",
+        "summary: runs side by side in tables, with links to their plots.",
     )
     p.add_argument("dirs", nargs="+", metavar="DIR", help="report folders (each holding report.json)")
     p.add_argument("--output", "-o", metavar="FILE.md", help="write the Markdown here instead of stdout")

@@ -114,8 +114,15 @@ class Settings:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
-def check_settings(num_requests: int, max_tokens: int, min_tokens: int | None, temperature: float, top_p: float,
-                   timeout_s: float, warmup: int) -> None:
+def check_settings(
+    num_requests: int,
+    max_tokens: int,
+    min_tokens: int | None,
+    temperature: float,
+    top_p: float,
+    timeout_s: float,
+    warmup: int,
+) -> None:
     """One-line errors for flags that cannot make a benchmark (before any request is sent)."""
     if num_requests < 1:
         raise ConfigError(f"--num-requests must be >= 1, got {num_requests}")
@@ -191,17 +198,21 @@ def text_prompts(source, count: int, prompt_len: int, seed: int = 0, tokenizer=N
         raise ConfigError(f"--shared-prefix-len cuts long-text windows; {source.label} has chat questions")
     if needs_tokenizer(source):
         if tokenizer is None:
-            raise ConfigError(f"prompts of exactly --prompt-len tokens from {source.label} need a tokenizer: "
-                              f"give --tokenizer (the served model's HF folder, .gguf file or zoo name)")
+            raise ConfigError(
+                f"prompts of exactly --prompt-len tokens from {source.label} need a tokenizer: "
+                f"give --tokenizer (the served model's HF folder, .gguf file or zoo name)"
+            )
         if source.prompts_file or dataset_kind(source.dataset) == "long":
             from redwood.bench.throughput import shared_prefix_prompts
 
-            ids = shared_prefix_prompts(lambda n, length, s: make_prompts(tokenizer, source, n, length, s),
-                                        count, prompt_len, shared_len, seed)
+            ids = shared_prefix_prompts(
+                lambda n, length, s: make_prompts(tokenizer, source, n, length, s), count, prompt_len, shared_len, seed
+            )
         else:
             if shared_len:
-                raise ConfigError(f"--shared-prefix-len cuts long-text windows; {source.label} has documents "
-                                  f"or questions")
+                raise ConfigError(
+                    f"--shared-prefix-len cuts long-text windows; {source.label} has documents or questions"
+                )
             ids = short_prefix_prompts(tokenizer, source.dataset, count, prefix_tokens=prompt_len, seed=seed)
         return [tokenizer.decode(p) for p in ids]
     docs = load_dataset(source.dataset)
@@ -252,9 +263,14 @@ class RequestResult:
 
 def request_body(settings: Settings, prompt: str, max_tokens: int, index: int) -> dict[str, Any]:
     """The JSON body of request `index` (streaming, usage in a last chunk)."""
-    body: dict[str, Any] = {"model": settings.model, "max_tokens": int(max_tokens),
-                            "temperature": settings.temperature, "top_p": settings.top_p, "stream": True,
-                            "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {
+        "model": settings.model,
+        "max_tokens": int(max_tokens),
+        "temperature": settings.temperature,
+        "top_p": settings.top_p,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if settings.chat:
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -301,8 +317,9 @@ def _chunk_content(choice: dict, chat: bool) -> tuple[str, int | None]:
     return text, count
 
 
-async def stream_request(client, url: str, settings: Settings, body: dict, result: RequestResult,
-                         clock: Callable[[], float]) -> None:
+async def stream_request(
+    client, url: str, settings: Settings, body: dict, result: RequestResult, clock: Callable[[], float]
+) -> None:
     """Send one streaming request and fill `result` in (chunks, usage, finish, or the error)."""
     import httpx
 
@@ -356,13 +373,21 @@ def make_client(settings: Settings):
     """An httpx client with no connection cap of its own (the benchmark decides how many are in flight)."""
     import httpx
 
-    return httpx.AsyncClient(timeout=httpx.Timeout(settings.timeout_s),
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(settings.timeout_s),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+    )
 
 
-async def run_load(client, settings: Settings, prompts: Sequence[str], lengths: Sequence[int],
-                   arrivals: Sequence[float], max_concurrency: int | None = None,
-                   progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+async def run_load(
+    client,
+    settings: Settings,
+    prompts: Sequence[str],
+    lengths: Sequence[int],
+    arrivals: Sequence[float],
+    max_concurrency: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
     """Send request i at arrivals[i] s after the start (waiting for a free slot under `max_concurrency`);
     → {"results": [RequestResult], "max_in_flight": int}."""
     n = len(prompts)
@@ -385,8 +410,9 @@ async def run_load(client, settings: Settings, prompts: Sequence[str], lengths: 
             in_flight["now"] += 1
             in_flight["max"] = max(in_flight["max"], in_flight["now"])
             result.sent = clock()
-            await stream_request(client, url, settings, request_body(settings, prompts[i], lengths[i], i),
-                                 result, clock)
+            await stream_request(
+                client, url, settings, request_body(settings, prompts[i], lengths[i], i), result, clock
+            )
         finally:
             in_flight["now"] -= 1
             if slots is not None:
@@ -409,7 +435,9 @@ async def server_model(client, settings: Settings) -> str:
     except httpx.HTTPError as e:
         raise ServerError(f"cannot reach {url}: {type(e).__name__}: {e}") from None
     if resp.status_code == 401:
-        raise ServerError(f"{url} refused the request (401{' without an API key: give --api-key' if not settings.api_key else ': wrong --api-key'})")
+        raise ServerError(
+            f"{url} refused the request (401{' without an API key: give --api-key' if not settings.api_key else ': wrong --api-key'})"
+        )
     if resp.status_code != 200:
         raise ServerError(f"GET {url} answered {resp.status_code}: {error_message(resp.content)} (give --model)")
     try:
@@ -461,13 +489,18 @@ def spec_stats(before: dict[str, float] | None, after: dict[str, float] | None) 
     if not before or not after:
         return {}
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in SPEC_COUNTERS}
-    drafts, drafted, accepted = d["spec_decode_num_drafts"], d["spec_decode_num_draft_tokens"], \
-        d["spec_decode_num_accepted_tokens"]
+    drafts, drafted, accepted = (
+        d["spec_decode_num_drafts"],
+        d["spec_decode_num_draft_tokens"],
+        d["spec_decode_num_accepted_tokens"],
+    )
     if drafted <= 0:
         return {}
-    return {"acceptance_rate": accepted / drafted,
-            "mean_accepted_length": 1 + accepted / drafts if drafts > 0 else None,
-            "server_spec_counters": d}
+    return {
+        "acceptance_rate": accepted / drafted,
+        "mean_accepted_length": 1 + accepted / drafts if drafts > 0 else None,
+        "server_spec_counters": d,
+    }
 
 
 # --------------------------------------------------------------------------------------------- metrics
@@ -484,7 +517,7 @@ def apportion(total: int, weights: Sequence[float]) -> list[int]:
         w = [1.0] * k
     quotas = [total * x / sum(w) for x in w]
     parts = [int(q) for q in quotas]
-    for j in sorted(range(k), key=lambda j: (parts[j] - quotas[j], j))[:total - sum(parts)]:
+    for j in sorted(range(k), key=lambda j: (parts[j] - quotas[j], j))[: total - sum(parts)]:
         parts[j] += 1
     for j in range(k):
         while parts[j] < 1:
@@ -517,8 +550,9 @@ def output_token_count(r: RequestResult, count_tokens: Callable[[str], int] | No
     return len(r.chunk_texts)
 
 
-def latency_samples(results: Sequence[RequestResult],
-                    count_tokens: Callable[[str], int] | None = None) -> tuple[dict[str, list[float]], list[str]]:
+def latency_samples(
+    results: Sequence[RequestResult], count_tokens: Callable[[str], int] | None = None
+) -> tuple[dict[str, list[float]], list[str]]:
     """Latency samples (seconds) of the successful requests (ttft, itl per token, chunk_itl, tpot, e2e), and
     each request's token-count source."""
     out: dict[str, list[float]] = {k: [] for k in LATENCY_KEYS}
@@ -542,8 +576,13 @@ def latency_samples(results: Sequence[RequestResult],
     return out, sources
 
 
-def summarize(load: dict[str, Any], label: str, rate: float, max_concurrency: int | None,
-              count_tokens: Callable[[str], int] | None = None) -> dict[str, Any]:
+def summarize(
+    load: dict[str, Any],
+    label: str,
+    rate: float,
+    max_concurrency: int | None,
+    count_tokens: Callable[[str], int] | None = None,
+) -> dict[str, Any]:
     """One run's record from `run_load`'s output."""
     results: list[RequestResult] = load["results"]
     ok = [r for r in results if r.ok]
@@ -556,12 +595,18 @@ def summarize(load: dict[str, Any], label: str, rate: float, max_concurrency: in
         if not r.ok:
             by_kind[r.error_kind or "?"] = by_kind.get(r.error_kind or "?", 0) + 1
     run: dict[str, Any] = {
-        "label": label, "request_rate": rate_label(rate), "max_concurrency": max_concurrency,
-        "num_requests": len(results), "completed": len(ok), "errors": len(results) - len(ok),
+        "label": label,
+        "request_rate": rate_label(rate),
+        "max_concurrency": max_concurrency,
+        "num_requests": len(results),
+        "completed": len(ok),
+        "errors": len(results) - len(ok),
         "errors_by_status": dict(sorted(by_kind.items())),
-        "error_samples": [{"id": r.index, "status": r.status, "kind": r.error_kind, "message": r.error}
-                          for r in results if not r.ok][:ERROR_SAMPLES],
-        "duration_s": duration, "output_tokens": tokens,
+        "error_samples": [
+            {"id": r.index, "status": r.status, "kind": r.error_kind, "message": r.error} for r in results if not r.ok
+        ][:ERROR_SAMPLES],
+        "duration_s": duration,
+        "output_tokens": tokens,
         "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok),
         "tokens_per_s": tokens / duration if duration > 0 else 0.0,
         "request_throughput": len(ok) / duration if duration > 0 else 0.0,
@@ -573,24 +618,44 @@ def summarize(load: dict[str, Any], label: str, rate: float, max_concurrency: in
         ms = [1e3 * v for v in values]
         run[f"{key}_ms_p50"], run[f"{key}_ms_p99"] = percentile(ms, 50), percentile(ms, 99)
         run[f"{key}_ms_mean"] = sum(ms) / len(ms) if ms else None
-    run["token_counts"] = ("server" if sources and all(s == "server" for s in sources)
-                           else "+".join(sorted(set(sources))) or None)
+    run["token_counts"] = (
+        "server" if sources and all(s == "server" for s in sources) else "+".join(sorted(set(sources))) or None
+    )
     run["all_completed"] = not run["errors"]
-    run["per_request"] = [{
-        "id": r.index, "scheduled_s": r.scheduled, "sent_s": r.sent, "requested_tokens": r.requested,
-        "output_tokens": output_token_count(r, count_tokens) if r.ok else None, "prompt_tokens": r.prompt_tokens,
-        "chunks": len(r.chunk_times), "finish_reason": r.finish_reason, "status": r.status, "error": r.error,
-        "ttft_ms": 1e3 * (r.chunk_times[0] - r.sent) if r.ok and r.chunk_times else None,
-        "e2e_ms": 1e3 * (r.end - r.sent) if r.ok and r.end is not None else None,
-    } for r in results]
+    run["per_request"] = [
+        {
+            "id": r.index,
+            "scheduled_s": r.scheduled,
+            "sent_s": r.sent,
+            "requested_tokens": r.requested,
+            "output_tokens": output_token_count(r, count_tokens) if r.ok else None,
+            "prompt_tokens": r.prompt_tokens,
+            "chunks": len(r.chunk_times),
+            "finish_reason": r.finish_reason,
+            "status": r.status,
+            "error": r.error,
+            "ttft_ms": 1e3 * (r.chunk_times[0] - r.sent) if r.ok and r.chunk_times else None,
+            "e2e_ms": 1e3 * (r.end - r.sent) if r.ok and r.end is not None else None,
+        }
+        for r in results
+    ]
     return run
 
 
 # --------------------------------------------------------------------------------------------- the bench
-async def run_bench(settings: Settings, prompts: Sequence[str], lengths: Sequence[int], rates: Sequence[float],
-                    concurrencies: Sequence[int | None] = (None,), *, label: str = "run", workload_seed: int = 0,
-                    warmup: int = 0, count_tokens: Callable[[str], int] | None = None,
-                    progress: bool = False) -> dict[str, Any]:
+async def run_bench(
+    settings: Settings,
+    prompts: Sequence[str],
+    lengths: Sequence[int],
+    rates: Sequence[float],
+    concurrencies: Sequence[int | None] = (None,),
+    *,
+    label: str = "run",
+    workload_seed: int = 0,
+    warmup: int = 0,
+    count_tokens: Callable[[str], int] | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
     """Measure every (concurrency, rate) over the same prompts, lengths and (per rate) arrival times."""
     import gc
 
@@ -599,14 +664,16 @@ async def run_bench(settings: Settings, prompts: Sequence[str], lengths: Sequenc
     gc.collect()
     gc.freeze()
     try:
-        return await _measure(settings, prompts, lengths, rates, concurrencies, label, workload_seed, warmup,
-                              count_tokens, progress)
+        return await _measure(
+            settings, prompts, lengths, rates, concurrencies, label, workload_seed, warmup, count_tokens, progress
+        )
     finally:
         gc.unfreeze()
 
 
-async def _measure(settings, prompts, lengths, rates, concurrencies, label, workload_seed, warmup, count_tokens,
-                   progress) -> dict[str, Any]:
+async def _measure(
+    settings, prompts, lengths, rates, concurrencies, label, workload_seed, warmup, count_tokens, progress
+) -> dict[str, Any]:
     """run_bench's runs: the warm-up, then one `run_load` per (concurrency, rate) on one client."""
     n = len(prompts)
     runs = []
@@ -621,12 +688,24 @@ async def _measure(settings, prompts, lengths, rates, concurrencies, label, work
                 if progress:
                     from tqdm import tqdm
 
-                    bar = tqdm(total=n, desc=f"{label} @ {rate_label(rate)} req/s"
-                               + (f", ≤{cap} in flight" if cap else ""), unit="req", file=sys.stderr, leave=False)
+                    bar = tqdm(
+                        total=n,
+                        desc=f"{label} @ {rate_label(rate)} req/s" + (f", ≤{cap} in flight" if cap else ""),
+                        unit="req",
+                        file=sys.stderr,
+                        leave=False,
+                    )
                 before = await read_spec_counters(client, settings)
                 try:
-                    load = await run_load(client, settings, prompts, lengths, poisson_arrivals(n, rate, workload_seed),
-                                          cap, None if bar is None else bar.update)
+                    load = await run_load(
+                        client,
+                        settings,
+                        prompts,
+                        lengths,
+                        poisson_arrivals(n, rate, workload_seed),
+                        cap,
+                        None if bar is None else bar.update,
+                    )
                 finally:
                     if bar is not None:
                         bar.close()
@@ -634,10 +713,17 @@ async def _measure(settings, prompts, lengths, rates, concurrencies, label, work
                 run = summarize(load, label, rate, cap, count_tokens)
                 run.update(spec_stats(before, after))
                 runs.append(run)
-    return {"kind": "serve", "label": label, "base_url": settings.base_url, "endpoint": settings.endpoint,
-            "model": settings.model, "request_rates": [rate_label(r) for r in rates],
-            "max_concurrency": list(concurrencies), "runs": runs,
-            "warmup_errors": None if warm is None else sum(1 for r in warm["results"] if not r.ok)}
+    return {
+        "kind": "serve",
+        "label": label,
+        "base_url": settings.base_url,
+        "endpoint": settings.endpoint,
+        "model": settings.model,
+        "request_rates": [rate_label(r) for r in rates],
+        "max_concurrency": list(concurrencies),
+        "runs": runs,
+        "warmup_errors": None if warm is None else sum(1 for r in warm["results"] if not r.ok),
+    }
 
 
 # ----------------------------------------------------------------------------------------------- output
@@ -659,13 +745,17 @@ def _load_text(run: dict) -> str:
 
 def format_runs(runs: Sequence[dict]) -> list[str]:
     """Table lines: per run its label, load, successes / errors, tokens/s and latency p50/p99."""
-    lines = [f"{'label':<16} {'rate ≤conc':>11} {'ok':>5} {'err':>4} {'tok/s':>9} {'req/s':>7}  "
-             f"{'TTFT p50/p99':>13} {'ITL p50/p99':>12} {'chunk ITL':>11} {'TPOT p50':>8} {'e2e p50/p99':>12}"]
+    lines = [
+        f"{'label':<16} {'rate ≤conc':>11} {'ok':>5} {'err':>4} {'tok/s':>9} {'req/s':>7}  "
+        f"{'TTFT p50/p99':>13} {'ITL p50/p99':>12} {'chunk ITL':>11} {'TPOT p50':>8} {'e2e p50/p99':>12}"
+    ]
     for r in runs:
-        lines.append(f"{str(r.get('label'))[:16]:<16} {_load_text(r):>11} {r['completed']:>5} {r['errors']:>4} "
-                     f"{r['tokens_per_s']:>9.1f} {r['request_throughput']:>7.2f}  {_pair(r, 'ttft'):>13} "
-                     f"{_pair(r, 'itl'):>12} {_pair(r, 'chunk_itl'):>11} {_ms(r.get('tpot_ms_p50')):>8} "
-                     f"{_pair(r, 'e2e'):>12}")
+        lines.append(
+            f"{str(r.get('label'))[:16]:<16} {_load_text(r):>11} {r['completed']:>5} {r['errors']:>4} "
+            f"{r['tokens_per_s']:>9.1f} {r['request_throughput']:>7.2f}  {_pair(r, 'ttft'):>13} "
+            f"{_pair(r, 'itl'):>12} {_pair(r, 'chunk_itl'):>11} {_ms(r.get('tpot_ms_p50')):>8} "
+            f"{_pair(r, 'e2e'):>12}"
+        )
     return lines
 
 
@@ -674,33 +764,43 @@ def format_result(r: dict[str, Any]) -> str:
     s = r["settings"]
     sampling = "greedy" if s["temperature"] == 0 else f"temperature {s['temperature']}, top-p {s['top_p']}"
     tokens = f"{s['min_tokens']}-{s['max_tokens']}" if s.get("min_tokens") else f"{s['max_tokens']}"
-    lines = [f"serve: {r['model']} at {r['base_url']}{r['endpoint']} ({r['label']})",
-             f"{s['num_requests']} requests, prompts from {s['prompts']}"
-             + (f" ({s['prompt_len']} tokens)" if s.get("token_exact") else "")
-             + f", {tokens} output tokens each ({sampling}{', EOS ignored' if s['ignore_eos'] else ''})"]
+    lines = [
+        f"serve: {r['model']} at {r['base_url']}{r['endpoint']} ({r['label']})",
+        f"{s['num_requests']} requests, prompts from {s['prompts']}"
+        + (f" ({s['prompt_len']} tokens)" if s.get("token_exact") else "")
+        + f", {tokens} output tokens each ({sampling}{', EOS ignored' if s['ignore_eos'] else ''})",
+    ]
     lines += format_runs(r["runs"])
-    lines.append("latencies in ms; tok/s = output tokens / (last finish − first send); ITL per token (a chunk's "
-                 "gap over its tokens), chunk ITL per streamed chunk")
+    lines.append(
+        "latencies in ms; tok/s = output tokens / (last finish − first send); ITL per token (a chunk's "
+        "gap over its tokens), chunk ITL per streamed chunk"
+    )
     for run in r["runs"]:
         if "acceptance_rate" in run:
-            lines.append(f"{_load_text(run)}: server speculation acceptance {run['acceptance_rate']:.3f}, "
-                         f"{run['mean_accepted_length'] or 0:.2f} tokens per step")
+            lines.append(
+                f"{_load_text(run)}: server speculation acceptance {run['acceptance_rate']:.3f}, "
+                f"{run['mean_accepted_length'] or 0:.2f} tokens per step"
+            )
         if run["errors"]:
             kinds = ", ".join(f"{k}: {v}" for k, v in run["errors_by_status"].items())
             first = run["error_samples"][0]
-            lines.append(f"{_load_text(run)}: {run['errors']} of {run['num_requests']} requests failed ({kinds}); "
-                         f"first: {first['message']}")
+            lines.append(
+                f"{_load_text(run)}: {run['errors']} of {run['num_requests']} requests failed ({kinds}); "
+                f"first: {first['message']}"
+            )
         if run["usage_missing"]:
-            lines.append(f"{_load_text(run)}: {run['usage_missing']} responses had no usage chunk (tokens counted "
-                         f"from the text)")
+            lines.append(
+                f"{_load_text(run)}: {run['usage_missing']} responses had no usage chunk (tokens counted from the text)"
+            )
     if r.get("warmup_errors"):
         lines.append(f"note: {r['warmup_errors']} warm-up requests failed")
     return "\n".join(lines)
 
 
 def _labelled_runs(reports: Sequence[tuple[str, dict]]) -> list[tuple[str, list[dict]]]:
-    return [(name, [x for x in rep.get("runs", []) if isinstance(x, dict) and "tokens_per_s" in x])
-            for name, rep in reports]
+    return [
+        (name, [x for x in rep.get("runs", []) if isinstance(x, dict) and "tokens_per_s" in x]) for name, rep in reports
+    ]
 
 
 def write_plot(path: str | Path, reports: Sequence[tuple[str, dict]]) -> Path:
@@ -749,13 +849,27 @@ def to_report(r: dict[str, Any], cli: dict[str, Any] | None = None) -> dict[str,
     aggregate: dict[str, Any] = {}
     if r["runs"]:
         best = max(r["runs"], key=lambda x: x["tokens_per_s"])
-        aggregate.update(best_tokens_per_s=best["tokens_per_s"], at_request_rate=best["request_rate"],
-                         at_max_concurrency=best["max_concurrency"],
-                         errors=sum(x["errors"] for x in r["runs"]))
-    return {"kind": "serve", "title": r["label"], "models": {"target": r["model"]},
-            "config": {"label": r["label"], "base_url": r["base_url"], "endpoint": r["endpoint"], **r["settings"],
-                       "cli": cli or {}},
-            "runs": r["runs"], "aggregate": aggregate, "warmup_errors": r.get("warmup_errors")}
+        aggregate.update(
+            best_tokens_per_s=best["tokens_per_s"],
+            at_request_rate=best["request_rate"],
+            at_max_concurrency=best["max_concurrency"],
+            errors=sum(x["errors"] for x in r["runs"]),
+        )
+    return {
+        "kind": "serve",
+        "title": r["label"],
+        "models": {"target": r["model"]},
+        "config": {
+            "label": r["label"],
+            "base_url": r["base_url"],
+            "endpoint": r["endpoint"],
+            **r["settings"],
+            "cli": cli or {},
+        },
+        "runs": r["runs"],
+        "aggregate": aggregate,
+        "warmup_errors": r.get("warmup_errors"),
+    }
 
 
 def load_reports(paths: Sequence[str | Path]) -> list[tuple[str, dict]]:
@@ -770,8 +884,10 @@ def load_reports(paths: Sequence[str | Path]) -> list[tuple[str, dict]]:
         out.append((str(rep.get("title") or (rep.get("config") or {}).get("label") or Path(p).stem), rep))
     names = [n for n, _ in out]
     if len(set(names)) < len(names):
-        out = [(f"{n} ({Path(p).parent.name if Path(p).name == 'report.json' else Path(p).name})", rep)
-               for (n, rep), p in zip(out, paths)]
+        out = [
+            (f"{n} ({Path(p).parent.name if Path(p).name == 'report.json' else Path(p).name})", rep)
+            for (n, rep), p in zip(out, paths)
+        ]
     return out
 
 
@@ -788,8 +904,9 @@ def format_comparison(reports: Sequence[tuple[str, dict]]) -> str:
             if b is None:
                 continue
             tps = x["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else None
-            itl = (x["itl_ms_p99"] / b["itl_ms_p99"] if b.get("itl_ms_p99") and x.get("itl_ms_p99") is not None
-                   else None)
-            lines.append(f"{name} / {base_name} at {_load_text(x)}: tok/s "
-                         f"{'–' if tps is None else f'{tps:.2f}x'}, ITL p99 {'–' if itl is None else f'{itl:.2f}x'}")
+            itl = x["itl_ms_p99"] / b["itl_ms_p99"] if b.get("itl_ms_p99") and x.get("itl_ms_p99") is not None else None
+            lines.append(
+                f"{name} / {base_name} at {_load_text(x)}: tok/s "
+                f"{'–' if tps is None else f'{tps:.2f}x'}, ITL p99 {'–' if itl is None else f'{itl:.2f}x'}"
+            )
     return "\n".join(lines)

@@ -88,16 +88,23 @@ class PromptSource:
         return text
 
 
-def make_prompts(tokenizer, source: PromptSource, batch_size: int, prefix_len: int, seed: int = 0,
-                 docs: str | list[dict] | None = None) -> list[list[int]]:
+def make_prompts(
+    tokenizer,
+    source: PromptSource,
+    batch_size: int,
+    prefix_len: int,
+    seed: int = 0,
+    docs: str | list[dict] | None = None,
+) -> list[list[int]]:
     """`batch_size` windows of exactly `prefix_len` tokens from the source's long text (seeded offsets)."""
     from redwood.data.prompts import long_context_prompts
 
     if tokenizer is None:
         raise ConfigError("this model has no tokenizer, so text cannot be cut into prompts")
     try:
-        return long_context_prompts(tokenizer, source.documents() if docs is None else docs, prefix_len,
-                                    batch_size, seed)
+        return long_context_prompts(
+            tokenizer, source.documents() if docs is None else docs, prefix_len, batch_size, seed
+        )
     except ConfigError as e:
         if source.prompts_file:
             raise ConfigError(str(e).replace("dataset <documents>", source.label)) from None
@@ -105,12 +112,20 @@ def make_prompts(tokenizer, source: PromptSource, batch_size: int, prefix_len: i
 
 
 # -------------------------------------------------------------------------------------------- measuring
-def sampling_params(batch_size: int, gen_len: int, temperature: float = 0.0, top_p: float = 1.0,
-                    seed: int | None = None) -> list[SamplingParams]:
+def sampling_params(
+    batch_size: int, gen_len: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None
+) -> list[SamplingParams]:
     """Exactly `gen_len` tokens per row, EOS ignored; row b samples with seed + b (when seeded)."""
-    return [SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=gen_len, ignore_eos=True,
-                           seed=None if seed is None else seed + b)
-            for b in range(batch_size)]
+    return [
+        SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=gen_len,
+            ignore_eos=True,
+            seed=None if seed is None else seed + b,
+        )
+        for b in range(batch_size)
+    ]
 
 
 def aggregate_spec(stats: Sequence[dict]) -> dict[str, Any]:
@@ -121,10 +136,14 @@ def aggregate_spec(stats: Sequence[dict]) -> dict[str, Any]:
     drafted = sum(s["drafted"] for s in specs)
     accepted = sum(s["accepted"] for s in specs)
     width = max((len(s["acceptance_by_position"]) for s in specs), default=0)
-    at = [sum(round(s["acceptance_by_position"][i] * s["steps"]) for s in specs
-              if i < len(s["acceptance_by_position"])) for i in range(width)]
+    at = [
+        sum(round(s["acceptance_by_position"][i] * s["steps"]) for s in specs if i < len(s["acceptance_by_position"]))
+        for i in range(width)
+    ]
     return {
-        "steps": steps, "drafted": drafted, "accepted": accepted,
+        "steps": steps,
+        "drafted": drafted,
+        "accepted": accepted,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_accepted_length": (accepted + steps) / steps if steps else 0.0,
         "accepted_per_step": accepted / steps if steps else 0.0,
@@ -138,8 +157,9 @@ def aggregate_spec(stats: Sequence[dict]) -> dict[str, Any]:
     }
 
 
-def measure(llm, prompts: list[list[int]], params: list[SamplingParams], drafter=None, tree=None,
-            verifier: str = "auto") -> dict[str, Any]:
+def measure(
+    llm, prompts: list[list[int]], params: list[SamplingParams], drafter=None, tree=None, verifier: str = "auto"
+) -> dict[str, Any]:
     """One generation of `prompts` as one batch through a fresh Engine over llm's models (a slot per
     prompt, every request added at once): autoregressive (drafter None) or speculative over `tree`."""
     from redwood.engine.engine import Engine
@@ -148,10 +168,17 @@ def measure(llm, prompts: list[list[int]], params: list[SamplingParams], drafter
     device = model.device
     lookahead = 1 if tree is None else tree.size
     longest = max(len(p) + q.max_new_tokens for p, q in zip(prompts, params))
-    engine = Engine.build(model, llm.tokenizer, drafter=drafter, tree=tree, verifier=verifier,
-                          model_name=llm.model_name, max_num_seqs=len(prompts),
-                          max_model_len=min(longest + lookahead, model.config.max_position_embeddings),
-                          max_num_batched_tokens=sum(len(p) for p in prompts))  # (all prefilled in step 1)
+    engine = Engine.build(
+        model,
+        llm.tokenizer,
+        drafter=drafter,
+        tree=tree,
+        verifier=verifier,
+        model_name=llm.model_name,
+        max_num_seqs=len(prompts),
+        max_model_len=min(longest + lookahead, model.config.max_position_embeddings),
+        max_num_batched_tokens=sum(len(p) for p in prompts),
+    )  # (all prefilled in step 1)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     ids = [engine.add_request(p, q) for p, q in zip(prompts, params)]
@@ -173,7 +200,9 @@ def measure(llm, prompts: list[list[int]], params: list[SamplingParams], drafter
     decoded = sum(len(t) - 1 for t in rows)
     out: dict[str, Any] = {
         "prefill_s": sum(stats[i]["prefill_s"] for i in ids),
-        "decode_s": decode_s, "capture_s": engine.capture_s, "wall_s": wall,
+        "decode_s": decode_s,
+        "capture_s": engine.capture_s,
+        "wall_s": wall,
         "tokens_per_s": decoded / decode_s if decode_s > 0 else 0.0,
         "end_to_end_tokens_per_s": sum(len(t) for t in rows) / (wall - engine.capture_s),
         "generated_tokens": sum(len(t) for t in rows),
@@ -194,8 +223,9 @@ def _unique(values: Sequence[int]) -> list[int]:
     return list(dict.fromkeys(values))
 
 
-def check_sizes(batch_sizes: Sequence[int], prefix_lens: Sequence[int], gen_len: int,
-                gammas: Sequence[int] = ()) -> None:
+def check_sizes(
+    batch_sizes: Sequence[int], prefix_lens: Sequence[int], gen_len: int, gammas: Sequence[int] = ()
+) -> None:
     """Clear errors for non-positive sizes (before any model loads)."""
     for flag, values in (("--batch-size", batch_sizes), ("--prefix-len", prefix_lens), ("--gamma", gammas)):
         for v in values:
@@ -215,14 +245,29 @@ def check_context(llm, prefix_lens: Sequence[int], gen_len: int) -> None:
     for what, cfg in models:
         context = cfg.max_position_embeddings
         if longest + gen_len > context:
-            raise ConfigError(f"--prefix-len {longest} + --gen-len {gen_len} = {longest + gen_len} tokens is more "
-                              f"than {what}'s context of {context} tokens; use a shorter prefix or generation")
+            raise ConfigError(
+                f"--prefix-len {longest} + --gen-len {gen_len} = {longest + gen_len} tokens is more "
+                f"than {what}'s context of {context} tokens; use a shorter prefix or generation"
+            )
 
 
-def run_bench(llm, kind: str, batch_sizes: Sequence[int], prefix_lens: Sequence[int], gen_len: int,
-              source: PromptSource, gammas: Sequence[int] = (4,), *, trees: Sequence[str] = (),
-              temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, prompt_seed: int = 0,
-              verifier: str = "auto", progress=None) -> dict[str, Any]:
+def run_bench(
+    llm,
+    kind: str,
+    batch_sizes: Sequence[int],
+    prefix_lens: Sequence[int],
+    gen_len: int,
+    source: PromptSource,
+    gammas: Sequence[int] = (4,),
+    *,
+    trees: Sequence[str] = (),
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    prompt_seed: int = 0,
+    verifier: str = "auto",
+    progress=None,
+) -> dict[str, Any]:
     """Measure the baseline (and, unless kind == "baseline", speculation with a chain at each γ and with
     each of `trees`) for every (batch size, prefix length); `llm` is an `LLM` built with the matching
     SpeculativeConfig (its `drafter` is used directly, so the draft shape varies without reloading).
@@ -246,8 +291,9 @@ def run_bench(llm, kind: str, batch_sizes: Sequence[int], prefix_lens: Sequence[
     say = progress or (lambda msg: None)
 
     # every prompt set first, so a text too short for some setting fails before anything is measured
-    prompt_sets = {(b, n): make_prompts(llm.tokenizer, source, b, n, prompt_seed, docs)
-                   for b in batch_sizes for n in prefix_lens}
+    prompt_sets = {
+        (b, n): make_prompts(llm.tokenizer, source, b, n, prompt_seed, docs) for b in batch_sizes for n in prefix_lens
+    }
     runs: list[dict[str, Any]] = []
     best: list[dict[str, Any]] = []
     # warm-up (not timed): each code path once, on short prompts
@@ -272,22 +318,45 @@ def run_bench(llm, kind: str, batch_sizes: Sequence[int], prefix_lens: Sequence[
                 run = _spec_run(base, label, tree, sp, ar, greedy=temperature == 0)
                 if "first_divergence" in run:
                     d = run["first_divergence"]
-                    d.update(divergence_logits(llm.model, prompt_sets[batch, prefix][d["row"]],
-                                               ar["token_ids"][d["row"]], sp["token_ids"][d["row"]],
-                                               d["position"]))
+                    d.update(
+                        divergence_logits(
+                            llm.model,
+                            prompt_sets[batch, prefix][d["row"]],
+                            ar["token_ids"][d["row"]],
+                            sp["token_ids"][d["row"]],
+                            d["position"],
+                        )
+                    )
                 group.append(run)
             runs += group
             top = max(group, key=lambda r: r["speedup"] or 0.0)
-            best.append({"batch_size": batch, "prefix_len": prefix, "gamma": top["gamma"], "tree": top["tree"],
-                         "speedup": top["speedup"], "tokens_per_s": top["tokens_per_s"]})
+            best.append(
+                {
+                    "batch_size": batch,
+                    "prefix_len": prefix,
+                    "gamma": top["gamma"],
+                    "tree": top["tree"],
+                    "speedup": top["speedup"],
+                    "tokens_per_s": top["tokens_per_s"],
+                }
+            )
 
     identical = [r["identical_to_ar"] for r in runs if r.get("identical_to_ar") is not None]
     return {
-        "kind": kind, "model": llm.model_name, "draft": llm.draft_name if speculating else None,
-        "prompts": source.label, "gen_len": gen_len, "temperature": temperature, "top_p": top_p, "seed": seed,
+        "kind": kind,
+        "model": llm.model_name,
+        "draft": llm.draft_name if speculating else None,
+        "prompts": source.label,
+        "gen_len": gen_len,
+        "temperature": temperature,
+        "top_p": top_p,
+        "seed": seed,
         "verifier": verifier if speculating else None,
-        "dtype": str(llm.model.dtype).removeprefix("torch."), "device": str(llm.model.device),
-        "runs": runs, "best": best, "all_identical": all(identical) if identical else None,
+        "dtype": str(llm.model.dtype).removeprefix("torch."),
+        "device": str(llm.model.device),
+        "runs": runs,
+        "best": best,
+        "all_identical": all(identical) if identical else None,
     }
 
 
@@ -320,16 +389,23 @@ def divergence_logits(model, prompt: list[int], ar_ids: list[int], spec_ids: lis
     return out
 
 
-def _spec_run(base: dict[str, Any], label: str, tree, sp: dict[str, Any], ar: dict[str, Any],
-              greedy: bool) -> dict[str, Any]:
+def _spec_run(
+    base: dict[str, Any], label: str, tree, sp: dict[str, Any], ar: dict[str, Any], greedy: bool
+) -> dict[str, Any]:
     """One speculative run's record: its measurement `sp` next to the baseline's `ar`."""
-    run = {**base, "gamma": tree.max_depth - 1, "tree": label, "tree_size": tree.size,
-           "ar_tokens_per_s": ar["tokens_per_s"],
-           **{k: v for k, v in sp.items() if k != "token_ids"},
-           "speedup": sp["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] > 0 else None,
-           "tokens_per_step": sp["mean_accepted_length"],
-           "identical_to_ar": (sp["token_ids"] == ar["token_ids"]) if greedy else None,
-           "ar_prefill_s": ar["prefill_s"], "ar_decode_s": ar["decode_s"]}
+    run = {
+        **base,
+        "gamma": tree.max_depth - 1,
+        "tree": label,
+        "tree_size": tree.size,
+        "ar_tokens_per_s": ar["tokens_per_s"],
+        **{k: v for k, v in sp.items() if k != "token_ids"},
+        "speedup": sp["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] > 0 else None,
+        "tokens_per_step": sp["mean_accepted_length"],
+        "identical_to_ar": (sp["token_ids"] == ar["token_ids"]) if greedy else None,
+        "ar_prefill_s": ar["prefill_s"],
+        "ar_decode_s": ar["decode_s"],
+    }
     if "peak_memory_bytes" in ar:
         run["ar_peak_memory_bytes"] = ar["peak_memory_bytes"]
     # Steady state: the rate while every row is still generating — batch × tokens per step / step time —
@@ -356,42 +432,57 @@ def format_result(r: dict[str, Any]) -> str:
     head = f"{r['kind']}: {r['model']}"
     if r.get("draft"):
         head += f", draft {r['draft']}"
-    lines = [head, f"{r['gen_len']} tokens per row ({sampling}, EOS ignored); prompts from {r['prompts']}; "
-                   f"{r['dtype']} on {r['device']}"]
+    lines = [
+        head,
+        f"{r['gen_len']} tokens per row ({sampling}, EOS ignored); prompts from {r['prompts']}; "
+        f"{r['dtype']} on {r['device']}",
+    ]
     if r["kind"] == "baseline":
         lines.append(f"{'batch':>5} {'prefix':>7} {'prefill s':>10} {'decode s':>9} {'tok/s':>10}")
         for x in r["runs"]:
-            lines.append(f"{x['batch_size']:>5} {x['prefix_len']:>7} {x['prefill_s']:>10.3f} {x['decode_s']:>9.3f} "
-                         f"{x['tokens_per_s']:>10.2f}")
+            lines.append(
+                f"{x['batch_size']:>5} {x['prefix_len']:>7} {x['prefill_s']:>10.3f} {x['decode_s']:>9.3f} "
+                f"{x['tokens_per_s']:>10.2f}"
+            )
         return "\n".join(lines)
-    lines.append(f"{'batch':>5} {'prefix':>7} {'draft shape':>12} {'AR tok/s':>10} {'spec tok/s':>10} {'speedup':>8} {'steady':>7} "
-                 f"{'accept':>7} {'acc len':>7} {'draft s':>8} {'verify s':>8} {'ms/step':>8}  {'same':<4}  "
-                 "acceptance by position")
+    lines.append(
+        f"{'batch':>5} {'prefix':>7} {'draft shape':>12} {'AR tok/s':>10} {'spec tok/s':>10} {'speedup':>8} {'steady':>7} "
+        f"{'accept':>7} {'acc len':>7} {'draft s':>8} {'verify s':>8} {'ms/step':>8}  {'same':<4}  "
+        "acceptance by position"
+    )
     for x in r["runs"]:
         same = {True: "yes", False: "NO", None: "n/a"}[x["identical_to_ar"]]
         pos = " ".join(f"{a:.2f}" for a in x["acceptance_by_position"])
         speedup = "–" if x["speedup"] is None else f"{x['speedup']:.2f}x"
         steady = "–" if x.get("steady_speedup") is None else f"{x['steady_speedup']:.2f}x"
-        lines.append(f"{x['batch_size']:>5} {x['prefix_len']:>7} {x['tree']:>12} {x['ar_tokens_per_s']:>10.2f} "
-                     f"{x['tokens_per_s']:>10.2f} {speedup:>8} {steady:>7} {x['acceptance_rate']:>7.3f} "
-                     f"{x['mean_accepted_length']:>7.2f} {x['draft_s']:>8.3f} {x['verify_s']:>8.3f} "
-                     f"{x.get('ms_per_step', 0.0):>8.2f}  {same:<4}  {pos}")
+        lines.append(
+            f"{x['batch_size']:>5} {x['prefix_len']:>7} {x['tree']:>12} {x['ar_tokens_per_s']:>10.2f} "
+            f"{x['tokens_per_s']:>10.2f} {speedup:>8} {steady:>7} {x['acceptance_rate']:>7.3f} "
+            f"{x['mean_accepted_length']:>7.2f} {x['draft_s']:>8.3f} {x['verify_s']:>8.3f} "
+            f"{x.get('ms_per_step', 0.0):>8.2f}  {same:<4}  {pos}"
+        )
     if len({x["tree"] for x in r["runs"]}) > 1:
         for b in r["best"]:
-            lines.append(f"best draft shape at batch {b['batch_size']}, prefix {b['prefix_len']}: {b['tree']} "
-                         f"({_f(b['speedup'], '.2f', 0).strip()}x)")
-    lines.append("acc len = tokens per target step, bonus token included; same = greedy output identical to "
-                 "autoregressive; draft/verify s are 0 when each step runs as one CUDA graph (see ms/step);\n"
-                 "steady = speedup while every row is generating (batch × acc len / step time over AR), as a "
-                 "server refilling finished rows would see; speedup = until the batch's last row is done")
+            lines.append(
+                f"best draft shape at batch {b['batch_size']}, prefix {b['prefix_len']}: {b['tree']} "
+                f"({_f(b['speedup'], '.2f', 0).strip()}x)"
+            )
+    lines.append(
+        "acc len = tokens per target step, bonus token included; same = greedy output identical to "
+        "autoregressive; draft/verify s are 0 when each step runs as one CUDA graph (see ms/step);\n"
+        "steady = speedup while every row is generating (batch × acc len / step time over AR), as a "
+        "server refilling finished rows would see; speedup = until the batch's last row is done"
+    )
     if r["all_identical"] is False:
         lines.append("WARNING: greedy speculative output differs from autoregressive output (must be identical)")
         for x in r["runs"]:
             d = x.get("first_divergence")
             if d and "top2_gap" in d:
-                lines.append(f"  batch {x['batch_size']}, prefix {x['prefix_len']}, {x['tree']}: row {d['row']} parts at "
-                             f"output token {d['position']}; target's top-2 logit gap there {d['top2_gap']:.4g}"
-                             + (f", AR token − spec token logit {d['logit_gap']:.4g}" if "logit_gap" in d else ""))
+                lines.append(
+                    f"  batch {x['batch_size']}, prefix {x['prefix_len']}, {x['tree']}: row {d['row']} parts at "
+                    f"output token {d['position']}; target's top-2 logit gap there {d['top2_gap']:.4g}"
+                    + (f", AR token − spec token logit {d['logit_gap']:.4g}" if "logit_gap" in d else "")
+                )
     return "\n".join(lines)
 
 
@@ -406,17 +497,37 @@ def to_report(r: dict[str, Any], extra_config: dict[str, Any] | None = None) -> 
     spec_runs = [x for x in r["runs"] if x.get("speedup") is not None]
     if spec_runs:
         top = max(spec_runs, key=lambda x: x["speedup"])
-        aggregate.update(speedup=top["speedup"], tokens_per_s=top["tokens_per_s"], best_gamma=top["gamma"],
-                         best_batch_size=top["batch_size"], best_prefix_len=top["prefix_len"])
+        aggregate.update(
+            speedup=top["speedup"],
+            tokens_per_s=top["tokens_per_s"],
+            best_gamma=top["gamma"],
+            best_batch_size=top["batch_size"],
+            best_prefix_len=top["prefix_len"],
+        )
     elif r["runs"]:
         aggregate["tokens_per_s"] = max(x["tokens_per_s"] for x in r["runs"])
     if r["all_identical"] is not None:
         aggregate["greedy_identical_to_ar"] = r["all_identical"]
-    config = {"prompts": r["prompts"], "gen_len": r["gen_len"], "temperature": r["temperature"],
-              "top_p": r["top_p"], "seed": r["seed"], "verifier": r["verifier"], "dtype": r["dtype"],
-              "device": r["device"], "ignore_eos": True, **(extra_config or {})}
+    config = {
+        "prompts": r["prompts"],
+        "gen_len": r["gen_len"],
+        "temperature": r["temperature"],
+        "top_p": r["top_p"],
+        "seed": r["seed"],
+        "verifier": r["verifier"],
+        "dtype": r["dtype"],
+        "device": r["device"],
+        "ignore_eos": True,
+        **(extra_config or {}),
+    }
     models = {"target": r["model"], "dtype": r["dtype"]}
     if r.get("draft"):
         models["draft"] = r["draft"]
-    return {"kind": r["kind"], "models": models, "config": config, "runs": runs, "aggregate": aggregate,
-            "best_gamma": r["best"]}
+    return {
+        "kind": r["kind"],
+        "models": models,
+        "config": config,
+        "runs": runs,
+        "aggregate": aggregate,
+        "best_gamma": r["best"],
+    }

@@ -27,11 +27,70 @@ MIN_EXPECTED = 5.0  # χ² cells with a smaller expected count are pooled
 
 # Upper 0.1 % points of χ²(df), df = 1…64 (standard tables; index df, CHI2_999[0] unused).
 CHI2_999 = [
-    None, 10.828, 13.816, 16.266, 18.467, 20.515, 22.458, 24.322, 26.124, 27.877, 29.588, 31.264, 32.909,
-    34.528, 36.123, 37.697, 39.252, 40.790, 42.312, 43.820, 45.315, 46.797, 48.268, 49.728, 51.179, 52.620,
-    54.052, 55.476, 56.892, 58.301, 59.703, 61.098, 62.487, 63.870, 65.247, 66.619, 67.985, 69.346, 70.703,
-    72.055, 73.402, 74.745, 76.084, 77.419, 78.750, 80.077, 81.400, 82.720, 84.037, 85.351, 86.661, 87.968,
-    89.272, 90.573, 91.872, 93.168, 94.461, 95.751, 97.039, 98.324, 99.607, 100.888, 102.166, 103.442,
+    None,
+    10.828,
+    13.816,
+    16.266,
+    18.467,
+    20.515,
+    22.458,
+    24.322,
+    26.124,
+    27.877,
+    29.588,
+    31.264,
+    32.909,
+    34.528,
+    36.123,
+    37.697,
+    39.252,
+    40.790,
+    42.312,
+    43.820,
+    45.315,
+    46.797,
+    48.268,
+    49.728,
+    51.179,
+    52.620,
+    54.052,
+    55.476,
+    56.892,
+    58.301,
+    59.703,
+    61.098,
+    62.487,
+    63.870,
+    65.247,
+    66.619,
+    67.985,
+    69.346,
+    70.703,
+    72.055,
+    73.402,
+    74.745,
+    76.084,
+    77.419,
+    78.750,
+    80.077,
+    81.400,
+    82.720,
+    84.037,
+    85.351,
+    86.661,
+    87.968,
+    89.272,
+    90.573,
+    91.872,
+    93.168,
+    94.461,
+    95.751,
+    97.039,
+    98.324,
+    99.607,
+    100.888,
+    102.166,
+    103.442,
     104.716,
 ]
 
@@ -100,7 +159,8 @@ def pooled_cells(expected: torch.Tensor, min_expected: float = MIN_EXPECTED) -> 
 def _grouped(x: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
     keep = group >= 0
     return torch.zeros(int(group.max()) + 1 if keep.any() else 0, dtype=torch.float64).index_add_(
-        0, group[keep], x[keep].double())
+        0, group[keep], x[keep].double()
+    )
 
 
 def chi2_fit(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = MIN_EXPECTED) -> dict:
@@ -130,8 +190,7 @@ def chi2_fit_samples(samples: torch.Tensor, probs: torch.Tensor, min_expected: f
     return fit
 
 
-def chi2_homogeneity(a: torch.Tensor, b: torch.Tensor, probs: torch.Tensor,
-                     min_expected: float = MIN_EXPECTED) -> dict:
+def chi2_homogeneity(a: torch.Tensor, b: torch.Tensor, probs: torch.Tensor, min_expected: float = MIN_EXPECTED) -> dict:
     """Two samples a, b [C] from one distribution? Cells pooled where min(n_a, n_b)·probs < min_expected
     (pooling fixed by the exact distribution, not the data)."""
     na, nb = float(a.sum()), float(b.sum())

@@ -100,8 +100,9 @@ def shared_prefix_prompts(windows, n: int, prompt_len: int, shared_len: int, see
     return [list(common) + list(tail) for tail in windows(n, prompt_len - shared_len, seed)]
 
 
-def check_workload(num_requests: int, prompt_len: int, min_new: int, max_new: int,
-                   max_model_len: int | None = None) -> None:
+def check_workload(
+    num_requests: int, prompt_len: int, min_new: int, max_new: int, max_model_len: int | None = None
+) -> None:
     """One-line errors for a workload that cannot run (before any model loads)."""
     if num_requests < 1:
         raise ConfigError(f"--num-requests must be >= 1, got {num_requests}")
@@ -112,16 +113,20 @@ def check_workload(num_requests: int, prompt_len: int, min_new: int, max_new: in
     if min_new > max_new:
         raise ConfigError(f"--min-new-tokens ({min_new}) is more than --max-new-tokens ({max_new})")
     if max_model_len is not None and prompt_len + max_new > max_model_len:
-        raise ConfigError(f"--prompt-len {prompt_len} + --max-new-tokens {max_new} = {prompt_len + max_new} tokens "
-                          f"is more than --max-model-len {max_model_len}")
+        raise ConfigError(
+            f"--prompt-len {prompt_len} + --max-new-tokens {max_new} = {prompt_len + max_new} tokens "
+            f"is more than --max-model-len {max_model_len}"
+        )
 
 
 def check_context(contexts: Sequence[tuple[str, int]], prompt_len: int, max_new: int) -> None:
     """prompt + the longest output must fit each model's context ((what, context) pairs)."""
     for what, context in contexts:
         if prompt_len + max_new > context:
-            raise ConfigError(f"--prompt-len {prompt_len} + --max-new-tokens {max_new} = {prompt_len + max_new} "
-                              f"tokens is more than {what}'s context of {context} tokens")
+            raise ConfigError(
+                f"--prompt-len {prompt_len} + --max-new-tokens {max_new} = {prompt_len + max_new} "
+                f"tokens is more than {what}'s context of {context} tokens"
+            )
 
 
 @dataclass
@@ -134,11 +139,24 @@ class Workload:
         return len(self.prompts)
 
 
-def make_workload(prompts: list[list[int]], lengths: Sequence[int], temperature: float = 0.0,
-                  top_p: float = 1.0, seed: int | None = None) -> Workload:
+def make_workload(
+    prompts: list[list[int]],
+    lengths: Sequence[int],
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+) -> Workload:
     """Request i asks for exactly lengths[i] tokens (EOS ignored), sampling with seed + i when seeded."""
-    params = [SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=int(m), ignore_eos=True,
-                             seed=None if seed is None else seed + i) for i, m in enumerate(lengths)]
+    params = [
+        SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=int(m),
+            ignore_eos=True,
+            seed=None if seed is None else seed + i,
+        )
+        for i, m in enumerate(lengths)
+    ]
     return Workload([list(p) for p in prompts], params)
 
 
@@ -167,8 +185,15 @@ def _sync(engine) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_stream(engine, workload: Workload, arrivals: Sequence[float], *, prefix: str = "r",
-               progress: Callable[[int], None] | None = None, sleep=time.sleep) -> dict[str, Any]:
+def run_stream(
+    engine,
+    workload: Workload,
+    arrivals: Sequence[float],
+    *,
+    prefix: str = "r",
+    progress: Callable[[int], None] | None = None,
+    sleep=time.sleep,
+) -> dict[str, Any]:
     """Drive `engine` through the workload with the given arrival times; → records and step samples.
 
     The clock starts at the first arrival and leaves out CUDA-graph captures done during the run.
@@ -227,8 +252,14 @@ def run_stream(engine, workload: Workload, arrivals: Sequence[float], *, prefix:
                 if seq is not None:
                     recs[i].preemptions = getattr(seq, "num_preemptions", 0)
     _sync(engine)
-    return {"records": recs, "steps": steps, "blocks": blocks, "capture_s": engine.capture_s - capture0,
-            "blocks_used_at_end": engine.pool.num_used, "kv_blocks_total": engine.pool.num_blocks}
+    return {
+        "records": recs,
+        "steps": steps,
+        "blocks": blocks,
+        "capture_s": engine.capture_s - capture0,
+        "blocks_used_at_end": engine.pool.num_used,
+        "kv_blocks_total": engine.pool.num_blocks,
+    }
 
 
 def warm_up(engine, workload: Workload, prefix: str = "warm") -> None:
@@ -243,13 +274,15 @@ def warm_up(engine, workload: Workload, prefix: str = "warm") -> None:
     depth = engine.tree.max_depth if getattr(engine, "tree", None) is not None else 1
 
     def params(new: int) -> SamplingParams:
-        return SamplingParams(temperature=p.temperature, top_p=p.top_p, max_new_tokens=new, ignore_eos=True,
-                              seed=p.seed)
+        return SamplingParams(
+            temperature=p.temperature, top_p=p.top_p, max_new_tokens=new, ignore_eos=True, seed=p.seed
+        )
 
     longest = max(range(workload.n), key=lambda i: len(workload.prompts[i]))
     full = workload.prompts[longest][::-1]
-    engine.add_request(full, params(max(1, min(2 * depth + 2, engine.max_model_len - len(full)))),
-                       request_id=f"{prefix}-full")
+    engine.add_request(
+        full, params(max(1, min(2 * depth + 2, engine.max_model_len - len(full)))), request_id=f"{prefix}-full"
+    )
     while engine.has_unfinished():
         engine.step()
     k = min(workload.n, engine.max_num_seqs)
@@ -299,8 +332,11 @@ def summarize(stream: dict[str, Any], method: str, rate: float) -> dict[str, Any
     end = max(r.finish for r in recs if r.finish is not None)
     duration = end - start
     run: dict[str, Any] = {
-        "method": method, "request_rate": rate_label(rate), "num_requests": len(recs),
-        "duration_s": duration, "output_tokens": tokens,
+        "method": method,
+        "request_rate": rate_label(rate),
+        "num_requests": len(recs),
+        "duration_s": duration,
+        "output_tokens": tokens,
         "tokens_per_s": tokens / duration if duration > 0 else 0.0,
         "request_throughput": len(recs) / duration if duration > 0 else 0.0,
     }
@@ -309,29 +345,46 @@ def summarize(stream: dict[str, Any], method: str, rate: float) -> dict[str, Any
         run[f"{key}_ms_p50"], run[f"{key}_ms_p99"] = percentile(ms, 50), percentile(ms, 99)
         run[f"{key}_ms_mean"] = _mean(ms)
     blocks = stream["blocks"]
-    run.update(steps=stream["steps"], tokens_per_engine_step=tokens / stream["steps"] if stream["steps"] else 0.0,
-               kv_blocks_max=max(blocks, default=0), kv_blocks_mean=_mean(blocks) or 0.0,
-               kv_blocks_total=stream["kv_blocks_total"], kv_blocks_used_at_end=stream["blocks_used_at_end"],
-               preemptions=sum(r.preemptions for r in recs), capture_s=stream["capture_s"],
-               all_completed=all(r.finish_reason is not None and len(r.token_ids) == r.requested for r in recs))
+    run.update(
+        steps=stream["steps"],
+        tokens_per_engine_step=tokens / stream["steps"] if stream["steps"] else 0.0,
+        kv_blocks_max=max(blocks, default=0),
+        kv_blocks_mean=_mean(blocks) or 0.0,
+        kv_blocks_total=stream["kv_blocks_total"],
+        kv_blocks_used_at_end=stream["blocks_used_at_end"],
+        preemptions=sum(r.preemptions for r in recs),
+        capture_s=stream["capture_s"],
+        all_completed=all(r.finish_reason is not None and len(r.token_ids) == r.requested for r in recs),
+    )
     stats = [r.stats for r in recs if r.stats and r.stats.get("speculative")]
     if stats:
         from redwood.bench.speculative import aggregate_spec
 
         agg = aggregate_spec(stats)
-        run.update(acceptance_rate=agg["acceptance_rate"], mean_accepted_length=agg["mean_accepted_length"],
-                   tokens_per_step=agg["mean_accepted_length"], acceptance_by_position=agg["acceptance_by_position"],
-                   spec_steps=agg["steps"])
-    run["per_request"] = [{"id": i, "arrival_s": r.arrival, "requested_tokens": r.requested,
-                           "output_tokens": len(r.token_ids), "finish_reason": r.finish_reason,
-                           "ttft_ms": None if r.first is None else 1e3 * (r.first - r.arrival),
-                           "e2e_ms": None if r.finish is None else 1e3 * (r.times[-1] - r.arrival),
-                           "preemptions": r.preemptions} for i, r in enumerate(recs)]
+        run.update(
+            acceptance_rate=agg["acceptance_rate"],
+            mean_accepted_length=agg["mean_accepted_length"],
+            tokens_per_step=agg["mean_accepted_length"],
+            acceptance_by_position=agg["acceptance_by_position"],
+            spec_steps=agg["steps"],
+        )
+    run["per_request"] = [
+        {
+            "id": i,
+            "arrival_s": r.arrival,
+            "requested_tokens": r.requested,
+            "output_tokens": len(r.token_ids),
+            "finish_reason": r.finish_reason,
+            "ttft_ms": None if r.first is None else 1e3 * (r.first - r.arrival),
+            "e2e_ms": None if r.finish is None else 1e3 * (r.times[-1] - r.arrival),
+            "preemptions": r.preemptions,
+        }
+        for i, r in enumerate(recs)
+    ]
     return run
 
 
-RATIO_KEYS = ("tokens_per_s", "request_throughput") + tuple(
-    f"{k}_ms_{p}" for k in LATENCY_KEYS for p in ("p50", "p99"))
+RATIO_KEYS = ("tokens_per_s", "request_throughput") + tuple(f"{k}_ms_{p}" for k in LATENCY_KEYS for p in ("p50", "p99"))
 
 
 def compare(ar: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
@@ -356,10 +409,22 @@ def _free_memory(device) -> None:
         torch.cuda.empty_cache()
 
 
-def run_bench(target, tokenizer, workload: Workload, rates: Sequence[float], *, drafter=None, tree=None,
-              verifier: str = "auto", spec: bool = True, engine_args: dict | None = None,
-              model_name: str = "model", cuda_graphs: bool | None = None, workload_seed: int = 0,
-              progress: bool = False) -> dict[str, Any]:
+def run_bench(
+    target,
+    tokenizer,
+    workload: Workload,
+    rates: Sequence[float],
+    *,
+    drafter=None,
+    tree=None,
+    verifier: str = "auto",
+    spec: bool = True,
+    engine_args: dict | None = None,
+    model_name: str = "model",
+    cuda_graphs: bool | None = None,
+    workload_seed: int = 0,
+    progress: bool = False,
+) -> dict[str, Any]:
     """Measure AR (and speculation with `drafter` over `tree`, unless spec is False) at every rate.
 
     target / tokenizer / drafter / tree: already loaded (e.g. an `LLM`'s); one Engine is built per mode
@@ -388,12 +453,20 @@ def run_bench(target, tokenizer, workload: Workload, rates: Sequence[float], *, 
             if engine is None or fresh_per_rate:
                 engine = None
                 _free_memory(target.device)
-                engine = Engine.build(target, tokenizer, model_name=model_name, cuda_graphs=cuda_graphs,
-                                      **kw, **engine_args)
+                engine = Engine.build(
+                    target, tokenizer, model_name=model_name, cuda_graphs=cuda_graphs, **kw, **engine_args
+                )
                 warm_up(engine, workload)
-                info.setdefault("engine", {"max_num_seqs": engine.max_num_seqs, "max_model_len": engine.max_model_len,
-                                           "block_size": engine.block_size, "kv_blocks": engine.pool.num_blocks,
-                                           "cuda_graphs": engine.use_graphs})
+                info.setdefault(
+                    "engine",
+                    {
+                        "max_num_seqs": engine.max_num_seqs,
+                        "max_model_len": engine.max_model_len,
+                        "block_size": engine.block_size,
+                        "kv_blocks": engine.pool.num_blocks,
+                        "cuda_graphs": engine.use_graphs,
+                    },
+                )
                 if mode == "spec":
                     info["draft"], info["tree_size"] = engine.draft_name, engine.tree.size
                     info["gamma"] = engine.tree.max_depth - 1
@@ -401,11 +474,17 @@ def run_bench(target, tokenizer, workload: Workload, rates: Sequence[float], *, 
             if progress:
                 from tqdm import tqdm
 
-                bar = tqdm(total=workload.n, desc=f"{mode} @ {rate_label(rate)} req/s", unit="req",
-                           file=sys.stderr, leave=False)
+                bar = tqdm(
+                    total=workload.n,
+                    desc=f"{mode} @ {rate_label(rate)} req/s",
+                    unit="req",
+                    file=sys.stderr,
+                    leave=False,
+                )
             try:
-                stream = run_stream(engine, workload, arrivals[rate], prefix=f"{mode}{j}-",
-                                    progress=None if bar is None else bar.update)
+                stream = run_stream(
+                    engine, workload, arrivals[rate], prefix=f"{mode}{j}-", progress=None if bar is None else bar.update
+                )
             finally:
                 if bar is not None:
                     bar.close()
@@ -423,10 +502,17 @@ def run_bench(target, tokenizer, workload: Workload, rates: Sequence[float], *, 
     ordered = [runs[m, r] for r in rates for m, _ in modes]
     comparison = [compare(runs["ar", r], runs["spec", r]) for r in rates] if spec else []
     identical = [c["identical_to_ar"] for c in comparison if c["identical_to_ar"] is not None]
-    return {"kind": "throughput", "model": model_name, "request_rates": [rate_label(r) for r in rates],
-            "greedy": greedy, **info, "runs": ordered, "comparison": comparison,
-            "all_identical": all(identical) if identical else None,
-            "capture_s_in_timed_runs": sum(r["capture_s"] for r in ordered)}
+    return {
+        "kind": "throughput",
+        "model": model_name,
+        "request_rates": [rate_label(r) for r in rates],
+        "greedy": greedy,
+        **info,
+        "runs": ordered,
+        "comparison": comparison,
+        "all_identical": all(identical) if identical else None,
+        "capture_s_in_timed_runs": sum(r["capture_s"] for r in ordered),
+    }
 
 
 # ----------------------------------------------------------------------------------------------- output
@@ -452,13 +538,15 @@ def format_result(r: dict[str, Any]) -> str:
     if r.get("draft"):
         head += f"; spec: {r['draft']}, {r.get('tree')}, verifier {r.get('verifier')}"
     e = r.get("engine", {})
-    lines = [head,
-             f"{s['num_requests']} requests of {s['prompt_len']} prompt tokens"
-             + (f" (the first {s['shared_prefix_len']} shared)" if s.get("shared_prefix_len") else "")
-             + f", {s['min_new_tokens']}-"
-             f"{s['max_new_tokens']} new tokens each ({sampling}, EOS ignored); prompts from {s['prompts']}; "
-             f"{s['dtype']} on {s['device']}; {e.get('max_num_seqs')} slots, {e.get('kv_blocks')} KV blocks "
-             f"of {e.get('block_size')}"]
+    lines = [
+        head,
+        f"{s['num_requests']} requests of {s['prompt_len']} prompt tokens"
+        + (f" (the first {s['shared_prefix_len']} shared)" if s.get("shared_prefix_len") else "")
+        + f", {s['min_new_tokens']}-"
+        f"{s['max_new_tokens']} new tokens each ({sampling}, EOS ignored); prompts from {s['prompts']}; "
+        f"{s['dtype']} on {s['device']}; {e.get('max_num_seqs')} slots, {e.get('kv_blocks')} KV blocks "
+        f"of {e.get('block_size')}",
+    ]
     spec = bool(r["comparison"])
     by = {(x["method"], str(x["request_rate"])): x for x in r["runs"]}
     cols = f"{'rate':>6} {'AR tok/s':>9}"
@@ -485,12 +573,16 @@ def format_result(r: dict[str, Any]) -> str:
         if spec:
             line += f" {_pair(sp, 'itl'):>11} {sp.get('mean_accepted_length', 0.0):>7.2f} {same:>4}"
         lines.append(line)
-    lines.append("tok/s = output tokens / (last finish − first arrival); ITL per token (a delta's gap over its "
-                 "tokens); acc len = tokens per target step, bonus included; same = greedy spec output "
-                 "identical to AR")
+    lines.append(
+        "tok/s = output tokens / (last finish − first arrival); ITL per token (a delta's gap over its "
+        "tokens); acc len = tokens per target step, bonus included; same = greedy spec output "
+        "identical to AR"
+    )
     if r.get("capture_s_in_timed_runs", 0) > 0:
-        lines.append(f"note: {r['capture_s_in_timed_runs']:.2f} s of CUDA-graph capture during the timed runs was "
-                     "left out of their clocks")
+        lines.append(
+            f"note: {r['capture_s_in_timed_runs']:.2f} s of CUDA-graph capture during the timed runs was "
+            "left out of their clocks"
+        )
     preempted = sum(x["preemptions"] for x in r["runs"])
     if preempted:
         lines.append(f"note: {preempted} preemptions (KV cache full; the requests were recomputed)")
@@ -517,13 +609,24 @@ def write_plot(path: str | Path, r: dict[str, Any]) -> Path:
         if not rows:
             continue
         pts = [(i, rows[str(rate)]) for i, rate in zip(xs, rates) if str(rate) in rows]
-        ax1.plot([i for i, _ in pts], [x["tokens_per_s"] for _, x in pts], marker="o", color=colors[method],
-                 label=names[method])
+        ax1.plot(
+            [i for i, _ in pts],
+            [x["tokens_per_s"] for _, x in pts],
+            marker="o",
+            color=colors[method],
+            label=names[method],
+        )
         for key, marker in (("ttft", "o"), ("itl", "s")):
             for p, style in (("p50", "-"), ("p99", "--")):
                 ys = [x[f"{key}_ms_{p}"] for _, x in pts]
-                ax2.plot([i for i, _ in pts], [float("nan") if y is None else y for y in ys], marker=marker,
-                         linestyle=style, color=colors[method], label=f"{names[method]} {key.upper()} {p}")
+                ax2.plot(
+                    [i for i, _ in pts],
+                    [float("nan") if y is None else y for y in ys],
+                    marker=marker,
+                    linestyle=style,
+                    color=colors[method],
+                    label=f"{names[method]} {key.upper()} {p}",
+                )
     for ax in (ax1, ax2):
         ax.set_xticks(xs)
         ax.set_xticklabels(labels)
@@ -557,11 +660,21 @@ def to_report(r: dict[str, Any], cli: dict[str, Any] | None = None) -> dict[str,
     if r.get("all_identical") is not None:
         aggregate["greedy_identical_to_ar"] = r["all_identical"]
     runs = [{**x, "max_new_tokens": r["settings"]["max_new_tokens"]} for x in r["runs"]]
-    return {"kind": "throughput", "models": models,
-            "config": {**r["settings"], "engine": r.get("engine"), "tree": r.get("tree"),
-                       "verifier": r.get("verifier"), "cli": cli or {}},
-            "runs": runs, "comparison": r["comparison"], "aggregate": aggregate,
-            "capture_s_in_timed_runs": r.get("capture_s_in_timed_runs")}
+    return {
+        "kind": "throughput",
+        "models": models,
+        "config": {
+            **r["settings"],
+            "engine": r.get("engine"),
+            "tree": r.get("tree"),
+            "verifier": r.get("verifier"),
+            "cli": cli or {},
+        },
+        "runs": runs,
+        "comparison": r["comparison"],
+        "aggregate": aggregate,
+        "capture_s_in_timed_runs": r.get("capture_s_in_timed_runs"),
+    }
 
 
 def add_plot_to_report(report_path: str | Path, name: str) -> None:

@@ -28,35 +28,62 @@ def register(subparsers) -> None:
     from redwood.llm import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 
     p = subparsers.add_parser(
-        "acceptance", help="measure a draft model's per-rank acceptance vector (for tree-search)",
+        "acceptance",
+        help="measure a draft model's per-rank acceptance vector (for tree-search)",
         description="Per-rank acceptance of the draft's children: dynamic (real speculative generation with a "
-                    "depth-1 tree of width W; histogram of the accepted rank) or static (teacher-forced "
-                    "expected acceptance on real text). Measurement prompts are held out from evaluation "
-                    "prompts (the back of the dataset's seed-0 document order).",
+        "depth-1 tree of width W; histogram of the accepted rank) or static (teacher-forced "
+        "expected acceptance on real text). Measurement prompts are held out from evaluation "
+        "prompts (the back of the dataset's seed-0 document order).",
     )
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"target model (default: {DEFAULT_MODEL})")
-    p.add_argument("--draft-model", default=None, metavar="D",
-                   help=f"draft model sharing the target's tokenizer (default: {DEFAULT_DRAFT_MODEL})")
-    p.add_argument("--self-speculate", action="store_true",
-                   help="the target drafts for itself through a compressed cache (MagicDec; --mode dynamic with "
-                        "--draft-kv streaming or snapkv)")
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="D",
+        help=f"draft model sharing the target's tokenizer (default: {DEFAULT_DRAFT_MODEL})",
+    )
+    p.add_argument(
+        "--self-speculate",
+        action="store_true",
+        help="the target drafts for itself through a compressed cache (MagicDec; --mode dynamic with "
+        "--draft-kv streaming or snapkv)",
+    )
     p.add_argument("--width", type=int, required=True, metavar="W", help="children of the root to rank")
-    p.add_argument("--mode", required=True, metavar="{dynamic,static}",
-                   help="dynamic: on-policy generation; static: teacher-forced expectation on real text")
+    p.add_argument(
+        "--mode",
+        required=True,
+        metavar="{dynamic,static}",
+        help="dynamic: on-policy generation; static: teacher-forced expectation on real text",
+    )
     p.add_argument("--temperature", type=float, required=True, help="sampling temperature (0 = greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus threshold (default 1.0 = off)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--dataset", metavar="NAME", help="a dataset (`redwood data list`)")
     src.add_argument("--prompts", metavar="FILE", help="a UTF-8 text file, one prompt per line")
     p.add_argument("--num-prompts", type=int, default=16, metavar="N", help="prompts / texts used (default 16)")
-    p.add_argument("--prompt-len", type=int, default=128, metavar="L",
-                   help="prompt tokens (default 128; chat datasets use the whole templated prompt)")
-    p.add_argument("--gen-len", type=int, default=128, metavar="N",
-                   help="dynamic: tokens generated per prompt; static: continuation tokens scored (default 128)")
-    p.add_argument("--verifier", default=None, metavar="{sequoia,specinfer,topk,greedy}",
-                   help="verifier whose acceptance is measured (default: greedy at temperature 0, else sequoia)")
-    p.add_argument("--batch-size", type=int, default=1, metavar="B",
-                   help="dynamic: prompts generated together (default 1)")
+    p.add_argument(
+        "--prompt-len",
+        type=int,
+        default=128,
+        metavar="L",
+        help="prompt tokens (default 128; chat datasets use the whole templated prompt)",
+    )
+    p.add_argument(
+        "--gen-len",
+        type=int,
+        default=128,
+        metavar="N",
+        help="dynamic: tokens generated per prompt; static: continuation tokens scored (default 128)",
+    )
+    p.add_argument(
+        "--verifier",
+        default=None,
+        metavar="{sequoia,specinfer,topk,greedy}",
+        help="verifier whose acceptance is measured (default: greedy at temperature 0, else sequoia)",
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=1, metavar="B", help="dynamic: prompts generated together (default 1)"
+    )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i; default 0)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
@@ -95,11 +122,15 @@ def _check(args) -> str:
         raise ConfigError("--draft-model and --self-speculate are mutually exclusive; pick one drafter")
     check_draft_weights_arg(args, default_draft=True)  # (without --draft-model: the default draft model)
     if args.mode == "static" and (compressed or args.self_speculate):
-        raise ConfigError("a compressed draft cache (--draft-kv / --self-speculate) is measured in --mode dynamic "
-                          "(teacher-forced scoring has no draft cache)")
+        raise ConfigError(
+            "a compressed draft cache (--draft-kv / --self-speculate) is measured in --mode dynamic "
+            "(teacher-forced scoring has no draft cache)"
+        )
     if args.self_speculate and not compressed:
-        raise ConfigError("--self-speculate needs --draft-kv streaming or snapkv: with the full cache the draft "
-                          "is the target and accepts everything")
+        raise ConfigError(
+            "--self-speculate needs --draft-kv streaming or snapkv: with the full cache the draft "
+            "is the target and accepts everything"
+        )
     verifier = args.verifier or default_verifier(args.temperature)
     try:
         check_settings(args.width, args.temperature, args.top_p, verifier)
@@ -121,8 +152,12 @@ def _progress(quiet: bool, what: str):
         return None
 
     def report(done: int, total: int, samples: int) -> None:
-        print(f"\r{what}: {done}/{total} prompts, {samples} samples", end="" if done < total else "\n",
-              file=sys.stderr, flush=True)
+        print(
+            f"\r{what}: {done}/{total} prompts, {samples} samples",
+            end="" if done < total else "\n",
+            file=sys.stderr,
+            flush=True,
+        )
 
     return report
 
@@ -152,11 +187,11 @@ def _run(args: argparse.Namespace) -> int:
         from redwood.speculation.drafters import check_compatible
 
         tgt = load_model(args.model, dtype=args.dtype, device=args.device, weights=args.weights)
-        drf = load_draft_model(args.draft_model, dtype=args.dtype, device=args.device,
-                               draft_weights=args.draft_weights or "auto")
+        drf = load_draft_model(
+            args.draft_model, dtype=args.dtype, device=args.device, draft_weights=args.draft_weights or "auto"
+        )
         check_compatible(tgt.tokenizer, drf.tokenizer, tgt.config.vocab_size, drf.config.vocab_size)
-        tokenizer, max_pos = tgt.tokenizer, min(tgt.config.max_position_embeddings,
-                                                 drf.config.max_position_embeddings)
+        tokenizer, max_pos = tgt.tokenizer, min(tgt.config.max_position_embeddings, drf.config.max_position_embeddings)
         target_name, draft_name = tgt.source, drf.source
     else:
         from redwood.commands.options import graphs_kwargs, threads_kwargs
@@ -164,13 +199,26 @@ def _run(args: argparse.Namespace) -> int:
         from redwood.speculation.config import SpeculativeConfig
 
         spec = SpeculativeConfig(
-            draft_model=args.draft_model, self_speculate=args.self_speculate, tree=star_tree_spec(args.width),
-            verifier=verifier, draft_kv=args.draft_kv or "full", draft_budget=args.draft_budget, sinks=args.sinks,
-            window=args.window, pool_kernel=DEFAULT_POOL_KERNEL if args.pool_kernel is None else args.pool_kernel,
-            draft_weights=args.draft_weights or "auto")
-        llm = LLM(args.model, dtype=args.dtype, device=args.device,
-                  weights=args.weights, speculative=spec, **graphs_kwargs(args),
-                  **threads_kwargs(args))
+            draft_model=args.draft_model,
+            self_speculate=args.self_speculate,
+            tree=star_tree_spec(args.width),
+            verifier=verifier,
+            draft_kv=args.draft_kv or "full",
+            draft_budget=args.draft_budget,
+            sinks=args.sinks,
+            window=args.window,
+            pool_kernel=DEFAULT_POOL_KERNEL if args.pool_kernel is None else args.pool_kernel,
+            draft_weights=args.draft_weights or "auto",
+        )
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            device=args.device,
+            weights=args.weights,
+            speculative=spec,
+            **graphs_kwargs(args),
+            **threads_kwargs(args),
+        )
         tokenizer, max_pos = llm.tokenizer, llm.config.max_position_embeddings
         target_name = llm.model_name
         draft_name = llm.model_name if args.self_speculate else args.draft_model
@@ -183,50 +231,99 @@ def _run(args: argparse.Namespace) -> int:
         texts, split = dataset_texts(tokenizer, args.dataset, args.num_prompts, args.prompt_len, args.gen_len, static)
         dataset = args.dataset
     else:
-        texts = file_texts(tokenizer, read_prompt_file(args.prompts), args.num_prompts, args.prompt_len,
-                           args.gen_len, static)
+        texts = file_texts(
+            tokenizer, read_prompt_file(args.prompts), args.num_prompts, args.prompt_len, args.gen_len, static
+        )
         split = "file order"
         dataset = f"file:{args.prompts}"
     longest = max(len(t.ids) for t in texts) + (0 if static else args.gen_len + args.width)
     if longest > max_pos:
-        raise ConfigError(f"prompts of up to {max(len(t.ids) for t in texts)} tokens"
-                          + ("" if static else f" + {args.gen_len} generated + {args.width} tree nodes")
-                          + f" exceed the model's context of {max_pos} tokens; lower --prompt-len / --gen-len")
+        raise ConfigError(
+            f"prompts of up to {max(len(t.ids) for t in texts)} tokens"
+            + ("" if static else f" + {args.gen_len} generated + {args.width} tree nodes")
+            + f" exceed the model's context of {max_pos} tokens; lower --prompt-len / --gen-len"
+        )
 
     notes = {
-        "verifier": verifier, "draft_kv": args.draft_kv or "full", "prompt_len": args.prompt_len,
-        "gen_len": args.gen_len, "num_prompts": len(texts),
-        "seed": args.seed, "dtype": args.dtype, "device": args.device,
-        "prompts": {"source": "dataset" if args.dataset else "file", "split": split,
-                    "ids": [t.source for t in texts]},
+        "verifier": verifier,
+        "draft_kv": args.draft_kv or "full",
+        "prompt_len": args.prompt_len,
+        "gen_len": args.gen_len,
+        "num_prompts": len(texts),
+        "seed": args.seed,
+        "dtype": args.dtype,
+        "device": args.device,
+        "prompts": {"source": "dataset" if args.dataset else "file", "split": split, "ids": [t.source for t in texts]},
         "command": "redwood " + shlex.join(sys.argv[1:]) if sys.argv and "redwood" in sys.argv[0] else None,
     }
     if notes["command"] is None:
         del notes["command"]
     if static:
-        res = measure_static(tgt.model, drf.model, [(t.ids, t.context) for t in texts], args.width,
-                             args.temperature, args.top_p, verifier, seed=args.seed,
-                             progress=_progress(args.quiet, "static"))
+        res = measure_static(
+            tgt.model,
+            drf.model,
+            [(t.ids, t.context) for t in texts],
+            args.width,
+            args.temperature,
+            args.top_p,
+            verifier,
+            seed=args.seed,
+            progress=_progress(args.quiet, "static"),
+        )
         notes["expected_none"] = res.expected_none
-        vec = make_vector("static", res.values, target=target_name, draft=draft_name,
-                          temperature=args.temperature, top_p=args.top_p, dataset=dataset, samples=res.positions,
-                          p_none=None, notes=notes)
+        vec = make_vector(
+            "static",
+            res.values,
+            target=target_name,
+            draft=draft_name,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            dataset=dataset,
+            samples=res.positions,
+            p_none=None,
+            notes=notes,
+        )
         summary = f"{res.positions} positions"
     else:
-        res = measure_dynamic(llm, [t.ids for t in texts], args.width, args.temperature, args.top_p,
-                              args.gen_len, seed=args.seed, batch_size=args.batch_size,
-                              progress=_progress(args.quiet, "dynamic"))
-        notes.update({"counts": res.counts, "none": res.none, "generated_tokens": res.generated_tokens,
-                      "tree": star_tree_spec(args.width)})
-        vec = make_vector("dynamic", res.values, target=target_name, draft=draft_name,
-                          temperature=args.temperature, top_p=args.top_p, dataset=dataset, samples=res.steps,
-                          p_none=res.p_none, notes=notes)
+        res = measure_dynamic(
+            llm,
+            [t.ids for t in texts],
+            args.width,
+            args.temperature,
+            args.top_p,
+            args.gen_len,
+            seed=args.seed,
+            batch_size=args.batch_size,
+            progress=_progress(args.quiet, "dynamic"),
+        )
+        notes.update(
+            {
+                "counts": res.counts,
+                "none": res.none,
+                "generated_tokens": res.generated_tokens,
+                "tree": star_tree_spec(args.width),
+            }
+        )
+        vec = make_vector(
+            "dynamic",
+            res.values,
+            target=target_name,
+            draft=draft_name,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            dataset=dataset,
+            samples=res.steps,
+            p_none=res.p_none,
+            notes=notes,
+        )
         summary = f"{res.steps} steps, {res.generated_tokens} tokens"
     save_acceptance(vec, args.output)
     shown = ", ".join(f"{v:.4f}" for v in vec.values[:8]) + (" ..." if vec.width > 8 else "")
     none = vec.p_none if vec.p_none is not None else notes["expected_none"]
-    print(f"{args.mode} acceptance ({verifier}, W={args.width}, T={args.temperature}, top-p={args.top_p}; "
-          f"{summary} over {len(texts)} prompts):")
+    print(
+        f"{args.mode} acceptance ({verifier}, W={args.width}, T={args.temperature}, top-p={args.top_p}; "
+        f"{summary} over {len(texts)} prompts):"
+    )
     print(f"  p_1..p_{vec.width} = {shown}")
     print(f"  sum = {sum(vec.values):.4f}, none = {none:.4f}")
     print(f"wrote {args.output} in {time.perf_counter() - t0:.1f} s")

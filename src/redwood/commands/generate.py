@@ -23,12 +23,15 @@ from redwood.commands.options import (
 
 
 def register(sub) -> None:
-    p = sub.add_parser("generate", help="generate text for one prompt",
-                       description="Generate text for one prompt. Prints the text as it is generated, "
-                                   "then one stats line; --json prints one JSON object instead. With "
-                                   "--draft-model M or --self-speculate it decodes speculatively (lossless: the "
-                                   "same tokens when greedy, the same distribution when sampling) and the "
-                                   "stats include acceptance and draft / verify time.")
+    p = sub.add_parser(
+        "generate",
+        help="generate text for one prompt",
+        description="Generate text for one prompt. Prints the text as it is generated, "
+        "then one stats line; --json prints one JSON object instead. With "
+        "--draft-model M or --self-speculate it decodes speculatively (lossless: the "
+        "same tokens when greedy, the same distribution when sampling) and the "
+        "stats include acceptance and draft / verify time.",
+    )
     add_model_args(p)
     add_offload_args(p)
     p.add_argument("--prompt", required=True, help="the prompt text ('-' reads standard input)")
@@ -36,12 +39,22 @@ def register(sub) -> None:
     add_sampling_args(p)
     add_speculative_args(p)
     add_engine_args(p)
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object: text, token_ids, stats (with speculation stats), model, draft")
-    p.add_argument("--compare-ar", type=int, nargs="?", const=DEFAULT_COMPARE_AR, default=None, metavar="N",
-                   help=f"with a drafter: after the speculative answer, decode the same prompt autoregressively "
-                        f"for N tokens (default {DEFAULT_COMPARE_AR}; at most the answer's length) with the same "
-                        f"weights, and report AR vs speculation decode tokens/s and the speedup")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object: text, token_ids, stats (with speculation stats), model, draft",
+    )
+    p.add_argument(
+        "--compare-ar",
+        type=int,
+        nargs="?",
+        const=DEFAULT_COMPARE_AR,
+        default=None,
+        metavar="N",
+        help=f"with a drafter: after the speculative answer, decode the same prompt autoregressively "
+        f"for N tokens (default {DEFAULT_COMPARE_AR}; at most the answer's length) with the same "
+        f"weights, and report AR vs speculation decode tokens/s and the speedup",
+    )
     p.set_defaults(func=run)
 
 
@@ -49,18 +62,21 @@ DEFAULT_COMPARE_AR = 64
 
 
 def stats_line(stats: dict, finish_reason: str) -> str:
-    line = (f"[{stats['prompt_tokens']} prompt tokens, {stats['generated_tokens']} generated "
-            f"({finish_reason}); prefill {stats['prefill_s']:.3f} s; "
-            f"decode {stats['decode_s']:.3f} s, {stats['decode_tokens_per_s']:.2f} tokens/s")
+    line = (
+        f"[{stats['prompt_tokens']} prompt tokens, {stats['generated_tokens']} generated "
+        f"({finish_reason}); prefill {stats['prefill_s']:.3f} s; "
+        f"decode {stats['decode_s']:.3f} s, {stats['decode_tokens_per_s']:.2f} tokens/s"
+    )
     spec = stats.get("speculative")
     if spec:
         nodes = spec.get("drafted_per_step", spec["gamma"])
         # A chain drafts gamma tokens per step; a branching tree more nodes than its depth (gamma).
-        shape = (f"gamma {spec['gamma']}" if nodes == spec["gamma"]
-                 else f"tree {nodes + 1} nodes, depth {spec['gamma']}")
-        line += (f"; speculative {shape}: {spec['steps']} steps, acceptance "
-                 f"{spec['acceptance_rate']:.3f} ({spec['accepted']}/{spec['drafted']}), mean accepted length "
-                 f"{spec['mean_accepted_length']:.2f} tokens/step, ")
+        shape = f"gamma {spec['gamma']}" if nodes == spec["gamma"] else f"tree {nodes + 1} nodes, depth {spec['gamma']}"
+        line += (
+            f"; speculative {shape}: {spec['steps']} steps, acceptance "
+            f"{spec['acceptance_rate']:.3f} ({spec['accepted']}/{spec['drafted']}), mean accepted length "
+            f"{spec['mean_accepted_length']:.2f} tokens/step, "
+        )
         if spec["draft_s"] or spec["verify_s"]:
             line += f"draft {spec['draft_s']:.3f} s / verify {spec['verify_s']:.3f} s"
         else:  # each step ran as one CUDA graph: only the whole step is timed
@@ -76,10 +92,13 @@ def compare_ar(llm, prompt_ids: list[int], params, n: int, spec_ids: list[int], 
     from redwood.engine.engine import Engine
 
     greedy = params.temperature == 0
-    engine = Engine.build(llm.model, llm.tokenizer, max_num_seqs=1, max_model_len=len(prompt_ids) + n,
-                          cuda_graphs=llm.engine.use_graphs)
-    engine.add_request(prompt_ids, dataclasses.replace(params, max_new_tokens=n, ignore_eos=True, stop=(),
-                                                       logprobs=2 if greedy else None))
+    engine = Engine.build(
+        llm.model, llm.tokenizer, max_num_seqs=1, max_model_len=len(prompt_ids) + n, cuda_graphs=llm.engine.use_graphs
+    )
+    engine.add_request(
+        prompt_ids,
+        dataclasses.replace(params, max_new_tokens=n, ignore_eos=True, stop=(), logprobs=2 if greedy else None),
+    )
     ids, logprobs, stats = [], [], None
     while engine.has_unfinished():
         for d in engine.step():
@@ -87,9 +106,14 @@ def compare_ar(llm, prompt_ids: list[int], params, n: int, spec_ids: list[int], 
             logprobs += d.logprobs or []
             stats = d.stats or stats
     ar_tps, spec_tps = stats["decode_tokens_per_s"], spec_stats["decode_tokens_per_s"]
-    out = {"tokens": n, "prefill_s": stats["prefill_s"], "decode_s": stats["decode_s"],
-           "ar_decode_tokens_per_s": ar_tps, "spec_decode_tokens_per_s": spec_tps,
-           "speedup": round(spec_tps / ar_tps, 3) if ar_tps else None}
+    out = {
+        "tokens": n,
+        "prefill_s": stats["prefill_s"],
+        "decode_s": stats["decode_s"],
+        "ar_decode_tokens_per_s": ar_tps,
+        "spec_decode_tokens_per_s": spec_tps,
+        "speedup": round(spec_tps / ar_tps, 3) if ar_tps else None,
+    }
     if greedy:
         diff = next((i for i, (a, b) in enumerate(zip(ids, spec_ids)) if a != b), None)
         out["greedy_equal"] = diff is None
@@ -101,16 +125,20 @@ def compare_ar(llm, prompt_ids: list[int], params, n: int, spec_ids: list[int], 
 
 
 def compare_line(c: dict) -> str:
-    line = (f"[compare-ar: AR {c['ar_decode_tokens_per_s']:.2f} tokens/s over {c['tokens']} tokens (prefill "
-            f"{c['prefill_s']:.3f} s, decode {c['decode_s']:.3f} s), speculation {c['spec_decode_tokens_per_s']:.2f} "
-            f"tokens/s (decode), speedup {c['speedup']:.2f}×")
+    line = (
+        f"[compare-ar: AR {c['ar_decode_tokens_per_s']:.2f} tokens/s over {c['tokens']} tokens (prefill "
+        f"{c['prefill_s']:.3f} s, decode {c['decode_s']:.3f} s), speculation {c['spec_decode_tokens_per_s']:.2f} "
+        f"tokens/s (decode), speedup {c['speedup']:.2f}×"
+    )
     if c.get("greedy_equal"):
         line += "; greedy tokens equal AR's"
     elif "greedy_equal" in c:
         line += f"; greedy tokens leave AR's at token {c['first_difference']}"
         if "ar_top2_gap" in c:
-            line += (f", where AR's two most likely tokens' logits differ by {c['ar_top2_gap']:.3g} (verify and "
-                     f"decode forwards round differently: at a tie either token is the target's greedy choice)")
+            line += (
+                f", where AR's two most likely tokens' logits differ by {c['ar_top2_gap']:.3g} (verify and "
+                f"decode forwards round differently: at a tie either token is the target's greedy choice)"
+            )
     return line + "]"
 
 
@@ -123,11 +151,14 @@ def run(args) -> int:
     params = sampling_params_from_args(args)  # validate before the (slow) model load
     spec = speculative_config_from_args(args)
     if args.compare_ar is not None and spec is None:
-        raise ConfigError("--compare-ar compares speculation with autoregressive decoding: add --draft-model M "
-                          "or --self-speculate")
+        raise ConfigError(
+            "--compare-ar compares speculation with autoregressive decoding: add --draft-model M or --self-speculate"
+        )
     if args.compare_ar is not None and args.compare_ar < 2:
-        raise ConfigError(f"--compare-ar N must be >= 2 (the first token comes from the prefill; decode speed needs "
-                          f"more), got {args.compare_ar}")
+        raise ConfigError(
+            f"--compare-ar N must be >= 2 (the first token comes from the prefill; decode speed needs "
+            f"more), got {args.compare_ar}"
+        )
     offload = offload_kwargs(args)
     threads = {**threads_kwargs(args), **execution_kwargs(args)}
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
@@ -139,13 +170,26 @@ def run(args) -> int:
     # One request: one batch slot, and KV pages for this prompt and answer only (the pool is zero-filled, so
     # all of it is resident: for 256 slots × the whole context it was the whole 4 GiB CPU budget).
     engine = {"max_num_seqs": 1, "max_model_len": min(context, len(ids) + args.max_new_tokens), **engine_kwargs(args)}
-    llm = LLM(info, dtype=args.dtype, device=args.device,
-              weights=args.weights, speculative=spec, **offload, **graphs_kwargs(args),
-              **threads, **engine)
+    llm = LLM(
+        info,
+        dtype=args.dtype,
+        device=args.device,
+        weights=args.weights,
+        speculative=spec,
+        **offload,
+        **graphs_kwargs(args),
+        **threads,
+        **engine,
+    )
     if args.json:
         out = llm.generate([prompt], params, chat=args.chat)[0]
-        obj = {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-               "stats": out.stats, "model": llm.model_name}
+        obj = {
+            "text": out.text,
+            "token_ids": out.token_ids,
+            "finish_reason": out.finish_reason,
+            "stats": out.stats,
+            "model": llm.model_name,
+        }
         if spec is not None:
             obj["draft"] = llm.draft_name
         if args.compare_ar is not None and (n := min(args.compare_ar, len(out.token_ids))) >= 2:

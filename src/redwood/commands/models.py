@@ -18,8 +18,11 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(func=_list)
 
-    p = sub.add_parser("pull", help="download, assemble and verify a model (a no-op if already there and "
-                                    "intact; a file changed since it was verified is re-hashed)")
+    p = sub.add_parser(
+        "pull",
+        help="download, assemble and verify a model (a no-op if already there and "
+        "intact; a file changed since it was verified is re-hashed)",
+    )
     p.add_argument("name", metavar="NAME", help="model name, see `redwood models list`")
     p.add_argument("--force", action="store_true", help="delete the file and download it again in any case")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

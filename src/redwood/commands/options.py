@@ -11,8 +11,9 @@ from redwood.speculation.config import MAX_DRAFT_DEPTH, check_draft_tree
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """--model / --dtype / --device, shared by every command that loads a model."""
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"zoo name, Hugging Face folder or .gguf file (default: {DEFAULT_MODEL})")
+    p.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"zoo name, Hugging Face folder or .gguf file (default: {DEFAULT_MODEL})"
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     add_weights_arg(p)
@@ -26,43 +27,70 @@ def add_execution_args(p: argparse.ArgumentParser) -> None:
     """The `ExecutionConfig` switches users may want (A/B measurements; the defaults take the fastest path):
     --megakernel, --no-prefill-kernel, --no-cpu-fused, --no-adaptive-threads (`execution_kwargs`)."""
     g = p.add_argument_group("execution (how forwards run; every choice computes the same model)")
-    g.add_argument("--megakernel", default="auto", choices=["auto", "on", "off"],
-                   help="one-token one-row CUDA forwards as one persistent kernel: auto (where the model fits), "
-                        "on (an error where it does not), off")
-    g.add_argument("--no-prefill-kernel", dest="prefill_kernel", action="store_false",
-                   help="long CUDA prefill chunks attend through the reference path, not the flash prefill kernel")
-    g.add_argument("--no-cpu-fused", dest="cpu_fused", action="store_false",
-                   help="kquant / q4k CPU models keep the Python layers (not one C++ call a layer)")
-    g.add_argument("--no-adaptive-threads", dest="adaptive_threads", action="store_false",
-                   help="on a small CPU machine, decode steps keep the default thread count (no timing of 1 vs 2)")
+    g.add_argument(
+        "--megakernel",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="one-token one-row CUDA forwards as one persistent kernel: auto (where the model fits), "
+        "on (an error where it does not), off",
+    )
+    g.add_argument(
+        "--no-prefill-kernel",
+        dest="prefill_kernel",
+        action="store_false",
+        help="long CUDA prefill chunks attend through the reference path, not the flash prefill kernel",
+    )
+    g.add_argument(
+        "--no-cpu-fused",
+        dest="cpu_fused",
+        action="store_false",
+        help="kquant / q4k CPU models keep the Python layers (not one C++ call a layer)",
+    )
+    g.add_argument(
+        "--no-adaptive-threads",
+        dest="adaptive_threads",
+        action="store_false",
+        help="on a small CPU machine, decode steps keep the default thread count (no timing of 1 vs 2)",
+    )
 
 
 def execution_kwargs(args) -> dict:
     """LLM(...) / Engine(...) keyword for the execution flags ({} where all are defaults)."""
     from redwood.config import ExecutionConfig
 
-    execution = ExecutionConfig(megakernel=getattr(args, "megakernel", "auto"),
-                                prefill_kernel=getattr(args, "prefill_kernel", True),
-                                cpu_fused=getattr(args, "cpu_fused", True),
-                                adaptive_threads=getattr(args, "adaptive_threads", True))
+    execution = ExecutionConfig(
+        megakernel=getattr(args, "megakernel", "auto"),
+        prefill_kernel=getattr(args, "prefill_kernel", True),
+        cpu_fused=getattr(args, "cpu_fused", True),
+        adaptive_threads=getattr(args, "adaptive_threads", True),
+    )
     return {} if execution == ExecutionConfig() else {"execution": execution}
 
 
 def add_quiet_arg(p: argparse.ArgumentParser) -> None:
     """-q / --quiet: no progress on stderr (the CLI calls `redwood.progress.set_quiet`)."""
-    p.add_argument("-q", "--quiet", action="store_true",
-                   help="no progress on stderr (model loading, long prefills); errors still print")
+    p.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no progress on stderr (model loading, long prefills); errors still print",
+    )
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
     """--threads N (args.threads, default None: OMP_NUM_THREADS when set, else the measured default)."""
     from redwood.engine.threads import SMALL_MACHINE_CORES
 
-    p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help=f"CPU threads for torch's kernels (default: OMP_NUM_THREADS when set, else 1 on a "
-                        f"machine of <= {SMALL_MACHINE_CORES} cores — where decode steps of kquant / q4k models "
-                        f"pick 1 or {SMALL_MACHINE_CORES} by timing both as they run (--no-adaptive-threads: off) "
-                        f"— torch's default, its physical cores, above that)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"CPU threads for torch's kernels (default: OMP_NUM_THREADS when set, else 1 on a "
+        f"machine of <= {SMALL_MACHINE_CORES} cores — where decode steps of kquant / q4k models "
+        f"pick 1 or {SMALL_MACHINE_CORES} by timing both as they run (--no-adaptive-threads: off) "
+        f"— torch's default, its physical cores, above that)",
+    )
 
 
 def threads_kwargs(args) -> dict:
@@ -95,12 +123,16 @@ def add_weights_arg(p: argparse.ArgumentParser) -> None:
     """--weights (args.weights): the CPU weight format of the target (`redwood.models.cpu_weights`)."""
     from redwood.models.cpu_weights import GGUF_DEFAULT, GGUF_FALLBACK, W8A8_DEFAULT, WEIGHT_CHOICES
 
-    p.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
-                   help=f"CPU weight format of the target's projections (default auto: for a .gguf model "
-                        f"{GGUF_DEFAULT} — the file's Q4_K/Q6_K blocks times int8 activations — on an "
-                        f"AVX512-VNNI CPU with a C++ compiler, else {W8A8_DEFAULT} where its int8 sums are "
-                        f"exact, else {GGUF_FALLBACK}; float32 for other checkpoints; CUDA keeps --dtype; a draft "
-                        f"model's: --draft-weights)")
+    p.add_argument(
+        "--weights",
+        default="auto",
+        choices=WEIGHT_CHOICES,
+        help=f"CPU weight format of the target's projections (default auto: for a .gguf model "
+        f"{GGUF_DEFAULT} — the file's Q4_K/Q6_K blocks times int8 activations — on an "
+        f"AVX512-VNNI CPU with a C++ compiler, else {W8A8_DEFAULT} where its int8 sums are "
+        f"exact, else {GGUF_FALLBACK}; float32 for other checkpoints; CUDA keeps --dtype; a draft "
+        f"model's: --draft-weights)",
+    )
 
 
 def add_draft_weights_arg(p) -> None:
@@ -109,14 +141,18 @@ def add_draft_weights_arg(p) -> None:
     by `check_draft_weights_arg`)."""
     from redwood.models.cpu_weights import DRAFT_GGUF_DEFAULT, DRAFT_GGUF_FALLBACK, W8A8_DEFAULT, WEIGHT_CHOICES
 
-    p.add_argument("--draft-weights", default=None, choices=WEIGHT_CHOICES,
-                   help=f"weight format of the draft model's projections. On the CPU any CPU format (default "
-                        f"auto: {DRAFT_GGUF_DEFAULT} — re-quantized to Q4_K — for a .gguf draft where kquant "
-                        f"runs, else {W8A8_DEFAULT} on an AVX512-VNNI CPU, else {DRAFT_GGUF_FALLBACK} — the "
-                        f"fastest speculation measured — and float32 for other checkpoints). On CUDA auto / "
-                        f"float32 (--dtype) or int8: int8 copies of its weights for the one-token draft "
-                        f"forwards (half the bytes per draft step). The output is the target's whatever the "
-                        f"draft's format; only acceptance and speed move")
+    p.add_argument(
+        "--draft-weights",
+        default=None,
+        choices=WEIGHT_CHOICES,
+        help=f"weight format of the draft model's projections. On the CPU any CPU format (default "
+        f"auto: {DRAFT_GGUF_DEFAULT} — re-quantized to Q4_K — for a .gguf draft where kquant "
+        f"runs, else {W8A8_DEFAULT} on an AVX512-VNNI CPU, else {DRAFT_GGUF_FALLBACK} — the "
+        f"fastest speculation measured — and float32 for other checkpoints). On CUDA auto / "
+        f"float32 (--dtype) or int8: int8 copies of its weights for the one-token draft "
+        f"forwards (half the bytes per draft step). The output is the target's whatever the "
+        f"draft's format; only acceptance and speed move",
+    )
 
 
 def check_draft_weights_arg(args, default_draft: bool = False) -> None:
@@ -130,19 +166,26 @@ def check_draft_weights_arg(args, default_draft: bool = False) -> None:
     if weights is None:
         return
     if getattr(args, "self_speculate", False):
-        raise ConfigError("--draft-weights applies to a --draft-model; self-speculation drafts with the target's "
-                          "weights (--weights)")
+        raise ConfigError(
+            "--draft-weights applies to a --draft-model; self-speculation drafts with the target's weights (--weights)"
+        )
     if not getattr(args, "draft_model", None) and not default_draft:
         raise ConfigError("--draft-weights only applies with --draft-model M")
     if weights not in CUDA_DRAFT_WEIGHTS and not str(getattr(args, "device", "cpu")).startswith("cpu"):
-        raise ConfigError(f"--draft-weights {weights} is a CPU format; on CUDA the draft takes auto or float32 "
-                          f"(--dtype) or int8 (int8 copies for its one-token forwards)")
+        raise ConfigError(
+            f"--draft-weights {weights} is a CPU format; on CUDA the draft takes auto or float32 "
+            f"(--dtype) or int8 (int8 copies for its one-token forwards)"
+        )
 
 
 def add_graphs_arg(p: argparse.ArgumentParser) -> None:
     """--no-cuda-graphs (args.cuda_graphs, default True)."""
-    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                   help="on CUDA, launch every step's kernels eagerly instead of replaying captured CUDA graphs")
+    p.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="on CUDA, launch every step's kernels eagerly instead of replaying captured CUDA graphs",
+    )
 
 
 def graphs_kwargs(args) -> dict:
@@ -152,10 +195,18 @@ def graphs_kwargs(args) -> dict:
 
 def add_offload_args(p: argparse.ArgumentParser) -> None:
     """--offload / --offload-prefetch N: stream the target's layer weights from host memory."""
-    p.add_argument("--offload", action="store_true",
-                   help="keep the target's layer weights in pinned host memory and stream them to the device")
-    p.add_argument("--offload-prefetch", type=int, default=None, metavar="N",
-                   help="with --offload: layers held on the device at a time, copied ahead (default 2)")
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="keep the target's layer weights in pinned host memory and stream them to the device",
+    )
+    p.add_argument(
+        "--offload-prefetch",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --offload: layers held on the device at a time, copied ahead (default 2)",
+    )
 
 
 def offload_kwargs(args) -> dict:
@@ -182,9 +233,15 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def sampling_params_from_args(args):
     from redwood.sampling_params import SamplingParams
 
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          max_new_tokens=args.max_new_tokens, seed=args.seed, stop=tuple(args.stop),
-                          ignore_eos=args.ignore_eos)
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
 
 
 DRAFT_KV_CHOICES = ("full", "streaming", "snapkv")
@@ -196,16 +253,35 @@ DEFAULT_POOL_KERNEL = 5
 def add_draft_cache_args(g) -> None:
     """--draft-kv / --draft-budget / --sinks / --window / --pool-kernel: which committed tokens the draft
     reads (a parser or argument group `g`; checked by `check_draft_cache_args`)."""
-    g.add_argument("--draft-kv", default=None, metavar="{full,streaming,snapkv}",
-                   help="which committed tokens the draft reads: the full cache (default), StreamingLLM "
-                        "(sinks + recent window) or SnapKV (prefill-selected positions + recent tokens)")
-    g.add_argument("--draft-budget", type=int, default=None, metavar="N",
-                   help="draft KV budget in tokens (streaming: sinks + window; snapkv: required)")
+    g.add_argument(
+        "--draft-kv",
+        default=None,
+        metavar="{full,streaming,snapkv}",
+        help="which committed tokens the draft reads: the full cache (default), StreamingLLM "
+        "(sinks + recent window) or SnapKV (prefill-selected positions + recent tokens)",
+    )
+    g.add_argument(
+        "--draft-budget",
+        type=int,
+        default=None,
+        metavar="N",
+        help="draft KV budget in tokens (streaming: sinks + window; snapkv: required)",
+    )
     g.add_argument("--sinks", type=int, default=None, metavar="N", help="streaming: attention sinks kept (default 4)")
-    g.add_argument("--window", type=int, default=None, metavar="N",
-                   help="streaming: recent window (default budget - sinks); snapkv: observation window (default 32)")
-    g.add_argument("--pool-kernel", type=int, default=None, metavar="K",
-                   help=f"snapkv: pooling kernel over the scores, odd (default {DEFAULT_POOL_KERNEL})")
+    g.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        metavar="N",
+        help="streaming: recent window (default budget - sinks); snapkv: observation window (default 32)",
+    )
+    g.add_argument(
+        "--pool-kernel",
+        type=int,
+        default=None,
+        metavar="K",
+        help=f"snapkv: pooling kernel over the scores, odd (default {DEFAULT_POOL_KERNEL})",
+    )
 
 
 def add_draft_kv_args(p: argparse.ArgumentParser, sweep: bool = False, tree: bool = False) -> None:
@@ -218,35 +294,63 @@ def add_draft_kv_args(p: argparse.ArgumentParser, sweep: bool = False, tree: boo
     g = p.add_argument_group("speculation")
     add_draft_cache_args(g)
     if sweep:
-        g.add_argument("--gamma", type=int, nargs="+", default=None, metavar="G",
-                       help=f"draft tokens per step; several values sweep (default {DEFAULT_GAMMA})")
+        g.add_argument(
+            "--gamma",
+            type=int,
+            nargs="+",
+            default=None,
+            metavar="G",
+            help=f"draft tokens per step; several values sweep (default {DEFAULT_GAMMA})",
+        )
     else:
-        g.add_argument("--gamma", type=int, default=None, metavar="G",
-                       help=f"draft tokens per step (default {DEFAULT_GAMMA})")
-    g.add_argument("--verifier", default=None, metavar="{" + ",".join(VERIFIER_CHOICES) + "}",
-                   help="greedy (temperature 0 only), sampling (rejection sampling; Sequoia's on a tree), "
-                        "sequoia (children drawn without replacement), specinfer (with replacement), topk "
-                        "(the draft's top children; the target samples) or auto (default: greedy when every "
-                        "request is greedy, else sampling)")
+        g.add_argument(
+            "--gamma", type=int, default=None, metavar="G", help=f"draft tokens per step (default {DEFAULT_GAMMA})"
+        )
+    g.add_argument(
+        "--verifier",
+        default=None,
+        metavar="{" + ",".join(VERIFIER_CHOICES) + "}",
+        help="greedy (temperature 0 only), sampling (rejection sampling; Sequoia's on a tree), "
+        "sequoia (children drawn without replacement), specinfer (with replacement), topk "
+        "(the draft's top children; the target samples) or auto (default: greedy when every "
+        "request is greedy, else sampling)",
+    )
     if tree:
-        g.add_argument("--tree", default=None, metavar="FILE.json|chain:G|chains:KxL|NAME",
-                       help="speculate over a token tree instead of a chain of --gamma drafts: a tree file "
-                            "(`redwood tree-search`), chain:G, K independent chains of L tokens (chains:KxL) "
-                            "or a shipped tree (generic-16, generic-64)")
+        g.add_argument(
+            "--tree",
+            default=None,
+            metavar="FILE.json|chain:G|chains:KxL|NAME",
+            help="speculate over a token tree instead of a chain of --gamma drafts: a tree file "
+            "(`redwood tree-search`), chain:G, K independent chains of L tokens (chains:KxL) "
+            "or a shipped tree (generic-16, generic-64)",
+        )
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
     """--draft-model M | --self-speculate, plus the draft KV / γ / verifier flags."""
-    p.add_argument("--draft-model", default=None, metavar="M",
-                   help="speculate with this draft model (same tokenizer as --model)")
-    p.add_argument("--self-speculate", action="store_true",
-                   help="speculate with the target itself reading a compressed view of its KV cache")
+    p.add_argument(
+        "--draft-model", default=None, metavar="M", help="speculate with this draft model (same tokenizer as --model)"
+    )
+    p.add_argument(
+        "--self-speculate",
+        action="store_true",
+        help="speculate with the target itself reading a compressed view of its KV cache",
+    )
     add_draft_weights_arg(p)
     add_draft_kv_args(p, tree=True)
 
 
-_SPEC_FLAGS = ("draft_kv", "draft_budget", "sinks", "window", "pool_kernel", "gamma", "tree", "verifier",
-               "draft_weights")
+_SPEC_FLAGS = (
+    "draft_kv",
+    "draft_budget",
+    "sinks",
+    "window",
+    "pool_kernel",
+    "gamma",
+    "tree",
+    "verifier",
+    "draft_weights",
+)
 
 
 def _flag(name: str) -> str:
@@ -272,13 +376,17 @@ def check_draft_cache_args(args) -> None:
     if args.draft_kv == "streaming" and budget is not None:
         sinks = 4 if args.sinks is None else args.sinks
         if budget <= sinks:
-            raise ConfigError(f"--draft-budget ({budget}) must be larger than --sinks ({sinks}): the streaming "
-                              f"draft cache holds the sinks plus a recent window of at least one token")
+            raise ConfigError(
+                f"--draft-budget ({budget}) must be larger than --sinks ({sinks}): the streaming "
+                f"draft cache holds the sinks plus a recent window of at least one token"
+            )
     if args.draft_kv == "snapkv" and budget is not None:
         window = 32 if args.window is None else args.window
         if budget < window:
-            raise ConfigError(f"--draft-budget ({budget}) must be at least the snapkv observation --window "
-                              f"({window}{'' if args.window is not None else ', the default'})")
+            raise ConfigError(
+                f"--draft-budget ({budget}) must be at least the snapkv observation --window "
+                f"({window}{'' if args.window is not None else ', the default'})"
+            )
 
 
 def check_draft_kv_args(args) -> None:
@@ -292,8 +400,10 @@ def check_draft_kv_args(args) -> None:
         if gamma is not None and gamma < 1:
             raise ConfigError(f"--gamma must be >= 1 (draft tokens per step), got {gamma}")
         if gamma is not None and gamma > MAX_DRAFT_DEPTH:
-            raise ConfigError(f"--gamma must be at most {MAX_DRAFT_DEPTH} (a longer chain is almost never accepted "
-                              f"whole, and every draft token costs a draft forward), got {gamma}")
+            raise ConfigError(
+                f"--gamma must be at most {MAX_DRAFT_DEPTH} (a longer chain is almost never accepted "
+                f"whole, and every draft token costs a draft forward), got {gamma}"
+            )
     check_draft_cache_args(args)
     if args.verifier == "greedy" and getattr(args, "temperature", 0) > 0:
         raise ConfigError("--verifier greedy is lossless only at --temperature 0; use --verifier sampling (or auto)")
@@ -317,26 +427,38 @@ def check_tree_arg(args):
     gammas = args.gamma if isinstance(args.gamma, list) else [args.gamma]
     for gamma in gammas:
         if gamma is not None and not (tree.is_chain and tree.size - 1 == gamma):
-            shape = f"a chain of {tree.size - 1} draft tokens" if tree.is_chain else \
-                f"a tree of {tree.size} nodes, {tree.max_depth} levels"
-            raise ConfigError(f"--tree {spec} ({shape}) contradicts --gamma {gamma}: a tree sets the drafts per "
-                              f"step itself; drop --gamma (or use --tree chain:{gamma})")
+            shape = (
+                f"a chain of {tree.size - 1} draft tokens"
+                if tree.is_chain
+                else f"a tree of {tree.size} nodes, {tree.max_depth} levels"
+            )
+            raise ConfigError(
+                f"--tree {spec} ({shape}) contradicts --gamma {gamma}: a tree sets the drafts per "
+                f"step itself; drop --gamma (or use --tree chain:{gamma})"
+            )
     return tree
 
 
-def make_speculative_config(args, *, draft_model: str | None = None, self_speculate: bool = False,
-                            gamma: int | None = None):
+def make_speculative_config(
+    args, *, draft_model: str | None = None, self_speculate: bool = False, gamma: int | None = None
+):
     """A SpeculativeConfig from the draft KV / verifier flags in `args` (γ given or from --gamma)."""
     from redwood.speculation.config import SpeculativeConfig
 
     if gamma is None:
         gamma = args.gamma[0] if isinstance(args.gamma, list) else args.gamma
     return SpeculativeConfig(
-        draft_model=draft_model, self_speculate=self_speculate, draft_kv=args.draft_kv or "full",
-        draft_budget=args.draft_budget, sinks=args.sinks, window=args.window,
+        draft_model=draft_model,
+        self_speculate=self_speculate,
+        draft_kv=args.draft_kv or "full",
+        draft_budget=args.draft_budget,
+        sinks=args.sinks,
+        window=args.window,
         pool_kernel=DEFAULT_POOL_KERNEL if args.pool_kernel is None else args.pool_kernel,
-        num_draft_tokens=DEFAULT_GAMMA if gamma is None else gamma, tree=getattr(args, "tree", None),
-        verifier=args.verifier or "auto", draft_weights=getattr(args, "draft_weights", None) or "auto",
+        num_draft_tokens=DEFAULT_GAMMA if gamma is None else gamma,
+        tree=getattr(args, "tree", None),
+        verifier=args.verifier or "auto",
+        draft_weights=getattr(args, "draft_weights", None) or "auto",
     )
 
 
@@ -355,11 +477,12 @@ def speculative_config_from_args(args):
     if not args.draft_model and not args.self_speculate:
         given = [_flag(n) for n in _SPEC_FLAGS if getattr(args, n, None) is not None]
         if given:
-            raise ConfigError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} when speculating: "
-                              f"add --draft-model M or --self-speculate")
+            raise ConfigError(
+                f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} when speculating: "
+                f"add --draft-model M or --self-speculate"
+            )
         return None
-    return make_speculative_config(args, draft_model=args.draft_model or None,
-                                   self_speculate=bool(args.self_speculate))
+    return make_speculative_config(args, draft_model=args.draft_model or None, self_speculate=bool(args.self_speculate))
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -368,27 +491,56 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     from redwood.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
     g = p.add_argument_group("engine")
-    g.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
-                   help=f"requests generating at once (batch slots; default {DEFAULT_MAX_NUM_SEQS})")
-    g.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                   help="prompt + output tokens per request (default: the model's context)")
-    g.add_argument("--block-size", type=int, default=None, metavar="N",
-                   help=f"tokens per KV-cache page (default {DEFAULT_BLOCK_SIZE})")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
-                   help=f"prefill tokens per step: longer prompts prefill in chunks beside the decoding rows "
-                        f"(default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
-    g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
-                   help="memory for the KV pages in GiB (default: 90%% of the free GPU memory after loading; "
-                        "4 on the CPU)")
-    g.add_argument("--enable-prefix-caching", action="store_true",
-                   help="share the KV blocks of identical prompt prefixes across requests")
+    g.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"requests generating at once (batch slots; default {DEFAULT_MAX_NUM_SEQS})",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompt + output tokens per request (default: the model's context)",
+    )
+    g.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"tokens per KV-cache page (default {DEFAULT_BLOCK_SIZE})",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"prefill tokens per step: longer prompts prefill in chunks beside the decoding rows "
+        f"(default {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
+    )
+    g.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="memory for the KV pages in GiB (default: 90%% of the free GPU memory after loading; 4 on the CPU)",
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="share the KV blocks of identical prompt prefixes across requests",
+    )
 
 
 def engine_kwargs(args) -> dict:
     """LLM(...) / Engine(...) keywords from the engine flags that were given."""
-    out = {name: getattr(args, name) for name in ("max_num_seqs", "max_model_len", "block_size",
-                                                  "max_num_batched_tokens", "kv_cache_memory")
-           if getattr(args, name, None) is not None}
+    out = {
+        name: getattr(args, name)
+        for name in ("max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens", "kv_cache_memory")
+        if getattr(args, name, None) is not None
+    }
     if getattr(args, "enable_prefix_caching", False):
         out["enable_prefix_caching"] = True
     return out

@@ -29,11 +29,14 @@ log = logging.getLogger("redwood.serve")
 
 
 def register(sub) -> None:
-    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                       description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, "
-                                   "/v1/chat/completions (streaming or not), /v1/models, /health, /metrics "
-                                   "(Prometheus) and a playground page at /. With --draft-model M or "
-                                   "--self-speculate every request decodes speculatively (lossless).")
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, "
+        "/v1/chat/completions (streaming or not), /v1/models, /health, /metrics "
+        "(Prometheus) and a playground page at /. With --draft-model M or "
+        "--self-speculate every request decodes speculatively (lossless).",
+    )
     add_model_args(p)
     add_offload_args(p)
     add_speculative_args(p)
@@ -41,16 +44,35 @@ def register(sub) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     g.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: a free one)")
-    g.add_argument("--api-key", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on the /v1 routes")
-    g.add_argument("--served-model-name", default=None, metavar="NAME",
-                   help="the model name clients send and /v1/models lists (default: --model as given)")
-    g.add_argument("--max-queue", type=int, default=None, metavar="N",
-                   help="most requests waiting for a batch slot; beyond it requests get 503 (default: no limit)")
-    g.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
-                   help="largest request body accepted; larger ones get 413 (default 16 MiB)")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                   help="uvicorn's and redwood's log level (default info; info logs every request)")
+    g.add_argument(
+        "--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY' on the /v1 routes"
+    )
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the model name clients send and /v1/models lists (default: --model as given)",
+    )
+    g.add_argument(
+        "--max-queue",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most requests waiting for a batch slot; beyond it requests get 503 (default: no limit)",
+    )
+    g.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="largest request body accepted; larger ones get 413 (default 16 MiB)",
+    )
+    g.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="uvicorn's and redwood's log level (default info; info logs every request)",
+    )
     p.set_defaults(func=run)
 
 
@@ -79,18 +101,35 @@ def run(args) -> int:
     except ImportError as e:
         from redwood.errors import ConfigError
 
-        raise ConfigError(f"redwood serve needs fastapi, uvicorn and prometheus-client ({e}): pip install fastapi uvicorn prometheus-client") from None
+        raise ConfigError(
+            f"redwood serve needs fastapi, uvicorn and prometheus-client ({e}): pip install fastapi uvicorn prometheus-client"
+        ) from None
     from redwood.engine.engine import Engine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
-    engine = Engine.from_pretrained(args.model, dtype=args.dtype, device=args.device, weights=args.weights,
-                    speculative=spec, **offload,
-                    **graphs_kwargs(args), **threads_kwargs(args), **execution_kwargs(args), **engine_kwargs(args))
+    engine = Engine.from_pretrained(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        weights=args.weights,
+        speculative=spec,
+        **offload,
+        **graphs_kwargs(args),
+        **threads_kwargs(args),
+        **execution_kwargs(args),
+        **engine_kwargs(args),
+    )
     name = args.served_model_name or str(args.model)
-    app = create_app(engine, served_model_name=name, api_key=args.api_key, max_queue=args.max_queue,
-                     max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=None, lifespan="on")
+    app = create_app(
+        engine,
+        served_model_name=name,
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
+    )
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=None, lifespan="on"
+    )
     server = DrainingServer(config, app.state.redwood, banner=f"serving {name}")
     server.run()
     sys.stdout.flush()

@@ -30,8 +30,18 @@ from redwood.cpu_kernels import isa
 # name -> (ggml type id, bytes per super-block of 256 in the file, in the kernel's layout)
 TYPES = {"Q4_K": (12, 144, 148), "Q6_K": (14, 210, 210)}
 BLOCK = 256
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512dq", "-mf16c", "-mfma",
-          "-ffp-contract=off", "-fopenmp"]
+_FLAGS = [
+    "-O3",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512vnni",
+    "-mavx512dq",
+    "-mf16c",
+    "-mfma",
+    "-ffp-contract=off",
+    "-fopenmp",
+]
 _CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c")
 
 
@@ -61,8 +71,14 @@ def _load() -> None:
 
     here = Path(__file__).parent
     sources = [str(here / "kquant.cpp"), str(here / "layer.cpp")]  # (layer.cpp: the fused decoder layer)
-    cpp_extension.load(name="redwood_cpu_kquant", sources=sources, extra_cflags=_FLAGS,
-                       extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    cpp_extension.load(
+        name="redwood_cpu_kquant",
+        sources=sources,
+        extra_cflags=_FLAGS,
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
 
 
 def _type(type_name: str) -> tuple[int, int, int]:
@@ -77,8 +93,10 @@ def pack(rows: torch.Tensor, type_name: str) -> torch.Tensor:
     Q6_K 210 as in the file; the same values: kquant.cpp)."""
     type_id, file_bytes, _ = _type(type_name)
     if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] % file_bytes:
-        raise ValueError(f"kquant_pack: w must be a contiguous uint8 [N, K / 256 * {file_bytes}] tensor, got "
-                         f"{rows.dtype} {list(rows.shape)}")
+        raise ValueError(
+            f"kquant_pack: w must be a contiguous uint8 [N, K / 256 * {file_bytes}] tensor, got "
+            f"{rows.dtype} {list(rows.shape)}"
+        )
     _load()
     return torch.ops.redwood_cpu.kquant_pack(rows.contiguous(), type_id)
 
@@ -92,8 +110,10 @@ def kquant_linear(x: torch.Tensor, packed: torch.Tensor, type_name: str) -> torc
         raise ValueError("kquant_linear: w must be a contiguous uint8 [N, row bytes] tensor")
     K = x.shape[1]
     if K % BLOCK or packed.shape[1] != K // BLOCK * block_bytes:
-        raise ValueError(f"kquant_linear: K = {K} needs whole super-blocks of 256 and packed rows of "
-                         f"{K // BLOCK * block_bytes} bytes, got {packed.shape[1]}")
+        raise ValueError(
+            f"kquant_linear: K = {K} needs whole super-blocks of 256 and packed rows of "
+            f"{K // BLOCK * block_bytes} bytes, got {packed.shape[1]}"
+        )
     _load()
     return torch.ops.redwood_cpu.kquant_linear(x.contiguous(), packed, type_id)
 
@@ -115,8 +135,10 @@ def unpack(packed: torch.Tensor, type_name: str) -> torch.Tensor:
     at[kernel_order()] = torch.arange(BLOCK)  # value index -> kernel position
     pos = torch.arange(BLOCK)
     if type_name == "Q4_K":
-        d, dmin = (b[..., 0:2].contiguous().view(torch.float16).float(),
-                   b[..., 2:4].contiguous().view(torch.float16).float())  # [N, nb, 1]
+        d, dmin = (
+            b[..., 0:2].contiguous().view(torch.float16).float(),
+            b[..., 2:4].contiguous().view(torch.float16).float(),
+        )  # [N, nb, 1]
         sc, mn = b[..., 4:12].float(), b[..., 12:20].float()  # [N, nb, 8]
         qs = b[..., 20:148]
         h, t = pos // 128, pos % 64  # kernel position p: byte 64h + t, the high nibble from 64 on within the half
@@ -147,7 +169,7 @@ def quantize_q4k(w: torch.Tensor, chunk_rows: int = 4096) -> torch.Tensor:
     Kp = padded(K)
     out = torch.empty(N, Kp // BLOCK * 144, dtype=torch.uint8)
     for s in range(0, N, chunk_rows):
-        x = w[s:s + chunk_rows].float()
+        x = w[s : s + chunk_rows].float()
         if Kp != K:
             x = torch.nn.functional.pad(x, (0, Kp - K))
         n = x.shape[0]
@@ -163,7 +185,7 @@ def quantize_q4k(w: torch.Tensor, chunk_rows: int = 4096) -> torch.Tensor:
         q = torch.where(eff > 0, (x + (dminf * mn).unsqueeze(-1)) / eff, torch.zeros_like(x))
         q = q.round().clamp(0, 15).to(torch.uint8)  # [n, nb, 8, 32]
         sc, mn = sc.to(torch.uint8), mn.to(torch.uint8)
-        blk = out[s:s + n].view(n, Kp // BLOCK, 144)
+        blk = out[s : s + n].view(n, Kp // BLOCK, 144)
         blk[..., 0:2] = d.view(torch.uint8).view(n, -1, 2)
         blk[..., 2:4] = dmin.view(torch.uint8).view(n, -1, 2)
         blk[..., 4:8] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)

@@ -54,7 +54,7 @@ def _chunks(text: str, size: int) -> list[str]:
         m = _LINE_START.search(text, cut)
         if m is None:
             break
-        pieces.append(text[start:m.start() + 1])
+        pieces.append(text[start : m.start() + 1])
         start = m.start() + 1
     pieces.append(text[start:])
     return pieces
@@ -124,8 +124,9 @@ def _concatenated_ids(tokenizer: Any, dataset: str | Sequence[dict], docs: list[
     return ids
 
 
-def long_context_prompts(tokenizer: Any, dataset: str | Sequence[dict], length: int, count: int,
-                         seed: int = 0, *, add_bos: bool = False) -> list[list[int]]:
+def long_context_prompts(
+    tokenizer: Any, dataset: str | Sequence[dict], length: int, count: int, seed: int = 0, *, add_bos: bool = False
+) -> list[list[int]]:
     """`count` prompts of exactly `length` tokens, cut from the concatenated documents at distinct offsets.
 
     Documents are joined with a blank line (in dataset order) and tokenized once. With `add_bos` the
@@ -142,14 +143,21 @@ def long_context_prompts(tokenizer: Any, dataset: str | Sequence[dict], length: 
             f"dataset {name} has {len(ids):,} tokens with this tokenizer: too short for {count} distinct "
             f"windows of {length:,} tokens (needs at least {need + count - 1:,}); use a shorter length, fewer "
             f"prompts, or a longer text (essays ≈ 680K tokens, shakespeare ≈ 1.5M)"
-            if need > 0 else f"prompt length {length} leaves no room after the BOS token"
+            if need > 0
+            else f"prompt length {length} leaves no room after the BOS token"
         )
-    return [bos + ids[o:o + need] for o in window_offsets(len(ids), need, count, seed)]
+    return [bos + ids[o : o + need] for o in window_offsets(len(ids), need, count, seed)]
 
 
-def short_prefix_prompts(tokenizer: Any, dataset: str | Sequence[dict], count: int,
-                         prefix_tokens: int = DEFAULT_PREFIX_TOKENS, seed: int = 0, *,
-                         add_bos: bool = False) -> list[list[int]]:
+def short_prefix_prompts(
+    tokenizer: Any,
+    dataset: str | Sequence[dict],
+    count: int,
+    prefix_tokens: int = DEFAULT_PREFIX_TOKENS,
+    seed: int = 0,
+    *,
+    add_bos: bool = False,
+) -> list[list[int]]:
     """The first `prefix_tokens` tokens of `count` documents (seeded choice; shorter documents skipped)."""
     _check_positive("prompt count", count)
     _check_positive("prefix_tokens", prefix_tokens)
@@ -187,14 +195,16 @@ def chat_prompt_ids(tokenizer: Any, content: str) -> list[int]:
     """One user message through the tokenizer's chat template, generation prompt appended."""
     if not has_chat_template(tokenizer):
         raise ConfigError("this tokenizer has no chat template; use plain prompts (chat=False)")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
     # the template writes any BOS itself, so the tokenizer must not add special tokens again
     return encode(tokenizer, text, add_special_tokens=False)
 
 
-def chat_prompts(tokenizer: Any, dataset: str | Sequence[dict], count: int | None = None, seed: int = 0,
-                 *, chat: bool = True) -> list[list[int]]:
+def chat_prompts(
+    tokenizer: Any, dataset: str | Sequence[dict], count: int | None = None, seed: int = 0, *, chat: bool = True
+) -> list[list[int]]:
     """`count` (None: all) questions in seeded order: MT-Bench first turns, HumanEval prompts, GSM8K questions.
 
     `chat=True` wraps each as a user message in the chat template (with the generation prompt);
@@ -215,8 +225,9 @@ def chat_prompts(tokenizer: Any, dataset: str | Sequence[dict], count: int | Non
     return [encode(tokenizer, p, add_special_tokens=True) for p in picked]
 
 
-def build_prompts(tokenizer: Any, dataset: str, count: int, length: int | None = None, seed: int = 0,
-                  chat: bool | None = None) -> list[list[int]]:
+def build_prompts(
+    tokenizer: Any, dataset: str, count: int, length: int | None = None, seed: int = 0, chat: bool | None = None
+) -> list[list[int]]:
     """Prompts for `redwood bench … --dataset NAME`, by the dataset's kind.
 
     - ``long`` datasets (essays, shakespeare): `length` is required; windows of exactly `length` tokens;
@@ -228,12 +239,10 @@ def build_prompts(tokenizer: Any, dataset: str, count: int, length: int | None =
     kind = dataset_kind(dataset)
     if kind == "long":
         if length is None:
-            raise ConfigError(f"dataset {dataset} gives long-context prompts: pass a prompt length "
-                              f"(tokens per prompt)")
+            raise ConfigError(f"dataset {dataset} gives long-context prompts: pass a prompt length (tokens per prompt)")
         return long_context_prompts(tokenizer, dataset, length, count, seed)
     if kind == "prefix":
-        return short_prefix_prompts(tokenizer, dataset, count, prefix_tokens=length or DEFAULT_PREFIX_TOKENS,
-                                    seed=seed)
+        return short_prefix_prompts(tokenizer, dataset, count, prefix_tokens=length or DEFAULT_PREFIX_TOKENS, seed=seed)
     if kind == "chat":
         use_chat = has_chat_template(tokenizer) if chat is None else chat
         return chat_prompts(tokenizer, dataset, count, seed, chat=use_chat)

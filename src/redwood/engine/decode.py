@@ -46,8 +46,10 @@ def resolve_verifier(verifier: str, tree: Tree, all_greedy: bool) -> str:
     if verifier == "auto":
         return "greedy" if all_greedy else ("sampling" if tree.is_chain else "sequoia")
     if verifier == "greedy" and not all_greedy:
-        raise ConfigError("the greedy verifier is lossless only at temperature 0; use verifier='sampling' "
-                          "(or 'sequoia' / 'specinfer' / 'topk' for trees, or 'auto') for sampled requests")
+        raise ConfigError(
+            "the greedy verifier is lossless only at temperature 0; use verifier='sampling' "
+            "(or 'sequoia' / 'specinfer' / 'topk' for trees, or 'auto') for sampled requests"
+        )
     if verifier == "sampling" and not tree.is_chain:
         return "sequoia"
     return verifier
@@ -58,8 +60,9 @@ def child_rule(kind: str) -> str:
     return "topk" if kind == "greedy" else ("swor" if kind == "sampling" else CHILD_RULE[kind])
 
 
-def _verify(kind: str, tree: Tree, tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,
-            sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _verify(
+    kind: str, tree: Tree, tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None, sampler: Sampler
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """→ path [B, A] (root then accepted nodes, padded with 0), accepted count a [B], next token [B].
 
     p: [B, n, V] target probabilities (for the greedy verifier, logits do as well: only argmax matters).
@@ -97,8 +100,17 @@ class ARStep:
 class SpecStep:
     """One speculative step for a fixed batch, tree and verifier (see the module docstring)."""
 
-    def __init__(self, target: Transformer, runner, draft_runner, drafter: Drafter, tree: Tree, kind: str,
-                 sampler: Sampler, logprobs: bool = False):
+    def __init__(
+        self,
+        target: Transformer,
+        runner,
+        draft_runner,
+        drafter: Drafter,
+        tree: Tree,
+        kind: str,
+        sampler: Sampler,
+        logprobs: bool = False,
+    ):
         self.runner, self.draft_runner, self.drafter, self.tree = runner, draft_runner, drafter, tree
         self.kind, self.rule, self.sampler, self.logprobs = kind, child_rule(kind), sampler, logprobs
         self.need_q = kind in STOCHASTIC
@@ -107,8 +119,9 @@ class SpecStep:
         self.depth = tree.depths_tensor(device)
 
     def draft(self, prev: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.drafter.propose(self.runner, self.draft_runner, prev, last, self.tree, self.sampler,
-                                    self.rule, self.need_q)
+        return self.drafter.propose(
+            self.runner, self.draft_runner, prev, last, self.tree, self.sampler, self.rule, self.need_q
+        )
 
     def verify(self, tokens: torch.Tensor, q: torch.Tensor | None) -> tuple:
         B, n = tokens.shape

@@ -59,9 +59,17 @@ class Engine:
         self.max_model_len = check_max_model_len(config.max_model_len, models.config.max_position_embeddings)
         self.eos_ids = eos_token_ids(models.config, models.tokenizer)
         self.executor = Executor(models, config, self.max_model_len)
-        self.pool = BlockPool(self.executor.num_pages, config.block_size, enable_prefix_cache=config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.pool,
-                                   self.executor.lookahead, self.max_model_len, max_prefill_requests=config.max_num_seqs)
+        self.pool = BlockPool(
+            self.executor.num_pages, config.block_size, enable_prefix_cache=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.pool,
+            self.executor.lookahead,
+            self.max_model_len,
+            max_prefill_requests=config.max_num_seqs,
+        )
         self._requests: dict[str, Request] = {}
         self.output = OutputProcessor(self._requests, self.executor)
         self._aborted: list[RequestDelta] = []
@@ -69,27 +77,55 @@ class Engine:
         self.num_steps = 0
 
     @classmethod
-    def from_pretrained(cls, model: str | Path | ModelInfo = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
-                        device: str | torch.device = "cpu", speculative: SpeculativeConfig | None = None,
-                        offload: bool = False, offload_prefetch: int = 2, threads: int | None = None,
-                        weights: str = "auto", execution: ExecutionConfig | None = None,
-                        **config) -> "Engine":
+    def from_pretrained(
+        cls,
+        model: str | Path | ModelInfo = DEFAULT_MODEL,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        speculative: SpeculativeConfig | None = None,
+        offload: bool = False,
+        offload_prefetch: int = 2,
+        threads: int | None = None,
+        weights: str = "auto",
+        execution: ExecutionConfig | None = None,
+        **config,
+    ) -> "Engine":
         """Load the models, then build the engine; `config`: `EngineConfig`'s fields."""
         config = engine_config(**config)
         if config.cuda_graphs and parse_device(device).type != "cuda":
             raise ConfigError("cuda_graphs needs device='cuda'")
-        models = LoadedModels.load(model, dtype, device, speculative, offload, offload_prefetch, threads, weights,
-                                   max_model_len=config.max_model_len, execution=execution)
+        models = LoadedModels.load(
+            model,
+            dtype,
+            device,
+            speculative,
+            offload,
+            offload_prefetch,
+            threads,
+            weights,
+            max_model_len=config.max_model_len,
+            execution=execution,
+        )
         return cls(models, config)
 
     @classmethod
-    def build(cls, model, tokenizer=None, *, drafter=None, tree=None, verifier: str = "auto",
-              model_name: str = "model", **config) -> "Engine":
+    def build(
+        cls,
+        model,
+        tokenizer=None,
+        *,
+        drafter=None,
+        tree=None,
+        verifier: str = "auto",
+        model_name: str = "model",
+        **config,
+    ) -> "Engine":
         """An Engine over a target `Transformer` already loaded (and a `Drafter` with its `Tree`): what
         tools holding models (benchmarks, tests) use instead of loading them again."""
         config = engine_config(**config)
-        return cls(LoadedModels.of(model, tokenizer, drafter=drafter, tree=tree, verifier=verifier,
-                                   name=model_name), config)
+        return cls(
+            LoadedModels.of(model, tokenizer, drafter=drafter, tree=tree, verifier=verifier, name=model_name), config
+        )
 
     # ------------------------------------------------------------------ what the engine holds
     model = property(lambda self: self.models.model)
@@ -115,8 +151,9 @@ class Engine:
         """Token ids for a text prompt (through the chat template when `chat`), or ids as given."""
         return encode_prompt(self.tokenizer, prompt, chat, self.model_name)
 
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    chat: bool = False) -> str:
+    def add_request(
+        self, prompt, params: SamplingParams | None = None, request_id: str | None = None, chat: bool = False
+    ) -> str:
         """Queue a request (text or token ids); returns its id. It joins the batch at a step boundary."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -131,8 +168,9 @@ class Engine:
         ids = self.encode(prompt, chat)
         check_prompt_ids(ids, self.config.vocab_size, self.max_model_len)
         max_new = min(params.max_new_tokens, self.max_model_len - len(ids))
-        state = RequestState(prompt_ids=list(ids), params=params, tokenizer=self.tokenizer, eos_ids=self.eos_ids,
-                             max_new_tokens=max_new)
+        state = RequestState(
+            prompt_ids=list(ids), params=params, tokenizer=self.tokenizer, eos_ids=self.eos_ids, max_new_tokens=max_new
+        )
         state.stats.prompt_tokens = len(ids)
         if self.tree is not None:
             state.stats.spec = SpecStats(gamma=self.tree.max_depth - 1, drafted_per_step=self.tree.size - 1)
@@ -187,8 +225,7 @@ class Engine:
         result = self.executor.execute(batch)
         updates = self.output.process(batch, result, decode, prefill)
         self._update_scheduler(updates)
-        self.executor.commit({r.slot: 0 if r.seq.status.finished else u.num_computed
-                              for r, u in zip(decode, updates)})
+        self.executor.commit({r.slot: 0 if r.seq.status.finished else u.num_computed for r, u in zip(decode, updates)})
         deltas, self._aborted = self._aborted + self.output.deltas(updates), []
         for u in updates:
             if u.request.seq.status.finished:
@@ -212,8 +249,13 @@ class Engine:
             self.executor.sync_table(rec.slot, rec.seq.block_table.blocks)
         batch = StepBatch(
             [DecodeRow(r.slot, r.params, r.state.max_new_tokens - len(r.state.output_ids)) for r in decode],
-            [PrefillWork(r.slot, r.params, r.seq.all_token_ids[:r.seq.prefill_len], c.start, c.start + c.length,
-                         c.is_last) for r, c in zip(prefill, out.prefill)])
+            [
+                PrefillWork(
+                    r.slot, r.params, r.seq.all_token_ids[: r.seq.prefill_len], c.start, c.start + c.length, c.is_last
+                )
+                for r, c in zip(prefill, out.prefill)
+            ],
+        )
         return decode, prefill, batch
 
     def _update_scheduler(self, updates: list[Update]) -> None:
@@ -233,8 +275,9 @@ def engine_config(**fields) -> EngineConfig:
     """An EngineConfig from keyword arguments (a ConfigError naming an unknown one)."""
     moved = [name for name in ("draft_weights", "draft_quant") if name in fields]
     if moved:
-        raise ConfigError(f"{moved[0]} is not an engine setting: draft_weights moved to "
-                          f"SpeculativeConfig(draft_weights=...)")
+        raise ConfigError(
+            f"{moved[0]} is not an engine setting: draft_weights moved to SpeculativeConfig(draft_weights=...)"
+        )
     unknown = sorted(set(fields) - set(EngineConfig.fields()))
     if unknown:
         raise ConfigError(f"unknown engine setting(s) {', '.join(unknown)}; known: {', '.join(EngineConfig.fields())}")

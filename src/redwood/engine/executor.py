@@ -70,8 +70,10 @@ class Executor:
     def _allocate(self, config: EngineConfig) -> None:
         own = self.drafter.own_model if self.drafter is not None else None
         models = [self.model] + ([own] if own is not None else [])
-        page_bytes = sum(2 * m.config.num_layers * m.config.num_kv_heads * m.config.head_dim * self.block_size
-                         * m.dtype.itemsize for m in models)
+        page_bytes = sum(
+            2 * m.config.num_layers * m.config.num_kv_heads * m.config.head_dim * self.block_size * m.dtype.itemsize
+            for m in models
+        )
         row_len = self.max_model_len + self.lookahead  # logical slots a row may touch
         need = self.max_num_seqs * -(-row_len // self.block_size)
         device = self.model.device
@@ -84,8 +86,10 @@ class Executor:
             budget = int(CPU_KV_MEMORY_GIB * 2**30)
         num_pages = min(need, budget // page_bytes - 1)  # (one page more: the trash page)
         if num_pages < 1:
-            raise ConfigError(f"the KV cache memory ({budget / 2**30:.3g} GiB) holds no {self.block_size}-token "
-                              f"page ({page_bytes / 2**20:.3g} MiB); give kv_cache_memory more or a smaller block_size")
+            raise ConfigError(
+                f"the KV cache memory ({budget / 2**30:.3g} GiB) holds no {self.block_size}-token "
+                f"page ({page_bytes / 2**20:.3g} MiB); give kv_cache_memory more or a smaller block_size"
+            )
         self.num_pages = num_pages
         S = self.max_num_seqs
         self.cache = KVCache.paged(self.model.config, S, num_pages, self.block_size, row_len, self.model.dtype, device)
@@ -103,8 +107,9 @@ class Executor:
         self.buckets = sorted({min(2**i, S) for i in range(S.bit_length() + 1)})
 
     # ------------------------------------------------------------------ slots
-    def admit(self, slot: int, params: SamplingParams, num_computed: int, prefill_len: int,
-              random_state: tuple | None = None) -> None:
+    def admit(
+        self, slot: int, params: SamplingParams, num_computed: int, prefill_len: int, random_state: tuple | None = None
+    ) -> None:
         """Give a request the slot: its sampler settings (and random stream, kept across a preemption),
         its computed length (prefix-cache hits: scratch writes go past them), the draft policy's row."""
         self.sampler.set_row(slot, params, random_state)
@@ -136,8 +141,9 @@ class Executor:
         """Copy a grown block table into the device table (only the new entries)."""
         done = self._synced[slot]
         if len(blocks) > done:
-            self.cache.block_table[slot, done:len(blocks)] = torch.tensor(
-                blocks[done:], dtype=torch.int32).to(self.cache.block_table.device, non_blocking=True)
+            self.cache.block_table[slot, done : len(blocks)] = torch.tensor(blocks[done:], dtype=torch.int32).to(
+                self.cache.block_table.device, non_blocking=True
+            )
             self._synced[slot] = len(blocks)
 
     # ------------------------------------------------------------------ the step
@@ -207,8 +213,16 @@ class Executor:
             build = lambda: ARStep(target, sampler, want_lp)  # noqa: E731
         else:
             kind = resolve_verifier(self.verifier, tree, sampler.all_greedy)
-            build = lambda: SpecStep(self.model, target, draft, self.drafter, tree, kind, sampler,  # noqa: E731
-                                     want_lp)
+            build = lambda: SpecStep(
+                self.model,
+                target,
+                draft,
+                self.drafter,
+                tree,
+                kind,
+                sampler,  # noqa: E731
+                want_lp,
+            )
         saved = sampler.random.counter.clone()
 
         def captures() -> float:  # graph-capture seconds of this bucket's runners so far (one-time costs)
@@ -219,8 +233,14 @@ class Executor:
         capture0 = captures()
         prev, last = self.prev[:n], self.last[:n]
         if target.use_graphs:
-            key = (kind, sampler.all_greedy, sampler.any_greedy, sampler.any_filter, want_lp,
-                   None if self.drafter is None else self.drafter.graph_key())
+            key = (
+                kind,
+                sampler.all_greedy,
+                sampler.any_greedy,
+                sampler.any_filter,
+                want_lp,
+                None if self.drafter is None else self.drafter.graph_key(),
+            )
             captured = target.captured_step(key, build, (prev, last), restore=sampler.random.checkpoint)
             path, accepted, nxt, new_prev, host, lp = captured.replay(prev, last)
         elif tree is None:
@@ -255,12 +275,13 @@ class Executor:
         drafted = None if tree is None or tree.size == 1 else tree.size - 1
         for r in rows:
             a, nxt_b, path_b = host_list[r.slot][0], host_list[r.slot][1], host_list[r.slot][2:]
-            emitted = path_b[1:a + 1] + [nxt_b]
+            emitted = path_b[1 : a + 1] + [nxt_b]
             lp_b = lp_rows.get(r.slot)
             if lp_b is not None:
                 lp_b = token_logprob_list(emitted, *lp_b, r.params.logprobs)
-            result.decode.append(Tokens(emitted, [SOURCE_DRAFT] * a + [SOURCE_TARGET], lp_b,
-                                        None if drafted is None else (a, drafted)))
+            result.decode.append(
+                Tokens(emitted, [SOURCE_DRAFT] * a + [SOURCE_TARGET], lp_b, None if drafted is None else (a, drafted))
+            )
         self._pending = (target, draft, tree, path, torch.where(generating, accepted + 1, 0))
 
     def commit(self, kept: dict[int, int]) -> None:
@@ -328,9 +349,9 @@ class Executor:
     def _prefill_observed(self, w: PrefillWork, observers: tuple) -> torch.Tensor | None:
         """A chunk of one request whose prefill is observed (SnapKV), alone; → its last logits."""
         target_obs, draft_obs = observers
-        logits = prefill_row(self.model, self.cache.row(w.slot), w.token_ids, w.start, w.stop, target_obs,
-                             want_logits=w.is_last)
+        logits = prefill_row(
+            self.model, self.cache.row(w.slot), w.token_ids, w.start, w.stop, target_obs, want_logits=w.is_last
+        )
         if self.draft_cache is not None:
-            prefill_row(self.drafter.own_model, self.draft_cache.row(w.slot), w.token_ids, w.start, w.stop,
-                        draft_obs)
+            prefill_row(self.drafter.own_model, self.draft_cache.row(w.slot), w.token_ids, w.start, w.stop, draft_obs)
         return logits

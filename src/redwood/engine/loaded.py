@@ -60,17 +60,26 @@ class LoadedModels:
         return self.model.config
 
     @classmethod
-    def of(cls, model, tokenizer=None, *, drafter=None, tree=None, verifier: str = "auto",
-           name: str = "model") -> "LoadedModels":
+    def of(
+        cls, model, tokenizer=None, *, drafter=None, tree=None, verifier: str = "auto", name: str = "model"
+    ) -> "LoadedModels":
         """Models the caller already holds (benchmarks, tests: nothing is loaded again)."""
         return cls(model, tokenizer, name, None, drafter, tree, verifier)
 
     @classmethod
-    def load(cls, model: str | Path | ModelInfo = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
-             device: str | torch.device = "cpu", speculative: SpeculativeConfig | None = None,
-             offload: bool = False, offload_prefetch: int = 2, threads: int | None = None,
-             weights: str = "auto", max_model_len: int | None = None,
-             execution: ExecutionConfig | None = None) -> "LoadedModels":
+    def load(
+        cls,
+        model: str | Path | ModelInfo = DEFAULT_MODEL,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        speculative: SpeculativeConfig | None = None,
+        offload: bool = False,
+        offload_prefetch: int = 2,
+        threads: int | None = None,
+        weights: str = "auto",
+        max_model_len: int | None = None,
+        execution: ExecutionConfig | None = None,
+    ) -> "LoadedModels":
         """Load a target (and its drafter); the arguments as `redwood.LLM`'s (max_model_len: checked against
         the model's context before the weights load; execution: how both models' forwards run). A draft
         model loads in `speculative.draft_weights`."""
@@ -98,22 +107,33 @@ class LoadedModels:
             from redwood.speculation.drafters import check_compatible
 
             draft_info = inspect_model(speculative.draft_model)
-            check_compatible(info.tokenizer, draft_info.tokenizer, info.config.vocab_size,
-                             draft_info.config.vocab_size)
+            check_compatible(info.tokenizer, draft_info.tokenizer, info.config.vocab_size, draft_info.config.vocab_size)
         if threads is not None or dev.type == "cpu":
             apply_threads(threads)  # before loading: dequantizing the weights runs on these threads too
-        loaded = load_model(info, dtype=dtype, device="cpu" if offload else device,
-                            weights="float32" if offload else weights, execution=execution)
+        loaded = load_model(
+            info,
+            dtype=dtype,
+            device="cpu" if offload else device,
+            weights="float32" if offload else weights,
+            execution=execution,
+        )
         if offload:  # loaded on the host: the layers stay there, the rest moves to the device
             from redwood.models.offload import offload_layers
 
             offload_layers(loaded.model, device, prefetch=offload_prefetch)
-        self = cls(loaded.model, loaded.tokenizer, loaded.source, loaded.path,
-                   verifier="auto" if speculative is None else speculative.verifier, speculative=speculative)
+        self = cls(
+            loaded.model,
+            loaded.tokenizer,
+            loaded.source,
+            loaded.path,
+            verifier="auto" if speculative is None else speculative.verifier,
+            speculative=speculative,
+        )
         if speculative is not None:
             self.tree = speculative.make_tree()
-            self.drafter, self.draft_name = _make_drafter(speculative, loaded.model, dtype, device, draft_info,
-                                                          execution)
+            self.drafter, self.draft_name = _make_drafter(
+                speculative, loaded.model, dtype, device, draft_info, execution
+            )
         if dev.type == "cpu" and not offload and self.thread_exact_decode():
             # (None where the count is the user's or fixed, or the execution config turns it off)
             self.thread_policy = adaptive_threads(threads, enabled=execution is None or execution.adaptive_threads)
@@ -126,14 +146,14 @@ class LoadedModels:
         from redwood.models import cpu_fused
 
         d = self.drafter
-        if d is not None and (d.own_model is None or not isinstance(d.policy, FullPolicy)
-                              or not cpu_fused.model_takes(d.own_model)):
+        if d is not None and (
+            d.own_model is None or not isinstance(d.policy, FullPolicy) or not cpu_fused.model_takes(d.own_model)
+        ):
             return False
         return cpu_fused.model_takes(self.model)
 
 
-def _make_drafter(spec: SpeculativeConfig, target, dtype, device, draft_info,
-                  execution: ExecutionConfig | None = None):
+def _make_drafter(spec: SpeculativeConfig, target, dtype, device, draft_info, execution: ExecutionConfig | None = None):
     """The drafter `spec` asks for and its name; a draft model loads from `draft_info` (`inspect_model`:
     its tokenizer already checked against the target's) in the format `spec.draft_weights`."""
     from redwood.speculation.drafters import ModelDrafter, SelfDrafter
@@ -141,8 +161,9 @@ def _make_drafter(spec: SpeculativeConfig, target, dtype, device, draft_info,
     policy = spec.make_policy()
     if spec.self_speculate:
         return SelfDrafter(target, policy), f"self ({policy.describe()})"
-    draft = load_draft_model(draft_info, dtype=dtype, device=device, draft_weights=spec.draft_weights,
-                             execution=execution)
+    draft = load_draft_model(
+        draft_info, dtype=dtype, device=device, draft_weights=spec.draft_weights, execution=execution
+    )
     skinny = "int8" if draft.model.skinny_int8 is not None else None  # (CUDA: int8 one-token forwards)
     packed = draft.model.weights if draft.model.weights != "float32" else None
     quant = "".join(f", {q} weights" for q in (skinny, packed) if q)

@@ -73,8 +73,9 @@ class OutputProcessor:
     def __init__(self, requests: dict[str, Request], executor):
         self.requests, self.executor = requests, executor
 
-    def process(self, batch: StepBatch, result: StepResult, decode: list[Request],
-                prefill: list[Request]) -> list[Update]:
+    def process(
+        self, batch: StepBatch, result: StepResult, decode: list[Request], prefill: list[Request]
+    ) -> list[Update]:
         """Append each request's new tokens (stopping at EOS / a stop string) and record its timings and
         speculation counts; → the scheduler's updates, decode rows first, in the batch's order."""
         updates = []
@@ -136,6 +137,14 @@ def delta(rec: Request) -> RequestDelta:
     done = state.finish_reason is not None
     text, spans = state.pop_delta_spans()
     logprobs = None if rec.params.logprobs is None else state.output_logprobs[sent:]
-    return RequestDelta(rec.seq.request_id, state.output_ids[sent:], text, state.finish_reason,
-                        state.stats.to_dict() if done else None, state.prompt_ids if done else None,
-                        sources=state.output_sources[sent:], logprobs=logprobs, spans=spans)
+    return RequestDelta(
+        rec.seq.request_id,
+        state.output_ids[sent:],
+        text,
+        state.finish_reason,
+        state.stats.to_dict() if done else None,
+        state.prompt_ids if done else None,
+        sources=state.output_sources[sent:],
+        logprobs=logprobs,
+        spans=spans,
+    )

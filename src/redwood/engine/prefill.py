@@ -48,8 +48,15 @@ def _forward_tokens(model: Transformer, batch: int, total: int) -> int:
     return prefill_chunk(batch, model.config.num_heads, total)
 
 
-def prefill_row(model: Transformer, cache: KVCache, token_ids: list[int], start: int, stop: int,
-                observer: PrefillObserver | None = None, want_logits: bool = False) -> torch.Tensor | None:
+def prefill_row(
+    model: Transformer,
+    cache: KVCache,
+    token_ids: list[int],
+    start: int,
+    stop: int,
+    observer: PrefillObserver | None = None,
+    want_logits: bool = False,
+) -> torch.Tensor | None:
     """Compute the KV of token_ids[start:stop] into the one-row `cache` (its slots [0, start) already
     hold token_ids[:start]) and commit them; → the logits [V] float32 of token stop − 1 when asked.
 
@@ -67,10 +74,15 @@ def prefill_row(model: Transformer, cache: KVCache, token_ids: list[int], start:
         for fa, fb, watched in _forwards(a, b, observer, heads):
             positions = torch.arange(fa, fb, device=device)[None]
             last = want_logits and fb == stop
-            out = model(ids[:, fa - start:fb - start], positions, cache,
-                        logits_at=torch.tensor([[fb - fa - 1]], device=device) if last else
-                        torch.zeros(1, 1, dtype=torch.long, device=device),
-                        observer=observer.at(fa) if watched else None)
+            out = model(
+                ids[:, fa - start : fb - start],
+                positions,
+                cache,
+                logits_at=torch.tensor([[fb - fa - 1]], device=device)
+                if last
+                else torch.zeros(1, 1, dtype=torch.long, device=device),
+                observer=observer.at(fa) if watched else None,
+            )
             if last:
                 logits = out[0, 0]
             cache.commit(fb - fa)
@@ -78,8 +90,9 @@ def prefill_row(model: Transformer, cache: KVCache, token_ids: list[int], start:
     return logits
 
 
-def prefill_rows(model: Transformer, cache: KVCache, rows: list[int], token_ids: list[list[int]],
-                 starts: list[int], stops: list[int]) -> torch.Tensor:
+def prefill_rows(
+    model: Transformer, cache: KVCache, rows: list[int], token_ids: list[list[int]], starts: list[int], stops: list[int]
+) -> torch.Tensor:
     """One prefill chunk for each of several rows at once (no observer): row rows[i] computes the KV of
     token_ids[i][starts[i]:stops[i]] (its slots below starts[i] already hold the tokens before) and
     commits them. → logits [len(rows), V] float32 of each row's token stops[i] − 1.
@@ -99,8 +112,14 @@ def prefill_rows(model: Transformer, cache: KVCache, rows: list[int], token_ids:
         rest = [i for i in range(B) if i not in alone]
         logits = [None] * B
         for part in [[i] for i in alone] + ([rest] if rest else []):
-            out = prefill_rows(model, cache, [rows[i] for i in part], [token_ids[i] for i in part],
-                               [starts[i] for i in part], [stops[i] for i in part])
+            out = prefill_rows(
+                model,
+                cache,
+                [rows[i] for i in part],
+                [token_ids[i] for i in part],
+                [starts[i] for i in part],
+                [stops[i] for i in part],
+            )
             for j, i in enumerate(part):
                 logits[i] = out[j]
         return torch.stack(logits)
@@ -125,8 +144,7 @@ def prefill_rows(model: Transformer, cache: KVCache, rows: list[int], token_ids:
     return logits
 
 
-def _forwards(start: int, stop: int, observer: PrefillObserver | None,
-              rows_heads: int) -> list[tuple[int, int, bool]]:
+def _forwards(start: int, stop: int, observer: PrefillObserver | None, rows_heads: int) -> list[tuple[int, int, bool]]:
     """The forwards (a, b, observed) that prefill positions [start, stop).
 
     Unwatched positions: one forward. Watched ones go in observed forwards of at most
@@ -148,8 +166,9 @@ def _forwards(start: int, stop: int, observer: PrefillObserver | None,
     return out
 
 
-def prefill_batch(model: Transformer, cache: KVCache, prompts: list[list[int]],
-                  observer: PrefillObserver | None = None) -> torch.Tensor:
+def prefill_batch(
+    model: Transformer, cache: KVCache, prompts: list[list[int]], observer: PrefillObserver | None = None
+) -> torch.Tensor:
     """Prefill a whole batch of prompts (right-padded to the longest) into a dense cache from slot 0 and
     commit them; → the logits [B, V] float32 of each row's last prompt token. For offline tools
     (profiling, tests) that hold a fixed batch; the Engine prefills one row at a time (`prefill_row`).
@@ -179,8 +198,9 @@ def prefill_batch(model: Transformer, cache: KVCache, prompts: list[list[int]],
         for a, b, watched in _forwards(start, stop, observer, B * model.config.num_heads):
             positions = torch.arange(a, b, device=device)[None].expand(B, -1)
             at = (last - a).clamp(0, b - a - 1)
-            out = model(ids[:, a:b], positions, cache, logits_at=at[:, None],
-                        observer=observer.at(a) if watched else None)[:, 0]
+            out = model(
+                ids[:, a:b], positions, cache, logits_at=at[:, None], observer=observer.at(a) if watched else None
+            )[:, 0]
             here = ((last >= a) & (last < b))[:, None]
             logits = out if logits is None else torch.where(here, out, logits)
             cache.commit(b - a)

@@ -34,8 +34,9 @@ class TokenLogprob:
     top: list[tuple[int, float]]
 
 
-def token_logprob_list(tokens: list[int], chosen: list[float], top_values: list[list[float]],
-                       top_ids: list[list[int]], k: int) -> list[TokenLogprob]:
+def token_logprob_list(
+    tokens: list[int], chosen: list[float], top_values: list[list[float]], top_ids: list[list[int]], k: int
+) -> list[TokenLogprob]:
     """One row of `token_logprobs`' output on the host (positions aligned with `tokens`; the device
     computed 20 alternatives, the request keeps k)."""
     return [TokenLogprob(t, chosen[j], list(zip(top_ids[j][:k], top_values[j][:k]))) for j, t in enumerate(tokens)]
@@ -235,10 +236,10 @@ class RequestState:
             return
         ids = self.output_ids
         # Decode a short window (the previous token(s) give context for leading spaces / merges).
-        before = self.tokenizer.decode(ids[self._prefix_offset:self._read_offset], skip_special_tokens=True)
-        after = self.tokenizer.decode(ids[self._prefix_offset:n], skip_special_tokens=True)
+        before = self.tokenizer.decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
+        after = self.tokenizer.decode(ids[self._prefix_offset : n], skip_special_tokens=True)
         if len(after) > len(before) and not after.endswith("\ufffd"):
-            self._text += after[len(before):]
+            self._text += after[len(before) :]
             self._prefix_offset, self._read_offset = self._read_offset, n
 
     def _check_stop(self) -> bool:

@@ -61,9 +61,16 @@ class StepRunner:
         self.capture_s = 0.0  # seconds spent warming up and capturing them (one-time costs, not steps)
         self._steps: dict[Hashable, CapturedStep] = {}
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, *, pending: int = 0,
-                new_mask: torch.Tensor | None = None, mask_key: Hashable = None,
-                policy: DraftKVPolicy | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        pending: int = 0,
+        new_mask: torch.Tensor | None = None,
+        mask_key: Hashable = None,
+        policy: DraftKVPolicy | None = None,
+    ) -> torch.Tensor:
         """Logits [B, T, V] float32 for new tokens ids / positions [B, T] (see Transformer.forward).
 
         policy: read the committed context through this draft KV policy's view (computed from the
@@ -95,8 +102,13 @@ class StepRunner:
         self.captures += 1
         self.capture_s += dt
 
-    def captured_step(self, key: Hashable, build: Callable[[], Callable[..., tuple]],
-                      inputs: tuple[torch.Tensor, ...], restore: Callable[[], Callable[[], None]]) -> "CapturedStep":
+    def captured_step(
+        self,
+        key: Hashable,
+        build: Callable[[], Callable[..., tuple]],
+        inputs: tuple[torch.Tensor, ...],
+        restore: Callable[[], Callable[[], None]],
+    ) -> "CapturedStep":
         """The graph of a whole step under `key`, captured on first use (graphs must be on).
 
         build() makes the step callable (called once; it and what it holds live as long as the graph);
@@ -133,8 +145,13 @@ def _warm_up_and_capture(graph: torch.cuda.CUDAGraph, pool, run: Callable[[], ob
 class CapturedStep:
     """One CUDA graph of a whole step callable fn(*inputs) → tuple of tensors."""
 
-    def __init__(self, fn: Callable[..., tuple], inputs: tuple[torch.Tensor, ...], pool,
-                 restore: Callable[[], Callable[[], None]]):
+    def __init__(
+        self,
+        fn: Callable[..., tuple],
+        inputs: tuple[torch.Tensor, ...],
+        pool,
+        restore: Callable[[], Callable[[], None]],
+    ):
         self.fn = fn
         self.inputs = tuple(x.clone() for x in inputs)
         undo = restore()
@@ -154,8 +171,17 @@ class CapturedStep:
 class _Captured:
     """One CUDA graph of one forward shape, with its static inputs and output."""
 
-    def __init__(self, model: Transformer, cache: KVCache, ids: torch.Tensor, positions: torch.Tensor,
-                 pending: int, new_mask: torch.Tensor | None, policy: DraftKVPolicy | None, pool):
+    def __init__(
+        self,
+        model: Transformer,
+        cache: KVCache,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        pending: int,
+        new_mask: torch.Tensor | None,
+        policy: DraftKVPolicy | None,
+        pool,
+    ):
         self.ids = ids.clone()
         self.positions = positions.clone()
         self.mask = None if new_mask is None else new_mask.clone()

@@ -109,11 +109,21 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, pool: BlockPool,
-                 lookahead: int, max_model_len: int, max_prefill_requests: int = 1):
-        for name, value, low in (("max_num_seqs", max_num_seqs, 1), ("lookahead", lookahead, 1),
-                                 ("max_num_batched_tokens", max_num_batched_tokens, 1),
-                                 ("max_model_len", max_model_len, 2)):
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        pool: BlockPool,
+        lookahead: int,
+        max_model_len: int,
+        max_prefill_requests: int = 1,
+    ):
+        for name, value, low in (
+            ("max_num_seqs", max_num_seqs, 1),
+            ("lookahead", lookahead, 1),
+            ("max_num_batched_tokens", max_num_batched_tokens, 1),
+            ("max_model_len", max_model_len, 2),
+        ):
             if value < low:
                 raise ConfigError(f"{name} must be at least {low}, got {value}")
         self.max_num_seqs = max_num_seqs
@@ -145,7 +155,8 @@ class Scheduler:
         if n >= self.max_model_len:
             raise ContextLengthError(
                 f"the prompt has {n} tokens; the model's context is {self.max_model_len} tokens, which "
-                f"leaves no room to generate: shorten the prompt to at most {self.max_model_len - 1} tokens")
+                f"leaves no room to generate: shorten the prompt to at most {self.max_model_len - 1} tokens"
+            )
         final = min(n + request.max_new_tokens, self.max_model_len)
         # Most KV it can ever hold: its last prefill covers <= final - 1 tokens, its last decode step
         # starts at num_computed <= final - 2 and writes lookahead positions.
@@ -154,7 +165,8 @@ class Scheduler:
             raise ContextLengthError(
                 f"request {request.request_id!r} may need {need} KV blocks ({n} prompt + up to "
                 f"{final - n} new tokens), more than the whole pool's {self.pool.num_blocks} blocks of "
-                f"{self.pool.block_size} tokens: give the KV cache more memory or ask for fewer tokens")
+                f"{self.pool.block_size} tokens: give the KV cache more memory or ask for fewer tokens"
+            )
         request.status = Status.WAITING
         request.arrival = self._arrivals
         request.num_computed = request.prefill_len = 0
@@ -172,8 +184,9 @@ class Scheduler:
             while not req.block_table.ensure(req.num_computed + self.lookahead, self.pool):
                 victim = self.running[-1]
                 if victim is req and len(self.running) == 1:
-                    raise RuntimeError(f"the KV pool ({self.pool.num_blocks} blocks) cannot hold request "
-                                       f"{req.request_id!r} alone")
+                    raise RuntimeError(
+                        f"the KV pool ({self.pool.num_blocks} blocks) cannot hold request {req.request_id!r} alone"
+                    )
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
@@ -193,14 +206,20 @@ class Scheduler:
                     break
                 prefill.append(chunk)
                 budget -= chunk.length
-        while (not blocked and not preempted and self.waiting and self._free_slots and budget > 0
-               and len(prefill) < self.max_prefill_requests):
+        while (
+            not blocked
+            and not preempted
+            and self.waiting
+            and self._free_slots
+            and budget > 0
+            and len(prefill) < self.max_prefill_requests
+        ):
             req = self.waiting[0]
             req.prefill_len = req.num_tokens
             if self.pool.enable_prefix_cache:
                 ids = req.all_token_ids
                 if req.prefix_limit is not None:
-                    ids = ids[:req.prefix_limit + 1]  # (a match covers at most len(ids) − 1 tokens)
+                    ids = ids[: req.prefix_limit + 1]  # (a match covers at most len(ids) − 1 tokens)
                 req.num_computed = req.block_table.match_prefix(ids, self.pool)
             chunk = self._chunk(req, budget)
             if chunk is None:  # not even one token fits: stay at the head
@@ -214,8 +233,16 @@ class Scheduler:
             admitted.append(req)
             prefill.append(chunk)
             budget -= chunk.length
-        return SchedulerOutput(prefill, decode, preempted, admitted, len(self.waiting), len(self.running),
-                               self.pool.num_used, self.pool.num_free)
+        return SchedulerOutput(
+            prefill,
+            decode,
+            preempted,
+            admitted,
+            len(self.waiting),
+            len(self.running),
+            self.pool.num_used,
+            self.pool.num_free,
+        )
 
     def _chunk(self, req: SeqState, budget: int) -> PrefillChunk | None:
         """The next prefill chunk of req (at most `budget` tokens), its blocks allocated; None if no
@@ -244,8 +271,9 @@ class Scheduler:
             req.slot = None
         (self.running if req.status is Status.RUNNING else self.waiting).remove(req)
 
-    def update_after_step(self, request: SeqState, num_computed: int,
-                          new_token_ids: Sequence[int] = (), stopped: bool = False) -> list[int]:
+    def update_after_step(
+        self, request: SeqState, num_computed: int, new_token_ids: Sequence[int] = (), stopped: bool = False
+    ) -> list[int]:
         """Record a step's result for a running request; returns the tokens appended to its output.
 
         num_computed: tokens whose KV this step wrote and keeps (a chunk's length; for a decode row, the
@@ -260,15 +288,19 @@ class Scheduler:
         before, computed = request.num_tokens, request.num_computed + num_computed
         prefilling = computed < request.prefill_len  # still, after this step
         if num_computed < 0 or computed > request.block_table.capacity:
-            raise ValueError(f"request {request.request_id!r} cannot have computed {computed} tokens: its "
-                             f"blocks hold {request.block_table.capacity} positions")
+            raise ValueError(
+                f"request {request.request_id!r} cannot have computed {computed} tokens: its "
+                f"blocks hold {request.block_table.capacity} positions"
+            )
         if request.is_prefilling and computed > request.prefill_len:
             raise ValueError(f"a prefill chunk of {request.request_id!r} ran past its prefill")
         if prefilling and new_token_ids:
             raise ValueError("only the chunk that ends a prefill samples a token")
         if not prefilling and computed != before + len(new_token_ids) - 1:
-            raise ValueError(f"request {request.request_id!r}: {num_computed} computed tokens do not match "
-                             f"{len(new_token_ids)} new tokens (a token would be dropped or duplicated)")
+            raise ValueError(
+                f"request {request.request_id!r}: {num_computed} computed tokens do not match "
+                f"{len(new_token_ids)} new tokens (a token would be dropped or duplicated)"
+            )
         request.num_computed = computed
         room = min(request.max_new_tokens - len(request.output_token_ids), self.max_model_len - before)
         kept = list(new_token_ids[:room])
@@ -276,8 +308,10 @@ class Scheduler:
         if self.pool.enable_prefix_cache:
             request.block_table.register_full(request.prompt_token_ids, request.num_computed, self.pool)
         if len(kept) == room:
-            self.finish(request, Status.FINISHED_LENGTH if len(kept) < len(new_token_ids) or not stopped
-                        else Status.FINISHED_STOPPED)
+            self.finish(
+                request,
+                Status.FINISHED_LENGTH if len(kept) < len(new_token_ids) or not stopped else Status.FINISHED_STOPPED,
+            )
         elif stopped:
             self.finish(request, Status.FINISHED_STOPPED)
         return kept

@@ -108,8 +108,12 @@ class AdaptiveThreads:
     def for_step(self, key) -> int:
         """The count to run this decode step of shape `key` at."""
         self.since_probe += 1
-        probe = (self.probe_next or self.since_probe >= self.interval or (self.current, key) not in self.ema
-                 or (self.other(), key) not in self.ema)
+        probe = (
+            self.probe_next
+            or self.since_probe >= self.interval
+            or (self.current, key) not in self.ema
+            or (self.other(), key) not in self.ema
+        )
         if probe and (self.current, key) not in self.ema:
             return self.current  # (measure the current count first)
         return self.other() if probe else self.current
@@ -131,8 +135,9 @@ class AdaptiveThreads:
             self.interval = min(2 * self.interval, self.MAX_INTERVAL)  # the probe lost
 
 
-def adaptive_threads(threads: int | None, env: dict | None = None, cores: int | None = None,
-                     enabled: bool = True) -> AdaptiveThreads | None:
+def adaptive_threads(
+    threads: int | None, env: dict | None = None, cores: int | None = None, enabled: bool = True
+) -> AdaptiveThreads | None:
     """The decode-step policy where the count is left to redwood (no `threads`, no OMP_NUM_THREADS) on a machine
     of 2..SMALL_MACHINE_CORES cores (where the default is one thread), unless turned off (`enabled`:
     ExecutionConfig.adaptive_threads, `--no-adaptive-threads`)."""

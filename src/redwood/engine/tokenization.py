@@ -6,8 +6,16 @@ from redwood.errors import ConfigError, ContextLengthError
 
 # Special tokens that end a generation wherever a vocabulary has them (as llama.cpp's end-of-generation
 # set): e.g. Qwen instruct files name only <|im_end|> as EOS, yet the model may also emit <|endoftext|>.
-END_OF_GENERATION = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "</s>",
-                     "<|end|>", "<end_of_turn>")
+END_OF_GENERATION = (
+    "<|endoftext|>",
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "<|eom_id|>",
+    "</s>",
+    "<|end|>",
+    "<end_of_turn>",
+)
 
 
 def eos_token_ids(config, tokenizer) -> frozenset[int]:
@@ -40,10 +48,14 @@ def encode_prompt(tokenizer, prompt, chat: bool = False, model_name: str = "the 
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError(f"{model_name} has no chat template; drop --chat / chat=True")
-        return list(tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
-            return_dict=False,
-        ))
+        return list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        )
     return list(tokenizer.encode(prompt, add_special_tokens=True))
 
 
@@ -57,7 +69,8 @@ def check_prompt_ids(ids: list[int], vocab_size: int, max_model_len: int) -> Non
     if len(ids) >= max_model_len:
         raise ContextLengthError(
             f"the prompt has {len(ids)} tokens but the context is {max_model_len} tokens "
-            f"(at most {max_model_len - 1} prompt tokens leave room to generate)")
+            f"(at most {max_model_len - 1} prompt tokens leave room to generate)"
+        )
 
 
 def check_max_model_len(max_model_len, context: int) -> int:
@@ -65,6 +78,7 @@ def check_max_model_len(max_model_len, context: int) -> int:
     if max_model_len is None:
         return context
     if not isinstance(max_model_len, int) or isinstance(max_model_len, bool) or not 2 <= max_model_len <= context:
-        raise ConfigError(f"max_model_len must be an integer in [2, {context}] (the model's context), "
-                          f"got {max_model_len!r}")
+        raise ConfigError(
+            f"max_model_len must be an integer in [2, {context}] (the model's context), got {max_model_len!r}"
+        )
     return max_model_len

@@ -46,8 +46,9 @@ def chain_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = False):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"a block pool needs num_blocks >= 1 and block_size >= 1, "
-                             f"got {num_blocks} and {block_size}")
+            raise ValueError(
+                f"a block pool needs num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
@@ -108,8 +109,9 @@ class BlockPool:
                 raise ValueError(f"free: {block!r} is not a block id of this pool (0..{self.num_blocks - 1})")
             wanted[block] = wanted.get(block, 0) + 1
             if wanted[block] > self._refcount[block]:
-                raise ValueError(f"free: block {block} is freed more often than it is held "
-                                 f"(refcount {self._refcount[block]})")
+                raise ValueError(
+                    f"free: block {block} is freed more often than it is held (refcount {self._refcount[block]})"
+                )
         for block in reversed(blocks):
             self._refcount[block] -= 1
             if self._refcount[block] == 0:
@@ -127,7 +129,7 @@ class BlockPool:
             return []
         out, parent, bs = [], None, self.block_size
         for i in range((len(token_ids) - 1) // bs):
-            parent = chain_hash(parent, token_ids[i * bs:(i + 1) * bs])
+            parent = chain_hash(parent, token_ids[i * bs : (i + 1) * bs])
             block = self._block_of.get(parent)
             if block is None:
                 break
@@ -146,8 +148,9 @@ class BlockPool:
         and block_id stays unregistered. A no-op (but for the hash) with the prefix cache off.
         """
         if len(token_ids) != self.block_size:
-            raise ValueError(f"register: only full blocks are shared; got {len(token_ids)} tokens "
-                             f"for a block of {self.block_size}")
+            raise ValueError(
+                f"register: only full blocks are shared; got {len(token_ids)} tokens for a block of {self.block_size}"
+            )
         if self._refcount[block_id] == 0:
             raise ValueError(f"register: block {block_id} is free")
         h = chain_hash(parent_hash, token_ids)
@@ -198,7 +201,7 @@ class BlockTable:
         bs = self.block_size
         for i in range(len(self.hashes), min(num_tokens, len(token_ids)) // bs):
             parent = self.hashes[-1] if self.hashes else None
-            self.hashes.append(pool.register(self.blocks[i], parent, token_ids[i * bs:(i + 1) * bs]))
+            self.hashes.append(pool.register(self.blocks[i], parent, token_ids[i * bs : (i + 1) * bs]))
 
     def release(self, pool: BlockPool) -> None:
         """Free every block and empty the table."""

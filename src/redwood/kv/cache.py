@@ -36,8 +36,9 @@ from redwood.errors import ContextLengthError
 
 
 class KVCache:
-    def __init__(self, config: ModelConfig, batch_size: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self, config: ModelConfig, batch_size: int, capacity: int, dtype: torch.dtype, device: torch.device | str
+    ):
         """A dense cache: one page of `capacity` slots per row."""
         shape = (config.num_layers, batch_size, config.num_kv_heads, capacity, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -49,8 +50,16 @@ class KVCache:
         self.trash_page: int | None = None
 
     @classmethod
-    def paged(cls, config: ModelConfig, batch_size: int, num_pages: int, page_size: int, max_len: int,
-              dtype: torch.dtype, device: torch.device | str) -> "KVCache":
+    def paged(
+        cls,
+        config: ModelConfig,
+        batch_size: int,
+        num_pages: int,
+        page_size: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> "KVCache":
         """`num_pages` pages of `page_size` slots (plus the trash page) for `batch_size` rows of at most
         `max_len` slots each; every table entry starts on the trash page and every row live 0."""
         self = cls.__new__(cls)
@@ -80,7 +89,7 @@ class KVCache:
         sub.__dict__.update(self.__dict__)
         # live: its own 1 — a prefilling row is not live in the batch (it does not decode yet), but its
         # prefill attends to its context
-        sub.block_table, sub.lengths = self.block_table[b:b + 1], self.lengths[b:b + 1]
+        sub.block_table, sub.lengths = self.block_table[b : b + 1], self.lengths[b : b + 1]
         sub.live = torch.ones(1, dtype=torch.long, device=self.lengths.device)
         sub.dense = False  # row b's page is page b, not page 0
         return sub
@@ -115,9 +124,7 @@ class KVCache:
         if idx.is_cuda and torch.cuda.is_current_stream_capturing():
             return idx  # no host sync inside a CUDA graph; the engine sized the cache for every step
         if int(idx.max()) >= self.capacity:
-            raise ContextLengthError(
-                f"KV cache full: {int(idx.max()) + 1} tokens needed, capacity {self.capacity}"
-            )
+            raise ContextLengthError(f"KV cache full: {int(idx.max()) + 1} tokens needed, capacity {self.capacity}")
         return idx
 
     def physical(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,8 +185,7 @@ class KVCache:
         pages, offsets = self.physical(idx)
         k, v = self.k[layer], self.v[layer]
         if idx.shape[1] == 1:  # [B, C] per row → values [B, C, Hkv, D]
-            return (k[pages[:, 0], :, offsets[:, 0]].transpose(1, 2),
-                    v[pages[:, 0], :, offsets[:, 0]].transpose(1, 2))
+            return (k[pages[:, 0], :, offsets[:, 0]].transpose(1, 2), v[pages[:, 0], :, offsets[:, 0]].transpose(1, 2))
         heads = torch.arange(k.shape[1], device=idx.device)[None, :, None]
         return k[pages, heads, offsets], v[pages, heads, offsets]
 

@@ -111,7 +111,9 @@ class StreamingPolicy(DraftKVPolicy):
 
     def __init__(self, sinks: int, window: int):
         if sinks < 0 or window < 1:
-            raise ConfigError(f"streaming draft KV needs sinks >= 0 and window >= 1, got sinks={sinks}, window={window}")
+            raise ConfigError(
+                f"streaming draft KV needs sinks >= 0 and window >= 1, got sinks={sinks}, window={window}"
+            )
         self.sinks, self.window = sinks, window
 
     def indices(self, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,10 +143,14 @@ class SnapKVPolicy(DraftKVPolicy):
 
     def __init__(self, budget: int, window: int = 32, kernel: int = 5, pool: str = "avg"):
         if budget < 1 or window < 1:
-            raise ConfigError(f"snapkv draft KV needs budget >= 1 and window >= 1, got budget={budget}, window={window}")
+            raise ConfigError(
+                f"snapkv draft KV needs budget >= 1 and window >= 1, got budget={budget}, window={window}"
+            )
         if budget < window:
-            raise ConfigError(f"snapkv draft KV keeps the whole observation window, so it needs budget >= window; "
-                              f"got budget={budget}, window={window} (pass a smaller --window)")
+            raise ConfigError(
+                f"snapkv draft KV keeps the whole observation window, so it needs budget >= window; "
+                f"got budget={budget}, window={window} (pass a smaller --window)"
+            )
         if kernel < 1 or kernel % 2 == 0:
             raise ConfigError(f"snapkv pooling kernel must be odd and >= 1, got {kernel}")
         if pool not in ("avg", "max"):
@@ -162,8 +168,12 @@ class SnapKVPolicy(DraftKVPolicy):
     def start(self, prompt_lengths: torch.Tensor, num_layers: int) -> None:
         # The selection lives in buffers that are reused (filled in place) while the batch shape stays
         # the same, so a draft step captured in a CUDA graph reads the current generation's selection.
-        if self.prompt_lengths is None or self.prompt_lengths.shape != prompt_lengths.shape \
-                or self.prompt_lengths.device != prompt_lengths.device or len(self.selected) != num_layers:
+        if (
+            self.prompt_lengths is None
+            or self.prompt_lengths.shape != prompt_lengths.shape
+            or self.prompt_lengths.device != prompt_lengths.device
+            or len(self.selected) != num_layers
+        ):
             self.version += 1
             self.prompt_lengths = torch.zeros_like(prompt_lengths)
             self.obs_start = torch.zeros_like(prompt_lengths)
@@ -189,11 +199,14 @@ class SnapKVPolicy(DraftKVPolicy):
     def finish(self) -> None:
         if not all(self._observed):
             missing = [i for i, done in enumerate(self._observed) if not done]
-            raise RuntimeError(f"snapkv: the prefill ended before layers {missing} saw every observation-window "
-                               f"query (were its prompts the ones given to start()?)")
+            raise RuntimeError(
+                f"snapkv: the prefill ended before layers {missing} saw every observation-window "
+                f"query (were its prompts the ones given to start()?)"
+            )
 
-    def observe(self, layer: int, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None,
-                q_start: int = 0) -> None:
+    def observe(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None, q_start: int = 0
+    ) -> None:
         """Add one forward's observation-window attention at `layer` (the forward observer).
 
         q: [B, Hq, T, D] the queries of positions [q_start, q_start + T); k: [B, Hkv, S, D] the keys of
@@ -255,8 +268,13 @@ class SnapKVPolicy(DraftKVPolicy):
     def _window_span(self, q_start: int, T: int) -> tuple[int, int] | None:
         """Window entries [j0, j1) (of 0…window−1) that some row has among positions [q_start, q_start + T);
         None if no row has any. (A forward of a few tokens computes only those, not the whole window.)"""
-        spans = [(min(max(q_start - n + self.window, 0), self.window),
-                  min(max(q_start + T - n + self.window, 0), self.window)) for n in self._lengths]
+        spans = [
+            (
+                min(max(q_start - n + self.window, 0), self.window),
+                min(max(q_start + T - n + self.window, 0), self.window),
+            )
+            for n in self._lengths
+        ]
         spans = [(a, b) for a, b in spans if a < b]
         if not spans:
             return None
@@ -370,8 +388,14 @@ class _RowObserver:
         self.owner._take_row(self.row, self.one)
 
 
-def make_policy(name: str, budget: int | None = None, sinks: int | None = None, window: int | None = None,
-                kernel: int = 5, pool: str = "avg") -> DraftKVPolicy:
+def make_policy(
+    name: str,
+    budget: int | None = None,
+    sinks: int | None = None,
+    window: int | None = None,
+    kernel: int = 5,
+    pool: str = "avg",
+) -> DraftKVPolicy:
     """Build a policy from CLI/API settings.
 
     streaming: `sinks` (default 4) + `window`; given a budget, window defaults to budget − sinks.

@@ -80,9 +80,14 @@ def inspect_model(model: "str | Path | ModelInfo") -> ModelInfo:
     return ModelInfo(config=config, tokenizer=tokenizer, source=str(model), path=path)
 
 
-def load_model(model: "str | Path | ModelInfo", dtype: str | torch.dtype = "float32",
-               device: str | torch.device = "cpu", weights: str = "float32", draft: bool = False,
-               execution: ExecutionConfig | None = None) -> LoadedModel:
+def load_model(
+    model: "str | Path | ModelInfo",
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    weights: str = "float32",
+    draft: bool = False,
+    execution: ExecutionConfig | None = None,
+) -> LoadedModel:
     """Load a model's weights; a ModelInfo (`inspect_model`) is loaded with the tokenizer it holds.
     weights: the CPU projection format (`redwood.models.cpu_weights`; "auto": "gguf" — each projection as
     its type in the file allows: 4-bit groups as int4 with the file's own grid, the rest int8 — for a GGUF
@@ -119,9 +124,13 @@ def load_model(model: "str | Path | ModelInfo", dtype: str | torch.dtype = "floa
     return LoadedModel(model=net, tokenizer=tokenizer, config=config, source=str(model), path=path)
 
 
-def load_draft_model(model: "str | Path | ModelInfo", dtype: str | torch.dtype = "float32",
-                     device: str | torch.device = "cpu", draft_weights: str = "auto",
-                     execution: ExecutionConfig | None = None) -> LoadedModel:
+def load_draft_model(
+    model: "str | Path | ModelInfo",
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    draft_weights: str = "auto",
+    execution: ExecutionConfig | None = None,
+) -> LoadedModel:
     """Load a draft model in the weight format `draft_weights` (`SpeculativeConfig.draft_weights`; what it
     means on `device`: `cpu_weights.draft_weights_on`): a CPU format on the CPU; on CUDA the model's dtype,
     with int8 copies for its one-token forwards under "int8" (`Transformer.quantize_skinny`)."""

@@ -43,8 +43,17 @@ SUPPORTED_GGUF_ARCHS = ("llama", "qwen2")
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 # Errors that parsing or decoding raise on a file whose bytes do not add up.
-_CORRUPT_ERRORS = (ValueError, IndexError, KeyError, struct.error, OSError, OverflowError, UnicodeDecodeError,
-                   TypeError, MemoryError)
+_CORRUPT_ERRORS = (
+    ValueError,
+    IndexError,
+    KeyError,
+    struct.error,
+    OSError,
+    OverflowError,
+    UnicodeDecodeError,
+    TypeError,
+    MemoryError,
+)
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -177,7 +186,7 @@ class _HeaderParser:
 
     def _string(self) -> str:
         n = self._count(1, "string length")
-        raw = bytes(self.buf[self.pos:self.pos + n])
+        raw = bytes(self.buf[self.pos : self.pos + n])
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
@@ -271,13 +280,13 @@ class _HeaderParser:
                     f"redwood supports {', '.join(SUPPORTED_TENSOR_TYPES)}"
                 ) from None
             if dims[0] % block:
-                raise ValueError(f"tensor {name}: row length {dims[0]} is not a multiple of the "
-                                 f"{qtype.name} block size {block}")
+                raise ValueError(
+                    f"tensor {name}: row length {dims[0]} is not a multiple of the {qtype.name} block size {block}"
+                )
             n_bytes = int(np.prod(dims, dtype=object)) // block * type_size
             start = data_offset + offset
             if start + n_bytes > self.size:
-                raise _Truncated(f"tensor {name} needs bytes {start}..{start + n_bytes} "
-                                 f"but the file has {self.size}")
+                raise _Truncated(f"tensor {name} needs bytes {start}..{start + n_bytes} but the file has {self.size}")
             tensors[name] = GGUFTensorInfo(name, dims, type_id, qtype.name, start, n_bytes)
         return GGUFHeader(version, metadata, arrays, tensors, data_offset, self.size)
 
@@ -369,19 +378,23 @@ def _config_from_metadata(meta: dict[str, Any], shapes: dict[str, tuple[int, ...
         ) from None
 
 
-def _build_config(meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], path: Path, arch: str,
-                  vocab_size: int) -> ModelConfig:
+def _build_config(
+    meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], path: Path, arch: str, vocab_size: int
+) -> ModelConfig:
     num_heads = int(_require(meta, f"{arch}.attention.head_count", path))
     hidden = int(_require(meta, f"{arch}.embedding_length", path))
     head_dim = int(meta.get(f"{arch}.attention.key_length") or 0) or hidden // max(num_heads, 1)
     value_dim = meta.get(f"{arch}.attention.value_length")
     if value_dim is not None and int(value_dim) != head_dim:
-        raise UnsupportedModelError(f"{path}: key length {head_dim} differs from value length {value_dim}; "
-                                    f"redwood needs equal query/key and value head sizes")
+        raise UnsupportedModelError(
+            f"{path}: key length {head_dim} differs from value length {value_dim}; "
+            f"redwood needs equal query/key and value head sizes"
+        )
     rotary_dim = meta.get(f"{arch}.rope.dimension_count")
     if rotary_dim is not None and int(rotary_dim) != head_dim:
-        raise UnsupportedModelError(f"{path}: partial rotary embeddings ({rotary_dim} of {head_dim} head "
-                                    f"dimensions) are not supported")
+        raise UnsupportedModelError(
+            f"{path}: partial rotary embeddings ({rotary_dim} of {head_dim} head dimensions) are not supported"
+        )
 
     scaling = None
     scaling_type = meta.get(f"{arch}.rope.scaling.type")
@@ -434,32 +447,40 @@ def _expected(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         out["lm_head.weight"] = (config.vocab_size, h)
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        out.update({
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (ffn, h),
-            p + "mlp.up_proj.weight": (ffn, h),
-            p + "mlp.down_proj.weight": (h, ffn),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        })
+        out.update(
+            {
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (ffn, h),
+                p + "mlp.up_proj.weight": (ffn, h),
+                p + "mlp.down_proj.weight": (h, ffn),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
         if config.qkv_bias:
-            out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                        p + "self_attn.v_proj.bias": (kv,)})
+            out.update(
+                {
+                    p + "self_attn.q_proj.bias": (q,),
+                    p + "self_attn.k_proj.bias": (kv,),
+                    p + "self_attn.v_proj.bias": (kv,),
+                }
+            )
         if config.o_bias:
             out[p + "self_attn.o_proj.bias"] = (h,)
         if config.mlp_bias:
-            out.update({p + "mlp.gate_proj.bias": (ffn,), p + "mlp.up_proj.bias": (ffn,),
-                        p + "mlp.down_proj.bias": (h,)})
+            out.update(
+                {p + "mlp.gate_proj.bias": (ffn,), p + "mlp.up_proj.bias": (ffn,), p + "mlp.down_proj.bias": (h,)}
+            )
     return out
 
 
 # ------------------------------------------------------------------------------------- dequantization
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     """The little-endian float16 at byte `start` of each block, as float32 [n, 1]."""
-    return blocks[:, start:start + 2].view(torch.float16).float()
+    return blocks[:, start : start + 2].view(torch.float16).float()
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -582,8 +603,9 @@ def _groups_q4_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 _GROUP_DECODERS = {"Q4_0": (32, 18, _groups_q4_0), "Q4_1": (32, 20, _groups_q4_1), "Q4_K": (256, 144, _groups_q4_k)}
 
 
-def int4_groups(raw: np.ndarray | torch.Tensor, type_name: str,
-                shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def int4_groups(
+    raw: np.ndarray | torch.Tensor, type_name: str, shape: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A 4-bit tensor's values as groups of 32 along each row: (q uint8 [N, K] in 0..15, step and offset
     float32 [N, K / 32]) with value = q · step − offset — the products `dequantize` computes (Q4_K: step =
     d · scale_j and offset = dmin · min_j in float32, as there). Types: INT4_GROUP_TYPES."""
@@ -593,17 +615,18 @@ def int4_groups(raw: np.ndarray | torch.Tensor, type_name: str,
     block_values, block_bytes, decode = _GROUP_DECODERS[type_name]
     data = _as_bytes(raw)
     if K % block_values or data.numel() != N * K // block_values * block_bytes:
-        raise ModelLoadError(f"{type_name} tensor of shape {shape} has {data.numel()} bytes, "
-                             f"expected {N * K // block_values * block_bytes}")
+        raise ModelLoadError(
+            f"{type_name} tensor of shape {shape} has {data.numel()} bytes, "
+            f"expected {N * K // block_values * block_bytes}"
+        )
     blocks = data.reshape(-1, block_bytes)
     q = torch.empty(blocks.shape[0], block_values, dtype=torch.uint8)
     groups = block_values // 32
     step, offset = torch.empty(blocks.shape[0], groups), torch.empty(blocks.shape[0], groups)
     chunk = max(1, _CHUNK_VALUES // block_values)
     for s in range(0, blocks.shape[0], chunk):
-        q[s:s + chunk], step[s:s + chunk], offset[s:s + chunk] = decode(blocks[s:s + chunk])
+        q[s : s + chunk], step[s : s + chunk], offset[s : s + chunk] = decode(blocks[s : s + chunk])
     return q.view(N, K), step.view(N, K // 32), offset.view(N, K // 32)
-
 
 
 def _as_bytes(raw: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -613,8 +636,9 @@ def _as_bytes(raw: np.ndarray | torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(raw).reshape(-1).view(np.uint8))
 
 
-def dequantize(raw: np.ndarray | torch.Tensor, type_name: str, shape: tuple[int, ...],
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(
+    raw: np.ndarray | torch.Tensor, type_name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Decode one tensor's raw data into a new dense tensor of `shape` (row-major, Hugging Face order).
 
     `raw` is the tensor's bytes (a uint8 tensor, or any numpy array as `gguf` returns it). The result never
@@ -625,8 +649,10 @@ def dequantize(raw: np.ndarray | torch.Tensor, type_name: str, shape: tuple[int,
     if type_name in ("F32", "F16", "BF16"):
         src_dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[type_name]
         if data.numel() != n_values * src_dtype.itemsize:
-            raise ModelLoadError(f"{type_name} tensor of shape {shape} has {data.numel()} bytes, "
-                                 f"expected {n_values * src_dtype.itemsize}")
+            raise ModelLoadError(
+                f"{type_name} tensor of shape {shape} has {data.numel()} bytes, "
+                f"expected {n_values * src_dtype.itemsize}"
+            )
         return data.view(src_dtype).to(dtype, copy=True).reshape(shape)
     if type_name not in _BLOCK_DECODERS:
         raise UnsupportedModelError(
@@ -637,13 +663,14 @@ def dequantize(raw: np.ndarray | torch.Tensor, type_name: str, shape: tuple[int,
         raise ModelLoadError(f"{type_name} tensor of shape {shape} is not a whole number of blocks")
     n_blocks = n_values // block_values
     if data.numel() != n_blocks * block_bytes:
-        raise ModelLoadError(f"{type_name} tensor of shape {shape} has {data.numel()} bytes, "
-                             f"expected {n_blocks * block_bytes}")
+        raise ModelLoadError(
+            f"{type_name} tensor of shape {shape} has {data.numel()} bytes, expected {n_blocks * block_bytes}"
+        )
     blocks = data.reshape(n_blocks, block_bytes)
     out = torch.empty(n_blocks, block_values, dtype=dtype)
     step = max(1, _CHUNK_VALUES // block_values)
     for start in range(0, n_blocks, step):
-        decode(blocks[start:start + step], out[start:start + step])
+        decode(blocks[start : start + step], out[start : start + step])
     return out.reshape(shape)
 
 
@@ -707,8 +734,9 @@ def _build(f: _MappedFile, path: Path, dtype: torch.dtype, transform=None) -> GG
             raise ModelLoadError(f"{path}: missing tensor {gguf_names.get(target, target)} ({target})")
     extra = [t for t in wanted if t not in expected]
     if extra:
-        raise ModelLoadError(f"{path}: unexpected tensors for a {config.num_layers}-layer model: "
-                             f"{', '.join(sorted(extra)[:5])}")
+        raise ModelLoadError(
+            f"{path}: unexpected tensors for a {config.num_layers}-layer model: {', '.join(sorted(extra)[:5])}"
+        )
     for target, t in wanted.items():
         if t.type_name not in SUPPORTED_TENSOR_TYPES:
             raise UnsupportedModelError(
@@ -731,15 +759,20 @@ def _build(f: _MappedFile, path: Path, dtype: torch.dtype, transform=None) -> GG
             heads = None
             if permute and (".q_proj." in target or ".k_proj." in target):
                 heads = config.num_heads if ".q_proj." in target else config.num_kv_heads
-            if (len(t.shape) == 2 and getattr(transform, "takes_blocks", lambda name, type_name, shape: False)(
-                    target, t.type_name, t.shape)):
+            if len(t.shape) == 2 and getattr(transform, "takes_blocks", lambda name, type_name, shape: False)(
+                target, t.type_name, t.shape
+            ):
                 # (the transform keeps the file's blocks: rows of raw bytes, no float tensor in between)
                 rows = _as_bytes(f.raw(t)).view(t.shape[0], -1)
-                tensors[target] = transform.from_blocks(target, unpermute_qk(rows, heads) if heads else rows,
-                                                        t.type_name)
+                tensors[target] = transform.from_blocks(
+                    target, unpermute_qk(rows, heads) if heads else rows, t.type_name
+                )
                 del rows
-            elif (t.type_name in INT4_GROUP_TYPES and len(t.shape) == 2
-                    and getattr(transform, "takes_int4_groups", lambda name, shape: False)(target, t.shape)):
+            elif (
+                t.type_name in INT4_GROUP_TYPES
+                and len(t.shape) == 2
+                and getattr(transform, "takes_int4_groups", lambda name, shape: False)(target, t.shape)
+            ):
                 # (the transform packs the file's 4-bit grid itself: no float tensor in between)
                 groups = int4_groups(f.raw(t), t.type_name, t.shape)
                 if heads:  # (whole rows move: each row's groups with it)
@@ -760,26 +793,28 @@ def _build(f: _MappedFile, path: Path, dtype: torch.dtype, transform=None) -> GG
         t = by_name["rope_freqs.weight"]
         n = int(np.prod(t.dims))
         if n != config.head_dim // 2:
-            raise ModelLoadError(f"{path}: rope_freqs.weight has {n} values, expected head_dim/2 = "
-                                 f"{config.head_dim // 2}")
+            raise ModelLoadError(
+                f"{path}: rope_freqs.weight has {n} values, expected head_dim/2 = {config.head_dim // 2}"
+            )
         if t.type_name not in ("F32", "F16", "BF16"):
-            raise UnsupportedModelError(f"{path}: rope_freqs.weight has type {t.type_name}; "
-                                        f"expected F32, F16 or BF16")
+            raise UnsupportedModelError(f"{path}: rope_freqs.weight has type {t.type_name}; expected F32, F16 or BF16")
         rope_freqs = dequantize(f.raw(t), t.type_name, (n,), torch.float32)
 
     metadata = dict(meta)
-    metadata.update({
-        "path": str(path),
-        "gguf_version": header.version,
-        "architecture": config.arch,
-        "name": meta.get("general.name"),
-        "chat_template": meta.get("tokenizer.chat_template"),
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        "eos_token_ids": list(config.eos_token_ids),
-        "tensor_types": type_counts,
-        "ignored_tensors": ignored,
-    })
+    metadata.update(
+        {
+            "path": str(path),
+            "gguf_version": header.version,
+            "architecture": config.arch,
+            "name": meta.get("general.name"),
+            "chat_template": meta.get("tokenizer.chat_template"),
+            "bos_token_id": config.bos_token_id,
+            "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+            "eos_token_ids": list(config.eos_token_ids),
+            "tensor_types": type_counts,
+            "ignored_tensors": ignored,
+        }
+    )
     return GGUFModel(config=config, tensors=tensors, metadata=metadata, path=path, rope_freqs=rope_freqs)
 
 

@@ -42,10 +42,15 @@ def layer_args(layer) -> tuple | None:
         if all(isinstance(m, cpu_weights.PackedLinear) and m.kind in cpu_weights._KQ_KINDS for m in members):
             from redwood.cpu_kernels import kquant
 
-            args = ([m.kq for m in members], [kquant.TYPES[m.type_name][0] for m in members],
-                    [m.bias for m in members], [len(qkv), len(gate_up)],
-                    layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                    float(layer.input_layernorm.eps))
+            args = (
+                [m.kq for m in members],
+                [kquant.TYPES[m.type_name][0] for m in members],
+                [m.bias for m in members],
+                [len(qkv), len(gate_up)],
+                layer.input_layernorm.weight.detach(),
+                layer.post_attention_layernorm.weight.detach(),
+                float(layer.input_layernorm.eps),
+            )
     layer.__dict__["_cpu_fused_args"] = args
     return args
 
@@ -78,13 +83,19 @@ def plan(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, de
     """The C++ layers' shared arguments for a forward of x [B, T, H] (cos / sin [B, T, D], dest the new
     tokens' (pages, offsets) [B, T]), or None when this forward keeps the Python layers."""
     B, T, _ = x.shape
-    if (not model.execution.cpu_fused or x.dtype != torch.float32 or x.device.type != "cpu" or T > reference.BY_QUERY_MAX_NEW
-            or meta.view is not None or meta.observer is not None or not model_takes(model)):
+    if (
+        not model.execution.cpu_fused
+        or x.dtype != torch.float32
+        or x.device.type != "cpu"
+        or T > reference.BY_QUERY_MAX_NEW
+        or meta.view is not None
+        or meta.observer is not None
+        or not model_takes(model)
+    ):
         return None
     lengths = meta.lengths.tolist()
     P = meta.pending
-    plain = (meta.new_mask is None and meta.sliding_window is None
-             and (meta.live is None or bool((meta.live > 0).all())))
+    plain = meta.new_mask is None and meta.sliding_window is None and (meta.live is None or bool((meta.live > 0).all()))
     if plain:  # causal: token t of row b sees slots [0, L_b + P + t + 1)
         ranges = torch.tensor([[0, L + P + t + 1] for L in lengths for t in range(T)], dtype=torch.long)
         ptr = torch.arange(B * T + 1, dtype=torch.long)
@@ -99,9 +110,15 @@ def plan(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, de
         ranges = torch.tensor(spans, dtype=torch.long).reshape(-1, 2)
         ptr = torch.tensor(ptr, dtype=torch.long)
     D = cos.shape[-1]
-    return Plan(cos.reshape(B * T, D).contiguous(), sin.reshape(B * T, D).contiguous(),
-                torch.stack([dest[0].reshape(-1), dest[1].reshape(-1)], 1).long().contiguous(),
-                cache.block_table.contiguous(), T, ptr, ranges)
+    return Plan(
+        cos.reshape(B * T, D).contiguous(),
+        sin.reshape(B * T, D).contiguous(),
+        torch.stack([dest[0].reshape(-1), dest[1].reshape(-1)], 1).long().contiguous(),
+        cache.block_table.contiguous(),
+        T,
+        ptr,
+        ranges,
+    )
 
 
 def _runs(keys) -> list[tuple[int, int]]:
@@ -129,6 +146,25 @@ def run_layers(model, x: torch.Tensor, cache, p: Plan) -> torch.Tensor:
     Hq, Hkv = attn.num_heads, attn.num_kv_heads
     for i, layer in enumerate(model.layers):
         w, types, biases, groups, n1, n2, eps = layer_args(layer)
-        op(flat, w, types, biases, groups, n1, n2, eps, p.cos, p.sin, cache.k[i], cache.v[i], p.write_at,
-           p.block_table, p.tokens_per_row, p.range_ptr, p.ranges, Hq, Hkv)
+        op(
+            flat,
+            w,
+            types,
+            biases,
+            groups,
+            n1,
+            n2,
+            eps,
+            p.cos,
+            p.sin,
+            cache.k[i],
+            cache.v[i],
+            p.write_at,
+            p.block_table,
+            p.tokens_per_row,
+            p.range_ptr,
+            p.ranges,
+            Hq,
+            Hkv,
+        )
     return x

@@ -140,8 +140,9 @@ class PackedLinear(nn.Module):
         return self._w8a8
 
     @classmethod
-    def from_int4_groups(cls, q: torch.Tensor, step: torch.Tensor, offset: torch.Tensor,
-                         bias: torch.Tensor | None = None) -> "PackedLinear":
+    def from_int4_groups(
+        cls, q: torch.Tensor, step: torch.Tensor, offset: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> "PackedLinear":
         """An int4 projection holding a file's 4-bit grid as it is: q uint8 [N, K] in 0..15, step and
         offset float32 [N, K / INT4_GROUP], weight = q · step − offset (`loading.gguf.int4_groups`). The
         (scale, zero) per group is `int4_scale_zero`'s; q is packed unchanged."""
@@ -152,8 +153,9 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
         scale, zero = int4_scale_zero(step, offset)  # [N, K / group] each
         self.register_buffer("packed", _pack_int4(q), persistent=False)
-        self.register_buffer("scale_zero", torch.stack([scale, zero], -1).transpose(0, 1).contiguous(),
-                             persistent=False)
+        self.register_buffer(
+            "scale_zero", torch.stack([scale, zero], -1).transpose(0, 1).contiguous(), persistent=False
+        )
         return self
 
     @classmethod
@@ -180,8 +182,10 @@ class PackedLinear(nn.Module):
         a strided view, made contiguous when that member runs by itself). Members must share kind
         (int8 or int4: `can_concat`) and in_features."""
         if not can_concat(linears):
-            raise ValueError("concat needs int8 or int4 members of one kind and in_features "
-                             "(int4: out_features % 64 == 0), all with a bias or none")
+            raise ValueError(
+                "concat needs int8 or int4 members of one kind and in_features "
+                "(int4: out_features % 64 == 0), all with a bias or none"
+            )
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         first = linears[0]
@@ -196,13 +200,14 @@ class PackedLinear(nn.Module):
             start = 0
             for m in linears:
                 m._w8, m._w8a8, m._slice = None, None, (self, start)
-                m.scale = self.scale[start:start + m.out_features]
+                m.scale = self.scale[start : start + m.out_features]
                 if bias is not None:
-                    m.bias = bias[start:start + m.out_features]
+                    m.bias = bias[start : start + m.out_features]
                 start += m.out_features
             return self
         names_dims = {"int8": (("w8", 0), ("scale", 0)), KQUANT: (("kq", 0),), "q4k": (("kq", 0),)}.get(
-            self.kind, (("packed", 0), ("scale_zero", 1)))
+            self.kind, (("packed", 0), ("scale_zero", 1))
+        )
         for name, dim in names_dims:
             whole = torch.cat([getattr(m, name) for m in linears], dim=dim)
             self.register_buffer(name, whole, persistent=False)
@@ -214,7 +219,7 @@ class PackedLinear(nn.Module):
         if bias is not None:
             start = 0
             for m in linears:
-                m.bias = bias[start:start + m.out_features]
+                m.bias = bias[start : start + m.out_features]
                 start += m.out_features
         return self
 
@@ -236,10 +241,11 @@ class PackedLinear(nn.Module):
         if self.kind == "w8a8":  # float32 [M, N] (not rounded to bfloat16: the callers cast or add in float32)
             if self._slice is not None:
                 whole, start = self._slice
-                return whole.raw(x2)[:, start:start + self.out_features]
+                return whole.raw(x2)[:, start : start + self.out_features]
             q, s = quantize_rows(x2)
-            return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(q, 1.0, 128,
-                                                                                 self.packed_w8a8()).mul_(s)
+            return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+                q, 1.0, 128, self.packed_w8a8()
+            ).mul_(s)
         if x2.shape[0] == 1:  # oneDNN's one-row bfloat16 path is a slow gemv; two rows take the AMX gemm
             return F.linear(x2.repeat(2, 1), self.w16)[:1]
         return F.linear(x2, self.w16)
@@ -262,8 +268,13 @@ class PackedLinear(nn.Module):
         if self.kind == "int8" and chunk >= INT8_GEMM_ROWS:  # prefill: int8 values are exact in bfloat16
             y = F.linear(x2, self.w8.to(_ACT)) * self.scale
         elif self.kind == "int4" and chunk >= INT4_GEMM_ROWS and int4_layout_known(self.out_features):
-            y = torch.cat([x2 @ unpack_int4(self.packed, self.scale_zero, s, min(s + INT4_SLICE, self.out_features))
-                           for s in range(0, self.out_features, INT4_SLICE)], dim=1)
+            y = torch.cat(
+                [
+                    x2 @ unpack_int4(self.packed, self.scale_zero, s, min(s + INT4_SLICE, self.out_features))
+                    for s in range(0, self.out_features, INT4_SLICE)
+                ],
+                dim=1,
+            )
         else:  # the packed kernels (and bfloat16's gemm)
             y = self.raw(x2)
         y = y.to(x.dtype)  # [M, N]
@@ -276,7 +287,7 @@ class PackedLinear(nn.Module):
         or the whole's rows)."""
         if self._slice is not None:
             whole, start = self._slice
-            return whole.int8_weight()[start:start + self.out_features]
+            return whole.int8_weight()[start : start + self.out_features]
         if self._w8 is not None:
             return self._w8
         return torch.ops.quantized.linear_unpack(self._w8a8)[0].int_repr()
@@ -288,12 +299,14 @@ class PackedLinear(nn.Module):
         if self.kind in _KQ_KINDS:
             from redwood.cpu_kernels import kquant
 
-            return kquant.unpack(self.kq, self.type_name)[:, :self.in_features]
+            return kquant.unpack(self.kq, self.type_name)[:, : self.in_features]
         if self.kind == "int8":
             return self.w8.float() * self.scale.float()[:, None]
         if self.kind == "int4":
             eye = torch.eye(self.in_features, dtype=_ACT)  # x = I reads Wᵀ back out of the kernel exactly
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, INT4_GROUP, self._scale_zero()).float().T
+            return (
+                torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, INT4_GROUP, self._scale_zero()).float().T
+            )
         return self.w16.float()
 
     @property
@@ -316,11 +329,14 @@ def can_concat(linears: list) -> bool:
     if not linears or not all(isinstance(m, PackedLinear) for m in linears):
         return False
     first = linears[0]
-    return (first.kind in ("int8", "int4", "w8a8") + _KQ_KINDS and all(m.kind == first.kind for m in linears)
-            and (first.kind not in _KQ_KINDS or all(m.type_name == first.type_name for m in linears))
-            and all(m.in_features == first.in_features for m in linears)
-            and len({m.bias is None for m in linears}) == 1
-            and (first.kind != "int4" or all(m.out_features % 64 == 0 for m in linears)))
+    return (
+        first.kind in ("int8", "int4", "w8a8") + _KQ_KINDS
+        and all(m.kind == first.kind for m in linears)
+        and (first.kind not in _KQ_KINDS or all(m.type_name == first.type_name for m in linears))
+        and all(m.in_features == first.in_features for m in linears)
+        and len({m.bias is None for m in linears}) == 1
+        and (first.kind != "int4" or all(m.out_features % 64 == 0 for m in linears))
+    )
 
 
 # Output rows quantized at a time: the float temporaries are one slice's (a 1.5B's tied head is 0.9 GB in
@@ -335,11 +351,11 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     N, K = w.shape
     w8, scale = torch.empty(N, K, dtype=torch.int8), torch.empty(N, dtype=_ACT)
     for s in range(0, N, PACK_ROWS):
-        lo, hi = torch.aminmax(w[s:s + PACK_ROWS], dim=1)
-        sc = (torch.maximum(-lo, hi) / 127 * (1 + 2 ** -8)).clamp_min(1e-12).to(_ACT)  # (max |w| per row)
-        q = w[s:s + PACK_ROWS] / sc.float()[:, None]
-        w8[s:s + PACK_ROWS] = q.round_().clamp_(-127, 127)  # (integral values: the int8 cast is exact)
-        scale[s:s + PACK_ROWS] = sc
+        lo, hi = torch.aminmax(w[s : s + PACK_ROWS], dim=1)
+        sc = (torch.maximum(-lo, hi) / 127 * (1 + 2**-8)).clamp_min(1e-12).to(_ACT)  # (max |w| per row)
+        q = w[s : s + PACK_ROWS] / sc.float()[:, None]
+        w8[s : s + PACK_ROWS] = q.round_().clamp_(-127, 127)  # (integral values: the int8 cast is exact)
+        scale[s : s + PACK_ROWS] = sc
     return w8, scale
 
 
@@ -350,12 +366,12 @@ def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     rows where the packed layout is known to be per 64-row block (`int4_layout_known`)."""
     N, K = w.shape
     if N > PACK_ROWS and int4_layout_known(N):
-        parts = [quantize_int4(w[s:s + PACK_ROWS], group) for s in range(0, N, PACK_ROWS)]
+        parts = [quantize_int4(w[s : s + PACK_ROWS], group) for s in range(0, N, PACK_ROWS)]
         return torch.cat([p for p, _ in parts]), torch.cat([sz for _, sz in parts], dim=1)
     g = w.reshape(N, K // group, group)
     lo, hi = torch.aminmax(g, dim=-1)  # [N, K / group]
     # The kernel sees a bfloat16 scale and zero: quantize against those (the scale rounded up, as for int8).
-    scale_b = ((hi - lo) / 15 * (1 + 2 ** -8)).clamp_min(1e-12).to(_ACT)
+    scale_b = ((hi - lo) / 15 * (1 + 2**-8)).clamp_min(1e-12).to(_ACT)
     zero_b = (lo + 8 * scale_b.float()).to(_ACT)
     q = (g - zero_b.float()[..., None]).div_(scale_b.float()[..., None]).add_(8).round_().clamp_(0, 15)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(N, K).to(torch.int32), 1)
@@ -368,8 +384,12 @@ def _pack_int4(q: torch.Tensor) -> torch.Tensor:
     where the layout is per 64-row block (`int4_layout_known`), else at once."""
     N = q.shape[0]
     step = PACK_ROWS if int4_layout_known(N) else N
-    return torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(q[s:s + step].to(torch.int32), 1)
-                      for s in range(0, N, step)])
+    return torch.cat(
+        [
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(q[s : s + step].to(torch.int32), 1)
+            for s in range(0, N, step)
+        ]
+    )
 
 
 def int4_scale_zero(step: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -431,7 +451,9 @@ def w8a8_exact() -> bool:
             w8[1::2] = -127
             x = torch.full((2, 256), 127.0)
             x[1] = -127
-            y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, 1.0, 128, pack_w8a8(w8, torch.ones(64)))
+            y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+                x, 1.0, 128, pack_w8a8(w8, torch.ones(64))
+            )
             ok = torch.equal(y, x @ w8.float().T)
         _W8A8_EXACT.append(bool(ok))
     return _W8A8_EXACT[0]
@@ -492,7 +514,9 @@ def check_packable(weight: torch.Tensor | tuple[int, int], kind: str) -> str | N
 
 
 # The tensors `packer` packs as they load (Hugging Face names): every decoder-layer projection and an untied head.
-_PACKED_NAMES = re.compile(r"^(model\.)?(layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)|lm_head)\.weight$")
+_PACKED_NAMES = re.compile(
+    r"^(model\.)?(layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)|lm_head)\.weight$"
+)
 
 
 def file_kind(shape: tuple[int, int], fmt: str = FILE_FORMAT) -> str:
@@ -517,8 +541,11 @@ class _Packer:
         self.kind, self.cast = kind, cast
 
     def takes_int4_groups(self, name: str, shape: tuple[int, int]) -> bool:
-        return (self.kind == FILE_FORMAT and bool(_PACKED_NAMES.match(name))
-                and check_packable(tuple(shape), "int4") is None)
+        return (
+            self.kind == FILE_FORMAT
+            and bool(_PACKED_NAMES.match(name))
+            and check_packable(tuple(shape), "int4") is None
+        )
 
     def from_int4_groups(self, name: str, q, step, offset) -> PackedLinear:
         return PackedLinear.from_int4_groups(q, step, offset)
@@ -526,8 +553,12 @@ class _Packer:
     def takes_blocks(self, name: str, type_name: str, shape: tuple[int, int]) -> bool:
         from redwood.cpu_kernels import kquant
 
-        return (self.kind == KQUANT and bool(_PACKED_NAMES.match(name)) and type_name in kquant.TYPES
-                and shape[1] % kquant.BLOCK == 0)
+        return (
+            self.kind == KQUANT
+            and bool(_PACKED_NAMES.match(name))
+            and type_name in kquant.TYPES
+            and shape[1] % kquant.BLOCK == 0
+        )
 
     def from_blocks(self, name: str, rows: torch.Tensor, type_name: str) -> PackedLinear:
         return PackedLinear.from_kquant(rows, type_name)
@@ -569,8 +600,11 @@ def gguf_default(draft: bool = False) -> str:
     if "lacks" not in why:  # a CPU that could run it, but the kernel did not build: say so (once) and go on
         import warnings
 
-        warnings.warn(f"{why}; CPU weights fall back to {W8A8_DEFAULT if w8a8_exact() else GGUF_FALLBACK} "
-                      f"(slower: install g++ and run scripts/setup.sh, or pass --weights)", stacklevel=2)
+        warnings.warn(
+            f"{why}; CPU weights fall back to {W8A8_DEFAULT if w8a8_exact() else GGUF_FALLBACK} "
+            f"(slower: install g++ and run scripts/setup.sh, or pass --weights)",
+            stacklevel=2,
+        )
     if w8a8_exact():
         return W8A8_DEFAULT
     return DRAFT_GGUF_FALLBACK if draft else GGUF_FALLBACK
@@ -584,8 +618,10 @@ def check_weights(weights: str, device: torch.device, offload: bool = False, nam
     if weights not in WEIGHT_CHOICES:
         raise ConfigError(f"unknown {name} {weights!r}; choose one of {', '.join(WEIGHT_CHOICES)}")
     if weights not in ("auto", "float32") and (device.type != "cpu" or offload):
-        raise ConfigError(f"{name}={weights!r} is a CPU format; on CUDA the model runs in its dtype "
-                          f"(--dtype bfloat16; a draft model can use draft_weights int8)")
+        raise ConfigError(
+            f"{name}={weights!r} is a CPU format; on CUDA the model runs in its dtype "
+            f"(--dtype bfloat16; a draft model can use draft_weights int8)"
+        )
 
 
 CUDA_DRAFT_WEIGHTS = ("auto", "float32", "int8")  # a draft model's formats on CUDA (`draft_weights_on`)
@@ -604,8 +640,10 @@ def draft_weights_on(weights: str, device: torch.device) -> tuple[str, str | Non
     if device.type == "cpu":
         return weights, None
     if weights not in CUDA_DRAFT_WEIGHTS:
-        raise ConfigError(f"draft_weights={weights!r} is a CPU format; on CUDA a draft model takes auto or "
-                          f"float32 (its dtype) or int8 (int8 copies for its one-token forwards)")
+        raise ConfigError(
+            f"draft_weights={weights!r} is a CPU format; on CUDA a draft model takes auto or "
+            f"float32 (its dtype) or int8 (int8 copies for its one-token forwards)"
+        )
     return ("auto", "int8") if weights == "int8" else (weights, None)
 
 
@@ -617,8 +655,10 @@ def resolve_weights(weights: str, device: torch.device, path, draft: bool = Fals
     name = "draft_weights" if draft else "weights"
     check_weights(weights, device, name=name)
     if weights in FILE_FORMATS and not str(path).endswith(".gguf"):
-        raise ConfigError(f"{name}={weights!r} keeps a GGUF file's own quantization, and {path} is not a "
-                          f".gguf file; choose one of {', '.join(WEIGHT_FORMATS)} (or auto)")
+        raise ConfigError(
+            f"{name}={weights!r} keeps a GGUF file's own quantization, and {path} is not a "
+            f".gguf file; choose one of {', '.join(WEIGHT_FORMATS)} (or auto)"
+        )
     if weights != "auto":
         return weights
     if device.type == "cpu" and str(path).endswith(".gguf"):
@@ -635,4 +675,4 @@ def auto_formats(kind: str) -> tuple[str, ...]:
     if kind == "w8a8":
         return ("w8a8", "int8", "float32")
     order = ("int4", "int8", "float32")
-    return order[order.index(kind):] if kind in order else (kind,)
+    return order[order.index(kind) :] if kind in order else (kind,)

@@ -20,14 +20,24 @@ def to_hf_config(cfg: ModelConfig):
         s = cfg.rope_scaling
         rope.update(rope_type=s.rope_type, factor=s.factor)
         if s.rope_type == "llama3":
-            rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
-                        original_max_position_embeddings=s.original_max_position_embeddings)
+            rope.update(
+                low_freq_factor=s.low_freq_factor,
+                high_freq_factor=s.high_freq_factor,
+                original_max_position_embeddings=s.original_max_position_embeddings,
+            )
     common = dict(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
-        bos_token_id=cfg.bos_token_id, eos_token_id=list(cfg.eos_token_ids) or None,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=list(cfg.eos_token_ids) or None,
     )
     if int(transformers.__version__.split(".")[0]) >= 5:
         common["rope_parameters"] = rope

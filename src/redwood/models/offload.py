@@ -175,8 +175,7 @@ class OffloadManager:
                     b.data = b.data.to(device)
                 self.host.append(buf)
                 self.host_views.append(views)
-            self.slots = [torch.empty(self.layer_numel, dtype=self.dtype, device=device)
-                          for _ in range(self.num_slots)]
+            self.slots = [torch.empty(self.layer_numel, dtype=self.dtype, device=device) for _ in range(self.num_slots)]
             self.slot_views = [self._views(s) for s in self.slots]
 
         self.copy_done = [self.sync.new_event() for _ in range(self.num_slots)]
@@ -208,7 +207,7 @@ class OffloadManager:
         return torch.empty(self.layer_numel, dtype=self.dtype, device="cpu", pin_memory=True)
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[e.offset: e.offset + e.numel].view(e.shape) for e in self.layout]
+        return [flat[e.offset : e.offset + e.numel].view(e.shape) for e in self.layout]
 
     # ------------------------------------------------------------------ schedule
     def _issue(self, s: int) -> None:
@@ -260,6 +259,7 @@ class OffloadManager:
             self.active = (i, s)
             if self.stats.trace is not None:
                 self.stats.trace.append(("compute", i, s))
+
         return hook
 
     def _post_hook(self, i: int):
@@ -270,6 +270,7 @@ class OffloadManager:
             self.compute_done[s].record(self.sync.current_stream())
             self._release(i, s)
             self._issue(s)
+
         return hook
 
     # ------------------------------------------------------------------ inspection / undo
@@ -311,8 +312,9 @@ def check_prefetch(prefetch) -> int:
     return prefetch
 
 
-def offload_layers(model: Transformer, device: torch.device | str | None = None, prefetch: int = 2,
-                   trace: bool = False) -> OffloadManager:
+def offload_layers(
+    model: Transformer, device: torch.device | str | None = None, prefetch: int = 2, trace: bool = False
+) -> OffloadManager:
     """Keep `model`'s decoder-layer weights in host memory and stream them to `device` layer by layer.
 
     device: the compute device (default: where the embeddings are). The embeddings, final norm, LM

@@ -63,8 +63,15 @@ class Attention(nn.Module):
         # (PackedLinear.concat; q_proj, k_proj, v_proj then hold views of these), used by backends.cpu_packed.packed_layer
         self.cpu_qkv: list | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                dest: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        dest: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         if self.qkv is not None:
             qkv = self.split_qkv(F.linear(x, *self.qkv))
         else:
@@ -74,11 +81,19 @@ class Attention(nn.Module):
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The fused projection's output [B, T, (Hq + 2 Hkv) D] → views q, k, v."""
         nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return qkv[..., :nq], qkv[..., nq:nq + nk], qkv[..., nq + nk:]
+        return qkv[..., :nq], qkv[..., nq : nq + nk], qkv[..., nq + nk :]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, cache: KVCache, dest: tuple[torch.Tensor, torch.Tensor],
-               meta: AttentionMetadata) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        dest: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """Rotate q and k, write k and v into the cache, attend. q: [B, T, Hq*D]; k, v: [B, T, Hkv*D];
         dest: the new tokens' (pages, offsets) [B, T] each (`KVCache.physical`) → [B, T, Hq*D] (before o_proj)."""
         B, T, _ = q.shape
@@ -112,11 +127,17 @@ class Attention(nn.Module):
             ctx_idx, ctx_valid = meta.view(self.layer)
         window = meta.sliding_window
         return decode_attention(
-            q, cache.k[self.layer], cache.v[self.layer], meta.lengths,
+            q,
+            cache.k[self.layer],
+            cache.v[self.layer],
+            meta.lengths,
             block_table=None if cache.dense else cache.block_table,  # (dense: row b's page is page b)
             pending=meta.pending,
-            new_mask=meta.packed_new_mask(), ctx_idx=ctx_idx, ctx_valid=ctx_valid,
-            q_positions=meta.q_positions if window is not None else None, sliding_window=window,
+            new_mask=meta.packed_new_mask(),
+            ctx_idx=ctx_idx,
+            ctx_valid=ctx_valid,
+            q_positions=meta.q_positions if window is not None else None,
+            sliding_window=window,
             live=meta.live,
         )
 
@@ -128,8 +149,14 @@ class Attention(nn.Module):
 
         window = meta.sliding_window
         return prefill_attention(
-            q, cache.k[self.layer], cache.v[self.layer], meta.lengths, cache.block_table,
-            q_positions=meta.q_positions if window is not None else None, sliding_window=window, live=meta.live,
+            q,
+            cache.k[self.layer],
+            cache.v[self.layer],
+            meta.lengths,
+            cache.block_table,
+            q_positions=meta.q_positions if window is not None else None,
+            sliding_window=window,
+            live=meta.live,
         )
 
 
@@ -162,6 +189,7 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, dest, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+
 class Transformer(nn.Module):
     """The decoder. Its forward runs through an execution backend (redwood.models.backends), chosen once from the
     device, the weights and an `ExecutionConfig` (`set_execution`; a model as built runs the reference backend,
@@ -173,7 +201,9 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
         self.rotary = RotaryEmbedding(config, rope_freqs)
         # Weight formats (each a transform of the weights the forward reads)
         self.weights = "float32"  # the CPU projection format (quantize_cpu)
@@ -203,8 +233,10 @@ class Transformer(nn.Module):
         if scheme != "int8":
             raise ConfigError(f"unknown weight quantization {scheme!r}; only 'int8' is supported")
         if not isinstance(self.backend, CudaBackend):
-            raise ConfigError("int8 weights run through the CUDA matrix-vector kernels (redwood.kernels.gemv), "
-                              f"which do not run on {self.device}")
+            raise ConfigError(
+                "int8 weights run through the CUDA matrix-vector kernels (redwood.kernels.gemv), "
+                f"which do not run on {self.device}"
+            )
         self.skinny_int8 = self.backend.quantize_int8(self)
         self.backend.int8_changed(self)
 
@@ -254,10 +286,17 @@ class Transformer(nn.Module):
             return self.packed_head(self.norm(hidden))
         return F.linear(self.norm(hidden), self.head_weight)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                new_mask: torch.Tensor | None = None, logits_at: torch.Tensor | None = None,
-                pending: int = 0, view: ContextView | None = None,
-                observer: Observer | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        new_mask: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None,
+        pending: int = 0,
+        view: ContextView | None = None,
+        observer: Observer | None = None,
+    ) -> torch.Tensor:
         """Run T new tokens per row through the model, writing their K/V into `cache`.
 
         input_ids, positions: [B, T]. The new tokens go to slots lengths + pending + t, after `pending`
@@ -268,8 +307,9 @@ class Transformer(nn.Module):
         logits_at: optional [B, K] indices into T — only those positions get logits (prefill needs one).
         Returns logits [B, T or K, vocab] in float32.
         """
-        logits = self.backend.whole_forward(self, input_ids, positions, cache, new_mask, logits_at, pending, view,
-                                            observer)
+        logits = self.backend.whole_forward(
+            self, input_ids, positions, cache, new_mask, logits_at, pending, view, observer
+        )
         if logits is not None:
             return logits  # (the one-token megakernel: the whole forward in one launch)
         B, T = input_ids.shape
@@ -277,9 +317,16 @@ class Transformer(nn.Module):
         capturing = cache.k.is_cuda and torch.cuda.is_current_stream_capturing()
         meta = AttentionMetadata(
             # inside a CUDA graph the reference path reads every slot (masked) rather than sync for the max
-            lengths=cache.lengths, num_new=T, kv_len=cache.capacity if capturing else None,
-            pending=pending, new_mask=new_mask, live=cache.live,
-            q_positions=positions, sliding_window=self.config.sliding_window, view=view, observer=observer,
+            lengths=cache.lengths,
+            num_new=T,
+            kv_len=cache.capacity if capturing else None,
+            pending=pending,
+            new_mask=new_mask,
+            live=cache.live,
+            q_positions=positions,
+            sliding_window=self.config.sliding_window,
+            view=view,
+            observer=observer,
             backend=backends.attention_kernel(self, input_ids, T, observer, view, pending, new_mask),
         )
         x = self.embed_tokens(input_ids)  # [B, T, H]
@@ -293,15 +340,20 @@ def hf_state_dict_to_redwood(state: dict[str, torch.Tensor]) -> dict[str, torch.
     out = {}
     for name, tensor in state.items():
         if name.startswith("model."):
-            name = name[len("model."):]
+            name = name[len("model.") :]
         if "rotary_emb" in name:
             continue
         out[name] = tensor
     return out
 
 
-def build_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device | str, rope_freqs: torch.Tensor | None = None) -> Transformer:
+def build_model(
+    config: ModelConfig,
+    state: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    rope_freqs: torch.Tensor | None = None,
+) -> Transformer:
     """A Transformer holding `state` (HF names), cast to dtype/device, with no random init.
 
     The module is built on the meta device and the tensors are assigned in, so a 1.5B model costs no
@@ -321,12 +373,15 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torc
         packed, path = state.pop(name), name.removesuffix(".weight")
         linear = model.get_submodule(path)
         if (packed.out_features, packed.in_features) != (linear.out_features, linear.in_features):
-            raise ModelLoadError(f"weight {name}: shape {(packed.out_features, packed.in_features)} does not "
-                                 f"match the config's {(linear.out_features, linear.in_features)}")
+            raise ModelLoadError(
+                f"weight {name}: shape {(packed.out_features, packed.in_features)} does not "
+                f"match the config's {(linear.out_features, linear.in_features)}"
+            )
         bias = state.pop(path + ".bias", None)
         if (bias is None) != (linear.bias is None):
-            raise ModelLoadError(f"weights do not match the model config: {'missing' if bias is None else 'unexpected'} "
-                                 f"['{path}.bias']")
+            raise ModelLoadError(
+                f"weights do not match the model config: {'missing' if bias is None else 'unexpected'} ['{path}.bias']"
+            )
         if bias is not None:
             packed.bias = bias.detach().float()
         parent, _, attr = path.rpartition(".")

@@ -30,8 +30,9 @@ def verify_greedy(target_probs: torch.Tensor, drafts: torch.Tensor) -> tuple[tor
     return accepted, best.gather(1, accepted[:, None])[:, 0]
 
 
-def verify_sampling(target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor,
-                    rand) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_sampling(
+    target_probs: torch.Tensor, draft_probs: torch.Tensor, drafts: torch.Tensor, rand
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative rejection sampling.
 
     target_probs p: [B, γ+1, V]; draft_probs q: [B, γ, V] (the distributions the drafts were drawn

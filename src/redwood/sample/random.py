@@ -41,8 +41,9 @@ def _seed_keys(seeds: list[int | None], device) -> torch.Tensor:
         s = random.getrandbits(63) if s is None else int(s)
         words.append([(s >> 32) & _MASK32, s & _MASK32])
     w = torch.tensor(words, dtype=torch.long, device=device).view(-1, 2)
-    return torch.stack([mix32(mix32(w[:, 0] ^ 0x2545F491) ^ w[:, 1]),
-                        mix32(mix32(w[:, 1] ^ 0x6C8E9CF5) ^ w[:, 0])], dim=1)
+    return torch.stack(
+        [mix32(mix32(w[:, 0] ^ 0x2545F491) ^ w[:, 1]), mix32(mix32(w[:, 1] ^ 0x6C8E9CF5) ^ w[:, 0])], dim=1
+    )
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
@@ -66,8 +67,9 @@ class RowRandom:
     def device(self) -> torch.device:
         return self.key.device
 
-    def uniform(self, rows: torch.Tensor | None, shape: tuple[int, ...],
-                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def uniform(
+        self, rows: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         """Fresh U[0, 1) numbers [N, *shape]: item i belongs to batch row rows[i] (None → N = B, item b
         is row b). Advances the counter of every row that has an item (one draw per row per call)."""
         dev = self.key.device

@@ -16,8 +16,14 @@ from redwood.sample.random import RowRandom, inverse_cdf
 from redwood.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
-def probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor, any_filter: bool | None = None, any_greedy: bool | None = None) -> torch.Tensor:
+def probabilities(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    any_filter: bool | None = None,
+    any_greedy: bool | None = None,
+) -> torch.Tensor:
     """logits: [N, V]; temperature, top_k, top_p: [N] → probs [N, V] float32.
 
     Greedy rows (temperature 0) get a one-hot on the argmax (first index on ties, like torch.argmax).
@@ -124,8 +130,11 @@ class Sampler:
     def load_state(self, other: "Sampler") -> None:
         """Take another batch's settings and random state into this sampler's tensors, in place (a
         captured graph keeps reading these tensors). The host-side flags must match."""
-        if (other.all_greedy, other.any_greedy, other.any_filter) != (self.all_greedy, self.any_greedy, self.any_filter) \
-                or other.temperature.shape != self.temperature.shape:
+        if (other.all_greedy, other.any_greedy, other.any_filter) != (
+            self.all_greedy,
+            self.any_greedy,
+            self.any_filter,
+        ) or other.temperature.shape != self.temperature.shape:
             raise ValueError("load_state needs a sampler of the same batch size and sampling flags")
         self.params = other.params
         self.temperature.copy_(other.temperature)

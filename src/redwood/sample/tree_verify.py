@@ -73,8 +73,9 @@ def _any(mask: torch.Tensor) -> bool:
     return True if _capturing() else bool(mask.any())
 
 
-def per_row_uniforms(rand, rows: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
-                     device: torch.device) -> torch.Tensor:
+def per_row_uniforms(
+    rand, rows: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """Fresh U[0, 1) numbers [N, *shape] on `device`: item i is drawn for batch row rows[i].
 
     rand: a `RowRandom`, or generators (one per row): items sharing a generator are drawn in one call, in
@@ -88,8 +89,10 @@ def per_row_uniforms(rand, rows: torch.Tensor, shape: tuple[int, ...], dtype: to
         return torch.empty((0, *shape), dtype=dtype, device=device)
     order = torch.sort(rows.cpu(), stable=True)
     uniq, counts = torch.unique_consecutive(order.values, return_counts=True)
-    drawn = [torch.rand((c, *shape), generator=generators[r], device=generators[r].device, dtype=dtype)
-             for r, c in zip(uniq.tolist(), counts.tolist())]
+    drawn = [
+        torch.rand((c, *shape), generator=generators[r], device=generators[r].device, dtype=dtype)
+        for r, c in zip(uniq.tolist(), counts.tolist())
+    ]
     drawn = torch.cat([d.to(device) for d in drawn]) if len(drawn) > 1 else drawn[0].to(device)
     out = torch.empty_like(drawn)
     out[order.indices.to(device)] = drawn  # back from row-sorted order to item order
@@ -186,23 +189,37 @@ _INDEX_TENSORS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 def _index_tensors(parents: tuple[int, ...], start: list[int], count: list[int], device: torch.device):
     key = (parents, str(device))
     if key not in _INDEX_TENSORS:
-        _INDEX_TENSORS[key] = (torch.tensor(start, dtype=torch.long, device=device),
-                               torch.tensor(count, dtype=torch.long, device=device))
+        _INDEX_TENSORS[key] = (
+            torch.tensor(start, dtype=torch.long, device=device),
+            torch.tensor(count, dtype=torch.long, device=device),
+        )
     return _INDEX_TENSORS[key]
 
 
 # ------------------------------------------------------------------------------------------ target side
 
 
-def verify_tree(verifier: str, parents: list[int], tokens: torch.Tensor, target_probs: torch.Tensor,
-                draft_probs: torch.Tensor | None, rand) -> tuple[list[list[int]], torch.Tensor]:
+def verify_tree(
+    verifier: str,
+    parents: list[int],
+    tokens: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    rand,
+) -> tuple[list[list[int]], torch.Tensor]:
     """`verify_tree_paths` with the accepted paths as Python lists (one host sync)."""
     path, next_token = verify_tree_paths(verifier, parents, tokens, target_probs, draft_probs, rand)
     return [[v for v in row if v >= 0] for row in path.tolist()], next_token
 
 
-def verify_tree_paths(verifier: str, parents: list[int], tokens: torch.Tensor, target_probs: torch.Tensor,
-                      draft_probs: torch.Tensor | None, rand) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_tree_paths(
+    verifier: str,
+    parents: list[int],
+    tokens: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    rand,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Walk a scored token tree for every row of a batch.
 
     verifier: "sequoia" | "specinfer" | "greedy" | "topk"; parents: [n] (parents[0] < 0; children

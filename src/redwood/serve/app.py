@@ -73,19 +73,33 @@ class ServeState:
         return self.loop.engine
 
 
-def create_app(engine, *, served_model_name: str | None = None, api_key: str | None = None,
-               max_queue: int | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+def create_app(
+    engine,
+    *,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_queue: int | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> FastAPI:
     """The app serving `engine` (a loaded `redwood.Engine`); its engine thread runs while the app's
     lifespan does. `app.state.redwood` is the ServeState (`begin_drain()` sets its draining flag)."""
     name = served_model_name or engine.model_name
     metrics = ServerMetrics(name)
-    state = ServeState(EngineLoop(engine, max_queue=max_queue, observer=metrics), metrics, name, api_key,
-                       max_request_bytes, TokenText(engine.tokenizer), created=int(time.time()))
+    state = ServeState(
+        EngineLoop(engine, max_queue=max_queue, observer=metrics),
+        metrics,
+        name,
+        api_key,
+        max_request_bytes,
+        TokenText(engine.tokenizer),
+        created=int(time.time()),
+    )
 
     @asynccontextmanager
     async def lifespan(app):
-        state.tokenize_pool = ThreadPoolExecutor(min(TOKENIZER_THREADS, os.cpu_count() or 1),
-                                                 thread_name_prefix="redwood-tokenize")
+        state.tokenize_pool = ThreadPoolExecutor(
+            min(TOKENIZER_THREADS, os.cpu_count() or 1), thread_name_prefix="redwood-tokenize"
+        )
         state.loop.start(asyncio.get_running_loop())
         try:
             yield
@@ -125,17 +139,32 @@ def create_app(engine, *, served_model_name: str | None = None, api_key: str | N
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check_model(state, body.model)
-        prompts = list(await asyncio.gather(*(_off_loop(state, _encode_text, state, p) if isinstance(p, str)
-                                              else _ready(list(p)) for p in body.prompts())))
-        return await _generate(state, request, body, prompts, "prompt", chat=False, num_logprobs=body.logprobs,
-                               max_tokens=body.max_tokens)
+        prompts = list(
+            await asyncio.gather(
+                *(
+                    _off_loop(state, _encode_text, state, p) if isinstance(p, str) else _ready(list(p))
+                    for p in body.prompts()
+                )
+            )
+        )
+        return await _generate(
+            state, request, body, prompts, "prompt", chat=False, num_logprobs=body.logprobs, max_tokens=body.max_tokens
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(state, body.model)
         prompt = await _off_loop(state, _apply_chat_template, state, body)
-        return await _generate(state, request, body, [prompt], "messages", chat=True,
-                               num_logprobs=body.num_logprobs, max_tokens=body.max_new_tokens)
+        return await _generate(
+            state,
+            request,
+            body,
+            [prompt],
+            "messages",
+            chat=True,
+            num_logprobs=body.num_logprobs,
+            max_tokens=body.max_new_tokens,
+        )
 
     return app
 
@@ -143,14 +172,23 @@ def create_app(engine, *, served_model_name: str | None = None, api_key: str | N
 # ---------------------------------------------------------------------- requests → engine
 def _check_model(state: ServeState, model: str | None) -> None:
     if model is not None and model != state.model_name:
-        raise APIError(404, f"the model '{model}' does not exist; this server serves '{state.model_name}'",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model '{model}' does not exist; this server serves '{state.model_name}'",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def _model_card(state: ServeState) -> dict:
-    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "redwood",
-            "root": str(state.engine.model_path or state.engine.model_name),
-            "max_model_len": state.engine.max_model_len}
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "redwood",
+        "root": str(state.engine.model_path or state.engine.model_name),
+        "max_model_len": state.engine.max_model_len,
+    }
 
 
 async def _off_loop(state: ServeState, fn, *args):
@@ -174,8 +212,9 @@ def _encode_text(state: ServeState, text: str) -> list[int]:
 def _apply_chat_template(state: ServeState, body: ChatCompletionRequest) -> list[int]:
     tokenizer = state.engine.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, f"the model '{state.model_name}' has no chat template: use /v1/completions",
-                       param="messages")
+        raise APIError(
+            400, f"the model '{state.model_name}' has no chat template: use /v1/completions", param="messages"
+        )
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -184,31 +223,60 @@ def _apply_chat_template(state: ServeState, body: ChatCompletionRequest) -> list
     return list(ids)
 
 
-def _sampling_params(body, prompt_len: int, max_tokens: int | None, max_model_len: int, num_logprobs: int | None,
-                     seed_offset: int, param: str) -> SamplingParams:
+def _sampling_params(
+    body,
+    prompt_len: int,
+    max_tokens: int | None,
+    max_model_len: int,
+    num_logprobs: int | None,
+    seed_offset: int,
+    param: str,
+) -> SamplingParams:
     if prompt_len >= max_model_len:
-        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but the {param} has "
-                            f"{prompt_len} tokens (at most {max_model_len - 1} leave room to generate)",
-                       param=param, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"this model's maximum context length is {max_model_len} tokens, but the {param} has "
+            f"{prompt_len} tokens (at most {max_model_len - 1} leave room to generate)",
+            param=param,
+            code="context_length_exceeded",
+        )
     if max_tokens is not None and prompt_len + max_tokens > max_model_len:
-        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but you requested "
-                            f"{prompt_len + max_tokens} ({prompt_len} in the {param}, {max_tokens} to generate): "
-                            f"lower max_tokens or shorten the {param}", param="max_tokens",
-                       code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"this model's maximum context length is {max_model_len} tokens, but you requested "
+            f"{prompt_len + max_tokens} ({prompt_len} in the {param}, {max_tokens} to generate): "
+            f"lower max_tokens or shorten the {param}",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     try:
         return SamplingParams(
-            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
             # No max_tokens: up to the context. Asked for as the whole context (the Engine caps it by what
             # the prompt leaves), so a request the context stops finishes "context", not "length".
             max_new_tokens=max_tokens if max_tokens is not None else max_model_len,
-            seed=None if body.seed is None else body.seed + seed_offset, stop=tuple(body.stop or ()),
-            ignore_eos=body.ignore_eos, logprobs=num_logprobs)
+            seed=None if body.seed is None else body.seed + seed_offset,
+            stop=tuple(body.stop or ()),
+            ignore_eos=body.ignore_eos,
+            logprobs=num_logprobs,
+        )
     except ConfigError as e:
         raise APIError(400, str(e)) from None
 
 
-async def _generate(state: ServeState, request: Request, body, prompts: list[list[int]], param: str, *, chat: bool,
-                    num_logprobs: int | None, max_tokens: int | None):
+async def _generate(
+    state: ServeState,
+    request: Request,
+    body,
+    prompts: list[list[int]],
+    param: str,
+    *,
+    chat: bool,
+    num_logprobs: int | None,
+    max_tokens: int | None,
+):
     rid = new_id("chatcmpl" if chat else "cmpl")
     items, choices = [], []
     for p, ids in enumerate(prompts):
@@ -231,9 +299,11 @@ async def _generate(state: ServeState, request: Request, body, prompts: list[lis
     prompt_lens = [len(ids) for ids in prompts]
     if body.stream:
         maker = ChunkMaker(rid, state.model_name, chat, state.token_text, num_logprobs, body.stats, body.include_usage)
-        return StreamingResponse(_stream(state, maker, handles, by_id, choices, prompt_lens),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            _stream(state, maker, handles, by_id, choices, prompt_lens),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
     await _collect(state, request, handles, by_id)
     build = chat_response if chat else completion_response
     return build(rid, state.model_name, choices, prompt_lens, state.token_text, num_logprobs, body.stats)
@@ -314,14 +384,18 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc: StarletteHTTPException):
         codes = {404: "not_found", 405: "method_not_allowed"}
-        return JSONResponse(APIError(exc.status_code, str(exc.detail), code=codes.get(exc.status_code)).body(),
-                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            APIError(exc.status_code, str(exc.detail), code=codes.get(exc.status_code)).body(),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     @app.exception_handler(Exception)
     async def internal(request, exc: Exception):
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(APIError(500, f"internal server error ({type(exc).__name__})", "server_error").body(),
-                            status_code=500)
+        return JSONResponse(
+            APIError(500, f"internal server error ({type(exc).__name__})", "server_error").body(), status_code=500
+        )
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:

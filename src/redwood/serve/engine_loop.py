@@ -105,8 +105,9 @@ class EngineLoop:
         """Requests submitted whose last delta has not been queued yet."""
         return self._in_flight
 
-    async def submit(self, items: list[tuple[str, list[int], SamplingParams]],
-                     queue: asyncio.Queue | None = None) -> list[RequestHandle]:
+    async def submit(
+        self, items: list[tuple[str, list[int], SamplingParams]], queue: asyncio.Queue | None = None
+    ) -> list[RequestHandle]:
         """Add a group of requests (request id, prompt ids, params); → their handles, in order, all
         delivering to `queue` (default: a new one for the group).
 

@@ -17,9 +17,13 @@ from redwood.serve.protocol import APIError
 
 async def send_error(send, error: APIError, headers: list[tuple[bytes, bytes]] = ()) -> None:
     body = json.dumps(error.body()).encode()
-    await send({"type": "http.response.start", "status": error.status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *headers]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": error.status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -34,14 +38,21 @@ class Guard:
             return await self.app(scope, receive, send)
         state, path = self.state, scope["path"]
         if state.draining and path != "/metrics":
-            return await send_error(send, APIError(503, "the server is shutting down", "service_unavailable_error",
-                                                   code="draining"))
+            return await send_error(
+                send, APIError(503, "the server is shutting down", "service_unavailable_error", code="draining")
+            )
         if state.api_key is not None and path.startswith("/v1"):
             if not _authorized(scope, state.api_key):
                 return await send_error(
-                    send, APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
-                                   "authentication_error", code="invalid_api_key"),
-                    [(b"www-authenticate", b"Bearer")])
+                    send,
+                    APIError(
+                        401,
+                        "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                        "authentication_error",
+                        code="invalid_api_key",
+                    ),
+                    [(b"www-authenticate", b"Bearer")],
+                )
         limit = state.max_request_bytes
         declared = _header(scope, b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
@@ -71,8 +82,9 @@ class Guard:
 
 
 def _too_large(limit: int) -> APIError:
-    return APIError(413, f"the request body is larger than the server's limit of {limit} bytes",
-                    code="request_too_large")
+    return APIError(
+        413, f"the request body is larger than the server's limit of {limit} bytes", code="request_too_large"
+    )
 
 
 def _header(scope, name: bytes) -> str | None:

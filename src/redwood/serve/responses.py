@@ -67,22 +67,31 @@ def redwood_stats(stats_list: list[dict]) -> dict:
     sequence (the first token, from the prefill, left out), over all the choices' decode time."""
     decode_tokens = sum(max(s["generated_tokens"] - 1, 0) for s in stats_list)
     decode_s = sum(s["decode_s"] for s in stats_list)
-    out = {"acceptance_rate": None, "mean_accepted_length": None, "drafted": None, "accepted": None,
-           "steps": None, "tokens_per_s": round(decode_tokens / decode_s, 3) if decode_s > 0 else 0.0}
+    out = {
+        "acceptance_rate": None,
+        "mean_accepted_length": None,
+        "drafted": None,
+        "accepted": None,
+        "steps": None,
+        "tokens_per_s": round(decode_tokens / decode_s, 3) if decode_s > 0 else 0.0,
+    }
     specs = [s["speculative"] for s in stats_list if s.get("speculative")]
     if specs:
         drafted, accepted, steps = (sum(s[k] for s in specs) for k in ("drafted", "accepted", "steps"))
-        out.update(drafted=drafted, accepted=accepted, steps=steps,
-                   acceptance_rate=round(accepted / drafted, 4) if drafted else 0.0,
-                   mean_accepted_length=round((accepted + steps) / steps, 4) if steps else 0.0)
+        out.update(
+            drafted=drafted,
+            accepted=accepted,
+            steps=steps,
+            acceptance_rate=round(accepted / drafted, 4) if drafted else 0.0,
+            mean_accepted_length=round((accepted + steps) / steps, 4) if steps else 0.0,
+        )
     return out
 
 
 def redwood_extension(choices: list[ChoiceState]) -> dict:
     """A whole response's `redwood` field: the stats summed over its choices, and each choice's finish
     reason as the Engine gave it ("context" where the wire says "length"), in choice order."""
-    return {**redwood_stats([c.stats for c in choices]),
-            "finish_reasons": [c.engine_finish_reason for c in choices]}
+    return {**redwood_stats([c.stats for c in choices]), "finish_reasons": [c.engine_finish_reason for c in choices]}
 
 
 # ---------------------------------------------------------------------- token text and bytes
@@ -136,8 +145,9 @@ def chat_logprobs(token_text: TokenText, logprobs, num_top: int) -> dict:
     content = []
     for lp in logprobs:
         text, raw = token_text(lp.token_id)
-        top = [{"token": t, "logprob": p, "bytes": b}
-               for (t, b), p in ((token_text(i), p) for i, p in lp.top[:num_top])]
+        top = [
+            {"token": t, "logprob": p, "bytes": b} for (t, b), p in ((token_text(i), p) for i, p in lp.top[:num_top])
+        ]
         content.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
     return {"content": content, "refusal": None}
 
@@ -157,29 +167,64 @@ def completion_logprobs(token_text: TokenText, logprobs, num_top: int, offset: i
 
 
 # ---------------------------------------------------------------------- whole responses
-def completion_response(rid: str, model: str, choices: list[ChoiceState], prompt_lens: list[int],
-                        token_text: TokenText, num_logprobs: int | None, stats: bool) -> dict:
-    out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-           "choices": [], "usage": usage(prompt_lens, choices), "system_fingerprint": None}
+def completion_response(
+    rid: str,
+    model: str,
+    choices: list[ChoiceState],
+    prompt_lens: list[int],
+    token_text: TokenText,
+    num_logprobs: int | None,
+    stats: bool,
+) -> dict:
+    out = {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [],
+        "usage": usage(prompt_lens, choices),
+        "system_fingerprint": None,
+    }
     for c in choices:
         lp = None
         if num_logprobs is not None:
             lp, _ = completion_logprobs(token_text, c.logprobs, num_logprobs, 0)
-        out["choices"].append({"index": c.index, "text": "".join(c.text), "logprobs": lp,
-                               "finish_reason": c.finish_reason})
+        out["choices"].append(
+            {"index": c.index, "text": "".join(c.text), "logprobs": lp, "finish_reason": c.finish_reason}
+        )
     if stats:
         out["redwood"] = redwood_extension(choices)
     return out
 
 
-def chat_response(rid: str, model: str, choices: list[ChoiceState], prompt_lens: list[int],
-                  token_text: TokenText, num_logprobs: int | None, stats: bool) -> dict:
-    out = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-           "choices": [], "usage": usage(prompt_lens, choices), "system_fingerprint": None}
+def chat_response(
+    rid: str,
+    model: str,
+    choices: list[ChoiceState],
+    prompt_lens: list[int],
+    token_text: TokenText,
+    num_logprobs: int | None,
+    stats: bool,
+) -> dict:
+    out = {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [],
+        "usage": usage(prompt_lens, choices),
+        "system_fingerprint": None,
+    }
     for c in choices:
         lp = chat_logprobs(token_text, c.logprobs, num_logprobs) if num_logprobs is not None else None
-        out["choices"].append({"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
-                               "logprobs": lp, "finish_reason": c.finish_reason})
+        out["choices"].append(
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": "".join(c.text)},
+                "logprobs": lp,
+                "finish_reason": c.finish_reason,
+            }
+        )
     if stats:
         out["redwood"] = redwood_extension(choices)
     return out
@@ -189,24 +234,39 @@ def chat_response(rid: str, model: str, choices: list[ChoiceState], prompt_lens:
 class ChunkMaker:
     """Stream chunks of one response (one id, one created time) for either endpoint."""
 
-    def __init__(self, rid: str, model: str, chat: bool, token_text: TokenText, num_logprobs: int | None,
-                 stats: bool, include_usage: bool):
+    def __init__(
+        self,
+        rid: str,
+        model: str,
+        chat: bool,
+        token_text: TokenText,
+        num_logprobs: int | None,
+        stats: bool,
+        include_usage: bool,
+    ):
         self.rid, self.model, self.chat = rid, model, chat
         self.token_text, self.num_logprobs, self.stats = token_text, num_logprobs, stats
         self.include_usage = include_usage
         self.created = int(time.time())
 
     def _chunk(self, choices: list[dict]) -> dict:
-        out = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
-               "created": self.created, "model": self.model, "choices": choices, "system_fingerprint": None}
+        out = {
+            "id": self.rid,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "system_fingerprint": None,
+        }
         if self.include_usage:
             out["usage"] = None  # (OpenAI: null on every chunk but the last)
         return out
 
     def role(self, index: int) -> dict:
         """Chat's first chunk of a choice: the assistant role, empty content."""
-        return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}])
+        return self._chunk(
+            [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+        )
 
     def delta(self, choice: ChoiceState, delta) -> dict | None:
         """The chunk for one Engine delta of `choice` (already added to it), or None when it carries
@@ -217,13 +277,18 @@ class ChunkMaker:
             if self.chat:
                 logprobs = chat_logprobs(self.token_text, delta.logprobs, self.num_logprobs)
             else:
-                logprobs, choice.text_offset = completion_logprobs(self.token_text, delta.logprobs,
-                                                                   self.num_logprobs, choice.text_offset)
+                logprobs, choice.text_offset = completion_logprobs(
+                    self.token_text, delta.logprobs, self.num_logprobs, choice.text_offset
+                )
         if not delta.text and logprobs is None and finish is None:
             return None
         if self.chat:
-            body = {"index": choice.index, "delta": {"content": delta.text} if delta.text or finish is None else {},
-                    "logprobs": logprobs, "finish_reason": finish}
+            body = {
+                "index": choice.index,
+                "delta": {"content": delta.text} if delta.text or finish is None else {},
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }
         else:
             body = {"index": choice.index, "text": delta.text, "logprobs": logprobs, "finish_reason": finish}
         out = self._chunk([body])

@@ -35,8 +35,11 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         if not self.state.draining:
             self.state.draining = True
-            log.info("%s: draining — new requests get 503; %d running request(s) finish first",
-                     signal.Signals(sig).name, self.state.loop.in_flight)
+            log.info(
+                "%s: draining — new requests get 503; %d running request(s) finish first",
+                signal.Signals(sig).name,
+                self.state.loop.in_flight,
+            )
         elif sig == signal.SIGINT:
             self.force_exit = self.should_exit = True
 

@@ -24,11 +24,15 @@ def check_draft_tree(tree, what: str = "tree") -> None:
     """A ConfigError for a speculation tree with no draft token (a lone root: plain decoding — vLLM
     likewise rejects num_speculative_tokens 0 with a draft) or deeper than MAX_DRAFT_DEPTH drafts."""
     if tree.size < 2:
-        raise ConfigError(f"{what} has no draft tokens (a lone root); speculate at least one token per step, "
-                          f"or drop the speculation settings to decode autoregressively")
+        raise ConfigError(
+            f"{what} has no draft tokens (a lone root); speculate at least one token per step, "
+            f"or drop the speculation settings to decode autoregressively"
+        )
     if tree.max_depth - 1 > MAX_DRAFT_DEPTH:
-        raise ConfigError(f"{what} drafts {tree.max_depth - 1} tokens deep; at most {MAX_DRAFT_DEPTH} (a longer "
-                          f"path is almost never accepted whole, and every level costs a draft forward)")
+        raise ConfigError(
+            f"{what} drafts {tree.max_depth - 1} tokens deep; at most {MAX_DRAFT_DEPTH} (a longer "
+            f"path is almost never accepted whole, and every level costs a draft forward)"
+        )
 
 
 @dataclass(frozen=True)
@@ -78,8 +82,10 @@ class SpeculativeConfig:
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
             raise ConfigError(f"num_draft_tokens (gamma) must be an integer >= 1, got {self.num_draft_tokens!r}")
         if self.num_draft_tokens > MAX_DRAFT_DEPTH:
-            raise ConfigError(f"num_draft_tokens (gamma) must be at most {MAX_DRAFT_DEPTH}, got "
-                              f"{self.num_draft_tokens} (see redwood.speculation.config.MAX_DRAFT_DEPTH)")
+            raise ConfigError(
+                f"num_draft_tokens (gamma) must be at most {MAX_DRAFT_DEPTH}, got "
+                f"{self.num_draft_tokens} (see redwood.speculation.config.MAX_DRAFT_DEPTH)"
+            )
         if self.verifier not in VERIFIERS:
             raise ConfigError(f"unknown verifier {self.verifier!r}; choose one of {', '.join(VERIFIERS)}")
         for name in ("draft_budget", "window"):
@@ -89,10 +95,13 @@ class SpeculativeConfig:
         if self.sinks is not None and (not isinstance(self.sinks, int) or self.sinks < 0):
             raise ConfigError(f"sinks must be an integer >= 0, got {self.sinks!r}")
         if self.draft_weights not in WEIGHT_CHOICES:
-            raise ConfigError(f"unknown draft_weights {self.draft_weights!r}; choose one of {', '.join(WEIGHT_CHOICES)}")
+            raise ConfigError(
+                f"unknown draft_weights {self.draft_weights!r}; choose one of {', '.join(WEIGHT_CHOICES)}"
+            )
         if self.draft_weights != "auto" and self.self_speculate:
-            raise ConfigError("draft_weights applies to a draft model; self-speculation drafts with the target's "
-                              "weights")
+            raise ConfigError(
+                "draft_weights applies to a draft model; self-speculation drafts with the target's weights"
+            )
         self.make_policy()  # validates the policy's own settings
         self.make_tree()
 
@@ -105,5 +114,6 @@ class SpeculativeConfig:
         return tree
 
     def make_policy(self):
-        return make_policy(self.draft_kv, budget=self.draft_budget, sinks=self.sinks, window=self.window,
-                           kernel=self.pool_kernel)
+        return make_policy(
+            self.draft_kv, budget=self.draft_budget, sinks=self.sinks, window=self.window, kernel=self.pool_kernel
+        )

@@ -102,11 +102,19 @@ def device_plan(tree: Tree, m: int, device: torch.device) -> DevicePlan:
             mask = plan.masks[step - 1]
             if m:  # lead tokens are committed context: every node sees them
                 mask = torch.cat([torch.ones(len(nodes), m, dtype=torch.bool), mask], dim=1)
-        levels.append(LevelPlan(torch.tensor(nodes, device=device), offsets.to(device),
-                                None if mask is None else mask.to(device), k,
-                                torch.tensor(src, device=device), torch.tensor(dst, device=device)))
-    return DevicePlan(tuple(levels), torch.tensor(plan.fed_pos, device=device),
-                      all(len(nodes) == 1 for nodes in plan.steps))
+        levels.append(
+            LevelPlan(
+                torch.tensor(nodes, device=device),
+                offsets.to(device),
+                None if mask is None else mask.to(device),
+                k,
+                torch.tensor(src, device=device),
+                torch.tensor(dst, device=device),
+            )
+        )
+    return DevicePlan(
+        tuple(levels), torch.tensor(plan.fed_pos, device=device), all(len(nodes) == 1 for nodes in plan.steps)
+    )
 
 
 class Drafter:
@@ -123,8 +131,17 @@ class Drafter:
     # model, the draft's for the rows a step runs.
     own_model: Transformer | None = None  # a standalone draft model (its own cache), else None
 
-    def propose(self, target, draft, prev: torch.Tensor, last: torch.Tensor, tree: Tree,
-                sampler: Sampler, rule: str, need_q: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(
+        self,
+        target,
+        draft,
+        prev: torch.Tensor,
+        last: torch.Tensor,
+        tree: Tree,
+        sampler: Sampler,
+        rule: str,
+        need_q: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft a tree after `last` [B] (`prev` [B]: the newest committed token); `target` runs the
         target over its cache, `draft` the draft model over its own (None for self-speculation).
 
@@ -148,8 +165,17 @@ class Drafter:
             self._device_plans[key] = device_plan(tree, m, device)
         return self._device_plans[key]
 
-    def _draft(self, runner, lead: torch.Tensor | None, last: torch.Tensor,
-               tree: Tree, sampler: Sampler, rule: str, need_q: bool, vocab: int):
+    def _draft(
+        self,
+        runner,
+        lead: torch.Tensor | None,
+        last: torch.Tensor,
+        tree: Tree,
+        sampler: Sampler,
+        rule: str,
+        need_q: bool,
+        vocab: int,
+    ):
         """Level-by-level drafting into the runner's cache after its committed length, reading the
         context through `self.policy`. No host synchronization (graph-capturable).
 
@@ -173,8 +199,14 @@ class Drafter:
                 logits = runner.forward(ids, positions, policy=policy)[:, m:]
             else:
                 positions = root_pos[:, None] + lv.offsets
-                logits = runner.forward(tokens[:, lv.nodes], positions, pending=m + fed, new_mask=lv.mask,
-                                        mask_key=("draft", tree, step, m), policy=policy)
+                logits = runner.forward(
+                    tokens[:, lv.nodes],
+                    positions,
+                    pending=m + fed,
+                    new_mask=lv.mask,
+                    mask_key=("draft", tree, step, m),
+                    policy=policy,
+                )
             T = logits.shape[1]
             fed += T
             logits = logits[..., :vocab].reshape(B * T, -1)  # [B·T, V] — the shared vocabulary only

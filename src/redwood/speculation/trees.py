@@ -68,12 +68,15 @@ class Tree:
             if p < 0:
                 raise ConfigError(f"node {i} has parent {p}: only the root (node 0) has no parent")
             if p >= i:
-                raise ConfigError(f"node {i} has parent {p}: a parent must come before its children "
-                                  f"(parents[i] < i, breadth-first numbering)")
+                raise ConfigError(
+                    f"node {i} has parent {p}: a parent must come before its children "
+                    f"(parents[i] < i, breadth-first numbering)"
+                )
             if p < ps[i - 1]:
                 raise ConfigError(
                     f"node {i} has parent {p} but node {i - 1} has parent {ps[i - 1]}: nodes must be numbered "
-                    f"breadth-first with each node's children contiguous (parents non-decreasing)")
+                    f"breadth-first with each node's children contiguous (parents non-decreasing)"
+                )
         if not isinstance(self.meta, Mapping):
             raise ConfigError(f"tree meta must be an object, got {type(self.meta).__name__}")
         object.__setattr__(self, "parents", ps)
@@ -112,7 +115,7 @@ class Tree:
 
     def first_levels(self, depth: int) -> "Tree":
         """The tree cut to its first depth + 1 levels (nodes are numbered breadth-first: a prefix)."""
-        return self if depth >= self.max_depth - 1 else Tree(self.parents[:self.levels[depth].stop])
+        return self if depth >= self.max_depth - 1 else Tree(self.parents[: self.levels[depth].stop])
 
     @cached_property
     def level_slices(self) -> tuple[slice, ...]:
@@ -248,8 +251,10 @@ class Tree:
             _check_int(c, f"child count of node {i}", minimum=0)
             if i >= len(parents):
                 if c:
-                    raise ConfigError(f"child_counts[{i}] = {c}, but the tree has only {len(parents)} nodes "
-                                      f"at that point (node {i} does not exist)")
+                    raise ConfigError(
+                        f"child_counts[{i}] = {c}, but the tree has only {len(parents)} nodes "
+                        f"at that point (node {i} does not exist)"
+                    )
                 continue
             parents.extend([i] * c)
         return cls(tuple(parents))
@@ -281,8 +286,9 @@ class Tree:
         path.parent.mkdir(parents=True, exist_ok=True)
         # parents on one line (long trees stay readable), meta pretty-printed
         meta = json.dumps(dict(self.meta), indent=2).replace("\n", "\n  ")
-        path.write_text('{\n  "format": "%s",\n  "parents": %s,\n  "meta": %s\n}\n'
-                        % (FORMAT, json.dumps(list(self.parents)), meta))
+        path.write_text(
+            '{\n  "format": "%s",\n  "parents": %s,\n  "meta": %s\n}\n' % (FORMAT, json.dumps(list(self.parents)), meta)
+        )
         return path
 
     @classmethod
@@ -335,8 +341,7 @@ def acceptance_rows(acceptance, depth: int | None = None, use_per_depth: bool = 
     common width. When `depth` is given, the list is extended to at least `depth` rows by repeating the
     last row."""
     if hasattr(acceptance, "values") and hasattr(acceptance, "per_depth"):  # an AcceptanceVector
-        raw = [acceptance.values] if (acceptance.per_depth is None or not use_per_depth) \
-            else list(acceptance.per_depth)
+        raw = [acceptance.values] if (acceptance.per_depth is None or not use_per_depth) else list(acceptance.per_depth)
     else:
         arr = acceptance
         if isinstance(arr, np.ndarray):
@@ -347,8 +352,9 @@ def acceptance_rows(acceptance, depth: int | None = None, use_per_depth: bool = 
             raw = [tuple(r) for r in arr]
         else:
             raw = [tuple(arr)]
-    rows = [prob_row(r, "acceptance" if len(raw) == 1 else f"acceptance[depth {d}]")
-            for d, r in enumerate(raw, start=1)]
+    rows = [
+        prob_row(r, "acceptance" if len(raw) == 1 else f"acceptance[depth {d}]") for d, r in enumerate(raw, start=1)
+    ]
     width = max(len(r) for r in rows)
     out = [np.array(list(r) + [0.0] * (width - len(r)), dtype=np.float64) for r in rows]
     if depth is not None:
@@ -413,5 +419,6 @@ def resolve_tree(spec: "str | Tree") -> Tree:
     if s in shipped_trees():
         return load_shipped_tree(s)
     names = ", ".join(shipped_trees()) or "none"
-    raise ConfigError(f"unknown tree {spec!r}: use chain:G, chains:KxL, a path to a .json tree file, "
-                      f"or a shipped tree ({names})")
+    raise ConfigError(
+        f"unknown tree {spec!r}: use chain:G, chains:KxL, a path to a .json tree file, or a shipped tree ({names})"
+    )

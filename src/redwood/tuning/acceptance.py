@@ -62,16 +62,23 @@ class AcceptanceVector:
         if self.method not in METHODS:
             raise ConfigError(f"acceptance method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.p_none is not None:
-            if isinstance(self.p_none, bool) or not isinstance(self.p_none, (int, float)) \
-                    or not math.isfinite(self.p_none) or not 0 <= self.p_none <= 1 + SUM_TOLERANCE:
+            if (
+                isinstance(self.p_none, bool)
+                or not isinstance(self.p_none, (int, float))
+                or not math.isfinite(self.p_none)
+                or not 0 <= self.p_none <= 1 + SUM_TOLERANCE
+            ):
                 raise ConfigError(f"p_none must be a probability in [0, 1], got {self.p_none!r}")
             total = sum(self.values) + float(self.p_none)
             if total > 1 + SUM_TOLERANCE:
                 raise ConfigError(f"values plus p_none sum to {total:.6f} > 1")
             object.__setattr__(self, "p_none", float(self.p_none))
         if self.per_depth is not None:
-            if isinstance(self.per_depth, (str, bytes)) or not isinstance(self.per_depth, Sequence) \
-                    or len(self.per_depth) == 0:
+            if (
+                isinstance(self.per_depth, (str, bytes))
+                or not isinstance(self.per_depth, Sequence)
+                or len(self.per_depth) == 0
+            ):
                 raise ConfigError("per_depth must be a non-empty list of rows (row d-1: children at depth d)")
             rows = tuple(prob_row(r, f"per_depth[depth {d}]") for d, r in enumerate(self.per_depth, start=1))
             for d, r in enumerate(rows, start=1):
@@ -82,8 +89,9 @@ class AcceptanceVector:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
                 raise ConfigError(f"{name} must be a non-negative number, got {v!r}")
-        if self.samples is not None and (isinstance(self.samples, bool) or not isinstance(self.samples, int)
-                                         or self.samples < 0):
+        if self.samples is not None and (
+            isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 0
+        ):
             raise ConfigError(f"samples must be a non-negative integer, got {self.samples!r}")
         for name in ("models", "notes"):
             v = getattr(self, name)
@@ -133,8 +141,20 @@ class AcceptanceVector:
         check_format(d, FORMAT, source)
         if "values" not in d:
             raise ConfigError(f"{source}: missing 'values' (the per-rank acceptance p_1..p_W)")
-        known = {"format", "models", "method", "width", "temperature", "top_p", "dataset", "samples",
-                 "values", "p_none", "per_depth", "notes"}
+        known = {
+            "format",
+            "models",
+            "method",
+            "width",
+            "temperature",
+            "top_p",
+            "dataset",
+            "samples",
+            "values",
+            "p_none",
+            "per_depth",
+            "notes",
+        }
         unknown = sorted(set(d) - known)
         if unknown:
             raise ConfigError(f"{source}: unknown field(s) {', '.join(unknown)}")

@@ -75,8 +75,9 @@ def check_settings(width: int, temperature: float, top_p: float, verifier: str) 
     if verifier not in VERIFIERS:
         raise ConfigError(f"unknown verifier {verifier!r}; choose one of {', '.join(VERIFIERS)}")
     if verifier == "greedy" and temperature > 0:
-        raise ConfigError("the greedy verifier is exact only at temperature 0; use sequoia, specinfer or topk "
-                          "for sampled decoding")
+        raise ConfigError(
+            "the greedy verifier is exact only at temperature 0; use sequoia, specinfer or topk for sampled decoding"
+        )
 
 
 # ============================================================================ static: exact expectations
@@ -127,8 +128,14 @@ def expected_acceptance(p: torch.Tensor, q: torch.Tensor, children: torch.Tensor
     return out
 
 
-def static_acceptance(p: torch.Tensor, q: torch.Tensor, width: int, verifier: str, generator: torch.Generator,
-                      rank_by: torch.Tensor | None = None) -> torch.Tensor:
+def static_acceptance(
+    p: torch.Tensor,
+    q: torch.Tensor,
+    width: int,
+    verifier: str,
+    generator: torch.Generator,
+    rank_by: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Draw W children per node by the verifier's rule and return their expected acceptance [N, W].
 
     p, q: [N, V] processed target / draft distributions; rank_by: [N, V] what the draft ranks its top-k
@@ -142,8 +149,8 @@ def static_acceptance(p: torch.Tensor, q: torch.Tensor, width: int, verifier: st
     chunk = max(1, _CHUNK_ELEMENTS // V)
     outs = []
     for s in range(0, N, chunk):
-        pc, qc = p[s:s + chunk], q[s:s + chunk]
-        src = qc if rule != "topk" or rank_by is None else rank_by[s:s + chunk]
+        pc, qc = p[s : s + chunk], q[s : s + chunk]
+        src = qc if rule != "topk" or rank_by is None else rank_by[s : s + chunk]
         rows = torch.zeros(pc.shape[0], dtype=torch.long)
         kids = draw_children(src, width, rule, [generator], rows)
         outs.append(expected_acceptance(pc, qc, kids, verifier))
@@ -173,8 +180,17 @@ def _logits_at(model, ids: list[int], at: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def measure_static(target, draft, texts: Sequence[tuple[list[int], int]], width: int, temperature: float,
-                   top_p: float, verifier: str, seed: int = 0, progress=None) -> StaticResult:
+def measure_static(
+    target,
+    draft,
+    texts: Sequence[tuple[list[int], int]],
+    width: int,
+    temperature: float,
+    top_p: float,
+    verifier: str,
+    seed: int = 0,
+    progress=None,
+) -> StaticResult:
     """Teacher-forced expected acceptance over `texts`: (token ids, number of leading context tokens).
 
     target / draft: redwood Transformers sharing a tokenizer (the draft may have a smaller or larger
@@ -208,8 +224,10 @@ def measure_static(target, draft, texts: Sequence[tuple[list[int], int]], width:
         if progress is not None:
             progress(i + 1, len(texts), count)
     if count == 0:
-        raise ConfigError("no positions to score: every text is no longer than its context (prompt) part; "
-                          "use longer texts or a smaller --prompt-len")
+        raise ConfigError(
+            "no positions to score: every text is no longer than its context (prompt) part; "
+            "use longer texts or a smaller --prompt-len"
+        )
     values = (total / count).tolist()
     return StaticResult(values=values, positions=count, expected_none=max(0.0, 1.0 - sum(values)))
 
@@ -274,8 +292,17 @@ def star_tree_spec(width: int) -> str:
     return f"chains:{int(width)}x1"
 
 
-def measure_dynamic(llm, prompts: Sequence[list[int]], width: int, temperature: float, top_p: float,
-                    gen_len: int, seed: int = 0, batch_size: int = 1, progress=None) -> DynamicResult:
+def measure_dynamic(
+    llm,
+    prompts: Sequence[list[int]],
+    width: int,
+    temperature: float,
+    top_p: float,
+    gen_len: int,
+    seed: int = 0,
+    batch_size: int = 1,
+    progress=None,
+) -> DynamicResult:
     """Generate `gen_len` tokens (EOS ignored) for each prompt with `llm` (an LLM speculating with a
     width-`width` depth-1 tree) and histogram the accepted rank of every step of every row.
 
@@ -288,8 +315,10 @@ def measure_dynamic(llm, prompts: Sequence[list[int]], width: int, temperature: 
     if llm.drafter is None or tree is None:
         raise ConfigError("dynamic measurement needs an LLM built with a SpeculativeConfig")
     if tree != Tree.k_chains(width, 1):
-        raise ConfigError(f"dynamic measurement needs the depth-1 tree of width {width} "
-                          f"({star_tree_spec(width)}), got {tree.size} nodes in {tree.max_depth} levels")
+        raise ConfigError(
+            f"dynamic measurement needs the depth-1 tree of width {width} "
+            f"({star_tree_spec(width)}), got {tree.size} nodes in {tree.max_depth} levels"
+        )
     if batch_size < 1:
         raise ConfigError(f"batch size must be >= 1, got {batch_size}")
     counts = [0] * width
@@ -305,9 +334,17 @@ def measure_dynamic(llm, prompts: Sequence[list[int]], width: int, temperature: 
     llm.engine = Engine(dataclasses.replace(llm.models, drafter=recorder), llm.engine_config)
     try:
         for start in range(0, len(prompts), batch_size):
-            batch = [list(p) for p in prompts[start:start + batch_size]]
-            params = [SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=gen_len,
-                                     ignore_eos=True, seed=int(seed) + start + b) for b in range(len(batch))]
+            batch = [list(p) for p in prompts[start : start + batch_size]]
+            params = [
+                SamplingParams(
+                    temperature=temperature,
+                    top_p=top_p,
+                    max_new_tokens=gen_len,
+                    ignore_eos=True,
+                    seed=int(seed) + start + b,
+                )
+                for b in range(len(batch))
+            ]
             # an idle engine gives the batch's requests slots 0, 1, … in order: slot == delta.index
             for delta in llm.stream(batch, params):
                 rank = recorder.pending.pop(delta.index, None)
@@ -325,8 +362,9 @@ def measure_dynamic(llm, prompts: Sequence[list[int]], width: int, temperature: 
                 progress(min(start + batch_size, len(prompts)), len(prompts), sum(counts) + none)
     finally:
         llm.engine = previous
-    res = DynamicResult(counts=counts, none=none, engine_steps=engine_steps, generated_tokens=generated,
-                        request_stats=stats)
+    res = DynamicResult(
+        counts=counts, none=none, engine_steps=engine_steps, generated_tokens=generated, request_stats=stats
+    )
     if res.steps != engine_steps:
         raise RuntimeError(f"recorded {res.steps} steps but the engine counted {engine_steps}")
     if res.steps == 0:
@@ -368,8 +406,9 @@ def read_prompt_file(path: str | Path) -> list[str]:
     return lines
 
 
-def file_texts(tokenizer, lines: Sequence[str], count: int, prompt_len: int, gen_len: int,
-               static: bool) -> list[MeasurementText]:
+def file_texts(
+    tokenizer, lines: Sequence[str], count: int, prompt_len: int, gen_len: int, static: bool
+) -> list[MeasurementText]:
     """Texts from prompt-file lines, in file order.
 
     Dynamic: each line's first `prompt_len` tokens (with the tokenizer's usual special tokens) is a
@@ -383,19 +422,24 @@ def file_texts(tokenizer, lines: Sequence[str], count: int, prompt_len: int, gen
         if static:
             if len(ids) <= prompt_len:
                 continue
-            out.append(MeasurementText(ids[:prompt_len + gen_len], prompt_len, f"line {i}"))
+            out.append(MeasurementText(ids[: prompt_len + gen_len], prompt_len, f"line {i}"))
         elif ids:
             out.append(MeasurementText(ids[:prompt_len], min(prompt_len, len(ids)), f"line {i}"))
         if len(out) == count:
             break
     if not out:
-        raise ConfigError(f"no prompt line has more than --prompt-len ({prompt_len}) tokens to score; use longer "
-                          f"lines or a smaller --prompt-len" if static else "no usable prompt lines")
+        raise ConfigError(
+            f"no prompt line has more than --prompt-len ({prompt_len}) tokens to score; use longer "
+            f"lines or a smaller --prompt-len"
+            if static
+            else "no usable prompt lines"
+        )
     return out
 
 
-def dataset_texts(tokenizer, dataset: str, count: int, prompt_len: int, gen_len: int,
-                  static: bool) -> tuple[list[MeasurementText], str]:
+def dataset_texts(
+    tokenizer, dataset: str, count: int, prompt_len: int, gen_len: int, static: bool
+) -> tuple[list[MeasurementText], str]:
     """Held-out measurement texts from a dataset (see the module docstring); returns (texts, split note)."""
     from redwood.data.prompts import _chat_text, chat_prompt_ids, encode, has_chat_template, long_context_prompts
     from redwood.data.recipes import dataset_kind, load_dataset
@@ -404,13 +448,17 @@ def dataset_texts(tokenizer, dataset: str, count: int, prompt_len: int, gen_len:
     if kind == "long":
         length = prompt_len + (gen_len if static else 0)
         windows = long_context_prompts(tokenizer, dataset, length, count, seed=LONG_WINDOW_SEED)
-        note = (f"windows of the concatenated text at seed {LONG_WINDOW_SEED} (bench uses seed 0); overlap with "
-                f"evaluation windows is unlikely but not ruled out")
+        note = (
+            f"windows of the concatenated text at seed {LONG_WINDOW_SEED} (bench uses seed 0); overlap with "
+            f"evaluation windows is unlikely but not ruled out"
+        )
         return [MeasurementText(w, prompt_len, f"window {i}") for i, w in enumerate(windows)], note
     docs = load_dataset(dataset)
     order = held_out_order(len(docs))
-    note = (f"documents from the back of the seed-{EVAL_SHUFFLE_SEED} shuffle (evaluation prompts take the front); "
-            f"disjoint while evaluation and measurement together use at most {len(docs)} documents")
+    note = (
+        f"documents from the back of the seed-{EVAL_SHUFFLE_SEED} shuffle (evaluation prompts take the front); "
+        f"disjoint while evaluation and measurement together use at most {len(docs)} documents"
+    )
     out: list[MeasurementText] = []
     if kind == "prefix":
         for i in order:
@@ -427,11 +475,9 @@ def dataset_texts(tokenizer, dataset: str, count: int, prompt_len: int, gen_len:
         for i in order:
             doc = docs[i]
             text = _chat_text(doc)
-            prompt = chat_prompt_ids(tokenizer, text) if use_chat else encode(tokenizer, text,
-                                                                                add_special_tokens=True)
+            prompt = chat_prompt_ids(tokenizer, text) if use_chat else encode(tokenizer, text, add_special_tokens=True)
             if static:
-                ref = next((doc[f] for f in _REFERENCE_FIELDS if isinstance(doc.get(f), str) and doc[f].strip()),
-                           None)
+                ref = next((doc[f] for f in _REFERENCE_FIELDS if isinstance(doc.get(f), str) and doc[f].strip()), None)
                 if ref is None:
                     continue
                 cont = encode(tokenizer, ref)[:gen_len]
@@ -444,24 +490,47 @@ def dataset_texts(tokenizer, dataset: str, count: int, prompt_len: int, gen_len:
                 break
         what = "a reference answer" if static else "a prompt"
         note += "; chat prompts (prompt length as the template gives)" + (
-            ", scored over the reference answer" if static else "")
+            ", scored over the reference answer" if static else ""
+        )
     else:
         raise ConfigError(f"dataset {dataset} has unknown kind {kind!r}")
     if not out:
-        raise ConfigError(f"dataset {dataset} has no documents with {what} for this measurement"
-                          + ("; use --mode dynamic" if static and kind == "chat" else ""))
+        raise ConfigError(
+            f"dataset {dataset} has no documents with {what} for this measurement"
+            + ("; use --mode dynamic" if static and kind == "chat" else "")
+        )
     if len(out) < count:
-        raise ConfigError(f"dataset {dataset} has only {len(out)} documents with {what}, {count} requested; "
-                          f"ask for fewer with --num-prompts")
+        raise ConfigError(
+            f"dataset {dataset} has only {len(out)} documents with {what}, {count} requested; "
+            f"ask for fewer with --num-prompts"
+        )
     return out, note
 
 
 # ============================================================================ records
-def make_vector(method: str, values: Sequence[float], *, target: str, draft: str, temperature: float,
-                top_p: float, dataset: str | None, samples: int, p_none: float | None,
-                notes: dict[str, Any]) -> AcceptanceVector:
+def make_vector(
+    method: str,
+    values: Sequence[float],
+    *,
+    target: str,
+    draft: str,
+    temperature: float,
+    top_p: float,
+    dataset: str | None,
+    samples: int,
+    p_none: float | None,
+    notes: dict[str, Any],
+) -> AcceptanceVector:
     # Rounding can push a sum a hair past 1; the schema tolerates 1e-4, clamp anyway for cleanliness.
     vals = [min(1.0, max(0.0, float(v))) for v in values]
-    return AcceptanceVector(values=tuple(vals), method=method, models={"target": target, "draft": draft},
-                            temperature=float(temperature), top_p=float(top_p), dataset=dataset,
-                            samples=int(samples), p_none=p_none, notes=notes)
+    return AcceptanceVector(
+        values=tuple(vals),
+        method=method,
+        models={"target": target, "draft": draft},
+        temperature=float(temperature),
+        top_p=float(top_p),
+        dataset=dataset,
+        samples=int(samples),
+        p_none=p_none,
+        notes=notes,
+    )

@@ -43,7 +43,7 @@ DEFAULT_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def parse_sizes(text: str, flag: str) -> tuple[int, ...]:
-    """"1,2,4" → (1, 2, 4): positive, sorted, deduplicated, and including 1."""
+    """ "1,2,4" → (1, 2, 4): positive, sorted, deduplicated, and including 1."""
     parts = [s.strip() for s in str(text).split(",") if s.strip()]
     try:
         sizes = sorted({int(s) for s in parts})
@@ -96,13 +96,23 @@ def _prefilled_cache(model, batch: int, context: int, extra: int, generator: tor
 def _check_fits(model, what: str, context: int, extra: int) -> None:
     limit = model.config.max_position_embeddings
     if context + extra > limit:
-        raise ConfigError(f"{what}: context {context} + {extra} new tokens exceeds its {limit}-token context; "
-                          f"lower --context or the largest size")
+        raise ConfigError(
+            f"{what}: context {context} + {extra} new tokens exceeds its {limit}-token context; "
+            f"lower --context or the largest size"
+        )
 
 
 @torch.inference_mode()
-def target_latency(model, sizes: Sequence[int], batch: int, context: int, repeats: int, warmup: int,
-                   seed: int = 0, cuda_graphs: bool = True) -> list[float]:
+def target_latency(
+    model,
+    sizes: Sequence[int],
+    batch: int,
+    context: int,
+    repeats: int,
+    warmup: int,
+    seed: int = 0,
+    cuda_graphs: bool = True,
+) -> list[float]:
     device = model.device
     _check_fits(model, "target", context, max(sizes))
     g = torch.Generator().manual_seed(seed)
@@ -115,14 +125,26 @@ def target_latency(model, sizes: Sequence[int], batch: int, context: int, repeat
         ids = torch.randint(0, model.config.vocab_size, (batch, n), generator=g).to(device)
         positions = cache.lengths[:, None] + tree.depths_tensor(device)[None]
         mask = None if n == 1 else tree.ancestor_mask(device)
-        out.append(time_ms(lambda: runner.forward(ids, positions, new_mask=mask, mask_key=("profile", n)),
-                           device, repeats, warmup))
+        out.append(
+            time_ms(
+                lambda: runner.forward(ids, positions, new_mask=mask, mask_key=("profile", n)), device, repeats, warmup
+            )
+        )
     return out
 
 
 @torch.inference_mode()
-def draft_latency(model, widths: Sequence[int], batch: int, context: int, repeats: int, warmup: int,
-                  seed: int = 1, cuda_graphs: bool = True, policy=None) -> list[float]:
+def draft_latency(
+    model,
+    widths: Sequence[int],
+    batch: int,
+    context: int,
+    repeats: int,
+    warmup: int,
+    seed: int = 1,
+    cuda_graphs: bool = True,
+    policy=None,
+) -> list[float]:
     """Draft forwards of w sibling nodes after a prefill of `context` tokens; `policy`: a draft KV policy
     (redwood.kv.policies) whose view of the context the forwards read, as a compressed draft runs."""
     device = model.device
@@ -135,15 +157,31 @@ def draft_latency(model, widths: Sequence[int], batch: int, context: int, repeat
         ids = torch.randint(0, model.config.vocab_size, (batch, w), generator=g).to(device)
         positions = (cache.lengths + 1)[:, None].expand(batch, w)  # siblings share a position
         mask = None if w == 1 else torch.eye(w, dtype=torch.bool, device=device)
-        out.append(time_ms(lambda: runner.forward(ids, positions, new_mask=mask, mask_key=("profile", w),
-                                                  policy=policy), device, repeats, warmup))
+        out.append(
+            time_ms(
+                lambda: runner.forward(ids, positions, new_mask=mask, mask_key=("profile", w), policy=policy),
+                device,
+                repeats,
+                warmup,
+            )
+        )
     return out
 
 
 @torch.inference_mode()
-def overhead_latency(vocab: int, sizes: Sequence[int], batch: int, device: torch.device, repeats: int,
-                     warmup: int, temperature: float, top_p: float, verifier: str, seed: int = 2,
-                     cuda_graphs: bool = True) -> list[float]:
+def overhead_latency(
+    vocab: int,
+    sizes: Sequence[int],
+    batch: int,
+    device: torch.device,
+    repeats: int,
+    warmup: int,
+    temperature: float,
+    top_p: float,
+    verifier: str,
+    seed: int = 2,
+    cuda_graphs: bool = True,
+) -> list[float]:
     if verifier not in VERIFIERS:
         raise ConfigError(f"unknown verifier {verifier!r}; choose one of {', '.join(VERIFIERS)}")
     g = torch.Generator().manual_seed(seed)
@@ -187,12 +225,27 @@ def describe_device(device: torch.device) -> str:
     return f"cpu: {platform.machine()} {platform.processor() or ''}".rstrip() + f", {torch.get_num_threads()} threads"
 
 
-def measure_profile(target, draft=None, *, target_name: str = "", draft_name: str | None = None,
-                    tokens: Sequence[int] = DEFAULT_TOKENS, widths: Sequence[int] = DEFAULT_WIDTHS,
-                    batch: int = 1, context: int = 256, repeats: int = 5, warmup: int = 2,
-                    overhead: bool = True, temperature: float = 0.6, top_p: float = 1.0,
-                    verifier: str | None = None, dtype: str | None = None, progress=None,
-                    cuda_graphs: bool = True, draft_policy=None) -> LatencyProfile:
+def measure_profile(
+    target,
+    draft=None,
+    *,
+    target_name: str = "",
+    draft_name: str | None = None,
+    tokens: Sequence[int] = DEFAULT_TOKENS,
+    widths: Sequence[int] = DEFAULT_WIDTHS,
+    batch: int = 1,
+    context: int = 256,
+    repeats: int = 5,
+    warmup: int = 2,
+    overhead: bool = True,
+    temperature: float = 0.6,
+    top_p: float = 1.0,
+    verifier: str | None = None,
+    dtype: str | None = None,
+    progress=None,
+    cuda_graphs: bool = True,
+    draft_policy=None,
+) -> LatencyProfile:
     """Profile `target` (and `draft`, else the target again) on their device; see the module docstring.
     cuda_graphs=False times eager steps (as `--no-cuda-graphs` runs them). draft_policy: the draft reads
     the context through this KV policy (MagicDec's compressed drafts; None or full: the whole cache)."""
@@ -211,34 +264,55 @@ def measure_profile(target, draft=None, *, target_name: str = "", draft_name: st
     t_ms = target_latency(target, tokens, batch, context, repeats, warmup, cuda_graphs=cuda_graphs)
     d_model = draft if draft is not None else target
     say(f"draft forward over {', '.join(map(str, widths))} nodes")
-    d_ms = draft_latency(d_model, widths, batch, context, repeats, warmup, cuda_graphs=cuda_graphs,
-                         policy=draft_policy)
+    d_ms = draft_latency(d_model, widths, batch, context, repeats, warmup, cuda_graphs=cuda_graphs, policy=draft_policy)
     o_ms = None
     if overhead:
         say(f"sampling + {verifier} verification over {', '.join(map(str, tokens))} nodes")
-        o_ms = overhead_latency(target.config.vocab_size, tokens, batch, device, repeats, warmup, temperature,
-                                top_p, verifier, cuda_graphs=cuda_graphs)
+        o_ms = overhead_latency(
+            target.config.vocab_size,
+            tokens,
+            batch,
+            device,
+            repeats,
+            warmup,
+            temperature,
+            top_p,
+            verifier,
+            cuda_graphs=cuda_graphs,
+        )
     notes = {
-        "repeats": repeats, "warmup": warmup, "statistic": "median",
+        "repeats": repeats,
+        "warmup": warmup,
+        "statistic": "median",
         "target_tree": "complete binary tree of n nodes (tree-attention mask); n = 1 a decode step",
         "draft_shape": "w sibling nodes, each attending to the context and itself",
         "draft_kv": draft_policy.describe() if draft_policy is not None else "full",
         "draft_is_target": draft is None,
-        "draft_weights": "int8" if getattr(draft, "skinny_int8", None) else
-                         (draft.weights if getattr(draft, "weights", "float32") != "float32" else "model dtype"),
+        "draft_weights": "int8"
+        if getattr(draft, "skinny_int8", None)
+        else (draft.weights if getattr(draft, "weights", "float32") != "float32" else "model dtype"),
         "cuda_graphs": cuda_graphs and device.type == "cuda",
         "target_offloaded": _offloaded(target),
         "torch": torch.__version__,
     }
     if overhead:
-        notes["overhead"] = {"verifier": verifier, "temperature": temperature, "top_p": top_p,
-                             "what": "probabilities of target and draft logits + verify_tree, per step"}
+        notes["overhead"] = {
+            "verifier": verifier,
+            "temperature": temperature,
+            "top_p": top_p,
+            "what": "probabilities of target and draft logits + verify_tree, per step",
+        }
     return LatencyProfile(
-        target_tokens=tuple(tokens), target_ms=tuple(round(x, 6) for x in t_ms),
-        draft_width=tuple(widths), draft_ms=tuple(round(x, 6) for x in d_ms),
+        target_tokens=tuple(tokens),
+        target_ms=tuple(round(x, 6) for x in t_ms),
+        draft_width=tuple(widths),
+        draft_ms=tuple(round(x, 6) for x in d_ms),
         overhead_tokens=tuple(tokens) if o_ms is not None else None,
         overhead_ms=tuple(round(x, 6) for x in o_ms) if o_ms is not None else None,
-        device=describe_device(device), dtype=dtype or str(target.dtype).removeprefix("torch."), batch=batch,
-        context=context, models={"target": target_name, "draft": draft_name if draft is not None else target_name},
+        device=describe_device(device),
+        dtype=dtype or str(target.dtype).removeprefix("torch."),
+        batch=batch,
+        context=context,
+        models={"target": target_name, "draft": draft_name if draft is not None else target_name},
         notes=notes,
     )

@@ -70,7 +70,7 @@ def _maxplus_step(prev: np.ndarray, child: np.ndarray, lo: int, block: int = 64)
     arg = np.full(n1, -1, dtype=np.int64)
     for m0 in range(lo + 1, n1, block):
         m1 = min(m0 + block, n1)
-        s = rows[m0:m1, lo:m1 - 1] + prev[None, lo:m1 - 1]
+        s = rows[m0:m1, lo : m1 - 1] + prev[None, lo : m1 - 1]
         a = s.argmax(axis=1)
         val[m0:m1] = s[np.arange(m1 - m0), a]
         arg[m0:m1] = a + lo
@@ -171,8 +171,7 @@ class TreeDP:
     def tree(self, n: int, d: int, meta: Mapping[str, Any] | None = None) -> Tree:
         """The optimal tree with exactly n nodes and at most d levels, numbered breadth-first."""
         if not (1 <= n <= self.max_budget and 1 <= d <= self.max_depth):
-            raise ConfigError(f"(n={n}, d={d}) is outside the solved range "
-                              f"n ≤ {self.max_budget}, d ≤ {self.max_depth}")
+            raise ConfigError(f"(n={n}, d={d}) is outside the solved range n ≤ {self.max_budget}, d ≤ {self.max_depth}")
         if not np.isfinite(self.results[n, d]):
             raise ConfigError(f"no tree with {n} nodes fits in {d} levels with {len(self.rows[0])} ranks")
         parents = [-1]
@@ -207,8 +206,7 @@ class TreeDP:
         return out
 
 
-def solve_tree_dp(acceptance, max_budget: int, max_depth: int, use_per_depth: bool = True,
-                  progress=None) -> TreeDP:
+def solve_tree_dp(acceptance, max_budget: int, max_depth: int, use_per_depth: bool = True, progress=None) -> TreeDP:
     """Run the DP for all n ≤ max_budget and d ≤ max_depth (see the module docstring).
 
     progress: called with no argument after each depth bound d is solved (max_depth calls; each
@@ -236,8 +234,12 @@ def expected_tokens_table(acceptance, max_budget: int, max_depth: int, use_per_d
 
 
 def _provenance(acceptance, budget: int, max_depth: int, expected: float) -> dict[str, Any]:
-    meta: dict[str, Any] = {"generator": "redwood tree-search", "budget": int(budget), "max_depth": int(max_depth),
-                            "expected_tokens": round(float(expected), 6)}
+    meta: dict[str, Any] = {
+        "generator": "redwood tree-search",
+        "budget": int(budget),
+        "max_depth": int(max_depth),
+        "expected_tokens": round(float(expected), 6),
+    }
     if isinstance(acceptance, AcceptanceVector):
         meta["acceptance"] = acceptance.to_dict()
         if acceptance.models:
@@ -249,8 +251,9 @@ def _provenance(acceptance, budget: int, max_depth: int, expected: float) -> dic
         if len(rows) == 1:
             meta["acceptance"] = AcceptanceVector(values=tuple(rows[0].tolist())).to_dict()
         else:
-            meta["acceptance"] = AcceptanceVector(values=tuple(rows[0].tolist()),
-                                                  per_depth=tuple(tuple(r.tolist()) for r in rows)).to_dict()
+            meta["acceptance"] = AcceptanceVector(
+                values=tuple(rows[0].tolist()), per_depth=tuple(tuple(r.tolist()) for r in rows)
+            ).to_dict()
     return meta
 
 
@@ -334,8 +337,9 @@ class LatencyProfile:
         object.__setattr__(self, "draft_width", dw)
         object.__setattr__(self, "draft_ms", dm)
         if self.overhead_tokens is not None:
-            ot, om = _curve({"tokens": list(self.overhead_tokens), "ms": list(self.overhead_ms or [])},
-                            "tokens", src, "overhead")
+            ot, om = _curve(
+                {"tokens": list(self.overhead_tokens), "ms": list(self.overhead_ms or [])}, "tokens", src, "overhead"
+            )
             object.__setattr__(self, "overhead_tokens", ot)
             object.__setattr__(self, "overhead_ms", om)
         elif self.overhead_ms is not None:
@@ -357,8 +361,10 @@ class LatencyProfile:
     @staticmethod
     def _interp(xs, ys, x, what: str) -> float:
         if x < xs[0] or x > xs[-1]:
-            raise ConfigError(f"{what} at {x} is outside the measured range [{xs[0]}, {xs[-1]}]; "
-                              f"profile more sizes (latencies are not extrapolated)")
+            raise ConfigError(
+                f"{what} at {x} is outside the measured range [{xs[0]}, {xs[-1]}]; "
+                f"profile more sizes (latencies are not extrapolated)"
+            )
         return float(np.interp(x, xs, ys))
 
     def target(self, n: int) -> float:
@@ -378,10 +384,16 @@ class LatencyProfile:
         return float(np.interp(n, self.overhead_tokens, self.overhead_ms))
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"format": PROFILE_FORMAT, "device": self.device, "dtype": self.dtype,
-                             "batch": self.batch, "context": self.context, "models": dict(self.models),
-                             "target": {"tokens": list(self.target_tokens), "ms": list(self.target_ms)},
-                             "draft": {"width": list(self.draft_width), "ms": list(self.draft_ms)}}
+        d: dict[str, Any] = {
+            "format": PROFILE_FORMAT,
+            "device": self.device,
+            "dtype": self.dtype,
+            "batch": self.batch,
+            "context": self.context,
+            "models": dict(self.models),
+            "target": {"tokens": list(self.target_tokens), "ms": list(self.target_ms)},
+            "draft": {"width": list(self.draft_width), "ms": list(self.draft_ms)},
+        }
         if self.overhead_tokens is not None:
             d["overhead"] = {"tokens": list(self.overhead_tokens), "ms": list(self.overhead_ms)}
         elif self.overhead_ms is not None:
@@ -405,9 +417,20 @@ class LatencyProfile:
         elif ov is not None:
             om = ov
         try:
-            return cls(target_tokens=tt, target_ms=tm, draft_width=dw, draft_ms=dm, overhead_tokens=ot,
-                       overhead_ms=om, device=d.get("device"), dtype=d.get("dtype"), batch=d.get("batch"),
-                       context=d.get("context"), models=d.get("models") or {}, notes=d.get("notes") or {})
+            return cls(
+                target_tokens=tt,
+                target_ms=tm,
+                draft_width=dw,
+                draft_ms=dm,
+                overhead_tokens=ot,
+                overhead_ms=om,
+                device=d.get("device"),
+                dtype=d.get("dtype"),
+                batch=d.get("batch"),
+                context=d.get("context"),
+                models=d.get("models") or {},
+                notes=d.get("notes") or {},
+            )
         except ConfigError as e:
             raise ConfigError(f"{source}: {str(e).removeprefix('profile: ')}") from None
 
@@ -450,8 +473,16 @@ def step_time(profile: LatencyProfile, widths: Sequence[int], n: int) -> tuple[f
     return draft, profile.target(n), profile.overhead(n)
 
 
-def select_tree(acceptance, profile: LatencyProfile, max_budget: int, max_depth: int, top: int = 5,
-                use_per_depth: bool = True, sizes: str = "all", progress=None) -> Selection:
+def select_tree(
+    acceptance,
+    profile: LatencyProfile,
+    max_budget: int,
+    max_depth: int,
+    top: int = 5,
+    use_per_depth: bool = True,
+    sizes: str = "all",
+    progress=None,
+) -> Selection:
     """Pick the DP tree (size ≤ max_budget, levels ≤ max_depth) minimising predicted time per token
     (`progress`: as `solve_tree_dp`'s).
 
@@ -501,19 +532,39 @@ def select_tree(acceptance, profile: LatencyProfile, max_budget: int, max_depth:
         e = float(res[n, d])
         tau = (dr + tg + ov) / e
         bisect.insort(taus, tau)
-        found[key] = Candidate(size=n, depth=len(widths), expected=e, widths=widths, draft_ms=dr, target_ms=tg,
-                               overhead_ms=ov, tau_ms=tau, speedup=baseline / tau)
+        found[key] = Candidate(
+            size=n,
+            depth=len(widths),
+            expected=e,
+            widths=widths,
+            draft_ms=dr,
+            target_ms=tg,
+            overhead_ms=ov,
+            tau_ms=tau,
+            speedup=baseline / tau,
+        )
     if not found:
-        raise ConfigError(f"no candidate tree fits the profile: every tree has a level wider than the widest "
-                          f"profiled draft width ({profile.max_width}); profile wider draft batches")
+        raise ConfigError(
+            f"no candidate tree fits the profile: every tree has a level wider than the widest "
+            f"profiled draft width ({profile.max_width}); profile wider draft batches"
+        )
     ranked = sorted(found.values(), key=lambda c: (c.tau_ms, c.size, c.depth))[:top]
     best = ranked[0]
     meta = _provenance(acceptance, max_budget, max_depth, best.expected)
-    meta.update({"selected": {"size": best.size, "depth": best.depth, "tau_ms": round(best.tau_ms, 6),
-                              "predicted_speedup": round(best.speedup, 6)},
-                 "profile": {k: v for k, v in profile.to_dict().items() if k != "notes"}})
+    meta.update(
+        {
+            "selected": {
+                "size": best.size,
+                "depth": best.depth,
+                "tau_ms": round(best.tau_ms, 6),
+                "predicted_speedup": round(best.speedup, 6),
+            },
+            "profile": {k: v for k, v in profile.to_dict().items() if k != "notes"},
+        }
+    )
     if profile.models and "models" not in meta:
         meta["models"] = dict(profile.models)
     tree = dp.tree(best.size, best.depth, meta=meta)
-    return Selection(tree=tree, best=best, candidates=ranked, baseline_ms=baseline, skipped_wide=skipped,
-                     max_size=n_max)
+    return Selection(
+        tree=tree, best=best, candidates=ranked, baseline_ms=baseline, skipped_wide=skipped, max_size=n_max
+    )

@@ -57,8 +57,9 @@ def prefill_kernel(model) -> bool:
     return triton_prefill.available(model.device, model.dtype, model.config.head_dim)
 
 
-def attention_kernel(model, input_ids: torch.Tensor, T: int, observer, view=None, pending: int = 0,
-                     new_mask=None) -> str:
+def attention_kernel(
+    model, input_ids: torch.Tensor, T: int, observer, view=None, pending: int = 0, new_mask=None
+) -> str:
     """The attention of a forward of T new tokens a row (`AttentionMetadata.backend`): "triton_prefill",
     "triton" or "reference"."""
     if T > FAST_ATTENTION_MAX_NEW:

@@ -24,8 +24,11 @@ class CpuPackedBackend(ReferenceBackend):
         """Whether a forward of x [B, T, H] runs its layers through `packed_layer`: a float32 model with CPU packed
         projections (quantize_cpu), fewer new tokens per row than the packed gemm paths take (a prefill chunk
         keeps the plain path, which routes it there)."""
-        return (model.layers[0].self_attn.cpu_qkv is not None and x.dtype == torch.float32
-                and cpu_weights.prefill_rows(x) < min(cpu_weights.INT8_GEMM_ROWS, cpu_weights.INT4_GEMM_ROWS))
+        return (
+            model.layers[0].self_attn.cpu_qkv is not None
+            and x.dtype == torch.float32
+            and cpu_weights.prefill_rows(x) < min(cpu_weights.INT8_GEMM_ROWS, cpu_weights.INT4_GEMM_ROWS)
+        )
 
     def run(self, model, x, cos, sin, cache, dest, meta, logits_at):
         if not self.takes_packed(model, x):
@@ -53,9 +56,9 @@ def packed_layer(layer, x, cos, sin, cache, dest, meta):
     Hq, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
     h = layer.input_layernorm(x).view(B * T, H)  # (each kernel call casts to its act_dtype)
     qkv = _packed_outputs(attn.cpu_qkv, h).view(B, T, -1)  # float32 [B, T, (Hq + 2 Hkv) D]
-    qk = qkv[..., :(Hq + Hkv) * D].view(B, T, Hq + Hkv, D)
+    qk = qkv[..., : (Hq + Hkv) * D].view(B, T, Hq + Hkv, D)
     qk = rotate(qk, cos, sin)  # q and k rotated in one pass: [B, T, Hq + Hkv, D]
-    v = qkv[..., (Hq + Hkv) * D:].view(B, T, Hkv, D)
+    v = qkv[..., (Hq + Hkv) * D :].view(B, T, Hkv, D)
     cache.write(attn.layer, dest, qk[:, :, Hq:].transpose(1, 2), v.transpose(1, 2))
     out = attn.attend_rotated(qk[:, :, :Hq].transpose(1, 2), cache, meta)  # [B, T, Hq D]
     x = _add_packed(x, attn.o_proj, out.view(B * T, Hq * D))
@@ -110,16 +113,19 @@ def quantize(model, kind: str) -> None:
     if model.weights != "float32":
         raise ConfigError(f"the model's weights are already {model.weights}; load it again for {kind}")
     if model.device.type != "cpu":
-        raise ConfigError(f"weights={kind!r} is a CPU format; on {model.device} the model keeps its dtype "
-                          f"(CUDA drafts can use draft_weights='int8')")
+        raise ConfigError(
+            f"weights={kind!r} is a CPU format; on {model.device} the model keeps its dtype "
+            f"(CUDA drafts can use draft_weights='int8')"
+        )
     if model.layers[0].self_attn.qkv is not None:
         raise ConfigError("quantize_cpu needs the unfused projections (the CUDA backend fuses them)")
     why = None if file_format else format_misfit(model, kind)
     if why:
         raise ConfigError(f"weights={kind!r} does not fit this model: {why}")
     if file_format and not all(isinstance(getattr(m, n), cpu_weights.PackedLinear) for m, n in projections(model)):
-        raise ConfigError(f"weights={kind!r} keeps a GGUF file's types, chosen as the file loads: "
-                          f"load_model(path, weights={kind!r})")
+        raise ConfigError(
+            f"weights={kind!r} keeps a GGUF file's types, chosen as the file loads: load_model(path, weights={kind!r})"
+        )
     for m, name in projections(model):
         linear = getattr(m, name)
         if isinstance(linear, cpu_weights.PackedLinear):  # packed as it loaded (`cpu_weights.packer`)
@@ -128,8 +134,11 @@ def quantize(model, kind: str) -> None:
             continue
         setattr(m, name, cpu_weights.PackedLinear(linear.weight, linear.bias, kind))
     # The head too (a sixth of a 1.5B's bytes); a vocabulary that int4 cannot tile keeps a float head.
-    head_kind = cpu_weights.file_kind(tuple(model.head_weight.shape), kind) if file_format and not isinstance(
-        model.lm_head, cpu_weights.PackedLinear) else kind  # (a tied head: int8, from the float embedding)
+    head_kind = (
+        cpu_weights.file_kind(tuple(model.head_weight.shape), kind)
+        if file_format and not isinstance(model.lm_head, cpu_weights.PackedLinear)
+        else kind
+    )  # (a tied head: int8, from the float embedding)
     if isinstance(model.lm_head, cpu_weights.PackedLinear):
         model.packed_head = model.lm_head
     elif cpu_weights.check_packable(model.head_weight, head_kind) is None:
@@ -144,6 +153,7 @@ def quantize(model, kind: str) -> None:
     for m in [*model.modules(), *groups]:
         if isinstance(m, cpu_weights.PackedLinear) and m.kind == "w8a8":
             m.packed_w8a8()
+
 
 def _concat_packed(model) -> None:
     """Give every layer its q | k | v and gate | up groups (Attention.cpu_qkv, MLP.cpu_gate_up): runs
@@ -168,11 +178,19 @@ def _concat_packed(model) -> None:
         attn.cpu_qkv = groups([attn.q_proj, attn.k_proj, attn.v_proj])
         mlp.cpu_gate_up = groups([mlp.gate_proj, mlp.up_proj])
 
+
 def projections(model) -> list[tuple[nn.Module, str]]:
     """(module, attribute) of every decoder-layer projection, in layer order."""
-    return [(m, name) for layer in model.layers for m, names in
-            ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
-             (layer.mlp, ("gate_proj", "up_proj", "down_proj"))) for name in names]
+    return [
+        (m, name)
+        for layer in model.layers
+        for m, names in (
+            (layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+            (layer.mlp, ("gate_proj", "up_proj", "down_proj")),
+        )
+        for name in names
+    ]
+
 
 def format_misfit(model, kind: str) -> str | None:
     """Why a projection of this model cannot take the CPU format `kind` (None when all can)."""

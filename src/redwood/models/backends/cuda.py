@@ -75,22 +75,30 @@ class CudaBackend(ReferenceBackend):
         """int8 copies of every projection and of the LM head, with a float32 scale per output row
         (`gemv.quantize_int8`), for the skinny path (Transformer.quantize_skinny)."""
         if not self.skinny:
-            raise ConfigError("int8 weights run through the CUDA matrix-vector kernels (redwood.kernels.gemv), "
-                              f"which do not run on {model.device}")
+            raise ConfigError(
+                "int8 weights run through the CUDA matrix-vector kernels (redwood.kernels.gemv), "
+                f"which do not run on {model.device}"
+            )
         layers = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            layers.append({"qkv": gemv.quantize_int8(attn.qkv[0]), "o": gemv.quantize_int8(attn.o_proj.weight),
-                           "gate_up": gemv.quantize_int8(mlp.gate_up[0]),
-                           "down": gemv.quantize_int8(mlp.down_proj.weight)})
+            layers.append(
+                {
+                    "qkv": gemv.quantize_int8(attn.qkv[0]),
+                    "o": gemv.quantize_int8(attn.o_proj.weight),
+                    "gate_up": gemv.quantize_int8(mlp.gate_up[0]),
+                    "down": gemv.quantize_int8(mlp.down_proj.weight),
+                }
+            )
         return {"layers": layers, "lm_head": gemv.quantize_int8(model.head_weight)}
 
     def int8_changed(self, model) -> None:
         """The model's int8 copies changed (quantize_skinny): the megakernel's builds and pointer tables were for
         the model-dtype weights."""
         if self.megakernel is not None:
-            self.megakernel = (megakernel.MegaForward(model, int8=model.skinny_int8)
-                               if megakernel.misfit(model) is None else None)
+            self.megakernel = (
+                megakernel.MegaForward(model, int8=model.skinny_int8) if megakernel.misfit(model) is None else None
+            )
 
     def takes_skinny(self, rows: int) -> bool:
         """Whether a forward of `rows` = batch × new tokens goes through the skinny-matmul kernels."""
@@ -99,13 +107,20 @@ class CudaBackend(ReferenceBackend):
 
     def whole_forward(self, model, input_ids, positions, cache, new_mask, logits_at, pending, view, observer):
         mega = self.megakernel
-        if (mega is not None and self.skinny and mega.takes(input_ids, cache, new_mask, view, observer)
-                and (logits_at is None or logits_at.numel() == 1)):
+        if (
+            mega is not None
+            and self.skinny
+            and mega.takes(input_ids, cache, new_mask, view, observer)
+            and (logits_at is None or logits_at.numel() == 1)
+        ):
             try:
                 return mega.forward(input_ids, positions, cache, pending)  # the whole forward in one launch
             except megakernel.Unavailable as e:
-                warnings.warn(f"the one-token megakernel could not be built for this model ({e}); "
-                              "one-token forwards use the skinny kernels", stacklevel=3)
+                warnings.warn(
+                    f"the one-token megakernel could not be built for this model ({e}); "
+                    "one-token forwards use the skinny kernels",
+                    stacklevel=3,
+                )
                 self.megakernel = None
         return None
 
@@ -146,9 +161,12 @@ class CudaBackend(ReferenceBackend):
         key = (budget, q8 is not None)
         cached = self._prefetch_plans
         if key not in cached:
-            layers = [{"o": q8["layers"][i]["o"][0], "gate_up": q8["layers"][i]["gate_up"][0]} if q8 else
-                      {"o": layer.self_attn.o_proj.weight, "gate_up": layer.mlp.gate_up[0]}
-                      for i, layer in enumerate(model.layers)]
+            layers = [
+                {"o": q8["layers"][i]["o"][0], "gate_up": q8["layers"][i]["gate_up"][0]}
+                if q8
+                else {"o": layer.self_attn.o_proj.weight, "gate_up": layer.mlp.gate_up[0]}
+                for i, layer in enumerate(model.layers)
+            ]
             cached[key] = l2_prefetch.LayerPrefetch(layers, budget, model.device)
         return cached[key]
 
@@ -175,9 +193,9 @@ def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
     start = 0
     for m in linears:
         n = m.weight.shape[0]
-        m.weight = nn.Parameter(weight[start:start + n], requires_grad=False)
+        m.weight = nn.Parameter(weight[start : start + n], requires_grad=False)
         if bias is not None:
-            m.bias = nn.Parameter(bias[start:start + n], requires_grad=False)
+            m.bias = nn.Parameter(bias[start : start + n], requires_grad=False)
         start += n
     return weight, bias
 
@@ -187,8 +205,9 @@ def attend(attn, q, k, v, cos, sin, cache, dest, meta) -> torch.Tensor:
     k, v: [B, T, Hkv*D] → [B, T, Hq*D] (before o_proj)."""
     B, T, _ = q.shape
     shape = (B, T, -1, attn.head_dim)
-    q = fused_kernels.rope_and_write(q.view(shape), k.view(shape), v.view(shape), cos, sin,
-                                     cache.k[attn.layer], cache.v[attn.layer], *dest)  # [B, Hq, T, D]
+    q = fused_kernels.rope_and_write(
+        q.view(shape), k.view(shape), v.view(shape), cos, sin, cache.k[attn.layer], cache.v[attn.layer], *dest
+    )  # [B, Hq, T, D]
     return attn.attend_rotated(q, cache, meta)
 
 
@@ -198,8 +217,9 @@ def fused_layer(layer, h, residual, cos, sin, cache, dest, meta):
     if residual is None:
         residual, normed = h, fused_kernels.rms_norm(h, layer.input_layernorm.weight, layer.input_layernorm.eps)
     else:
-        normed, residual = fused_kernels.add_rms_norm(h, residual, layer.input_layernorm.weight,
-                                                      layer.input_layernorm.eps)
+        normed, residual = fused_kernels.add_rms_norm(
+            h, residual, layer.input_layernorm.weight, layer.input_layernorm.eps
+        )
     attn = layer.self_attn
     h = attn.o_proj(attend(attn, *attn.split_qkv(F.linear(normed, *attn.qkv)), cos, sin, cache, dest, meta))
     norm = layer.post_attention_layernorm
@@ -217,14 +237,28 @@ def skinny_layer(layer, x, cos, sin, cache, dest, meta, int8: dict | None = None
     after_qkv: called once the one-token q/k/v kernel is launched (the L2 prefetch of this layer's
     later weights forks there: redwood.kernels.l2_prefetch)."""
     attn, mlp = layer.self_attn, layer.mlp
-    w = int8 or {"qkv": (attn.qkv[0], None), "o": (attn.o_proj.weight, None),
-                 "gate_up": (mlp.gate_up[0], None), "down": (mlp.down_proj.weight, None)}
+    w = int8 or {
+        "qkv": (attn.qkv[0], None),
+        "o": (attn.o_proj.weight, None),
+        "gate_up": (mlp.gate_up[0], None),
+        "down": (mlp.down_proj.weight, None),
+    }
     norm = layer.input_layernorm
     if x.shape[0] * x.shape[1] == 1:  # one token: the projection rotates q, k and writes k, v itself
-        q = qkv_rope.qkv_rope_write(x, w["qkv"][0], attn.qkv[1], scale=w["qkv"][1],
-                                    norm=(norm.weight, norm.eps), cos=cos, sin=sin, k_cache=cache.k[attn.layer],
-                                    v_cache=cache.v[attn.layer], pages=dest[0], offsets=dest[1],
-                                    num_heads=attn.num_heads)
+        q = qkv_rope.qkv_rope_write(
+            x,
+            w["qkv"][0],
+            attn.qkv[1],
+            scale=w["qkv"][1],
+            norm=(norm.weight, norm.eps),
+            cos=cos,
+            sin=sin,
+            k_cache=cache.k[attn.layer],
+            v_cache=cache.v[attn.layer],
+            pages=dest[0],
+            offsets=dest[1],
+            num_heads=attn.num_heads,
+        )
         if after_qkv is not None:
             after_qkv()
         out = attn.attend_rotated(q, cache, meta)
@@ -233,6 +267,7 @@ def skinny_layer(layer, x, cos, sin, cache, dest, meta, int8: dict | None = None
         out = attend(attn, *attn.split_qkv(qkv), cos, sin, cache, dest, meta)
     gemv.linear(out, w["o"][0], attn.o_proj.bias, scale=w["o"][1], residual=x)
     norm = layer.post_attention_layernorm
-    act = gemv.linear(x, w["gate_up"][0], mlp.gate_up[1], scale=w["gate_up"][1],
-                      norm=(norm.weight, norm.eps), silu_mul=True)
+    act = gemv.linear(
+        x, w["gate_up"][0], mlp.gate_up[1], scale=w["gate_up"][1], norm=(norm.weight, norm.eps), silu_mul=True
+    )
     return gemv.linear(act, w["down"][0], mlp.down_proj.bias, scale=w["down"][1], residual=x)
