@@ -197,6 +197,17 @@ def test_generate_self_speculate_json(tiny_model_dir, tiny_llm, capsys, flags, d
     assert spec["steps"] >= 1 and len(spec["acceptance_by_position"]) == spec["gamma"]
 
 
+def test_generate_ngram_draft_json(tiny_model_dir, tiny_llm, capsys):
+    """`generate --draft ngram`: greedy tokens equal AR's; the report names the drafter."""
+    prompt = "the cat sat on the mat; the cat sat on the mat; the cat"
+    args = ["generate", "--model", str(tiny_model_dir), "--prompt", prompt, "--max-new-tokens", "12"]
+    rc = main(args + ["--ignore-eos", "--json", "--draft", "ngram", "--ngram-min", "1", "--gamma", "3"])
+    assert rc == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["token_ids"] == _greedy_reference(tiny_llm, prompt, 12)
+    assert obj["draft"] == "ngram 1-4" and obj["stats"]["speculative"]["gamma"] == 3
+
+
 def test_generate_draft_model_json_and_human(tiny_model_dir, tiny_draft_dir, tiny_llm, capsys):
     prompt = "def add(a, b):"
     base = [
@@ -287,6 +298,12 @@ def test_generate_sampling_speculation(tiny_model_dir, capsys):
         (["--self-speculate", "--gamma", "1000"], "--gamma must be at most 64"),
         (["--self-speculate", "--gamma", "0"], "--gamma must be >= 1"),
         (["--threads", "0"], "--threads must be a positive integer, got 0"),
+        (["--draft", "ngram", "--self-speculate"], "--self-speculate and --draft are mutually exclusive"),
+        (["--ngram-min", "2"], "--ngram-min only applies when speculating"),
+        (["--draft-model", "d", "--ngram-max", "3"], "--ngram-min / --ngram-max apply to --draft ngram"),
+        (["--draft", "ngram", "--ngram-min", "3", "--ngram-max", "2"], "ngram_min (3) must be at most ngram_max (2)"),
+        (["--draft", "ngram", "--draft-kv", "streaming", "--draft-budget", "8"], "reads no KV cache"),
+        (["--draft", "ngram", "--draft-weights", "int8"], "--draft-weights only applies with --draft-model M"),
     ],
 )
 def test_speculation_flag_errors(flags, msg, tmp_path, capsys):

@@ -62,7 +62,8 @@ def prefixes(V: int, depth: int) -> list[tuple[int, ...]]:
 
 def tables(V: int, depth: int, temperature: float, top_k: int, top_p: float, draft: str, seed: int):
     """p[prefix], q[prefix]: target / draft distributions [V] (float32) after every prefix of ≤ depth
-    tokens. draft: 'near' (the target's logits plus noise), 'far' (independent), 'same'."""
+    tokens. draft: 'near' (the target's logits plus noise), 'far' (independent), 'same', 'onehot' (one token
+    per prefix with probability 1: a draftless drafter's deterministic proposal)."""
     g = torch.Generator().manual_seed(seed)
     keys = prefixes(V, depth)
     lp = torch.randn(len(keys), V, generator=g) * 1.5
@@ -70,10 +71,13 @@ def tables(V: int, depth: int, temperature: float, top_k: int, top_p: float, dra
         "near": lp + 0.7 * torch.randn(len(keys), V, generator=g),
         "far": torch.randn(len(keys), V, generator=g) * 1.5,
         "same": lp,
+        "onehot": torch.randn(len(keys), V, generator=g),
     }[draft]
     n = len(keys)
     args = (torch.full((n,), float(temperature)), torch.full((n,), top_k), torch.full((n,), float(top_p)))
     P, Q = probabilities(lp, *args), probabilities(lq, *args)
+    if draft == "onehot":  # a deterministic proposal per prefix (a draftless drafter's): one-hot q
+        Q = torch.nn.functional.one_hot(lq.argmax(-1), V).float()
     return dict(zip(keys, P)), dict(zip(keys, Q))
 
 
@@ -173,7 +177,9 @@ SETTINGS = [(t, k, tp) for t in (0.5, 1.0, 1.5) for (k, tp) in ((0, 1.0), (3, 1.
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", SETTINGS)
-@pytest.mark.parametrize("draft,gamma", [("near", 1), ("near", 3), ("far", 2), ("same", 2)])
+@pytest.mark.parametrize(
+    "draft,gamma", [("near", 1), ("near", 3), ("far", 2), ("same", 2), ("onehot", 1), ("onehot", 3)]
+)
 def test_chain_rejection_sampling_is_exact(temperature, top_k, top_p, draft, gamma):
     V = 5
     seed = 100 + SETTINGS.index((temperature, top_k, top_p)) * 7 + gamma

@@ -145,7 +145,8 @@ class Sampling:
 class Method:
     """How rows are generated: plain sampling (draft None) or speculation.
 
-    draft: "self" (self-speculation), "close" or "far" (a draft model, see `Models`); tree: None (a
+    draft: "self" (self-speculation), "close" or "far" (a draft model, see `Models`), "ngram" (the draftless
+    prompt-lookup drafter, matching 2 down to 1 tokens: it proposes on most steps of a tiny vocabulary); tree: None (a
     chain of `gamma`), a shipped tree name, or "wide" (WIDE_TREE). source "exact": no engine at all —
     rows drawn from the exact distribution itself (`sample_exact`), a control of the statistics.
     """
@@ -167,7 +168,12 @@ class Method:
         if self.draft is None:
             return None
         tree = models.wide_tree if self.tree == "wide" else self.tree
-        draft = dict(self_speculate=True) if self.draft == "self" else dict(draft_model=getattr(models, self.draft))
+        if self.draft == "self":
+            draft = dict(self_speculate=True)
+        elif self.draft == "ngram":
+            draft = dict(draftless="ngram", ngram_min=1, ngram_max=2)
+        else:
+            draft = dict(draft_model=getattr(models, self.draft))
         return SpeculativeConfig(
             **draft,
             draft_kv=self.draft_kv,
@@ -199,6 +205,7 @@ METHODS = {
         Method("far-wide-specinfer", "far", tree="wide", verifier="specinfer"),
         Method("far-wide-topk", "far", tree="wide", verifier="topk"),
         Method("self-stream-chain3", "self", **STREAM),
+        Method("ngram-chain3", "ngram"),
         Method("self-stream-g16-sequoia", "self", **STREAM, tree="generic-16", verifier="sequoia"),
         Method("self-snapkv-chain3", "self", **SNAP),
         Method("self-snapkv-g16-specinfer", "self", **SNAP, tree="generic-16", verifier="specinfer"),

@@ -408,14 +408,16 @@ def run_throughput(args) -> int:
     )
     source.check()
     if args.no_spec:
-        if args.draft_model or args.self_speculate:
-            raise ConfigError("--no-spec measures autoregressive decoding only: drop --draft-model / --self-speculate")
+        if args.draft_model or args.self_speculate or args.draft:
+            raise ConfigError(
+                "--no-spec measures autoregressive decoding only: drop --draft-model / --self-speculate / --draft"
+            )
         spec = speculative_config_from_args(args)  # (errors for speculation flags without a drafter)
     else:
-        if not args.draft_model and not args.self_speculate:
+        if not args.draft_model and not args.self_speculate and not args.draft:
             raise ConfigError(
                 "bench throughput compares speculation with autoregressive decoding: give "
-                "--draft-model D or --self-speculate (or --no-spec for autoregressive only)"
+                "--draft-model D, --self-speculate or --draft ngram (or --no-spec for autoregressive only)"
             )
         if args.self_speculate and args.draft_kv is None:
             # as bench selfspec: a self-draft over the full cache is the target itself

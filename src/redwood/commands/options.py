@@ -7,6 +7,7 @@ import argparse
 
 from redwood.llm import DEFAULT_MODEL
 from redwood.speculation.config import MAX_DRAFT_DEPTH, check_draft_tree
+from redwood.speculation.draftless import DEFAULT_MAX_N, DEFAULT_MIN_N
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -327,7 +328,7 @@ def add_draft_kv_args(p: argparse.ArgumentParser, sweep: bool = False, tree: boo
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
-    """--draft-model M | --self-speculate, plus the draft KV / γ / verifier flags."""
+    """--draft-model M | --self-speculate | --draft ngram, plus the draft KV / γ / verifier flags."""
     p.add_argument(
         "--draft-model", default=None, metavar="M", help="speculate with this draft model (same tokenizer as --model)"
     )
@@ -336,11 +337,22 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="speculate with the target itself reading a compressed view of its KV cache",
     )
+    p.add_argument(
+        "--draft",
+        default=None,
+        choices=["ngram"],
+        help="a draftless drafter: ngram proposes the tokens that followed the latest earlier occurrence of the "
+        "request's last --ngram-max … --ngram-min tokens in its prompt and output (prompt lookup; no draft forward)",
+    )
+    p.add_argument("--ngram-min", type=int, default=None, metavar="N", help="shortest match (default 2)")
+    p.add_argument("--ngram-max", type=int, default=None, metavar="N", help="longest match tried first (default 4)")
     add_draft_weights_arg(p)
     add_draft_kv_args(p, tree=True)
 
 
 _SPEC_FLAGS = (
+    "ngram_min",
+    "ngram_max",
     "draft_kv",
     "draft_budget",
     "sinks",
@@ -440,7 +452,12 @@ def check_tree_arg(args):
 
 
 def make_speculative_config(
-    args, *, draft_model: str | None = None, self_speculate: bool = False, gamma: int | None = None
+    args,
+    *,
+    draft_model: str | None = None,
+    self_speculate: bool = False,
+    gamma: int | None = None,
+    draftless: str | None = None,
 ):
     """A SpeculativeConfig from the draft KV / verifier flags in `args` (γ given or from --gamma)."""
     from redwood.speculation.config import SpeculativeConfig
@@ -459,30 +476,47 @@ def make_speculative_config(
         tree=getattr(args, "tree", None),
         verifier=args.verifier or "auto",
         draft_weights=getattr(args, "draft_weights", None) or "auto",
+        draftless=draftless,
+        ngram_min=getattr(args, "ngram_min", None) or DEFAULT_MIN_N,
+        ngram_max=getattr(args, "ngram_max", None) or DEFAULT_MAX_N,
     )
 
 
 def speculative_config_from_args(args):
-    """The SpeculativeConfig the flags ask for, or None (no --draft-model / --self-speculate).
+    """The SpeculativeConfig the flags ask for, or None (no --draft-model / --self-speculate / --draft).
 
     Raises ConfigError for conflicting or bad values — call it before loading any model.
     """
     from redwood.errors import ConfigError
 
-    if args.draft_model and args.self_speculate:
-        raise ConfigError("--draft-model and --self-speculate are mutually exclusive; pick one drafter")
+    draftless = getattr(args, "draft", None)
+    chosen = [
+        f
+        for f, on in (
+            ("--draft-model", args.draft_model),
+            ("--self-speculate", args.self_speculate),
+            ("--draft", draftless),
+        )
+        if on
+    ]
+    if len(chosen) > 1:
+        raise ConfigError(f"{' and '.join(chosen)} are mutually exclusive; pick one drafter")
     check_draft_kv_args(args)
-    if args.draft_model or args.self_speculate:
+    if args.draft_model or args.self_speculate or draftless:
         check_draft_weights_arg(args)
-    if not args.draft_model and not args.self_speculate:
+    if not chosen:
         given = [_flag(n) for n in _SPEC_FLAGS if getattr(args, n, None) is not None]
         if given:
             raise ConfigError(
                 f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} when speculating: "
-                f"add --draft-model M or --self-speculate"
+                f"add --draft-model M, --self-speculate or --draft ngram"
             )
         return None
-    return make_speculative_config(args, draft_model=args.draft_model or None, self_speculate=bool(args.self_speculate))
+    if not draftless and (getattr(args, "ngram_min", None) is not None or getattr(args, "ngram_max", None) is not None):
+        raise ConfigError("--ngram-min / --ngram-max apply to --draft ngram")
+    return make_speculative_config(
+        args, draft_model=args.draft_model or None, self_speculate=bool(args.self_speculate), draftless=draftless
+    )
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -34,8 +34,8 @@ def register(sub) -> None:
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, "
         "/v1/chat/completions (streaming or not), /v1/models, /health, /metrics "
-        "(Prometheus) and a playground page at /. With --draft-model M or "
-        "--self-speculate every request decodes speculatively (lossless).",
+        "(Prometheus) and a playground page at /. With --draft-model M, "
+        "--self-speculate or --draft ngram every request decodes speculatively (lossless).",
     )
     add_model_args(p)
     add_offload_args(p)

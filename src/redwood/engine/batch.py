@@ -17,6 +17,7 @@ class DecodeRow:
     slot: int
     params: SamplingParams
     remaining: int
+    token_ids: list[int] | None = None  # prompt + output (for drafters that read it: `Drafter.needs_history`)
 
 
 @dataclass

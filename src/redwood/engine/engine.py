@@ -247,8 +247,17 @@ class Engine:
         prefill = [self._requests[c.request.request_id] for c in out.prefill]
         for rec in decode + prefill:
             self.executor.sync_table(rec.slot, rec.seq.block_table.blocks)
+        history = self.drafter is not None and self.drafter.needs_history
         batch = StepBatch(
-            [DecodeRow(r.slot, r.params, r.state.max_new_tokens - len(r.state.output_ids)) for r in decode],
+            [
+                DecodeRow(
+                    r.slot,
+                    r.params,
+                    r.state.max_new_tokens - len(r.state.output_ids),
+                    r.seq.all_token_ids if history else None,
+                )
+                for r in decode
+            ],
             [
                 PrefillWork(
                     r.slot, r.params, r.seq.all_token_ids[: r.seq.prefill_len], c.start, c.start + c.length, c.is_last

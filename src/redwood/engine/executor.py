@@ -118,6 +118,7 @@ class Executor:
             self.draft_cache.lengths[slot] = num_computed
         observers = (None, None)
         if self.drafter is not None:
+            self.drafter.reset_row(slot)
             obs = self.drafter.policy.admit(slot, prefill_len)
             observers = (obs, None) if self.drafter.own_model is None else (None, obs)
         self._observers[slot] = observers
@@ -136,6 +137,8 @@ class Executor:
             self.draft_cache.lengths[slot] = 0
         self._observers.pop(slot, None)
         self._synced[slot] = 0
+        if self.drafter is not None:
+            self.drafter.reset_row(slot)
 
     def sync_table(self, slot: int, blocks: list[int]) -> None:
         """Copy a grown block table into the device table (only the new entries)."""
@@ -204,6 +207,10 @@ class Executor:
         target = self.runner("target", n)
         draft = self.runner("draft", n) if self.draft_cache is not None else None
         tree = self._step_tree(rows, target.use_graphs, sampler.all_greedy)
+        if tree is not None and self.drafter.needs_history:
+            history = [(r.slot, r.token_ids) for r in rows]
+            if not self.drafter.prepare(history, tree, n, self.prev.device):
+                tree = None  # nothing to propose in any row: a plain step
         policy, shape = self.thread_policy, (n, 1 if tree is None else tree.size)
         if policy is not None:
             count = policy.for_step(shape)

@@ -157,8 +157,12 @@ def _make_drafter(spec: SpeculativeConfig, target, dtype, device, draft_info, ex
     """The drafter `spec` asks for and its name; a draft model loads from `draft_info` (`inspect_model`:
     its tokenizer already checked against the target's) in the format `spec.draft_weights`."""
     from redwood.speculation.drafters import ModelDrafter, SelfDrafter
+    from redwood.speculation.draftless import NgramDrafter
 
     policy = spec.make_policy()
+    if spec.draftless == "ngram":
+        drafter = NgramDrafter(target.config.vocab_size, spec.ngram_min, spec.ngram_max)
+        return drafter, drafter.describe()
     if spec.self_speculate:
         return SelfDrafter(target, policy), f"self ({policy.describe()})"
     draft = load_draft_model(

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from redwood.errors import ConfigError
 from redwood.kv.policies import KV_POLICIES, make_policy
 from redwood.models.cpu_weights import WEIGHT_CHOICES
+from redwood.speculation.draftless import DEFAULT_MAX_N, DEFAULT_MIN_N, check_ngram_sizes
 from redwood.speculation.trees import Tree, resolve_tree
 
 VERIFIERS = ("auto", "greedy", "sampling", "sequoia", "specinfer", "topk")
@@ -17,6 +18,8 @@ VERIFIERS = ("auto", "greedy", "sampling", "sequoia", "specinfer", "topk")
 # (0.95^64) and expected tokens per step are within 4% of their γ → ∞ limit (1 / (1 − α) = 20); the
 # papers' chains and trees stay at or under ~16-20 levels. Deeper drafts only cost draft forwards and a
 # longer verify (`--gamma 1000` spent 282 s drafting to emit 8 tokens).
+DRAFTLESS = ("ngram",)  # drafters that run no model (`speculation.draftless`)
+
 MAX_DRAFT_DEPTH = 64
 
 
@@ -40,7 +43,9 @@ class SpeculativeConfig:
     """How to speculate (MagicDec-style chains).
 
     draft_model: a zoo name / folder / .gguf of a small model sharing the target's tokenizer; or
-    self_speculate=True: the target drafts for itself, reading a compressed view of its own KV cache.
+    self_speculate=True: the target drafts for itself, reading a compressed view of its own KV cache; or
+    draftless="ngram": no draft forward — each step proposes the tokens that followed the latest earlier
+    occurrence of the request's last ngram_max … ngram_min tokens (prompt lookup; `speculation.draftless`).
     draft_kv: which committed tokens the draft reads — "full", "streaming" (sinks + recent window) or
     "snapkv" (prefill-selected positions + recent tokens), within `draft_budget` tokens.
     sinks / window: StreamingLLM's sink count and recent window (window defaults to budget − sinks);
@@ -73,10 +78,25 @@ class SpeculativeConfig:
     tree: str | None = None
     verifier: str = "auto"
     draft_weights: str = "auto"
+    draftless: str | None = None
+    ngram_min: int = DEFAULT_MIN_N
+    ngram_max: int = DEFAULT_MAX_N
 
     def __post_init__(self) -> None:
-        if bool(self.draft_model) == bool(self.self_speculate):
-            raise ConfigError("speculation needs exactly one of draft_model=... or self_speculate=True")
+        if sum((bool(self.draft_model), bool(self.self_speculate), self.draftless is not None)) != 1:
+            raise ConfigError(
+                "speculation needs exactly one drafter: draft_model=..., self_speculate=True or draftless='ngram'"
+            )
+        if self.draftless is not None:
+            if self.draftless not in DRAFTLESS:
+                raise ConfigError(f"unknown draftless {self.draftless!r}; choose one of {', '.join(DRAFTLESS)}")
+            if self.draft_kv != "full" or self.draft_budget is not None:
+                raise ConfigError("a draftless drafter reads no KV cache: drop draft_kv / draft_budget")
+            if self.draft_weights != "auto":
+                raise ConfigError("draft_weights applies to a draft model; a draftless drafter has no weights")
+            if self.tree and not resolve_tree(self.tree).is_chain:
+                raise ConfigError("the ngram drafter proposes a chain: give num_draft_tokens (γ), not a tree")
+        check_ngram_sizes(self.ngram_min, self.ngram_max)
         if self.draft_kv not in KV_POLICIES:
             raise ConfigError(f"unknown draft_kv {self.draft_kv!r}; choose one of {', '.join(KV_POLICIES)}")
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:

@@ -130,6 +130,16 @@ class Drafter:
     # over a batch of rows of its cache; the Engine passes the target's and, for a drafter with its own
     # model, the draft's for the rows a step runs.
     own_model: Transformer | None = None  # a standalone draft model (its own cache), else None
+    needs_history = False  # draftless drafters read each row's tokens on the host (`prepare`)
+
+    def reset_row(self, slot: int) -> None:
+        """A request leaves the slot (or a new one takes it): drop host state kept for the row."""
+
+    def prepare(self, rows: list[tuple[int, list[int]]], tree: Tree, n: int, device: torch.device) -> bool:
+        """Before a step that drafts `tree` over the first n slots: host work on the generating rows' histories
+        (slot, prompt + output ids; only for `needs_history` drafters) → False when no row has anything to
+        propose (the step then decodes plainly)."""
+        return True
 
     def propose(
         self,

@@ -1,0 +1,165 @@
+"""Draftless drafting (redwood.speculation.draftless): the n-gram index's matching on edge cases, the drafter's
+proposals and its plain steps when nothing matches, greedy speculation == greedy AR through the Engine (a
+repetitive workload, so proposals are accepted), seeded sampling through it, and the configuration / CLI errors.
+(The one-hot draft distribution's exactness under rejection sampling: tests/sample/test_verifiers_exact.py,
+draft "onehot"; through the engine: tests/bench/test_lossless.py, method ngram-chain3.)"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from redwood import SamplingParams
+from redwood.errors import ConfigError
+from redwood.speculation.config import SpeculativeConfig
+from redwood.speculation.draftless import NgramDrafter, NgramIndex
+from redwood.speculation.trees import Tree
+from tests.engine.driver import run_engine
+from tests.engine.test_engine import models  # noqa: F401 — the (target, draft, tokenizer) fixture
+
+
+def index(tokens, lo=2, hi=4) -> NgramIndex:
+    ix = NgramIndex(lo, hi)
+    ix.extend(tokens)
+    return ix
+
+
+def test_no_match_proposes_nothing():
+    assert index([1, 2, 3, 4, 5]).propose(3) == []
+    assert index([]).propose(3) == []
+
+
+def test_a_history_shorter_than_n_proposes_nothing():
+    assert index([7], lo=2).propose(3) == [] and index([7, 7], lo=3, hi=4).propose(2) == []
+
+
+def test_the_longest_suffix_wins_over_a_shorter_more_recent_one():
+    # suffix (1, 2, 3) occurred at 0..2 (then 9); (2, 3) alone occurred more recently (then 8)
+    assert index([1, 2, 3, 9, 2, 3, 8, 1, 2, 3]).propose(1) == [9]
+    assert index([1, 2, 3, 9, 2, 3, 8, 1, 2, 3], lo=2, hi=2).propose(1) == [8]
+
+
+def test_repeated_ngrams_propose_the_most_recent_continuation():
+    assert index([5, 6, 1, 5, 6, 2, 5, 6]).propose(1) == [2]
+
+
+def test_a_match_at_the_very_end_continues_its_period():
+    # the latest earlier (7, 7) ends one token before the end: its continuation is the suffix itself, repeated
+    assert index([3, 7, 7, 7]).propose(4) == [7, 7, 7, 7]
+    assert index([1, 2, 1, 2, 1, 2]).propose(5) == [1, 2, 1, 2, 1]
+    assert index([4, 1, 2, 3, 1, 2, 3], lo=3, hi=3).propose(4) == [1, 2, 3, 1]
+
+
+def test_the_index_grows_incrementally_as_a_whole_rebuild_would():
+    rng = random.Random(0)
+    tokens = [rng.randrange(5) for _ in range(200)]
+    ix = NgramIndex(1, 3)
+    for i, t in enumerate(tokens):
+        ix.extend([t])
+        assert ix.propose(3) == index(tokens[: i + 1], 1, 3).propose(3)
+
+
+def test_bad_sizes_are_config_errors():
+    with pytest.raises(ConfigError, match="ngram_min"):
+        NgramIndex(0, 3)
+    with pytest.raises(ConfigError, match="at most ngram_max"):
+        NgramIndex(4, 3)
+
+
+def test_prepare_pads_rows_and_says_whether_any_row_proposed():
+    d = NgramDrafter(vocab_size=50, min_n=2, max_n=3)
+    tree = Tree.chain(3)
+    assert not d.prepare([(0, [1, 2, 3]), (1, [4, 5])], tree, 2, torch.device("cpu"))  # no match: a plain step
+    assert d.prepare([(0, [1, 2, 3, 1, 2]), (1, [4, 5, 6])], tree, 2, torch.device("cpu"))
+    tokens, q = d.propose(None, None, None, torch.tensor([2, 6]), tree, None, "topk", True)
+    assert tokens.tolist() == [[2, 3, 1, 2], [6, 6, 6, 6]]  # row 1: no match, padded with its newest token
+    assert q.shape == (2, 4, 50) and torch.equal(q[:, :3].argmax(-1), tokens[:, 1:]) and q[:, 3].sum() == 0
+    d.reset_row(0)  # a new request in slot 0: its index starts over
+    assert not d.prepare([(0, [9, 8, 7])], tree, 1, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="chain"):
+        d.prepare([(0, [1, 2])], Tree([-1, 0, 0]), 1, torch.device("cpu"))
+
+
+def _repetitive_prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        phrase = [rng.randrange(3, 300) for _ in range(rng.randrange(3, 7))]
+        prompts.append(phrase * rng.randrange(2, 5) + [rng.randrange(3, 300) for _ in range(rng.randrange(0, 6))])
+    return prompts
+
+
+def test_greedy_ngram_speculation_equals_ar_under_continuous_batching(models):
+    """Ragged repetitive prompts arriving at different steps, 3 slots for 6 requests: every request's tokens
+    equal its greedy AR output, and drafted tokens were accepted (the test exercises acceptance, not only
+    plain steps)."""
+    target, _, tok = models
+    prompts = _repetitive_prompts(6, seed=4)
+    params = [SamplingParams(max_new_tokens=24, ignore_eos=True) for _ in prompts]
+    arrivals = [0, 0, 1, 3, 5, 9]
+    _, ar, _ = run_engine(target, tok, prompts, params, arrivals=arrivals, max_num_seqs=3, block_size=8)
+    for gamma in (1, 3):
+        drafter = NgramDrafter(target.config.vocab_size, 1, 3)
+        _, spec, _ = run_engine(
+            target,
+            tok,
+            prompts,
+            params,
+            drafter=drafter,
+            tree=Tree.chain(gamma),
+            arrivals=arrivals,
+            max_num_seqs=3,
+            block_size=8,
+        )
+        assert [s.output_ids for s in spec] == [s.output_ids for s in ar]
+        accepted = sum(s.output_sources.count("draft") for s in spec)
+        assert accepted > 0 and drafter.proposed > 0
+
+
+def test_seeded_sampling_with_ngram_drafts_is_reproducible_and_plausible(models):
+    """Sampled requests (T = 0.3, seeded) through ngram speculation: the same seeds give the same tokens on a
+    second run, and drafts are both accepted and rejected."""
+    target, _, tok = models
+    prompts = _repetitive_prompts(3, seed=9)
+    params = [SamplingParams(max_new_tokens=32, ignore_eos=True, temperature=0.3, seed=i) for i in range(3)]
+    outs = []
+    for _ in range(2):
+        drafter = NgramDrafter(target.config.vocab_size, 1, 3)
+        _, states, _ = run_engine(target, tok, prompts, params, drafter=drafter, tree=Tree.chain(3), block_size=8)
+        outs.append([s.output_ids for s in states])
+    assert outs[0] == outs[1]
+    stats = [s.stats.spec for s in states]
+    assert 0 < sum(s.accepted for s in stats) < sum(s.drafted for s in stats)
+
+
+def test_llm_with_a_draftless_config_matches_ar_on_unicode_text(tiny_model_dir):
+    """Text prompts with multi-byte characters through LLM(speculative=SpeculativeConfig(draftless="ngram")):
+    greedy output equals AR's, text and tokens; the drafter is named in the stats."""
+    from redwood import LLM
+
+    prompt = "Größe: ünïcödé ✓ — ünïcödé ✓ — ünïcödé ✓ — "
+    p = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    ar = LLM(str(tiny_model_dir)).generate(prompt, p)[0]
+    llm = LLM(str(tiny_model_dir), speculative=SpeculativeConfig(draftless="ngram", num_draft_tokens=3, ngram_min=1))
+    out = llm.generate(prompt, p)[0]
+    assert out.token_ids == ar.token_ids and out.text == ar.text
+    assert llm.draft_name == "ngram 1-4" and out.stats["speculative"]["steps"] > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(draftless="suffix"), "unknown draftless"),
+        (dict(draftless="ngram", self_speculate=True), "exactly one drafter"),
+        (dict(draftless="ngram", draft_kv="streaming", draft_budget=8), "reads no KV cache"),
+        (dict(draftless="ngram", draft_weights="int8"), "has no weights"),
+        (dict(draftless="ngram", tree="generic-16"), "proposes a chain"),
+        (dict(draftless="ngram", ngram_min=3, ngram_max=2), "at most ngram_max"),
+        (dict(draftless="ngram", ngram_min=0), "ngram_min must be"),
+    ],
+)
+def test_bad_draftless_configs_are_config_errors(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        SpeculativeConfig(**kwargs)
