@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from redwood.config import EngineConfig, ExecutionConfig
+from redwood.config import EngineConfig
 from redwood.engine.batch import DecodeRow, PrefillWork, StepBatch
 from redwood.engine.decode import resolve_verifier
 from redwood.engine.executor import Executor
@@ -43,7 +43,6 @@ from redwood.errors import ConfigError
 from redwood.kv.blocks import BlockPool
 from redwood.loading import ModelInfo, parse_device
 from redwood.sampling_params import SamplingParams
-from redwood.speculation.config import SpeculativeConfig
 
 
 class Engine:
@@ -77,36 +76,14 @@ class Engine:
         self.num_steps = 0
 
     @classmethod
-    def from_pretrained(
-        cls,
-        model: str | Path | ModelInfo = DEFAULT_MODEL,
-        dtype: str | torch.dtype = "float32",
-        device: str | torch.device = "cpu",
-        speculative: SpeculativeConfig | None = None,
-        offload: bool = False,
-        offload_prefetch: int = 2,
-        threads: int | None = None,
-        weights: str = "auto",
-        execution: ExecutionConfig | None = None,
-        **config,
-    ) -> "Engine":
-        """Load the models, then build the engine; `config`: `EngineConfig`'s fields."""
-        config = engine_config(**config)
-        if config.cuda_graphs and parse_device(device).type != "cuda":
+    def from_pretrained(cls, model: str | Path | ModelInfo = DEFAULT_MODEL, **settings) -> "Engine":
+        """Load the models, then build the engine. `settings`: `LoadedModels.load`'s arguments (dtype, device,
+        speculative, offload, offload_prefetch, threads, weights, execution) and `EngineConfig`'s fields."""
+        load = {k: settings.pop(k) for k in LOAD_ARGS if k in settings}
+        config = engine_config(**settings)
+        if config.cuda_graphs and parse_device(load.get("device", "cpu")).type != "cuda":
             raise ConfigError("cuda_graphs needs device='cuda'")
-        models = LoadedModels.load(
-            model,
-            dtype,
-            device,
-            speculative,
-            offload,
-            offload_prefetch,
-            threads,
-            weights,
-            max_model_len=config.max_model_len,
-            execution=execution,
-        )
-        return cls(models, config)
+        return cls(LoadedModels.load(model, max_model_len=config.max_model_len, **load), config)
 
     @classmethod
     def build(
@@ -278,6 +255,10 @@ class Engine:
         if rec.slot is not None:
             self.executor.vacate(rec.slot)
             rec.slot = None
+
+
+# LoadedModels.load's keyword arguments (the rest of from_pretrained's settings are EngineConfig's)
+LOAD_ARGS = ("dtype", "device", "speculative", "offload", "offload_prefetch", "threads", "weights", "execution")
 
 
 def engine_config(**fields) -> EngineConfig:
