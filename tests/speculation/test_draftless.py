@@ -152,7 +152,7 @@ def test_llm_with_a_draftless_config_matches_ar_on_unicode_text(tiny_model_dir):
     "kwargs, match",
     [
         (dict(draftless="suffix"), "unknown draftless"),
-        (dict(draftless="ngram", self_speculate=True), "exactly one drafter"),
+        (dict(draftless="ngram", self_speculate=True), "exactly one of"),
         (dict(draftless="ngram", draft_kv="streaming", draft_budget=8), "reads no KV cache"),
         (dict(draftless="ngram", draft_weights="int8"), "has no weights"),
         (dict(draftless="ngram", tree="generic-16"), "proposes a chain"),

@@ -85,7 +85,7 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if sum((bool(self.draft_model), bool(self.self_speculate), self.draftless is not None)) != 1:
             raise ConfigError(
-                "speculation needs exactly one drafter: draft_model=..., self_speculate=True or draftless='ngram'"
+                "speculation needs exactly one of draft_model=..., self_speculate=True or draftless='ngram'"
             )
         if self.draftless is not None:
             if self.draftless not in DRAFTLESS:
