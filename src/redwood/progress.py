@@ -24,6 +24,12 @@ def set_quiet(quiet: bool = True) -> None:
     _quiet = bool(quiet)
 
 
+def note(message: str, stream=None) -> None:
+    """One line about long work (a calibration, a cache rebuilt) on stderr, unless the process is quiet."""
+    if not _quiet:
+        print(message, file=sys.stderr if stream is None else stream, flush=True)
+
+
 def _fmt_s(s: float) -> str:
     s = int(round(s))
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"

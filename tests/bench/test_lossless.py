@@ -102,3 +102,17 @@ def test_a_lossy_verifier_is_caught(prepared, monkeypatch):
     assert report["min_p_holm"] < 1e-6
     tests = {t["test"]: t for t in report["cases"][0]["tests"]}
     assert tests["fit marginal t1"]["p_holm"] > 0.01  # the first token comes from the prefill: untouched
+
+
+def test_plan_switches_every_step_stay_exact(prepared, monkeypatch, tmp_path):
+    """The automatic policy's plans (plain steps, draft chains of every γ, ngram chains), switched at every
+    step — the most switching it could do — still sample the target distribution exactly."""
+    import redwood.speculation.costs_cache as cache
+    from tests.engine.test_auto_policy import cycle_plans
+
+    monkeypatch.setattr(cache, "costs_dir", lambda: tmp_path / "costs")
+    cycle_plans(monkeypatch, order=[0, 1, 3, 9, 10, 12])  # ar, draft γ1, γ3, ngram γ1, γ2, γ4
+    case = L.Case(L.METHODS["close-auto"], L.Sampling(0.6, 0.8))
+    report = L.run_cases([case], settings(), prepared, log=lambda line: None)
+    assert report["verdict"] == "PASS", L.format_table(report)
+    assert 0.02 < report["cases"][0]["acceptance_rate"] < 0.95

@@ -188,7 +188,7 @@ def test_snapkv_self_speculation_with_chunked_prefill_equals_autoregressive(mode
     ar = generate(model, PROMPTS, GREEDY)
     # Every step drafts the whole tree: the tail cut (`Executor._step_tree`) follows the longest row of
     # each step, so it would differ between these schedules and so would the tail steps' acceptance.
-    monkeypatch.setattr(Executor, "_step_tree", lambda self, rows, graphed, greedy: self.tree)
+    monkeypatch.setattr(Executor, "_step_tree", lambda self, tree, rows, graphed, greedy: tree)
     runs = []
     for setup, step_tokens in ((small_chunks, 16), (small_chunks, 2048), (whole_prompts, 2048)):
         setup(monkeypatch)  # forwards of 16 tokens or whole prompts; steps of 16 prompt tokens or all

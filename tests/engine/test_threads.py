@@ -135,6 +135,7 @@ class Alternating:
     """A policy that flips the count every decode step (the worst case for exactness)."""
 
     base, wide = 1, 2
+    current = 2  # (steps at the other count are probes: the plan costs do not learn from them)
 
     def __init__(self):
         self.i, self.seen = 0, []

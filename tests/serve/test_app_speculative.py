@@ -65,3 +65,29 @@ def test_speculative_server_matches_offline_autoregressive(spec_server, tiny_mod
     assert drafts > 0 and drafts <= tokens <= 3 * drafts and 0 <= accepted <= tokens
     assert metric(m, "spec_decode_num_accepted_tokens_per_pos_total") == accepted  # (summed over positions)
     assert 'position="0"' in m
+
+
+def test_auto_policy_server_matches_offline_autoregressive_and_counts_its_plans(
+    tiny_model_dir, tiny_draft_dir, tmp_path
+):
+    """`redwood serve --speculative auto`: greedy text equal to offline AR's; /metrics counts the plans the
+    finished requests ran and shows the policy's live acceptance of the draftless drafter."""
+    from tests.serve.conftest import MODEL_NAME as NAME
+    from tests.serve.server_process import start_server
+
+    want = LLM(str(tiny_model_dir)).generate(PROMPTS * 3, SamplingParams(max_new_tokens=N, ignore_eos=True))
+    flags = ["--model", str(tiny_model_dir), "--served-model-name", NAME, "--speculative", "auto"]
+    server = start_server(flags + ["--draft-model", str(tiny_draft_dir)], env={"REDWOOD_HOME": str(tmp_path)})
+    try:
+        for prompt, w in zip(PROMPTS * 3, want):
+            body = {"model": NAME, "prompt": prompt, "max_tokens": N, "temperature": 0, "ignore_eos": True}
+            r = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+            assert r["choices"][0]["text"] == w.text
+        m = httpx.get(server.url + "/metrics", timeout=10).text
+    finally:
+        server.stop(timeout=30)
+    plans = [line for line in m.splitlines() if line.startswith("redwood:spec_decode_plan_steps_total{")]
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in plans) >= 6 * (N - 1) // 9  # (≥ one step per 9 tokens)
+    assert any('plan="ar"' in line for line in plans)
+    assert 'drafter="ngram@t0"' in m
+    assert list((tmp_path / "costs").glob("*.json"))  # the calibration went to the server's REDWOOD_HOME

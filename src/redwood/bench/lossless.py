@@ -161,6 +161,7 @@ class Method:
     tree: str | None = None
     verifier: str = "sampling"
     source: str = "engine"
+    policy: str = "fixed"  # "auto": the automatic policy plans each step (the draft beside the ngram drafter)
 
     def speculative(self, models: Models):
         from redwood.speculation.config import SpeculativeConfig
@@ -168,6 +169,8 @@ class Method:
         if self.draft is None:
             return None
         tree = models.wide_tree if self.tree == "wide" else self.tree
+        if self.policy == "auto":
+            return SpeculativeConfig(draft_model=getattr(models, self.draft), ngram_min=1, ngram_max=2, policy="auto")
         if self.draft == "self":
             draft = dict(self_speculate=True)
         elif self.draft == "ngram":
@@ -206,6 +209,7 @@ METHODS = {
         Method("far-wide-topk", "far", tree="wide", verifier="topk"),
         Method("self-stream-chain3", "self", **STREAM),
         Method("ngram-chain3", "ngram"),
+        Method("close-auto", "close", policy="auto"),
         Method("self-stream-g16-sequoia", "self", **STREAM, tree="generic-16", verifier="sequoia"),
         Method("self-snapkv-chain3", "self", **SNAP),
         Method("self-snapkv-g16-specinfer", "self", **SNAP, tree="generic-16", verifier="specinfer"),

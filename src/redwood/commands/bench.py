@@ -414,10 +414,11 @@ def run_throughput(args) -> int:
             )
         spec = speculative_config_from_args(args)  # (errors for speculation flags without a drafter)
     else:
-        if not args.draft_model and not args.self_speculate and not args.draft:
+        if not (args.draft_model or args.self_speculate or args.draft or args.speculative == "auto"):
             raise ConfigError(
                 "bench throughput compares speculation with autoregressive decoding: give "
-                "--draft-model D, --self-speculate or --draft ngram (or --no-spec for autoregressive only)"
+                "--draft-model D, --self-speculate, --draft ngram or --speculative auto (or --no-spec for "
+                "autoregressive only)"
             )
         if args.self_speculate and args.draft_kv is None:
             # as bench selfspec: a self-draft over the full cache is the target itself

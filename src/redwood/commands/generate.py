@@ -72,6 +72,8 @@ def stats_line(stats: dict, finish_reason: str) -> str:
         nodes = spec.get("drafted_per_step", spec["gamma"])
         # A chain drafts gamma tokens per step; a branching tree more nodes than its depth (gamma).
         shape = f"gamma {spec['gamma']}" if nodes == spec["gamma"] else f"tree {nodes + 1} nodes, depth {spec['gamma']}"
+        if spec.get("policy") == "auto":
+            shape = "auto"
         line += (
             f"; speculative {shape}: {spec['steps']} steps, acceptance "
             f"{spec['acceptance_rate']:.3f} ({spec['accepted']}/{spec['drafted']}), mean accepted length "
@@ -81,6 +83,9 @@ def stats_line(stats: dict, finish_reason: str) -> str:
             line += f"draft {spec['draft_s']:.3f} s / verify {spec['verify_s']:.3f} s"
         else:  # each step ran as one CUDA graph: only the whole step is timed
             line += f"steps {spec.get('step_s', 0.0):.3f} s"
+        if spec.get("policy") == "auto":
+            plans = ", ".join(f"{name} {n}" for name, n in spec.get("plans", {}).items())
+            line += f"; plans: {plans} ({spec.get('probes', 0)} probes)"
     return line + "]"
 
 
@@ -192,6 +197,8 @@ def run(args) -> int:
         }
         if spec is not None:
             obj["draft"] = llm.draft_name
+            if spec.auto:
+                obj["policy"] = llm.engine.policy.report()
         if args.compare_ar is not None and (n := min(args.compare_ar, len(out.token_ids))) >= 2:
             obj["compare_ar"] = compare_ar(llm, ids, params, n, out.token_ids, out.stats)
         print(json.dumps(obj, ensure_ascii=False))

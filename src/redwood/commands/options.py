@@ -344,6 +344,16 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         help="a draftless drafter: ngram proposes the tokens that followed the latest earlier occurrence of the "
         "request's last --ngram-max … --ngram-min tokens in its prompt and output (prompt lookup; no draft forward)",
     )
+    p.add_argument(
+        "--speculative",
+        default=None,
+        choices=["fixed", "auto"],
+        help="auto: plan every step — plain decoding, or a chain of 1-8 drafts from --draft-model / "
+        "--self-speculate (if given) or the draftless ngram drafter — from measured step costs and live "
+        "acceptance, so speculation never runs slower than plain decoding (a one-time calibration per setup, "
+        "cached; `redwood profile --for-policy` runs it ahead). fixed (the default): every step as the flags "
+        "say. --gamma / --tree pin a fixed plan",
+    )
     p.add_argument("--ngram-min", type=int, default=None, metavar="N", help="shortest match (default 2)")
     p.add_argument("--ngram-max", type=int, default=None, metavar="N", help="longest match tried first (default 4)")
     add_draft_weights_arg(p)
@@ -482,6 +492,40 @@ def make_speculative_config(
     )
 
 
+def _auto_config(args, draftless: str | None):
+    """--speculative auto: the model drafter (optional) and the draftless one the policy plans between."""
+    from redwood.errors import ConfigError
+    from redwood.speculation.config import SpeculativeConfig
+
+    if args.draft_model and args.self_speculate:
+        raise ConfigError("--speculative auto takes one model drafter: --draft-model M or --self-speculate")
+    given = (("--gamma", args.gamma not in (None, [])), ("--tree", getattr(args, "tree", None) is not None))
+    pinned = [flag for flag, on in given if on]
+    if pinned:
+        raise ConfigError(
+            f"{pinned[0]} pins a fixed plan; --speculative auto chooses γ per step (drop {pinned[0]}, or "
+            f"--speculative auto)"
+        )
+    check_draft_cache_args(args)
+    if args.draft_model:
+        check_draft_weights_arg(args)
+    return SpeculativeConfig(
+        draft_model=args.draft_model or None,
+        self_speculate=bool(args.self_speculate),
+        draft_kv=args.draft_kv or "full",
+        draft_budget=args.draft_budget,
+        sinks=args.sinks,
+        window=args.window,
+        pool_kernel=DEFAULT_POOL_KERNEL if args.pool_kernel is None else args.pool_kernel,
+        verifier=args.verifier or "auto",
+        draft_weights=getattr(args, "draft_weights", None) or "auto",
+        draftless=draftless,
+        ngram_min=getattr(args, "ngram_min", None) or DEFAULT_MIN_N,
+        ngram_max=getattr(args, "ngram_max", None) or DEFAULT_MAX_N,
+        policy="auto",
+    )
+
+
 def speculative_config_from_args(args):
     """The SpeculativeConfig the flags ask for, or None (no --draft-model / --self-speculate / --draft).
 
@@ -490,6 +534,8 @@ def speculative_config_from_args(args):
     from redwood.errors import ConfigError
 
     draftless = getattr(args, "draft", None)
+    if getattr(args, "speculative", None) == "auto":
+        return _auto_config(args, draftless)
     chosen = [
         f
         for f, on in (

@@ -74,7 +74,13 @@ def register(subparsers) -> None:
     add_draft_weights_arg(p)
     add_graphs_arg(p)
     add_threads_arg(p)  # (latencies on the CPU depend on it: profile with the threads you will run with)
-    p.add_argument("--output", "-o", required=True, metavar="FILE", help="write the profile here (JSON)")
+    p.add_argument("--output", "-o", default=None, metavar="FILE", help="write the profile here (JSON)")
+    p.add_argument(
+        "--for-policy",
+        action="store_true",
+        help="instead: calibrate the cost model of `--speculative auto` for this model (and --draft-model), "
+        "weights, threads and device, into the cache a later run reads (REDWOOD_HOME/costs); --output not needed",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     add_offload_args(p)  # profile the target as an offloaded run streams it (the draft stays resident)
     add_draft_cache_args(
@@ -86,7 +92,44 @@ def register(subparsers) -> None:
     p.set_defaults(func=_run)
 
 
+def _for_policy(args: argparse.Namespace) -> int:
+    """Load the models as `generate --speculative auto` with the same flags would, and build the engine: its
+    calibration lands in the cache (or is found there already)."""
+    from redwood.commands.options import threads_kwargs
+    from redwood.llm import LLM
+    from redwood.speculation.config import SpeculativeConfig
+
+    if args.output is not None:
+        raise ConfigError("--for-policy writes the cost-model cache, not a profile: drop --output")
+    check_draft_weights_arg(args)
+    spec = SpeculativeConfig(draft_model=args.draft_model, draft_weights=args.draft_weights or "auto", policy="auto")
+    t0 = time.perf_counter()
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        weights=args.weights,
+        speculative=spec,
+        cuda_graphs=args.cuda_graphs,
+        max_num_seqs=1,
+        **threads_kwargs(args),
+    )
+    engine = llm.engine  # (built now: the calibration runs, or the cache is read)
+    table = engine.policy.costs.table
+    print(f"cost model for {llm.model_name}" + (f" + {args.draft_model}" if args.draft_model else ""))
+    for name, curve in (("target", table.target), ("draft", table.draft)):
+        if curve is not None:
+            ms = "  ".join(f"{n}: {t * 1e3:.3f}" for n, t in zip(curve.tokens, curve.lo_s))
+            print(f"{name} ms by new tokens (context {curve.lo_ctx}): {ms}")
+    print(f"cache {engine.policy.costs_path} ({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.for_policy:
+        return _for_policy(args)
+    if args.output is None:
+        raise ConfigError("--output FILE is required (or --for-policy)")
     from redwood.sample.tree_verify import VERIFIERS
     from redwood.tuning.profile import measure_profile, parse_sizes
     from redwood.tuning.tree_search import save_profile

@@ -12,12 +12,15 @@ from redwood.sampling_params import SamplingParams
 
 @dataclass
 class DecodeRow:
-    """A slot that generates this step; `remaining`: tokens its request may still emit (the tree cut)."""
+    """A slot that generates this step; `remaining`: tokens its request may still emit (the tree cut);
+    `computed`: its committed KV length (the cache's length on the host)."""
 
     slot: int
     params: SamplingParams
     remaining: int
-    token_ids: list[int] | None = None  # prompt + output (for drafters that read it: `Drafter.needs_history`)
+    token_ids: list[int] | None = None  # prompt + output, `last` included (draftless drafters read it; the
+    # draft model's catch-up feeds it)
+    computed: int = 0
 
 
 @dataclass
@@ -56,7 +59,9 @@ class StepResult:
     """A step's outcome on the host. decode[i] belongs to batch.decode[i]; prefill[i] to batch.prefill[i]
     (None for a chunk that does not end its prefill). Times in seconds, one-time graph captures left out:
     step_s the decoding step, draft_s / verify_s its parts when measured apart (eager speculative steps,
-    else 0), prefill_s each chunk's share of the step's prefill; capture_s the captures this step ran."""
+    else 0), prefill_s each chunk's share of the step's prefill. plan: the plan the decoding step ran (plain
+    decoding when its drafter had nothing to propose); timed: whether step_s may teach the cost model (False
+    for a thread-count probe)."""
 
     decode: list[Tokens] = field(default_factory=list)
     prefill: list[Tokens | None] = field(default_factory=list)
@@ -64,7 +69,8 @@ class StepResult:
     draft_s: float = 0.0
     verify_s: float = 0.0
     prefill_s: float = 0.0
-    capture_s: float = 0.0
+    plan: object | None = None
+    timed: bool = False
 
 
 def logprob_rows(rows: list[DecodeRow], lp: tuple[torch.Tensor, ...]) -> dict[int, tuple[list, list, list]]:

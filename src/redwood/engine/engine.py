@@ -32,17 +32,23 @@ import torch
 
 from redwood.config import EngineConfig
 from redwood.engine.batch import DecodeRow, PrefillWork, StepBatch
+from redwood.engine.calibrate import cost_key, load_or_calibrate
 from redwood.engine.decode import resolve_verifier
 from redwood.engine.executor import Executor
 from redwood.engine.loaded import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, LoadedModels  # noqa: F401 (re-exported)
 from redwood.engine.output import OutputProcessor, Request, RequestDelta, Update, delta  # noqa: F401
 from redwood.engine.request import RequestState, SpecStats
 from redwood.engine.scheduler import Scheduler, SeqState
+from redwood.engine.threads import set_threads
 from redwood.engine.tokenization import check_max_model_len, check_prompt_ids, encode_prompt, eos_token_ids  # noqa: F401
 from redwood.errors import ConfigError
 from redwood.kv.blocks import BlockPool
 from redwood.loading import ModelInfo, parse_device
 from redwood.sampling_params import SamplingParams
+from redwood.speculation.costs import CostModel
+from redwood.speculation.costs_cache import costs_path
+from redwood.speculation.policy import MAX_GAMMA, AutoPolicy, FixedPolicy
+from redwood.speculation.trees import Tree
 
 
 class Engine:
@@ -57,7 +63,11 @@ class Engine:
         self.models, self.engine_config = models, config
         self.max_model_len = check_max_model_len(config.max_model_len, models.config.max_position_embeddings)
         self.eos_ids = eos_token_ids(models.config, models.tokenizer)
-        self.executor = Executor(models, config, self.max_model_len)
+        self.policy = make_policy(models)
+        self.executor = Executor(models, config, self.max_model_len, self.policy)
+        if self.policy.auto:
+            self.policy.graphs = self.executor.use_graphs
+            self.policy.costs = CostModel(self._calibrated_costs())
         self.pool = BlockPool(
             self.executor.num_pages, config.block_size, enable_prefix_cache=config.enable_prefix_caching
         )
@@ -74,6 +84,22 @@ class Engine:
         self._aborted: list[RequestDelta] = []
         self._ids = itertools.count()
         self.num_steps = 0
+
+    def _calibrated_costs(self):
+        """The automatic policy's cost table (`engine.calibrate`), measured at the thread count decode steps
+        start at (the CPU's adaptive count, `engine.threads`), then back to the prefill's."""
+        own = self.drafter.own_model if self.drafter is not None else None
+        threads = self.executor.thread_policy
+        if threads is not None:
+            set_threads(threads.current)
+        try:
+            key = cost_key(self.model, own)
+            table = load_or_calibrate(self.model, own, self.max_model_len)
+        finally:
+            if threads is not None:
+                set_threads(threads.base)
+        self.policy.costs_path = costs_path(key)
+        return table
 
     @classmethod
     def from_pretrained(cls, model: str | Path | ModelInfo = DEFAULT_MODEL, **settings) -> "Engine":
@@ -95,14 +121,21 @@ class Engine:
         tree=None,
         verifier: str = "auto",
         model_name: str = "model",
+        auto_drafters: list | None = None,
         **config,
     ) -> "Engine":
-        """An Engine over a target `Transformer` already loaded (and a `Drafter` with its `Tree`): what
-        tools holding models (benchmarks, tests) use instead of loading them again."""
+        """An Engine over a target `Transformer` already loaded (and a `Drafter` with its `Tree`, or
+        `auto_drafters`: the drafters the automatic policy chooses from, the one with a cache or KV policy of
+        its own first): what tools holding models (benchmarks, tests) use instead of loading them again."""
         config = engine_config(**config)
-        return cls(
-            LoadedModels.of(model, tokenizer, drafter=drafter, tree=tree, verifier=verifier, name=model_name), config
-        )
+        models = LoadedModels.of(model, tokenizer, drafter=drafter, tree=tree, verifier=verifier, name=model_name)
+        if auto_drafters:
+            if drafter is not None or tree is not None:
+                raise ConfigError("give drafter + tree (a fixed plan) or auto_drafters, not both")
+            models.drafter, models.tree = auto_drafters[0], Tree.chain(MAX_GAMMA)
+            models.auto_drafters = list(auto_drafters)
+            models.draft_name = "auto"
+        return cls(models, config)
 
     # ------------------------------------------------------------------ what the engine holds
     model = property(lambda self: self.models.model)
@@ -150,7 +183,11 @@ class Engine:
         )
         state.stats.prompt_tokens = len(ids)
         if self.tree is not None:
-            state.stats.spec = SpecStats(gamma=self.tree.max_depth - 1, drafted_per_step=self.tree.size - 1)
+            state.stats.spec = SpecStats(
+                gamma=self.tree.max_depth - 1,
+                drafted_per_step=self.tree.size - 1,
+                policy="auto" if self.policy.auto else "fixed",
+            )
         seq = SeqState(request_id, list(ids), max_new)
         if self.drafter is not None:
             seq.prefix_limit = self.drafter.policy.prefix_limit(len(ids))
@@ -199,8 +236,18 @@ class Engine:
         out = self.scheduler.schedule()
         self.num_steps += 1
         decode, prefill, batch = self._place(out)
-        result = self.executor.execute(batch)
+        plan, bucket = None, 0
+        if batch.decode:
+            bucket = self.executor.bucket(batch.decode)
+            plan = self.policy.plan(batch.decode, bucket)
+        result = self.executor.execute(batch, plan)
         updates = self.output.process(batch, result, decode, prefill)
+        if batch.decode:
+            seconds = result.step_s if result.timed else None
+            self.policy.observe(batch.decode, result.plan, result.decode, seconds, bucket)
+            for rec in decode:
+                if rec.state.stats.spec is not None:
+                    rec.state.stats.spec.count_plan(result.plan.name, plan.probe)
         self._update_scheduler(updates)
         self.executor.commit({r.slot: 0 if r.seq.status.finished else u.num_computed for r, u in zip(decode, updates)})
         deltas, self._aborted = self._aborted + self.output.deltas(updates), []
@@ -224,14 +271,14 @@ class Engine:
         prefill = [self._requests[c.request.request_id] for c in out.prefill]
         for rec in decode + prefill:
             self.executor.sync_table(rec.slot, rec.seq.block_table.blocks)
-        history = self.drafter is not None and self.drafter.needs_history
         batch = StepBatch(
             [
                 DecodeRow(
                     r.slot,
                     r.params,
                     r.state.max_new_tokens - len(r.state.output_ids),
-                    r.seq.all_token_ids if history else None,
+                    r.seq.all_token_ids,  # (the request's own list: no copy)
+                    r.seq.num_computed,
                 )
                 for r in decode
             ],
@@ -255,6 +302,13 @@ class Engine:
         if rec.slot is not None:
             self.executor.vacate(rec.slot)
             rec.slot = None
+
+
+def make_policy(models: LoadedModels):
+    """What plans the steps: the automatic policy over the models' drafters, or their fixed plan."""
+    if models.auto_drafters:
+        return AutoPolicy(models.auto_drafters)
+    return FixedPolicy(models.drafter, models.tree)
 
 
 # LoadedModels.load's keyword arguments (the rest of from_pretrained's settings are EngineConfig's)

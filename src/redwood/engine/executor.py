@@ -41,6 +41,7 @@ from redwood.errors import ConfigError
 from redwood.kv.cache import KVCache
 from redwood.sample.sampler import Sampler, token_logprobs
 from redwood.sampling_params import SamplingParams
+from redwood.speculation.policy import AR, FixedPolicy, Plan
 from redwood.speculation.trees import Tree
 
 
@@ -48,12 +49,15 @@ class Executor:
     """Device state and device work of one Engine: its KV caches (allocated here, eagerly, within the
     config's memory share), slots, runners and sampler."""
 
-    def __init__(self, models: LoadedModels, config: EngineConfig, max_model_len: int):
+    def __init__(self, models: LoadedModels, config: EngineConfig, max_model_len: int, policy=None):
         self.models = models
         self.model, self.drafter, self.tree, self.verifier = models.model, models.drafter, models.tree, models.verifier
+        # what each step runs (`speculation.policy`): the models' fixed plan unless the Engine gives another
+        self.policy = FixedPolicy(models.drafter, models.tree) if policy is None else policy
+        self.drafters = list(self.policy.drafters)  # every drafter a step may use (`drafter`: the one with state)
         self.max_num_seqs, self.block_size = config.max_num_seqs, config.block_size
         self.max_model_len = max_model_len
-        self.lookahead = 1 if self.tree is None else self.tree.size
+        self.lookahead = self.policy.max_tree_size
         on_cuda = self.model.device.type == "cuda"
         self.use_graphs = on_cuda if config.cuda_graphs is None else config.cuda_graphs and on_cuda
         self.thread_policy = models.thread_policy  # decode steps' thread count chosen as they run
@@ -63,6 +67,9 @@ class Executor:
         self._synced = [0] * config.max_num_seqs  # block-table entries already copied to the device, per slot
         self.capture_s = 0.0  # one-time CUDA-graph captures (left out of request timings)
         self._pending: tuple | None = None  # the decoding step's state until `commit`
+        # per slot: committed positions whose KV the draft model holds (it writes only on its own steps, so
+        # after steps of another plan it lags the target and is caught up before its next step)
+        self._draft_valid = [0] * config.max_num_seqs
         with torch.inference_mode(False):  # normal tensors: updated both inside steps and outside
             self._allocate(config)
 
@@ -98,9 +105,9 @@ class Executor:
             self.draft_cache = KVCache.paged(own.config, S, num_pages, self.block_size, row_len, own.dtype, device)
             self.draft_cache.block_table = self.cache.block_table  # the same blocks, the draft's pages
             self.draft_cache.live = self.cache.live
-        if self.drafter is not None:
-            owner = own or self.model
-            self.drafter.policy.allocate(S, owner.config.num_layers, owner.config.num_kv_heads, device)
+        for d in self.drafters:
+            owner = d.own_model or self.model
+            d.policy.allocate(S, owner.config.num_layers, owner.config.num_kv_heads, device)
         self.sampler = Sampler.slots(S, device)
         self.prev = torch.zeros(S, dtype=torch.long, device=device)
         self.last = torch.zeros(S, dtype=torch.long, device=device)
@@ -116,9 +123,9 @@ class Executor:
         self.cache.lengths[slot] = num_computed
         if self.draft_cache is not None:
             self.draft_cache.lengths[slot] = num_computed
+        self._draft_valid[slot] = num_computed
         observers = (None, None)
         if self.drafter is not None:
-            self.drafter.reset_row(slot)
             obs = self.drafter.policy.admit(slot, prefill_len)
             observers = (obs, None) if self.drafter.own_model is None else (None, obs)
         self._observers[slot] = observers
@@ -137,8 +144,9 @@ class Executor:
             self.draft_cache.lengths[slot] = 0
         self._observers.pop(slot, None)
         self._synced[slot] = 0
-        if self.drafter is not None:
-            self.drafter.reset_row(slot)
+        for d in self.drafters:
+            d.reset_row(slot)
+        self.policy.forget(slot)
 
     def sync_table(self, slot: int, blocks: list[int]) -> None:
         """Copy a grown block table into the device table (only the new entries)."""
@@ -150,18 +158,25 @@ class Executor:
             self._synced[slot] = len(blocks)
 
     # ------------------------------------------------------------------ the step
-    def execute(self, batch: StepBatch) -> StepResult:
-        """The step's decoding rows (one autoregressive or speculative step, committed), then its prefill
-        chunks."""
+    def bucket(self, rows: list[DecodeRow]) -> int:
+        """The batch bucket a decoding step over `rows` runs on: the smallest holding every row's slot."""
+        top = max(r.slot for r in rows)
+        return next(b for b in self.buckets if b > top)
+
+    def execute(self, batch: StepBatch, plan: Plan | None = None) -> StepResult:
+        """The step's decoding rows (one autoregressive or speculative step as `plan` says — by default the
+        policy's fixed plan —, committed by `commit`), then its prefill chunks."""
         result = StepResult()
         if batch.decode:
-            self._decode(batch.decode, result)
+            if plan is None:
+                plan = self.policy.plan(batch.decode, self.bucket(batch.decode))
+            self._decode(batch.decode, result, plan)
         if batch.prefill:
             self._prefill(batch.prefill, result)
         return result
 
-    def _step_tree(self, rows: list[DecodeRow], graphed: bool, greedy: bool) -> Tree | None:
-        """The tree this step drafts: the engine's, cut to the levels its rows can still emit — a step
+    def _step_tree(self, tree: Tree | None, rows: list[DecodeRow], graphed: bool, greedy: bool) -> Tree | None:
+        """The tree this step drafts: the plan's, cut to the levels its rows can still emit — a step
         emits at most depth tokens, so with every row k tokens from its limit, drafting past k − 1 tokens
         is waste (`--gamma 60 --max-new-tokens 8` drafting 60). With one token left for every row, None:
         a plain autoregressive step, no draft forward (every row ends with this step, so no draft
@@ -170,7 +185,6 @@ class Executor:
         cut tree at every request's tail would capture new ones; and a sampled row's random draws
         follow the tree's shape, so a cut decided by its batch's rows would make its seeded output
         depend on what runs beside it (greedy output depends on nothing but the target)."""
-        tree = self.tree
         if tree is None or graphed or not greedy:
             return tree
         depth = max(r.remaining for r in rows) - 1  # draft levels kept
@@ -178,9 +192,10 @@ class Executor:
             return tree
         if depth < 1:
             return None
-        if depth not in self._cut_trees:
-            self._cut_trees[depth] = tree.first_levels(depth)
-        return self._cut_trees[depth]
+        key = (tree, depth)
+        if key not in self._cut_trees:
+            self._cut_trees[key] = tree.first_levels(depth)
+        return self._cut_trees[key]
 
     def runner(self, role: str, n: int) -> StepRunner:
         """The runner of `role` ("target" | "draft") over the first n slots (made on first use)."""
@@ -198,37 +213,53 @@ class Executor:
             self.runners[key] = runner
         return runner
 
-    def _decode(self, rows: list[DecodeRow], result: StepResult) -> None:
+    def _catch_up_draft(self, rows: list[DecodeRow]) -> None:
+        """Before a draft model's step: rows whose draft cache missed tokens committed by steps of other plans
+        get them (one draft prefill over the gap; `propose` then re-feeds the newest committed token)."""
+        lag = [r for r in rows if self._draft_valid[r.slot] < r.computed - 1]
+        if not lag:
+            return
+        starts = [self._draft_valid[r.slot] for r in lag]
+        stops = [r.computed - 1 for r in lag]
+        prefill_rows(
+            self.drafter.own_model, self.draft_cache, [r.slot for r in lag], [r.token_ids for r in lag], starts, stops
+        )
+        for r in lag:
+            self._draft_valid[r.slot] = r.computed - 1
+
+    def _decode(self, rows: list[DecodeRow], result: StepResult, plan: Plan) -> None:
         slots = [r.slot for r in rows]
-        n = next(b for b in self.buckets if b > max(slots))
+        n = self.bucket(rows)
         active = [r.params for r in rows]
         sampler = self.sampler.view(0, n, active)
         want_lp = any(p.logprobs is not None for p in active)  # (a step without them computes none)
         target = self.runner("target", n)
-        draft = self.runner("draft", n) if self.draft_cache is not None else None
-        tree = self._step_tree(rows, target.use_graphs, sampler.all_greedy)
-        if tree is not None and self.drafter.needs_history:
+        drafter = plan.drafter
+        t0 = time.perf_counter()
+        tree = self._step_tree(plan.tree, rows, target.use_graphs, sampler.all_greedy)
+        if tree is not None and drafter.needs_history:
             history = [(r.slot, r.token_ids) for r in rows]
-            if not self.drafter.prepare(history, tree, n, self.prev.device):
+            if not drafter.prepare(history, tree, n, self.prev.device):
                 tree = None  # nothing to propose in any row: a plain step
+        own = tree is not None and drafter.own_model is not None
+        if own:
+            self._catch_up_draft(rows)
+        draft = self.runner("draft", n) if own else None
+        if tree is None and plan.tree is not None:
+            plan = Plan(AR)  # (the drafter had nothing, or the rows' limits cut every level: a plain step)
         policy, shape = self.thread_policy, (n, 1 if tree is None else tree.size)
+        result.timed = True
         if policy is not None:
             count = policy.for_step(shape)
+            result.timed = count == policy.current  # (a thread-count probe teaches the plan costs nothing)
             set_threads(count)
         if tree is None:
             kind = "ar"
             build = lambda: ARStep(target, sampler, want_lp)  # noqa: E731
         else:
             kind = resolve_verifier(self.verifier, tree, sampler.all_greedy)
-            build = lambda: SpecStep(
-                self.model,
-                target,
-                draft,
-                self.drafter,
-                tree,
-                kind,
-                sampler,  # noqa: E731
-                want_lp,
+            build = lambda: SpecStep(  # noqa: E731
+                self.model, target, draft, drafter, tree, kind, sampler, want_lp
             )
         saved = sampler.random.counter.clone()
 
@@ -236,7 +267,6 @@ class Executor:
             return target.capture_s + (draft.capture_s if draft is not None else 0.0)
 
         t_draft = None
-        t0 = time.perf_counter()
         capture0 = captures()
         prev, last = self.prev[:n], self.last[:n]
         if target.use_graphs:
@@ -246,7 +276,8 @@ class Executor:
                 sampler.any_greedy,
                 sampler.any_filter,
                 want_lp,
-                None if self.drafter is None else self.drafter.graph_key(),
+                tree,
+                None if drafter is None or tree is None else drafter.graph_key(),
             )
             captured = target.captured_step(key, build, (prev, last), restore=sampler.random.checkpoint)
             path, accepted, nxt, new_prev, host, lp = captured.replay(prev, last)
@@ -273,8 +304,8 @@ class Executor:
             policy.record(count, shape, t1 - t0)
         captured_s = captures() - capture0
         self.capture_s += captured_s
-        result.capture_s += captured_s
         result.step_s = (t1 - t0) - captured_s
+        result.plan = plan
         if t_draft is not None:
             result.draft_s = t_draft - t0 - draft_capture_s
             result.verify_s = t1 - t_draft - (captured_s - draft_capture_s)
@@ -289,7 +320,16 @@ class Executor:
             result.decode.append(
                 Tokens(emitted, [SOURCE_DRAFT] * a + [SOURCE_TARGET], lp_b, None if drafted is None else (a, drafted))
             )
-        self._pending = (target, draft, tree, path, torch.where(generating, accepted + 1, 0))
+        self._pending = (
+            target,
+            draft,
+            drafter if tree is not None else None,
+            own,
+            tree,
+            path,
+            torch.where(generating, accepted + 1, 0),
+            {r.slot: r.computed for r in rows},
+        )
 
     def commit(self, kept: dict[int, int]) -> None:
         """Commit the step's decoding rows: slot → tokens it keeps (its emitted tokens up to a stop; 0 for
@@ -297,7 +337,7 @@ class Executor:
         accepted tree nodes moved into place, the draft's accepted path, the lengths advanced."""
         if self._pending is None:
             return
-        target, draft, tree, path, accepted_paths = self._pending
+        target, draft, drafter, own, tree, path, accepted_paths, computed = self._pending
         self._pending = None
         counts = [0] * target.cache.lengths.shape[0]
         for slot, k in kept.items():
@@ -306,9 +346,13 @@ class Executor:
         cache = target.cache
         if tree is not None and not tree.is_chain:
             cache.compact(path, kept_t)
-        if self.drafter is not None and tree is not None:  # (rows that did not generate commit nothing;
-            # an AR step at the rows' end has no draft to commit: they all finish with it)
-            self.drafter.commit(draft, path, accepted_paths)
+        if drafter is not None:  # (rows that did not generate commit nothing; an AR step at the rows' end
+            # has no draft to commit: they all finish with it)
+            drafter.commit(draft, path, accepted_paths)
+        if own:
+            for slot, k in kept.items():
+                if k:  # the draft now holds every committed position but the newest (re-fed next time)
+                    self._draft_valid[slot] = computed[slot] + k - 1
         cache.commit(kept_t)
 
     def _prefill(self, work: list[PrefillWork], result: StepResult) -> None:
@@ -330,6 +374,8 @@ class Executor:
             out = prefill_rows(self.model, self.cache, rows, ids, starts, stops)
             if self.draft_cache is not None:
                 prefill_rows(self.drafter.own_model, self.draft_cache, rows, ids, starts, stops)
+                for w in (w for _, w in plain):
+                    self._draft_valid[w.slot] = w.stop
             for k, (i, _) in enumerate(plain):
                 logits[i] = out[k]
         result.prefill_s = (time.perf_counter() - t0) / len(work)  # (the step's prefill time, shared)
@@ -361,4 +407,5 @@ class Executor:
         )
         if self.draft_cache is not None:
             prefill_row(self.drafter.own_model, self.draft_cache.row(w.slot), w.token_ids, w.start, w.stop, draft_obs)
+            self._draft_valid[w.slot] = w.stop
         return logits

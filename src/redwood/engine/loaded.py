@@ -34,7 +34,9 @@ class LoadedModels:
     """model: the target `Transformer`; tokenizer (None: token ids only); name / path: where it came from;
     drafter + tree (both or neither: speculation); verifier (`SpeculativeConfig.verifier`); draft_name:
     how reports name the drafter; speculative: the config it was made from (None when built from parts);
-    thread_policy: the CPU's per-step thread choice (`engine.threads.AdaptiveThreads`), or None."""
+    thread_policy: the CPU's per-step thread choice (`engine.threads.AdaptiveThreads`), or None;
+    auto_drafters: under the automatic policy (`SpeculativeConfig(policy="auto")`), every drafter it chooses
+    from (`drafter` is the one with a KV cache or policy of its own, if any, else the draftless one), else None."""
 
     model: torch.nn.Module
     tokenizer: object | None = None
@@ -46,6 +48,7 @@ class LoadedModels:
     draft_name: str | None = None
     speculative: SpeculativeConfig | None = None
     thread_policy: object | None = None
+    auto_drafters: list | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.tree, int):
@@ -129,7 +132,12 @@ class LoadedModels:
             verifier="auto" if speculative is None else speculative.verifier,
             speculative=speculative,
         )
-        if speculative is not None:
+        if speculative is not None and speculative.auto:
+            self.tree = speculative.make_tree()
+            self.auto_drafters = _auto_drafters(speculative, loaded.model, dtype, device, draft_info, execution)
+            self.drafter = self.auto_drafters[0]
+            self.draft_name = "auto: " + ", ".join(_describe(d) for d in self.auto_drafters)
+        elif speculative is not None:
             self.tree = speculative.make_tree()
             self.drafter, self.draft_name = _make_drafter(
                 speculative, loaded.model, dtype, device, draft_info, execution
@@ -145,12 +153,35 @@ class LoadedModels:
         from redwood.kv.policies import FullPolicy
         from redwood.models import cpu_fused
 
-        d = self.drafter
-        if d is not None and (
-            d.own_model is None or not isinstance(d.policy, FullPolicy) or not cpu_fused.model_takes(d.own_model)
-        ):
-            return False
+        for d in self.auto_drafters or ([] if self.drafter is None else [self.drafter]):
+            if d.needs_history:
+                continue  # draftless: no draft forward
+            if d.own_model is None or not isinstance(d.policy, FullPolicy) or not cpu_fused.model_takes(d.own_model):
+                return False
         return cpu_fused.model_takes(self.model)
+
+
+def _describe(drafter) -> str:
+    return getattr(drafter, "name", None) or drafter.describe()
+
+
+def _auto_drafters(spec: SpeculativeConfig, target, dtype, device, draft_info, execution) -> list:
+    """The automatic policy's drafters: the model drafter (if configured) first, then the draftless one."""
+    from dataclasses import replace
+
+    out = []
+    if spec.draft_model or spec.self_speculate:
+        model_spec = replace(spec, policy="fixed", draftless=None)
+        drafter, name = _make_drafter(model_spec, target, dtype, device, draft_info, execution)
+        drafter.name = name
+        out.append(drafter)
+    draftless_spec = SpeculativeConfig(
+        draftless=spec.draftless or "ngram", ngram_min=spec.ngram_min, ngram_max=spec.ngram_max
+    )
+    drafter, name = _make_drafter(draftless_spec, target, dtype, device, None, execution)
+    drafter.name = name
+    out.append(drafter)
+    return out
 
 
 def _make_drafter(spec: SpeculativeConfig, target, dtype, device, draft_info, execution: ExecutionConfig | None = None):

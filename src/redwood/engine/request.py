@@ -68,6 +68,14 @@ class SpecStats:
     draft_s: float = 0.0  # drafting time, when measured apart (eager steps; 0 when a step is one graph)
     verify_s: float = 0.0  # verification time, when measured apart
     step_s: float = 0.0  # whole steps: draft + verify on the device, then the host's bookkeeping and commit
+    policy: str = "fixed"  # "auto": the automatic policy chose each step's plan (`speculation.policy`)
+    plans: dict[str, int] = field(default_factory=dict)  # plan name ("ar", "ngram γ4", …) → steps it ran
+    probes: int = 0  # of those, steps the automatic policy ran to re-measure a plan it had not chosen
+
+    def count_plan(self, name: str, probe: bool = False) -> None:
+        """One decoding step of this request ran plan `name` (`speculation.policy`)."""
+        self.plans[name] = self.plans.get(name, 0) + 1
+        self.probes += bool(probe)
 
     def record(self, accepted: int, emitted: int | None = None, drafted: int | None = None) -> None:
         """One step: `accepted` draft tokens accepted by the verifier, `emitted` (>= 1) tokens given to
@@ -96,6 +104,9 @@ class SpecStats:
             "draft_s": round(self.draft_s, 6),
             "verify_s": round(self.verify_s, 6),
             "step_s": round(self.step_s, 6),
+            "policy": self.policy,
+            "plans": dict(self.plans),
+            "probes": self.probes,
         }
 
 

@@ -101,6 +101,10 @@ class DraftKVPolicy:
     def describe(self) -> str:
         return self.name
 
+    def reads(self) -> int | None:
+        """The most context slots a draft forward reads through this policy (None: the whole context)."""
+        return None
+
 
 class FullPolicy(DraftKVPolicy):
     name = "full"
@@ -134,6 +138,9 @@ class StreamingPolicy(DraftKVPolicy):
 
     def describe(self) -> str:
         return f"streaming(sinks={self.sinks}, window={self.window})"
+
+    def reads(self) -> int:
+        return self.sinks + self.window
 
 
 class SnapKVPolicy(DraftKVPolicy):
@@ -365,6 +372,9 @@ class SnapKVPolicy(DraftKVPolicy):
         idx = torch.cat([sel, recent], dim=-1)
         valid = torch.cat([sel_valid, recent_valid], dim=-1)
         return lambda layer: (idx[layer], valid[layer])
+
+    def reads(self) -> int:
+        return self.budget
 
     def describe(self) -> str:
         return f"snapkv(budget={self.budget}, window={self.window}, kernel={self.kernel}, pool={self.pool})"

@@ -133,6 +133,19 @@ class ServerMetrics:
             "Draft tokens accepted at each draft position (0-based).",
             ["position"],
         )
+        self.spec_plan_steps = counter(
+            "spec_decode_plan_steps",
+            "Decoding steps of finished requests by the plan that ran them (ar, ngram γ4, draft γ3, …; "
+            "--speculative auto chooses per step).",
+            ["plan"],
+        )
+        self.spec_draftless_acceptance = Gauge(
+            PREFIX + "spec_decode_draftless_acceptance",
+            "Live acceptance of a draft position by the automatic policy's drafters (drafter@temperature "
+            "bucket; draftless drafters are scored on every step, chosen or not).",
+            ["model_name", "drafter", "position"],
+            registry=r,
+        )
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Latency per generated token after the first.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", E2E_BUCKETS)
@@ -175,6 +188,8 @@ class ServerMetrics:
             # (exact per-position counts: the steps whose draft token at position i was accepted)
             for pos, count in enumerate(spec.get("accepted_by_position") or []):
                 self.spec_accepted_per_pos.labels(position=str(pos), **self._labels).inc(count)
+            for plan, count in (spec.get("plans") or {}).items():
+                self.spec_plan_steps.labels(plan=plan, **self._labels).inc(count)
 
     def on_preemptions(self, n: int) -> None:
         self.preemptions.inc(n)
@@ -186,3 +201,8 @@ class ServerMetrics:
         self.blocks_used.set(pool.num_used)
         self.blocks_free.set(pool.num_free)
         self.kv_usage.set(pool.num_used / pool.num_blocks)
+        policy = loop.engine.policy
+        if policy.auto and loop.engine.num_steps % 16 == 0:  # (a few gauges; refreshed every 16 steps)
+            for drafter, rates in policy.acceptance.snapshot().items():
+                for pos, rate in enumerate(rates):
+                    self.spec_draftless_acceptance.labels(drafter=drafter, position=str(pos), **self._labels).set(rate)

@@ -11,6 +11,7 @@ from redwood.models.cpu_weights import WEIGHT_CHOICES
 from redwood.speculation.draftless import DEFAULT_MAX_N, DEFAULT_MIN_N, check_ngram_sizes
 from redwood.speculation.trees import Tree, resolve_tree
 
+POLICIES = ("fixed", "auto")
 VERIFIERS = ("auto", "greedy", "sampling", "sequoia", "specinfer", "topk")
 
 # The most draft tokens one step may accept: γ for a chain, depth − 1 for a tree. Acceptance compounds
@@ -58,6 +59,10 @@ class SpeculativeConfig:
     "specinfer" (children drawn with replacement), "topk" (the draft's top-k children; the target
     samples), or "auto" (greedy when every request is greedy, else sampling / sequoia). All but greedy
     are lossless at any temperature / top-k / top-p.
+    policy: "fixed" (every step speculates as configured) or "auto" (`speculation.policy.AutoPolicy`: each
+    step runs plain decoding or a chain of γ = 1..8 from the configured drafter or the draftless one —
+    draftless=None means "ngram" there — whichever the cost model and live acceptance expect to give the most
+    tokens per second; draft_model / self_speculate are optional then; num_draft_tokens and tree do not apply).
     draft_weights: the draft model's weight format on its device (`redwood.models.cpu_weights`). On the
     CPU every CPU format ("auto": q4k — re-quantized to Q4_K — for a GGUF draft where kquant runs, else
     w8a8 on an AVX512-VNNI CPU, else int4; float32 for other checkpoints; "float32" | "bfloat16" | "int8"
@@ -81,9 +86,14 @@ class SpeculativeConfig:
     draftless: str | None = None
     ngram_min: int = DEFAULT_MIN_N
     ngram_max: int = DEFAULT_MAX_N
+    policy: str = "fixed"
 
     def __post_init__(self) -> None:
-        if sum((bool(self.draft_model), bool(self.self_speculate), self.draftless is not None)) != 1:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown speculation policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.policy == "auto":
+            self._check_auto()
+        elif sum((bool(self.draft_model), bool(self.self_speculate), self.draftless is not None)) != 1:
             raise ConfigError(
                 "speculation needs exactly one of draft_model=..., self_speculate=True or draftless='ngram'"
             )
@@ -125,8 +135,27 @@ class SpeculativeConfig:
         self.make_policy()  # validates the policy's own settings
         self.make_tree()
 
+    def _check_auto(self) -> None:
+        """policy="auto": at most one model drafter (a draft model or self-speculation) beside a draftless
+        one (draftless=None → "ngram"); chains only, γ chosen per step — a tree pins a fixed plan."""
+        if self.draft_model and self.self_speculate:
+            raise ConfigError("the auto policy takes one model drafter: draft_model=... or self_speculate=True")
+        if self.tree:
+            raise ConfigError(
+                "a tree pins a fixed plan: drop tree=... (the auto policy chooses chains per step) or policy='auto'"
+            )
+
+    @property
+    def auto(self) -> bool:
+        return self.policy == "auto"
+
     def make_tree(self):
-        """The token tree each step drafts: `tree` if given, else a chain of num_draft_tokens."""
+        """The token tree each step drafts: `tree` if given, else a chain of num_draft_tokens (under the auto
+        policy: the longest chain it may plan, which sizes the KV lookahead)."""
+        if self.auto:
+            from redwood.speculation.policy import MAX_GAMMA
+
+            return Tree.chain(MAX_GAMMA)
         if not self.tree:
             return Tree.chain(self.num_draft_tokens)
         tree = resolve_tree(self.tree)

@@ -236,6 +236,8 @@ class Drafter:
 class SelfDrafter(Drafter):
     """The target drafts over its own cache through the policy's compressed view."""
 
+    family = "self"
+
     def __init__(self, model: Transformer, policy: DraftKVPolicy):
         super().__init__(policy)
         self.target = model
@@ -247,6 +249,8 @@ class SelfDrafter(Drafter):
 class ModelDrafter(Drafter):
     """A standalone draft model over its own cache (the Engine keeps it: same rows, same page table as
     the target's, the draft model's own pages)."""
+
+    family = "draft"
 
     def __init__(self, model: Transformer, policy: DraftKVPolicy, target_vocab: int):
         super().__init__(policy)

@@ -70,6 +70,7 @@ class NgramDrafter(Drafter):
     """Prompt lookup over each row's prompt and output (a chain: one proposal per row)."""
 
     needs_history = True
+    family = "ngram"
 
     def __init__(self, vocab_size: int, min_n: int = DEFAULT_MIN_N, max_n: int = DEFAULT_MAX_N):
         super().__init__(FullPolicy())
@@ -86,6 +87,18 @@ class NgramDrafter(Drafter):
     def reset_row(self, slot: int) -> None:
         self._rows.pop(slot, None)
 
+    def _index(self, slot: int, history: list[int]) -> NgramIndex:
+        """The row's index, grown to `history` (a new one when the slot's tokens are not its continuation)."""
+        index = self._rows.get(slot)
+        if index is None or len(index.tokens) > len(history):
+            index = self._rows[slot] = NgramIndex(self.min_n, self.max_n)
+        index.extend(history[len(index.tokens) :])
+        return index
+
+    def shadow_propose(self, slot: int, history: list[int], k: int) -> list[int]:
+        """What a step would propose after `history` (up to k tokens; [] without a match), for scoring."""
+        return self._index(slot, history).propose(k)
+
     def prepare(self, rows: list[tuple[int, list[int]]], tree: Tree, n: int, device: torch.device) -> bool:
         """Index each row's new tokens and write its proposal (padded with its newest token) into the
         proposal buffer's first n rows; → whether any row proposed (else the step runs plainly)."""
@@ -95,11 +108,7 @@ class NgramDrafter(Drafter):
         table = torch.zeros(n, gamma, dtype=torch.long)
         any_match = False
         for slot, history in rows:
-            index = self._rows.get(slot)
-            if index is None or len(index.tokens) > len(history):
-                index = self._rows[slot] = NgramIndex(self.min_n, self.max_n)
-            index.extend(history[len(index.tokens) :])
-            proposal = index.propose(gamma)
+            proposal = self._index(slot, history).propose(gamma)
             if proposal:
                 any_match = True
                 self.proposed += 1

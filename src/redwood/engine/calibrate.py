@@ -1,0 +1,131 @@
+"""Calibrating the automatic policy's cost model on the running device (`speculation.costs`).
+
+One row, forwards of N = 1, 2, 4, … new tokens at a short and a long context, for the target and a standalone
+draft model: the curves `CostTable` interpolates. The context is not prefilled — a forward's time does not
+depend on what its keys hold, so the cache's lengths are simply set (seconds instead of minutes of prefill on
+a CPU). Forwards run as the engine runs them (`StepRunner`: CUDA graphs on CUDA), each timed as the median of a
+few after a warm-up, at the thread count decode steps start at.
+
+`load_or_calibrate` reads the cache (`speculation.costs_cache`) or calibrates (with a progress bar) and writes
+it; `redwood profile --for-policy` calls it ahead of time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import statistics
+import time
+
+import torch
+
+from redwood import envs
+from redwood.engine.runner import StepRunner, sync
+from redwood.progress import Progress, note
+from redwood.speculation.costs import CostTable, ForwardCurve
+from redwood.speculation.costs_cache import load_costs, save_costs
+from redwood.version import __version__
+
+TOKENS = (1, 2, 4, 8, 16, 32)
+SHORT_CONTEXT = 16
+LONG_CONTEXT = 1024
+REPEATS, WARMUP = 3, 1
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"cpu:{model}:isa={envs.get(envs.CPU_ISA)}:{torch.backends.cpu.get_cpu_capability()}"
+
+
+def _model_key(model) -> dict:
+    execution = getattr(model, "execution", None)
+    return {
+        "config": repr(model.config),
+        "dtype": str(model.dtype),
+        "weights": getattr(model, "weights", "float32"),
+        "skinny_int8": getattr(model, "skinny_int8", None) is not None,
+        "backend": type(getattr(model, "backend", None)).__name__,
+        "execution": None if execution is None else repr(dataclasses.asdict(execution)),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def cost_key(model, draft_model=None, threads: int | None = None, tensor_parallel: int = 1) -> dict:
+    """What the forward times depend on (the cache's key)."""
+    return {
+        "device": device_name(model.device),
+        "target": _model_key(model),
+        "draft": None if draft_model is None else _model_key(draft_model),
+        "threads": torch.get_num_threads() if threads is None else threads,
+        "tensor_parallel": tensor_parallel,
+        "version": __version__,
+    }
+
+
+def _time(fn, device, repeats: int = REPEATS, warmup: int = WARMUP) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return float(statistics.median(times))
+
+
+@torch.inference_mode()
+def forward_curve(model, max_context: int, progress: Progress | None = None, tokens=TOKENS) -> ForwardCurve:
+    """Times of one-row forwards of `tokens` new tokens at SHORT_CONTEXT and at min(LONG_CONTEXT, room)."""
+    limit = min(max_context, model.config.max_position_embeddings) - max(tokens)
+    hi = max(min(LONG_CONTEXT, limit), SHORT_CONTEXT + 1)
+    lo = SHORT_CONTEXT
+    cache = model.new_cache(1, hi + max(tokens))
+    runner = StepRunner(model, cache, use_graphs=model.device.type == "cuda")
+    device = model.device
+    out = {}
+    for ctx in (lo, hi):
+        cache.lengths.fill_(ctx)  # (the keys' values do not change a forward's time)
+        times = []
+        for n in tokens:
+            ids = torch.zeros(1, n, dtype=torch.long, device=device)
+            positions = (ctx + torch.arange(n, device=device))[None]
+            times.append(_time(lambda: runner.forward(ids, positions), device))
+            if progress is not None:
+                progress.update()
+        out[ctx] = times
+    return ForwardCurve(list(tokens), lo, hi, out[lo], out[hi])
+
+
+def calibrate(model, draft_model=None, max_context: int = 4096, show: bool = True) -> CostTable:
+    n = len(TOKENS) * 2 * (1 if draft_model is None else 2)
+    with Progress(n, "calibrating the speculation cost model", enabled=show) as bar:
+        target = forward_curve(model, max_context, bar)
+        draft = None if draft_model is None else forward_curve(draft_model, max_context, bar)
+    return CostTable(target, draft)
+
+
+def load_or_calibrate(model, draft_model=None, max_context: int = 4096, show: bool = True, root=None) -> CostTable:
+    """The cached table for this setup, or a fresh calibration (saved, and said on stderr). Times are taken at
+    the current thread count (the key records it)."""
+    key = cost_key(model, draft_model)
+    table, why = load_costs(key, root)
+    if table is not None:
+        return table
+    note(f"{why}: calibrating the speculation cost model (`redwood profile --for-policy` does this ahead)")
+    t0 = time.perf_counter()
+    table = calibrate(model, draft_model, max_context, show)
+    path = save_costs(key, table, root)
+    note(f"calibrated in {time.perf_counter() - t0:.1f} s; saved {path}")
+    return table

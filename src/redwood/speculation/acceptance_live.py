@@ -1,0 +1,172 @@
+"""Live acceptance: how often each drafter's d-th draft token is accepted, learnt from the steps as they run.
+
+Terms. A chain step offers draft tokens 1..γ; token d is *reached* when tokens 1..d−1 were accepted, and
+then accepted or not. α_d = P(accepted | reached) — the chain form of the acceptance vectors `redwood
+acceptance` measures offline. Expected tokens of a chain of γ: 1 + Σ_{d≤γ} α_1 ⋯ α_d (the bonus /
+correction token always comes).
+
+`DepthRates` keeps decayed counts (hits and reaches per depth; every record first multiplies the old
+counts by `decay`, so the rates follow a request whose text changes character) on top of a prior (a rate and
+a weight in pseudo-reaches). `LiveAcceptance` keeps one per (drafter, temperature bucket) and one per
+(drafter, batch slot) for the request in it, and blends them: a request's own counts, shrunk toward its
+drafter's at its temperature (`ROW_PRIOR` pseudo-reaches) — so a row whose acceptance collapsed plans for
+itself, and a new row starts from what the others taught.
+
+`ShadowScorer` scores a draftless drafter for free whether or not it runs: before a step it asks the drafter
+what it *would* propose after each row's tokens, and after the step compares that proposal with the tokens
+the row actually emitted. For a proposal that is one token per position (a one-hot draft distribution) the
+chance that a sampled token equals it is exactly the chance rejection sampling accepts it (p(x) both ways),
+so the counts are unbiased at every temperature, and a drafter the policy does not choose keeps being scored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TEMP_BUCKETS = (0.0, 0.5, 1.0)  # temperature 0 | (0, 0.5] | (0.5, 1] | above
+ROW_PRIOR = 4.0  # pseudo-reaches a row's own counts are shrunk toward its drafter's with
+GLOBAL_DECAY = 0.995
+ROW_DECAY = 0.95
+
+
+def temperature_bucket(t: float) -> int:
+    if t <= 0:
+        return 0
+    for i, edge in enumerate(TEMP_BUCKETS[1:], start=1):
+        if t <= edge:
+            return i
+    return len(TEMP_BUCKETS)
+
+
+def expected_chain_tokens(rates: list[float], gamma: int) -> float:
+    """1 + Σ_{d≤γ} α_1 ⋯ α_d: tokens a chain of γ emits per step on average (depths past the rates reuse
+    the last)."""
+    total, run = 1.0, 1.0
+    for d in range(gamma):
+        run *= rates[min(d, len(rates) - 1)]
+        total += run
+    return total
+
+
+@dataclass
+class DepthRates:
+    depth: int
+    prior: float = 0.5
+    prior_weight: float = 2.0
+    decay: float = GLOBAL_DECAY
+    hits: list[float] = field(default_factory=list)
+    reached: list[float] = field(default_factory=list)
+    records: int = 0
+
+    def __post_init__(self) -> None:
+        self.hits = self.hits or [0.0] * self.depth
+        self.reached = self.reached or [0.0] * self.depth
+
+    def record(self, accepted: int, offered: int) -> None:
+        """One verified proposal: `offered` draft tokens, the first `accepted` of them accepted."""
+        offered = min(offered, self.depth)
+        accepted = min(accepted, offered)
+        for d in range(self.depth):
+            self.hits[d] *= self.decay
+            self.reached[d] *= self.decay
+        for d in range(min(accepted + 1, offered)):
+            self.reached[d] += 1.0
+            if d < accepted:
+                self.hits[d] += 1.0
+        self.records += 1
+
+    def rates(self, prior: list[float] | None = None, weight: float | None = None) -> list[float]:
+        """α_d per depth: the counts shrunk toward `prior` (default: this table's own flat prior)."""
+        w = self.prior_weight if weight is None else weight
+        out = []
+        for d in range(self.depth):
+            p = self.prior if prior is None else prior[d]
+            out.append((self.hits[d] + w * p) / (self.reached[d] + w))
+        return out
+
+    def seed(self, rates: list[float], weight: float) -> None:
+        """Start from known rates (an acceptance file) worth `weight` reaches at each depth."""
+        for d in range(self.depth):
+            r = rates[min(d, len(rates) - 1)]
+            self.hits[d], self.reached[d] = weight * r, weight
+
+
+class LiveAcceptance:
+    """Per (drafter, temperature bucket) and per (drafter, slot) acceptance by depth."""
+
+    def __init__(self, depth: int, priors: dict[str, float] | None = None):
+        self.depth = depth
+        self.priors = dict(priors or {})  # drafter → its first guess of α (before any step)
+        self._global: dict[tuple[str, int], DepthRates] = {}
+        self._rows: dict[tuple[str, int], DepthRates] = {}
+
+    def _table(self, drafter: str, bucket: int) -> DepthRates:
+        key = (drafter, bucket)
+        t = self._global.get(key)
+        if t is None:
+            t = self._global[key] = DepthRates(self.depth, prior=self.priors.get(drafter, 0.5))
+        return t
+
+    def seed(self, drafter: str, temperature: float, rates: list[float], weight: float = 16.0) -> None:
+        self._table(drafter, temperature_bucket(temperature)).seed(rates, weight)
+
+    def record(self, drafter: str, slot: int, temperature: float, accepted: int, offered: int) -> None:
+        self._table(drafter, temperature_bucket(temperature)).record(accepted, offered)
+        row = self._rows.get((drafter, slot))
+        if row is None:
+            row = self._rows[(drafter, slot)] = DepthRates(self.depth, decay=ROW_DECAY)
+        row.record(accepted, offered)
+
+    def rates(self, drafter: str, slot: int, temperature: float) -> list[float]:
+        """α_d for the request in `slot`: its own counts shrunk toward its drafter's at its temperature."""
+        overall = self._table(drafter, temperature_bucket(temperature)).rates()
+        row = self._rows.get((drafter, slot))
+        return overall if row is None else row.rates(prior=overall, weight=ROW_PRIOR)
+
+    def overall(self, drafter: str, temperature: float) -> list[float]:
+        return self._table(drafter, temperature_bucket(temperature)).rates()
+
+    def forget_row(self, slot: int) -> None:
+        """A request left the slot: its own counts go (the drafter's stay)."""
+        for key in [k for k in self._rows if k[1] == slot]:
+            del self._rows[key]
+
+    def snapshot(self) -> dict[str, list[float]]:
+        """`drafter@T-bucket` → α_d, for reports."""
+        return {f"{d}@t{b}": [round(x, 3) for x in t.rates()] for (d, b), t in sorted(self._global.items())}
+
+
+class ShadowScorer:
+    """Scores one draftless drafter against the tokens rows emit (see the module docstring)."""
+
+    def __init__(self, name: str, drafter, acceptance: LiveAcceptance, depth: int):
+        self.name, self.drafter, self.acceptance, self.depth = name, drafter, acceptance, depth
+        # slot → (proposal, its temperature, tokens of it matched by earlier steps)
+        self._pending: dict[int, tuple[list[int], float, int]] = {}
+        self.scored = 0  # proposals scored (reports)
+
+    def before(self, slot: int, history: list[int], temperature: float) -> None:
+        """The row's tokens (prompt + output, its newest last) before a step."""
+        if slot not in self._pending:
+            self._pending[slot] = (self.drafter.shadow_propose(slot, history, self.depth), temperature, 0)
+
+    def after(self, slot: int, emitted: list[int]) -> None:
+        """The tokens the row emitted in the step (after the history `before` saw). A proposal whose every
+        token so far matched stays pending across steps (an AR step emits one token at a time)."""
+        pending = self._pending.pop(slot, None)
+        if pending is None:
+            return
+        proposal, temperature, matched = pending
+        k = 0
+        rest = proposal[matched:]
+        while k < len(emitted) and k < len(rest) and emitted[k] == rest[k]:
+            k += 1
+        if rest and k == len(emitted) and k < len(rest):
+            self._pending[slot] = (proposal, temperature, matched + k)
+            return
+        # (no proposal at all counts as a miss at depth 1: that step would have emitted one token)
+        self.acceptance.record(self.name, slot, temperature, matched + k, len(proposal) or self.depth)
+        self.scored += 1
+
+    def forget(self, slot: int) -> None:
+        self._pending.pop(slot, None)

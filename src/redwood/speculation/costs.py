@@ -1,0 +1,157 @@
+"""What a step costs on the running device: a calibrated table of forward times, corrected online.
+
+The automatic policy (`speculation.policy`) compares plans by expected tokens per second, so it needs each
+plan's step time before running it. Every step is a few forwards of one model over a few new tokens per
+row, so the table holds forward times:
+
+    forward(model, b rows, T new tokens per row, context n) ≈ w(b·T) + s(T) · b · n       seconds
+
+w(N) — the time of a forward over N new tokens at a short context (weights read once, N tokens of compute)
+— and s(T), the extra per row and context slot (attention reads), come from a calibration at one row:
+forwards of N = 1, 2, 4, … tokens at a short and a long context (`engine.calibrate`), interpolated
+piecewise-linearly in N (clamped, then extended by the last slope) and linearly in n. The batch enters as
+its total of new tokens and its rows' reads: a first guess the online correction makes good.
+
+The correction: every timed step divides the measured time by this table's prediction; a decayed
+geometric mean of that ratio per (plan family, batch bucket) — family "ar" or a drafter's name — scales
+later predictions of that family at that bucket. A graphed GPU step is timed whole, so the whole step is
+corrected, never its parts.
+
+`CostTable` round-trips through JSON (the calibration cache, `costs_cache`); the cache's key names what
+the times depend on (device, model, dtype, weight format, threads, backend settings, tensor-parallel size,
+redwood's version).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+
+COSTS_FORMAT = "redwood.costs/1"
+
+
+@dataclass
+class ForwardCurve:
+    """One model's calibrated forward times at one row: tokens N → seconds, at contexts lo and hi."""
+
+    tokens: list[int]  # ascending, starting at 1
+    lo_ctx: int
+    hi_ctx: int
+    lo_s: list[float]  # [len(tokens)] at context lo_ctx
+    hi_s: list[float]  # [len(tokens)] at context hi_ctx
+
+    def __post_init__(self) -> None:
+        if not self.tokens or len(self.lo_s) != len(self.tokens) or len(self.hi_s) != len(self.tokens):
+            raise ValueError("a forward curve needs one time per token count at both contexts")
+        if self.hi_ctx <= self.lo_ctx:
+            raise ValueError("the long context must exceed the short one")
+        if any(not (t > 0 and math.isfinite(t)) for t in self.lo_s + self.hi_s):
+            raise ValueError("forward times must be positive and finite")
+
+    @staticmethod
+    def _interp(xs: list[int], ys: list[float], x: float) -> float:
+        """Piecewise-linear in x; past the last point the last segment's slope continues (never below the
+        last value: a forward over more tokens never costs less)."""
+        if x <= xs[0]:
+            return ys[0]
+        i = bisect.bisect_left(xs, x)
+        if i < len(xs):
+            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        if len(xs) == 1:
+            return ys[0] * x / xs[0]
+        slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+        return ys[-1] + slope * (x - xs[-1])
+
+    def seconds(self, rows: int, tokens: int, context: int) -> float:
+        """A forward over `tokens` new tokens in each of `rows` rows reading `context` slots each."""
+        base = self._interp(self.tokens, self.lo_s, rows * tokens)
+        per_slot = (self._interp(self.tokens, self.hi_s, tokens) - self._interp(self.tokens, self.lo_s, tokens)) / (
+            self.hi_ctx - self.lo_ctx
+        )
+        return max(base + max(per_slot, 0.0) * rows * max(context - self.lo_ctx, 0), 1e-9)
+
+    def to_dict(self) -> dict:
+        return {
+            "tokens": self.tokens,
+            "lo_ctx": self.lo_ctx,
+            "hi_ctx": self.hi_ctx,
+            "lo_s": self.lo_s,
+            "hi_s": self.hi_s,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ForwardCurve":
+        return cls([int(t) for t in d["tokens"]], int(d["lo_ctx"]), int(d["hi_ctx"]), list(d["lo_s"]), list(d["hi_s"]))
+
+
+@dataclass
+class CostTable:
+    """Calibrated forward curves: the target's, and a standalone draft model's (None without one)."""
+
+    target: ForwardCurve
+    draft: ForwardCurve | None = None
+
+    def to_dict(self) -> dict:
+        return {"target": self.target.to_dict(), "draft": None if self.draft is None else self.draft.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostTable":
+        draft = d.get("draft")
+        return cls(ForwardCurve.from_dict(d["target"]), None if draft is None else ForwardCurve.from_dict(draft))
+
+
+@dataclass
+class StepShape:
+    """What a plan's step runs, per row: `verify` new tokens through the target at the rows' context, and
+    `levels` draft forwards of `level_tokens[i]` tokens each — through the target at `draft_context`
+    (self-speculation over a compressed view) or through the draft model (`draft_model`)."""
+
+    verify: int = 1
+    level_tokens: tuple[int, ...] = ()
+    draft_model: bool = False
+    draft_context: int | None = None  # None: the rows' own context
+
+
+@dataclass
+class CostModel:
+    """Predicted step times from a `CostTable`, corrected online per (family, bucket)."""
+
+    table: CostTable
+    decay: float = 0.8  # weight of the old log-ratio at each observation
+    _log_ratio: dict[tuple[str, int], float] = field(default_factory=dict)
+    observations: int = 0
+
+    def raw(self, shape: StepShape, rows: int, context: int) -> float:
+        """The table's prediction for one step of `shape` over `rows` rows at `context` slots each."""
+        t = self.table.target.seconds(rows, shape.verify, context)
+        if shape.level_tokens:
+            curve = self.table.draft if shape.draft_model else self.table.target
+            if curve is None:
+                raise ValueError("a draft-model step needs the draft model's calibrated curve")
+            ctx = context if shape.draft_context is None else min(context, shape.draft_context)
+            t += sum(curve.seconds(rows, k, ctx) for k in shape.level_tokens)
+        return t
+
+    def correction(self, family: str, bucket: int) -> float:
+        """The learnt measured / predicted ratio for a family at a bucket (1 before any step); a bucket
+        never measured borrows its family's nearest measured bucket."""
+        r = self._log_ratio.get((family, bucket))
+        if r is None:
+            near = [(abs(math.log2(b) - math.log2(bucket)), v) for (f, b), v in self._log_ratio.items() if f == family]
+            r = min(near)[1] if near else 0.0
+        return math.exp(r)
+
+    def predict(self, family: str, shape: StepShape, rows: int, bucket: int, context: int) -> float:
+        return self.raw(shape, rows, context) * self.correction(family, bucket)
+
+    def observe(self, family: str, shape: StepShape, rows: int, bucket: int, context: int, seconds: float) -> None:
+        """A step of this family and shape took `seconds` (captures left out)."""
+        if not (seconds > 0 and math.isfinite(seconds)):
+            return
+        r = math.log(seconds / self.raw(shape, rows, context))
+        key = (family, bucket)
+        old = self._log_ratio.get(key)
+        self._log_ratio[key] = r if old is None else self.decay * old + (1 - self.decay) * r
+        self.observations += 1

@@ -1,0 +1,261 @@
+"""The speculation policy: what each decoding step runs — plain decoding, or which drafter with which tree.
+
+`FixedPolicy` is what the user pinned (`--gamma 3`, a `--tree`, or no speculation): the same plan every step.
+
+`AutoPolicy` (`--speculative auto`, `SpeculativeConfig(policy="auto")`) plans every step for the batch it
+runs. Candidates: plain decoding ("ar") and, for every drafter it was given (a draft model or
+self-speculation, and a draftless drafter, which costs no draft forward), chains of γ = 1 … max_gamma. For
+each it predicts
+
+    tokens per second = Σ_rows E_row[tokens per step] / predicted step seconds
+
+with E from live acceptance (`acceptance_live`: each row's own, shrunk toward its drafter's at its
+temperature; 1 for "ar") and the step time from the cost model (`costs`: a calibrated table of forward
+times, corrected online from the steps the engine times). It runs the best, with hysteresis: the current
+plan is kept unless another is better by `margin` (on CUDA a plan whose graph is not captured yet needs
+`capture_margin`), so plans — and CUDA graphs — do not flap on noise.
+
+Never permanently wrong: a family (ar, or a drafter) that is not chosen is *probed* — run for one step — after
+`PROBE_EVERY` steps, then after twice as many each time it still loses (up to `MAX_PROBE_INTERVAL`), so its cost
+and acceptance stay measured while the text changes; its probes count in the run's time. Draftless drafters
+are also scored for free on every step (`ShadowScorer`), so their acceptance never goes stale.
+
+A draft model's KV is written only on its own steps: after steps of another plan its cache lags the target's,
+and the executor catches it up (one draft forward over the missed tokens) before its next step; that cost is
+part of that step's measured time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from redwood.errors import ConfigError
+from redwood.speculation.acceptance_live import LiveAcceptance, ShadowScorer, expected_chain_tokens
+from redwood.speculation.costs import CostModel, StepShape
+from redwood.speculation.trees import Tree
+
+MAX_GAMMA = 8
+PROBE_EVERY = 16
+MAX_PROBE_INTERVAL = 512
+MARGIN = 0.03
+CAPTURE_MARGIN = 0.10
+PRIORS = {"draft": 0.6, "self": 0.6}  # first guesses of α before any step (draftless: scored from step 1)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan: `family` "ar" (drafter and tree None) or a drafter's name, its tree, what its step runs."""
+
+    family: str
+    drafter: object | None
+    tree: Tree | None
+    shape: StepShape
+
+    @property
+    def name(self) -> str:
+        if self.tree is None:
+            return self.family
+        if self.tree.is_chain:
+            return f"{self.family} γ{self.tree.size - 1}"
+        return f"{self.family} tree{self.tree.size}"
+
+
+AR = Candidate("ar", None, None, StepShape())
+
+
+@dataclass
+class Plan:
+    """A step's plan: the candidate, whether it is a probe, and what the policy expected of it (tokens per
+    row and seconds; 0 when the policy does not predict — a fixed plan)."""
+
+    candidate: Candidate
+    probe: bool = False
+    expected_tokens: float = 0.0
+    predicted_s: float = 0.0
+
+    drafter = property(lambda self: self.candidate.drafter)
+    tree = property(lambda self: self.candidate.tree)
+    family = property(lambda self: self.candidate.family)
+    name = property(lambda self: self.candidate.name)
+
+
+def family_of(drafter) -> str:
+    return getattr(drafter, "family", type(drafter).__name__)
+
+
+def step_shape(drafter, tree: Tree) -> StepShape:
+    """What one step of `drafter` over a chain `tree` runs (see `costs.StepShape`)."""
+    gamma = tree.size - 1
+    if getattr(drafter, "needs_history", False):  # draftless: no draft forward
+        return StepShape(verify=tree.size)
+    reads = drafter.policy.reads()
+    if drafter.own_model is not None:  # the lead token (prev) is re-fed with the root
+        return StepShape(tree.size, (2,) + (1,) * (gamma - 1), draft_model=True, draft_context=reads)
+    return StepShape(tree.size, (1,) * gamma, draft_model=False, draft_context=reads)
+
+
+class FixedPolicy:
+    """The same plan every step: `drafter` over `tree`, or plain decoding (both None)."""
+
+    auto = False
+
+    def __init__(self, drafter=None, tree: Tree | None = None):
+        if drafter is None:
+            self._plan = Plan(AR)
+        else:
+            # (a fixed plan is never costed: its shape only names the verify width)
+            self._plan = Plan(Candidate(family_of(drafter), drafter, tree, StepShape(tree.size)))
+        self.drafters = [] if drafter is None else [drafter]
+        self.max_tree_size = 1 if tree is None else tree.size
+        self.counts: dict[str, int] = {}
+
+    def plan(self, rows, bucket: int) -> Plan:
+        return self._plan
+
+    def observe(self, rows, ran: Plan, tokens, seconds: float | None, bucket: int) -> None:
+        self.counts[ran.name] = self.counts.get(ran.name, 0) + 1
+
+    def forget(self, slot: int) -> None:
+        pass
+
+
+@dataclass
+class _Probe:
+    due: int  # the step at which the family is probed next
+    interval: int = PROBE_EVERY
+
+
+class AutoPolicy:
+    """Plans each step from measured costs and live acceptance (see the module docstring)."""
+
+    auto = True
+
+    def __init__(
+        self,
+        drafters: list,
+        *,
+        max_gamma: int = MAX_GAMMA,
+        gammas: tuple[int, ...] | None = None,
+        margin: float = MARGIN,
+        graphs: bool = False,
+    ):
+        if not drafters:
+            raise ConfigError("the automatic policy needs at least one drafter to choose from")
+        self.drafters = list(drafters)
+        self.max_gamma = max_gamma
+        gammas = tuple(range(1, max_gamma + 1)) if gammas is None else gammas
+        self.candidates: list[Candidate] = [AR]
+        for d in self.drafters:
+            for g in gammas:
+                tree = Tree.chain(g)
+                self.candidates.append(Candidate(family_of(d), d, tree, step_shape(d, tree)))
+        self.max_tree_size = max(c.tree.size for c in self.candidates if c.tree is not None)
+        self.acceptance = LiveAcceptance(max_gamma, PRIORS)
+        self.shadows = [
+            ShadowScorer(family_of(d), d, self.acceptance, max_gamma) for d in self.drafters if d.needs_history
+        ]
+        self.margin, self.graphs = margin, graphs
+        self.costs: CostModel | None = None  # set by the engine (a calibration, or the cache's)
+        self.costs_path = None  # where that calibration is cached
+        self.current: Candidate = AR
+        self.steps = 0
+        self._probes = {f: _Probe(PROBE_EVERY) for f in {"ar", *(family_of(d) for d in self.drafters)}}
+        self._captured: set[tuple] = set()  # (candidate name, bucket) run at least once (graph captured)
+        self.counts: dict[str, int] = {}  # plan name → steps run
+        self.probes = 0
+        self.expected_sum = 0.0  # Σ expected tokens per row over planned steps, and achieved (reports)
+        self.achieved_sum = 0.0
+
+    # ------------------------------------------------------------------ planning
+    def score(self, cand: Candidate, rows, bucket: int) -> tuple[float, float, float]:
+        """→ (tokens per second, expected tokens per row, predicted seconds) of `cand` for these rows."""
+        context = sum(r.computed for r in rows) / len(rows)
+        seconds = self.costs.predict(cand.family, cand.shape, bucket, bucket, int(context))
+        if cand.tree is None:
+            expected = 1.0
+        else:
+            gamma = cand.tree.size - 1
+            expected = sum(
+                expected_chain_tokens(self.acceptance.rates(cand.family, r.slot, r.params.temperature), gamma)
+                for r in rows
+            ) / len(rows)
+        return expected * len(rows) / seconds, expected, seconds
+
+    def plan(self, rows, bucket: int) -> Plan:
+        """The plan of the next step over decoding `rows` (each with .slot, .params, .computed, .token_ids)
+        in a batch bucket of `bucket` slots."""
+        if self.costs is None:
+            raise RuntimeError("the automatic policy has no cost model yet (the engine calibrates it first)")
+        self.steps += 1
+        for s in self.shadows:
+            for r in rows:
+                s.before(r.slot, r.token_ids, r.params.temperature)
+        scored = [(self.score(c, rows, bucket), c) for c in self.candidates]
+        best_of: dict[str, tuple] = {}
+        for sc, c in scored:
+            if c.family not in best_of or sc[0] > best_of[c.family][0][0]:
+                best_of[c.family] = (sc, c)
+        (best_rate, best_e, best_s), best = max(best_of.values(), key=lambda x: x[0][0])
+        current = next(((sc, c) for sc, c in scored if c == self.current), None)
+        chosen, (rate, e, s) = best, (best_rate, best_e, best_s)
+        if current is not None and current[1] != best:
+            margin = self.margin
+            if self.graphs and (best.name, bucket) not in self._captured:
+                margin = max(margin, CAPTURE_MARGIN)
+            if best_rate <= current[0][0] * (1 + margin):
+                chosen, (rate, e, s) = current[1], current[0]
+        self.current = chosen
+        for fam, probe in self._probes.items():  # the chosen family is not probed; its clock restarts
+            if fam == chosen.family:
+                probe.due, probe.interval = self.steps + PROBE_EVERY, PROBE_EVERY
+        due = [f for f, p in self._probes.items() if f != chosen.family and p.due <= self.steps]
+        if due:
+            fam = min(due, key=lambda f: self._probes[f].due)
+            probe = self._probes[fam]
+            probe.interval = min(2 * probe.interval, MAX_PROBE_INTERVAL)
+            probe.due = self.steps + probe.interval
+            (rate, e, s), cand = best_of[fam]
+            self.probes += 1
+            return Plan(cand, probe=True, expected_tokens=e, predicted_s=s)
+        return Plan(chosen, expected_tokens=e, predicted_s=s)
+
+    # ------------------------------------------------------------------ learning
+    def observe(self, rows, ran: Plan, tokens, seconds: float | None, bucket: int) -> None:
+        """After a step: `ran` — the plan that ran (plain decoding when its drafter had nothing to propose);
+        tokens[i] — `Tokens` of rows[i]; seconds: the step's time (None: not to learn from, e.g. a thread-count
+        probe)."""
+        for s in self.shadows:
+            for r, t in zip(rows, tokens):
+                s.after(r.slot, t.token_ids)
+        cand = ran.candidate
+        self.counts[cand.name] = self.counts.get(cand.name, 0) + 1
+        self._captured.add((cand.name, bucket))
+        if cand.tree is not None and not getattr(cand.drafter, "needs_history", False):
+            gamma = cand.tree.size - 1
+            for r, t in zip(rows, tokens):
+                if t.spec is not None:
+                    self.acceptance.record(cand.family, r.slot, r.params.temperature, t.spec[0], gamma)
+        if ran.expected_tokens:
+            self.expected_sum += ran.expected_tokens
+            self.achieved_sum += sum(len(t.token_ids) for t in tokens) / max(len(tokens), 1)
+        if seconds is not None and self.costs is not None and rows:
+            context = sum(r.computed for r in rows) / len(rows)
+            self.costs.observe(cand.family, cand.shape, bucket, bucket, int(context), seconds)
+
+    def forget(self, slot: int) -> None:
+        """A request left `slot`."""
+        self.acceptance.forget_row(slot)
+        for s in self.shadows:
+            s.forget(slot)
+
+    def report(self) -> dict:
+        """Plan counts, probes, expected vs achieved tokens per step, the acceptance the policy holds."""
+        planned = sum(self.counts.values())
+        return {
+            "plans": dict(sorted(self.counts.items(), key=lambda kv: -kv[1])),
+            "probes": self.probes,
+            "expected_tokens_per_step": round(self.expected_sum / planned, 3) if planned else None,
+            "achieved_tokens_per_step": round(self.achieved_sum / planned, 3) if planned else None,
+            "acceptance": self.acceptance.snapshot(),
+            "draftless_scored": {s.name: s.scored for s in self.shadows},
+        }

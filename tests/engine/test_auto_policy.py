@@ -1,0 +1,138 @@
+"""The automatic policy through the Engine (redwood.speculation.policy.AutoPolicy): plan switches between steps —
+forced every step, and as the real policy makes them — keep greedy output equal to AR's token for token under
+continuous batching; a draft model that sat out steps is caught up, so its KV equals a fresh prefill's; the
+stats say which plans ran; `--speculative auto` on the command line. (Sampled exactness under switching:
+tests/bench/test_lossless.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from redwood import SamplingParams
+from redwood.kv.policies import FullPolicy, StreamingPolicy
+from redwood.speculation.drafters import ModelDrafter, SelfDrafter
+from redwood.speculation.draftless import NgramDrafter
+from redwood.speculation.policy import AutoPolicy, Plan
+from tests.engine.driver import RecordingEngine, prefill_kv, run_engine
+from tests.engine.test_engine import models  # noqa: F401 — the (target, draft, tokenizer) fixture
+from tests.speculation.test_draftless import _repetitive_prompts
+
+
+@pytest.fixture(autouse=True)
+def costs_in_tmp(tmp_path, monkeypatch):
+    """Calibrations go to a fresh folder, not the user's cache."""
+    import redwood.speculation.costs_cache as cache
+
+    monkeypatch.setattr(cache, "costs_dir", lambda: tmp_path / "costs")
+
+
+def cycle_plans(monkeypatch, order=None):
+    """Make AutoPolicy.plan run its candidates in turn, one per step (every switch the policy could make)."""
+
+    def plan(self, rows, bucket):
+        self.steps += 1
+        for s in self.shadows:
+            for r in rows:
+                s.before(r.slot, r.token_ids, r.params.temperature)
+        cands = self.candidates if order is None else [self.candidates[i] for i in order]
+        return Plan(cands[self.steps % len(cands)])
+
+    monkeypatch.setattr(AutoPolicy, "plan", plan)
+
+
+def auto_engine(target, tok, drafters, **kw):
+    return RecordingEngine.build(target, tok, auto_drafters=drafters, block_size=8, **kw)
+
+
+ARRIVALS = [0, 0, 1, 3, 5, 9]
+
+
+@pytest.mark.parametrize("self_draft", [False, True], ids=["draft-model", "self-streaming"])
+def test_plans_switching_every_step_keep_greedy_equal_to_ar(models, monkeypatch, self_draft):
+    target, draft, tok = models
+    prompts = _repetitive_prompts(6, seed=4)
+    params = [SamplingParams(max_new_tokens=30, ignore_eos=True) for _ in prompts]
+    _, ar, _ = run_engine(target, tok, prompts, params, arrivals=ARRIVALS, max_num_seqs=3, block_size=8)
+    cycle_plans(monkeypatch)
+    first = SelfDrafter(target, StreamingPolicy(2, 10)) if self_draft else ModelDrafter(draft, FullPolicy(), 320)
+    engine = auto_engine(target, tok, [first, NgramDrafter(320, 1, 3)], max_num_seqs=3)
+    _, spec, snaps = run_engine(target, tok, prompts, params, arrivals=ARRIVALS, engine=engine)
+    assert [s.output_ids for s in spec] == [s.output_ids for s in ar]
+    plans = {}
+    for s in spec:
+        for name, n in s.stats.spec.plans.items():
+            plans[name] = plans.get(name, 0) + n
+    assert "ar" in plans and all(any(n.startswith(f) for n in plans) for f in ("ngram", first.family))
+    assert sum(s.output_sources.count("draft") for s in spec) > 0
+    if not self_draft:  # the draft model's cache holds what a fresh prefill of the same tokens would
+        for i, s in enumerate(spec):
+            snap = snaps[i][-1]
+            tokens = (s.prompt_ids + s.output_ids)[: snap.draft_length]
+            k, v = prefill_kv(draft, tokens)
+            n = min(snap.draft_length, len(tokens)) - 1  # (its newest slot is re-fed on the next step)
+            torch.testing.assert_close(snap.draft_k[..., :n, :], k[..., :n, :], atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(snap.draft_v[..., :n, :], v[..., :n, :], atol=2e-5, rtol=1e-4)
+
+
+def test_the_real_policy_keeps_greedy_equal_to_ar_and_reports_its_plans(models):
+    target, draft, tok = models
+    prompts = _repetitive_prompts(6, seed=7)
+    params = [SamplingParams(max_new_tokens=48, ignore_eos=True) for _ in prompts]
+    _, ar, _ = run_engine(target, tok, prompts, params, arrivals=ARRIVALS, max_num_seqs=3, block_size=8)
+    engine = auto_engine(target, tok, [ModelDrafter(draft, FullPolicy(), 320), NgramDrafter(320, 1, 3)], max_num_seqs=3)
+    _, spec, _ = run_engine(target, tok, prompts, params, arrivals=ARRIVALS, engine=engine)
+    assert [s.output_ids for s in spec] == [s.output_ids for s in ar]
+    report = engine.policy.report()
+    assert sum(report["plans"].values()) > 0 and report["probes"] > 0
+    assert report["draftless_scored"]["ngram"] > 0
+    assert set(report["acceptance"]) >= {"ngram@t0"}
+    d = spec[0].stats.spec.to_dict()
+    assert d["policy"] == "auto" and sum(d["plans"].values()) > 0
+
+
+def test_llm_with_the_auto_policy_and_no_model_drafter(tiny_model_dir):
+    """SpeculativeConfig(policy="auto") alone: plain decoding and the ngram drafter; greedy == AR."""
+    from redwood import LLM
+    from redwood.speculation.config import SpeculativeConfig
+
+    prompt = "the cat sat on the mat; the cat sat on the mat; the cat"
+    p = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    ar = LLM(str(tiny_model_dir)).generate(prompt, p)[0]
+    llm = LLM(str(tiny_model_dir), speculative=SpeculativeConfig(policy="auto", ngram_min=1))
+    out = llm.generate(prompt, p)[0]
+    assert out.token_ids == ar.token_ids and out.text == ar.text
+    assert llm.draft_name.startswith("auto") and out.stats["speculative"]["policy"] == "auto"
+
+
+def test_generate_speculative_auto_on_the_command_line(tiny_model_dir, tiny_draft_dir, capsys):
+    from redwood.cli import main
+
+    prompt = "def add(a, b): return a + b\ndef add(a, b):"
+    args = ["generate", "--model", str(tiny_model_dir), "--prompt", prompt, "--max-new-tokens", "12", "--ignore-eos"]
+    assert main(args + ["--json"]) == 0
+    ar = json.loads(capsys.readouterr().out)
+    assert main(args + ["--json", "--speculative", "auto", "--draft-model", str(tiny_draft_dir)]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["token_ids"] == ar["token_ids"]
+    assert set(obj["policy"]) >= {"plans", "probes", "expected_tokens_per_step", "acceptance"}
+    assert main(args + ["--speculative", "auto"]) == 0
+    assert "speculative auto" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flags, msg",
+    [
+        (["--speculative", "auto", "--gamma", "3"], "--gamma pins a fixed plan"),
+        (["--speculative", "auto", "--tree", "chain:3"], "--tree pins a fixed plan"),
+        (["--speculative", "auto", "--draft-model", "d", "--self-speculate"], "one model drafter"),
+    ],
+)
+def test_auto_flag_errors(flags, msg, tmp_path, capsys):
+    from redwood.cli import main
+
+    assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"] + flags) == 2
+    err = capsys.readouterr().err
+    assert msg in err, err

@@ -1,0 +1,81 @@
+"""Live acceptance (redwood.speculation.acceptance_live): the per-depth counts, their blending per request, and
+the shadow scoring of a draftless drafter against the tokens rows emit."""
+
+from __future__ import annotations
+
+import pytest
+
+from redwood.speculation.acceptance_live import (
+    DepthRates,
+    LiveAcceptance,
+    ShadowScorer,
+    expected_chain_tokens,
+    temperature_bucket,
+)
+
+
+def test_expected_chain_tokens():
+    assert expected_chain_tokens([0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_chain_tokens([1.0, 0.0], 4) == pytest.approx(2.0)
+    assert expected_chain_tokens([0.9], 0) == 1.0
+
+
+def test_depth_rates_count_reached_and_accepted_depths():
+    r = DepthRates(4, prior=0.5, prior_weight=0.0, decay=1.0)
+    r.record(accepted=2, offered=4)  # depths 1, 2 accepted, depth 3 reached and rejected, depth 4 unreached
+    r.record(accepted=4, offered=4)
+    assert r.reached == [2, 2, 2, 1] and r.hits == [2, 2, 1, 1]
+    assert r.rates() == [1.0, 1.0, 0.5, 1.0]
+    r.record(accepted=0, offered=2)
+    assert r.reached == [3, 2, 2, 1] and r.hits == [2, 2, 1, 1]
+
+
+def test_decay_forgets_old_steps():
+    rates = []
+    for decay in (0.5, 1.0):
+        r = DepthRates(1, prior=0.5, prior_weight=1.0, decay=decay)
+        for accepted in [1] * 20 + [0] * 20:
+            r.record(accepted, 1)
+        rates.append(r.rates()[0])
+    # decayed: ~2 effective steps, all misses, against the prior's one → 0.5 / 3; undecayed: 20.5 / 41
+    assert rates[0] == pytest.approx(0.5 / 3, rel=1e-3) and rates[1] == pytest.approx(0.5)
+
+
+def test_rows_are_shrunk_toward_their_drafter_and_forgotten_on_leaving():
+    acc = LiveAcceptance(2, priors={"d": 0.5})
+    for _ in range(200):
+        acc.record("d", slot=0, temperature=0.0, accepted=2, offered=2)
+    for _ in range(40):
+        acc.record("d", slot=1, temperature=0.0, accepted=0, offered=2)
+    global_rate = acc.overall("d", 0.0)[0]
+    assert acc.rates("d", 1, 0.0)[0] < 0.2 < global_rate  # its own collapse shows
+    assert acc.rates("d", 0, 0.0)[0] > 0.9
+    acc.forget_row(1)
+    assert acc.rates("d", 1, 0.0) == acc.overall("d", 0.0)
+    assert acc.overall("d", 0.7) == [0.5, 0.5]  # another temperature bucket: only the prior
+    assert temperature_bucket(0) == 0 and temperature_bucket(0.3) == 1 and temperature_bucket(0.7) == 2
+    assert temperature_bucket(1.5) == 3
+
+
+class Proposer:
+    def __init__(self, proposals):
+        self.proposals = proposals
+
+    def shadow_propose(self, slot, history, k):
+        return self.proposals.pop(0)[:k]
+
+
+def test_shadow_scoring_follows_a_proposal_across_plain_steps():
+    acc = LiveAcceptance(4)
+    s = ShadowScorer("ngram", Proposer([[5, 6, 7, 8], [1, 2], []]), acc, 4)
+    t = acc._table("ngram", 0)
+    s.before(0, [1], 0.0)
+    for token in (5, 6, 9):  # AR steps, one token each: two match, the third does not
+        s.after(0, [token])
+        s.before(0, [1], 0.0)  # (the pending proposal stays: nothing new is asked while it is live)
+    assert t.records == 1 and t.hits[:3] == pytest.approx([1, 1, 0], abs=0.02)
+    s.after(0, [1, 2, 3])  # a speculative step emitting three tokens: the whole [1, 2] matched
+    assert t.records == 2 and t.reached[2] == pytest.approx(1, abs=0.02)  # depth 3: never offered by [1, 2]
+    s.before(0, [1], 0.0)
+    s.after(0, [4])  # no proposal: a miss at depth 1
+    assert t.records == 3 and t.reached[0] == pytest.approx(3, abs=0.05) and t.hits[0] == pytest.approx(2, abs=0.05)

@@ -1,0 +1,131 @@
+"""The cost model (redwood.speculation.costs) and its calibration cache (costs_cache, engine.calibrate): the
+curves' interpolation, the online correction, and cache files that are missing, stale, corrupt or from another
+setup — rebuilt with a message, never used."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from redwood.speculation.costs import CostModel, CostTable, ForwardCurve, StepShape
+from redwood.speculation.costs_cache import costs_path, load_costs, save_costs
+
+
+def curve(lo=(1.0, 1.2, 1.6, 2.4), hi=(2.0, 2.4, 3.2, 4.8), tokens=(1, 2, 4, 8)) -> ForwardCurve:
+    return ForwardCurve(list(tokens), 16, 1040, list(lo), list(hi))
+
+
+def test_curve_interpolates_between_points_and_extends_past_the_last():
+    c = curve()
+    assert c.seconds(1, 1, 16) == pytest.approx(1.0)
+    assert c.seconds(1, 3, 16) == pytest.approx(1.4)  # halfway between N = 2 and 4
+    assert c.seconds(1, 16, 16) == pytest.approx(2.4 + 0.2 * 8)  # the last slope (0.2 s a token) continues
+    # context: linear between the two calibrated contexts, per row
+    assert c.seconds(1, 1, 528) == pytest.approx(1.5)
+    assert c.seconds(2, 1, 528) == pytest.approx(1.2 + 2 * 0.5)  # N = 2 tokens, two rows' reads
+
+
+def test_curve_rejects_bad_tables():
+    with pytest.raises(ValueError):
+        ForwardCurve([1, 2], 16, 8, [1.0, 2.0], [1.0, 2.0])
+    with pytest.raises(ValueError):
+        ForwardCurve([1, 2], 16, 32, [1.0, float("nan")], [1.0, 2.0])
+
+
+def test_step_shapes_add_draft_levels_at_their_context():
+    table = CostTable(curve(), draft=curve(lo=(0.1, 0.12, 0.16, 0.24), hi=(0.2, 0.24, 0.32, 0.48)))
+    m = CostModel(table)
+    verify = table.target.seconds(1, 4, 528)
+    self_spec = StepShape(4, (1, 1, 1), draft_model=False, draft_context=16)
+    assert m.raw(self_spec, 1, 528) == pytest.approx(verify + 3 * table.target.seconds(1, 1, 16))
+    model = StepShape(4, (2, 1, 1), draft_model=True)
+    expect = verify + table.draft.seconds(1, 2, 528) + 2 * table.draft.seconds(1, 1, 528)
+    assert m.raw(model, 1, 528) == pytest.approx(expect)
+
+
+def test_online_correction_learns_the_measured_ratio_per_family_and_bucket():
+    m = CostModel(CostTable(curve()))
+    shape = StepShape(1)
+    raw = m.raw(shape, 1, 16)
+    for _ in range(60):
+        m.observe("ar", shape, 1, 1, 16, 3 * raw)
+    assert m.predict("ar", shape, 1, 1, 16) == pytest.approx(3 * raw, rel=1e-3)
+    assert m.predict("ngram", shape, 1, 1, 16) == pytest.approx(raw)  # another family: untouched
+    # a bucket never measured borrows the nearest measured one of its family
+    assert m.correction("ar", 4) == pytest.approx(3, rel=1e-3)
+    m.observe("ar", shape, 1, 1, 16, float("nan"))  # ignored, not poisoning the mean
+    assert math.isfinite(m.correction("ar", 1))
+
+
+KEY = {"device": "cpu:test", "target": {"config": "x"}, "threads": 1, "version": "0"}
+
+
+def test_cache_round_trip(tmp_path):
+    table = CostTable(curve(), curve())
+    save_costs(KEY, table, tmp_path)
+    loaded, why = load_costs(KEY, tmp_path)
+    assert why == "" and loaded.to_dict() == table.to_dict()
+
+
+@pytest.mark.parametrize(
+    "damage, says",
+    [
+        (None, "no calibration"),
+        (lambda p: p.write_text("{not json"), "unreadable"),
+        (lambda p: p.write_text(json.dumps({"format": "redwood.costs/0"})), "format"),
+        (lambda p: _edit(p, key={**KEY, "device": "cuda:other"}), "another setup"),
+        (lambda p: _edit(p, table={"target": {"tokens": [1]}}), "corrupt"),
+    ],
+)
+def test_bad_cache_files_are_reported_and_not_used(tmp_path, damage, says):
+    if damage is not None:
+        save_costs(KEY, CostTable(curve()), tmp_path)
+        damage(costs_path(KEY, tmp_path))
+    table, why = load_costs(KEY, tmp_path)
+    assert table is None and says in why
+
+
+def _edit(path, **changes):
+    doc = json.loads(path.read_text())
+    doc.update(changes)
+    path.write_text(json.dumps(doc))
+
+
+def test_load_or_calibrate_rebuilds_a_corrupt_file_with_a_message(tmp_path, capsys):
+    """engine.calibrate: a corrupt cache is replaced by a fresh calibration (and said so); the next engine
+    reads the new file without calibrating."""
+    from redwood.engine.calibrate import cost_key, load_or_calibrate
+
+    model = _tiny_model()
+    key = cost_key(model)
+    path = costs_path(key, tmp_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("garbage")
+    table = load_or_calibrate(model, None, 256, show=False, root=tmp_path)
+    err = capsys.readouterr().err
+    assert "unreadable" in err and "calibrated" in err
+    assert table.target.lo_s[0] > 0 and json.loads(path.read_text())["key"] == json.loads(json.dumps(key))
+    again = load_or_calibrate(model, None, 256, show=False, root=tmp_path)
+    assert capsys.readouterr().err == "" and again.to_dict() == table.to_dict()
+
+
+def _tiny_model():
+    import torch
+
+    from redwood.config import ModelConfig
+    from redwood.models.transformer import Transformer
+
+    cfg = ModelConfig(
+        arch="llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    return Transformer(cfg).eval()

@@ -1,0 +1,142 @@
+"""The automatic policy's choice (redwood.speculation.policy): the plan it picks equals a brute-force search over
+its candidates on synthetic cost tables and acceptance; with costs where speculation loses it picks plain
+decoding; it keeps its plan against small gains (hysteresis); it probes the families it did not choose, ever
+more rarely, and a probe that wins switches the plan."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from redwood.sampling_params import SamplingParams
+from redwood.speculation.acceptance_live import expected_chain_tokens
+from redwood.speculation.costs import CostModel, CostTable, ForwardCurve
+from redwood.speculation.policy import PROBE_EVERY, AutoPolicy
+
+
+class FakePolicy:
+    def __init__(self, reads=None):
+        self._reads = reads
+
+    def reads(self):
+        return self._reads
+
+
+class ModelDraft:
+    family, needs_history = "draft", False
+    own_model = object()
+    policy = FakePolicy()
+
+
+class SelfDraft:
+    family, needs_history, own_model = "self", False, None
+    policy = FakePolicy(reads=64)
+
+
+class Draftless:
+    family, needs_history, own_model = "ngram", True, None
+    policy = FakePolicy()
+
+    def shadow_propose(self, slot, history, k):
+        return []
+
+
+@dataclass
+class Row:
+    slot: int
+    computed: int = 100
+    params: SamplingParams = field(default_factory=SamplingParams)
+    token_ids: list = field(default_factory=lambda: [1, 2, 3])
+
+
+def table(rng: random.Random) -> CostTable:
+    def one(scale):
+        tokens = [1, 2, 4, 8, 16]
+        lo, t = [], scale
+        for _ in tokens:
+            lo.append(t)
+            t *= 1 + rng.uniform(0.0, 0.9)  # forwards over more tokens cost more, by a random factor
+        return ForwardCurve(tokens, 16, 1040, lo, [x * rng.uniform(1.0, 1.5) for x in lo])
+
+    return CostTable(one(1.0), one(rng.uniform(0.05, 0.5)))
+
+
+def policy_with(costs: CostTable, rates: dict[str, list[float]], margin: float = 0.0) -> AutoPolicy:
+    p = AutoPolicy([ModelDraft(), Draftless()], margin=margin)
+    p.costs = CostModel(costs)
+    for family, r in rates.items():
+        p.acceptance.seed(family, 0.0, r, weight=1e6)
+    return p
+
+
+def brute_force(p: AutoPolicy, rows, bucket: int):
+    best, best_rate = None, -1.0
+    for c in p.candidates:
+        seconds = p.costs.raw(c.shape, bucket, int(sum(r.computed for r in rows) / len(rows)))
+        if c.tree is None:
+            e = 1.0
+        else:
+            e = sum(expected_chain_tokens(p.acceptance.rates(c.family, r.slot, 0.0), c.tree.size - 1) for r in rows)
+            e /= len(rows)
+        rate = e * len(rows) / seconds
+        if rate > best_rate:
+            best, best_rate = c, rate
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_choice_equals_brute_force(seed):
+    rng = random.Random(seed)
+    rates = {"draft": [rng.uniform(0.2, 0.95) for _ in range(8)], "ngram": [rng.uniform(0.0, 0.9) for _ in range(8)]}
+    p = policy_with(table(rng), rates)
+    rows = [Row(slot=i, computed=rng.randrange(20, 900)) for i in range(rng.choice([1, 2, 3]))]
+    bucket = 4 if len(rows) > 2 else len(rows)
+    assert p.plan(rows, bucket).candidate == brute_force(p, rows, bucket)
+
+
+def test_when_speculation_loses_it_decodes_plainly():
+    # a verify of N tokens costs N plain steps; drafts cost something: no chain can pay
+    lin = ForwardCurve([1, 2, 4, 8, 16], 16, 1040, [1, 2, 4, 8, 16], [1, 2, 4, 8, 16])
+    p = policy_with(CostTable(lin, lin), {"draft": [0.99] * 8, "ngram": [0.99] * 8})
+    assert p.plan([Row(0)], 1).name == "ar"
+
+
+def test_a_small_gain_does_not_switch_the_plan():
+    flat = ForwardCurve([1, 16], 16, 1040, [1.0, 1.0], [1.0, 1.0])  # verifies cost what a plain step does
+    p = AutoPolicy([Draftless()], margin=0.05)
+    p.costs = CostModel(CostTable(flat))
+    p.acceptance.seed("ngram", 0.0, [0.04] + [0.0] * 7, weight=1e6)  # +4% expected: under the margin
+    assert p.plan([Row(0)], 1).name == "ar"
+    p.acceptance.seed("ngram", 0.0, [0.2] + [0.0] * 7, weight=1e6)  # +20%: switches
+    assert p.plan([Row(0)], 1).name.startswith("ngram")
+
+
+def test_unchosen_families_are_probed_ever_more_rarely_and_a_winning_probe_switches():
+    lin = ForwardCurve([1, 2, 4, 8, 16], 16, 1040, [1, 2, 4, 8, 16], [1, 2, 4, 8, 16])
+    p = policy_with(CostTable(lin, lin), {"draft": [0.1] * 8, "ngram": [0.0] * 8})
+    probes = {}
+    for step in range(1, 200):
+        plan = p.plan([Row(0)], 1)
+        if plan.probe:
+            probes.setdefault(plan.family, []).append(step)
+        else:
+            assert plan.name == "ar"
+    assert min(min(steps) for steps in probes.values()) == PROBE_EVERY
+    assert probes["draft"][0] in (PROBE_EVERY, PROBE_EVERY + 1)  # (two families due at once: one a step later)
+    gaps = [b - a for a, b in zip(probes["draft"], probes["draft"][1:])]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # backing off
+    assert "ngram" in probes
+    # costs change (a probe measured the draft family far cheaper than the table said): it wins and stays
+    for _ in range(50):
+        p.costs.observe("draft", p.candidates[1].shape, 1, 1, 100, 1e-3)
+    p.acceptance.seed("draft", 0.0, [0.9] * 8, weight=1e6)
+    assert p.plan([Row(0)], 1).family == "draft"
+
+
+def test_self_speculation_drafts_at_its_view_size():
+    p = AutoPolicy([SelfDraft()])
+    shapes = {c.name: c.shape for c in p.candidates}
+    assert shapes["self γ3"].level_tokens == (1, 1, 1) and shapes["self γ3"].draft_context == 64
+    assert not shapes["self γ3"].draft_model and shapes["self γ3"].verify == 4
