@@ -61,7 +61,7 @@ class StepResult:
     step_s the decoding step, draft_s / verify_s its parts when measured apart (eager speculative steps,
     else 0), prefill_s each chunk's share of the step's prefill. plan: the plan the decoding step ran (plain
     decoding when its drafter had nothing to propose); timed: whether step_s may teach the cost model (False
-    for a thread-count probe)."""
+    for a thread-count probe; catch_up_s is a switch's one-time cost, not the plan's)."""
 
     decode: list[Tokens] = field(default_factory=list)
     prefill: list[Tokens | None] = field(default_factory=list)
@@ -71,6 +71,7 @@ class StepResult:
     prefill_s: float = 0.0
     plan: object | None = None
     timed: bool = False
+    catch_up_s: float = 0.0  # of step_s: the draft model catching up on tokens other plans committed
 
 
 def logprob_rows(rows: list[DecodeRow], lp: tuple[torch.Tensor, ...]) -> dict[int, tuple[list, list, list]]:

@@ -243,7 +243,7 @@ class Engine:
         result = self.executor.execute(batch, plan)
         updates = self.output.process(batch, result, decode, prefill)
         if batch.decode:
-            seconds = result.step_s if result.timed else None
+            seconds = result.step_s - result.catch_up_s if result.timed else None
             self.policy.observe(batch.decode, result.plan, result.decode, seconds, bucket)
             for rec in decode:
                 if rec.state.stats.spec is not None:

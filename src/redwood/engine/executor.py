@@ -243,7 +243,10 @@ class Executor:
                 tree = None  # nothing to propose in any row: a plain step
         own = tree is not None and drafter.own_model is not None
         if own:
+            t_catch = time.perf_counter()
             self._catch_up_draft(rows)
+            sync(self.model.device)
+            result.catch_up_s = time.perf_counter() - t_catch
         draft = self.runner("draft", n) if own else None
         if tree is None and plan.tree is not None:
             plan = Plan(AR)  # (the drafter had nothing, or the rows' limits cut every level: a plain step)
