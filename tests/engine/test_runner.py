@@ -111,3 +111,22 @@ def test_offloaded_target_runs_eager_while_its_draft_model_is_graphed(tiny_model
     assert all(not r.use_graphs for (role, _), r in runners.items() if role == "target")
     drafts = [r for (role, _), r in runners.items() if role == "draft"]
     assert drafts and all(r.use_graphs and r.captures > 0 for r in drafts)
+
+
+@cuda
+def test_graphed_plans_switching_every_step_are_exact(tiny_model_dir, tiny_draft_dir, monkeypatch, tmp_path):
+    """The automatic policy's plans switched at every step under CUDA graphs (one captured step per plan and
+    bucket; the ngram buffer and the draft's catch-up between them): greedy == AR, and the graphs replay what
+    eager steps compute (seeded sampling identical)."""
+    import redwood.speculation.costs_cache as cache
+    from tests.engine.test_auto_policy import cycle_plans
+
+    monkeypatch.setattr(cache, "costs_dir", lambda: tmp_path / "costs")
+    cycle_plans(monkeypatch, order=[0, 1, 3, 9, 10, 12])  # ar, draft γ1, γ3, ngram γ1, γ2, γ4
+    spec = SpeculativeConfig(draft_model=str(tiny_draft_dir), policy="auto", ngram_min=1)
+    ar = LLM(str(tiny_model_dir), device="cuda", cuda_graphs=False)
+    ar.model.set_execution(ExecutionConfig(attention="reference"))
+    graphed = LLM(str(tiny_model_dir), device="cuda", speculative=spec)
+    eager = LLM(str(tiny_model_dir), device="cuda", speculative=spec, cuda_graphs=False)
+    assert _outputs(graphed, PROMPTS, GREEDY) == _outputs(ar, PROMPTS, GREEDY)
+    assert _outputs(graphed, PROMPTS, SAMPLED) == _outputs(eager, PROMPTS, SAMPLED)

@@ -77,7 +77,10 @@ class NgramDrafter(Drafter):
         check_ngram_sizes(min_n, max_n)
         self.vocab_size, self.min_n, self.max_n = vocab_size, min_n, max_n
         self._rows: dict[int, NgramIndex] = {}
-        self._buffer: torch.Tensor | None = None  # [rows, γ] proposals, read by (captured) steps
+        # γ → [rows, γ] proposals, read by (captured) steps: one buffer per γ, so a policy switching γ between
+        # steps reuses each one's CUDA graphs instead of reallocating (and capturing) at every switch
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._buffer: torch.Tensor | None = None  # the current step's
         self.proposed = 0  # steps × rows with a proposal, and without (stats for reports)
         self.unmatched = 0
 
@@ -116,9 +119,11 @@ class NgramDrafter(Drafter):
                 self.unmatched += 1
             proposal += [history[-1]] * (gamma - len(proposal))
             table[slot] = torch.tensor(proposal)
-        if self._buffer is None or self._buffer.shape[0] < n or self._buffer.shape[1] != gamma:
-            self._buffer = torch.zeros(max(n, 1), gamma, dtype=torch.long, device=device)
-        self._buffer[:n].copy_(table.to(device), non_blocking=True)
+        buffer = self._buffers.get(gamma)
+        if buffer is None or buffer.shape[0] < n:
+            buffer = self._buffers[gamma] = torch.zeros(max(n, 1), gamma, dtype=torch.long, device=device)
+        buffer[:n].copy_(table.to(device), non_blocking=True)
+        self._buffer = buffer
         return any_match
 
     def propose(self, target, draft, prev, last, tree, sampler, rule, need_q):
