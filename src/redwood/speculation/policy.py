@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from redwood.errors import ConfigError
-from redwood.speculation.acceptance_live import LiveAcceptance, ShadowScorer, expected_chain_tokens
+from redwood.speculation.acceptance_live import LiveAcceptance, ShadowScorer
 from redwood.speculation.costs import CostModel, StepShape
 from redwood.speculation.trees import Tree
 
@@ -167,19 +167,29 @@ class AutoPolicy:
         self.achieved_sum = 0.0
 
     # ------------------------------------------------------------------ planning
-    def score(self, cand: Candidate, rows, bucket: int) -> tuple[float, float, float]:
+    def expected_by_gamma(self, family: str, rows) -> list[float]:
+        """[E(γ) for γ = 0 … max_gamma]: expected tokens per row per step of a chain of γ from `family`, averaged
+        over the rows (one pass per row: the running products of its α_d)."""
+        total = [0.0] * (self.max_gamma + 1)
+        for r in rows:
+            run, acc = 1.0, 1.0
+            total[0] += 1.0
+            for d, a in enumerate(self.acceptance.rates(family, r.slot, r.params.temperature)[: self.max_gamma]):
+                run *= a
+                acc += run
+                total[d + 1] += acc
+        return [t / len(rows) for t in total]
+
+    def score(self, cand: Candidate, rows, bucket: int, expected: dict | None = None) -> tuple[float, float, float]:
         """→ (tokens per second, expected tokens per row, predicted seconds) of `cand` for these rows."""
         context = sum(r.computed for r in rows) / len(rows)
         seconds = self.costs.predict(cand.family, cand.shape, bucket, bucket, int(context))
         if cand.tree is None:
-            expected = 1.0
+            e = 1.0
         else:
-            gamma = cand.tree.size - 1
-            expected = sum(
-                expected_chain_tokens(self.acceptance.rates(cand.family, r.slot, r.params.temperature), gamma)
-                for r in rows
-            ) / len(rows)
-        return expected * len(rows) / seconds, expected, seconds
+            by_gamma = expected[cand.family] if expected is not None else self.expected_by_gamma(cand.family, rows)
+            e = by_gamma[cand.tree.size - 1]
+        return e * len(rows) / seconds, e, seconds
 
     def plan(self, rows, bucket: int) -> Plan:
         """The plan of the next step over decoding `rows` (each with .slot, .params, .computed, .token_ids)
@@ -190,7 +200,8 @@ class AutoPolicy:
         for s in self.shadows:
             for r in rows:
                 s.before(r.slot, r.token_ids, r.params.temperature)
-        scored = [(self.score(c, rows, bucket), c) for c in self.candidates]
+        expected = {f: self.expected_by_gamma(f, rows) for f in {c.family for c in self.candidates if c.tree}}
+        scored = [(self.score(c, rows, bucket, expected), c) for c in self.candidates]
         best_of: dict[str, tuple] = {}
         for sc, c in scored:
             if c.family not in best_of or sc[0] > best_of[c.family][0][0]:
