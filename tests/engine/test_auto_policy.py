@@ -136,3 +136,40 @@ def test_auto_flag_errors(flags, msg, tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"] + flags) == 2
     err = capsys.readouterr().err
     assert msg in err, err
+
+
+def test_an_acceptance_file_seeds_the_model_drafter(tmp_path):
+    from redwood.errors import ConfigError
+    from redwood.speculation.config import SpeculativeConfig
+
+    f = tmp_path / "acc.json"
+    f.write_text(
+        json.dumps(
+            {"format": "redwood.acceptance/1", "values": [0.7, 0.1], "per_depth": [[0.8], [0.6]], "temperature": 0.6}
+        )
+    )
+    spec = SpeculativeConfig(self_speculate=True, policy="auto", acceptance_file=str(f))
+    assert spec.seed_rates() == ([0.8, 0.6], 0.6)
+    with pytest.raises(ConfigError, match="needs policy='auto'"):
+        SpeculativeConfig(self_speculate=True, acceptance_file=str(f))
+    with pytest.raises(ConfigError, match="model drafter"):
+        SpeculativeConfig(policy="auto", acceptance_file=str(f))
+    with pytest.raises(ConfigError, match="not found"):
+        SpeculativeConfig(self_speculate=True, policy="auto", acceptance_file=str(tmp_path / "nope.json"))
+    f.write_text(json.dumps({"format": "redwood.acceptance/1", "values": [0.7, 0.6]}))  # sums past 1
+    with pytest.raises(ConfigError, match="sums to"):
+        SpeculativeConfig(self_speculate=True, policy="auto", acceptance_file=str(f))
+
+
+def test_the_seed_reaches_the_engines_policy(tiny_model_dir, tmp_path):
+    from redwood import LLM
+    from redwood.speculation.config import SpeculativeConfig
+
+    f = tmp_path / "acc.json"
+    f.write_text(json.dumps({"format": "redwood.acceptance/1", "values": [0.9], "temperature": 0}))
+    spec = SpeculativeConfig(
+        self_speculate=True, draft_kv="streaming", draft_budget=16, policy="auto", acceptance_file=str(f)
+    )
+    llm = LLM(str(tiny_model_dir), speculative=spec)
+    assert llm.engine.policy.acceptance.overall("self", 0.0)[0] == pytest.approx(0.9, abs=0.01)
+    assert llm.engine.policy.acceptance.overall("self", 0.7)[0] == pytest.approx(0.6)  # (another bucket: the prior)

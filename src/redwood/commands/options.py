@@ -354,6 +354,13 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         "cached; `redwood profile --for-policy` runs it ahead). fixed (the default): every step as the flags "
         "say. --gamma / --tree pin a fixed plan",
     )
+    p.add_argument(
+        "--acceptance",
+        default=None,
+        metavar="FILE",
+        help="with --speculative auto: start the model drafter's live acceptance from this `redwood acceptance` "
+        "file (else from a flat guess; either way it learns from every verified step)",
+    )
     p.add_argument("--ngram-min", type=int, default=None, metavar="N", help="shortest match (default 2)")
     p.add_argument("--ngram-max", type=int, default=None, metavar="N", help="longest match tried first (default 4)")
     add_draft_weights_arg(p)
@@ -523,6 +530,7 @@ def _auto_config(args, draftless: str | None):
         ngram_min=getattr(args, "ngram_min", None) or DEFAULT_MIN_N,
         ngram_max=getattr(args, "ngram_max", None) or DEFAULT_MAX_N,
         policy="auto",
+        acceptance_file=getattr(args, "acceptance", None),
     )
 
 
@@ -536,6 +544,8 @@ def speculative_config_from_args(args):
     draftless = getattr(args, "draft", None)
     if getattr(args, "speculative", None) == "auto":
         return _auto_config(args, draftless)
+    if getattr(args, "acceptance", None) is not None:
+        raise ConfigError("--acceptance seeds the automatic policy: it needs --speculative auto")
     chosen = [
         f
         for f, on in (

@@ -47,7 +47,7 @@ from redwood.loading import ModelInfo, parse_device
 from redwood.sampling_params import SamplingParams
 from redwood.speculation.costs import CostModel
 from redwood.speculation.costs_cache import costs_path
-from redwood.speculation.policy import MAX_GAMMA, AutoPolicy, FixedPolicy
+from redwood.speculation.policy import MAX_GAMMA, AutoPolicy, FixedPolicy, family_of
 from redwood.speculation.trees import Tree
 
 
@@ -307,7 +307,12 @@ class Engine:
 def make_policy(models: LoadedModels):
     """What plans the steps: the automatic policy over the models' drafters, or their fixed plan."""
     if models.auto_drafters:
-        return AutoPolicy(models.auto_drafters)
+        policy = AutoPolicy(models.auto_drafters)
+        seed = models.speculative.seed_rates() if models.speculative is not None else None
+        if seed is not None:
+            rates, temperature = seed
+            policy.acceptance.seed(family_of(models.auto_drafters[0]), temperature, rates)
+        return policy
     return FixedPolicy(models.drafter, models.tree)
 
 

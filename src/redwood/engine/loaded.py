@@ -171,7 +171,7 @@ def _auto_drafters(spec: SpeculativeConfig, target, dtype, device, draft_info, e
 
     out = []
     if spec.draft_model or spec.self_speculate:
-        model_spec = replace(spec, policy="fixed", draftless=None)
+        model_spec = replace(spec, policy="fixed", draftless=None, acceptance_file=None)
         drafter, name = _make_drafter(model_spec, target, dtype, device, draft_info, execution)
         drafter.name = name
         out.append(drafter)

@@ -22,6 +22,11 @@ so the counts are unbiased at every temperature, and a drafter the policy does n
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from redwood.errors import ConfigError
+from redwood.jsonfile import check_format, read_json
+from redwood.speculation.trees import acceptance_rows
 
 TEMP_BUCKETS = (0.0, 0.5, 1.0)  # temperature 0 | (0, 0.5] | (0.5, 1] | above
 ROW_PRIOR = 4.0  # pseudo-reaches a row's own counts are shrunk toward its drafter's with
@@ -46,6 +51,21 @@ def expected_chain_tokens(rates: list[float], gamma: int) -> float:
         run *= rates[min(d, len(rates) - 1)]
         total += run
     return total
+
+
+def chain_rates_from_file(path: str) -> tuple[list[float], float]:
+    """A `redwood acceptance` file (``redwood.acceptance/1``) → (α_d per depth for a chain — the rank-1 child's
+    acceptance at each depth, its `per_depth` table where present —, the temperature it was measured at)."""
+    d = read_json(path, "acceptance")
+    check_format(d, "redwood.acceptance/1", str(path))
+    if "values" not in d:
+        raise ConfigError(f"{path}: missing 'values' (the per-rank acceptance p_1..p_W)")
+    try:
+        rows = acceptance_rows(SimpleNamespace(values=d["values"], per_depth=d.get("per_depth")))
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    t = d.get("temperature")
+    return [float(r[0]) for r in rows], 0.0 if t is None else float(t)
 
 
 @dataclass

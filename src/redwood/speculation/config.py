@@ -63,6 +63,8 @@ class SpeculativeConfig:
     step runs plain decoding or a chain of γ = 1..8 from the configured drafter or the draftless one —
     draftless=None means "ngram" there — whichever the cost model and live acceptance expect to give the most
     tokens per second; draft_model / self_speculate are optional then; num_draft_tokens and tree do not apply).
+    acceptance_file: a `redwood acceptance` file (redwood.acceptance/1) measured for the model drafter: the auto
+    policy starts from its rates (at its temperature) instead of a flat guess, and learns from there.
     draft_weights: the draft model's weight format on its device (`redwood.models.cpu_weights`). On the
     CPU every CPU format ("auto": q4k — re-quantized to Q4_K — for a GGUF draft where kquant runs, else
     w8a8 on an AVX512-VNNI CPU, else int4; float32 for other checkpoints; "float32" | "bfloat16" | "int8"
@@ -87,12 +89,15 @@ class SpeculativeConfig:
     ngram_min: int = DEFAULT_MIN_N
     ngram_max: int = DEFAULT_MAX_N
     policy: str = "fixed"
+    acceptance_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"unknown speculation policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.policy == "auto":
             self._check_auto()
+        elif self.acceptance_file is not None:
+            raise ConfigError("acceptance_file seeds the auto policy's live acceptance: it needs policy='auto'")
         elif sum((bool(self.draft_model), bool(self.self_speculate), self.draftless is not None)) != 1:
             raise ConfigError(
                 "speculation needs exactly one of draft_model=..., self_speculate=True or draftless='ngram'"
@@ -144,6 +149,18 @@ class SpeculativeConfig:
             raise ConfigError(
                 "a tree pins a fixed plan: drop tree=... (the auto policy chooses chains per step) or policy='auto'"
             )
+        if self.acceptance_file is not None:
+            if not (self.draft_model or self.self_speculate):
+                raise ConfigError("acceptance_file describes a model drafter: give draft_model=... or self_speculate")
+            self.seed_rates()  # (read now: a bad file is an error before any model loads)
+
+    def seed_rates(self) -> tuple[list[float], float] | None:
+        """(α per depth, temperature) from `acceptance_file` for the model drafter, or None."""
+        if self.acceptance_file is None:
+            return None
+        from redwood.speculation.acceptance_live import chain_rates_from_file
+
+        return chain_rates_from_file(self.acceptance_file)
 
     @property
     def auto(self) -> bool:
