@@ -4,11 +4,11 @@
 # On the GPU machine, from the repo root, after staging the GGUF chunks as /root/stage/t?? (1.5B) and
 # /root/stage/d?? (0.5B), carrying .whl (the gguf wheel) and .stage/home (REDWOOD_HOME with the essays,
 # humaneval and mt-bench datasets):
-#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests (tests-a, tests-b) kernels pdl l2 tile mega p1 steps p2 p3 p3tree p4 p5 summary pack
+#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests (tests-a, tests-b) kernels pdl l2 tile mega p1 steps p2 p3 p3tree p4 e2e p5 summary pack
 # Each step writes JSON under $OUT and prints its tables; `summary` prints the short P1–P5 table last.
 # Settings (environment): P2_TEMPS, P2_GAMMAS, P2_DRAFT_WEIGHTS (bf16 int8), P2_ACC (a folder of acceptance vectors measured earlier with
 # the same models, [p2-]acc-<dataset>-t<temp>.json: reused instead of measured), P2_ACC_PROMPTS, P3_KV, P3_BATCH, P3_CONTEXT, P3_GAMMAS,
-# P3_GEN, P3_BUDGET (the draft cache's budget, default 512), P3_ACC_PROMPTS (p3tree: essays for the self-draft's acceptance vector, default 8), P3_PROFILE (1: also `redwood profile` each cell's verify and compressed draft forwards at the largest
+# P3_GEN, P3_BUDGET (the draft cache's budget, default 512), E2E_CONTEXT / E2E_REQUESTS / E2E_GEN / E2E_GAMMA / E2E_DRAFTER (the e2e step), P3_ACC_PROMPTS (p3tree: essays for the self-draft's acceptance vector, default 8), P3_PROFILE (1: also `redwood profile` each cell's verify and compressed draft forwards at the largest
 # batch), P5_ACC (default: p2's HumanEval greedy vector), P5_BUDGETS, P5_DEPTH, P5_GEN, P5_PREFETCH (layers in the
 # offload ring, default 16), P5_TREE (extra
 # trees), GEMV_ARGS, GPU_TESTS, GPU_FLAGS, L2_MB, MEGA_VARIANTS. Programmatic dependent launch, the L2 prefetch and the
@@ -157,6 +157,14 @@ p4)  # the attention kernel against the KV-read floor and SDPA (chains and trees
      # batch 1-8), after its variants' registers / shared memory / programs per SM on this machine's Triton
   run python3 benchmarks/kernel_resources.py 2>&1 | tee "$OUT/kernel-resources.txt" | tail -22 || echo "(kernel_resources failed)"
   run python3 benchmarks/attention_bench.py --output "$OUT/p4.json" ;;
+e2e)  # issue 40 item 3, MagicDec's regime end to end: E2E_REQUESTS (64) requests at once over E2E_CONTEXT-token essay
+     # windows (30720 + 2048 = the 32K window), E2E_GEN (2048) new tokens each, AR vs self-speculation over a
+     # StreamingLLM view of P3_BUDGET (512) with γ E2E_GAMMA (3) — or E2E_DRAFTER="--draft-model $D" — in one call
+  ctx=${E2E_CONTEXT:-30720}; n=${E2E_REQUESTS:-64}; gen=${E2E_GEN:-2048}
+  drafter=${E2E_DRAFTER:---self-speculate --draft-kv streaming --draft-budget ${P3_BUDGET:-512}}
+  run $R bench throughput --model "$T" $GPU --num-requests $n --prompt-len $ctx --min-new-tokens $gen \
+      --max-new-tokens $gen --max-num-seqs $n $drafter --gamma ${E2E_GAMMA:-3} --dataset essays \
+      --output "$OUT/e2e-$(echo "$drafter" | tr -cs 'a-z0-9' '-' | cut -c1-40)" ;;
 p5)  # offloaded target (weights streamed from pinned host memory): AR vs large trees picked for that cost
      # profile: the offloaded target's forward is ~flat in tokens (host-link bound), so deep trees pay
   mkdir -p "$OUT/p5"
