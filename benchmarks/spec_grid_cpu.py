@@ -41,7 +41,7 @@ repeats) than its median's distance from the threshold is "re-run", not PASS / F
 `--rerun-flagged REPORT.json` runs only flagged cells again and merges them into the report.
 
     PYTHONPATH=src python benchmarks/spec_grid_cpu.py --out out/grid        # the whole grid (~2 h: background)
-    PYTHONPATH=src python benchmarks/spec_grid_cpu.py --estimate            # projected wall time, ~5 min
+    PYTHONPATH=src python benchmarks/spec_grid_cpu.py --estimate            # projected wall time (~5-10 min)
     PYTHONPATH=src python benchmarks/spec_grid_cpu.py --kinds code-edit --temps 0 --batches 1 --prompts 1 \\
         --new-tokens 8 --repeats 1 --configs ar ngram draft-g3 --out out/smoke               # a smoke run
     PYTHONPATH=src python benchmarks/spec_grid_cpu.py --rerun-flagged out/grid/report.json  # flagged cells
@@ -433,7 +433,8 @@ def cell_markdown(c: dict, new_tokens: int) -> str:
     lines = [
         f"### {cell_label((c['kind'], c['temperature'], c['batch']))}"
         + (" — **re-run**" if s["flagged"] else "")
-        + (" (incomplete)" if "ended" not in c else ""),
+        + (" (incomplete)" if "ended" not in c else "")
+        + (f" (re-run; {len(c['previous'])} earlier run(s) in report.json)" if c.get("previous") else ""),
         "",
         f"{c['prompts']} prompts ({min(pt)}–{max(pt)} tokens) × {new_tokens} new tokens, {reps} repeat(s); "
         f"best fixed: {s['best_fixed']}",
@@ -494,6 +495,11 @@ def report_markdown(report: dict) -> str:
         f"{a['prompts']} prompts × {a['new_tokens']} new tokens, {a['repeats']} repeats per cell.",
     ]
     out += [f"Note: {n}" for n in report.get("notes", [])]
+    for r in report.get("reruns", []):
+        out.append(
+            f"Re-run of the flagged cells: started {r['started']}, ended {r.get('ended', '(running)')}, "
+            f"wall {r.get('wall_s', 0):.0f} s (commit {r['machine']['git_commit']})."
+        )
     out += ["", "## Summary", "", summary_markdown(done), ""]
     for c in done:
         out += [cell_markdown(c, a["new_tokens"]), ""]
@@ -601,40 +607,49 @@ def estimate(args, base, draft_model, names, specs, cells) -> None:
         proxy.append("draft-g3")
         print("  auto is not available yet: projected as draft-g3's time (it is built with the draft model)")
     every = names + proxy
-    total = 0.0
+    load = REPORT_LOAD_S
+
+    def project(prompts: int, new_tokens: int, show: bool = False) -> float:
+        """Seconds the grid would take (models loaded) at this many prompts and new tokens."""
+        total = load
+        for kind, kcells in groups.items():
+            n = max(cell_prompts(c, prompts) for c in kcells)
+            per_prompt = sum(cal[(kind, nm)][0] for nm in every) * lengths[kind]
+            pre = n * per_prompt if args.prefix_cache else 0.0
+            total += pre + len(every) * 5  # (+ engines, warm-up)
+            if show:
+                print(f"  {kind:<30} prefill {pre / 60:5.1f} min (once per prompt and configuration)")
+            for cell in kcells:
+                p = cell_prompts(cell, prompts)
+                sec = 0.0 if args.prefix_cache else args.repeats * p * per_prompt
+                for nm in every:
+                    tps = cal[(kind, nm)][1] * (b4.get(nm, 1.0) if cell[2] > 1 else 1.0)  # (per row)
+                    sec += args.repeats * (p // cell[2]) * new_tokens / tps
+                total += sec
+                if show:
+                    print(f"  {cell_label(cell):<30} decode  {sec / 60:5.1f} min")
+        return total
+
     print(
         f"\nprojected ({args.prompts} prompts × {args.new_tokens} tokens, {args.repeats} repeats, "
         f"prefix cache {'on' if args.prefix_cache else 'off'}):"
     )
-    for kind, kcells in groups.items():
-        n = max(cell_prompts(c, args.prompts) for c in kcells)
-        per_prompt = sum(cal[(kind, nm)][0] for nm in every) * lengths[kind]
-        pre = n * per_prompt if args.prefix_cache else 0.0
-        overhead = len(every) * 5  # (engines, warm-up)
-        print(f"  {kind:<28} prefill {pre / 60:5.1f} min (once per prompt and configuration)")
-        total += pre + overhead
-        for cell in kcells:
-            p = cell_prompts(cell, args.prompts)
-            s = 0.0 if args.prefix_cache else args.repeats * p * per_prompt
-            for nm in every:
-                tps = cal[(kind, nm)][1] * (b4.get(nm, 1.0) if cell[2] > 1 else 1.0)  # (per row)
-                s += args.repeats * (p // cell[2]) * args.new_tokens / tps
-            total += s
-            print(f"  {cell_label(cell):<28} decode {s / 60:5.1f} min")
-    load = REPORT_LOAD_S
+    total = project(args.prompts, args.new_tokens, show=True)
     print(
-        f"  models load {load:.0f} s; total {(total + load) / 3600:.2f} h (calibration took {cal_s:.0f} s; "
-        f"T = 0.7 taken as T = 0; tok/s over {e_tok} tokens, not {args.new_tokens}; prefill of a repeat's "
-        "uncached prompt tail left out)"
+        f"  models load {load:.0f} s; total {total / 3600:.2f} h (calibration took {cal_s:.0f} s; T = 0.7 taken as "
+        f"T = 0; tok/s over {e_tok} tokens, not {args.new_tokens}; a repeat's uncached prompt tail left out)"
     )
     budget = args.budget_h * 3600
-    if total + load > budget:
-        print(
-            f"  over the {args.budget_h:g} h budget by {(total + load - budget) / 60:.0f} min: fewer prompts "
-            "(--prompts) shrink prefill and decode alike; fewer new tokens only the decode"
-        )
-    else:
+    if total <= budget:
         print(f"  within the {args.budget_h:g} h budget")
+        return
+    print(f"  over the {args.budget_h:g} h budget by {(total - budget) / 60:.0f} min; smaller grids:")
+    for p in range(args.prompts - 1, 0, -1):
+        for nt in sorted({args.new_tokens, 64, 48} & set(range(args.new_tokens + 1)), reverse=True):
+            t = project(p, nt)
+            print(f"    --prompts {p} --new-tokens {nt}: {t / 3600:.2f} h" + (" (fits)" if t <= budget else ""))
+            if t <= budget:
+                return
 
 
 # ---------------------------------------------------------------------------------------------- self-test
