@@ -13,8 +13,7 @@ those loaded models (`LoadedModels`: nothing is loaded twice):
                     holds the question or instruction at the prompt's end and every generated token), γ 3
     ngram           draftless prompt lookup (n-grams 2-4), γ 4 (as benchmarks/draftless_cpu.py)
     auto            SpeculativeConfig(policy="auto") with the 0.5B draft configured: the policy picks per step
-                    among AR and chains from the draft model or prompt lookup (`LoadedModels.auto_drafters`);
-                    skipped, with a note, while SpeculativeConfig has no `policy` field
+                    among AR and chains from the draft model or prompt lookup (`LoadedModels.auto_drafters`)
 
 Prompt kinds: code-complete (HumanEval prompts as plain text to continue), code-edit (a file of three
 HumanEval solutions in the prompt, asked to rename one function: draftless_cpu.py's builder), chat (MT-Bench
@@ -57,7 +56,6 @@ rewritten after every run, so a stopped grid keeps what it measured).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import gc
 import json
@@ -86,12 +84,6 @@ QUESTION = (
 
 
 # ---------------------------------------------------------------------------------------------- configurations
-def has_auto_policy() -> bool:
-    from redwood.speculation.config import SpeculativeConfig
-
-    return "policy" in {f.name for f in dataclasses.fields(SpeculativeConfig)}
-
-
 def config_spec(name: str, args):
     """The SpeculativeConfig of a configuration (None: plain decoding)."""
     from redwood.speculation.config import SpeculativeConfig
@@ -104,7 +96,6 @@ def config_spec(name: str, args):
             self_speculate=True, draft_kv="streaming", draft_budget=args.self_budget, num_draft_tokens=3
         ),
         "ngram": lambda: SpeculativeConfig(draftless="ngram", num_draft_tokens=args.ngram_gamma),
-        # (the lead's SpeculativeConfig(policy="auto"): built as the draft config plus the policy)
         "auto": lambda: SpeculativeConfig(
             draft_model=args.draft_model, draft_weights=args.draft_weights, policy="auto"
         ),
@@ -113,52 +104,12 @@ def config_spec(name: str, args):
 
 
 def models_for(spec, base, draft_model, threads):
-    """`LoadedModels` for a configuration over the already-loaded target (`base.model`) and draft model: the
-    drafter(s) and tree `spec` names, as `LoadedModels.load` makes them, without loading anything again.
-    Under policy="auto": the draft model's drafter and the draftless one as `LoadedModels.auto_drafters`
-    (the model drafter first) where LoadedModels has that field, else the draft config carrying the policy."""
-    from redwood.engine.loaded import LoadedModels
+    """`LoadedModels` for a configuration over the already-loaded target (`base`) and draft model
+    (`LoadedModels.with_speculation`: nothing loads again), each engine with its own per-step thread choice where
+    its decode is thread-count exact (as `LoadedModels.load` decides)."""
     from redwood.engine.threads import adaptive_threads
-    from redwood.speculation.drafters import ModelDrafter, SelfDrafter
-    from redwood.speculation.draftless import NgramDrafter
 
-    vocab = base.model.config.vocab_size
-
-    def model_drafter():
-        d = ModelDrafter(draft_model, spec.make_policy(), vocab)
-        return d, f"{spec.draft_model} ({d.policy.describe()}, {draft_model.weights} weights)"
-
-    if spec is None:
-        lm = dataclasses.replace(base, drafter=None, tree=None, draft_name=None, speculative=None, verifier="auto")
-    elif getattr(spec, "policy", "fixed") == "auto" and "auto_drafters" in {
-        f.name for f in dataclasses.fields(LoadedModels)
-    }:
-        md, md.name = model_drafter()
-        ng = NgramDrafter(vocab, spec.ngram_min, spec.ngram_max)
-        ng.name = ng.describe()
-        drafters = [md, ng]
-        lm = dataclasses.replace(
-            base,
-            drafter=drafters[0],
-            tree=spec.make_tree(),
-            verifier=spec.verifier,
-            speculative=spec,
-            draft_name="auto: " + ", ".join(d.name for d in drafters),
-            auto_drafters=drafters,
-        )
-    else:
-        if spec.draftless == "ngram":
-            drafter = NgramDrafter(vocab, spec.ngram_min, spec.ngram_max)
-            label = drafter.describe()
-        elif spec.self_speculate:
-            drafter = SelfDrafter(base.model, spec.make_policy())
-            label = f"self ({drafter.policy.describe()})"
-        else:
-            drafter, label = model_drafter()
-        lm = dataclasses.replace(
-            base, drafter=drafter, tree=spec.make_tree(), verifier=spec.verifier, speculative=spec, draft_name=label
-        )
-    # each engine its own per-step thread choice, where the decode is thread-count exact (as `load` decides)
+    lm = base.with_speculation(spec, draft_model, None if spec is None else spec.draft_model)
     lm.thread_policy = adaptive_threads(threads) if lm.thread_exact_decode() else None
     return lm
 
@@ -769,10 +720,6 @@ def main() -> None:
         cells = parse_cells(args)
     notes = []
     names = list(dict.fromkeys(args.configs))
-    if "auto" in names and not has_auto_policy():
-        names.remove("auto")
-        notes.append("auto skipped: SpeculativeConfig has no `policy` field yet")
-        print(f"note: {notes[-1]}", flush=True)
     if "ar" not in names:
         notes.append("no AR in the configurations: no ratios to AR, no goals against it")
 

@@ -136,7 +136,7 @@ class LoadedModels:
             self.tree = speculative.make_tree()
             self.auto_drafters = _auto_drafters(speculative, loaded.model, dtype, device, draft_info, execution)
             self.drafter = self.auto_drafters[0]
-            self.draft_name = "auto: " + ", ".join(_describe(d) for d in self.auto_drafters)
+            self.draft_name = "auto: " + ", ".join(d.name for d in self.auto_drafters)
         elif speculative is not None:
             self.tree = speculative.make_tree()
             self.drafter, self.draft_name = _make_drafter(
@@ -146,6 +146,47 @@ class LoadedModels:
             # (None where the count is the user's or fixed, or the execution config turns it off)
             self.thread_policy = adaptive_threads(threads, enabled=execution is None or execution.adaptive_threads)
         return self
+
+    def with_speculation(
+        self, spec: SpeculativeConfig | None, draft_model=None, draft_source: str | None = None
+    ) -> "LoadedModels":
+        """These models (target, tokenizer, thread policy) with the drafter(s) `spec` names instead — over a draft
+        model already loaded (`draft_model`, the one `spec.draft_model` names): tools comparing configurations
+        build each without loading anything again. None: no speculation."""
+        out = self._with_speculation(spec, draft_model, draft_source)
+        if out.thread_policy is not None and not out.thread_exact_decode():
+            out.thread_policy = None  # (a drafter whose steps round differently at another thread count)
+        return out
+
+    def _with_speculation(self, spec, draft_model, draft_source) -> "LoadedModels":
+        from dataclasses import replace
+
+        if spec is None:
+            return replace(
+                self, drafter=None, tree=None, verifier="auto", draft_name=None, speculative=None, auto_drafters=None
+            )
+        if spec.auto:
+            drafters = auto_drafters_for(spec, self.model, draft_model, draft_source)
+            name = "auto: " + ", ".join(d.name for d in drafters)
+            return replace(
+                self,
+                drafter=drafters[0],
+                tree=spec.make_tree(),
+                verifier=spec.verifier,
+                draft_name=name,
+                speculative=spec,
+                auto_drafters=drafters,
+            )
+        drafter, name = drafter_for(spec, self.model, draft_model, draft_source)
+        return replace(
+            self,
+            drafter=drafter,
+            tree=spec.make_tree(),
+            verifier=spec.verifier,
+            draft_name=name,
+            speculative=spec,
+            auto_drafters=None,
+        )
 
     def thread_exact_decode(self) -> bool:
         """Whether a decode step computes the same bits at any thread count: every forward it runs goes through
@@ -161,32 +202,49 @@ class LoadedModels:
         return cpu_fused.model_takes(self.model)
 
 
-def _describe(drafter) -> str:
-    return getattr(drafter, "name", None) or drafter.describe()
-
-
 def _auto_drafters(spec: SpeculativeConfig, target, dtype, device, draft_info, execution) -> list:
-    """The automatic policy's drafters: the model drafter (if configured) first, then the draftless one."""
+    """The automatic policy's drafters, the draft model (if configured) loaded from `draft_info`."""
+    draft = _load_draft(spec, dtype, device, draft_info, execution)
+    return auto_drafters_for(spec, target, *draft)
+
+
+def auto_drafters_for(spec: SpeculativeConfig, target, draft_model=None, draft_source: str | None = None) -> list:
+    """The automatic policy's drafters over loaded models: the model drafter (if configured) first, then the
+    draftless one; each named (`.name`) as reports show it."""
     from dataclasses import replace
 
     out = []
     if spec.draft_model or spec.self_speculate:
         model_spec = replace(spec, policy="fixed", draftless=None, acceptance_file=None)
-        drafter, name = _make_drafter(model_spec, target, dtype, device, draft_info, execution)
-        drafter.name = name
+        drafter, drafter.name = drafter_for(model_spec, target, draft_model, draft_source)
         out.append(drafter)
     draftless_spec = SpeculativeConfig(
         draftless=spec.draftless or "ngram", ngram_min=spec.ngram_min, ngram_max=spec.ngram_max
     )
-    drafter, name = _make_drafter(draftless_spec, target, dtype, device, None, execution)
-    drafter.name = name
+    drafter, drafter.name = drafter_for(draftless_spec, target)
     out.append(drafter)
     return out
 
 
+def _load_draft(spec: SpeculativeConfig, dtype, device, draft_info, execution) -> tuple:
+    """(the draft model, its source name) when `spec` names one — loaded from `draft_info` (`inspect_model`: its
+    tokenizer already checked against the target's) in the format `spec.draft_weights` — else (None, None)."""
+    if not spec.draft_model:
+        return None, None
+    draft = load_draft_model(
+        draft_info, dtype=dtype, device=device, draft_weights=spec.draft_weights, execution=execution
+    )
+    return draft.model, draft.source
+
+
 def _make_drafter(spec: SpeculativeConfig, target, dtype, device, draft_info, execution: ExecutionConfig | None = None):
-    """The drafter `spec` asks for and its name; a draft model loads from `draft_info` (`inspect_model`:
-    its tokenizer already checked against the target's) in the format `spec.draft_weights`."""
+    """The drafter `spec` asks for and its name, loading its draft model if it has one."""
+    return drafter_for(spec, target, *_load_draft(spec, dtype, device, draft_info, execution))
+
+
+def drafter_for(spec: SpeculativeConfig, target, draft_model=None, draft_source: str | None = None) -> tuple:
+    """The drafter `spec` asks for over loaded models (`draft_model`: the draft model `spec.draft_model` names,
+    already loaded) and its name."""
     from redwood.speculation.drafters import ModelDrafter, SelfDrafter
     from redwood.speculation.draftless import NgramDrafter
 
@@ -196,11 +254,10 @@ def _make_drafter(spec: SpeculativeConfig, target, dtype, device, draft_info, ex
         return drafter, drafter.describe()
     if spec.self_speculate:
         return SelfDrafter(target, policy), f"self ({policy.describe()})"
-    draft = load_draft_model(
-        draft_info, dtype=dtype, device=device, draft_weights=spec.draft_weights, execution=execution
-    )
-    skinny = "int8" if draft.model.skinny_int8 is not None else None  # (CUDA: int8 one-token forwards)
-    packed = draft.model.weights if draft.model.weights != "float32" else None
+    if draft_model is None:
+        raise ConfigError(f"the draft model {spec.draft_model!r} is not loaded")
+    skinny = "int8" if draft_model.skinny_int8 is not None else None  # (CUDA: int8 one-token forwards)
+    packed = draft_model.weights if draft_model.weights != "float32" else None
     quant = "".join(f", {q} weights" for q in (skinny, packed) if q)
-    name = f"{draft.source} ({policy.describe()}{quant})"
-    return ModelDrafter(draft.model, policy, target.config.vocab_size), name
+    name = f"{draft_source or spec.draft_model} ({policy.describe()}{quant})"
+    return ModelDrafter(draft_model, policy, target.config.vocab_size), name
