@@ -11,7 +11,7 @@ from redwood.models.cpu_weights import WEIGHT_CHOICES
 from redwood.speculation.draftless import DEFAULT_MAX_N, DEFAULT_MIN_N, check_ngram_sizes
 from redwood.speculation.trees import Tree, resolve_tree
 
-VERIFIERS = ("auto", "greedy", "sampling", "sequoia", "specinfer", "topk")
+VERIFIERS = ("auto", "greedy", "sampling", "sequoia", "specinfer", "topk", "match")
 
 # The most draft tokens one step may accept: γ for a chain, depth − 1 for a tree. Acceptance compounds
 # along a path, so even at a per-token acceptance of 0.95 a 64th draft token is accepted in 4% of steps
@@ -56,8 +56,10 @@ class SpeculativeConfig:
     verifier: "greedy" (accept the target's argmax; temperature 0 only), "sampling" (speculative
     rejection sampling; on a tree, Sequoia's), "sequoia" (children drawn without replacement),
     "specinfer" (children drawn with replacement), "topk" (the draft's top-k children; the target
-    samples), or "auto" (greedy when every request is greedy, else sampling / sequoia). All but greedy
-    are lossless at any temperature / top-k / top-p.
+    samples), "match" (the target samples each position with the seed's number there and drafts are
+    accepted while they equal its tokens: a seeded request's tokens are then the same as without
+    speculation — `sample.chain_verify.verify_match`), or "auto" (greedy when every request is greedy,
+    else sampling / sequoia). All but greedy are lossless at any temperature / top-k / top-p.
     draft_weights: the draft model's weight format on its device (`redwood.models.cpu_weights`). On the
     CPU every CPU format ("auto": q4k — re-quantized to Q4_K — for a GGUF draft where kquant runs, else
     w8a8 on an AVX512-VNNI CPU, else int4; float32 for other checkpoints; "float32" | "bfloat16" | "int8"
