@@ -286,7 +286,8 @@ def verify_tree_paths(
     target_probs: [B, n, V] (p at each node: the target's distribution of the next token after it);
     draft_probs: [B, n, V] (q at each node: the distribution its children were drawn from, by
     `CHILD_RULE[verifier]`; unused, and may be None, for greedy, topk and match); rand: a `RowRandom` or
-    one generator per row; node_uniforms: match only, [B, n] float64, the uniform y is drawn with at each
+    one generator per row (None: for a walk that draws nothing — greedy, or match given node_uniforms);
+    node_uniforms: match only, [B, n] float64, the uniform y is drawn with at each
     node — the same for every node of one depth (the engine: the row seed's number at the position of the
     token after the node); None: one fresh uniform per depth from rand.
 
@@ -308,7 +309,7 @@ def verify_tree_paths(
         raise ValueError(f"tokens has {n} nodes, parents {len(parents)}")
     if target_probs.shape[:2] != (B, n):
         raise ValueError(f"target_probs must be [B={B}, n={n}, V], got {tuple(target_probs.shape)}")
-    if not isinstance(rand, RowRandom) and len(rand) != B:
+    if rand is not None and not isinstance(rand, RowRandom) and len(rand) != B:
         raise ValueError(f"{B} rows but {len(rand)} generators")
     stochastic = verifier in ("sequoia", "specinfer")
     if stochastic and (draft_probs is None or draft_probs.shape != target_probs.shape):
