@@ -142,6 +142,7 @@ def test_positional_numbers_depend_only_on_seed_and_position():
     batch = RowRandom([7, 9, 42], "cpu")
     batch.uniform(None, (5,), torch.float64)  # draws advance counters …
     batch.uniform(torch.tensor([2, 2]), (3,))
+    batch.uniform(torch.tensor([2]), ())  # (row 2: counter 3, odd and even both covered below)
     counters = batch.counter.clone()
     got = batch.positional(torch.full((6,), 2), positions)  # … and do not move positional numbers
     assert torch.equal(got, alone)
