@@ -190,17 +190,22 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     tail (benchmarks/inverse_cdf_bias.py).
 
     A token of probability 0 is never returned (its cumulative sum equals its predecessor's, so the first
-    index whose cumulative sum exceeds the target value is never it; the end is clamped to the last token
-    with mass). A row without mass is treated as uniform.
+    index whose cumulative sum exceeds the target value is never it; the end is clamped to the token at
+    which the sum reaches its total, which has mass — a guard only: for u < 1 the target stays below the
+    total). A row without mass is treated as uniform (token floor(u · V)).
+
+    Cost: one float64 copy of probs and its cumulative sum in place, nothing else of the vocabulary's
+    size (on the CPU every fresh [M, V] buffer is page-faulted in: a where() over probs and a flipped
+    copy to find the last token with mass cost 4× the sum itself at a 152K vocabulary).
     """
     squeeze = u.dim() == 1
     if squeeze:
         u = u[:, None]
-    mass = probs.sum(-1, keepdim=True)
-    probs = torch.where(mass > 0, probs, torch.ones_like(probs))
-    cdf = probs.double().cumsum(-1)
-    idx = torch.searchsorted(cdf, (u.double() * cdf[:, -1:]).contiguous(), right=True)
+    u = u.double()
+    cdf = probs.to(torch.float64, copy=True).cumsum_(-1)  # [M, V]
+    total = cdf[:, -1:].contiguous()  # [M, 1]
+    idx = torch.searchsorted(cdf, (u * total).contiguous(), right=True)
+    idx = torch.minimum(idx, torch.searchsorted(cdf, total))  # (the first index where the sum is whole)
     V = probs.shape[-1]
-    last = (V - 1) - (probs > 0).flip(-1).float().argmax(-1, keepdim=True)
-    idx = torch.minimum(idx, last)
+    idx = torch.where(total > 0, idx, (u * V).long().clamp(max=V - 1))  # no mass (or NaN): uniform
     return idx[:, 0] if squeeze else idx
