@@ -128,7 +128,9 @@ def main() -> None:
     rows = []
     for t in args.temperatures:
         params = [
-            SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True, temperature=t, top_p=args.top_p, seed=1000 + i)
+            SamplingParams(
+                max_new_tokens=args.new_tokens, ignore_eos=True, temperature=t, top_p=args.top_p, seed=1000 + i
+            )
             for i in range(len(prompts))
         ]
         ar = None
