@@ -22,9 +22,7 @@ from tests.engine.test_engine import _prompts, models  # noqa: F401 — the (tar
 def test_coupled_drafts_from_the_target_itself_are_always_accepted(models, tree):
     target, _, tok = models
     prompts = _prompts(3, seed=3, hi=40)
-    params = [
-        SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.8, top_p=0.9, seed=s) for s in (1, 2, 3)
-    ]
+    params = [SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.8, top_p=0.9, seed=s) for s in (1, 2, 3)]
     shape = Tree.chain(3) if tree == "chain:3" else resolve_tree(tree)
     _, ar, _ = run_engine(target, tok, prompts, params)
     _, states, _ = run_engine(

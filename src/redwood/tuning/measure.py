@@ -75,7 +75,9 @@ def check_settings(width: int, temperature: float, top_p: float, verifier: str) 
     if verifier not in VERIFIERS:
         raise ConfigError(f"unknown verifier {verifier!r}; choose one of {', '.join(VERIFIERS)}")
     if verifier == "match":  # (its coupled child shares the target's uniform: no per-child expectation)
-        raise ConfigError("acceptance is not modelled for match; measure it end to end (benchmarks/match_acceptance.py)")
+        raise ConfigError(
+            "acceptance is not modelled for match; measure it end to end (benchmarks/match_acceptance.py)"
+        )
     if verifier == "greedy" and temperature > 0:
         raise ConfigError(
             "the greedy verifier is exact only at temperature 0; use sequoia, specinfer or topk for sampled decoding"
