@@ -9,6 +9,13 @@ instruct), at each temperature, three ways:
 - match / top-k drafts: the same verifier, the draft proposes its argmax (the engine has no switch for
   this — coupled is match's rule — so the script swaps `redwood.engine.decode.child_rule` for it).
 
+With --expected, a second table needs no sampling noise: along each AR output at T > 0 (teacher-forced:
+target and draft scored over prompt + output), the exact probability that one draft token is accepted at
+each position, averaged — rejection sampling Σ min(p, q); match with a coupled draft Σ_x |I_p(x) ∩ I_q(x)|
+(I(x) a token's inverse-CDF interval of [0, 1), in token-id order); match with the draft's argmax
+p(argmax q) — the per-token acceptance α the tokens/step above come from (α + α² + … + α^γ + 1 at a
+constant α), at every position of the text instead of the ~350 draws a run takes.
+
 Prompts: HumanEval and MT-Bench first turns in the chat template (`redwood.data`), all in one batch,
 one seed per prompt (the same seeds for every method). At temperature 0 the three coincide (greedy
 verification of the draft's argmax), a check of the harness. With --check-ar an autoregressive run at
@@ -16,7 +23,8 @@ each T > 0 gives the tokens the match runs must equal (the same seeds: plain sam
 as well); "== AR" counts the prompts whose tokens do.
 
     PYTHONPATH=src python benchmarks/match_acceptance.py [--prompts 3] [--new-tokens 64] [--gamma 3]
-        [--temperatures 0.7 0] [--top-p 1.0] [--threads 1] [--check-ar] [--out results.json]
+        [--temperatures 0.7 0] [--top-p 1.0] [--threads 1] [--check-ar] [--expected]
+        [--methods sampling coupled topk] [--out results.json]
 
 --prompts is per dataset (3 → 3 HumanEval + 3 MT-Bench). The table's columns: tokens per step (accepted
 drafts + 1, over all steps of all prompts), acceptance (accepted / drafted tokens), decode tokens/s
@@ -37,17 +45,19 @@ from redwood import Engine, SamplingParams
 from redwood.data.prompts import chat_prompts
 from redwood.engine.loaded import LoadedModels
 from redwood.kv.policies import FullPolicy
+from redwood.sample.sampler import probabilities
 from redwood.speculation.config import SpeculativeConfig
 from redwood.speculation.drafters import ModelDrafter
 from redwood.speculation.trees import Tree
+from redwood.tuning.measure import _logits_at
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
-# (label, verifier, match's child rule: None → the engine's)
-METHODS = (
-    ("sampling / sampled drafts", "sampling", None),
-    ("match / coupled drafts", "match", None),
-    ("match / top-k drafts", "match", "topk"),
-)
+# key → (label, verifier, match's child rule: None → the engine's)
+METHODS = {
+    "sampling": ("sampling / sampled drafts", "sampling", None),
+    "coupled": ("match / coupled drafts", "match", None),
+    "topk": ("match / top-k drafts", "match", "topk"),
+}
 
 
 def engine_for(models: LoadedModels, verifier: str | None, gamma: int, batch: int) -> Engine:
@@ -96,6 +106,39 @@ def with_child_rule(rule: str | None):
     return Swap()
 
 
+def one_token_acceptance(p: torch.Tensor, q: torch.Tensor) -> dict[str, torch.Tensor]:
+    """p, q: [N, V] target / draft distributions at N positions → each method's probability [N] that one
+    draft token is accepted there."""
+    p64, q64 = p.double(), q.double()
+    cp, cq = p64.cumsum(-1), q64.cumsum(-1)  # [N, V]: each token's interval is [c − prob, c)
+    overlap = (torch.minimum(cp, cq) - torch.maximum(cp - p64, cq - q64)).clamp(min=0).sum(-1)
+    return {
+        "sampling": torch.minimum(p64, q64).sum(-1),  # rejection sampling: 1 − TV(p, q)
+        "coupled": overlap,  # both drawn by inverse CDF with one uniform
+        "topk": p64.gather(1, q64.argmax(-1, keepdim=True))[:, 0],  # the target samples the draft's argmax
+    }
+
+
+@torch.inference_mode()
+def expected_acceptance(models: LoadedModels, prompts, outputs, temperature: float, top_p: float) -> dict:
+    """Teacher-forced along each prompt + output: the mean of `one_token_acceptance` over every output
+    position (the distributions that predicted the output's tokens), and the number of positions."""
+    draft, V = models.drafter.own_model, models.config.vocab_size
+    shared = min(V, draft.config.vocab_size)
+    per = {k: [] for k in METHODS}
+    for prompt, out in zip(prompts, outputs):
+        ids = list(prompt) + list(out)
+        at = torch.arange(len(prompt) - 1, len(ids) - 1)  # the positions predicting out[0], out[1], …
+        n = len(at)
+        settings = (torch.full((n,), temperature), torch.zeros(n, dtype=torch.long), torch.full((n,), top_p))
+        p = probabilities(_logits_at(models.model, ids, at).cpu(), *settings)
+        q = probabilities(_logits_at(draft, ids, at)[:, :shared].cpu(), *settings)
+        q = torch.cat([q, q.new_zeros(n, V - shared)], dim=1)
+        for k, a in one_token_acceptance(p, q).items():
+            per[k].append(a)
+    return {k: float(torch.cat(v).mean()) for k, v in per.items()} | {"positions": sum(len(o) for o in outputs)}
+
+
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -116,6 +159,8 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--check-ar", action="store_true", help="an AR run per T > 0: match's tokens must equal it")
+    ap.add_argument("--expected", action="store_true", help="exact one-token acceptance along the AR outputs")
+    ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS), help="engine runs")
     ap.add_argument("--out", default=None, help="write the rows as JSON")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -125,7 +170,7 @@ def main() -> None:
     tok = models.tokenizer
     prompts = chat_prompts(tok, "humaneval", args.prompts) + chat_prompts(tok, "mt-bench", args.prompts)
     run_batch(engine_for(models, None, args.gamma, 1), [prompts[0][:16]], [SamplingParams(max_new_tokens=2)])  # warm-up
-    rows = []
+    rows, expected = [], []
     for t in args.temperatures:
         params = [
             SamplingParams(
@@ -134,10 +179,14 @@ def main() -> None:
             for i in range(len(prompts))
         ]
         ar = None
-        if args.check_ar and t > 0:
+        if (args.check_ar or args.expected) and t > 0:
             ar = run_batch(engine_for(models, None, args.gamma, len(prompts)), prompts, params)
             print(f"T={t} AR: {ar['decode_tokens_per_s']:.2f} tok/s", flush=True)
-        for label, verifier, rule in METHODS:
+        if args.expected and t > 0:
+            e = expected_acceptance(models, prompts, ar["tokens"], t, args.top_p)
+            expected.append(dict(temperature=t, **e))
+            print(f"T={t} expected one-token acceptance: {e}", flush=True)
+        for label, verifier, rule in (METHODS[k] for k in args.methods):
             t0 = time.perf_counter()
             with with_child_rule(rule):
                 r = run_batch(engine_for(models, verifier, args.gamma, len(prompts)), prompts, params)
@@ -154,7 +203,7 @@ def main() -> None:
         meta = dict(target=TARGET, draft=DRAFT, gamma=args.gamma, new_tokens=args.new_tokens, top_p=args.top_p)
         meta.update(prompts=len(prompts), threads=args.threads, cpu=cpu_name())
         with open(args.out, "w") as f:
-            json.dump({"settings": meta, "rows": rows}, f, indent=1)
+            json.dump({"settings": meta, "rows": rows, "expected": expected}, f, indent=1)
     print(f"\n{TARGET} target, {DRAFT} draft, chain γ={args.gamma}, {len(prompts)} prompts × {args.new_tokens} tokens")
     print("| T | method | tokens/step | acceptance | decode tok/s | == AR |")
     print("|---|---|---|---|---|---|")
@@ -164,6 +213,15 @@ def main() -> None:
             f"| {r['temperature']:g} | {r['method']} | {r['tokens_per_step']:.2f} | {r['acceptance']:.3f} | "
             f"{r['decode_tokens_per_s']:.2f} | {same} |"
         )
+
+    if expected:
+        print("\nexpected acceptance of one draft token, teacher-forced along the AR outputs (exact, no sampling)")
+        print("| T | positions | sampling / sampled drafts | match / coupled drafts | match / top-k drafts |")
+        print("|---|---|---|---|---|")
+        for e in expected:
+            print(
+                f"| {e['temperature']:g} | {e['positions']} | {e['sampling']:.3f} | {e['coupled']:.3f} | {e['topk']:.3f} |"
+            )
 
 
 if __name__ == "__main__":
