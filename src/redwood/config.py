@@ -22,6 +22,8 @@ from redwood.errors import ConfigError, ModelLoadError, UnsupportedModelError
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# What sampled tokens are drawn with (`EngineConfig.sampling_noise`, `redwood.sample.sampler.Sampler`).
+SAMPLING_NOISES = ("position", "counter")
 
 
 @dataclass(frozen=True)
@@ -199,6 +201,11 @@ class EngineConfig:
     engines over the same loaded models each take their own share (give the first a fraction or GiB that
     leaves room for the second). enable_prefix_caching: share the KV blocks of identical prompt prefixes
     across requests (refcounted). cuda_graphs: capture each step shape in a CUDA graph (None: on for CUDA).
+    sampling_noise: the random numbers a sampled token is drawn with — "position" (default): the token at
+    absolute position P (the prompt's tokens are 0 … len − 1) is drawn with the request seed's number at P
+    (`RowRandom.positional`), so with the `match` verifier a seeded request gives the same tokens under
+    autoregressive decoding and any speculation plan; "counter": the row's per-draw counter stream (the
+    engine before positional numbers; exact too, but the tokens depend on how the request speculated).
     """
 
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
@@ -209,8 +216,13 @@ class EngineConfig:
     kv_memory_fraction: float = GPU_KV_MEMORY_FRACTION
     enable_prefix_caching: bool = False
     cuda_graphs: bool | None = None
+    sampling_noise: str = "position"
 
     def __post_init__(self) -> None:
+        if self.sampling_noise not in SAMPLING_NOISES:
+            raise ConfigError(
+                f"sampling_noise must be one of {', '.join(SAMPLING_NOISES)}, got {self.sampling_noise!r}"
+            )
         for name in ("max_num_seqs", "block_size", "max_num_batched_tokens"):
             _positive_int(name, getattr(self, name))
         m = self.max_model_len

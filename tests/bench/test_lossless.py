@@ -27,6 +27,7 @@ CASES = [
     L.Case(L.METHODS["close-g16-sequoia"], L.Sampling(1.5, 1.0, 5)),
     L.Case(L.METHODS["far-wide-topk"], L.Sampling(1.0, 0.8)),
     L.Case(L.METHODS["self-snapkv-g16-specinfer"], L.Sampling(0.6, 0.8, 5)),
+    L.Case(L.METHODS["close-chain3-match"], L.Sampling(0.6, 0.8, 5)),
 ]
 
 

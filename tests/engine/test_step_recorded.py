@@ -87,6 +87,7 @@ def run_workload(target, draft, tokenizer, mode: str) -> dict:
         block_size=8,
         max_num_batched_tokens=16,
         kv_cache_memory=(14 + 1) * per_block / 2**30,
+        sampling_noise="counter",  # (the recording's sampled tokens were drawn from the counter streams)
     )
     preempted = [0]
     schedule = engine.scheduler.schedule

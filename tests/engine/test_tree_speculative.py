@@ -419,8 +419,8 @@ def test_end_to_end_chi2_detects_a_lossy_tree_verifier(tiny_vocab_pair, tmp_path
     )
     real = spec_loop.verify_tree_paths
 
-    def lossy(verifier, parents, tokens, p, q, rand):
-        return real(verifier, parents, tokens, p, torch.zeros_like(q), rand)
+    def lossy(verifier, parents, tokens, p, q, rand, *rest):
+        return real(verifier, parents, tokens, p, torch.zeros_like(q), rand, *rest)
 
     rows = 1000
     params = [SamplingParams(temperature=1.0, seed=s, max_new_tokens=2, ignore_eos=True) for s in range(rows)]

@@ -17,7 +17,7 @@ import torch
 from redwood import SamplingParams
 from redwood.bench.stats import chi2_fit_samples, chi2_quantile
 from redwood.errors import ConfigError
-from redwood.sample.chain_verify import verify_greedy, verify_sampling
+from redwood.sample.chain_verify import match_tokens, verify_greedy, verify_match, verify_sampling
 from redwood.sample.sampler import probabilities
 from tests.conftest import random_hf_model, tiny_hf_config
 
@@ -82,6 +82,63 @@ def test_verify_greedy_batch_rows_independent_and_uses_argmax():
     a, n = verify_greedy(p, drafts)
     assert a.tolist() == [2, 1, 0]
     assert n.tolist() == [2, 0, 0]
+
+
+# ------------------------------------------------------------------------------------------- match
+
+
+def test_verify_match_accepts_the_prefix_equal_to_the_targets_own_draws():
+    """y_i = inverse_cdf(p_i, u_i): p [2, 4, 3] with known cumulative sums, so the uniforms pick known tokens."""
+    p = torch.tensor([[0.5, 0.25, 0.25], [0.0, 0.5, 0.5], [0.2, 0.2, 0.6], [1.0, 0.0, 0.0]]).expand(2, -1, -1)
+    u = torch.tensor([[0.1, 0.6, 0.45, 0.99], [0.8, 0.2, 0.1, 0.0]], dtype=torch.float64)
+    y = match_tokens(p, u)
+    assert y.tolist() == [[0, 2, 2, 0], [2, 1, 0, 0]]
+    drafts = torch.tensor([[0, 2, 1], [2, 1, 0]])
+    a, nxt = verify_match(p, drafts, u)
+    assert a.tolist() == [2, 3] and nxt.tolist() == [2, 0]  # row 0: y_2 corrects d_3; row 1: the bonus y_3
+    a, nxt = verify_match(p, torch.tensor([[1, 2, 2], [2, 1, 1]]), u)
+    assert a.tolist() == [0, 2] and nxt.tolist() == [0, 0]
+
+
+def test_verify_match_at_temperature_zero_is_verify_greedy():
+    """One-hot rows (greedy requests): every uniform draws the argmax, so match == greedy for any drafts."""
+    g = torch.Generator().manual_seed(1)
+    B, gamma, V = 64, 3, 7
+    logits = torch.randn(B * (gamma + 1), V, generator=g)
+    zeros = torch.zeros(B * (gamma + 1))
+    p = probabilities(logits, zeros, zeros.long(), zeros + 1).view(B, gamma + 1, V)
+    best = p.argmax(-1)
+    drafts = torch.where(
+        torch.rand(B, gamma, generator=g) < 0.7, best[:, :-1], torch.randint(0, V, (B, gamma), generator=g)
+    )
+    u = torch.rand(B, gamma + 1, generator=g, dtype=torch.float64)
+    assert all(torch.equal(x, y) for x, y in zip(verify_match(p, drafts, u), verify_greedy(p, drafts)))
+
+
+def test_verify_match_emits_the_autoregressive_draws_whatever_the_drafts():
+    """Position-dependent p (a row per prefix): with the same uniforms per position, every draft chain
+    emits a prefix of the one sequence that drawing token by token (autoregressive sampling) gives."""
+    import itertools
+
+    V, gamma = 3, 3
+    g = torch.Generator().manual_seed(4)
+    table = {
+        pre: torch.softmax(torch.randn(V, generator=g) * 1.5, -1)
+        for d in range(gamma + 1)
+        for pre in itertools.product(range(V), repeat=d)
+    }
+    u = torch.rand(1, gamma + 1, generator=g, dtype=torch.float64)
+    ar = ()
+    for i in range(gamma + 1):  # autoregressive: one inverse-CDF draw per position
+        ar += (int(match_tokens(table[ar][None, None], u[:, i : i + 1])),)
+    lengths = set()
+    for d in itertools.product(range(V), repeat=gamma):
+        p = torch.stack([table[d[:i]] for i in range(gamma + 1)])[None]
+        a, nxt = verify_match(p, torch.tensor([d]), u)
+        emitted = d[: int(a)] + (int(nxt),)
+        assert emitted == ar[: len(emitted)], (d, emitted, ar)
+        lengths.add(len(emitted))
+    assert lengths == {1, 2, 3, 4}
 
 
 # ------------------------------------------------------------------------------------------- sampling

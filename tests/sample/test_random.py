@@ -129,3 +129,57 @@ def test_a_rows_counter_advances_only_with_its_own_draws_and_reseed_restarts_it(
     batch.reseed(0, 42)
     assert batch.counter.tolist() == [0, 2]
     assert torch.equal(batch.uniform(torch.tensor([0]), (5,))[0], first[1])  # 42's first draw again
+
+
+# ------------------------------------------------------------------------------------------ positional numbers
+
+
+def test_positional_numbers_depend_only_on_seed_and_position():
+    """The number at (seed, position) is the same whatever the row's counter, its batch neighbours, its
+    batch row, the draws taken before or the other positions asked with it — and the counter stays."""
+    positions = torch.tensor([0, 1, 2, 17, 4095, 2**33 + 5])
+    alone = RowRandom([42], "cpu").positional(torch.zeros(6, dtype=torch.long), positions)
+    batch = RowRandom([7, 9, 42], "cpu")
+    batch.uniform(None, (5,), torch.float64)  # draws advance counters …
+    batch.uniform(torch.tensor([2, 2]), (3,))
+    batch.uniform(torch.tensor([2]), ())  # (row 2: counter 3, odd and even both covered below)
+    counters = batch.counter.clone()
+    got = batch.positional(torch.full((6,), 2), positions)  # … and do not move positional numbers
+    assert torch.equal(got, alone)
+    assert torch.equal(batch.counter, counters)  # (never advanced by positional numbers)
+    # interleaved with other rows' items, in another order, in a 2-d layout [rows, positions]
+    rows = torch.tensor([0, 2, 1, 2])
+    grid = batch.positional(rows, torch.stack([positions.flip(0)] * 4))
+    assert torch.equal(grid[1], alone.flip(0)) and torch.equal(grid[3], alone.flip(0))
+    # a new request in the slot: its own seed's numbers; another seed's are different
+    batch.reseed(0, 42)
+    assert torch.equal(batch.positional(torch.zeros(6, dtype=torch.long), positions), alone)
+    other = RowRandom([43], "cpu").positional(None, positions[:1])
+    assert not torch.equal(other, alone[:1])
+    assert alone.dtype == torch.float64 and ((alone >= 0) & (alone < 1)).all()
+    assert len(set(alone.tolist())) == 6  # every position its own number
+
+
+def test_positional_numbers_are_uniform_and_unrelated_to_the_counter_streams():
+    """4,096 seeds × 256 positions: uniform (χ² over 64 bins), 53 random bits, neighbouring positions and
+    seeds uncorrelated, and uncorrelated with the same rows' counter streams read at counter = position
+    (and never equal to any of their numbers: a shared hash domain would show as equal values)."""
+    seeds, P = 4096, 256
+    r = RowRandom(list(range(seeds)), "cpu")
+    u = r.positional(None, torch.arange(P).expand(seeds, P))  # [seeds, P]
+    bins = torch.histc(u.float(), bins=64, min=0, max=1)
+    expected = u.numel() / 64
+    assert float(((bins - expected) ** 2 / expected).sum()) < 120.1
+    assert (u * 2**24 != torch.floor(u * 2**24)).double().mean() > 0.99  # not float32 values widened
+    counter = torch.cat([r.uniform(None, (1,), torch.float64) for _ in range(P)], dim=1)  # [seeds, P]
+    for x, y in ((u[:, :-1], u[:, 1:]), (u[:-1], u[1:]), (u, counter), (u[:, 1:], counter[:, :-1])):
+        c = torch.corrcoef(torch.stack([x.flatten(), y.flatten()]))[0, 1]
+        assert abs(float(c)) < 0.005
+    assert not bool(torch.isin(u.flatten(), counter.flatten()).any())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_positional_numbers_equal_cpu_numbers():
+    cpu, gpu = RowRandom([3, 2**40 + 7], "cpu"), RowRandom([3, 2**40 + 7], "cuda")
+    rows, positions = torch.tensor([1, 0, 1]), torch.tensor([[0, 5], [9, 2**35], [7, 7]])
+    assert torch.equal(cpu.positional(rows, positions), gpu.positional(rows.cuda(), positions.cuda()).cpu())

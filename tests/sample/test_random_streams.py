@@ -168,11 +168,12 @@ def test_the_consumers_draw_in_the_layouts_these_tests_reproduce():
     got = [(c[0].tolist(), c[1]) for c in rec.calls]
     assert got == [(arange.tolist(), (2,)), (rows1.tolist(), (2,)), (rows1.tolist(), (V,)), (arange.tolist(), (2, 7))]
     assert rec.calls[2][2] == torch.float64  # drawing without replacement: float64 keys
-    # plain sampling: one uniform per row
-    s = Sampler([SamplingParams(temperature=1.0, seed=i) for i in range(B)], torch.device("cpu"))
-    s.random = Recording(list(range(B)))
-    s.sample(torch.randn(B, V, generator=g))
-    assert [(c[0], c[1]) for c in s.random.calls] == [(None, ())]
+    # plain sampling: one uniform per row (counter noise); none from the counter streams (position noise)
+    for noise, calls in (("counter", [(None, ())]), ("position", [])):
+        s = Sampler([SamplingParams(temperature=1.0, seed=i) for i in range(B)], torch.device("cpu"), noise)
+        s.random = Recording(list(range(B)))
+        s.sample(torch.randn(B, V, generator=g), torch.arange(B) + 7)
+        assert [(c[0], c[1]) for c in s.random.calls] == calls
 
 
 # ------------------------------------------------------------------------------------------ the axes

@@ -66,14 +66,16 @@ def test_mixed_rows_use_their_own_parameters():
         assert torch.allclose(probs[row], reference_probs(logits[row], t, k, p), atol=1e-6)
 
 
-def test_draws_follow_the_distribution():
-    """χ² goodness of fit of 5,000 draws against `probabilities` (top-k 6, T 0.8)."""
+@pytest.mark.parametrize("noise", ["position", "counter"])
+def test_draws_follow_the_distribution(noise):
+    """χ² goodness of fit of 5,000 draws against `probabilities` (top-k 6, T 0.8): successive draws of
+    the counter stream, or the draws at positions 0 … 4,999."""
     logits = torch.randn(1, 12, generator=torch.Generator().manual_seed(2)) * 2
     params = SamplingParams(temperature=0.8, top_k=6, seed=5)
-    sampler = Sampler([params], torch.device("cpu"))
+    sampler = Sampler([params], torch.device("cpu"), noise)
     expected = sampler.probs(logits)[0]
     n = 5000
-    draws = torch.stack([sampler.sample(logits)[0] for _ in range(n)])
+    draws = torch.stack([sampler.sample(logits, torch.tensor([i]))[0] for i in range(n)])
     counts = torch.bincount(draws, minlength=12).float()
     support = expected > 0
     exp_counts = expected[support] * n

@@ -16,7 +16,7 @@ import torch
 from redwood.bench.stats import CHI2_999, chi2_fit_samples
 from redwood.sample.random import RowRandom
 from redwood.sample.sampler import probabilities
-from redwood.sample.tree_verify import CHILD_RULE, draw_children, verify_tree
+from redwood.sample.tree_verify import CHILD_RULE, draw_children, verify_tree, verify_tree_paths
 
 
 def assert_fits(samples: torch.Tensor, probs: torch.Tensor, what: str, min_expected: float = 5.0) -> None:
@@ -395,6 +395,41 @@ def test_topk_children_are_draft_top_k_with_low_index_ties():
     q = torch.tensor([[0.1, 0.3, 0.3, 0.2, 0.1], [0.0, 0.0, 0.0, 1.0, 0.0]])
     kids = draw_children(q, 3, "topk", [])
     assert kids.tolist() == [[1, 2, 3], [3, 0, 1]]
+
+
+def test_coupled_children_draw_the_first_by_inverse_cdf_and_the_rest_top_k():
+    """The first child is inverse_cdf(q, u) for the given uniform; the others are q's most likely
+    tokens besides it (distinct, ties to the lower id); a one-hot (greedy) q gives its argmax first."""
+    q = torch.tensor([[0.1, 0.3, 0.3, 0.2, 0.1]] * 3 + [[0.0, 0.0, 0.0, 1.0, 0.0]])
+    u = torch.tensor([0.05, 0.45, 0.95, 0.5], dtype=torch.float64)
+    assert draw_children(q, 1, "coupled", None, uniforms=u)[:, 0].tolist() == [0, 2, 4, 3]
+    assert draw_children(q, 3, "coupled", None, uniforms=u).tolist() == [[0, 1, 2], [2, 1, 3], [4, 1, 2], [3, 0, 1]]
+    # without uniforms: fresh ones from the generators — the first child a plain draw from q
+    N = 8000
+    kids = draw_children(q[:1].expand(N, -1), 2, "coupled", gens(N, 23))
+    assert_fits(kids[:, 0], q[0], "coupled first child without given uniforms")
+    assert (kids[:, 0] != kids[:, 1]).all()
+
+
+def test_match_walk_follows_the_depths_uniforms():
+    """Node uniforms are per depth: at each node the walk's token is inverse_cdf(p, u of its depth).
+    Root p puts u = 0.3 on token 1 (child 2), child 2's p puts u = 0.9 on token 3 (no child): emitted
+    [1, 3]; with u = 0.1 at the root it takes token 0 (child 1, a leaf) and emits the bonus from node 1."""
+    parents = [-1, 0, 0, 2]
+    p = torch.tensor([[0.25, 0.5, 0.25, 0.0], [0.0, 0.0, 1.0, 0.0], [0.1, 0.1, 0.6, 0.2], [1.0, 0.0, 0.0, 0.0]])[None]
+    tokens = torch.tensor([[0, 0, 1, 2]])
+    u = torch.tensor([[0.3, 0.9, 0.9, 0.5]], dtype=torch.float64)  # depth 0, 1, 1, 2
+    path, nxt = verify_tree_paths("match", parents, tokens, p, None, None, u)
+    assert path.tolist() == [[2, -1]] and nxt.tolist() == [3]
+    u = torch.tensor([[0.1, 0.5, 0.5, 0.5]], dtype=torch.float64)
+    path, nxt = verify_tree_paths("match", parents, tokens, p, None, None, u)
+    assert path.tolist() == [[1, -1]] and nxt.tolist() == [2]
+    # no node uniforms: one fresh draw per depth, shared by the depth's nodes (and the counter advances)
+    rand = RowRandom([5], "cpu")
+    verify_tree_paths("match", parents, tokens, p, None, rand)
+    assert rand.counter.tolist() == [1]
+    with pytest.raises(ValueError, match="node_uniforms"):
+        verify_tree_paths("match", parents, tokens, p, None, None, u[:, :3])
 
 
 def test_row_index_maps_nodes_to_generators():

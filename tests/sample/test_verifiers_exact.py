@@ -28,7 +28,7 @@ import torch
 
 from redwood.bench.stats import first_true
 from redwood.bench.stats import grid_uniform as lattice
-from redwood.sample.chain_verify import verify_greedy, verify_sampling
+from redwood.sample.chain_verify import verify_greedy, verify_match, verify_sampling
 from redwood.sample.random import RowRandom
 from redwood.sample.sampler import probabilities
 from redwood.sample.tree_verify import CHILD_RULE, draw_children, verify_tree_paths
@@ -519,3 +519,155 @@ def test_draft_draws_by_inverse_cdf_are_exact(rule, k, temperature, top_p):
     want = q.double() / q.double().sum()
     assert float((measure - want).abs().max()) < 1e-15
     assert torch.all(measure[q == 0] == 0)
+
+
+# ------------------------------------------------------------------------------------------ match
+
+
+def _prefix_index(p: dict) -> tuple[dict, torch.Tensor]:
+    """Every prefix of the tables → a row of one stacked table [prefixes, V]."""
+    keys = list(p)
+    return {k: i for i, k in enumerate(keys)}, torch.stack([p[k] for k in keys])
+
+
+class MatchStep:
+    """One match step on a tree (a chain included), driven by lattice uniforms: U [R, depth + 1] int64
+    (the uniform of depth d is U[:, d] · 2^-53, shared by the target's draw at every node of depth d and
+    the coupled draft of the children there). Drafts are drawn by `rule` through `draw_children`, and the
+    target side runs `verify_match` (chain=True) or the tree walk."""
+
+    def __init__(self, parents: list[int], p: dict, q: dict, rule: str, chain: bool = False):
+        self.parents, self.rule, self.chain = parents, rule, chain
+        self.kids = children_of(parents)
+        self.paths = [path_to(parents, v) for v in range(len(parents))]
+        self.depth = torch.tensor([len(x) for x in self.paths])
+        self.index, self.P = _prefix_index(p)
+        _, self.Q = _prefix_index(q)
+
+    def tokens(self, U: torch.Tensor) -> torch.Tensor:
+        """The drafted tree [R, n], breadth-first (a node's prefix is drawn before its children)."""
+        R, n = U.shape[0], len(self.parents)
+        toks = torch.zeros(R, n, dtype=torch.long)
+        for v in range(n):
+            if self.kids[v]:
+                pre = self.prefix_rows(toks, v)
+                u = lattice(U[:, len(self.paths[v])])  # the children's depth: the parent's + 1 → its uniform
+                kids = draw_children(self.Q[pre], len(self.kids[v]), self.rule, None, uniforms=u)
+                toks[:, self.kids[v]] = kids
+        return toks
+
+    def prefix_rows(self, toks: torch.Tensor, v: int) -> torch.Tensor:
+        """The table row of node v's prefix (the tokens on its path) in each row [R]."""
+        cols = toks[:, self.paths[v]].tolist()
+        return torch.tensor([self.index[tuple(c)] for c in cols])
+
+    def run(self, U: torch.Tensor, same_uniform: bool = False):
+        """→ (tokens [R, n], path [R, max depth] −1 padded, next token [R])."""
+        toks = self.tokens(U)
+        R, n = toks.shape
+        P = torch.stack([self.P[self.prefix_rows(toks, v)] for v in range(n)], dim=1)  # [R, n, V]
+        node_u = lattice(U)[:, self.depth]  # [R, n]
+        if same_uniform:  # a step keying every node by the root's position (a plausible bug)
+            node_u = node_u[:, :1].expand(R, n)
+        if not self.chain:
+            path, nxt = verify_tree_paths("match", self.parents, toks, P, None, None, node_u)
+            return toks, path, nxt
+        a, nxt = verify_match(P, toks[:, 1:], node_u)
+        j = torch.arange(1, n)[None]
+        return toks, torch.where(j <= a[:, None], j, -1), nxt
+
+
+def match_emission(step: MatchStep, same_uniform: bool = False) -> dict[tuple[int, ...], float]:
+    """Exact emission probabilities of a match step. Depth by depth, each reached state (the lattice
+    points of the depths before, a weight) splits its depth's uniform into the cells where both the
+    target's token there and the coupled first child are constant — their breakpoints bisected from
+    the code itself, per token x: the first k where the token exceeds x. In a cell the whole depth's
+    outcome is constant (the other children are q's top tokens after the first): the walk descends to
+    one child (a state of the next depth) or stops and emits its token."""
+    V = step.P.shape[-1]
+    D = int(step.depth.max())
+    half = LATTICE // 2  # the deeper depths' uniforms, placeholders until their turn
+    states = [([], 1.0)]  # (lattice points of depths < d, probability)
+    emitted: dict[tuple[int, ...], float] = {}
+    xs = torch.arange(V)
+    for d in range(D + 1):
+        if not states:
+            break
+        S = len(states)
+        fixed = torch.tensor([u + [half] * (D + 1 - d) for u, _ in states]).repeat_interleave(V, dim=0)  # [S·V, D+1]
+
+        def at(k, fixed=fixed, d=d):
+            U = fixed.clone()
+            U[:, d] = k
+            return U
+
+        def token_at_depth(U, d=d):  # the emitted token of index d: the accepted child's, or the next token
+            toks, path, nxt = step.run(U, same_uniform)
+            if d < path.shape[1]:
+                moved = path[:, d] >= 0
+                return torch.where(moved, toks.gather(1, path[:, d : d + 1].clamp(min=0))[:, 0], nxt)
+            return nxt
+
+        def first_child(U, d=d):
+            toks, path, _ = step.run(U, same_uniform)
+            v = path[:, d - 1].clamp(min=0) if d > 0 else torch.zeros(len(U), dtype=torch.long)
+            kids = [step.kids[i][0] if step.kids[i] else 0 for i in v.tolist()]
+            return toks[torch.arange(len(U)), kids]
+
+        cuts = [first_true(lambda k: token_at_depth(at(k)) > xs.repeat(S), S * V)]
+        if step.rule == "coupled":
+            cuts.append(first_true(lambda k: first_child(at(k)) > xs.repeat(S), S * V))
+        cuts = torch.cat([c.view(S, V) for c in cuts], dim=1)  # [S, cuts]
+        nxt_states = []
+        for s, (u_s, w) in enumerate(states):
+            points = sorted({0, LATTICE, *cuts[s].tolist()})
+            cells = [(lo, hi) for lo, hi in zip(points, points[1:]) if hi > lo]
+            U = torch.tensor([u_s + [lo] + [half] * (D - d) for lo, _ in cells])
+            toks, path, nxt = step.run(U, same_uniform)
+            for i, (lo, hi) in enumerate(cells):
+                mass = w * (hi - lo) / LATTICE
+                if d < path.shape[1] and path[i, d] >= 0:
+                    nxt_states.append((u_s + [lo], mass))
+                else:
+                    head = tuple(int(toks[i, v]) for v in path[i].tolist() if v >= 0)
+                    emitted[head + (int(nxt[i]),)] = emitted.get(head + (int(nxt[i]),), 0.0) + mass
+        states = nxt_states
+    return emitted
+
+
+MATCH_TREES = {**TREES, "chain-3 (verify_match)": TREES["chain-3"]}
+
+
+@pytest.mark.parametrize("rule", ["coupled", "topk"])
+@pytest.mark.parametrize("tree", list(MATCH_TREES))
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.5, 3, 0.9), (1.5, 0, 0.8)])
+def test_match_is_exact(rule, tree, temperature, top_k, top_p):
+    """Coupled drafts use the very uniforms the target draws with, and still the emitted tokens follow
+    the target exactly (drafts change how many tokens a step emits, never which)."""
+    V = 4
+    parents = MATCH_TREES[tree]
+    depth = max(len(path_to(parents, v)) for v in range(len(parents)))
+    p, q = tables(V, depth, temperature, top_k, top_p, "near", seed=31 + depth)
+    step = MatchStep(parents, p, q, rule, chain="verify_match" in tree)
+    emitted = match_emission(step)
+    assert_joint_matches(emitted, p, depth + 1, f"match {rule} {tree} T={temperature} k={top_k} p={top_p}")
+
+
+def test_match_exactness_check_catches_one_uniform_for_every_depth():
+    """A step that keys every node by the root's position (one uniform for all depths) is caught."""
+    p, q = tables(4, 2, 1.0, 0, 1.0, "near", 9)
+    step = MatchStep(TREES["fork-2x2"], p, q, "coupled")
+    with pytest.raises(AssertionError, match="emitted vs"):
+        assert_joint_matches(match_emission(step, same_uniform=True), p, 3, "one uniform")
+
+
+def test_match_at_temperature_zero_emits_the_greedy_walk():
+    """One-hot target rows: whatever the uniforms, match emits what the greedy walk does."""
+    V, parents = 4, TREES["wide-3+chain"]
+    p, q = tables(V, 3, 0.0, 0, 1.0, "near", 5)
+    step = MatchStep(parents, p, q, "coupled")
+    U = torch.randint(0, LATTICE, (64, 4), generator=torch.Generator().manual_seed(0))
+    toks, path, nxt = step.run(U)
+    P = torch.stack([step.P[step.prefix_rows(toks, v)] for v in range(len(parents))], dim=1)
+    g_path, g_nxt = verify_tree_paths("greedy", parents, toks, P, None, None)
+    assert torch.equal(path, g_path) and torch.equal(nxt, g_nxt)

@@ -246,7 +246,7 @@ def sampling_params_from_args(args):
 
 
 DRAFT_KV_CHOICES = ("full", "streaming", "snapkv")
-VERIFIER_CHOICES = ("auto", "greedy", "sampling", "sequoia", "specinfer", "topk")
+VERIFIER_CHOICES = ("auto", "greedy", "sampling", "sequoia", "specinfer", "topk", "match")
 DEFAULT_GAMMA = 4
 DEFAULT_POOL_KERNEL = 5
 
@@ -313,8 +313,9 @@ def add_draft_kv_args(p: argparse.ArgumentParser, sweep: bool = False, tree: boo
         metavar="{" + ",".join(VERIFIER_CHOICES) + "}",
         help="greedy (temperature 0 only), sampling (rejection sampling; Sequoia's on a tree), "
         "sequoia (children drawn without replacement), specinfer (with replacement), topk "
-        "(the draft's top children; the target samples) or auto (default: greedy when every "
-        "request is greedy, else sampling)",
+        "(the draft's top children; the target samples), match (drafts accepted while they equal the "
+        "target's own seeded draws: a seed gives the same tokens as without speculation) or auto "
+        "(default: greedy when every request is greedy, else sampling)",
     )
     if tree:
         g.add_argument(

@@ -13,6 +13,11 @@ logprobs: `token_logprobs` of the tokens the step emits — (chosen [B, A], top 
 accepted count are meaningless. A step that no row wants logprobs from is built without them (the
 Engine puts the flag in the step's CUDA-graph key) and costs nothing extra.
 
+Positions: `last` sits at absolute position L = cache.lengths (the prompt's tokens are 0 … len − 1), so
+the token after it — the one an AR step samples — is at L + 1, and the token after tree node v at
+L + depth(v) + 1. Sampling and the `match` verifier key their uniforms by these positions
+(`Sampler.position_uniforms`).
+
 - `ARStep`: one target forward over `last`, the next token sampled from it (A = 1, accepted 0).
 - `SpecStep`, for a token tree whose root is `last` (a chain of γ drafts is the tree with one child per
   node): the drafter fills the tree's other nodes (and their draft distributions q); one target forward
@@ -30,7 +35,7 @@ import torch
 
 from redwood.errors import ConfigError
 from redwood.models.transformer import Transformer
-from redwood.sample.chain_verify import verify_greedy, verify_sampling
+from redwood.sample.chain_verify import verify_greedy, verify_match, verify_sampling
 from redwood.sample.sampler import Sampler, token_logprobs
 from redwood.sample.tree_verify import CHILD_RULE, verify_tree_paths
 from redwood.speculation.drafters import Drafter
@@ -42,9 +47,12 @@ STOCHASTIC = ("sampling", "sequoia", "specinfer")
 
 
 def resolve_verifier(verifier: str, tree: Tree, all_greedy: bool) -> str:
-    """The verifier to run: 'auto' → greedy when every request is greedy, else rejection sampling."""
+    """The verifier to run: 'auto' → greedy when every request is greedy, else rejection sampling;
+    'match' → greedy when every request is greedy (the same tokens: both follow the target's argmax)."""
     if verifier == "auto":
         return "greedy" if all_greedy else ("sampling" if tree.is_chain else "sequoia")
+    if verifier == "match":
+        return "greedy" if all_greedy else "match"
     if verifier == "greedy" and not all_greedy:
         raise ConfigError(
             "the greedy verifier is lossless only at temperature 0; use verifier='sampling' "
@@ -61,22 +69,31 @@ def child_rule(kind: str) -> str:
 
 
 def _verify(
-    kind: str, tree: Tree, tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None, sampler: Sampler
+    kind: str,
+    tree: Tree,
+    tokens: torch.Tensor,
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    sampler: Sampler,
+    u: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """→ path [B, A] (root then accepted nodes, padded with 0), accepted count a [B], next token [B].
 
-    p: [B, n, V] target probabilities (for the greedy verifier, logits do as well: only argmax matters).
+    p: [B, n, V] target probabilities (for the greedy verifier, logits do as well: only argmax matters);
+    u: match only, [B, n] float64 — the uniform of the token after each node.
     """
     B, n = tokens.shape
-    if tree.is_chain and n > 1 and kind in ("greedy", *STOCHASTIC):  # (no drafts, chain:0: the tree walk)
+    if tree.is_chain and n > 1 and kind in ("greedy", "match", *STOCHASTIC):  # (no drafts: the tree walk)
         drafts = tokens[:, 1:]
         if kind == "greedy":
             a, nxt = verify_greedy(p, drafts)
+        elif kind == "match":
+            a, nxt = verify_match(p, drafts, u)
         else:
             a, nxt = verify_sampling(p, q[:, :-1], drafts, sampler.random)
         return torch.arange(n, device=tokens.device)[None].expand(B, n), a, nxt
     walk = "sequoia" if kind == "sampling" else kind
-    nodes, nxt = verify_tree_paths(walk, list(tree.parents), tokens, p, q, sampler.random)  # [B, depth]
+    nodes, nxt = verify_tree_paths(walk, list(tree.parents), tokens, p, q, sampler.random, u)  # [B, depth]
     path = torch.cat([nodes.new_zeros(B, 1), nodes.clamp(min=0)], dim=1)
     return path, (nodes >= 0).sum(1), nxt
 
@@ -88,9 +105,9 @@ class ARStep:
         self.runner, self.sampler, self.logprobs = runner, sampler, logprobs
 
     def __call__(self, prev: torch.Tensor, last: torch.Tensor) -> tuple:
-        positions = self.runner.cache.lengths[:, None]
+        positions = self.runner.cache.lengths[:, None]  # [B, 1]: `last`'s
         logits = self.runner.forward(last[:, None], positions)[:, 0]
-        nxt = self.sampler.sample(logits)
+        nxt = self.sampler.sample(logits, positions[:, 0] + 1)  # (the token after `last`)
         zeros = torch.zeros_like(last)
         host = torch.stack([zeros, nxt, last], dim=1)
         lp = token_logprobs(logits[:, None], nxt[:, None]) if self.logprobs else None
@@ -132,7 +149,9 @@ class SpecStep:
         else:
             rows = torch.arange(B, device=tokens.device).repeat_interleave(n)
             p = self.sampler.probs(logits.reshape(B * n, -1), rows).view(B, n, -1)
-        path, accepted, nxt = _verify(self.kind, self.tree, tokens, p, q, self.sampler)
+        # match: the uniform of the token after each node, keyed by that token's position
+        u = self.sampler.position_uniforms(positions + 1) if self.kind == "match" else None  # [B, n]
+        path, accepted, nxt = _verify(self.kind, self.tree, tokens, p, q, self.sampler, u)
         path_tokens = tokens.gather(1, path)  # [B, A]
         prev = path_tokens.gather(1, accepted[:, None])[:, 0]
         host = torch.cat([accepted[:, None], nxt[:, None], path_tokens], dim=1)

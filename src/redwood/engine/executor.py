@@ -108,7 +108,7 @@ class Executor:
         for d in self.drafters:
             owner = d.own_model or self.model
             d.policy.allocate(S, owner.config.num_layers, owner.config.num_kv_heads, device)
-        self.sampler = Sampler.slots(S, device)
+        self.sampler = Sampler.slots(S, device, config.sampling_noise)
         self.prev = torch.zeros(S, dtype=torch.long, device=device)
         self.last = torch.zeros(S, dtype=torch.long, device=device)
         self.buckets = sorted({min(2**i, S) for i in range(S.bit_length() + 1)})
@@ -391,7 +391,8 @@ class Executor:
                     obs.finish()
             self._observers[w.slot] = (None, None)
             row = w.slot
-            token = int(self.sampler.view(row, row + 1, [w.params]).sample(logits[i][None])[0])
+            position = torch.tensor([len(w.token_ids)], device=logits[i].device)  # (the prompt's: 0 … len − 1)
+            token = int(self.sampler.view(row, row + 1, [w.params]).sample(logits[i][None], position)[0])
             self.prev[row] = w.token_ids[-1]
             self.last[row] = token
             self.cache.live[row] = 1

@@ -5,10 +5,12 @@ a prefix d1…da (0 ≤ a ≤ γ) and then emits one more token from the target:
 at the first rejected position) or, when all γ are accepted, the *bonus* token. Either way a + 1
 tokens are emitted per step.
 
-Both verifiers preserve the target's distribution exactly: `greedy` for temperature 0, `sampling`
+The verifiers preserve the target's distribution exactly: `greedy` for temperature 0, `sampling`
 (speculative rejection sampling) for any temperature / top-k / top-p, in float32, with fresh random
-numbers for each row every step (from a device-side `RowRandom` or one generator per row). Neither reads
-a device value on the host, so both run inside a captured CUDA graph.
+numbers for each row every step (from a device-side `RowRandom` or one generator per row), and `match`
+(the target draws its own token at every position by inverse CDF with one given uniform per position;
+drafts are accepted while they equal those tokens) for any temperature. None reads a device value on the
+host, so all run inside a captured CUDA graph.
 """
 
 from __future__ import annotations
@@ -58,3 +60,36 @@ def verify_sampling(
     # Rejection implies p(d) < q(d), hence mass > 0; guard against float round-off all the same.
     dist = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_at)
     return accepted, inverse_cdf(dist, u[:, gamma])
+
+
+def match_tokens(target_probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The target's own token after every node: target_probs [B, n, V], u [B, n] float64 → y [B, n],
+    y[b, i] = inverse_cdf(target_probs[b, i], u[b, i]) (the argmax where a row is one-hot: greedy)."""
+    B, n, V = target_probs.shape
+    return inverse_cdf(target_probs.reshape(B * n, V), u.reshape(B * n)).view(B, n)
+
+
+def verify_match(
+    target_probs: torch.Tensor, drafts: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Match verification: draft i is accepted while it equals the token the target draws itself.
+
+    target_probs p: [B, γ+1, V]; drafts: [B, γ]; u: [B, γ+1] float64, u[:, i] the uniform of the token
+    after position i of the chain (the engine gives the row seed's number at that token's absolute
+    position, `Sampler.position_uniforms`). With y_i = inverse_cdf(p_i, u_i): accepted a = the length of
+    the prefix where d_i == y_i, next token y_a. Returns accepted [B] and next_token [B]. No draft
+    distribution is needed: whatever the drafts, the emitted tokens are y_0 … y_a.
+
+    Exact. The step's (i + 1)-th emitted token, when there is one, is y_i: it is emitted only when
+    d_1 … d_i were accepted, i.e. equal y_0 … y_{i−1}, so p_i is the target's distribution after the
+    tokens actually emitted. And u_i is fresh: the prefix and the event that the walk reaches position i
+    depend only on u_0 … u_{i−1} (and on drafts, which are drawn from those at most — a coupled draft
+    d_j uses u_{j−1}), never on u_i, which is read for this one position only. So given everything
+    emitted before, y_i ~ p_i: plain sampling, token by token. Drafts — even coupled ones
+    (`draw_children`'s "coupled" rule) — change how many tokens a step emits, never which. With u the
+    row seed's number at each position the step emits exactly the tokens autoregressive sampling with
+    the same seed would, wherever the verify forward's logits equal the decode forward's.
+    """
+    y = match_tokens(target_probs.float(), u)  # [B, γ+1]
+    accepted = (drafts == y[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+    return accepted, y.gather(1, accepted[:, None])[:, 0]

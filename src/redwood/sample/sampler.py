@@ -1,8 +1,11 @@
 """Turning logits into a distribution and drawing tokens, per row of a batch, in float32.
 
-`Sampler` holds each row's temperature / top-k / top-p and its random stream (`RowRandom`: counter-based,
-on the device, so sampling never synchronizes with the host and runs inside CUDA graphs; seeded rows are
-reproducible whatever else is in the batch). `probabilities` is the exact distribution a row samples
+`Sampler` holds each row's temperature / top-k / top-p and its random numbers (`RowRandom`: hashes on the
+device, so sampling never synchronizes with the host and runs inside CUDA graphs; seeded rows are
+reproducible whatever else is in the batch). Its `noise` says which numbers a token is drawn with:
+"position" — the row seed's number at the token's absolute position, so the token at a position never
+depends on how many draws came before it (the `match` verifier reads the same numbers, and a seeded
+request's tokens are then the same under any speculation plan) — or "counter", the row's per-draw stream. `probabilities` is the exact distribution a row samples
 from — speculative verifiers compare draft and target probabilities through the same function, so the
 distribution they preserve is exactly the one plain decoding samples. `token_logprobs` is what a request
 that asks for logprobs gets back: the target's raw log-probabilities, whatever the request samples with.
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from redwood.config import SAMPLING_NOISES
+from redwood.errors import ConfigError
 from redwood.sample.random import RowRandom, inverse_cdf
 from redwood.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -72,10 +77,12 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Te
 
 
 class Sampler:
-    """Per-row sampling state for a batch of requests."""
+    """Per-row sampling state for a batch of requests; noise: "position" | "counter" (module docstring)."""
 
-    def __init__(self, params: list[SamplingParams], device: torch.device):
-        self.device = device
+    def __init__(self, params: list[SamplingParams], device: torch.device, noise: str = "position"):
+        if noise not in SAMPLING_NOISES:
+            raise ConfigError(f"sampling noise must be one of {', '.join(SAMPLING_NOISES)}, got {noise!r}")
+        self.device, self.noise = device, noise
         self.params = params
         self.temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
         self.top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
@@ -86,9 +93,9 @@ class Sampler:
         self.random = RowRandom([p.seed for p in params], device)
 
     @classmethod
-    def slots(cls, num_rows: int, device: torch.device) -> "Sampler":
+    def slots(cls, num_rows: int, device: torch.device, noise: str = "position") -> "Sampler":
         """A sampler for `num_rows` batch slots, every row greedy until `set_row` gives it a request."""
-        return cls([SamplingParams()] * num_rows, device)
+        return cls([SamplingParams()] * num_rows, device, noise)
 
     def set_row(self, row: int, params: SamplingParams, seed_state=None) -> None:
         """Row `row` now samples for a request with `params`: its settings, and a fresh random stream from
@@ -107,7 +114,7 @@ class Sampler:
         """The sampler of rows [lo, hi), sharing this one's tensors, with flags from `active` — the
         parameters of the rows whose results count (the others' draws are discarded)."""
         other = Sampler.__new__(Sampler)
-        other.device = self.device
+        other.device, other.noise = self.device, self.noise
         other.params = self.params[lo:hi]
         other.temperature, other.top_k, other.top_p = self.temperature[lo:hi], self.top_k[lo:hi], self.top_p[lo:hi]
         active = active or other.params
@@ -130,12 +137,13 @@ class Sampler:
     def load_state(self, other: "Sampler") -> None:
         """Take another batch's settings and random state into this sampler's tensors, in place (a
         captured graph keeps reading these tensors). The host-side flags must match."""
-        if (other.all_greedy, other.any_greedy, other.any_filter) != (
+        if (other.all_greedy, other.any_greedy, other.any_filter, other.noise) != (
             self.all_greedy,
             self.any_greedy,
             self.any_filter,
+            self.noise,
         ) or other.temperature.shape != self.temperature.shape:
-            raise ValueError("load_state needs a sampler of the same batch size and sampling flags")
+            raise ValueError("load_state needs a sampler of the same batch size, sampling flags and noise")
         self.params = other.params
         self.temperature.copy_(other.temperature)
         self.top_k.copy_(other.top_k)
@@ -149,9 +157,27 @@ class Sampler:
             return probabilities(logits, self.temperature, self.top_k, self.top_p, **flags)
         return probabilities(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], **flags)
 
-    def sample(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits: [B, V] → next tokens [B] (argmax for greedy rows, a draw from `probs` otherwise)."""
+    def position_uniforms(self, positions: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """float64 uniforms keyed by (row seed, absolute position): positions [N, ...] of batch rows
+        `rows` [N] (None → row i) → [N, ...] (`RowRandom.positional`; no counter advanced). The token at
+        position P is drawn with the number at P — by `sample` under position noise, and by the `match`
+        verifier and its coupled drafts under either noise."""
+        return self.random.positional(rows, positions)
+
+    def sample(self, logits: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """logits: [B, V] → next tokens [B] (argmax for greedy rows, a draw from `probs` otherwise).
+
+        positions: [B] the absolute position of the token each row draws (its prompt's tokens are 0 …
+        len − 1, the first sampled token is at len) — needed under position noise, where the draw is
+        `inverse_cdf(probs, u(seed, position))`; under counter noise each call takes the rows' next draw.
+        """
         if self.all_greedy:
             return logits.argmax(-1)
-        drawn = inverse_cdf(self.probs(logits), self.random.uniform(None, (), torch.float64))
+        if self.noise == "counter":
+            u = self.random.uniform(None, (), torch.float64)
+        elif positions is None:
+            raise ValueError("a sampler with position noise needs the positions of the tokens it draws")
+        else:
+            u = self.position_uniforms(positions)
+        drawn = inverse_cdf(self.probs(logits), u)
         return torch.where(self.temperature == 0, logits.argmax(-1), drawn) if self.any_greedy else drawn

@@ -24,10 +24,18 @@ sequoia    ``swor`` (without     children in draw order: accept x w.p. min(1, p(
 specinfer  ``replacement``       the same loop, q never modified (duplicates are legal and re-tested)
 greedy     ``topk``              accept the child equal to argmax p; the bonus is argmax p at the end
 topk       ``topk``              draw y ~ p; accept the child equal to y, else emit y
+match      ``coupled`` (any      y = inverse_cdf(p, u_d), u_d the uniform of the node's depth d (the engine:
+           rule is exact)        the row seed's number at the absolute position of the token after the
+                                 node); accept the child equal to y, else emit y
 =========  ====================  ==========================================================================
 
-`sequoia`, `specinfer` and `topk` emit tokens distributed exactly as the target's p; `greedy` is exact for
-temperature 0. The distributions must come from `redwood.sample.sampler.probabilities` (temperature, then
+`sequoia`, `specinfer`, `topk` and `match` emit tokens distributed exactly as the target's p; `greedy` is
+exact for temperature 0. `match` is `topk` with its uniforms keyed by depth instead of drawn per node: it
+emits the target's own draws y along the path it walks, so with the row seed's positional numbers it
+emits exactly what autoregressive sampling with that seed would (`chain_verify.verify_match` argues the
+exactness). Its ``coupled`` children draw the first child from q with that same uniform, which makes it
+equal y when q's and p's inverse CDFs agree there (acceptance near the overlap of p and q where their
+cumulative sums align), and fill the other children with q's most likely remaining tokens. The distributions must come from `redwood.sample.sampler.probabilities` (temperature, then
 top-k, then top-p) for both models, and `q` must be the very distribution the children were drawn from.
 
 Exhausted support (sequoia). If a node has more children than q has support, the draft side fills the
@@ -39,7 +47,7 @@ case (a residual that sums to 0 can only come from float round-off) falls back t
 Randomness. `rand` is either a list of `torch.Generator`s, one per batch row, or a `RowRandom`
 (counter-based, drawn on the device — what the engine uses, so that a whole speculative step can be
 captured in a CUDA graph). Every call draws fresh numbers for each row, so a row's result does not depend
-on what else is in the batch. Probability math is float32; uniforms (53-bit) and the comparisons with
+on what else is in the batch; `match` reads the uniforms it is given (one per depth) instead. Probability math is float32; uniforms (53-bit) and the comparisons with
 them are float64 (`inverse_cdf`).
 
 Host synchronization. The walks never read a device value on the host while a CUDA graph is being
@@ -52,9 +60,9 @@ import torch
 
 from redwood.sample.random import RowRandom, inverse_cdf
 
-VERIFIERS = ("sequoia", "specinfer", "greedy", "topk")
-RULES = ("swor", "replacement", "topk")
-CHILD_RULE = {"sequoia": "swor", "specinfer": "replacement", "greedy": "topk", "topk": "topk"}
+VERIFIERS = ("sequoia", "specinfer", "greedy", "topk", "match")
+RULES = ("swor", "replacement", "topk", "coupled")
+CHILD_RULE = {"sequoia": "swor", "specinfer": "replacement", "greedy": "topk", "topk": "topk", "match": "coupled"}
 
 # Keys given to tokens outside q's support when drawing without replacement: far below any key of a
 # supported token (those are log q − log E ≥ −104 − 37 for float32 q and float64 uniforms).
@@ -114,12 +122,20 @@ def _top_k_low_index_first(x: torch.Tensor, k: int) -> torch.Tensor:
     return keys.topk(k, dim=-1, sorted=True).indices
 
 
-def draw_children(q: torch.Tensor, k: int, rule: str, rand, rows: torch.Tensor | None = None) -> torch.Tensor:
+def draw_children(
+    q: torch.Tensor,
+    k: int,
+    rule: str,
+    rand,
+    rows: torch.Tensor | None = None,
+    uniforms: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Draw k children for each of N parent nodes.
 
-    q: [N, V] draft distributions of the parents; rule: "swor" | "replacement" | "topk" (`CHILD_RULE`
-    maps a verifier to its rule); rand: a `RowRandom`, or generators, one per batch row; rows: [N] batch
-    row of each node (None → node i is row i). Returns tokens [N, k] long, in draw order.
+    q: [N, V] draft distributions of the parents; rule: "swor" | "replacement" | "topk" | "coupled"
+    (`CHILD_RULE` maps a verifier to its rule); rand: a `RowRandom`, or generators, one per batch row;
+    rows: [N] batch row of each node (None → node i is row i); uniforms: [N] float64, for "coupled" only
+    (None: fresh ones from rand). Returns tokens [N, k] long, in draw order.
 
     - "swor": sampling without replacement by exponential keys (Gumbel-top-k): token t gets the key
       log q(t) − log E_t with E_t ~ Exp(1); the k largest keys, in decreasing order, are distributed as k
@@ -128,6 +144,11 @@ def draw_children(q: torch.Tensor, k: int, rule: str, rand, rows: torch.Tensor |
       order) from those not drawn yet — the exhausted-support rule the `sequoia` verifier mirrors.
     - "replacement": k i.i.d. draws from q.
     - "topk": q's k most likely tokens (deterministic; ties go to the lower token id, as torch.argmax).
+    - "coupled" (for `match`): the first child is inverse_cdf(q, uniforms) — given the uniform the
+      target will draw its own token at the children's position with, it couples the two draws — and
+      the other k − 1 are q's most likely tokens after it (distinct, deterministic: a tree's extra
+      children cover the target's likely tokens where the coupled draw missed). A greedy row's q is
+      one-hot, so its first child is the argmax, as with "topk".
     """
     if rule not in RULES:
         raise ValueError(f"unknown child rule {rule!r}; expected one of {RULES}")
@@ -141,6 +162,8 @@ def draw_children(q: torch.Tensor, k: int, rule: str, rand, rows: torch.Tensor |
         if k == 1:
             return q.argmax(-1, keepdim=True)  # (first index on ties)
         return _top_k_low_index_first(q, k)
+    if rule == "coupled" and uniforms is not None:
+        return _coupled_children(q, k, uniforms.to(q.device))
     if rows is None:
         if not isinstance(rand, RowRandom) and len(rand) != N:
             raise ValueError(f"{N} nodes but {len(rand)} generators and no row index")
@@ -148,6 +171,8 @@ def draw_children(q: torch.Tensor, k: int, rule: str, rand, rows: torch.Tensor |
     rows = torch.as_tensor(rows, dtype=torch.long).flatten()
     if rows.numel() != N:
         raise ValueError(f"rows has {rows.numel()} entries for {N} nodes")
+    if rule == "coupled":
+        return _coupled_children(q, k, per_row_uniforms(rand, rows, (), torch.float64, q.device))
     if rule == "replacement" or k == 1:  # (one draw without replacement is a plain draw from q)
         u = per_row_uniforms(rand, rows, (k,), torch.float64, q.device)
         return inverse_cdf(q, u)
@@ -157,6 +182,15 @@ def draw_children(q: torch.Tensor, k: int, rule: str, rand, rows: torch.Tensor |
     q64 = q.double()
     keys = torch.where(q64 > 0, q64.clamp(min=1e-300).log() - e.log(), _OUTSIDE_SUPPORT_KEY - e)
     return keys.topk(k, dim=-1, sorted=True).indices
+
+
+def _coupled_children(q: torch.Tensor, k: int, u: torch.Tensor) -> torch.Tensor:
+    """q [N, V] float32, u [N] float64 → [N, k]: inverse_cdf(q, u), then q's k − 1 most likely others."""
+    first = inverse_cdf(q, u)[:, None]  # [N, 1]
+    if k == 1:
+        return first
+    rest = q.scatter(1, first, -1.0)  # (below every probability: never among the top k − 1)
+    return torch.cat([first, _top_k_low_index_first(rest, k - 1)], dim=1)
 
 
 # ------------------------------------------------------------------------------------------ tree shape
@@ -196,7 +230,30 @@ def _index_tensors(parents: tuple[int, ...], start: list[int], count: list[int],
     return _INDEX_TENSORS[key]
 
 
+def _depth_tensor(parents: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Each node's depth [n] on `device` (kept, as `_index_tensors`)."""
+    key = (parents, str(device), "depth")
+    if key not in _INDEX_TENSORS:
+        depth = [0] * len(parents)
+        for v in range(1, len(parents)):
+            depth[v] = depth[parents[v]] + 1
+        _INDEX_TENSORS[key] = torch.tensor(depth, dtype=torch.long, device=device)
+    return _INDEX_TENSORS[key]
+
+
 # ------------------------------------------------------------------------------------------ target side
+
+
+def _match_uniforms(parents, max_depth: int, node_uniforms, rand, B: int, device) -> torch.Tensor:
+    """match's uniforms in the walk's layout [B, 2, n] (only [:, 1] is read): the given node uniforms, or
+    one fresh uniform per depth (drawn in one call) spread over that depth's nodes."""
+    n = len(parents)
+    if node_uniforms is None:
+        per_depth = per_row_uniforms(rand, torch.arange(B, device=device), (max_depth + 1,), torch.float64, device)
+        node_uniforms = per_depth[:, _depth_tensor(tuple(parents), device)]  # [B, n]
+    if node_uniforms.shape != (B, n):
+        raise ValueError(f"node_uniforms must be [B={B}, n={n}], got {tuple(node_uniforms.shape)}")
+    return node_uniforms.to(device, torch.float64)[:, None].expand(B, 2, n)
 
 
 def verify_tree(
@@ -206,9 +263,10 @@ def verify_tree(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor | None,
     rand,
+    node_uniforms: torch.Tensor | None = None,
 ) -> tuple[list[list[int]], torch.Tensor]:
     """`verify_tree_paths` with the accepted paths as Python lists (one host sync)."""
-    path, next_token = verify_tree_paths(verifier, parents, tokens, target_probs, draft_probs, rand)
+    path, next_token = verify_tree_paths(verifier, parents, tokens, target_probs, draft_probs, rand, node_uniforms)
     return [[v for v in row if v >= 0] for row in path.tolist()], next_token
 
 
@@ -219,14 +277,19 @@ def verify_tree_paths(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor | None,
     rand,
+    node_uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Walk a scored token tree for every row of a batch.
 
-    verifier: "sequoia" | "specinfer" | "greedy" | "topk"; parents: [n] (parents[0] < 0; children
-    contiguous); tokens: [B, n] node tokens (tokens[:, 0], the root, is not looked at); target_probs:
-    [B, n, V] (p at each node: the target's distribution of the next token after it); draft_probs:
-    [B, n, V] (q at each node: the distribution its children were drawn from, by `CHILD_RULE[verifier]`;
-    unused, and may be None, for greedy and topk); rand: a `RowRandom` or one generator per row.
+    verifier: "sequoia" | "specinfer" | "greedy" | "topk" | "match"; parents: [n] (parents[0] < 0;
+    children contiguous); tokens: [B, n] node tokens (tokens[:, 0], the root, is not looked at);
+    target_probs: [B, n, V] (p at each node: the target's distribution of the next token after it);
+    draft_probs: [B, n, V] (q at each node: the distribution its children were drawn from, by
+    `CHILD_RULE[verifier]`; unused, and may be None, for greedy, topk and match); rand: a `RowRandom` or
+    one generator per row (None: for a walk that draws nothing — greedy, or match given node_uniforms);
+    node_uniforms: match only, [B, n] float64, the uniform y is drawn with at each
+    node — the same for every node of one depth (the engine: the row seed's number at the position of the
+    token after the node); None: one fresh uniform per depth from rand.
 
     Returns (path, next_token): path [B, max depth] the accepted path's node indices excluding the root,
     in order, padded with −1 (a row that accepts no child of the root is all −1), and [B] the token
@@ -246,7 +309,7 @@ def verify_tree_paths(
         raise ValueError(f"tokens has {n} nodes, parents {len(parents)}")
     if target_probs.shape[:2] != (B, n):
         raise ValueError(f"target_probs must be [B={B}, n={n}, V], got {tuple(target_probs.shape)}")
-    if not isinstance(rand, RowRandom) and len(rand) != B:
+    if rand is not None and not isinstance(rand, RowRandom) and len(rand) != B:
         raise ValueError(f"{B} rows but {len(rand)} generators")
     stochastic = verifier in ("sequoia", "specinfer")
     if stochastic and (draft_probs is None or draft_probs.shape != target_probs.shape):
@@ -258,10 +321,12 @@ def verify_tree_paths(
     child_start, child_count = _index_tensors(tuple(parents), start_l, count_l, device)
     rows = torch.arange(B, device=device)
 
-    # u[:, 0, v]: the acceptance test of child v; u[:, 1, v]: a draw from p at node v (topk's y, or the
-    # final correction/bonus). Each is used at most once per walk.
+    # u[:, 0, v]: the acceptance test of child v; u[:, 1, v]: a draw from p at node v (topk's / match's
+    # y, or the final correction/bonus). Each is used at most once per walk.
     if verifier == "greedy":
         u = None
+    elif verifier == "match":
+        u = _match_uniforms(parents, max_depth, node_uniforms, rand, B, device)
     else:
         u = per_row_uniforms(rand, torch.arange(B, device=device), (2, n), torch.float64, device)
 

@@ -12,7 +12,7 @@ from redwood.speculation.draftless import DEFAULT_MAX_N, DEFAULT_MIN_N, check_ng
 from redwood.speculation.trees import Tree, resolve_tree
 
 POLICIES = ("fixed", "auto")
-VERIFIERS = ("auto", "greedy", "sampling", "sequoia", "specinfer", "topk")
+VERIFIERS = ("auto", "greedy", "sampling", "sequoia", "specinfer", "topk", "match")
 
 # The most draft tokens one step may accept: γ for a chain, depth − 1 for a tree. Acceptance compounds
 # along a path, so even at a per-token acceptance of 0.95 a 64th draft token is accepted in 4% of steps
@@ -57,8 +57,10 @@ class SpeculativeConfig:
     verifier: "greedy" (accept the target's argmax; temperature 0 only), "sampling" (speculative
     rejection sampling; on a tree, Sequoia's), "sequoia" (children drawn without replacement),
     "specinfer" (children drawn with replacement), "topk" (the draft's top-k children; the target
-    samples), or "auto" (greedy when every request is greedy, else sampling / sequoia). All but greedy
-    are lossless at any temperature / top-k / top-p.
+    samples), "match" (the target samples each position with the seed's number there and drafts are
+    accepted while they equal its tokens: a seeded request's tokens are then the same as without
+    speculation — `sample.chain_verify.verify_match`), or "auto" (greedy when every request is greedy,
+    else sampling / sequoia). All but greedy are lossless at any temperature / top-k / top-p.
     policy: "fixed" (every step speculates as configured) or "auto" (`speculation.policy.AutoPolicy`: each
     step runs plain decoding or a chain of γ = 1..8 from the configured drafter or the draftless one —
     draftless=None means "ngram" there — whichever the cost model and live acceptance expect to give the most

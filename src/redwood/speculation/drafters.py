@@ -4,7 +4,9 @@ The tree's node 0 (the root) is `last`, the newest token, not yet in any cache. 
 level: one draft forward over the level's nodes that have children (attending to the committed context,
 to the nodes fed earlier in this step through the tree's ancestor mask, and to themselves) gives their
 draft distributions, from which their children are drawn by the verifier's rule (without replacement
-for Sequoia, with replacement for SpecInfer, the draft's top-k for greedy / top-k verification).
+for Sequoia, with replacement for SpecInfer, the draft's top-k for greedy / top-k verification, and for
+`match` "coupled": the first child by inverse CDF with the uniform the target will draw its own token at
+that position with — the row seed's number at the children's absolute position — the others top-k).
 
 - `SelfDrafter`: the target drafts for itself, reading its own cache through a compressed view
   (StreamingLLM / SnapKV). Its draft nodes' KV goes to the target cache's scratch slots, which the
@@ -207,6 +209,7 @@ class Drafter:
                 ids = last[:, None] if lead is None else torch.cat([lead, last[:, None]], dim=1)
                 positions = cache.lengths[:, None] + lv.offsets
                 logits = runner.forward(ids, positions, policy=policy)[:, m:]
+                positions = positions[:, m:]  # [B, 1]: the root's
             else:
                 positions = root_pos[:, None] + lv.offsets
                 logits = runner.forward(
@@ -227,7 +230,10 @@ class Drafter:
                 q = sampler.probs(logits, rows)  # [B·T, V]
                 if q_all is not None:
                     q_all[:, lv.nodes] = q.view(B, T, -1)
-                if rule != "topk":
+                if rule == "coupled":  # the uniforms of the children's position (absolute: parent's + 1)
+                    u = sampler.position_uniforms((positions + 1).reshape(B * T), rows)
+                    kids = draw_children(q, lv.k, rule, sampler.random, rows, u)
+                elif rule != "topk":
                     kids = draw_children(q, lv.k, rule, sampler.random, rows)
             tokens[:, lv.dst] = kids.view(B, T * lv.k)[:, lv.src]
         return tokens, q_all

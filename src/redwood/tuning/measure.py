@@ -74,6 +74,10 @@ def check_settings(width: int, temperature: float, top_p: float, verifier: str) 
         raise ConfigError(f"top-p must be in (0, 1], got {top_p!r}")
     if verifier not in VERIFIERS:
         raise ConfigError(f"unknown verifier {verifier!r}; choose one of {', '.join(VERIFIERS)}")
+    if verifier == "match":  # (its coupled child shares the target's uniform: no per-child expectation)
+        raise ConfigError(
+            "acceptance is not modelled for match; measure it end to end (benchmarks/match_acceptance.py)"
+        )
     if verifier == "greedy" and temperature > 0:
         raise ConfigError(
             "the greedy verifier is exact only at temperature 0; use sequoia, specinfer or topk for sampled decoding"
@@ -89,8 +93,8 @@ def expected_acceptance(p: torch.Tensor, q: torch.Tensor, children: torch.Tensor
     float64: entry k is the probability (over the verifier's own randomness only) that child k is the
     one accepted. Each row sums to at most 1.
     """
-    if verifier not in VERIFIERS:
-        raise ValueError(f"unknown verifier {verifier!r}")
+    if verifier not in VERIFIERS or verifier == "match":
+        raise ValueError(f"no expected acceptance for verifier {verifier!r}")
     N, V = p.shape
     W = children.shape[1]
     rows = torch.arange(N, device=p.device)
