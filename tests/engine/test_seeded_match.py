@@ -137,3 +137,25 @@ def test_counter_noise_keeps_the_old_streams_and_bad_noise_is_a_config_error(pai
     assert outs[0] != ar_outputs[0] and outs[2] != ar_outputs[2]  # the other stream
     with pytest.raises(ConfigError, match="sampling_noise"):
         Engine.build(target, tok, sampling_noise="gumbel")
+
+
+@pytest.mark.parametrize("policy", ["cycled", "live"])
+def test_seeded_requests_give_the_ar_tokens_under_the_auto_policy(pair, ar_outputs, policy, monkeypatch, tmp_path):
+    """The automatic policy with its default verifier ("auto": match for sampled chains under position noise):
+    the same tokens as AR whatever it plans — its candidates switched at every step ("cycled"), or its own
+    choices with probes ("live")."""
+    import redwood.speculation.costs_cache as cache
+    from redwood.speculation.draftless import NgramDrafter
+    from tests.engine.driver import RecordingEngine
+    from tests.engine.test_auto_policy import cycle_plans
+
+    monkeypatch.setattr(cache, "costs_dir", lambda: tmp_path / "costs")
+    if policy == "cycled":
+        cycle_plans(monkeypatch, order=[0, 1, 3, 5, 9, 10, 12])  # ar, draft γ1 γ3 γ5, ngram γ1 γ2 γ4
+    _, target, draft, tok = pair
+    drafters = [ModelDrafter(draft, FullPolicy(), 320), NgramDrafter(320, 1, 3)]
+    engine = RecordingEngine.build(target, tok, auto_drafters=drafters, max_num_seqs=2, block_size=8)
+    _, states, _ = run_engine(target, tok, PROMPTS, PARAMS, arrivals=[0, 1, 3], engine=engine)
+    assert [s.output_ids for s in states] == ar_outputs
+    plans = {name for s in states for name in s.stats.spec.plans}
+    assert "ar" in plans and any(p.startswith("draft") for p in plans)

@@ -305,11 +305,13 @@ def test_mixed_greedy_and_sampled_rows_on_a_tree(verifier, target_llm, draft_llm
 
 def test_sampling_verifier_on_a_tree_is_sequoia(target_llm, draft_llm):
     """verifier='sampling' (and 'auto' with sampled requests) on a tree run Sequoia: the same tokens as
-    verifier='sequoia' for the same seeds; on a chain 'auto' stays plain rejection sampling."""
+    verifier='sequoia' for the same seeds; on a chain 'auto' is match under position noise (the default: a
+    seed's tokens whatever the plan), plain rejection sampling under counter noise."""
     assert spec_loop.resolve_verifier("sampling", SAMPLED_TREE, all_greedy=False) == "sequoia"
     assert spec_loop.resolve_verifier("auto", SAMPLED_TREE, all_greedy=False) == "sequoia"
     assert spec_loop.resolve_verifier("auto", SAMPLED_TREE, all_greedy=True) == "greedy"
-    assert spec_loop.resolve_verifier("auto", Tree.chain(3), all_greedy=False) == "sampling"
+    assert spec_loop.resolve_verifier("auto", Tree.chain(3), all_greedy=False) == "match"
+    assert spec_loop.resolve_verifier("auto", Tree.chain(3), all_greedy=False, noise="counter") == "sampling"
     prompts = BATCHES["ragged3"]
     params = [
         SamplingParams(temperature=1.0, seed=300 + i, max_new_tokens=15, ignore_eos=True) for i in range(len(prompts))

@@ -46,11 +46,19 @@ from redwood.speculation.trees import Tree
 STOCHASTIC = ("sampling", "sequoia", "specinfer")
 
 
-def resolve_verifier(verifier: str, tree: Tree, all_greedy: bool) -> str:
-    """The verifier to run: 'auto' → greedy when every request is greedy, else rejection sampling;
-    'match' → greedy when every request is greedy (the same tokens: both follow the target's argmax)."""
+def resolve_verifier(verifier: str, tree: Tree, all_greedy: bool, noise: str = "position") -> str:
+    """The verifier to run: 'auto' → greedy when every request is greedy; else, on a chain, match where the
+    sampler's noise is keyed by position (a seeded request's tokens then do not depend on how it speculates,
+    for ~2% fewer accepted tokens than rejection sampling at γ 3 — benchmarks/results/2026-12-05-cpu-match;
+    nothing at all for draftless one-token proposals) and rejection sampling under counter noise; on a tree,
+    Sequoia's sampling without replacement. 'match' → greedy when every request is greedy (the same tokens:
+    both follow the target's argmax)."""
     if verifier == "auto":
-        return "greedy" if all_greedy else ("sampling" if tree.is_chain else "sequoia")
+        if all_greedy:
+            return "greedy"
+        if not tree.is_chain:
+            return "sequoia"
+        return "match" if noise == "position" else "sampling"
     if verifier == "match":
         return "greedy" if all_greedy else "match"
     if verifier == "greedy" and not all_greedy:

@@ -108,6 +108,7 @@ class Executor:
         for d in self.drafters:
             owner = d.own_model or self.model
             d.policy.allocate(S, owner.config.num_layers, owner.config.num_kv_heads, device)
+        self.sampling_noise = config.sampling_noise
         self.sampler = Sampler.slots(S, device, config.sampling_noise)
         self.prev = torch.zeros(S, dtype=torch.long, device=device)
         self.last = torch.zeros(S, dtype=torch.long, device=device)
@@ -260,7 +261,7 @@ class Executor:
             kind = "ar"
             build = lambda: ARStep(target, sampler, want_lp)  # noqa: E731
         else:
-            kind = resolve_verifier(self.verifier, tree, sampler.all_greedy)
+            kind = resolve_verifier(self.verifier, tree, sampler.all_greedy, self.sampling_noise)
             build = lambda: SpecStep(  # noqa: E731
                 self.model, target, draft, drafter, tree, kind, sampler, want_lp
             )
