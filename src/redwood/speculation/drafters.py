@@ -133,6 +133,9 @@ class Drafter:
     # model, the draft's for the rows a step runs.
     own_model: Transformer | None = None  # a standalone draft model (its own cache), else None
     needs_history = False  # draftless drafters read each row's tokens on the host (`prepare`)
+    # Children fixed by the context, not drawn from a draft distribution (draftless drafters): a tree of
+    # them is verified only by the verifiers that need no q (greedy, topk, match; `engine.decode.resolve_verifier`).
+    deterministic_children = False
 
     def reset_row(self, slot: int) -> None:
         """A request leaves the slot (or a new one takes it): drop host state kept for the row."""

@@ -12,6 +12,9 @@ target's distribution at every temperature, like any other drafter's (`sample.ch
 
 The per-row index (`NgramIndex`) grows with the row's tokens: each new token registers the n-grams that end
 just before it, so a lookup costs `max_n − min_n + 1` dictionary probes, whatever the context length.
+
+`DraftlessDrafter` is what this drafter and the suffix-tree drafter (`speculation.suffix`) share: a host index
+per row, grown before each step, and proposals handed to the step through a device buffer.
 """
 
 from __future__ import annotations
@@ -66,62 +69,74 @@ class NgramIndex:
         return []
 
 
-class NgramDrafter(Drafter):
-    """Prompt lookup over each row's prompt and output (a chain: one proposal per row)."""
+class DraftlessDrafter(Drafter):
+    """What every draftless drafter shares: a host-side index per row (`_new_index`, grown from the row's
+    history before each step), proposals written into a device buffer by `prepare` and read by `propose`
+    (no host work inside a step, so a captured CUDA graph replays it), and deterministic children.
+
+    Deterministic children (`deterministic_children`): a proposal is a function of the row's tokens, not a
+    draw. A chain's one-hot draft distribution makes rejection sampling exact; a node with several
+    children has no distribution they were drawn from, so only the verifiers that accept the child equal
+    to the target's own pick (greedy; topk / match: y ~ p) verify a tree (`engine.decode.resolve_verifier`)."""
 
     needs_history = True
-    family = "ngram"
+    deterministic_children = True
 
     def __init__(self, vocab_size: int, min_n: int = DEFAULT_MIN_N, max_n: int = DEFAULT_MAX_N):
         super().__init__(FullPolicy())
         check_ngram_sizes(min_n, max_n)
         self.vocab_size, self.min_n, self.max_n = vocab_size, min_n, max_n
-        self._rows: dict[int, NgramIndex] = {}
-        # γ → [rows, γ] proposals, read by (captured) steps: one buffer per γ, so a policy switching γ between
-        # steps reuses each one's CUDA graphs instead of reallocating (and capturing) at every switch
+        self._rows: dict[int, object] = {}  # slot → the row's index
+        # drafts per step → [rows, drafts] proposals, read by (captured) steps: one buffer per size, so a policy
+        # switching γ between steps reuses each one's CUDA graphs instead of reallocating (and capturing) at
+        # every switch
         self._buffers: dict[int, torch.Tensor] = {}
         self._buffer: torch.Tensor | None = None  # the current step's
         self.proposed = 0  # steps × rows with a proposal, and without (stats for reports)
         self.unmatched = 0
 
-    def describe(self) -> str:
-        return f"ngram {self.min_n}-{self.max_n}"
+    # ------------------------------------------------------------------ a subclass's part
+    def _new_index(self):
+        raise NotImplementedError
 
+    def _draft_row(self, index, tree: Tree) -> tuple[list[int], bool]:
+        """The row's draft tokens for nodes 1 … n − 1 of `tree` (padded where nothing is known), and
+        whether its index matched at all."""
+        raise NotImplementedError
+
+    def _retire(self, index) -> None:
+        """A row's index is dropped (its request left the slot)."""
+
+    # ------------------------------------------------------------------ the Drafter interface
     def reset_row(self, slot: int) -> None:
-        self._rows.pop(slot, None)
+        index = self._rows.pop(slot, None)
+        if index is not None:
+            self._retire(index)
 
-    def _index(self, slot: int, history: list[int]) -> NgramIndex:
+    def _index(self, slot: int, history: list[int]):
         """The row's index, grown to `history` (a new one when the slot's tokens are not its continuation)."""
         index = self._rows.get(slot)
         if index is None or len(index.tokens) > len(history):
-            index = self._rows[slot] = NgramIndex(self.min_n, self.max_n)
+            self.reset_row(slot)
+            index = self._rows[slot] = self._new_index()
         index.extend(history[len(index.tokens) :])
         return index
 
-    def shadow_propose(self, slot: int, history: list[int], k: int) -> list[int]:
-        """What a step would propose after `history` (up to k tokens; [] without a match), for scoring."""
-        return self._index(slot, history).propose(k)
-
     def prepare(self, rows: list[tuple[int, list[int]]], tree: Tree, n: int, device: torch.device) -> bool:
-        """Index each row's new tokens and write its proposal (padded with its newest token) into the
-        proposal buffer's first n rows; → whether any row proposed (else the step runs plainly)."""
-        if not tree.is_chain:
-            raise ConfigError("the ngram drafter proposes a chain; use num_draft_tokens (γ), not a tree")
-        gamma = tree.size - 1
-        table = torch.zeros(n, gamma, dtype=torch.long)
+        """Index each row's new tokens and write its proposal into the buffer's first n rows; → whether
+        any row matched (else the step runs plainly)."""
+        size = tree.size - 1
+        table = torch.zeros(n, size, dtype=torch.long)
         any_match = False
         for slot, history in rows:
-            proposal = self._index(slot, history).propose(gamma)
-            if proposal:
-                any_match = True
-                self.proposed += 1
-            else:
-                self.unmatched += 1
-            proposal += [history[-1]] * (gamma - len(proposal))
-            table[slot] = torch.tensor(proposal)
-        buffer = self._buffers.get(gamma)
+            drafts, matched = self._draft_row(self._index(slot, history), tree)
+            any_match |= matched
+            self.proposed += matched
+            self.unmatched += not matched
+            table[slot] = torch.tensor(drafts, dtype=torch.long)
+        buffer = self._buffers.get(size)
         if buffer is None or buffer.shape[0] < n:
-            buffer = self._buffers[gamma] = torch.zeros(max(n, 1), gamma, dtype=torch.long, device=device)
+            buffer = self._buffers[size] = torch.zeros(max(n, 1), size, dtype=torch.long, device=device)
         buffer[:n].copy_(table.to(device), non_blocking=True)
         self._buffer = buffer
         return any_match
@@ -131,6 +146,10 @@ class NgramDrafter(Drafter):
         tokens = torch.cat([last[:, None], self._buffer[:B, : tree.size - 1]], dim=1)  # [B, n]
         if not need_q:
             return tokens, None
+        if not tree.is_chain:  # (resolve_verifier refuses this combination before any step)
+            raise ConfigError(
+                "deterministic draft children have no draft distribution: verify a tree with greedy / topk / match"
+            )
         # one-hot draft distributions: node i's child is tokens[:, i + 1]; the leaf has none (zeros)
         q = F.one_hot(tokens[:, 1:], self.vocab_size).float()  # [B, n − 1, V]
         return tokens, torch.cat([q, q.new_zeros(B, 1, self.vocab_size)], dim=1)
@@ -138,3 +157,26 @@ class NgramDrafter(Drafter):
     def graph_key(self) -> tuple:
         # (a captured step reads the buffer: a new buffer needs a new capture)
         return (*super().graph_key(), None if self._buffer is None else self._buffer.data_ptr())
+
+
+class NgramDrafter(DraftlessDrafter):
+    """Prompt lookup over each row's prompt and output (a chain: one proposal per row)."""
+
+    family = "ngram"
+
+    def describe(self) -> str:
+        return f"ngram {self.min_n}-{self.max_n}"
+
+    def _new_index(self) -> NgramIndex:
+        return NgramIndex(self.min_n, self.max_n)
+
+    def shadow_propose(self, slot: int, history: list[int], k: int) -> list[int]:
+        """What a step would propose after `history` (up to k tokens; [] without a match), for scoring."""
+        return self._index(slot, history).propose(k)
+
+    def _draft_row(self, index: NgramIndex, tree: Tree) -> tuple[list[int], bool]:
+        if not tree.is_chain:
+            raise ConfigError("the ngram drafter proposes a chain; use num_draft_tokens (γ), not a tree")
+        gamma = tree.size - 1
+        proposal = index.propose(gamma)  # (no match: the newest token repeated, rarely accepted)
+        return proposal + [index.tokens[-1]] * (gamma - len(proposal)), bool(proposal)
