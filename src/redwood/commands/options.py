@@ -329,7 +329,7 @@ def add_draft_kv_args(p: argparse.ArgumentParser, sweep: bool = False, tree: boo
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
-    """--draft-model M | --self-speculate | --draft ngram, plus the draft KV / γ / verifier flags."""
+    """--draft-model M | --self-speculate | --draft ngram|suffix, plus the draft KV / γ / verifier flags."""
     p.add_argument(
         "--draft-model", default=None, metavar="M", help="speculate with this draft model (same tokenizer as --model)"
     )
@@ -341,9 +341,17 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft",
         default=None,
-        choices=["ngram"],
-        help="a draftless drafter: ngram proposes the tokens that followed the latest earlier occurrence of the "
-        "request's last --ngram-max … --ngram-min tokens in its prompt and output (prompt lookup; no draft forward)",
+        choices=["ngram", "suffix"],
+        help="a draftless drafter (no draft forward): ngram proposes the tokens that followed the latest earlier "
+        "occurrence of the request's last --ngram-max … --ngram-min tokens in its prompt and output (prompt "
+        "lookup, a chain of --gamma); suffix proposes a token tree of the continuations seen after them, the "
+        "most frequent first (--tree, default an 8-node tree; --gamma G: a chain; verified by greedy / topk)",
+    )
+    p.add_argument(
+        "--suffix-shared",
+        action="store_true",
+        default=None,
+        help="--draft suffix also looks up the tokens of recent requests (a bounded shared index)",
     )
     p.add_argument(
         "--speculative",
@@ -369,6 +377,7 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
 
 
 _SPEC_FLAGS = (
+    "suffix_shared",
     "ngram_min",
     "ngram_max",
     "draft_kv",
@@ -482,6 +491,9 @@ def make_speculative_config(
 
     if gamma is None:
         gamma = args.gamma[0] if isinstance(args.gamma, list) else args.gamma
+    tree = getattr(args, "tree", None)
+    if draftless == "suffix" and gamma is not None and tree is None:
+        tree = f"chain:{gamma}"  # (--gamma with the tree drafter: a chain of that many)
     return SpeculativeConfig(
         draft_model=draft_model,
         self_speculate=self_speculate,
@@ -491,12 +503,13 @@ def make_speculative_config(
         window=args.window,
         pool_kernel=DEFAULT_POOL_KERNEL if args.pool_kernel is None else args.pool_kernel,
         num_draft_tokens=DEFAULT_GAMMA if gamma is None else gamma,
-        tree=getattr(args, "tree", None),
+        tree=tree,
         verifier=args.verifier or "auto",
         draft_weights=getattr(args, "draft_weights", None) or "auto",
         draftless=draftless,
         ngram_min=getattr(args, "ngram_min", None) or DEFAULT_MIN_N,
         ngram_max=getattr(args, "ngram_max", None) or DEFAULT_MAX_N,
+        suffix_shared=bool(getattr(args, "suffix_shared", None)),
     )
 
 
@@ -532,6 +545,7 @@ def _auto_config(args, draftless: str | None):
         ngram_max=getattr(args, "ngram_max", None) or DEFAULT_MAX_N,
         policy="auto",
         acceptance_file=getattr(args, "acceptance", None),
+        suffix_shared=bool(getattr(args, "suffix_shared", None)),
     )
 
 
@@ -570,7 +584,9 @@ def speculative_config_from_args(args):
             )
         return None
     if not draftless and (getattr(args, "ngram_min", None) is not None or getattr(args, "ngram_max", None) is not None):
-        raise ConfigError("--ngram-min / --ngram-max apply to --draft ngram")
+        raise ConfigError("--ngram-min / --ngram-max apply to --draft ngram / suffix")
+    if getattr(args, "suffix_shared", None) and draftless != "suffix":
+        raise ConfigError("--suffix-shared applies to --draft suffix")
     return make_speculative_config(
         args, draft_model=args.draft_model or None, self_speculate=bool(args.self_speculate), draftless=draftless
     )

@@ -46,18 +46,29 @@ from redwood.speculation.trees import Tree
 STOCHASTIC = ("sampling", "sequoia", "specinfer")
 
 
-def resolve_verifier(verifier: str, tree: Tree, all_greedy: bool, noise: str = "position") -> str:
+def resolve_verifier(
+    verifier: str, tree: Tree, all_greedy: bool, noise: str = "position", deterministic: bool = False
+) -> str:
     """The verifier to run: 'auto' → greedy when every request is greedy; else, on a chain, match where the
     sampler's noise is keyed by position (a seeded request's tokens then do not depend on how it speculates,
     for ~2% fewer accepted tokens than rejection sampling at γ 3 — benchmarks/results/2026-12-05-cpu-match;
     nothing at all for draftless one-token proposals) and rejection sampling under counter noise; on a tree,
-    Sequoia's sampling without replacement. 'match' → greedy when every request is greedy (the same tokens:
-    both follow the target's argmax)."""
+    Sequoia's sampling without replacement — or, for a tree of deterministic children (`deterministic`:
+    `Drafter.deterministic_children`, draftless drafters: no q they were drawn from), match / topk (both take
+    the child equal to the target's own draw). Sequoia's and SpecInfer's walks need that q: for such a tree
+    they are a ConfigError. 'match' → greedy when every request is greedy (the same tokens: both follow the
+    target's argmax)."""
+    if deterministic and not tree.is_chain and verifier in STOCHASTIC:
+        raise ConfigError(
+            f"the {verifier!r} verifier needs the draft distribution a tree's children were drawn from; this "
+            f"drafter's children are deterministic (draftless): verify its tree with 'match' or 'topk' (any "
+            f"temperature), 'greedy' (temperature 0) or 'auto'"
+        )
     if verifier == "auto":
         if all_greedy:
             return "greedy"
         if not tree.is_chain:
-            return "sequoia"
+            return ("match" if noise == "position" else "topk") if deterministic else "sequoia"
         return "match" if noise == "position" else "sampling"
     if verifier == "match":
         return "greedy" if all_greedy else "match"

@@ -171,7 +171,8 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ConfigError("stop strings need a tokenizer; this model has none")
         if self.tree is not None:
-            resolve_verifier(self.verifier, self.tree, params.greedy)  # (the greedy verifier: greedy only)
+            # (the greedy verifier: greedy only)
+            resolve_verifier(self.verifier, self.tree, params.greedy, deterministic=self.drafter.deterministic_children)
         request_id = str(f"req-{next(self._ids)}" if request_id is None else request_id)
         if request_id in self._requests:
             raise ConfigError(f"request id {request_id!r} is already in use")

@@ -261,7 +261,9 @@ class Executor:
             kind = "ar"
             build = lambda: ARStep(target, sampler, want_lp)  # noqa: E731
         else:
-            kind = resolve_verifier(self.verifier, tree, sampler.all_greedy, self.sampling_noise)
+            kind = resolve_verifier(
+                self.verifier, tree, sampler.all_greedy, self.sampling_noise, drafter.deterministic_children
+            )
             build = lambda: SpecStep(  # noqa: E731
                 self.model, target, draft, drafter, tree, kind, sampler, want_lp
             )

@@ -57,6 +57,10 @@ class LoadedModels:
             raise ConfigError("a drafter needs a tree (Tree.chain(γ) for a chain) and a tree needs a drafter")
         if self.draft_name is None and self.drafter is not None:
             self.draft_name = type(self.drafter).__name__
+        if self.drafter is not None and getattr(self.drafter, "deterministic_children", False):
+            from redwood.engine.decode import resolve_verifier
+
+            resolve_verifier(self.verifier, self.tree, True, deterministic=True)  # (a walk that needs q: refused now)
 
     @property
     def config(self):
@@ -215,11 +219,14 @@ def auto_drafters_for(spec: SpeculativeConfig, target, draft_model=None, draft_s
 
     out = []
     if spec.draft_model or spec.self_speculate:
-        model_spec = replace(spec, policy="fixed", draftless=None, acceptance_file=None)
+        model_spec = replace(spec, policy="fixed", draftless=None, acceptance_file=None, suffix_shared=False)
         drafter, drafter.name = drafter_for(model_spec, target, draft_model, draft_source)
         out.append(drafter)
     draftless_spec = SpeculativeConfig(
-        draftless=spec.draftless or "ngram", ngram_min=spec.ngram_min, ngram_max=spec.ngram_max
+        draftless=spec.draftless or "ngram",
+        ngram_min=spec.ngram_min,
+        ngram_max=spec.ngram_max,
+        suffix_shared=spec.suffix_shared,
     )
     drafter, drafter.name = drafter_for(draftless_spec, target)
     out.append(drafter)
@@ -247,10 +254,15 @@ def drafter_for(spec: SpeculativeConfig, target, draft_model=None, draft_source:
     already loaded) and its name."""
     from redwood.speculation.drafters import ModelDrafter, SelfDrafter
     from redwood.speculation.draftless import NgramDrafter
+    from redwood.speculation.suffix import SuffixDrafter
 
     policy = spec.make_policy()
-    if spec.draftless == "ngram":
-        drafter = NgramDrafter(target.config.vocab_size, spec.ngram_min, spec.ngram_max)
+    if spec.draftless is not None:
+        vocab, sizes = target.config.vocab_size, (spec.ngram_min, spec.ngram_max)
+        if spec.draftless == "suffix":
+            drafter = SuffixDrafter(vocab, *sizes, shared=spec.suffix_shared)
+        else:
+            drafter = NgramDrafter(vocab, *sizes)
         return drafter, drafter.describe()
     if spec.self_speculate:
         return SelfDrafter(target, policy), f"self ({policy.describe()})"

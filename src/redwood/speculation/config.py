@@ -9,6 +9,7 @@ from redwood.errors import ConfigError
 from redwood.kv.policies import KV_POLICIES, make_policy
 from redwood.models.cpu_weights import WEIGHT_CHOICES
 from redwood.speculation.draftless import DEFAULT_MAX_N, DEFAULT_MIN_N, check_ngram_sizes
+from redwood.speculation.suffix import DEFAULT_TREE
 from redwood.speculation.trees import Tree, resolve_tree
 
 POLICIES = ("fixed", "auto")
@@ -19,7 +20,7 @@ VERIFIERS = ("auto", "greedy", "sampling", "sequoia", "specinfer", "topk", "matc
 # (0.95^64) and expected tokens per step are within 4% of their γ → ∞ limit (1 / (1 − α) = 20); the
 # papers' chains and trees stay at or under ~16-20 levels. Deeper drafts only cost draft forwards and a
 # longer verify (`--gamma 1000` spent 282 s drafting to emit 8 tokens).
-DRAFTLESS = ("ngram",)  # drafters that run no model (`speculation.draftless`)
+DRAFTLESS = ("ngram", "suffix")  # drafters that run no model (`speculation.draftless`, `speculation.suffix`)
 
 MAX_DRAFT_DEPTH = 64
 
@@ -46,7 +47,11 @@ class SpeculativeConfig:
     draft_model: a zoo name / folder / .gguf of a small model sharing the target's tokenizer; or
     self_speculate=True: the target drafts for itself, reading a compressed view of its own KV cache; or
     draftless="ngram": no draft forward — each step proposes the tokens that followed the latest earlier
-    occurrence of the request's last ngram_max … ngram_min tokens (prompt lookup; `speculation.draftless`).
+    occurrence of the request's last ngram_max … ngram_min tokens (prompt lookup; `speculation.draftless`);
+    draftless="suffix": no draft forward — a token tree of the continuations the request's tokens (and, with
+    suffix_shared=True, recent requests' tokens) made after its longest matching suffix, ranked by count
+    (`speculation.suffix`); its tree is `tree` (default `speculation.suffix.DEFAULT_TREE`; num_draft_tokens
+    does not apply: a chain is tree="chain:G"), verified by greedy, match or topk ("auto" picks them).
     draft_kv: which committed tokens the draft reads — "full", "streaming" (sinks + recent window) or
     "snapkv" (prefill-selected positions + recent tokens), within `draft_budget` tokens.
     sinks / window: StreamingLLM's sink count and recent window (window defaults to budget − sinks);
@@ -92,6 +97,7 @@ class SpeculativeConfig:
     ngram_max: int = DEFAULT_MAX_N
     policy: str = "fixed"
     acceptance_file: str | None = None
+    suffix_shared: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -102,7 +108,7 @@ class SpeculativeConfig:
             raise ConfigError("acceptance_file seeds the auto policy's live acceptance: it needs policy='auto'")
         elif sum((bool(self.draft_model), bool(self.self_speculate), self.draftless is not None)) != 1:
             raise ConfigError(
-                "speculation needs exactly one of draft_model=..., self_speculate=True or draftless='ngram'"
+                "speculation needs exactly one of draft_model=..., self_speculate=True or draftless='ngram' / 'suffix'"
             )
         if self.draftless is not None:
             if self.draftless not in DRAFTLESS:
@@ -111,8 +117,12 @@ class SpeculativeConfig:
                 raise ConfigError("a draftless drafter reads no KV cache: drop draft_kv / draft_budget")
             if self.draft_weights != "auto":
                 raise ConfigError("draft_weights applies to a draft model; a draftless drafter has no weights")
-            if self.tree and not resolve_tree(self.tree).is_chain:
+            if self.draftless == "ngram" and self.tree and not resolve_tree(self.tree).is_chain:
                 raise ConfigError("the ngram drafter proposes a chain: give num_draft_tokens (γ), not a tree")
+        if self.draftless == "suffix":
+            self._check_suffix()
+        elif self.suffix_shared:
+            raise ConfigError("suffix_shared applies to draftless='suffix'")
         check_ngram_sizes(self.ngram_min, self.ngram_max)
         if self.draft_kv not in KV_POLICIES:
             raise ConfigError(f"unknown draft_kv {self.draft_kv!r}; choose one of {', '.join(KV_POLICIES)}")
@@ -168,13 +178,33 @@ class SpeculativeConfig:
     def auto(self) -> bool:
         return self.policy == "auto"
 
+    def _check_suffix(self) -> None:
+        if not isinstance(self.suffix_shared, bool):
+            raise ConfigError(f"suffix_shared must be True or False, got {self.suffix_shared!r}")
+        if self.auto:
+            return  # (the auto policy drafts chains of its own γ: neither num_draft_tokens nor a tree applies)
+        if not self.tree and self.num_draft_tokens != SpeculativeConfig.num_draft_tokens:
+            raise ConfigError(
+                "the suffix drafter drafts a tree: num_draft_tokens does not apply — give tree (default "
+                f"{DEFAULT_TREE.size} nodes), or tree='chain:{self.num_draft_tokens}' for a chain"
+            )
+        tree = resolve_tree(self.tree) if self.tree else DEFAULT_TREE
+        if not tree.is_chain and self.verifier in ("sampling", "sequoia", "specinfer"):
+            raise ConfigError(
+                f"verifier {self.verifier!r} needs the draft distribution a tree's children were drawn from; the "
+                "suffix drafter's are deterministic: use 'match' or 'topk' (any temperature), 'greedy' (temperature 0) or 'auto'"
+            )
+
     def make_tree(self):
-        """The token tree each step drafts: `tree` if given, else a chain of num_draft_tokens (under the auto
-        policy: the longest chain it may plan, which sizes the KV lookahead)."""
+        """The token tree each step drafts: `tree` if given, else a chain of num_draft_tokens (the suffix
+        drafter: its default tree; under the auto policy: the longest chain it may plan, which sizes the KV
+        lookahead)."""
         if self.auto:
             from redwood.speculation.policy import MAX_GAMMA
 
             return Tree.chain(MAX_GAMMA)
+        if not self.tree and self.draftless == "suffix":
+            return DEFAULT_TREE
         if not self.tree:
             return Tree.chain(self.num_draft_tokens)
         tree = resolve_tree(self.tree)
