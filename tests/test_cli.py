@@ -208,6 +208,19 @@ def test_generate_ngram_draft_json(tiny_model_dir, tiny_llm, capsys):
     assert obj["draft"] == "ngram 1-4" and obj["stats"]["speculative"]["gamma"] == 3
 
 
+def test_generate_suffix_draft_json(tiny_model_dir, tiny_llm, capsys):
+    """`generate --draft suffix` (its default tree) and `--draft suffix --gamma 3` (a chain): greedy tokens
+    equal AR's; the report names the drafter."""
+    prompt = "the cat sat on the mat; the cat sat on the mat; the cat"
+    args = ["generate", "--model", str(tiny_model_dir), "--prompt", prompt, "--max-new-tokens", "12"]
+    for extra, depth in (([], 6), (["--gamma", "3"], 3)):
+        rc = main(args + ["--ignore-eos", "--json", "--draft", "suffix", "--ngram-min", "1", "--suffix-shared"] + extra)
+        assert rc == 0
+        obj = json.loads(capsys.readouterr().out)
+        assert obj["token_ids"] == _greedy_reference(tiny_llm, prompt, 12)
+        assert obj["draft"] == "suffix 1-4 shared" and obj["stats"]["speculative"]["gamma"] == depth
+
+
 def test_generate_draft_model_json_and_human(tiny_model_dir, tiny_draft_dir, tiny_llm, capsys):
     prompt = "def add(a, b):"
     base = [
@@ -304,6 +317,10 @@ def test_generate_sampling_speculation(tiny_model_dir, capsys):
         (["--draft", "ngram", "--ngram-min", "3", "--ngram-max", "2"], "ngram_min (3) must be at most ngram_max (2)"),
         (["--draft", "ngram", "--draft-kv", "streaming", "--draft-budget", "8"], "reads no KV cache"),
         (["--draft", "ngram", "--draft-weights", "int8"], "--draft-weights only applies with --draft-model M"),
+        (["--suffix-shared"], "--suffix-shared only applies when speculating"),
+        (["--draft", "ngram", "--suffix-shared"], "--suffix-shared applies to --draft suffix"),
+        (["--draft", "suffix", "--verifier", "sequoia"], "the suffix drafter's are deterministic"),
+        (["--draft", "suffix", "--tree", "generic-16", "--verifier", "sampling"], "needs the draft distribution"),
     ],
 )
 def test_speculation_flag_errors(flags, msg, tmp_path, capsys):

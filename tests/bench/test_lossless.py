@@ -24,10 +24,12 @@ CASES = [
     L.Case(L.METHODS["far-chain3"], L.Sampling(1.0)),
     L.Case(L.METHODS["self-stream-chain3"], L.Sampling(0.6, 0.8)),
     L.Case(L.METHODS["ngram-chain3"], L.Sampling(1.0)),
+    L.Case(L.METHODS["suffix-3x2-topk"], L.Sampling(0.6, 0.8)),
     L.Case(L.METHODS["close-g16-sequoia"], L.Sampling(1.5, 1.0, 5)),
     L.Case(L.METHODS["far-wide-topk"], L.Sampling(1.0, 0.8)),
     L.Case(L.METHODS["self-snapkv-g16-specinfer"], L.Sampling(0.6, 0.8, 5)),
     L.Case(L.METHODS["close-chain3-match"], L.Sampling(0.6, 0.8, 5)),
+    L.Case(L.METHODS["suffix-3x2-match"], L.Sampling(1.0)),
 ]
 
 

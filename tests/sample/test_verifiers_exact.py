@@ -373,18 +373,20 @@ def tree_emission_stochastic(verifier: str, parents: list[int], p: dict, q: dict
     return emitted
 
 
-def tree_emission_topk(parents: list[int], p: dict, q: dict) -> dict:
-    """Exact emission probabilities of the topk walk: children are q's top tokens (deterministic); at each
-    node y ~ p is drawn, the child equal to y is taken, else y is emitted."""
+def tree_emission_topk(parents: list[int], p: dict, q: dict | None, tokens: list[int] | None = None) -> dict:
+    """Exact emission probabilities of the topk walk: children are q's top tokens, or the given node
+    `tokens` (deterministic either way); at each node y ~ p is drawn, the child equal to y is taken, else y
+    is emitted."""
     kids = children_of(parents)
     n = len(parents)
-    tokens = [0] * n
-    for v in range(n):  # breadth-first: a node's prefix is known before its children are drawn
-        if kids[v]:
-            pre = tuple(tokens[u] for u in path_to(parents, v))
-            top = draw_children(q[pre][None], len(kids[v]), "topk", None)[0].tolist()
-            for c, x in zip(kids[v], top):
-                tokens[c] = x
+    if tokens is None:
+        tokens = [0] * n
+        for v in range(n):  # breadth-first: a node's prefix is known before its children are drawn
+            if kids[v]:
+                pre = tuple(tokens[u] for u in path_to(parents, v))
+                top = draw_children(q[pre][None], len(kids[v]), "topk", None)[0].tolist()
+                for c, x in zip(kids[v], top):
+                    tokens[c] = x
     P = torch.stack([p[tuple(tokens[u] for u in path_to(parents, v))] for v in range(n)])[None]
     toks = torch.tensor([tokens])
     V = P.shape[-1]
@@ -459,6 +461,30 @@ def test_topk_walk_is_exact(tree, temperature, top_k, top_p):
     p, q = tables(V, depth, temperature, top_k, top_p, "near", seed=21 + depth)
     emitted = tree_emission_topk(parents, p, q)
     assert_joint_matches(emitted, p, depth + 1, f"topk {tree} T={temperature} k={top_k} p={top_p}")
+
+
+@pytest.mark.parametrize("branching", [(2, 2), (3, 2, 1, 1)])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.5, 3, 0.9), (1.5, 0, 0.8)])
+def test_topk_walk_is_exact_over_suffix_children(branching, temperature, top_k, top_p):
+    """The suffix drafter's tree (`speculation.suffix.fill_tree` after a history): children ranked by their
+    n-gram counts, padded with the parent's token where the history has too few — so some siblings repeat
+    and some nodes are padding. No q exists for such children; topk is exact over them all the same."""
+    from redwood.speculation.suffix import fill_tree
+    from redwood.speculation.suffix_index import SuffixIndex, ranked_children
+    from redwood.speculation.trees import Tree
+
+    V = 5
+    tree = Tree.from_branching(branching)
+    parents = list(tree.parents)
+    index = SuffixIndex(1, 2)
+    index.extend([0, 1, 2, 0, 1, 3, 4, 0, 1])
+    lookup = lambda tail, k: ranked_children((index,), tail, k, 1, 2)  # noqa: E731
+    tokens, found = fill_tree(tree, index.tokens, lookup, 2)
+    assert not all(found), "the case must include padded nodes"
+    depth = tree.max_depth - 1
+    p, _ = tables(V, depth, temperature, top_k, top_p, "far", seed=31 + len(parents))
+    emitted = tree_emission_topk(parents, p, None, tokens)
+    assert_joint_matches(emitted, p, depth + 1, f"topk suffix {branching} T={temperature} k={top_k} p={top_p}")
 
 
 def test_tree_greedy_walk_emits_the_target_argmax_path():

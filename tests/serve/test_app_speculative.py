@@ -1,5 +1,5 @@
-"""The server with speculation on — a standalone draft model, self-speculation, and the draftless ngram
-drafter — gives the same
+"""The server with speculation on — a standalone draft model, self-speculation, and the draftless ngram and
+suffix drafters — gives the same
 greedy text as offline autoregressive `LLM.generate`, reports its acceptance in the `redwood` extension
 (whole and streamed, with token spans from both sources) and counts it in the vLLM-named metrics."""
 
@@ -18,12 +18,13 @@ PROMPTS = ["The quick brown fox", "def add(a, b):"]
 N = 32
 
 
-@pytest.fixture(scope="module", params=["draft", "self", "ngram"])
+@pytest.fixture(scope="module", params=["draft", "self", "ngram", "suffix"])
 def spec_server(request, serve_factory, tiny_draft_dir):
     flags = {
         "draft": ["--draft-model", str(tiny_draft_dir), "--gamma", "3"],
         "self": ["--self-speculate", "--draft-kv", "streaming", "--draft-budget", "12", "--sinks", "2", "--gamma", "3"],
         "ngram": ["--draft", "ngram", "--ngram-min", "1", "--gamma", "3"],  # (draftless: prompt lookup)
+        "suffix": ["--draft", "suffix", "--ngram-min", "1", "--tree", "chains:3x1"],  # (draftless: a tree)
     }[request.param]
     return serve_factory(*flags)
 

@@ -151,7 +151,7 @@ def test_llm_with_a_draftless_config_matches_ar_on_unicode_text(tiny_model_dir):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(draftless="suffix"), "unknown draftless"),
+        (dict(draftless="bogus"), "unknown draftless"),
         (dict(draftless="ngram", self_speculate=True), "exactly one of"),
         (dict(draftless="ngram", draft_kv="streaming", draft_budget=8), "reads no KV cache"),
         (dict(draftless="ngram", draft_weights="int8"), "has no weights"),

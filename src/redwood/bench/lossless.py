@@ -146,8 +146,9 @@ class Method:
     """How rows are generated: plain sampling (draft None) or speculation.
 
     draft: "self" (self-speculation), "close" or "far" (a draft model, see `Models`), "ngram" (the draftless
-    prompt-lookup drafter, matching 2 down to 1 tokens: it proposes on most steps of a tiny vocabulary); tree: None (a
-    chain of `gamma`), a shipped tree name, or "wide" (WIDE_TREE). source "exact": no engine at all —
+    prompt-lookup drafter, matching 2 down to 1 tokens: it proposes on most steps of a tiny vocabulary), "suffix"
+    (the draftless tree drafter, the same sizes; `gamma` does not apply: tree None is its default tree); tree:
+    None (a chain of `gamma`), a shipped tree name, or "wide" (WIDE_TREE). source "exact": no engine at all —
     rows drawn from the exact distribution itself (`sample_exact`), a control of the statistics.
     """
 
@@ -173,8 +174,8 @@ class Method:
             return SpeculativeConfig(draft_model=getattr(models, self.draft), ngram_min=1, ngram_max=2, policy="auto")
         if self.draft == "self":
             draft = dict(self_speculate=True)
-        elif self.draft == "ngram":
-            draft = dict(draftless="ngram", ngram_min=1, ngram_max=2)
+        elif self.draft in ("ngram", "suffix"):
+            draft = dict(draftless=self.draft, ngram_min=1, ngram_max=2)
         else:
             draft = dict(draft_model=getattr(models, self.draft))
         return SpeculativeConfig(
@@ -183,7 +184,7 @@ class Method:
             draft_budget=self.budget,
             sinks=self.sinks,
             window=self.window,
-            num_draft_tokens=self.gamma,
+            **({} if self.draft == "suffix" else dict(num_draft_tokens=self.gamma)),
             tree=tree,
             verifier=self.verifier,
         )
@@ -213,6 +214,8 @@ METHODS = {
         Method("self-stream-chain3", "self", **STREAM),
         Method("ngram-chain3", "ngram"),
         Method("close-auto", "close", policy="auto"),
+        Method("suffix-3x2-topk", "suffix", tree="chains:3x2", verifier="topk"),
+        Method("suffix-3x2-match", "suffix", tree="chains:3x2", verifier="match"),
         Method("self-stream-g16-sequoia", "self", **STREAM, tree="generic-16", verifier="sequoia"),
         Method("self-snapkv-chain3", "self", **SNAP),
         Method("self-snapkv-g16-specinfer", "self", **SNAP, tree="generic-16", verifier="specinfer"),
