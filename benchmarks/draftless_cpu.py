@@ -1,15 +1,18 @@
-"""Draftless (ngram / prompt-lookup) speculation against plain decoding on the CPU, side by side in one process.
+"""Draftless speculation (ngram prompt lookup, suffix trees) against plain decoding on the CPU, side by side in one process.
 
 Prompt kinds where answers copy their context (issue 37's goal: draftless ≥ 1.5× AR there):
 - code-edit: a file of three HumanEval solutions (the registry's `humaneval` set: prompt + canonical solution),
   asked to rename one function and return the whole file;
 - summarize: a ~1K-token window of the essays set, asked to summarize it quoting its key sentences.
-Each prompt runs through a fresh AR engine and a fresh ngram engine over the same loaded target, interleaved
-(AR, ngram, AR, ngram, … per repeat), batch 1, greedy; the table gives decode tokens/s (prefill excluded),
-the ratio, the acceptance and whether the tokens equal AR's.
+Each prompt runs through a fresh engine per configuration over the same loaded target, interleaved (AR, ngram,
+suffix…, AR, ngram, suffix… per repeat), batch 1, greedy. Configurations: "ar"; "ngram" (a chain of --gamma);
+"suffix-SHAPE" for each --suffix-trees SHAPE ("default": `speculation.suffix.DEFAULT_TREE`; a breadth-first
+branching like 3,2,1,1,1; or a tree spec like chain:6). The table gives decode tokens/s (prefill excluded), the
+ratio to AR, the acceptance, tokens per step and whether the tokens equal AR's.
 
     PYTHONPATH=src python benchmarks/draftless_cpu.py [--model qwen2.5-coder-1.5b-instruct] [--prompts 3]
-        [--new-tokens 96] [--gamma 4] [--repeats 1] [--out results.json]
+        [--new-tokens 96] [--gamma 4] [--configs ar ngram suffix] [--suffix-trees default 3,2,1,1,1]
+        [--repeats 1] [--threads N] [--out results.json]
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import time
 from redwood import LLM, Engine, SamplingParams
 from redwood.data.recipes import load_dataset
 from redwood.speculation.draftless import NgramDrafter
-from redwood.speculation.trees import Tree
+from redwood.speculation.suffix import DEFAULT_TREE, SuffixDrafter
+from redwood.speculation.trees import Tree, resolve_tree
 
 
 def code_edit_prompts(n: int) -> list[str]:
@@ -66,6 +70,28 @@ def run(engine: Engine, ids: list[int], new_tokens: int) -> dict:
     }
 
 
+def suffix_tree(shape: str) -> Tree:
+    if shape == "default":
+        return DEFAULT_TREE
+    if shape.replace(",", "").isdigit():
+        return Tree.from_branching([int(c) for c in shape.split(",")])
+    return resolve_tree(shape)
+
+
+def configurations(args, vocab: int) -> dict:
+    """name → a function giving Engine.build's drafter / tree arguments (fresh drafter state per run)."""
+    out = {}
+    if "ar" in args.configs:
+        out["ar"] = lambda: {}
+    if "ngram" in args.configs:
+        out["ngram"] = lambda: dict(drafter=NgramDrafter(vocab, *args.ngram), tree=Tree.chain(args.gamma))
+    if "suffix" in args.configs:
+        for shape in args.suffix_trees:
+            tree = suffix_tree(shape)
+            out[f"suffix-{shape}"] = lambda tree=tree: dict(drafter=SuffixDrafter(vocab, *args.ngram), tree=tree)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
@@ -73,46 +99,44 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--ngram", type=int, nargs=2, default=(2, 4), metavar=("MIN", "MAX"))
+    ap.add_argument("--configs", nargs="+", default=["ar", "ngram", "suffix"], choices=["ar", "ngram", "suffix"])
+    ap.add_argument("--suffix-trees", nargs="+", default=["default", "3,2,1,1,1"], metavar="SHAPE")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--kinds", nargs="+", default=["code-edit", "summarize"], choices=["code-edit", "summarize"])
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: redwood's choice)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if "ar" not in args.configs:
+        ap.error("--configs needs ar (the reference)")
 
-    llm = LLM(args.model)
+    llm = LLM(args.model, threads=args.threads)
+    configs = configurations(args, llm.config.vocab_size)
+    widest = max([args.gamma + 1] + [suffix_tree(s).size for s in args.suffix_trees])
     kinds = {"code-edit": code_edit_prompts, "summarize": summarize_prompts}
     rows, t0 = [], time.perf_counter()
     for kind in args.kinds:
         for i, text in enumerate(kinds[kind](args.prompts)):
             ids = llm.encode(text, chat=True)
-            longest = len(ids) + args.new_tokens + args.gamma + 1
-            res = {"ar": [], "ngram": []}
+            longest = len(ids) + args.new_tokens + widest
+            res = {name: [] for name in configs}
             for _ in range(args.repeats):
-                for name in ("ar", "ngram"):
-                    spec = {}
-                    if name == "ngram":
-                        spec = dict(
-                            drafter=NgramDrafter(llm.config.vocab_size, *args.ngram), tree=Tree.chain(args.gamma)
-                        )
-                    engine = Engine.build(llm.model, llm.tokenizer, max_num_seqs=1, max_model_len=longest, **spec)
+                for name, make in configs.items():
+                    engine = Engine.build(llm.model, llm.tokenizer, max_num_seqs=1, max_model_len=longest, **make())
                     res[name].append(run(engine, ids, args.new_tokens))
             ar = statistics.median(r["decode_tokens_per_s"] for r in res["ar"])
-            ng = statistics.median(r["decode_tokens_per_s"] for r in res["ngram"])
-            rows.append(
-                {
-                    "kind": kind,
-                    "prompt": i,
-                    "prompt_tokens": len(ids),
-                    "ar_tokens_per_s": ar,
-                    "ngram_tokens_per_s": ng,
-                    "speedup": ng / ar,
-                    "spread": [r["decode_tokens_per_s"] for r in res["ngram"]],
-                    "ar_spread": [r["decode_tokens_per_s"] for r in res["ar"]],
-                    "acceptance_rate": res["ngram"][0]["acceptance_rate"],
-                    "mean_accepted_length": res["ngram"][0]["mean_accepted_length"],
-                    "equal": all(r["tokens"] == res["ar"][0]["tokens"] for r in res["ar"] + res["ngram"]),
+            row = {"kind": kind, "prompt": i, "prompt_tokens": len(ids), "ar_tokens_per_s": ar, "configs": {}}
+            for name, runs in res.items():
+                tps = statistics.median(r["decode_tokens_per_s"] for r in runs)
+                row["configs"][name] = {
+                    "tokens_per_s": tps,
+                    "speedup": tps / ar,
+                    "spread": [r["decode_tokens_per_s"] for r in runs],
+                    "acceptance_rate": runs[0]["acceptance_rate"],
+                    "mean_accepted_length": runs[0]["mean_accepted_length"],
+                    "equal": all(r["tokens"] == res["ar"][0]["tokens"] for r in runs),
                 }
-            )
-            print(json.dumps(rows[-1]), flush=True)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     report = {
         "model": args.model,
         "weights": llm.model.weights,
@@ -124,16 +148,21 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
-    print(f"\n{'kind':<10} {'#':>2} {'prompt':>6} {'AR tok/s':>9} {'ngram':>7} {'ratio':>6} {'accept':>6} {'eq':>3}")
+    names = [n for n in configs if n != "ar"]
+    print(f"\n{'kind':<10} {'#':>2} {'prompt':>6} {'AR tok/s':>9}" + "".join(f"  {n:>28}" for n in names))
+    print(" " * 30 + "".join(f"  {'tok/s  ×AR  acc tok/st eq':>28}" for _ in names))
     for r in rows:
-        acc = r["acceptance_rate"] if r["acceptance_rate"] is not None else float("nan")
-        print(
-            f"{r['kind']:<10} {r['prompt']:>2} {r['prompt_tokens']:>6} {r['ar_tokens_per_s']:>9.2f} "
-            f"{r['ngram_tokens_per_s']:>7.2f} {r['speedup']:>6.2f} {acc:>6.2f} {'y' if r['equal'] else 'N':>3}"
-        )
+        line = f"{r['kind']:<10} {r['prompt']:>2} {r['prompt_tokens']:>6} {r['ar_tokens_per_s']:>9.2f}"
+        for n in names:
+            c = r["configs"][n]
+            acc = c["acceptance_rate"] if c["acceptance_rate"] is not None else float("nan")
+            mal = c["mean_accepted_length"] or float("nan")
+            line += f"  {c['tokens_per_s']:>8.2f} {c['speedup']:>5.2f} {acc:>4.2f} {mal:>6.2f} {'y' if c['equal'] else 'N':>2}"
+        print(line)
     for kind in args.kinds:
-        ratios = [r["speedup"] for r in rows if r["kind"] == kind]
-        print(f"{kind}: median ngram / AR {statistics.median(ratios):.2f}× over {len(ratios)} prompts")
+        for n in names:
+            ratios = [r["configs"][n]["speedup"] for r in rows if r["kind"] == kind]
+            print(f"{kind}: median {n} / AR {statistics.median(ratios):.2f}× over {len(ratios)} prompts")
 
 
 if __name__ == "__main__":
