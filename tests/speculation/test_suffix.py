@@ -159,11 +159,12 @@ def test_prepare_says_whether_any_row_matched_and_fills_cut_trees():
 
 
 # ------------------------------------------------------------------------------------------ verifiers
-def test_auto_verifies_deterministic_trees_with_topk_and_refuses_the_q_walks():
+def test_auto_verifies_deterministic_trees_with_match_or_topk_and_refuses_the_q_walks():
     tree, chain = DEFAULT_TREE, Tree.chain(3)
     assert resolve_verifier("auto", tree, all_greedy=True, deterministic=True) == "greedy"
-    assert resolve_verifier("auto", tree, all_greedy=False, deterministic=True) == "topk"
-    assert resolve_verifier("auto", chain, all_greedy=False, deterministic=True) == "sampling"  # one-hot q
+    assert resolve_verifier("auto", tree, all_greedy=False, deterministic=True) == "match"  # position noise
+    assert resolve_verifier("auto", tree, False, "counter", deterministic=True) == "topk"
+    assert resolve_verifier("auto", chain, False, "counter", deterministic=True) == "sampling"  # one-hot q
     assert resolve_verifier("auto", tree, all_greedy=False) == "sequoia"  # (a model draft: unchanged)
     for kind in ("sampling", "sequoia", "specinfer"):
         with pytest.raises(ConfigError, match="deterministic"):
@@ -206,25 +207,62 @@ def test_greedy_suffix_speculation_equals_ar_under_continuous_batching(models, t
     assert_target_cache_is_autoregressive(target, snaps, spec)
 
 
-def test_seeded_sampling_with_suffix_trees_is_reproducible_and_verified_by_topk(models, monkeypatch):
-    """Sampled requests (T = 0.1, seeded) through suffix speculation: every step is verified by topk, the same
-    seeds give the same tokens on a second run, and drafts are both accepted and rejected."""
+def test_seeded_sampling_through_suffix_trees_gives_the_ar_tokens(models, monkeypatch):
+    """Seeded sampled requests (T = 0.1, beside a T = 0.8 one) through suffix trees with verifier "auto": under
+    position noise (the default) that is match, so every request's tokens are its AR tokens, arriving at other
+    steps in fewer slots; drafts were both accepted and rejected. Under counter noise "auto" is topk: the same
+    seeds give the same tokens on a second run."""
     import redwood.engine.decode as decode
+    from tests.engine.driver import RecordingEngine
 
     kinds = set()
     real = decode._verify
     monkeypatch.setattr(decode, "_verify", lambda kind, *a: kinds.add(kind) or real(kind, *a))
     target, _, tok = models
     prompts = _repetitive_prompts(4, seed=9)  # (the tiny random model rarely repeats: T 0.1 keeps it close to greedy)
-    params = [SamplingParams(max_new_tokens=32, ignore_eos=True, temperature=0.1, seed=i) for i in range(4)]
+    params = [
+        SamplingParams(max_new_tokens=32, ignore_eos=True, temperature=0.8 if i == 3 else 0.1, seed=i) for i in range(4)
+    ]
+    _, ar, _ = run_engine(target, tok, prompts, params, block_size=8)
+    drafter = SuffixDrafter(target.config.vocab_size, 1, 3)
+    kw = dict(drafter=drafter, tree=DEFAULT_TREE, block_size=8)
+    _, spec, _ = run_engine(target, tok, prompts, params, arrivals=[0, 1, 1, 4], max_num_seqs=2, **kw)
+    assert [s.output_ids for s in spec] == [s.output_ids for s in ar] and kinds == {"match"}
+    stats = [s.stats.spec for s in spec]
+    assert 0 < sum(s.accepted for s in stats) < sum(s.drafted for s in stats)
+    kinds.clear()
     outs = []
     for _ in range(2):
-        drafter = SuffixDrafter(target.config.vocab_size, 1, 3)
-        _, states, _ = run_engine(target, tok, prompts, params, drafter=drafter, tree=DEFAULT_TREE, block_size=8)
+        engine = RecordingEngine.build(
+            target,
+            tok,
+            drafter=SuffixDrafter(target.config.vocab_size, 1, 3),
+            tree=DEFAULT_TREE,
+            sampling_noise="counter",
+            block_size=8,
+        )
+        _, states, _ = run_engine(target, tok, prompts, params, engine=engine)
         outs.append([s.output_ids for s in states])
     assert outs[0] == outs[1] and kinds == {"topk"}
-    stats = [s.stats.spec for s in states]
-    assert 0 < sum(s.accepted for s in stats) < sum(s.drafted for s in stats)
+
+
+def test_the_auto_policy_plans_suffix_chains(models):
+    """`policy="auto"` with the suffix drafter as its draftless one: chains of its best path among its plans, the
+    greedy tokens AR's."""
+    from tests.engine.driver import RecordingEngine
+
+    target, _, tok = models
+    prompts = _repetitive_prompts(3, seed=4)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    _, ar, _ = run_engine(target, tok, prompts, params)
+    d = SuffixDrafter(target.config.vocab_size, 1, 3)
+    assert d.shadow_propose(9, [1, 2, 3, 1, 2, 3, 1, 2], 4) == [3, 1, 2, 3]
+    assert d.shadow_propose(9, [1, 2, 3, 1, 2, 3, 1, 2, 7], 4) == [] and d.family == "suffix"
+    d.reset_row(9)
+    engine = RecordingEngine.build(target, tok, auto_drafters=[d], max_num_seqs=3, block_size=8)
+    _, spec, _ = run_engine(target, tok, prompts, params, engine=engine)
+    assert [s.output_ids for s in spec] == [s.output_ids for s in ar]
+    assert any(p.startswith("suffix") for s in spec for p in s.stats.spec.plans)
 
 
 def test_llm_with_the_suffix_drafter_matches_ar_on_unicode_text(tiny_model_dir):

@@ -13,16 +13,18 @@ capacity, oldest out) fills the children a row's own index leaves empty.
 
 Padding. A node the index cannot fill (fewer continuations than the node has children) gets its parent's
 token (a repetition, the guess prompt lookup makes without a match). That is harmless for every verifier
-this drafter allows: greedy accepts a child only if it is the target's argmax, topk only if it is the
-token y ~ p drawn at its parent — a padded child is accepted exactly when the target would emit its token
+this drafter allows: greedy accepts a child only if it is the target's argmax, topk and match only if it is
+the token y ~ p drawn at its parent — a padded child is accepted exactly when the target would emit its token
 anyway, and the token emitted is y (or the argmax) whatever the children are. A padded token equal to a
 sibling is never reached (the walk takes the first equal child) and its subtree is dead compute only.
 
 Verifiers. Children are a function of the context, not draws: no draft distribution q exists that a
 node's several children were drawn from, so Sequoia's and SpecInfer's walks (which need that q) do not
-apply; greedy (temperature 0) and topk (any temperature: lossless for any children fixed before its draws)
-do, and "auto" picks them (`engine.decode.resolve_verifier`, `deterministic_children`). On a chain the
-one-hot q makes rejection sampling exact too, as for prompt lookup.
+apply; greedy (temperature 0), topk and match (any temperature: lossless for any children fixed before
+their draws; match keys its draws by position, so a seeded request's tokens are its AR tokens) do, and "auto"
+picks them (`engine.decode.resolve_verifier`, `deterministic_children`). On a chain the one-hot q makes
+rejection sampling exact too, as for prompt lookup. Under the automatic policy (`speculation.policy`) the
+drafter proposes chains of its best path (`shadow_propose` scores them).
 
 A step in which no row's root matched anything runs plainly (no verification over guesses).
 """
