@@ -231,7 +231,7 @@ def test_latency_samples_per_token_and_per_chunk():
         (["--max-model-len", "20"], "is more than --max-model-len 20"),
         (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
         (["--kv-cache-memory", "0"], "--kv-cache-memory must be > 0"),
-        ([], "give --draft-model D, --self-speculate or --draft ngram"),
+        ([], "give --draft-model D, --self-speculate, --draft ngram or --speculative auto"),
         (["--no-spec", "--self-speculate"], "--no-spec measures autoregressive decoding only"),
         (["--no-spec", "--gamma", "3"], "only applies when speculating"),
         (["--self-speculate", "--gamma", "0"], "--gamma must be >= 1"),
