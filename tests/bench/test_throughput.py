@@ -138,6 +138,19 @@ def test_cli_draft_model_json_single_rate(tiny_model_dir, tiny_draft_dir, text_f
     assert (tmp_path / "rep" / "throughput.png").read_bytes()[:8] == PNG_MAGIC
 
 
+def test_cli_auto_policy(tiny_model_dir, tiny_draft_dir, text_file, tmp_path, capsys, monkeypatch):
+    """`bench throughput --speculative auto`: the speculative engine plans each step (its plans in the run),
+    greedy output identical to AR's."""
+    monkeypatch.setenv("REDWOOD_HOME", str(tmp_path))  # (the calibration's cache)
+    rc = main(_base(tiny_model_dir, text_file, "--speculative", "auto", "--draft-model", str(tiny_draft_dir), "--json"))
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    res = json.loads(captured.out)
+    assert res["all_identical"] is True and res["draft"].startswith("auto")
+    spec = [r for r in res["runs"] if r["method"] == "spec"][0]
+    assert sum(spec["policy"]["plans"].values()) > 0
+
+
 def test_cli_no_spec(tiny_model_dir, text_file, capsys):
     rc = main(_base(tiny_model_dir, text_file, "--no-spec", "--request-rate", "100", "--json"))
     captured = capsys.readouterr()

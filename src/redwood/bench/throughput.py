@@ -418,6 +418,7 @@ def run_bench(
     drafter=None,
     tree=None,
     verifier: str = "auto",
+    auto_drafters: list | None = None,
     spec: bool = True,
     engine_args: dict | None = None,
     model_name: str = "model",
@@ -429,7 +430,8 @@ def run_bench(
 
     target / tokenizer / drafter / tree: already loaded (e.g. an `LLM`'s); one Engine is built per mode
     (`Engine.build`, one at a time), warmed up, and serves every rate — a fresh one per rate when prefix
-    caching is on, so one rate's cached prompts do not serve the next.
+    caching is on, so one rate's cached prompts do not serve the next. auto_drafters: speculation under the
+    automatic policy over these drafters (`LoadedModels.auto_drafters`) instead of `drafter` over `tree`.
     """
     from redwood.engine.engine import Engine
 
@@ -443,7 +445,8 @@ def run_bench(
     fresh_per_rate = bool(engine_args.get("enable_prefix_caching"))
     greedy = all(p.greedy for p in workload.params)
     arrivals = {r: poisson_arrivals(workload.n, r, workload_seed) for r in rates}
-    modes = [("ar", {})] + ([("spec", {"drafter": drafter, "tree": tree, "verifier": verifier})] if spec else [])
+    spec_kw = {"drafter": drafter, "tree": tree} if not auto_drafters else {"auto_drafters": auto_drafters}
+    modes = [("ar", {})] + ([("spec", {**spec_kw, "verifier": verifier})] if spec else [])
     runs: dict[tuple[str, float], dict[str, Any]] = {}
     tokens: dict[tuple[str, float], list[list[int]]] = {}
     info: dict[str, Any] = {}
@@ -469,7 +472,7 @@ def run_bench(
                 )
                 if mode == "spec":
                     info["draft"], info["tree_size"] = engine.draft_name, engine.tree.size
-                    info["gamma"] = engine.tree.max_depth - 1
+                    info["gamma"] = engine.tree.max_depth - 1  # (under the auto policy: the longest it may plan)
             bar = None
             if progress:
                 from tqdm import tqdm
@@ -496,6 +499,8 @@ def run_bench(
                 run["requests_identical_to_ar"] = sum(same)
                 ar_tps = runs["ar", rate]["tokens_per_s"]
                 run["speedup"] = run["tokens_per_s"] / ar_tps if ar_tps > 0 else None
+                if engine.policy.auto:  # its plans so far (this engine's rates up to this one, warm-up included)
+                    run["policy"] = engine.policy.report()
             runs[mode, rate] = run
         del engine
         _free_memory(target.device)

@@ -441,6 +441,7 @@ def run_throughput(args) -> int:
         kv_cache_memory=engine_args.get("kv_cache_memory"),
     )
     target, tokenizer, drafter, tree = llm.model, llm.tokenizer, llm.drafter, llm.tree
+    auto_drafters = llm.models.auto_drafters
     model_name, draft_name = llm.model_name, llm.draft_name
     contexts = [("the model", target.config.max_position_embeddings)]
     own = getattr(drafter, "own_model", None)
@@ -465,6 +466,7 @@ def run_throughput(args) -> int:
         rates,
         drafter=drafter,
         tree=tree,
+        auto_drafters=auto_drafters,
         verifier=spec.verifier if spec else "auto",
         spec=spec is not None,
         engine_args=engine_args,
