@@ -13,9 +13,10 @@ piecewise-linearly in N (clamped, then extended by the last slope) and linearly 
 its total of new tokens and its rows' reads: a first guess the online correction makes good.
 
 The correction: every timed step divides the measured time by this table's prediction; a decayed
-geometric mean of that ratio per (plan family, batch bucket) — family "ar" or a drafter's name — scales
-later predictions of that family at that bucket. A graphed GPU step is timed whole, so the whole step is
-corrected, never its parts.
+geometric mean of that ratio is kept per (plan family, step shape, batch bucket) and per (family, bucket) —
+family "ar" or a drafter's name. A shape already run is predicted with its own ratio (the plan in use is
+costed by what it measured, whatever the calibration's error at its size); any other with its family's. A
+graphed GPU step is timed whole, so the whole step is corrected, never its parts.
 
 `CostTable` round-trips through JSON (the calibration cache, `costs_cache`); the cache's key names what
 the times depend on (device, model, dtype, weight format, threads, backend settings, tensor-parallel size,
@@ -29,6 +30,7 @@ import math
 from dataclasses import dataclass, field
 
 COSTS_FORMAT = "redwood.costs/1"
+PLAUSIBLE_SLACK = 1.25  # a cached curve may dip this much (calibrations are monotone; hand edits, old files)
 
 
 @dataclass
@@ -48,6 +50,31 @@ class ForwardCurve:
             raise ValueError("the long context must exceed the short one")
         if any(not (t > 0 and math.isfinite(t)) for t in self.lo_s + self.hi_s):
             raise ValueError("forward times must be positive and finite")
+
+    def monotone(self) -> "ForwardCurve":
+        """This curve with every time lowered to the least of the times that cannot be smaller — at more
+        tokens, or at the long context (noise from other work only adds time, so the smaller one is the
+        truer)."""
+        lo = [min(a, b) for a, b in zip(self.lo_s, self.hi_s)]
+        out = []
+        for times in (lo, self.hi_s):
+            times = list(times)
+            for i in range(len(times) - 2, -1, -1):
+                times[i] = min(times[i], times[i + 1])
+            out.append(times)
+        return ForwardCurve(list(self.tokens), self.lo_ctx, self.hi_ctx, out[0], out[1])
+
+    def implausible(self, slack: float = PLAUSIBLE_SLACK) -> str | None:
+        """Why these times cannot describe one quiet machine (a forward over fewer tokens, or at a shorter
+        context, taking over `slack` times as long), or None."""
+        for name, ctx, times in (("short", self.lo_ctx, self.lo_s), ("long", self.hi_ctx, self.hi_s)):
+            for (n0, t0), (n1, t1) in zip(zip(self.tokens, times), zip(self.tokens[1:], times[1:])):
+                if t0 > slack * t1:
+                    return f"{n0} new tokens timed {t0 / t1:.1f}x slower than {n1} at context {ctx} ({name})"
+        for n, a, b in zip(self.tokens, self.lo_s, self.hi_s):
+            if a > slack * b:
+                return f"{n} new tokens timed {a / b:.1f}x slower at context {self.lo_ctx} than at {self.hi_ctx}"
+        return None
 
     @staticmethod
     def _interp(xs: list[int], ys: list[float], x: float) -> float:
@@ -101,6 +128,14 @@ class CostTable:
         draft = d.get("draft")
         return cls(ForwardCurve.from_dict(d["target"]), None if draft is None else ForwardCurve.from_dict(draft))
 
+    def implausible(self) -> str | None:
+        """Why this table cannot be a quiet machine's (`ForwardCurve.implausible`), or None."""
+        for name, curve in (("target", self.target), ("draft", self.draft)):
+            why = None if curve is None else curve.implausible()
+            if why is not None:
+                return f"the {name}'s {why}"
+        return None
+
 
 @dataclass
 class StepShape:
@@ -116,11 +151,13 @@ class StepShape:
 
 @dataclass
 class CostModel:
-    """Predicted step times from a `CostTable`, corrected online per (family, bucket)."""
+    """Predicted step times from a `CostTable`, corrected online per (family, shape, bucket) and per (family,
+    bucket)."""
 
     table: CostTable
     decay: float = 0.8  # weight of the old log-ratio at each observation
     _log_ratio: dict[tuple[str, int], float] = field(default_factory=dict)
+    _shape_log_ratio: dict[tuple, float] = field(default_factory=dict)
     observations: int = 0
 
     def raw(self, shape: StepShape, rows: int, context: int) -> float:
@@ -134,9 +171,14 @@ class CostModel:
             t += sum(curve.seconds(rows, k, ctx) for k in shape.level_tokens)
         return t
 
-    def correction(self, family: str, bucket: int) -> float:
-        """The learnt measured / predicted ratio for a family at a bucket (1 before any step); a bucket
-        never measured borrows its family's nearest measured bucket."""
+    def correction(self, family: str, bucket: int, shape: StepShape | None = None) -> float:
+        """The learnt measured / predicted ratio for `shape` of a family at a bucket if that was run, else the
+        family's at the bucket (1 before any step); a bucket never measured borrows its family's nearest
+        measured bucket."""
+        if shape is not None:
+            r = self._shape_log_ratio.get((family, _shape_key(shape), bucket))
+            if r is not None:
+                return math.exp(r)
         r = self._log_ratio.get((family, bucket))
         if r is None:
             near = [(abs(math.log2(b) - math.log2(bucket)), v) for (f, b), v in self._log_ratio.items() if f == family]
@@ -144,14 +186,21 @@ class CostModel:
         return math.exp(r)
 
     def predict(self, family: str, shape: StepShape, rows: int, bucket: int, context: int) -> float:
-        return self.raw(shape, rows, context) * self.correction(family, bucket)
+        return self.raw(shape, rows, context) * self.correction(family, bucket, shape)
 
     def observe(self, family: str, shape: StepShape, rows: int, bucket: int, context: int, seconds: float) -> None:
         """A step of this family and shape took `seconds` (captures left out)."""
         if not (seconds > 0 and math.isfinite(seconds)):
             return
         r = math.log(seconds / self.raw(shape, rows, context))
-        key = (family, bucket)
-        old = self._log_ratio.get(key)
-        self._log_ratio[key] = r if old is None else self.decay * old + (1 - self.decay) * r
+        for ratios, key in (
+            (self._log_ratio, (family, bucket)),
+            (self._shape_log_ratio, (family, _shape_key(shape), bucket)),
+        ):
+            old = ratios.get(key)
+            ratios[key] = r if old is None else self.decay * old + (1 - self.decay) * r
         self.observations += 1
+
+
+def _shape_key(shape: StepShape) -> tuple:
+    return (shape.verify, shape.level_tokens, shape.draft_model, shape.draft_context)
