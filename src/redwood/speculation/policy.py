@@ -107,13 +107,12 @@ class FixedPolicy:
             self._plan = Plan(Candidate(family_of(drafter), drafter, tree, StepShape(tree.size)))
         self.drafters = [] if drafter is None else [drafter]
         self.max_tree_size = 1 if tree is None else tree.size
-        self.counts: dict[str, int] = {}
 
     def plan(self, rows, bucket: int) -> Plan:
         return self._plan
 
     def observe(self, rows, ran: Plan, tokens, seconds: float | None, bucket: int) -> None:
-        self.counts[ran.name] = self.counts.get(ran.name, 0) + 1
+        pass  # (nothing to learn: the plan never changes; SpecStats counts the steps)
 
     def forget(self, slot: int) -> None:
         pass
