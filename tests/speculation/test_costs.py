@@ -75,6 +75,26 @@ def test_a_run_shape_is_costed_by_its_own_measurements_others_by_their_family():
     assert m.correction("ngram", 1) == pytest.approx(0.5, rel=1e-3)
 
 
+def test_an_old_ratio_weighs_less_against_a_new_one():
+    """A shape probed now and then is costed by its latest probe: the old ratio's weight decays with the
+    steps (of any plan) since it was updated, not only per observation of its own."""
+    m = CostModel(CostTable(curve()))
+    ar, four = StepShape(1), StepShape(4)
+    for _ in range(30):
+        m.observe("ar", ar, 1, 1, 16, 2 * m.raw(ar, 1, 16))  # warm-up: twice the table
+    for _ in range(40):
+        m.observe("ngram", four, 1, 1, 16, m.raw(four, 1, 16))  # another plan runs for a while
+    m.observe("ar", ar, 1, 1, 16, m.raw(ar, 1, 16))  # one probe at the table's time
+    # the old ratio keeps 0.8 · 0.97^40 ≈ 0.24 of its weight (without ageing 0.8: the probe would barely move it)
+    assert m.correction("ar", 1, ar) == pytest.approx(2 ** (0.8 * 0.97**40), rel=1e-6)
+    assert m.correction("ar", 1, ar) < 2**0.25
+    back_to_back = CostModel(CostTable(curve()))
+    for _ in range(30):
+        back_to_back.observe("ar", ar, 1, 1, 16, 2 * m.raw(ar, 1, 16))
+    back_to_back.observe("ar", ar, 1, 1, 16, m.raw(ar, 1, 16))
+    assert back_to_back.correction("ar", 1, ar) == pytest.approx(2**0.8, rel=1e-6)
+
+
 def test_monotone_keeps_the_smallest_time_that_bounds_each_point():
     """Noise only adds time: a point above a larger forward's time (more tokens, or a longer context) is
     lowered to it; a quiet curve is unchanged."""

@@ -13,7 +13,8 @@ piecewise-linearly in N (clamped, then extended by the last slope) and linearly 
 its total of new tokens and its rows' reads: a first guess the online correction makes good.
 
 The correction: every timed step divides the measured time by this table's prediction; a decayed
-geometric mean of that ratio is kept per (plan family, step shape, batch bucket) and per (family, bucket) —
+geometric mean of that ratio (decayed per observation, and further by its age in steps: a plan probed now
+and then is costed by its latest probes) is kept per (plan family, step shape, batch bucket) and per (family, bucket) —
 family "ar" or a drafter's name. A shape already run is predicted with its own ratio (the plan in use is
 costed by what it measured, whatever the calibration's error at its size); any other with its family's. A
 graphed GPU step is timed whole, so the whole step is corrected, never its parts.
@@ -30,6 +31,8 @@ import math
 from dataclasses import dataclass, field
 
 COSTS_FORMAT = "redwood.costs/1"
+AGE_DECAY = 0.97  # per step: a ratio last updated 23 steps ago keeps half its weight against a new one
+CATCH_UP = "catch-up"  # the correction family of draft-model catch-ups (`CostModel.catch_up`)
 PLAUSIBLE_SLACK = 1.25  # a cached curve may dip this much (calibrations are monotone; hand edits, old files)
 
 
@@ -156,9 +159,11 @@ class CostModel:
 
     table: CostTable
     decay: float = 0.8  # weight of the old log-ratio at each observation
-    _log_ratio: dict[tuple[str, int], float] = field(default_factory=dict)
-    _shape_log_ratio: dict[tuple, float] = field(default_factory=dict)
-    observations: int = 0
+    age_decay: float = AGE_DECAY  # and its further weight per step (any plan's) since it was last updated
+    # key → (decayed log-ratio, `observations` when last updated)
+    _log_ratio: dict[tuple[str, int], tuple[float, int]] = field(default_factory=dict)
+    _shape_log_ratio: dict[tuple, tuple[float, int]] = field(default_factory=dict)
+    observations: int = 0  # timed steps seen (the clock of the ratios' ages)
 
     def raw(self, shape: StepShape, rows: int, context: int) -> float:
         """The table's prediction for one step of `shape` over `rows` rows at `context` slots each."""
@@ -176,14 +181,42 @@ class CostModel:
         family's at the bucket (1 before any step); a bucket never measured borrows its family's nearest
         measured bucket."""
         if shape is not None:
-            r = self._shape_log_ratio.get((family, _shape_key(shape), bucket))
-            if r is not None:
-                return math.exp(r)
-        r = self._log_ratio.get((family, bucket))
-        if r is None:
-            near = [(abs(math.log2(b) - math.log2(bucket)), v) for (f, b), v in self._log_ratio.items() if f == family]
-            r = min(near)[1] if near else 0.0
-        return math.exp(r)
+            got = self._shape_log_ratio.get((family, _shape_key(shape), bucket))
+            if got is not None:
+                return math.exp(got[0])
+        got = self._log_ratio.get((family, bucket))
+        if got is None:
+            near = [
+                (abs(math.log2(b) - math.log2(bucket)), v[0]) for (f, b), v in self._log_ratio.items() if f == family
+            ]
+            return math.exp(min(near)[1] if near else 0.0)
+        return math.exp(got[0])
+
+    def _blend(self, ratios: dict, key, r: float) -> None:
+        """Fold log-ratio r into ratios[key]: the old value keeps `decay`, less for every step since it was
+        last updated (a plan probed once in a while is costed by its probe, not by what it measured long ago
+        — while the machine warmed up, or before another process started)."""
+        old = ratios.get(key)
+        if old is None:
+            ratios[key] = (r, self.observations)
+            return
+        value, at = old
+        keep = self.decay * self.age_decay ** max(self.observations - at - 1, 0)
+        ratios[key] = (keep * value + (1 - keep) * r, self.observations)
+
+    def catch_up(self, rows: int, tokens: int, bucket: int, context: int) -> float:
+        """A draft model's catch-up: one draft forward over the `tokens` it missed in each of `rows` rows
+        (steps of other plans committed them), corrected by the catch-ups measured (family "catch-up")."""
+        if self.table.draft is None or tokens <= 0:
+            return 0.0
+        return self.table.draft.seconds(rows, tokens, context) * self.correction(CATCH_UP, bucket)
+
+    def observe_catch_up(self, rows: int, tokens: int, bucket: int, context: int, seconds: float) -> None:
+        if self.table.draft is None or tokens <= 0 or not (seconds > 0 and math.isfinite(seconds)):
+            return
+        self._blend(
+            self._log_ratio, (CATCH_UP, bucket), math.log(seconds / self.table.draft.seconds(rows, tokens, context))
+        )
 
     def predict(self, family: str, shape: StepShape, rows: int, bucket: int, context: int) -> float:
         return self.raw(shape, rows, context) * self.correction(family, bucket, shape)
@@ -193,13 +226,9 @@ class CostModel:
         if not (seconds > 0 and math.isfinite(seconds)):
             return
         r = math.log(seconds / self.raw(shape, rows, context))
-        for ratios, key in (
-            (self._log_ratio, (family, bucket)),
-            (self._shape_log_ratio, (family, _shape_key(shape), bucket)),
-        ):
-            old = ratios.get(key)
-            ratios[key] = r if old is None else self.decay * old + (1 - self.decay) * r
         self.observations += 1
+        self._blend(self._log_ratio, (family, bucket), r)
+        self._blend(self._shape_log_ratio, (family, _shape_key(shape), bucket), r)
 
 
 def _shape_key(shape: StepShape) -> tuple:
