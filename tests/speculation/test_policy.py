@@ -39,9 +39,10 @@ class SelfDraft:
 class Draftless:
     family, needs_history, own_model = "ngram", True, None
     policy = FakePolicy()
+    proposal = [1] * 8  # what it proposes at every step (its acceptance is seeded by the tests)
 
     def shadow_propose(self, slot, history, k):
-        return []
+        return self.proposal[:k]
 
 
 @dataclass
@@ -178,3 +179,22 @@ def test_plain_decoding_is_probed_at_least_every_max_ar_probe_interval():
     steps = [s for s in range(1, 600) if p.plan([Row(0)], 1).family == "ar"]
     gaps = [b - a for a, b in zip(steps, steps[1:])]
     assert max(gaps) == MAX_AR_PROBE_INTERVAL and gaps[-3:] == [MAX_AR_PROBE_INTERVAL] * 3
+
+
+def test_a_draftless_drafter_is_planned_by_what_it_proposes_this_step():
+    """Before each step the policy asks the draftless drafter what it would propose for each row: with nothing
+    anywhere it is no candidate (its step would be a plain one) and is not probed; a row without a proposal
+    expects one token from it, whatever its acceptance."""
+    flat = ForwardCurve([1, 16], 16, 1040, [1.0, 1.0], [1.0, 1.0])  # verifies cost what a plain step does
+    drafter = Draftless()
+    p = AutoPolicy([drafter], margin=0.0)
+    p.costs = CostModel(CostTable(flat))
+    p.acceptance.seed("ngram", 0.0, [0.9] * 8, weight=1e6)
+    assert p.plan([Row(0)], 1).family == "ngram"
+    drafter.proposal = []
+    plans = [p.plan([Row(0)], 1) for _ in range(3 * PROBE_EVERY)]
+    assert all(pl.name == "ar" and not pl.probe for pl in plans)
+    drafter.proposal = [1, 1]  # two tokens: a chain past them expects nothing more
+    p.plan([Row(0)], 1)  # (planning asks for this step's proposals)
+    e = p.expected_by_gamma("ngram", [Row(0)])
+    assert e[3] == pytest.approx(e[2]) and e[2] == pytest.approx(1 + 0.9 + 0.81, rel=1e-3)

@@ -17,6 +17,8 @@ what it *would* propose after each row's tokens, and after the step compares tha
 the row actually emitted. For a proposal that is one token per position (a one-hot draft distribution) the
 chance that a sampled token equals it is exactly the chance rejection sampling accepts it (p(x) both ways),
 so the counts are unbiased at every temperature, and a drafter the policy does not choose keeps being scored.
+A step where it has nothing to propose is not scored: its rates are acceptance *given* a proposal, and the
+policy, which knows before each step which rows have one, plans around the others.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from redwood.jsonfile import check_format, read_json
 from redwood.speculation.trees import acceptance_rows
 
 TEMP_BUCKETS = (0.0, 0.5, 1.0)  # temperature 0 | (0, 0.5] | (0.5, 1] | above
-ROW_PRIOR = 4.0  # pseudo-reaches a row's own counts are shrunk toward its drafter's with
+ROW_PRIOR = 4.0
+BORROW_WEIGHT = 2.0  # reaches a new temperature bucket's table takes from the drafter's nearest one  # pseudo-reaches a row's own counts are shrunk toward its drafter's with
 GLOBAL_DECAY = 0.995
 ROW_DECAY = 0.95
 
@@ -73,6 +76,7 @@ class DepthRates:
     depth: int
     prior: float = 0.5
     prior_weight: float = 2.0
+    prior_rates: list[float] | None = None  # a prior per depth instead of the flat `prior`
     decay: float = GLOBAL_DECAY
     hits: list[float] = field(default_factory=list)
     reached: list[float] = field(default_factory=list)
@@ -101,6 +105,7 @@ class DepthRates:
     def rates(self, prior: list[float] | None = None, weight: float | None = None) -> list[float]:
         """α_d per depth: the counts shrunk toward `prior` (default: this table's own flat prior)."""
         w = self.prior_weight if weight is None else weight
+        prior = self.prior_rates if prior is None else prior
         out = []
         for d in range(self.depth):
             p = self.prior if prior is None else prior[d]
@@ -127,7 +132,14 @@ class LiveAcceptance:
         key = (drafter, bucket)
         t = self._global.get(key)
         if t is None:
-            t = self._global[key] = DepthRates(self.depth, prior=self.priors.get(drafter, 0.5))
+            t = DepthRates(self.depth, prior=self.priors.get(drafter, 0.5))
+            # a temperature bucket seen first takes the drafter's nearest bucket with counts as its prior (worth
+            # BORROW_WEIGHT reaches), not the flat one: acceptance moves with temperature, not from scratch
+            known = [(abs(b - bucket), b) for (d, b), x in self._global.items() if d == drafter and x.records]
+            if known:
+                t.prior_rates = self._global[(drafter, min(known)[1])].rates()
+                t.prior_weight = BORROW_WEIGHT
+            self._global[key] = t
         return t
 
     def seed(self, drafter: str, temperature: float, rates: list[float], weight: float = 16.0) -> None:
@@ -176,10 +188,13 @@ class ShadowScorer:
         self._pending: dict[int, list[list]] = {}
         self.scored = 0  # proposals scored (reports)
 
-    def before(self, slot: int, history: list[int], temperature: float) -> None:
-        """The row's tokens (prompt + output, its newest last) before a step."""
-        live = self._pending.setdefault(slot, [])
-        live.append([self.drafter.shadow_propose(slot, history, self.depth), temperature, 0])
+    def before(self, slot: int, history: list[int], temperature: float) -> int:
+        """The row's tokens (prompt + output, its newest last) before a step → the length of what the drafter
+        proposes there (0: nothing — a step of this drafter would decode the row plainly)."""
+        proposal = self.drafter.shadow_propose(slot, history, self.depth)
+        if proposal:  # (nothing proposed teaches nothing about acceptance: the policy plans around it)
+            self._pending.setdefault(slot, []).append([proposal, temperature, 0])
+        return len(proposal)
 
     def after(self, slot: int, emitted: list[int]) -> None:
         """The tokens the row emitted in the step (after the history `before` saw). A proposal whose every
@@ -201,9 +216,7 @@ class ShadowScorer:
                 entry[2] = matched + k
                 still.append(entry)
                 continue
-            # (no proposal at all counts as a miss at depth 1: that step would have emitted one token)
-            offered = len(proposal) or self.depth
-            self.acceptance.record(self.name, slot, temperature, matched + k, offered, start=matched)
+            self.acceptance.record(self.name, slot, temperature, matched + k, len(proposal), start=matched)
             self.scored += 1
         self._pending[slot] = still
 

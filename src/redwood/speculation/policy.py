@@ -168,6 +168,7 @@ class AutoPolicy:
         self.costs: CostModel | None = None  # set by the engine (a calibration, or the cache's)
         self.costs_path = None  # where that calibration is cached
         self.current: Candidate = AR
+        self._proposing: dict[str, list[int]] = {}  # draftless family → its proposal length per row, this step
         self.steps = 0
         self._probes = {f: _Probe(PROBE_EVERY) for f in {"ar", *(family_of(d) for d in self.drafters)}}
         self._captured: set[tuple] = set()  # (candidate name, bucket) run at least once (graph captured)
@@ -185,14 +186,19 @@ class AutoPolicy:
     # ------------------------------------------------------------------ planning
     def expected_by_gamma(self, family: str, rows) -> list[float]:
         """[E(γ) for γ = 0 … max_gamma]: expected tokens per row per step of a chain of γ from `family`, averaged
-        over the rows (one pass per row: the running products of its α_d)."""
+        over the rows (one pass per row: the running products of its α_d; a draftless drafter's row offers only
+        the proposal it has this step — none: 1 token)."""
         total = [0.0] * (self.max_gamma + 1)
-        for r in rows:
+        proposing = self._proposing.get(family)
+        for i, r in enumerate(rows):
             run, acc = 1.0, 1.0
             total[0] += 1.0
-            for d, a in enumerate(self.acceptance.rates(family, r.slot, r.params.temperature)[: self.max_gamma]):
-                run *= a
-                acc += run
+            rates = self.acceptance.rates(family, r.slot, r.params.temperature)[: self.max_gamma]
+            offered = len(rates) if proposing is None else min(proposing[i], len(rates))  # (draftless: its proposal)
+            for d in range(self.max_gamma):
+                if d < offered:
+                    run *= rates[d]
+                    acc += run
                 total[d + 1] += acc
         return [t / len(rows) for t in total]
 
@@ -225,11 +231,14 @@ class AutoPolicy:
         if self.costs is None:
             raise RuntimeError("the automatic policy has no cost model yet (the engine calibrates it first)")
         self.steps += 1
+        # draftless drafters: what each row's proposal is this step (0 tokens: none — a step of that drafter
+        # decodes the row plainly, and with no row proposing it would be a plain step: not a candidate now)
+        self._proposing = {}
         for s in self.shadows:
-            for r in rows:
-                s.before(r.slot, r.token_ids, r.params.temperature)
+            self._proposing[s.name] = [s.before(r.slot, r.token_ids, r.params.temperature) for r in rows]
+        idle = {f for f, lens in self._proposing.items() if not any(lens)}
         expected = {f: self.expected_by_gamma(f, rows) for f in {c.family for c in self.candidates if c.tree}}
-        scored = [(self.score(c, rows, bucket, expected), c) for c in self.candidates]
+        scored = [(self.score(c, rows, bucket, expected), c) for c in self.candidates if c.family not in idle]
         best_of: dict[str, tuple] = {}
         for sc, c in scored:
             if c.family not in best_of or sc[0] > best_of[c.family][0][0]:
@@ -247,7 +256,7 @@ class AutoPolicy:
         for fam, probe in self._probes.items():  # the chosen family is not probed; its clock restarts
             if fam == chosen.family:
                 probe.due, probe.interval = self.steps + PROBE_EVERY, PROBE_EVERY
-        due = [f for f, p in self._probes.items() if f != chosen.family and p.due <= self.steps]
+        due = [f for f, p in self._probes.items() if f != chosen.family and p.due <= self.steps and f not in idle]
         if due:
             fam = min(due, key=lambda f: self._probes[f].due)
             probe = self._probes[fam]
