@@ -433,6 +433,7 @@ def run_bench(
     caching is on, so one rate's cached prompts do not serve the next. auto_drafters: speculation under the
     automatic policy over these drafters (`LoadedModels.auto_drafters`) instead of `drafter` over `tree`.
     """
+    from redwood.bench.divergence import divergence_logits, first_divergence, is_numerical_tie
     from redwood.engine.engine import Engine
 
     if spec and drafter is None:
@@ -497,6 +498,20 @@ def run_bench(
                 same = [a == b for a, b in zip(tokens["ar", rate], tokens[mode, rate])]
                 run["identical_to_ar"] = all(same) if greedy else None
                 run["requests_identical_to_ar"] = sum(same)
+                parting = first_divergence(tokens["ar", rate], tokens[mode, rate]) if greedy else None
+                if parting is not None:  # where, and the target's top-2 gap there (a tie in bf16, or a bug)
+                    i = parting["row"]
+                    parting.update(
+                        divergence_logits(
+                            target,
+                            workload.prompts[i],
+                            tokens["ar", rate][i],
+                            tokens[mode, rate][i],
+                            parting["position"],
+                        )
+                    )
+                    parting["numerical_tie"] = is_numerical_tie(parting, target.dtype)
+                    run["first_divergence"] = parting
                 ar_tps = runs["ar", rate]["tokens_per_s"]
                 run["speedup"] = run["tokens_per_s"] / ar_tps if ar_tps > 0 else None
                 if engine.policy.auto:  # its plans so far (this engine's rates up to this one, warm-up included)
@@ -592,8 +607,36 @@ def format_result(r: dict[str, Any]) -> str:
     if preempted:
         lines.append(f"note: {preempted} preemptions (KV cache full; the requests were recomputed)")
     if r.get("all_identical") is False:
-        lines.append("WARNING: greedy speculative output differs from autoregressive output (must be identical)")
+        lines.extend(_parting_lines(r))
     return "\n".join(lines)
+
+
+def _parting_lines(r: dict[str, Any]) -> list[str]:
+    """Greedy outputs that differ: a note where every first parting is a tie of the dtype's rounding (bf16 /
+    fp16 verify and decode forwards round differently), else the warning — a bug."""
+    import torch
+
+    from redwood.bench.divergence import describe
+
+    dtype = getattr(torch, r["settings"]["dtype"], torch.float32)
+    runs = [x for x in r["runs"] if x.get("identical_to_ar") is False]
+    partings = [(x, x.get("first_divergence") or {}) for x in runs]
+    ties = all(d.get("numerical_tie") for _, d in partings)
+    lines = []
+    if ties:
+        lines.append(
+            f"note: greedy outputs differ from AR's at a near-tie of {r['settings']['dtype']} rounding (a verify and "
+            "a one-token decode round differently there; float32 outputs are identical):"
+        )
+    else:
+        lines.append("WARNING: greedy speculative output differs from autoregressive output (must be identical)")
+    for x, d in partings:
+        where = describe(d, dtype) if d else "no parting found"
+        lines.append(
+            f"  @ {_rate_text(x['request_rate'])} req/s: {x['num_requests'] - x['requests_identical_to_ar']} of "
+            f"{x['num_requests']} requests differ; {where}"
+        )
+    return lines
 
 
 def write_plot(path: str | Path, r: dict[str, Any]) -> Path:
