@@ -206,6 +206,8 @@ class EngineConfig:
     (`RowRandom.positional`), so with the `match` verifier a seeded request gives the same tokens under
     autoregressive decoding and any speculation plan; "counter": the row's per-draw counter stream (the
     engine before positional numbers; exact too, but the tokens depend on how the request speculated).
+    tensor_parallel_size: ranks the models are sharded over (`redwood.parallel`; `LLM` spawns them, or takes
+    torchrun's); 1: one process.
     """
 
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
@@ -217,8 +219,10 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     cuda_graphs: bool | None = None
     sampling_noise: str = "position"
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.sampling_noise not in SAMPLING_NOISES:
             raise ConfigError(
                 f"sampling_noise must be one of {', '.join(SAMPLING_NOISES)}, got {self.sampling_noise!r}"

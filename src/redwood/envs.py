@@ -44,6 +44,13 @@ CPU_ISA = _register(
     ("native", "avx2"),
 )
 
+TP_TIMEOUT = _register(
+    "REDWOOD_TP_TIMEOUT",
+    "300",
+    "seconds a tensor-parallel collective (and joining the group) may wait for the other ranks before every "
+    "rank stops with an error naming the failure; a rank that dies ends the others' waits at once.",
+)
+
 
 def get(name: str) -> str:
     """The setting's value from the environment (its default when unset or empty), checked against its

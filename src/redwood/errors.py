@@ -33,3 +33,8 @@ class RegistryUnavailableError(DownloadError):
 
 class ContextLengthError(RedwoodError, ValueError):
     """A prompt (plus the requested generation) that does not fit the model's context."""
+
+
+class RankFailure(RedwoodError):
+    """A tensor-parallel rank died, hung past the collectives' timeout or could not join the group
+    (`redwood.parallel`): every rank stops with one line naming it where it can tell."""

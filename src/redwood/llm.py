@@ -74,6 +74,11 @@ class LLM:
     `redwood.models.cpu_weights.gguf_default`). A draft model's format: `SpeculativeConfig.draft_weights`.
     execution: how the models' forwards run (`redwood.config.ExecutionConfig`: megakernel,
     prefill kernel, CPU fused layers, adaptive threads, …; None: the defaults).
+    tensor_parallel_size (an engine_args field): shard the models over N ranks (`redwood.parallel`): this
+    process is rank 0 and spawns ranks 1 … N−1 (gloo on the CPU, NCCL on CUDA), which replay its engine calls
+    (`redwood.engine.tp_worker`). Under `torchrun --nproc_per_node N` every process runs the script: N comes
+    from torchrun, rank 0's LLM returns and drives, and on the other ranks `LLM(...)` serves rank 0 and ends the
+    process when rank 0's ends. Float weights only (weights "auto" → "float32").
     """
 
     def __init__(
@@ -90,9 +95,26 @@ class LLM:
         execution: ExecutionConfig | None = None,
         **engine_args,
     ):
+        from redwood.parallel import launch
+
+        world = launch.torchrun_world()
+        if world is not None and world > 1 and engine_args.get("tensor_parallel_size", world) in (1, world):
+            engine_args["tensor_parallel_size"] = world  # (torchrun's ranks: this process is one)
         self.engine_config = engine_config(cuda_graphs=cuda_graphs, **engine_args)
         if cuda_graphs and parse_device(device).type != "cuda":
             raise ConfigError("cuda_graphs needs device='cuda'")
+        load = dict(
+            dtype=dtype,
+            device=device,
+            speculative=speculative,
+            offload=offload,
+            offload_prefetch=offload_prefetch,
+            threads=threads,
+            weights=weights,
+            max_model_len=self.engine_config.max_model_len,
+            execution=execution,
+        )
+        self.tp = _start_tensor_parallel(model, load, self.engine_config, world)
         self.models = LoadedModels.load(
             model,
             dtype,
@@ -104,13 +126,28 @@ class LLM:
             weights,
             max_model_len=self.engine_config.max_model_len,
             execution=execution,
+            tp=self.tp,
         )
+        if self.tp is not None:
+            self.tp.barrier()  # (every rank has its shards)
+            if self.tp.rank != 0:  # a torchrun rank > 0: serve rank 0's engine, then end with it
+                from redwood.engine.tp_worker import run_rank
+
+                run_rank(self.models, self.engine_config, self.tp)
+                raise SystemExit(0)
         m = self.models
         self.model, self.tokenizer, self.config = m.model, m.tokenizer, m.config
         self.model_name, self.model_path = m.name, m.path
         self.speculative, self.drafter, self.draft_name, self.tree = m.speculative, m.drafter, m.draft_name, m.tree
         self._engine: Engine | None = None
+        if self.tp is not None:
+            self._engine = Engine(self.models, self.engine_config)  # (now: the ranks serve this one from the start)
         self._calls = itertools.count()
+
+    def close(self) -> None:
+        """Release the tensor-parallel ranks (they exit); nothing for one process. Also done at exit."""
+        if self._engine is not None and self._engine._driver is not None:
+            self._engine._driver.close()
 
     @property
     def engine(self) -> Engine:
@@ -255,3 +292,36 @@ class LLM:
                     if outs[i] is None:
                         self.engine.abort(rid, notify=False)
         return outs
+
+
+def _start_tensor_parallel(model, load: dict, config, torchrun_world: int | None):
+    """This process's `TPGroup` when `config.tensor_parallel_size` > 1 (torchrun's rank, or rank 0 of ranks
+    spawned now, each loading its shards with `load`), else None. The model's shapes are checked first."""
+    world = config.tensor_parallel_size
+    if world == 1:
+        return None
+    from redwood.engine.loaded import check_tensor_parallel
+    from redwood.loading import inspect_model
+    from redwood.parallel import launch
+
+    if torchrun_world is not None and torchrun_world != world:
+        raise ConfigError(f"tensor_parallel_size {world} under torchrun's {torchrun_world} processes: give the same")
+    info = inspect_model(model)
+    spec = load["speculative"]
+    check_tensor_parallel(world, info.config, load["offload"], spec, load["weights"])
+    if spec is not None and spec.draft_model:
+        from redwood.models.shard import check_shardable
+
+        check_shardable(inspect_model(spec.draft_model).config, world)  # (the draft shards over the same ranks)
+    device = parse_device(load["device"])
+    if torchrun_world is not None:
+        group = launch.join(device)
+        if group.rank != 0:
+            from redwood.progress import set_quiet
+
+            set_quiet(True)  # (rank 0 shows the progress)
+        return group
+    from redwood.engine.tp_worker import spawned_rank
+
+    payload = {"load": {"model": str(info.path), **load}, "engine": config}
+    return launch.spawn(world, device, spawned_rank, payload)

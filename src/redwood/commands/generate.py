@@ -12,6 +12,7 @@ from redwood.commands.options import (
     add_offload_args,
     add_sampling_args,
     add_speculative_args,
+    add_tensor_parallel_arg,
     engine_kwargs,
     llm_from_args,
     load_kwargs,
@@ -37,6 +38,7 @@ def register(sub) -> None:
     add_sampling_args(p)
     add_speculative_args(p)
     add_engine_args(p)
+    add_tensor_parallel_arg(p)
     p.add_argument(
         "--json",
         action="store_true",

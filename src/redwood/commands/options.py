@@ -641,12 +641,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
+    """--tensor-parallel-size N (args.tensor_parallel_size; `engine_kwargs` passes it on)."""
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="shard the models over N ranks: redwood spawns them (gloo on the CPU, NCCL on CUDA; float weights); "
+        "under `torchrun --nproc_per_node N -m redwood …` N is torchrun's",
+    )
+
+
 def engine_kwargs(args) -> dict:
     """LLM(...) / Engine(...) keywords from the engine flags that were given."""
+    names = ("max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens", "kv_cache_memory")
     out = {
-        name: getattr(args, name)
-        for name in ("max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens", "kv_cache_memory")
-        if getattr(args, name, None) is not None
+        name: getattr(args, name) for name in (*names, "tensor_parallel_size") if getattr(args, name, None) is not None
     }
     if getattr(args, "enable_prefix_caching", False):
         out["enable_prefix_caching"] = True

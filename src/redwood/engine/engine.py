@@ -20,6 +20,8 @@ A step, for every method (nano-vllm's / vLLM v1's shape):
 Requests join at step boundaries; a row that finishes is refilled at the next one. The Engine owns the
 models it is given (`LoadedModels`: several engines may share them), builds its `Executor` (which sizes its
 KV cache now, within `EngineConfig`'s memory share), a `BlockPool` over those pages and the `Scheduler`.
+Under tensor parallelism every rank runs this engine over its shards in lockstep, rank 0 forwarding its calls
+(`engine.tp_worker`).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class Engine:
         if not isinstance(config, EngineConfig):
             raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
         self.models, self.engine_config = models, config
+        self._driver = _tensor_parallel_driver(models, config)  # rank 0 under tensor parallelism, else None
         self.max_model_len = check_max_model_len(config.max_model_len, models.config.max_position_embeddings)
         self.eos_ids = eos_token_ids(models.config, models.tokenizer)
         self.policy = make_policy(models)
@@ -194,6 +197,8 @@ class Engine:
             seq.prefix_limit = self.drafter.policy.prefix_limit(len(ids))
         self.scheduler.add(seq)  # (validates against the pool)
         self._requests[request_id] = Request(seq, state, params, t_added=time.perf_counter())
+        if self._driver is not None:
+            self._driver.send("add_request", ids, params, request_id)  # (checked here first: the ranks take it)
         return request_id
 
     def abort(self, request_id: str, notify: bool = True) -> bool:
@@ -202,6 +207,8 @@ class Engine:
         rec = self._requests.get(str(request_id))
         if rec is None or not self.scheduler.abort(rec.seq.request_id):
             return False
+        if self._driver is not None:
+            self._driver.send("abort", rec.seq.request_id, notify)
         self._vacate(rec)
         del self._requests[rec.seq.request_id]
         rec.state.finish_reason = "abort"
@@ -234,6 +241,8 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestDelta]:
         """Run one step; → the deltas of the requests that got tokens (or ended) in it."""
+        if self._driver is not None:
+            self._driver.send("step")
         out = self.scheduler.schedule()
         self.num_steps += 1
         decode, prefill, batch = self._place(out)
@@ -303,6 +312,27 @@ class Engine:
         if rec.slot is not None:
             self.executor.vacate(rec.slot)
             rec.slot = None
+
+
+def _tensor_parallel_driver(models: LoadedModels, config: EngineConfig):
+    """Rank 0's `tp_worker.Driver` for models sharded over several ranks (None for one process, and on the other
+    ranks: they replay the driver's calls). Such models serve one engine: the ranks replay one call stream."""
+    tp = getattr(models, "tp", None)
+    world = 1 if tp is None else tp.world
+    if config.tensor_parallel_size != world:
+        raise ConfigError(
+            f"tensor_parallel_size {config.tensor_parallel_size}: these models are loaded "
+            + ("in one process" if tp is None else f"over {world} ranks")
+            + " (LLM(tensor_parallel_size=N) loads them sharded)"
+        )
+    if tp is None or tp.rank != 0:
+        return None
+    from redwood.engine.tp_worker import Driver
+
+    if getattr(models, "tp_engine_built", False):
+        raise ConfigError("models sharded over tensor-parallel ranks serve one engine; this one has it already")
+    models.tp_engine_built = True
+    return Driver(tp)
 
 
 def make_policy(models: LoadedModels):

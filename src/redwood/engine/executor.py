@@ -78,7 +78,8 @@ class Executor:
         own = self.drafter.own_model if self.drafter is not None else None
         models = [self.model] + ([own] if own is not None else [])
         page_bytes = sum(
-            2 * m.config.num_layers * m.config.num_kv_heads * m.config.head_dim * self.block_size * m.dtype.itemsize
+            # (kv_config: under tensor parallelism this rank's KV heads)
+            2 * m.config.num_layers * m.kv_config.num_kv_heads * m.config.head_dim * self.block_size * m.dtype.itemsize
             for m in models
         )
         row_len = self.max_model_len + self.lookahead  # logical slots a row may touch
@@ -92,6 +93,9 @@ class Executor:
         else:
             budget = int(CPU_KV_MEMORY_GIB * 2**30)
         num_pages = min(need, budget // page_bytes - 1)  # (one page more: the trash page)
+        tp = getattr(self.models, "tp", None)
+        if tp is not None:  # (tensor parallel: every rank's scheduler must see the same pool)
+            num_pages = tp.min_int(num_pages)
         if num_pages < 1:
             raise ConfigError(
                 f"the KV cache memory ({budget / 2**30:.3g} GiB) holds no {self.block_size}-token "
@@ -99,15 +103,17 @@ class Executor:
             )
         self.num_pages = num_pages
         S = self.max_num_seqs
-        self.cache = KVCache.paged(self.model.config, S, num_pages, self.block_size, row_len, self.model.dtype, device)
+        self.cache = KVCache.paged(
+            self.model.kv_config, S, num_pages, self.block_size, row_len, self.model.dtype, device
+        )
         self.draft_cache = None
         if own is not None:
-            self.draft_cache = KVCache.paged(own.config, S, num_pages, self.block_size, row_len, own.dtype, device)
+            self.draft_cache = KVCache.paged(own.kv_config, S, num_pages, self.block_size, row_len, own.dtype, device)
             self.draft_cache.block_table = self.cache.block_table  # the same blocks, the draft's pages
             self.draft_cache.live = self.cache.live
         for d in self.drafters:
             owner = d.own_model or self.model
-            d.policy.allocate(S, owner.config.num_layers, owner.config.num_kv_heads, device)
+            d.policy.allocate(S, owner.config.num_layers, owner.kv_config.num_kv_heads, device)
         self.sampling_noise = config.sampling_noise
         self.sampler = Sampler.slots(S, device, config.sampling_noise)
         self.prev = torch.zeros(S, dtype=torch.long, device=device)

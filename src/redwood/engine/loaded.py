@@ -36,7 +36,9 @@ class LoadedModels:
     how reports name the drafter; speculative: the config it was made from (None when built from parts);
     thread_policy: the CPU's per-step thread choice (`engine.threads.AdaptiveThreads`), or None;
     auto_drafters: under the automatic policy (`SpeculativeConfig(policy="auto")`), every drafter it chooses
-    from (`drafter` is the one with a KV cache or policy of its own, if any, else the draftless one), else None."""
+    from (`drafter` is the one with a KV cache or policy of its own, if any, else the draftless one), else None.
+    tp: under tensor parallelism this rank's group (`redwood.parallel.TPGroup`; the models hold its shards), else
+    None; such models serve one engine (`engine.tp_worker`: every rank replays rank 0's calls to it)."""
 
     model: torch.nn.Module
     tokenizer: object | None = None
@@ -49,6 +51,7 @@ class LoadedModels:
     speculative: SpeculativeConfig | None = None
     thread_policy: object | None = None
     auto_drafters: list | None = None
+    tp: object | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.tree, int):
@@ -86,10 +89,12 @@ class LoadedModels:
         weights: str = "auto",
         max_model_len: int | None = None,
         execution: ExecutionConfig | None = None,
+        tp=None,
     ) -> "LoadedModels":
         """Load a target (and its drafter); the arguments as `redwood.LLM`'s (max_model_len: checked against
         the model's context before the weights load; execution: how both models' forwards run). A draft
-        model loads in `speculative.draft_weights`."""
+        model loads in `speculative.draft_weights`. tp: a tensor-parallel rank's group: this rank's shards of
+        the target and of a draft model are loaded (float weights; no offloading, no automatic policy yet)."""
         from redwood.engine.threads import adaptive_threads, apply_threads, check_threads
 
         if execution is not None and not isinstance(execution, ExecutionConfig):
@@ -109,12 +114,19 @@ class LoadedModels:
         # Tokenizers and configs first: what they can refuse is refused before minutes of weight loading.
         info = inspect_model(model)
         check_max_model_len(max_model_len, info.config.max_position_embeddings)
+        if tp is not None:
+            check_tensor_parallel(tp.world, info.config, offload, speculative, weights)
+            device = tp.device  # (on CUDA: this rank's GPU)
         draft_info = None
         if speculative is not None and speculative.draft_model:
             from redwood.speculation.drafters import check_compatible
 
             draft_info = inspect_model(speculative.draft_model)
             check_compatible(info.tokenizer, draft_info.tokenizer, info.config.vocab_size, draft_info.config.vocab_size)
+            if tp is not None:
+                from redwood.models.shard import check_shardable
+
+                check_shardable(draft_info.config, tp.world)  # (the draft is sharded over the same ranks)
         if threads is not None or dev.type == "cpu":
             apply_threads(threads)  # before loading: dequantizing the weights runs on these threads too
         loaded = load_model(
@@ -123,6 +135,7 @@ class LoadedModels:
             device="cpu" if offload else device,
             weights="float32" if offload else weights,
             execution=execution,
+            tp=tp,
         )
         if offload:  # loaded on the host: the layers stay there, the rest moves to the device
             from redwood.models.offload import offload_layers
@@ -135,6 +148,7 @@ class LoadedModels:
             loaded.path,
             verifier="auto" if speculative is None else speculative.verifier,
             speculative=speculative,
+            tp=tp,
         )
         if speculative is not None and speculative.auto:
             self.tree = speculative.make_tree()
@@ -144,7 +158,7 @@ class LoadedModels:
         elif speculative is not None:
             self.tree = speculative.make_tree()
             self.drafter, self.draft_name = _make_drafter(
-                speculative, loaded.model, dtype, device, draft_info, execution
+                speculative, loaded.model, dtype, device, draft_info, execution, tp
             )
         if dev.type == "cpu" and not offload and self.thread_exact_decode():
             # (None where the count is the user's or fixed, or the execution config turns it off)
@@ -233,20 +247,47 @@ def auto_drafters_for(spec: SpeculativeConfig, target, draft_model=None, draft_s
     return out
 
 
-def _load_draft(spec: SpeculativeConfig, dtype, device, draft_info, execution) -> tuple:
+def _load_draft(spec: SpeculativeConfig, dtype, device, draft_info, execution, tp=None) -> tuple:
     """(the draft model, its source name) when `spec` names one — loaded from `draft_info` (`inspect_model`: its
     tokenizer already checked against the target's) in the format `spec.draft_weights` — else (None, None)."""
     if not spec.draft_model:
         return None, None
     draft = load_draft_model(
-        draft_info, dtype=dtype, device=device, draft_weights=spec.draft_weights, execution=execution
+        draft_info, dtype=dtype, device=device, draft_weights=spec.draft_weights, execution=execution, tp=tp
     )
     return draft.model, draft.source
 
 
-def _make_drafter(spec: SpeculativeConfig, target, dtype, device, draft_info, execution: ExecutionConfig | None = None):
-    """The drafter `spec` asks for and its name, loading its draft model if it has one."""
-    return drafter_for(spec, target, *_load_draft(spec, dtype, device, draft_info, execution))
+def _make_drafter(
+    spec: SpeculativeConfig, target, dtype, device, draft_info, execution: ExecutionConfig | None = None, tp=None
+):
+    """The drafter `spec` asks for and its name, loading its draft model (this rank's shard under `tp`) if it has
+    one."""
+    return drafter_for(spec, target, *_load_draft(spec, dtype, device, draft_info, execution, tp))
+
+
+def check_tensor_parallel(
+    world: int, config, offload: bool, speculative: SpeculativeConfig | None, weights: str = "auto"
+) -> None:
+    """What tensor parallelism runs in this slice: a one-line ConfigError for the rest, before any weight loads."""
+    from redwood.models.backends import TP_FORMATS
+    from redwood.models.shard import check_shardable
+
+    check_shardable(config, world)
+    draft_weights = "auto" if speculative is None or not speculative.draft_model else speculative.draft_weights
+    for flag, kind in (("weights", weights), ("draft_weights", draft_weights)):
+        if kind not in ("auto", "float32"):
+            raise ConfigError(
+                f"{flag}={kind!r} cannot be sharded: tensor parallelism runs {TP_FORMATS} (the packed CPU formats "
+                "and their fused C++ layer are one process's)"
+            )
+    if offload:
+        raise ConfigError("offloading streams one process's layers: it does not run under tensor parallelism")
+    if speculative is not None and speculative.auto:
+        raise ConfigError(
+            "the automatic speculation policy plans from this process's timings: under tensor parallelism give a "
+            "fixed plan (a draft model or self-speculation with a γ)"
+        )
 
 
 def drafter_for(spec: SpeculativeConfig, target, draft_model=None, draft_source: str | None = None) -> tuple:

@@ -87,6 +87,7 @@ def load_model(
     weights: str = "float32",
     draft: bool = False,
     execution: ExecutionConfig | None = None,
+    tp=None,
 ) -> LoadedModel:
     """Load a model's weights; a ModelInfo (`inspect_model`) is loaded with the tokenizer it holds.
     weights: the CPU projection format (`redwood.models.cpu_weights`; "auto": "gguf" — each projection as
@@ -95,18 +96,25 @@ def load_model(
     cannot pack takes the next of int4 → int8 → float32 under "auto"). A GGUF file is packed tensor by
     tensor as it is read (the float model never exists whole); a Hugging Face folder is loaded, then packed.
     execution: how its forwards run (`ExecutionConfig`; None: the defaults) — the backend for the device and
-    weights, which prepares its weights (on CUDA: one q/k/v and one gate/up matmul per layer)."""
+    weights, which prepares its weights (on CUDA: one q/k/v and one gate/up matmul per layer).
+    tp: a tensor-parallel rank's group (`redwood.parallel.TPGroup`): only this rank's shard is read
+    (`models.shard`; float weights only: weights "auto" means "float32" here, a packed format is a ConfigError)."""
     torch_dtype, dev = parse_dtype(dtype), parse_device(device)
     info = model if isinstance(model, ModelInfo) else None
     path = info.path if info is not None else _model_file(model)
     if info is not None:
         model = info.source
-    kind = _cpu_format(weights, dev, path, draft, info.config if info is not None else None)
+    shard = None
+    if tp is not None:
+        shard = _shard_plan(tp, weights, path, info.config if info is not None else None)
+        kind = "float32"
+    else:
+        kind = _cpu_format(weights, dev, path, draft, info.config if info is not None else None)
     if path.is_dir():
         from redwood.loading.hf import load_hf_tokenizer, read_hf_folder
 
-        config, state = read_hf_folder(path)
-        net = build_model(config, state, torch_dtype, dev)
+        config, state = read_hf_folder(path, shard)
+        net = build_model(config, state, torch_dtype, dev, tp=tp)
         tokenizer = info.tokenizer if info is not None else load_hf_tokenizer(path)
     else:
         from redwood.loading.gguf import load_gguf_tokenizer, read_gguf
@@ -114,9 +122,9 @@ def load_model(
 
         # (cast first: the same packed values as packing the loaded `dtype` model)
         pack = None if kind == "float32" else packer(kind, cast=torch_dtype)
-        g = read_gguf(path, transform=pack)
+        g = read_gguf(path, transform=pack if shard is None else shard.take)  # (sharded: each tensor cut as read)
         config = g.config
-        net = build_model(config, g.tensors, torch_dtype, dev, rope_freqs=g.rope_freqs)
+        net = build_model(config, g.tensors, torch_dtype, dev, rope_freqs=g.rope_freqs, tp=tp)
         del g
         tokenizer = info.tokenizer if info is not None else load_gguf_tokenizer(path)
     net.quantize_cpu(kind)
@@ -130,15 +138,40 @@ def load_draft_model(
     device: str | torch.device = "cpu",
     draft_weights: str = "auto",
     execution: ExecutionConfig | None = None,
+    tp=None,
 ) -> LoadedModel:
     """Load a draft model in the weight format `draft_weights` (`SpeculativeConfig.draft_weights`; what it
     means on `device`: `cpu_weights.draft_weights_on`): a CPU format on the CPU; on CUDA the model's dtype,
     with int8 copies for its one-token forwards under "int8" (`Transformer.quantize_skinny`)."""
     weights, skinny = draft_weights_on(draft_weights, parse_device(device))
-    loaded = load_model(model, dtype=dtype, device=device, weights=weights, draft=True, execution=execution)
+    if tp is not None and draft_weights == "auto":
+        weights = "float32"  # (tensor parallelism shards float weights only)
+    loaded = load_model(model, dtype=dtype, device=device, weights=weights, draft=True, execution=execution, tp=tp)
     if skinny:
         loaded.model.quantize_skinny(skinny)
     return loaded
+
+
+def _read_config(path: Path) -> ModelConfig:
+    if path.is_dir():
+        return ModelConfig.from_hf_file(path / "config.json")
+    from redwood.loading.gguf import read_gguf_config
+
+    return read_gguf_config(path)
+
+
+def _shard_plan(tp, weights: str, path: Path, config: ModelConfig | None):
+    """This rank's `ShardPlan` for the model at `path`, its weight format checked first: tensor parallelism
+    shards float weights (`backends.TP_FORMATS`); "auto" means "float32" under it."""
+    from redwood.models.backends import TP_FORMATS
+    from redwood.models.shard import ShardPlan
+
+    if weights not in ("auto", "float32"):
+        raise ConfigError(
+            f"weights={weights!r} cannot be sharded: tensor parallelism runs {TP_FORMATS} (the packed CPU formats "
+            "and their fused C++ layer are one process's)"
+        )
+    return ShardPlan(tp.rank, tp.world, config if config is not None else _read_config(path))
 
 
 def _cpu_format(weights: str, device: torch.device, path: Path, draft: bool, config: ModelConfig | None) -> str:

@@ -35,8 +35,9 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def read_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and HF-named weights of a model folder."""
+def read_hf_folder(folder: str | Path, shard=None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and HF-named weights of a model folder; with `shard` (a `models.shard.ShardPlan`) only this
+    tensor-parallel rank's pieces, each read as a slice of the file (the whole tensor is never read)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -47,11 +48,31 @@ def read_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Ten
     with Progress(total=sum(f.stat().st_size for f in files), desc=f"loading {folder.name}", unit="B") as bar:
         for f in files:
             try:
-                state.update(load_file(str(f)))
+                state.update(load_file(str(f)) if shard is None else _read_shard(f, shard))
             except (SafetensorError, OSError) as e:
                 raise ModelLoadError(f"cannot read {f}: {e} (truncated or corrupt? re-download it)") from None
             bar.update(f.stat().st_size)
     return config, state
+
+
+def _read_shard(path: Path, shard) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file as `shard` cuts them (`ShardPlan.slice_of`): rows or columns read
+    straight from the mapped file."""
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(str(path), framework="pt") as f:
+        for name in f.keys():
+            where = shard.slice_of(name)
+            if shard.zero_bias(name):
+                out[name] = torch.zeros_like(f.get_tensor(name))  # (a bias: [H])
+            elif where is None:
+                out[name] = f.get_tensor(name)
+            else:
+                dim, start, stop = where
+                part = f.get_slice(name)
+                out[name] = (part[start:stop] if dim == 0 else part[:, start:stop]).contiguous()
+    return out
 
 
 def load_hf_tokenizer(folder: str | Path):

@@ -11,6 +11,8 @@ the new tokens each row keeps.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,6 +26,10 @@ from redwood.models.backends import cpu_packed
 from redwood.models.backends.cuda import CudaBackend
 from redwood.models.backends.reference import ReferenceBackend
 from redwood.models.rope import RotaryEmbedding, apply_rotary
+from redwood.models.shard import ShardPlan
+
+if TYPE_CHECKING:
+    from redwood.parallel import TPGroup
 
 OFFLOAD_ATTR = "_redwood_offload"  # the OffloadManager of an offloaded model (`models.offload`)
 
@@ -47,9 +53,12 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    """config: the layer's own (under tensor parallelism this rank's heads: `ShardPlan.local_config`); tp: the
+    group whose all-reduce sums the ranks' o_proj outputs (None: one process)."""
+
+    def __init__(self, config: ModelConfig, layer: int, tp: TPGroup | None = None):
         super().__init__()
-        self.layer = layer
+        self.layer, self.tp = layer, tp
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         h = config.hidden_size
         self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=config.qkv_bias)
@@ -76,7 +85,8 @@ class Attention(nn.Module):
             qkv = self.split_qkv(F.linear(x, *self.qkv))
         else:
             qkv = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        return self.o_proj(self.attend(*qkv, cos, sin, cache, dest, meta))
+        out = self.o_proj(self.attend(*qkv, cos, sin, cache, dest, meta))  # [B, T, H] (this rank's heads' part)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The fused projection's output [B, T, (Hq + 2 Hkv) D] → views q, k, v."""
@@ -161,8 +171,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """SwiGLU; under tensor parallelism this rank's slice of the width F, its down_proj outputs summed over the
+    ranks (tp's all-reduce)."""
+
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
+        self.tp = tp
         h, f = config.hidden_size, config.intermediate_size
         self.gate_proj = nn.Linear(h, f, bias=config.mlp_bias)
         self.up_proj = nn.Linear(h, f, bias=config.mlp_bias)
@@ -173,17 +187,19 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
             gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)  # [.., F] each
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            out = self.down_proj(F.silu(gate) * up)
+        else:
+            out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, tp: TPGroup | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer)
+        self.self_attn = Attention(config, layer, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(self, x, cos, sin, cache, dest, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, dest, meta)
@@ -193,17 +209,22 @@ class DecoderLayer(nn.Module):
 class Transformer(nn.Module):
     """The decoder. Its forward runs through an execution backend (redwood.models.backends), chosen once from the
     device, the weights and an `ExecutionConfig` (`set_execution`; a model as built runs the reference backend,
-    `load_model` selects the device's)."""
+    `load_model` selects the device's).
 
-    def __init__(self, config: ModelConfig, rope_freqs: torch.Tensor | None = None):
+    tp: under tensor parallelism, this rank's group: the model then holds this rank's shard (`models.shard`: its
+    heads, MLP slice and vocabulary rows) and its forward runs the collectives; `config` stays the whole model's
+    (the vocabulary the sampler sees), `kv_config` is this rank's (its KV heads: what its caches hold)."""
+
+    def __init__(self, config: ModelConfig, rope_freqs: torch.Tensor | None = None, tp: TPGroup | None = None):
         super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.config, self.tp = config, tp
+        self.shard = None if tp is None else ShardPlan(tp.rank, tp.world, config)
+        local = config if self.shard is None else self.shard.local_config
+        vocab = config.vocab_size if self.shard is None else self.shard.vocab[1] - self.shard.vocab[0]
+        self.embed_tokens = nn.Embedding(vocab, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(local, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, vocab, bias=False)
         self.rotary = RotaryEmbedding(config, rope_freqs)
         # Weight formats (each a transform of the weights the forward reads)
         self.weights = "float32"  # the CPU projection format (quantize_cpu)
@@ -266,8 +287,25 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
+    @property
+    def kv_config(self) -> ModelConfig:
+        """The config this model's KV caches are sized by: `config`, or under tensor parallelism this rank's
+        (its KV heads)."""
+        return self.config if self.shard is None else self.shard.local_config
+
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
-        return KVCache(self.config, batch_size, capacity, self.dtype, self.device)
+        return KVCache(self.kv_config, batch_size, capacity, self.dtype, self.device)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, T] → [B, T, H]. Under tensor parallelism each rank looks up the ids in its vocabulary
+        rows, zeros the others, and the all-reduce sums: one rank's row plus zeros, exact."""
+        if self.shard is None:
+            return self.embed_tokens(input_ids)
+        start, stop = self.shard.vocab
+        local = input_ids - start
+        outside = (local < 0) | (local >= stop - start)  # [B, T]: ids another rank holds
+        x = self.embed_tokens(local.clamp(0, stop - start - 1)).masked_fill(outside[..., None], 0.0)
+        return self.tp.all_reduce(x)
 
     def prefill_kernel(self) -> bool:
         """Whether long plain prefill forwards attend through the flash prefill kernel (`backends.prefill_kernel`):
@@ -282,9 +320,16 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [.., H] → logits [.., V] (under tensor parallelism every rank's vocabulary rows, gathered)."""
         if self.packed_head is not None:
             return self.packed_head(self.norm(hidden))
-        return F.linear(self.norm(hidden), self.head_weight)
+        out = F.linear(self.norm(hidden), self.head_weight)  # [.., V] (tensor parallel: [.., this rank's rows])
+        if self.shard is None:
+            return out
+        pad = self.shard.vocab_rows - out.shape[-1]  # (the last rank's rows may be fewer: the gather's pieces match)
+        if pad:
+            out = F.pad(out, (0, pad))
+        return self.tp.all_gather_last(out, self.config.vocab_size)
 
     def forward(
         self,
@@ -329,7 +374,7 @@ class Transformer(nn.Module):
             observer=observer,
             backend=backends.attention_kernel(self, input_ids, T, observer, view, pending, new_mask),
         )
-        x = self.embed_tokens(input_ids)  # [B, T, H]
+        x = self.embed(input_ids)  # [B, T, H]
         cos, sin = self.rotary(positions, x.dtype)  # [B, T, D] each
         # layers → norm → head, through the backend's path for this shape: logits [B, T or K, V] float32
         return self.backend.run(self, x, cos, sin, cache, dest, meta, logits_at)
@@ -353,6 +398,7 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device | str,
     rope_freqs: torch.Tensor | None = None,
+    tp: TPGroup | None = None,
 ) -> Transformer:
     """A Transformer holding `state` (HF names), cast to dtype/device, with no random init.
 
@@ -361,11 +407,12 @@ def build_model(
     A projection already packed as it loaded (a `cpu_weights.PackedLinear` in place of its weight, from
     `cpu_weights.packer`) replaces its nn.Linear, bias included; `quantize_cpu` then finishes the model.
     The model runs the reference backend until `set_execution` picks its device's (`load_model` does).
+    tp: build this rank's shard (`state` then holds its pieces: `ShardPlan.take`, as the loaders read them).
     """
     from redwood.errors import ModelLoadError
 
     with torch.device("meta"):
-        model = Transformer(config)
+        model = Transformer(config, tp=tp)
     state = hf_state_dict_to_redwood(state)
     if model.lm_head is None:
         state.pop("lm_head.weight", None)  # tied: some checkpoints store the copy anyway

@@ -30,6 +30,8 @@ def select(model, execution: ExecutionConfig):
     from redwood.models.backends.cuda import CudaBackend
     from redwood.models.backends.reference import ReferenceBackend
 
+    if getattr(model, "tp", None) is not None:
+        return _tensor_parallel(model, execution)
     if model.weights != "float32":
         backend = CpuPackedBackend(execution)
     elif execution.kernels == "on" or (execution.kernels == "auto" and model.device.type == "cuda"):
@@ -42,6 +44,26 @@ def select(model, execution: ExecutionConfig):
         why = megakernel.misfit(model) or f"the {backend.name} backend runs this model"
         raise ConfigError(f"the one-token megakernel cannot run this model: {why}")
     return backend
+
+
+# what a tensor-parallel model runs on (`_tensor_parallel`): float weights, the plain layers
+TP_FORMATS = "float weights (dtype float32, bfloat16 or float16; weights='float32') on the reference backend"
+
+
+def _tensor_parallel(model, execution: ExecutionConfig):
+    """A tensor-parallel shard's backend: the reference layers (their o_proj / down_proj outputs go through the
+    all-reduce). The CPU packed formats and their C++ layer, the CUDA backend's fused kernels and the megakernel
+    fuse o / down with the residual, so they step aside here (a ConfigError where one is asked for)."""
+    from redwood.models.backends.reference import ReferenceBackend
+
+    if model.weights != "float32":
+        raise ConfigError(
+            f"tensor parallelism runs {TP_FORMATS}, not the packed CPU format {model.weights!r}: "
+            "load with weights='float32' (--weights float32)"
+        )
+    if execution.megakernel == "on" or execution.kernels == "on":
+        raise ConfigError(f"tensor parallelism runs {TP_FORMATS}: leave megakernel and kernels at 'auto' or 'off'")
+    return ReferenceBackend(execution)
 
 
 def prefill_kernel(model) -> bool:

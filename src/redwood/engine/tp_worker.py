@@ -1,0 +1,89 @@
+"""The engine under tensor parallelism: lockstep replicas on every rank, driven by rank 0.
+
+Every rank runs a whole `Engine` — scheduler, block pool, executor, sampler, output — over its shard of the
+models. Rank 0 is the driver (`LLM`, the CLI; the server next): each engine call that changes state
+(`add_request`, `abort`, `step`) is sent to the other ranks over the group's control channel (`Driver.send`, a
+pickled call) before rank 0 runs it itself; the other ranks replay the calls in order (`serve`). Inside a step
+the model's collectives (the all-reduces after o_proj and down_proj, the embedding's, the logits' all-gather)
+keep the ranks together.
+
+Why lockstep replicas rather than vLLM's executor / worker split (rank 0 schedules and sends each step's batch to
+workers that only run forwards):
+- the scheduler, block pool and output processor are deterministic and hold no tensors: the same calls in the
+  same order give every rank the same schedule, slots, block tables and stops, so a step's message is one word
+  ("step"), not the batch, its block tables, the plan and the sampler's state serialized every step;
+- the executor's device state (slots, page tables, random streams, draft KV selections, the commit) follows
+  from the engine's calls already: a split would need a second protocol for each, and a second code path
+  through the executor that TP=1 does not run;
+- every rank sees the whole logits (the vocab-parallel head's all-gather) and the all-reduce leaves the same bits
+  on every rank (gloo and NCCL reduce each chunk once and copy it out), so every rank samples, verifies and
+  commits the same tokens — with the same seeds, since a request's random stream depends on its seed and
+  positions only.
+What may not differ between ranks are decisions taken from clocks or from one rank's view: the automatic
+speculation policy plans from measured times (refused under tensor parallelism in this slice; next, rank 0
+plans and sends the plan with "step"); the CPU's adaptive thread count only changes speed (it runs where a
+step's bits do not depend on it). Requests arriving at a server reach rank 0 only — forwarded like `LLM`'s.
+"""
+
+from __future__ import annotations
+
+import atexit
+
+from redwood.config import EngineConfig
+from redwood.errors import ConfigError, RankFailure
+
+# the engine calls the driver forwards (the others read state only)
+CALLS = ("add_request", "abort", "step")
+
+
+class Driver:
+    """Rank 0's side: forwards engine calls to the other ranks; `close` (also at exit) releases them."""
+
+    def __init__(self, group):
+        self.group = group
+        self.closed = False
+        atexit.register(self.close)
+
+    def send(self, call: str, *args) -> None:
+        if call not in CALLS:
+            raise ValueError(f"not a forwarded engine call: {call}")
+        self.group.broadcast_object((call, args))
+
+    def close(self) -> None:
+        """Tell the other ranks to return from `serve` (once; nothing when the group already failed)."""
+        if self.closed or self.group.broken is not None:
+            return
+        self.closed = True
+        try:
+            self.group.broadcast_object(("stop", ()))
+        except RankFailure:
+            pass  # (a rank already gone: nothing to release)
+
+
+def serve(engine, group) -> None:
+    """A rank > 0: replay rank 0's engine calls until it says stop (a dead rank 0 is a `RankFailure` here)."""
+    while True:
+        call, args = group.broadcast_object(None)
+        if call == "stop":
+            return
+        if call not in CALLS:
+            raise ConfigError(f"tensor-parallel rank {group.rank}: unknown engine call {call!r} from rank 0")
+        getattr(engine, call)(*args)
+
+
+def run_rank(models, config: EngineConfig, group) -> None:
+    """A rank > 0's life after loading its shards: its engine (the same config as rank 0's), then `serve`."""
+    from redwood.engine.engine import Engine
+
+    engine = Engine(models, config)
+    serve(engine, group)
+
+
+def spawned_rank(group, payload: dict) -> None:
+    """The entry of a rank spawned by rank 0's `LLM` (`parallel.launch.spawn`): load this rank's shards with
+    rank 0's arguments, meet rank 0 at the barrier, run the engine (`run_rank`)."""
+    from redwood.engine.loaded import LoadedModels
+
+    models = LoadedModels.load(**payload["load"], tp=group)
+    group.barrier()  # (every rank loaded: a rank that failed to is named at rank 0's LLM(), not mid-generate)
+    run_rank(models, payload["engine"], group)

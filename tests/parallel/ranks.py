@@ -1,0 +1,110 @@
+"""Running a function on N ranks spawned by a test (torchrun's environment, gloo on the CPU), each bounded in time;
+and the functions the tests run there (module-level: the spawned processes import them by name)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import traceback
+from pathlib import Path
+
+import torch
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def subprocess_env(**extra) -> dict:
+    """The environment for a redwood subprocess of a test: this checkout first on the path, one thread a rank."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([SRC, ROOT, env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 60.0) -> list:
+    """fn(group, *args) on `world` spawned ranks (torchrun's environment, `parallel.launch.join`) → each rank's
+    return value, in rank order. A rank that raises, or the whole run outliving `timeout`, fails the test."""
+    from redwood.parallel.launch import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, queue), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    try:
+        for _ in range(world):
+            rank, ok, value = queue.get(timeout=timeout)
+            if not ok:
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.exitcode is None:
+                p.kill()
+    return [results[r] for r in range(world)]
+
+
+def _rank_main(rank, world, port, fn, args, queue) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    os.environ.setdefault("REDWOOD_TP_TIMEOUT", "30")
+    torch.set_num_threads(1)
+    try:
+        from redwood.parallel import launch
+
+        group = launch.join(torch.device("cpu"))
+        value = fn(group, *args)
+        queue.put((rank, True, _plain(value)))
+        group.close()
+    except BaseException:  # noqa: BLE001 -- reported to the test
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def _plain(value):
+    """Tensors as numpy arrays (pickled by value: a rank may exit before the test reads its queue)."""
+    if isinstance(value, torch.Tensor):
+        return value.numpy()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+# ---------------------------------------------------------------------------------------- rank functions
+def sharded_logits(group, folder: str, steps: list[list[int]]) -> list[torch.Tensor]:
+    """This rank's shard of the model in `folder`; the logits of each forward in `steps` (a prompt, then one token
+    at a time) over one cache row."""
+    from redwood.loading import load_model
+
+    model = load_model(folder, tp=group).model
+    return run_forwards(model, steps)
+
+
+def run_forwards(model, steps: list[list[int]]) -> list[torch.Tensor]:
+    cache = model.new_cache(1, 64)
+    out, pos = [], 0
+    with torch.inference_mode():
+        for ids in steps:
+            t = torch.tensor([ids])
+            positions = torch.arange(pos, pos + len(ids))[None]
+            out.append(model(t, positions, cache).clone())
+            cache.commit(torch.tensor([len(ids)]))
+            pos += len(ids)
+    return out
+
+
+def collective_pieces(group) -> dict:
+    """The group's collectives on known inputs: all_reduce, the padded all_gather, broadcast_object."""
+    x = torch.full((2, 3), float(group.rank + 1))
+    reduced = group.all_reduce(x.clone())
+    piece = torch.full((2, 2), float(group.rank))
+    gathered = group.all_gather_last(piece, 3)  # [2, 2·world] cut to 3
+    obj = group.broadcast_object({"from": group.rank} if group.rank == 0 else None)
+    return {"reduced": reduced, "gathered": gathered, "obj": obj}

@@ -1,0 +1,158 @@
+"""Greedy decoding under tensor parallelism equals one process's, token for token, on a tiny clear-margin model
+(float32, gloo, 2 ranks): through `LLM(tensor_parallel_size=2)` (this test's subprocess is rank 0 and spawns rank
+1), `redwood generate --tensor-parallel-size 2` and `torchrun --nproc_per_node 2 -m redwood generate`. A rank
+killed mid-run ends every rank within seconds with a line naming it; bad input is one line before any rank
+starts. Every subprocess is bounded in time."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from redwood import LLM, SamplingParams
+from redwood.parallel.group import pid_alive
+from redwood.speculation.config import SpeculativeConfig
+from tests.conftest import save_target_and_draft
+from tests.parallel.ranks import subprocess_env
+
+PROMPTS = [[5, 17, 3, 99, 42], [250, 11, 64, 8, 1, 33, 90, 12, 77], [7, 7, 7]]
+MAX_NEW = 24
+
+LLM_SCRIPT = """
+import json, sys
+from redwood import LLM, SamplingParams
+from redwood.speculation.config import SpeculativeConfig
+target, draft, prompts, max_new = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+spec = None if draft == "-" else SpeculativeConfig(draft_model=draft, num_draft_tokens=3)
+llm = LLM(target, tensor_parallel_size=2, speculative=spec, max_num_seqs=2)
+outs = llm.generate(prompts, SamplingParams(max_new_tokens=max_new, ignore_eos=True))
+print(json.dumps([o.token_ids for o in outs]))
+"""
+
+KILL_SCRIPT = """
+import json, sys
+from redwood import LLM, SamplingParams
+from redwood.errors import RedwoodError
+llm = LLM(sys.argv[1], tensor_parallel_size=2)
+print(json.dumps({"rank1": llm.tp.procs[1].pid}), flush=True)
+try:
+    while True:
+        llm.generate([[5, 6, 7], [9, 9]], SamplingParams(max_new_tokens=64, ignore_eos=True))
+except RedwoodError as e:
+    print(f"redwood: error: {e}", file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("tp-models")
+    save_target_and_draft(root, tokenizer, noise=0.01)
+    return root / "target", root / "draft"
+
+
+def _run(args: list[str], timeout: float = 90) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=subprocess_env())
+
+
+def _tp1(folder, draft=None) -> list[list[int]]:
+    spec = None if draft is None else SpeculativeConfig(draft_model=str(draft), num_draft_tokens=3)
+    llm = LLM(str(folder), speculative=spec, max_num_seqs=2)
+    outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain-draft"])
+def test_llm_greedy_tp2_equals_tp1(folders, mode):
+    target, draft = folders
+    draft = draft if mode == "chain-draft" else None
+    want = _tp1(target, draft)
+    args = [str(target), "-" if draft is None else str(draft), json.dumps(PROMPTS), str(MAX_NEW)]
+    out = _run([sys.executable, "-c", LLM_SCRIPT, *args])
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == want
+
+
+def _generate_args(target, *extra) -> list[str]:
+    return [
+        "generate",
+        "--model",
+        str(target),
+        "--prompt",
+        "def add(a, b):",
+        "--max-new-tokens",
+        "20",
+        "--json",
+        *extra,
+    ]
+
+
+def test_cli_spawned_and_torchrun_equal_one_process(folders):
+    target, _ = folders
+    one = _run([sys.executable, "-m", "redwood", *_generate_args(target)])
+    assert one.returncode == 0, one.stderr
+    want = json.loads(one.stdout)["token_ids"]
+    spawned = _run([sys.executable, "-m", "redwood", *_generate_args(target, "--tensor-parallel-size", "2")])
+    assert spawned.returncode == 0, spawned.stderr
+    assert json.loads(spawned.stdout)["token_ids"] == want
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "redwood"]
+    ran = _run([*torchrun, *_generate_args(target)])
+    assert ran.returncode == 0, ran.stderr
+    lines = [line for line in ran.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1  # (rank 0 prints)
+    assert json.loads(lines[0])["token_ids"] == want
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--tensor-parallel-size", "3"], "tensor_parallel_size 3 must divide the model's 4 attention heads"),
+        (["--tensor-parallel-size", "2", "--weights", "int8"], "weights='int8' cannot be sharded"),
+    ],
+)
+def test_bad_input_is_one_line(folders, extra, words):
+    target, _ = folders
+    out = _run([sys.executable, "-m", "redwood", *_generate_args(target, *extra)], timeout=60)
+    assert out.returncode == 2
+    assert words in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def _start_killable(target) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILL_SCRIPT, str(target)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(REDWOOD_TP_TIMEOUT="20"),
+    )
+    line = proc.stdout.readline()  # (after LLM(): both ranks loaded, generation starts)
+    assert line, proc.stderr.read()
+    time.sleep(0.5)  # (mid-run)
+    return proc, json.loads(line)["rank1"]
+
+
+def test_a_killed_rank_ends_every_rank_with_its_name(folders):
+    target, _ = folders
+    # rank 1 killed: rank 0 stops within seconds, naming it
+    proc, rank1 = _start_killable(target)
+    t0 = time.monotonic()
+    os.kill(rank1, signal.SIGKILL)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode != 0
+    assert time.monotonic() - t0 < 15
+    assert f"tensor-parallel rank 1 (pid {rank1}) died (killed by SIGKILL)" in err, err
+    # rank 0 killed: rank 1 stops within seconds, naming it
+    proc, rank1 = _start_killable(target)
+    t0 = time.monotonic()
+    proc.kill()
+    _, err = proc.communicate(timeout=30)  # (rank 1 holds the same stderr: EOF once it exited too)
+    assert time.monotonic() - t0 < 15
+    assert not pid_alive(rank1)
+    assert f"tensor-parallel rank 0 (pid {proc.pid}) died; rank 1 stops" in err, err
