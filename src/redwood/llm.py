@@ -134,7 +134,7 @@ class LLM:
                 from redwood.engine.tp_worker import run_rank
 
                 run_rank(self.models, self.engine_config, self.tp)
-                raise SystemExit(0)
+                _end_rank()
         m = self.models
         self.model, self.tokenizer, self.config = m.model, m.tokenizer, m.config
         self.model_name, self.model_path = m.name, m.path
@@ -325,3 +325,14 @@ def _start_tensor_parallel(model, load: dict, config, torchrun_world: int | None
 
     payload = {"load": {"model": str(info.path), **load}, "engine": config}
     return launch.spawn(world, device, spawned_rank, payload)
+
+
+def _end_rank() -> None:
+    """A torchrun rank > 0 whose rank 0 said stop: exit now, status 0 (no interpreter teardown: gloo's threads,
+    still held by the process group, would abort it)."""
+    import os
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

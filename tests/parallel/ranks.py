@@ -78,13 +78,15 @@ def _plain(value):
 
 
 # ---------------------------------------------------------------------------------------- rank functions
-def sharded_logits(group, folder: str, steps: list[list[int]]) -> list[torch.Tensor]:
-    """This rank's shard of the model in `folder`; the logits of each forward in `steps` (a prompt, then one token
-    at a time) over one cache row."""
+def sharded_checks(group, folders: list[str], steps: list[list[int]]) -> dict:
+    """The collectives on known inputs (`collective_pieces`), then for each model folder the logits of this rank's
+    shard for each forward in `steps` (a prompt, then one token at a time) over one cache row."""
     from redwood.loading import load_model
 
-    model = load_model(folder, tp=group).model
-    return run_forwards(model, steps)
+    out = {"collectives": collective_pieces(group)}
+    for folder in folders:
+        out[folder] = run_forwards(load_model(folder, tp=group).model, steps)
+    return out
 
 
 def run_forwards(model, steps: list[list[int]]) -> list[torch.Tensor]:

@@ -60,10 +60,20 @@ class FakeGroup:
     world: int
 
 
+def _info(path):
+    """The model at `path` with no tokenizer (the GGUF test files have none)."""
+    from redwood.loading import ModelInfo, inspect_model
+    from redwood.loading.gguf import read_gguf_config
+
+    if path.is_dir():
+        return inspect_model(path)
+    return ModelInfo(config=read_gguf_config(path), tokenizer=None, source=str(path), path=path)
+
+
 def _check_shards_equal_cuts(path, world=2):
-    whole = load_model(path, weights="float32").model.state_dict()
+    whole = load_model(_info(path), weights="float32").model.state_dict()
     for rank in range(world):
-        shard = load_model(path, tp=FakeGroup(rank, world)).model
+        shard = load_model(_info(path), tp=FakeGroup(rank, world)).model
         plan = ShardPlan(rank, world, shard.config)
         got = shard.state_dict()
         assert got.keys() == whole.keys()
@@ -100,5 +110,5 @@ def test_packed_formats_refuse_tensor_parallelism(tmp_path):
     path = tmp_path / "tiny.gguf"
     write_gguf(path, "qwen2", random_state_dict(10, qkv_bias=True, tied=True))
     with pytest.raises(ConfigError, match="float weights") as e:
-        load_model(path, weights="int8", tp=FakeGroup(0, 2))
+        load_model(_info(path), weights="int8", tp=FakeGroup(0, 2))
     assert "\n" not in str(e.value)

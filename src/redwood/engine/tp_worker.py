@@ -57,7 +57,8 @@ class Driver:
         try:
             self.group.broadcast_object(("stop", ()))
         except RankFailure:
-            pass  # (a rank already gone: nothing to release)
+            return  # (a rank already gone: nothing to release)
+        self.group.close()  # (the process group's threads end here, not in the interpreter's teardown)
 
 
 def serve(engine, group) -> None:

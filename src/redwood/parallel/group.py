@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import time
 from datetime import timedelta
 
 import torch
@@ -27,6 +28,8 @@ import torch.distributed as dist
 from redwood import envs
 from redwood.errors import ConfigError, RankFailure
 
+# how long a failed collective looks for the rank that died (its sockets close a moment before it is gone)
+DEATH_GRACE_S = 2.0
 # the control group waits for the user's next call: a long bound (a dead rank still ends the wait at once)
 CONTROL_TIMEOUT = timedelta(days=7)
 
@@ -112,6 +115,10 @@ class TPGroup:
         """One line: which rank died (where this process can tell) and what failed here."""
         detail = str(error).strip().splitlines()[-1][:200] if str(error).strip() else type(error).__name__
         dead = self.dead_peers()
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while not dead and time.monotonic() < deadline:  # (a killed peer's sockets close before its exit ends)
+            time.sleep(0.05)
+            dead = self.dead_peers()
         if dead:
             who = "; ".join(f"tensor-parallel rank {r} (pid {pid}) {how}" for r, pid, how in dead)
             return f"{who}; rank {self.rank} stops ({op} failed: {detail})"
