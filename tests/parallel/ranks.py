@@ -110,3 +110,39 @@ def collective_pieces(group) -> dict:
     gathered = group.all_gather_last(piece, 3)  # [2, 2·world] cut to 3
     obj = group.broadcast_object({"from": group.rank} if group.rank == 0 else None)
     return {"reduced": reduced, "gathered": gathered, "obj": obj}
+
+
+def _modes():
+    from redwood.kv.policies import FullPolicy, SnapKVPolicy, StreamingPolicy
+    from redwood.speculation.drafters import ModelDrafter, SelfDrafter
+    from redwood.speculation.trees import Tree, resolve_tree
+
+    return {
+        "ar": lambda t, d: (None, None),
+        "chain-draft-full": lambda t, d: (ModelDrafter(d, FullPolicy(), 320), Tree.chain(3)),
+        "chain-self-streaming": lambda t, d: (SelfDrafter(t, StreamingPolicy(2, 10)), Tree.chain(3)),
+        "chain-self-snapkv": lambda t, d: (SelfDrafter(t, SnapKVPolicy(16, window=4)), Tree.chain(3)),
+        "tree-self-streaming": lambda t, d: (SelfDrafter(t, StreamingPolicy(2, 10)), resolve_tree("generic-16")),
+        "tree-draft-full": lambda t, d: (ModelDrafter(d, FullPolicy(), 320), resolve_tree("chains:2x3")),
+    }
+
+
+def engine_tokens(target, draft, mode: str, prompts, arrivals, max_new: int) -> list[list[int]]:
+    """Greedy tokens of every prompt through an Engine running `mode` over `target` / `draft` (whole models, or
+    this rank's shards: then every rank runs this same call sequence, in lockstep), requests arriving at the steps
+    `arrivals` (continuous batching: joining while others run, leaving as they finish)."""
+    from tests.engine.driver import greedy, run_engine
+
+    drafter, tree = _modes()[mode](target, draft)
+    _, states, _ = run_engine(
+        target, None, prompts, greedy(max_new), drafter=drafter, tree=tree, max_num_seqs=2, arrivals=arrivals
+    )
+    return [list(s.output_ids) for s in states]
+
+
+def sharded_engine_tokens(group, target: str, draft: str, modes: list[str], prompts, arrivals, max_new: int) -> dict:
+    """`engine_tokens` of each mode over this rank's shards of the target and the draft."""
+    from redwood.loading import load_model
+
+    t, d = load_model(target, tp=group).model, load_model(draft, tp=group).model
+    return {mode: engine_tokens(t, d, mode, prompts, arrivals, max_new) for mode in modes}

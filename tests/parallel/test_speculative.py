@@ -1,0 +1,49 @@
+"""Greedy speculation under tensor parallelism equals one process's, token for token, for every drafter × KV
+policy × tree shape here, under continuous batching (requests joining while others run): 2 and 4 ranks spawned by
+the test (gloo, float32), each running the same Engine calls over its shards (the lockstep the rank-0 driver
+reproduces, `engine.tp_worker`), on the conftest's clear-margin target and its noisy copy as the draft."""
+
+from __future__ import annotations
+
+import pytest
+
+from redwood.loading import load_model
+from tests.conftest import save_target_and_draft
+from tests.parallel.ranks import engine_tokens, run_ranks, sharded_engine_tokens
+
+MODES = [
+    "ar",
+    "chain-draft-full",
+    "chain-self-streaming",
+    "chain-self-snapkv",
+    "tree-self-streaming",
+    "tree-draft-full",
+]
+PROMPTS = [[5, 17, 3, 99, 42, 7, 250, 11, 64, 8, 1, 33], [250, 11, 64], [7, 7, 7, 7, 7, 7, 7, 9], [31, 41, 59, 26, 5]]
+ARRIVALS = [0, 0, 2, 5]  # (2 slots: the later ones join as the first finish)
+MAX_NEW = 14
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("tp-spec-models")
+    save_target_and_draft(root, tokenizer, noise=0.01)
+    return str(root / "target"), str(root / "draft")
+
+
+@pytest.mark.parametrize(
+    "world, modes",
+    [
+        (2, MODES),
+        # 4 ranks: one query head each, the 2 KV heads replicated on 2 ranks each
+        (4, ["ar", "chain-self-snapkv", "tree-draft-full"]),
+    ],
+)
+def test_greedy_speculation_under_tensor_parallelism_equals_one_process(folders, world, modes):
+    target, draft = folders
+    t, d = load_model(target).model, load_model(draft, weights="float32").model
+    want = {mode: engine_tokens(t, d, mode, PROMPTS, ARRIVALS, MAX_NEW) for mode in modes}
+    ranks = run_ranks(sharded_engine_tokens, world, target, draft, modes, PROMPTS, ARRIVALS, MAX_NEW, timeout=120)
+    for rank, got in enumerate(ranks):
+        for mode in modes:
+            assert got[mode] == want[mode], (rank, mode)
