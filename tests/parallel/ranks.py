@@ -128,14 +128,23 @@ def _modes():
 
 
 def engine_tokens(target, draft, mode: str, prompts, arrivals, max_new: int) -> list[list[int]]:
-    """Greedy tokens of every prompt through an Engine running `mode` over `target` / `draft` (whole models, or
-    this rank's shards: then every rank runs this same call sequence, in lockstep), requests arriving at the steps
-    `arrivals` (continuous batching: joining while others run, leaving as they finish)."""
+    """Tokens of every prompt through an Engine running `mode` over `target` / `draft` (whole models, or this rank's
+    shards: then every rank runs this same call sequence, in lockstep), requests arriving at the steps `arrivals`
+    (continuous batching: joining while others run, leaving as they finish). Greedy, or seeded sampling for a mode
+    ending in "-seeded" (temperature 0.8, a seed per prompt)."""
+    from redwood.sampling_params import SamplingParams
     from tests.engine.driver import greedy, run_engine
 
-    drafter, tree = _modes()[mode](target, draft)
+    seeded = mode.endswith("-seeded")
+    drafter, tree = _modes()[mode.removesuffix("-seeded")](target, draft)
+    params = greedy(max_new)
+    if seeded:
+        params = [
+            SamplingParams(max_new_tokens=max_new, ignore_eos=True, temperature=0.8, seed=i)
+            for i in range(len(prompts))
+        ]
     _, states, _ = run_engine(
-        target, None, prompts, greedy(max_new), drafter=drafter, tree=tree, max_num_seqs=2, arrivals=arrivals
+        target, None, prompts, params, drafter=drafter, tree=tree, max_num_seqs=2, arrivals=arrivals
     )
     return [list(s.output_ids) for s in states]
 

@@ -1,4 +1,4 @@
-"""Greedy speculation under tensor parallelism equals one process's, token for token, for every drafter × KV
+"""Greedy speculation (and seeded sampling) under tensor parallelism equals one process's, token for token, for every drafter × KV
 policy × tree shape here, under continuous batching (requests joining while others run): 2 and 4 ranks spawned by
 the test (gloo, float32), each running the same Engine calls over its shards (the lockstep the rank-0 driver
 reproduces, `engine.tp_worker`), on the conftest's clear-margin target and its noisy copy as the draft."""
@@ -18,6 +18,9 @@ MODES = [
     "chain-self-snapkv",
     "tree-self-streaming",
     "tree-draft-full",
+    # seeded sampling: a request's draws depend on its seed and positions only, so the ranks (and TP=1) agree
+    "ar-seeded",
+    "chain-draft-full-seeded",
 ]
 PROMPTS = [[5, 17, 3, 99, 42, 7, 250, 11, 64, 8, 1, 33], [250, 11, 64], [7, 7, 7, 7, 7, 7, 7, 9], [31, 41, 59, 26, 5]]
 ARRIVALS = [0, 0, 2, 5]  # (2 slots: the later ones join as the first finish)
