@@ -238,11 +238,19 @@ class Engine:
         return len(self.scheduler.waiting)
 
     # ------------------------------------------------------------------ the step
-    @torch.inference_mode()
     def step(self) -> list[RequestDelta]:
         """Run one step; → the deltas of the requests that got tokens (or ended) in it."""
-        if self._driver is not None:
-            self._driver.send("step")
+        if self._driver is None:
+            return self._step()
+        self._driver.send("step")
+        try:
+            return self._step()
+        except BaseException:
+            self._driver.abandon()  # (the other ranks may be mid-step: never wait on them again)
+            raise
+
+    @torch.inference_mode()
+    def _step(self) -> list[RequestDelta]:
         out = self.scheduler.schedule()
         self.num_steps += 1
         decode, prefill, batch = self._place(out)

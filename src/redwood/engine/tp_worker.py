@@ -47,7 +47,20 @@ class Driver:
     def send(self, call: str, *args) -> None:
         if call not in CALLS:
             raise ValueError(f"not a forwarded engine call: {call}")
+        if self.closed:
+            if call == "abort":
+                return  # (cleanup after an error: nothing left to tell)
+            raise RankFailure("the tensor-parallel ranks were stopped after an error on rank 0")
         self.group.broadcast_object((call, args))
+
+    def abandon(self) -> None:
+        """A call failed on rank 0 midway (an error, Ctrl-C): the other ranks may wait inside a collective it left,
+        so nothing more is sent; the ranks this process spawned are stopped (torchrun stops its own when rank 0
+        exits non-zero)."""
+        from redwood.parallel.launch import stop
+
+        self.closed = True
+        stop(self.group.procs)
 
     def close(self) -> None:
         """Tell the other ranks to return from `serve` (once; nothing when the group already failed)."""
