@@ -11,7 +11,6 @@ import torch
 
 from redwood.config import ExecutionConfig
 from redwood.engine.engine import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, Engine, engine_config  # noqa: F401 (re-exported)
-from redwood.engine.loaded import LoadedModels
 from redwood.engine.request import TokenLogprob
 from redwood.errors import ConfigError, ContextLengthError
 from redwood.loading import parse_device
@@ -95,12 +94,9 @@ class LLM:
         execution: ExecutionConfig | None = None,
         **engine_args,
     ):
-        from redwood.parallel import launch
+        from redwood.engine.tp_launch import load_models, with_torchrun_size
 
-        world = launch.torchrun_world()
-        if world is not None and world > 1 and engine_args.get("tensor_parallel_size", world) in (1, world):
-            engine_args["tensor_parallel_size"] = world  # (torchrun's ranks: this process is one)
-        self.engine_config = engine_config(cuda_graphs=cuda_graphs, **engine_args)
+        self.engine_config = engine_config(cuda_graphs=cuda_graphs, **with_torchrun_size(engine_args))
         if cuda_graphs and parse_device(device).type != "cuda":
             raise ConfigError("cuda_graphs needs device='cuda'")
         load = dict(
@@ -111,30 +107,10 @@ class LLM:
             offload_prefetch=offload_prefetch,
             threads=threads,
             weights=weights,
-            max_model_len=self.engine_config.max_model_len,
             execution=execution,
         )
-        self.tp = _start_tensor_parallel(model, load, self.engine_config, world)
-        self.models = LoadedModels.load(
-            model,
-            dtype,
-            device,
-            speculative,
-            offload,
-            offload_prefetch,
-            threads,
-            weights,
-            max_model_len=self.engine_config.max_model_len,
-            execution=execution,
-            tp=self.tp,
-        )
-        if self.tp is not None:
-            self.tp.barrier()  # (every rank has its shards)
-            if self.tp.rank != 0:  # a torchrun rank > 0: serve rank 0's engine, then end with it
-                from redwood.engine.tp_worker import run_rank
-
-                run_rank(self.models, self.engine_config, self.tp)
-                _end_rank()
+        self.models = load_models(model, load, self.engine_config)  # (a torchrun rank > 0 never returns)
+        self.tp = self.models.tp  # rank 0's tensor-parallel group, or None
         m = self.models
         self.model, self.tokenizer, self.config = m.model, m.tokenizer, m.config
         self.model_name, self.model_path = m.name, m.path
@@ -292,47 +268,3 @@ class LLM:
                     if outs[i] is None:
                         self.engine.abort(rid, notify=False)
         return outs
-
-
-def _start_tensor_parallel(model, load: dict, config, torchrun_world: int | None):
-    """This process's `TPGroup` when `config.tensor_parallel_size` > 1 (torchrun's rank, or rank 0 of ranks
-    spawned now, each loading its shards with `load`), else None. The model's shapes are checked first."""
-    world = config.tensor_parallel_size
-    if world == 1:
-        return None
-    from redwood.engine.loaded import check_tensor_parallel
-    from redwood.loading import inspect_model
-    from redwood.parallel import launch
-
-    if torchrun_world is not None and torchrun_world != world:
-        raise ConfigError(f"tensor_parallel_size {world} under torchrun's {torchrun_world} processes: give the same")
-    info = inspect_model(model)
-    spec = load["speculative"]
-    check_tensor_parallel(world, info.config, load["offload"], spec, load["weights"])
-    if spec is not None and spec.draft_model:
-        from redwood.models.shard import check_shardable
-
-        check_shardable(inspect_model(spec.draft_model).config, world)  # (the draft shards over the same ranks)
-    device = parse_device(load["device"])
-    if torchrun_world is not None:
-        group = launch.join(device)
-        if group.rank != 0:
-            from redwood.progress import set_quiet
-
-            set_quiet(True)  # (rank 0 shows the progress)
-        return group
-    from redwood.engine.tp_worker import spawned_rank
-
-    payload = {"load": {"model": str(info.path), **load}, "engine": config}
-    return launch.spawn(world, device, spawned_rank, payload)
-
-
-def _end_rank() -> None:
-    """A torchrun rank > 0 whose rank 0 said stop: exit now, status 0 (no interpreter teardown: gloo's threads,
-    still held by the process group, would abort it)."""
-    import os
-    import sys
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -28,11 +28,17 @@ LLM_SCRIPT = """
 import json, sys
 from redwood import LLM, SamplingParams
 from redwood.speculation.config import SpeculativeConfig
-target, draft, prompts, max_new = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
-spec = None if draft == "-" else SpeculativeConfig(draft_model=draft, num_draft_tokens=3)
+target, draft, mode, prompts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+spec = {
+    "ar": None,
+    "chain-draft": SpeculativeConfig(draft_model=draft, num_draft_tokens=3),
+    "auto": SpeculativeConfig(policy="auto", draft_model=draft),
+}[mode]
 llm = LLM(target, tensor_parallel_size=2, speculative=spec, max_num_seqs=2)
-outs = llm.generate(prompts, SamplingParams(max_new_tokens=max_new, ignore_eos=True))
+outs = llm.generate(prompts, SamplingParams(max_new_tokens=int(sys.argv[5]), ignore_eos=True))
 print(json.dumps([o.token_ids for o in outs]))
+if mode == "auto":
+    print(json.dumps(llm.engine.policy.report()["plans"]))
 """
 
 KILL_SCRIPT = """
@@ -57,8 +63,8 @@ def folders(tmp_path_factory, tokenizer):
     return root / "target", root / "draft"
 
 
-def _run(args: list[str], timeout: float = 90) -> subprocess.CompletedProcess:
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=subprocess_env())
+def _run(args: list[str], timeout: float = 90, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=subprocess_env(**env))
 
 
 def _tp1(folder, draft=None) -> list[list[int]]:
@@ -68,15 +74,25 @@ def _tp1(folder, draft=None) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("mode", ["ar", "chain-draft"])
-def test_llm_greedy_tp2_equals_tp1(folders, mode):
+@pytest.mark.parametrize("mode", ["ar", "chain-draft", "auto"])
+def test_llm_greedy_tp2_equals_tp1(folders, mode, tmp_path):
+    """Greedy tokens are the target's whatever the plan: TP=2 (a draft chain, or the automatic policy over the
+    draft model and ngram — rank 0 plans from costs calibrated at TP=2, its plans run on both ranks) equals
+    TP=1 autoregressive decoding (and TP=1's draft chain). The script is a file without an `if __name__ ==
+    "__main__"` guard: the rank redwood spawns does not run it again."""
     target, draft = folders
-    draft = draft if mode == "chain-draft" else None
-    want = _tp1(target, draft)
-    args = [str(target), "-" if draft is None else str(draft), json.dumps(PROMPTS), str(MAX_NEW)]
-    out = _run([sys.executable, "-c", LLM_SCRIPT, *args])
+    want = _tp1(target, draft if mode == "chain-draft" else None)
+    args = [str(target), str(draft), mode, json.dumps(PROMPTS), str(MAX_NEW)]
+    script = tmp_path / "script.py"  # (a file with no `__main__` guard: the spawned rank must not run it again)
+    script.write_text(LLM_SCRIPT)
+    out = _run([sys.executable, str(script), *args], REDWOOD_HOME=str(tmp_path))
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == want
+    lines = out.stdout.strip().splitlines()
+    assert json.loads(lines[-2 if mode == "auto" else -1]) == want
+    if mode == "auto":
+        assert sum(json.loads(lines[-1]).values()) > 0  # (steps were planned)
+        [costs] = (tmp_path / "costs").glob("*.json")  # rank 0 saved the TP=2 calibration
+        assert json.loads(costs.read_text())["key"]["tensor_parallel"] == 2
 
 
 def _generate_args(target, *extra) -> list[str]:

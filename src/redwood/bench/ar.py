@@ -124,6 +124,8 @@ def run_ar_bench(
             f"--compare-hf runs Hugging Face transformers on the same float weights; the model holds "
             f"{weights} weights (--weights auto packs a .gguf file on the CPU): add --weights float32"
         )
+    if compare_hf and getattr(llm, "tp", None) is not None:
+        raise ConfigError("--compare-hf runs transformers over the whole model: not under tensor parallelism")
     prompts = make_prompts(llm, batch_size, prompt_len, dataset, seed)
     params = SamplingParams(max_new_tokens=gen_len, ignore_eos=True)
     llm.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm-up
@@ -143,6 +145,7 @@ def run_ar_bench(
         "prompt_len": prompt_len,
         "gen_len": gen_len,
         "weights": weights,
+        "tensor_parallel_size": llm.engine_config.tensor_parallel_size,
         "redwood": best,
     }
     device = llm.model.device
@@ -165,7 +168,8 @@ def run_ar_bench(
 def format_result(r: dict) -> str:
     lines = [
         f"batch {r['batch_size']}, prompt {r['prompt_len']} tokens, {r['gen_len']} generated (greedy), "
-        f"{r.get('weights', 'float32')} weights",
+        f"{r.get('weights', 'float32')} weights"
+        + (f", {r['tensor_parallel_size']} tensor-parallel ranks" if r.get("tensor_parallel_size", 1) > 1 else ""),
         f"{'engine':<14}{'prefill s':>12}{'decode tok/s':>15}",
     ]
     for name in ("redwood", "hf"):

@@ -109,7 +109,7 @@ def register(sub) -> None:
         "tokens per row. --compare-hf runs Hugging Face transformers' generate "
         "on the same weights and prompts in the same process.",
     )
-    add_model_args(ar)
+    add_model_args(ar, tensor_parallel=True)
     ar.add_argument("--batch-size", type=int, default=1)
     ar.add_argument("--prompt-len", type=int, default=128)
     ar.add_argument("--gen-len", type=int, default=64)

@@ -12,7 +12,6 @@ from redwood.commands.options import (
     add_offload_args,
     add_sampling_args,
     add_speculative_args,
-    add_tensor_parallel_arg,
     engine_kwargs,
     llm_from_args,
     load_kwargs,
@@ -31,14 +30,13 @@ def register(sub) -> None:
         "same tokens when greedy, the same distribution when sampling) and the "
         "stats include acceptance and draft / verify time.",
     )
-    add_model_args(p)
+    add_model_args(p, tensor_parallel=True)
     add_offload_args(p)
     p.add_argument("--prompt", required=True, help="the prompt text ('-' reads standard input)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_sampling_args(p)
     add_speculative_args(p)
     add_engine_args(p)
-    add_tensor_parallel_arg(p)
     p.add_argument(
         "--json",
         action="store_true",
@@ -162,6 +160,11 @@ def run(args) -> int:
         raise ConfigError(
             f"--compare-ar N must be >= 2 (the first token comes from the prefill; decode speed needs "
             f"more), got {args.compare_ar}"
+        )
+    if args.compare_ar is not None and (args.tensor_parallel_size or 1) > 1:
+        raise ConfigError(
+            "--compare-ar builds a second engine over the loaded models: not under --tensor-parallel-size "
+            "(sharded models serve one engine; run the comparison at TP=1)"
         )
     load_kwargs(args)  # (the load flags' errors before reading the prompt)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt

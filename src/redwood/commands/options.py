@@ -10,8 +10,9 @@ from redwood.speculation.config import MAX_DRAFT_DEPTH, check_draft_tree
 from redwood.speculation.draftless import DEFAULT_MAX_N, DEFAULT_MIN_N
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model / --dtype / --device, shared by every command that loads a model."""
+def add_model_args(p: argparse.ArgumentParser, tensor_parallel: bool = False) -> None:
+    """--model / --dtype / --device, shared by every command that loads a model; tensor_parallel: also
+    --tensor-parallel-size (the commands that drive one engine through `LLM` / `Engine.from_pretrained`)."""
     p.add_argument(
         "--model", default=DEFAULT_MODEL, help=f"zoo name, Hugging Face folder or .gguf file (default: {DEFAULT_MODEL})"
     )
@@ -22,6 +23,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     add_threads_arg(p)
     add_execution_args(p)
     add_quiet_arg(p)
+    if tensor_parallel:
+        add_tensor_parallel_arg(p)
 
 
 def add_execution_args(p: argparse.ArgumentParser) -> None:
@@ -642,7 +645,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
-    """--tensor-parallel-size N (args.tensor_parallel_size; `engine_kwargs` passes it on)."""
+    """--tensor-parallel-size N (args.tensor_parallel_size; `load_kwargs` passes it on)."""
     p.add_argument(
         "--tensor-parallel-size",
         type=int,
@@ -656,9 +659,7 @@ def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args) -> dict:
     """LLM(...) / Engine(...) keywords from the engine flags that were given."""
     names = ("max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens", "kv_cache_memory")
-    out = {
-        name: getattr(args, name) for name in (*names, "tensor_parallel_size") if getattr(args, name, None) is not None
-    }
+    out = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     if getattr(args, "enable_prefix_caching", False):
         out["enable_prefix_caching"] = True
     return out
@@ -667,9 +668,15 @@ def engine_kwargs(args) -> dict:
 def load_kwargs(args) -> dict:
     """LLM(...) / Engine.from_pretrained(...) keywords from the flags every model-loading command shares:
     --dtype, --device, --weights, --no-cuda-graphs, --threads, the execution flags and, where the command has
-    them, the offload flags (ConfigError for bad values, before any weights load)."""
+    them, the offload flags and --tensor-parallel-size (ConfigError for bad values, before any weights load)."""
     offload = offload_kwargs(args) if hasattr(args, "offload") else {}
+    tp = getattr(args, "tensor_parallel_size", None)
+    if tp is not None and tp < 1:
+        from redwood.errors import ConfigError
+
+        raise ConfigError(f"--tensor-parallel-size must be >= 1, got {tp}")
     return {
+        **({} if tp is None else {"tensor_parallel_size": tp}),
         "dtype": args.dtype,
         "device": args.device,
         "weights": args.weights,

@@ -34,7 +34,7 @@ def register(sub) -> None:
         "(Prometheus) and a playground page at /. With --draft-model M, "
         "--self-speculate or --draft ngram every request decodes speculatively (lossless).",
     )
-    add_model_args(p)
+    add_model_args(p, tensor_parallel=True)
     add_offload_args(p)
     add_speculative_args(p)
     add_engine_args(p)
@@ -124,4 +124,6 @@ def run(args) -> int:
     server = DrainingServer(config, app.state.redwood, banner=f"serving {name}")
     server.run()
     sys.stdout.flush()
+    if app.state.redwood.loop.fatal is not None:
+        raise app.state.redwood.loop.fatal  # (one line naming the rank that died; exit status 2)
     return 0 if server.started else 1

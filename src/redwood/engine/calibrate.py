@@ -107,16 +107,30 @@ def calibrate(model, draft_model=None, max_context: int = 4096, show: bool = Tru
     return CostTable(target, draft)
 
 
-def load_or_calibrate(model, draft_model=None, max_context: int = 4096, show: bool = True, root=None) -> CostTable:
+def load_or_calibrate(
+    model, draft_model=None, max_context: int = 4096, show: bool = True, root=None, tp=None
+) -> CostTable:
     """The cached table for this setup, or a fresh calibration (saved, and said on stderr). Times are taken at
-    the current thread count (the key records it)."""
-    key = cost_key(model, draft_model)
-    table, why = load_costs(key, root)
+    the current thread count (the key records it).
+
+    tp: under tensor parallelism this rank's group (`model` is its shard): rank 0 reads the cache (keyed by the
+    tensor-parallel size: a TP=2 step costs what TP=2 measures, all-reduces included); when it has no table
+    every rank calibrates together — the same forwards in the same order, their collectives in lockstep — and
+    rank 0's table (the one that plans) is every rank's."""
+    lead = tp is None or tp.rank == 0
+    key = cost_key(model, draft_model, tensor_parallel=1 if tp is None else tp.world)
+    table, why = load_costs(key, root) if lead else (None, "")
+    if tp is not None:
+        table = tp.broadcast_object(table)  # (None: the ranks calibrate, all of them)
     if table is not None:
         return table
-    note(f"{why}: calibrating the speculation cost model (`redwood profile --for-policy` does this ahead)")
+    if lead:
+        note(f"{why}: calibrating the speculation cost model (`redwood profile --for-policy` does this ahead)")
     t0 = time.perf_counter()
-    table = calibrate(model, draft_model, max_context, show)
-    path = save_costs(key, table, root)
-    note(f"calibrated in {time.perf_counter() - t0:.1f} s; saved {path}")
+    table = calibrate(model, draft_model, max_context, show and lead)
+    if tp is not None:
+        table = tp.broadcast_object(table if lead else None)
+    if lead:
+        path = save_costs(key, table, root)
+        note(f"calibrated in {time.perf_counter() - t0:.1f} s; saved {path}")
     return table

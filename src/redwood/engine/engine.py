@@ -43,6 +43,7 @@ from redwood.engine.request import RequestState, SpecStats
 from redwood.engine.scheduler import Scheduler, SeqState
 from redwood.engine.threads import set_threads
 from redwood.engine.tokenization import check_max_model_len, check_prompt_ids, encode_prompt, eos_token_ids  # noqa: F401
+from redwood.engine.tp_worker import share_plan
 from redwood.errors import ConfigError
 from redwood.kv.blocks import BlockPool
 from redwood.loading import ModelInfo, parse_device
@@ -96,8 +97,9 @@ class Engine:
         if threads is not None:
             set_threads(threads.current)
         try:
-            key = cost_key(self.model, own)
-            table = load_or_calibrate(self.model, own, self.max_model_len)
+            tp = self.models.tp
+            key = cost_key(self.model, own, tensor_parallel=1 if tp is None else tp.world)
+            table = load_or_calibrate(self.model, own, self.max_model_len, tp=tp)
         finally:
             if threads is not None:
                 set_threads(threads.base)
@@ -108,11 +110,13 @@ class Engine:
     def from_pretrained(cls, model: str | Path | ModelInfo = DEFAULT_MODEL, **settings) -> "Engine":
         """Load the models, then build the engine. `settings`: `LoadedModels.load`'s arguments (dtype, device,
         speculative, offload, offload_prefetch, threads, weights, execution) and `EngineConfig`'s fields."""
+        from redwood.engine.tp_launch import load_models, with_torchrun_size
+
         load = {k: settings.pop(k) for k in LOAD_ARGS if k in settings}
-        config = engine_config(**settings)
+        config = engine_config(**with_torchrun_size(settings))
         if config.cuda_graphs and parse_device(load.get("device", "cpu")).type != "cuda":
             raise ConfigError("cuda_graphs needs device='cuda'")
-        return cls(LoadedModels.load(model, max_model_len=config.max_model_len, **load), config)
+        return cls(load_models(model, load, config), config)  # (tensor parallel: rank 0's; the others serve it)
 
     @classmethod
     def build(
@@ -237,6 +241,16 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.engine_config.tensor_parallel_size
+
+    def check_ranks(self) -> None:
+        """Under tensor parallelism, between steps: a `RankFailure` naming a rank that has ended (a driver idling
+        — the server between requests — learns of it here, not only at its next step); else nothing."""
+        if self._driver is not None:
+            self._driver.check()
+
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestDelta]:
         """Run one step; → the deltas of the requests that got tokens (or ended) in it."""
@@ -258,6 +272,8 @@ class Engine:
         if batch.decode:
             bucket = self.executor.bucket(batch.decode)
             plan = self.policy.plan(batch.decode, bucket, self.scheduler.prefill_backlog_steps())
+            if self.policy.auto and self.models.tp is not None:
+                plan = share_plan(self.models.tp, self.policy, plan)  # (rank 0's: the one timed plan)
         result = self.executor.execute(batch, plan)
         updates = self.output.process(batch, result, decode, prefill)
         if batch.decode:

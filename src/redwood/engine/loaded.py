@@ -94,7 +94,7 @@ class LoadedModels:
         """Load a target (and its drafter); the arguments as `redwood.LLM`'s (max_model_len: checked against
         the model's context before the weights load; execution: how both models' forwards run). A draft
         model loads in `speculative.draft_weights`. tp: a tensor-parallel rank's group: this rank's shards of
-        the target and of a draft model are loaded (float weights; no offloading, no automatic policy yet)."""
+        the target and of a draft model are loaded (float weights; no offloading)."""
         from redwood.engine.threads import adaptive_threads, apply_threads, check_threads
 
         if execution is not None and not isinstance(execution, ExecutionConfig):
@@ -152,7 +152,7 @@ class LoadedModels:
         )
         if speculative is not None and speculative.auto:
             self.tree = speculative.make_tree()
-            self.auto_drafters = _auto_drafters(speculative, loaded.model, dtype, device, draft_info, execution)
+            self.auto_drafters = _auto_drafters(speculative, loaded.model, dtype, device, draft_info, execution, tp)
             self.drafter = self.auto_drafters[0]
             self.draft_name = "auto: " + ", ".join(d.name for d in self.auto_drafters)
         elif speculative is not None:
@@ -220,9 +220,10 @@ class LoadedModels:
         return cpu_fused.model_takes(self.model)
 
 
-def _auto_drafters(spec: SpeculativeConfig, target, dtype, device, draft_info, execution) -> list:
-    """The automatic policy's drafters, the draft model (if configured) loaded from `draft_info`."""
-    draft = _load_draft(spec, dtype, device, draft_info, execution)
+def _auto_drafters(spec: SpeculativeConfig, target, dtype, device, draft_info, execution, tp=None) -> list:
+    """The automatic policy's drafters, the draft model (if configured) loaded from `draft_info` (this rank's
+    shard under `tp`)."""
+    draft = _load_draft(spec, dtype, device, draft_info, execution, tp)
     return auto_drafters_for(spec, target, *draft)
 
 
@@ -283,11 +284,6 @@ def check_tensor_parallel(
             )
     if offload:
         raise ConfigError("offloading streams one process's layers: it does not run under tensor parallelism")
-    if speculative is not None and speculative.auto:
-        raise ConfigError(
-            "the automatic speculation policy plans from this process's timings: under tensor parallelism give a "
-            "fixed plan (a draft model or self-speculation with a γ)"
-        )
 
 
 def drafter_for(spec: SpeculativeConfig, target, draft_model=None, draft_source: str | None = None) -> tuple:

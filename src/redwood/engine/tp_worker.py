@@ -20,8 +20,9 @@ workers that only run forwards):
   commits the same tokens — with the same seeds, since a request's random stream depends on its seed and
   positions only.
 What may not differ between ranks are decisions taken from clocks or from one rank's view: the automatic
-speculation policy plans from measured times (refused under tensor parallelism in this slice; next, rank 0
-plans and sends the plan with "step"); the CPU's adaptive thread count only changes speed (it runs where a
+speculation policy plans from measured times, so rank 0's plan is every rank's (`share_plan`, one small
+broadcast a step; its costs are calibrated by all ranks together and cached per tensor-parallel size,
+`engine.calibrate.load_or_calibrate`); the CPU's adaptive thread count only changes speed (it runs where a
 step's bits do not depend on it). Requests arriving at a server reach rank 0 only — forwarded like `LLM`'s.
 """
 
@@ -62,6 +63,17 @@ class Driver:
         self.closed = True
         stop(self.group.procs)
 
+    def check(self) -> None:
+        """While idle (a server waiting for requests): a `RankFailure` naming a rank that ended meanwhile; the
+        ranks this process spawned are stopped then."""
+        if self.closed:
+            return
+        try:
+            self.group.check_alive()
+        except RankFailure:
+            self.abandon()
+            raise
+
     def close(self) -> None:
         """Tell the other ranks to return from `serve` (once; nothing when the group already failed)."""
         if self.closed or self.group.broken is not None:
@@ -72,6 +84,23 @@ class Driver:
         except RankFailure:
             return  # (a rank already gone: nothing to release)
         self.group.close()  # (the process group's threads end here, not in the interpreter's teardown)
+
+
+def share_plan(group, policy, plan):
+    """The automatic policy's plan for this step, rank 0's on every rank (→ a `policy.Plan`).
+
+    The policy scores plans by measured seconds, which differ between ranks; every rank still runs its `plan`
+    (the draftless scorers read each step's proposals there, deterministically), then takes rank 0's choice:
+    its candidate's index among the policy's candidates (the same list on every rank), whether it probes, and
+    what it expected — a few numbers over the control channel, not the drafter."""
+    from redwood.speculation.policy import Plan
+
+    if group.rank == 0:
+        msg = (policy.candidates.index(plan.candidate), plan.probe, plan.expected_tokens, plan.predicted_s)
+        group.broadcast_object(msg)
+        return plan
+    index, probe, expected, predicted = group.broadcast_object(None)
+    return Plan(policy.candidates[index], probe=probe, expected_tokens=expected, predicted_s=predicted)
 
 
 def serve(engine, group) -> None:
@@ -98,6 +127,7 @@ def spawned_rank(group, payload: dict) -> None:
     rank 0's arguments, meet rank 0 at the barrier, run the engine (`run_rank`)."""
     from redwood.engine.loaded import LoadedModels
 
-    models = LoadedModels.load(**payload["load"], tp=group)
+    config = payload["engine"]
+    models = LoadedModels.load(**payload["load"], max_model_len=config.max_model_len, tp=group)
     group.barrier()  # (every rank loaded: a rank that failed to is named at rank 0's LLM(), not mid-generate)
-    run_rank(models, payload["engine"], group)
+    run_rank(models, config, group)

@@ -127,6 +127,16 @@ class TPGroup:
             f"(collectives time out after {self.timeout_s:g} s, {envs.TP_TIMEOUT}): {detail}"
         )
 
+    def check_alive(self) -> None:
+        """Between calls (nothing in flight to fail): a `RankFailure` naming any rank known to have ended."""
+        if self.broken is not None:
+            raise self.broken
+        dead = self.dead_peers()
+        if dead:
+            who = "; ".join(f"tensor-parallel rank {r} (pid {pid}) {how}" for r, pid, how in dead)
+            self.broken = RankFailure(f"{who}; rank {self.rank} stops")
+            raise self.broken
+
     def dead_peers(self) -> list[tuple[int, int, str]]:
         """(rank, pid, how) of the ranks known to have ended: spawned by this process, or on this host."""
         out = []

@@ -12,6 +12,7 @@ gloo on the CPU, NCCL on CUDA (one GPU a rank: LOCAL_RANK's); every wait bounded
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -81,12 +82,16 @@ def spawn(world: int, device: torch.device, worker, payload) -> TPGroup:
     )
     ctx = mp.get_context("spawn")
     procs = {}
-    for rank in range(1, world):
-        p = ctx.Process(
-            target=_spawned_main, args=(rank, world, port, str(device), worker, payload), daemon=True, name=f"tp{rank}"
-        )
-        p.start()
-        procs[rank] = p
+    with _main_hidden():
+        for rank in range(1, world):
+            p = ctx.Process(
+                target=_spawned_main,
+                args=(rank, world, port, str(device), worker, payload),
+                daemon=True,
+                name=f"tp{rank}",
+            )
+            p.start()
+            procs[rank] = p
     keys = [f"redwood/up/{r}" for r in procs]
     deadline = time.monotonic() + seconds
     while not store.check(keys):  # (polled: a rank that dies while starting is named now, not at the timeout)
@@ -101,6 +106,23 @@ def spawn(world: int, device: torch.device, worker, payload) -> TPGroup:
     dev = _rank_device(device, 0)
     dist.init_process_group(backend_for(dev), store=store, rank=0, world_size=world, timeout=timedelta(seconds=seconds))
     return TPGroup(0, world, dev, procs)
+
+
+@contextlib.contextmanager
+def _main_hidden():
+    """While ranks start: the user's `__main__` hidden from multiprocessing's spawn, which would run it again in
+    every rank (a script calling `LLM(tensor_parallel_size=N)` at top level, without an `if __name__ ==
+    "__main__"` guard, would spawn ranks from each rank). A rank needs only redwood's modules: `worker` and its
+    payload are redwood's."""
+    main = sys.modules["__main__"]
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
 
 
 def _spawned_main(rank: int, world: int, port: int, device: str, worker, payload) -> None:

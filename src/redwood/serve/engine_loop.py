@@ -24,7 +24,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from redwood.errors import RedwoodError
+from redwood.errors import RankFailure, RedwoodError
 from redwood.sampling_params import SamplingParams
 
 log = logging.getLogger("redwood.serve")
@@ -86,6 +86,10 @@ class EngineLoop:
         self.num_running = 0
         self.num_waiting = 0
         self.num_steps = 0
+        # a tensor-parallel rank that died: the engine cannot go on, the server exits with it (`DrainingServer`)
+        self.fatal: RankFailure | None = None
+        # how often an idle loop asks a tensor-parallel engine whether its ranks live (None: one process)
+        self._idle_check_s = 1.0 if getattr(engine, "tensor_parallel_size", 1) > 1 else None
 
     # ------------------------------------------------------------------ event-loop side
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -177,12 +181,19 @@ class EngineLoop:
         while not self._stop:
             self._wake.clear()  # (before draining: a command sent after this wakes the next wait)
             self._drain_commands()
-            if not engine.has_unfinished():
-                self._snapshot()
-                self._wake.wait()
-                continue
             try:
+                if not engine.has_unfinished():
+                    self._snapshot()
+                    self._wake.wait(self._idle_check_s)
+                    if self._idle_check_s is not None:
+                        engine.check_ranks()
+                    continue
                 deltas = engine.step()
+            except RankFailure as e:  # a tensor-parallel rank is gone: nothing can run any more
+                log.error("%s", e)
+                self.fatal = e
+                self._fail_all(e)
+                return
             except Exception as e:  # a bug in a step: drop its requests, keep serving
                 log.exception("the engine failed in a step; dropping the %d requests it held", len(self._handles))
                 self._fail_all(e)

@@ -44,6 +44,9 @@ class DrainingServer(uvicorn.Server):
             self.force_exit = self.should_exit = True
 
     async def on_tick(self, counter: int) -> bool:
+        if self.state.loop.fatal is not None:  # (a tensor-parallel rank died: `redwood serve` exits with its error)
+            self.force_exit = True
+            return True
         if self.state.draining and self.state.loop.in_flight == 0:
             return True
         return await super().on_tick(counter)
