@@ -1,0 +1,82 @@
+"""`redwood serve --tensor-parallel-size 2` (a real subprocess on a free 127.0.0.1 port, /health answered) gives the
+official `openai` client the greedy text one process gives — completions and streamed chat, requests at once
+(continuous batching over both ranks) — and when a rank is killed the server exits non-zero within seconds with a
+line naming it. Every wait is bounded."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from redwood import LLM, SamplingParams
+from tests.conftest import save_target_and_draft
+from tests.serve.server_process import start_server
+
+PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of", "for i in range(10):"]
+N = 24
+NAME = "tiny"
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("tp-serve-models")
+    save_target_and_draft(root, tokenizer, noise=0.01)
+    return root / "target", root / "draft"
+
+
+def spawned_ranks(pid: int) -> list[int]:
+    """The pids of the ranks server `pid` spawned (multiprocessing's spawned children, not its resource tracker)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if "spawn_main" in cmd and "resource_tracker" not in cmd:
+                out.append(int(child))
+    return out
+
+
+def test_tp2_server_answers_the_openai_client_like_one_process_and_exits_when_a_rank_dies(folders):
+    target, draft = folders
+    one = LLM(str(target), max_num_seqs=4)
+    greedy = SamplingParams(max_new_tokens=N, ignore_eos=True)
+    want = [o.text for o in one.generate(PROMPTS, greedy)]
+    want_chat = one.generate([PROMPTS[1]], greedy, chat=True)[0].text
+    flags = ["--model", str(target), "--served-model-name", NAME, "--max-num-seqs", "4", "--tensor-parallel-size", "2"]
+    flags += ["--draft-model", str(draft), "--gamma", "3"]  # (a draft chain: the draft sharded too)
+    server = start_server(flags, timeout=120, env={"REDWOOD_TP_TIMEOUT": "20"})
+    try:
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=60, max_retries=0) as client:
+
+            def complete(prompt: str) -> str:
+                r = client.completions.create(
+                    model=NAME, prompt=prompt, max_tokens=N, temperature=0, extra_body={"ignore_eos": True}
+                )
+                return r.choices[0].text
+
+            with ThreadPoolExecutor(len(PROMPTS)) as pool:  # (at once: the rows batch on both ranks)
+                assert list(pool.map(complete, PROMPTS)) == want
+            stream = client.chat.completions.create(
+                model=NAME,
+                messages=[{"role": "user", "content": PROMPTS[1]}],
+                max_tokens=N,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want_chat
+        # rank 1 killed while the server idles: it exits non-zero within seconds, naming the rank
+        [rank1] = spawned_ranks(server.proc.pid)
+        t0 = time.monotonic()
+        os.kill(rank1, signal.SIGKILL)
+        code = server.wait(timeout=20)
+        assert time.monotonic() - t0 < 15
+        assert code != 0
+        assert f"tensor-parallel rank 1 (pid {rank1}) died (killed by SIGKILL)" in server.log(), server.log()[-2000:]
+    finally:
+        server.stop(timeout=20)
