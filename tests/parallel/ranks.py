@@ -78,14 +78,27 @@ def _plain(value):
 
 
 # ---------------------------------------------------------------------------------------- rank functions
-def sharded_checks(group, folders: list[str], steps: list[list[int]]) -> dict:
-    """The collectives on known inputs (`collective_pieces`), then for each model folder the logits of this rank's
-    shard for each forward in `steps` (a prompt, then one token at a time) over one cache row."""
+def model_info(path):
+    """The model at `path` (a folder, or a GGUF test file: no tokenizer)."""
+    from pathlib import Path
+
+    from redwood.loading import ModelInfo, inspect_model
+    from redwood.loading.gguf import read_gguf_config
+
+    path = Path(path)
+    if path.is_dir():
+        return inspect_model(path)
+    return ModelInfo(config=read_gguf_config(path), tokenizer=None, source=str(path), path=path)
+
+
+def sharded_checks(group, models: list[tuple[str, str]], steps: list[list[int]]) -> dict:
+    """The collectives on known inputs (`collective_pieces`), then for each (model path, weight format) the logits
+    of this rank's shard for each forward in `steps` (a prompt, then one token at a time) over one cache row."""
     from redwood.loading import load_model
 
     out = {"collectives": collective_pieces(group)}
-    for folder in folders:
-        out[folder] = run_forwards(load_model(folder, tp=group).model, steps)
+    for path, weights in models:
+        out[path] = run_forwards(load_model(model_info(path), weights=weights, tp=group).model, steps)
     return out
 
 

@@ -129,7 +129,8 @@ def test_cli_spawned_and_torchrun_equal_one_process(folders):
     "extra, words",
     [
         (["--tensor-parallel-size", "3"], "tensor_parallel_size 3 must divide the model's 4 attention heads"),
-        (["--tensor-parallel-size", "2", "--weights", "int8"], "weights='int8' cannot be sharded"),
+        (["--tensor-parallel-size", "2", "--offload"], "offloading streams one process's layers"),
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1, got 0"),
     ],
 )
 def test_bad_input_is_one_line(folders, extra, words):

@@ -104,11 +104,69 @@ def test_a_float_gguf_shard_is_the_cut_of_the_whole_model(tmp_path):
     _check_shards_equal_cuts(path)
 
 
-def test_packed_formats_refuse_tensor_parallelism(tmp_path):
-    from tests.loading.test_gguf import random_state_dict, write_gguf
+# the kquant test file's types without its Q6_K o_proj (256 inputs: 128 a rank at TP=2, half a super-block)
+def kq_types_that_shard() -> dict:
+    from tests.models.test_cpu_kquant import KQ_TYPES
 
-    path = tmp_path / "tiny.gguf"
-    write_gguf(path, "qwen2", random_state_dict(10, qkv_bias=True, tied=True))
-    with pytest.raises(ConfigError, match="float weights") as e:
-        load_model(_info(path), weights="int8", tp=FakeGroup(0, 2))
-    assert "\n" not in str(e.value)
+    return {k: v for k, v in KQ_TYPES.items() if k != "blk.0.attn_output.weight"}
+
+
+def needs_kquant():
+    from redwood.cpu_kernels import kquant
+
+    if kquant.why_unavailable():
+        pytest.skip(f"the kquant kernel cannot run here: {kquant.why_unavailable()}")
+
+
+def test_a_kquant_shard_keeps_the_files_blocks_cut_on_their_boundaries(tmp_path):
+    """Each rank's Q4_K / Q6_K projections are the file's own super-blocks, cut (rows anywhere; the row-parallel
+    down_proj on whole 256-value blocks): their values equal the cut of the file's, bit for bit; the other types
+    take kquant's fallback, and the vocab-parallel head its rows."""
+    needs_kquant()
+    from redwood.cpu_kernels import kquant
+    from redwood.loading.gguf import read_gguf
+    from redwood.models.cpu_weights import KQUANT
+    from tests.loading.test_gguf import gguf_name
+    from tests.models.test_cpu_kquant import fallback, projections, write_mixed
+
+    types = kq_types_that_shard()
+    path = write_mixed(tmp_path / "kq.gguf", "qwen2", seed=6, types=types)
+    whole = read_gguf(path).tensors  # the file's values as floats (HF names)
+    hf = {gguf_name(k): k for k in whole}
+    for rank in range(2):
+        m = load_model(_info(path), weights="kquant", tp=FakeGroup(rank, 2)).model
+        plan = ShardPlan(rank, 2, m.config)
+        kinds = {}
+        for g, module in projections(m):
+            name = "lm_head.weight" if g == "output.weight" else hf[g]
+            want = plan.take(name, whole[name])
+            qtype = types.get(g)
+            kinds[g] = module.kind
+            if qtype is not None and qtype.name in kquant.TYPES:
+                assert module.kind == KQUANT and module.type_name == qtype.name, g
+                assert torch.equal(module.dequantized(), want), g  # the file's values, cut
+            else:
+                assert module.kind == fallback(), g
+                assert torch.allclose(module.dequantized(), want, atol=want.abs().max().item() / 100), g
+        assert kinds["blk.0.ffn_down.weight"] == KQUANT  # (row-parallel: 512 inputs, 256 a rank)
+
+
+def test_kquant_cut_inside_a_super_block_names_the_formats_that_shard(tmp_path):
+    from tests.models.test_cpu_kquant import KQ_TYPES, write_mixed
+
+    needs_kquant()
+    path = write_mixed(tmp_path / "kq.gguf", "qwen2", seed=6, types=KQ_TYPES)
+    with pytest.raises(ConfigError) as e:
+        load_model(_info(path), weights="kquant", tp=FakeGroup(0, 2))
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith(
+        "weights='kquant' cannot be sharded over 2 ranks: model.layers.0.self_attn.o_proj.weight (Q6_K) splits "
+        "its 256 inputs into 128 a rank, inside its 256-value super-blocks; formats that shard here: float32, "
+    )
+    assert "w8a8" in msg.split("shard here:")[1] and "kquant" not in msg.split("shard here:")[1]
+    # auto takes the next format that shards instead (as it does for shapes a format cannot pack)
+    assert load_model(_info(path), weights="auto", tp=FakeGroup(0, 2)).model.weights != "kquant"
+    # and a file whose Q4_K / Q6_K row-parallel cuts fall on block boundaries keeps kquant under auto
+    path = write_mixed(tmp_path / "kq-ok.gguf", "qwen2", seed=6, types=kq_types_that_shard())
+    assert load_model(_info(path), weights="auto", tp=FakeGroup(1, 2)).model.weights == "kquant"

@@ -115,7 +115,7 @@ class LoadedModels:
         info = inspect_model(model)
         check_max_model_len(max_model_len, info.config.max_position_embeddings)
         if tp is not None:
-            check_tensor_parallel(tp.world, info.config, offload, speculative, weights)
+            check_tensor_parallel(tp.world, info.config, offload)
             device = tp.device  # (on CUDA: this rank's GPU)
         draft_info = None
         if speculative is not None and speculative.draft_model:
@@ -212,6 +212,8 @@ class LoadedModels:
         from redwood.kv.policies import FullPolicy
         from redwood.models import cpu_fused
 
+        if self.tp is not None:
+            return False  # (the C++ layers step aside under tensor parallelism: `backends._tensor_parallel`)
         for d in self.auto_drafters or ([] if self.drafter is None else [self.drafter]):
             if d.needs_history:
                 continue  # draftless: no draft forward
@@ -267,21 +269,12 @@ def _make_drafter(
     return drafter_for(spec, target, *_load_draft(spec, dtype, device, draft_info, execution, tp))
 
 
-def check_tensor_parallel(
-    world: int, config, offload: bool, speculative: SpeculativeConfig | None, weights: str = "auto"
-) -> None:
-    """What tensor parallelism runs in this slice: a one-line ConfigError for the rest, before any weight loads."""
-    from redwood.models.backends import TP_FORMATS
+def check_tensor_parallel(world: int, config, offload: bool) -> None:
+    """What tensor parallelism refuses, as a one-line ConfigError before any rank starts: shapes that do not
+    split over `world` ranks, offloading. (Weight formats: `loading.check_sharded_format`.)"""
     from redwood.models.shard import check_shardable
 
     check_shardable(config, world)
-    draft_weights = "auto" if speculative is None or not speculative.draft_model else speculative.draft_weights
-    for flag, kind in (("weights", weights), ("draft_weights", draft_weights)):
-        if kind not in ("auto", "float32"):
-            raise ConfigError(
-                f"{flag}={kind!r} cannot be sharded: tensor parallelism runs {TP_FORMATS} (the packed CPU formats "
-                "and their fused C++ layer are one process's)"
-            )
     if offload:
         raise ConfigError("offloading streams one process's layers: it does not run under tensor parallelism")
 

@@ -61,18 +61,19 @@ def _start(model, load: dict, config: EngineConfig):
             raise ConfigError(f"tensor_parallel_size 1 under torchrun's {torchrun} processes: give the same")
         return None
     from redwood.engine.loaded import check_tensor_parallel
-    from redwood.loading import inspect_model
+    from redwood.loading import check_sharded_format, inspect_model
 
     if torchrun is not None and torchrun != world:
         raise ConfigError(f"tensor_parallel_size {world} under torchrun's {torchrun} processes: give the same")
     info = inspect_model(model)
-    spec = load.get("speculative")
-    check_tensor_parallel(world, info.config, load.get("offload", False), spec, load.get("weights", "auto"))
-    if spec is not None and spec.draft_model:
-        from redwood.models.shard import check_shardable
-
-        check_shardable(inspect_model(spec.draft_model).config, world)  # (the draft shards over the same ranks)
     device = parse_device(load.get("device", "cpu"))
+    check_tensor_parallel(world, info.config, load.get("offload", False))
+    check_sharded_format(info, load.get("weights", "auto"), device, world)
+    spec = load.get("speculative")
+    if spec is not None and spec.draft_model:  # (the draft shards over the same ranks)
+        draft = inspect_model(spec.draft_model)
+        check_tensor_parallel(world, draft.config, False)
+        check_sharded_format(draft, spec.draft_weights, device, world, draft=True)
     if torchrun is not None:
         group = launch.join(device)
         if group.rank != 0:

@@ -11,7 +11,15 @@ import torch
 from redwood.config import ExecutionConfig, ModelConfig
 from redwood.devices import DTYPES, parse_device, parse_dtype  # noqa: F401 (re-exported)
 from redwood.errors import ConfigError, ModelLoadError
-from redwood.models.cpu_weights import FILE_FORMAT, FILE_FORMATS, auto_formats, draft_weights_on, resolve_weights
+from redwood.models.cpu_weights import (
+    FILE_FORMAT,
+    FILE_FORMATS,
+    KQUANT,
+    WEIGHT_FORMATS,
+    auto_formats,
+    draft_weights_on,
+    resolve_weights,
+)
 from redwood.models.transformer import Transformer, build_model
 
 
@@ -98,18 +106,20 @@ def load_model(
     execution: how its forwards run (`ExecutionConfig`; None: the defaults) — the backend for the device and
     weights, which prepares its weights (on CUDA: one q/k/v and one gate/up matmul per layer).
     tp: a tensor-parallel rank's group (`redwood.parallel.TPGroup`): only this rank's shard is read
-    (`models.shard`; float weights only: weights "auto" means "float32" here, a packed format is a ConfigError)."""
+    (`models.shard`), its formats checked against the shard's shapes (kquant: the row-parallel cuts on whole
+    super-blocks, else a ConfigError naming the formats that shard)."""
     torch_dtype, dev = parse_dtype(dtype), parse_device(device)
     info = model if isinstance(model, ModelInfo) else None
     path = info.path if info is not None else _model_file(model)
     if info is not None:
         model = info.source
+    config = info.config if info is not None else None
     shard = None
     if tp is not None:
-        shard = _shard_plan(tp, weights, path, info.config if info is not None else None)
-        kind = "float32"
-    else:
-        kind = _cpu_format(weights, dev, path, draft, info.config if info is not None else None)
+        from redwood.models.shard import ShardPlan
+
+        shard = ShardPlan(tp.rank, tp.world, config if config is not None else _read_config(path))
+    kind = _cpu_format(weights, dev, path, draft, config, shard)
     if path.is_dir():
         from redwood.loading.hf import load_hf_tokenizer, read_hf_folder
 
@@ -122,7 +132,11 @@ def load_model(
 
         # (cast first: the same packed values as packing the loaded `dtype` model)
         pack = None if kind == "float32" else packer(kind, cast=torch_dtype)
-        g = read_gguf(path, transform=pack if shard is None else shard.take)  # (sharded: each tensor cut as read)
+        if shard is not None:  # (each tensor cut as it is read, then packed: no rank reads a whole projection)
+            from redwood.models.shard import ShardTransform
+
+            pack = ShardTransform(shard, pack)
+        g = read_gguf(path, transform=pack)
         config = g.config
         net = build_model(config, g.tensors, torch_dtype, dev, rope_freqs=g.rope_freqs, tp=tp)
         del g
@@ -144,8 +158,6 @@ def load_draft_model(
     means on `device`: `cpu_weights.draft_weights_on`): a CPU format on the CPU; on CUDA the model's dtype,
     with int8 copies for its one-token forwards under "int8" (`Transformer.quantize_skinny`)."""
     weights, skinny = draft_weights_on(draft_weights, parse_device(device))
-    if tp is not None and draft_weights == "auto":
-        weights = "float32"  # (tensor parallelism shards float weights only)
     loaded = load_model(model, dtype=dtype, device=device, weights=weights, draft=True, execution=execution, tp=tp)
     if skinny:
         loaded.model.quantize_skinny(skinny)
@@ -160,40 +172,65 @@ def _read_config(path: Path) -> ModelConfig:
     return read_gguf_config(path)
 
 
-def _shard_plan(tp, weights: str, path: Path, config: ModelConfig | None):
-    """This rank's `ShardPlan` for the model at `path`, its weight format checked first: tensor parallelism
-    shards float weights (`backends.TP_FORMATS`); "auto" means "float32" under it."""
-    from redwood.models.backends import TP_FORMATS
+def check_sharded_format(info: ModelInfo, weights: str, device, world: int, draft: bool = False) -> str:
+    """The CPU format the model `info` gets under `world` tensor-parallel ranks (every rank's pieces have the
+    same shapes), or the one-line ConfigError that names the formats that shard — before any rank starts."""
     from redwood.models.shard import ShardPlan
 
-    if weights not in ("auto", "float32"):
-        raise ConfigError(
-            f"weights={weights!r} cannot be sharded: tensor parallelism runs {TP_FORMATS} (the packed CPU formats "
-            "and their fused C++ layer are one process's)"
-        )
-    return ShardPlan(tp.rank, tp.world, config if config is not None else _read_config(path))
+    if draft:
+        weights = draft_weights_on(weights, parse_device(device))[0]
+    shard = ShardPlan(0, world, info.config)
+    return _cpu_format(weights, parse_device(device), info.path, draft, info.config, shard)
 
 
-def _cpu_format(weights: str, device: torch.device, path: Path, draft: bool, config: ModelConfig | None) -> str:
+def _kquant_cut_misfit(path: Path, shard) -> str | None:
+    """Why kquant cannot keep the GGUF file's blocks on `shard`'s rank: a Q4_K / Q6_K row-parallel projection
+    (o_proj, down_proj: each rank holds a range of every row's columns) whose range is not whole 256-value
+    super-blocks; None when every such cut falls on their boundaries (column-parallel rows cut anywhere)."""
+    from redwood.cpu_kernels.kquant import BLOCK, TYPES
+    from redwood.loading.gguf import hf_name, read_gguf_header
+
+    for name, t in read_gguf_header(path).tensors.items():
+        target = hf_name(name)
+        where = None if target is None or t.type_name not in TYPES else shard.slice_of(target)
+        if where is not None and where[0] == 1 and (where[1] % BLOCK or where[2] % BLOCK):
+            return (
+                f"{target} ({t.type_name}) splits its {t.shape[1]} inputs into {where[2] - where[1]} a rank, "
+                f"inside its {BLOCK}-value super-blocks"
+            )
+    return None
+
+
+def _cpu_format(
+    weights: str, device: torch.device, path: Path, draft: bool, config: ModelConfig | None, shard=None
+) -> str:
     """The CPU format a model at `path` gets (`resolve_weights`), checked against its projections' shapes
     before any weight is read: "auto" falls back (`auto_formats`), an explicit format that does not fit
-    is a ConfigError."""
+    is a ConfigError. shard: a tensor-parallel rank's `ShardPlan`: its pieces' shapes are checked."""
     kind = resolve_weights(weights, device, path, draft=draft)
     if kind == "float32":
         return kind
     if config is None:
-        if path.is_dir():
-            config = ModelConfig.from_hf_file(path / "config.json")
-        else:
-            from redwood.loading.gguf import read_gguf_config
+        config = _read_config(path)
+    with torch.device("meta"):  # (no memory: only the projections' shapes are read)
+        shapes = Transformer(config if shard is None else shard.local_config)
 
-            config = read_gguf_config(path)
-    with torch.device("meta"):
-        shapes = Transformer(config)  # (no memory: only the projections' shapes are read)
+    def misfit(k: str) -> str | None:
+        if k == KQUANT and shard is not None and (why := _kquant_cut_misfit(path, shard)):
+            return why
+        return shapes.cpu_format_misfit(k) if k != FILE_FORMAT else None  # (gguf fits any shape)
+
     if weights == "auto":
-        return next(k for k in auto_formats(kind) if k == "float32" or shapes.cpu_format_misfit(k) is None)
+        return next(k for k in auto_formats(kind) if k == "float32" or misfit(k) is None)
+    if shard is not None and (why := misfit(kind)):
+        fits = [k for k in ("float32", *WEIGHT_FORMATS, *FILE_FORMATS) if k == "float32" or misfit(k) is None]
+        fits = [k for k in fits if k not in FILE_FORMATS or str(path).endswith(".gguf")]
+        raise ConfigError(
+            f"weights={kind!r} cannot be sharded over {shard.world} ranks: {why}; formats that shard here: "
+            + ", ".join(dict.fromkeys(fits))
+        )
     if kind in FILE_FORMATS:  # (per projection as the file's types allow: int4 / kquant, else int8 / w8a8 / bf16)
-        why = shapes.cpu_format_misfit(kind) if kind != FILE_FORMAT else None  # (gguf fits any shape)
+        why = misfit(kind)
         if why:
             raise ConfigError(f"weights={kind!r} cannot be used: {why}")
         return kind

@@ -25,6 +25,7 @@ import torch
 
 from redwood.config import ModelConfig
 from redwood.errors import ConfigError
+from redwood.models.cpu_weights import INT4_GROUP  # (the gguf format's 4-bit groups along a row)
 
 
 def check_shardable(config: ModelConfig, world: int) -> None:
@@ -129,6 +130,14 @@ class ShardPlan:
             return (0, *self.vocab)
         return None
 
+    def local_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of this rank's piece of the whole tensor `name` of `shape`."""
+        where = self.slice_of(name)
+        if where is None:
+            return tuple(shape)
+        dim, start, stop = where
+        return tuple(stop - start if d == dim else n for d, n in enumerate(shape))
+
     def zero_bias(self, name: str) -> bool:
         """Whether `name` is a row-parallel layer's bias this rank holds as zeros (it is added once, on rank 0)."""
         return self.rank > 0 and name.endswith(("o_proj.bias", "down_proj.bias"))
@@ -142,3 +151,65 @@ class ShardPlan:
             return tensor
         dim, start, stop = where
         return tensor.narrow(dim, start, stop - start).clone()
+
+
+class ShardTransform:
+    """`read_gguf`'s transform under tensor parallelism: each tensor cut to this rank's piece as it is read
+    (`ShardPlan.take`), then handed to `pack` (a `cpu_weights.packer` transform; None: kept float).
+
+    A packer that keeps the file's own blocks gets them cut, never dequantized: kquant's Q4_K / Q6_K rows of
+    256-value super-blocks (uint8 [N, K / 256 · block bytes]) and gguf's 4-bit groups of 32 (q [N, K], step and
+    offset [N, K / 32]). Rows (column-parallel q / k / v, gate / up, the head) cut anywhere; columns
+    (row-parallel o_proj / down_proj) on whole blocks only: kquant's are checked before loading
+    (`loading._kquant_cut_misfit`), a 4-bit group tensor cut inside a group is dequantized and packed like the
+    file's other types instead."""
+
+    def __init__(self, plan: ShardPlan, pack=None):
+        self.plan, self.pack = plan, pack
+
+    def _columns(self, name: str) -> tuple[int, int] | None:
+        where = self.plan.slice_of(name)
+        return None if where is None or where[0] != 1 else (where[1], where[2])
+
+    def takes_blocks(self, name: str, type_name: str, shape: tuple[int, int]) -> bool:
+        from redwood.cpu_kernels import kquant
+
+        takes = getattr(self.pack, "takes_blocks", None)
+        cols = self._columns(name)
+        if takes is None or (cols is not None and (cols[0] % kquant.BLOCK or cols[1] % kquant.BLOCK)):
+            return False
+        return takes(name, type_name, self.plan.local_shape(name, shape))
+
+    def from_blocks(self, name: str, rows: torch.Tensor, type_name: str):
+        from redwood.cpu_kernels import kquant
+
+        where = self.plan.slice_of(name)
+        if where is not None:
+            dim, start, stop = where
+            if dim == 0:
+                rows = rows[start:stop]
+            else:  # (whole super-blocks: takes_blocks checked)
+                per = kquant.TYPES[type_name][1]
+                rows = rows[:, start // kquant.BLOCK * per : stop // kquant.BLOCK * per]
+        return self.pack.from_blocks(name, rows.contiguous(), type_name)
+
+    def takes_int4_groups(self, name: str, shape: tuple[int, int]) -> bool:
+        takes = getattr(self.pack, "takes_int4_groups", None)
+        cols = self._columns(name)
+        if takes is None or (cols is not None and (cols[0] % INT4_GROUP or cols[1] % INT4_GROUP)):
+            return False
+        return takes(name, self.plan.local_shape(name, shape))
+
+    def from_int4_groups(self, name: str, q: torch.Tensor, step: torch.Tensor, offset: torch.Tensor):
+        where = self.plan.slice_of(name)
+        if where is not None:
+            dim, start, stop = where
+            q = q.narrow(dim, start, stop - start)
+            if dim == 1:  # (whole groups: takes_int4_groups checked)
+                start, stop = start // INT4_GROUP, stop // INT4_GROUP
+            step, offset = (t.narrow(dim, start, stop - start) for t in (step, offset))
+        return self.pack.from_int4_groups(name, q.contiguous(), step.contiguous(), offset.contiguous())
+
+    def __call__(self, name: str, w: torch.Tensor):
+        w = self.plan.take(name, w)
+        return w if self.pack is None else self.pack(name, w)

@@ -321,10 +321,9 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [.., H] → logits [.., V] (under tensor parallelism every rank's vocabulary rows, gathered)."""
-        if self.packed_head is not None:
-            return self.packed_head(self.norm(hidden))
-        out = F.linear(self.norm(hidden), self.head_weight)  # [.., V] (tensor parallel: [.., this rank's rows])
-        if self.shard is None:
+        h = self.norm(hidden)
+        out = self.packed_head(h) if self.packed_head is not None else F.linear(h, self.head_weight)
+        if self.shard is None:  # (tensor parallel: [.., this rank's rows] until the gather)
             return out
         pad = self.shard.vocab_rows - out.shape[-1]  # (the last rank's rows may be fewer: the gather's pieces match)
         if pad:

@@ -46,23 +46,19 @@ def select(model, execution: ExecutionConfig):
     return backend
 
 
-# what a tensor-parallel model runs on (`_tensor_parallel`): float weights, the plain layers
-TP_FORMATS = "float weights (dtype float32, bfloat16 or float16; weights='float32') on the reference backend"
-
-
 def _tensor_parallel(model, execution: ExecutionConfig):
-    """A tensor-parallel shard's backend: the reference layers (their o_proj / down_proj outputs go through the
-    all-reduce). The CPU packed formats and their C++ layer, the CUDA backend's fused kernels and the megakernel
-    fuse o / down with the residual, so they step aside here (a ConfigError where one is asked for)."""
+    """A tensor-parallel shard's backend: the plain layers, whose o_proj / down_proj outputs go through the
+    all-reduce before the residual add. A packed CPU model's projections run their own kernels there
+    (`PackedLinear` picks the kernel or the gemm path by rows, each row exact as TP=1's). What fuses o / down
+    with the residual steps aside: the C++ layer (`cpu_fused`), the CUDA backend's fused kernels and the
+    megakernel (a ConfigError where one is asked for)."""
     from redwood.models.backends.reference import ReferenceBackend
 
-    if model.weights != "float32":
-        raise ConfigError(
-            f"tensor parallelism runs {TP_FORMATS}, not the packed CPU format {model.weights!r}: "
-            "load with weights='float32' (--weights float32)"
-        )
     if execution.megakernel == "on" or execution.kernels == "on":
-        raise ConfigError(f"tensor parallelism runs {TP_FORMATS}: leave megakernel and kernels at 'auto' or 'off'")
+        raise ConfigError(
+            "tensor parallelism runs the plain layers (the megakernel and the fused CUDA kernels add o_proj / "
+            "down_proj into the residual before the all-reduce could): leave megakernel and kernels at 'auto' or 'off'"
+        )
     return ReferenceBackend(execution)
 
 
