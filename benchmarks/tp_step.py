@@ -5,7 +5,8 @@ and the collectives it runs by themselves — so a TP=N step splits into compute
 Usage (CPU: gloo; --device cuda: NCCL, one GPU a rank):
     PYTHONPATH=src python benchmarks/tp_step.py --shape 0.5b [--tokens 1 4 16] [--batch 1] [--context 512]
     PYTHONPATH=src torchrun --nproc_per_node 2 benchmarks/tp_step.py --shape 0.5b …
-Options: --dtype (float32 on the CPU, bfloat16 on CUDA by default), --layers L (the first L layers only: a
+Options: --dtype (float32 on the CPU, bfloat16 on CUDA by default), --weights (CPU: the projections packed in a
+CPU format — w8a8, q4k, int8 …: the formats the CPU runs; the random float32 model by default), --layers L (the first L layers only: a
 quicker CPU run; the per-layer costs are what count), --no-graphs (CUDA: eager steps; by default each step is
 one CUDA graph, the all-reduces captured inside it), --repeats, --json FILE (rank 0 writes its rows).
 Rank 0 prints one row a token count, the short table last:
@@ -85,9 +86,12 @@ def group_and_device(device: str):
     return None, dev
 
 
-def random_shard(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, group):
+def random_shard(
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, group, weights: str = "float32", plain: bool = False
+):
     """This rank's shard of a model of `cfg`, random weights of the shard's own shapes (no rank builds the
-    whole model)."""
+    whole model), its projections then packed in the CPU format `weights` (`Transformer.quantize_cpu`); plain: run
+    the plain layers (the reference backend) as a tensor-parallel shard does, not the device's fused paths."""
     from redwood.models.transformer import Transformer, build_model
 
     with torch.device("meta"):
@@ -96,7 +100,20 @@ def random_shard(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, gro
     state = {k: torch.randn(s, device=device, generator=g, dtype=dtype) * 0.02 for k, s in shapes.items()}
     model = build_model(cfg, state, dtype, device, tp=group)
     model.set_execution()
+    model.quantize_cpu(weights)
+    if plain:  # (what a tensor-parallel shard runs: `backends._tensor_parallel`)
+        from redwood.models.backends.reference import ReferenceBackend
+
+        model.backend = ReferenceBackend(model.execution)
     return model
+
+
+def skip_collectives(group) -> None:
+    """The model's all-reduces and logits gather made local no-ops (wrong sums, the right shapes): each rank's
+    compute alone, all ranks running at once — a TP step less this is its collectives plus the ranks waiting for
+    one another at each of them."""
+    group.all_reduce = lambda x: x
+    group.all_gather_last = lambda x, full: torch.cat([x] * group.world, dim=-1)[..., :full]
 
 
 def sync(device: torch.device) -> None:
@@ -122,6 +139,20 @@ def main() -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--weights", default="float32", help="CPU: the projections' packed format (w8a8, q4k, int8, …; float32: none)"
+    )
+    p.add_argument(
+        "--plain",
+        action="store_true",
+        help="TP=1 through the plain layers tensor parallelism runs (not the CPU's fused C++ layer / packed paths, "
+        "nor the CUDA backend's kernels): what TP itself adds",
+    )
+    p.add_argument(
+        "--skip-collectives",
+        action="store_true",
+        help="TP>1: the forward's collectives made no-ops (wrong logits): each rank's compute alone, timed",
+    )
     p.add_argument("--layers", type=int, default=None, help="only the first L layers (quicker on the CPU)")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16], help="new tokens a row per forward")
     p.add_argument("--batch", type=int, default=1)
@@ -138,7 +169,9 @@ def main() -> None:
     if args.layers:
         shape["num_hidden_layers"] = args.layers
     cfg = ModelConfig.from_hf_dict(shape)
-    model = random_shard(cfg, dtype, device, group)
+    if args.skip_collectives and group is not None:
+        skip_collectives(group)
+    model = random_shard(cfg, dtype, device, group, args.weights, args.plain)
 
     from redwood.engine.runner import StepRunner
 
@@ -153,7 +186,7 @@ def main() -> None:
             positions = (C + torch.arange(T, device=device))[None].expand(B, T)
             step = median_ms(lambda: runner.forward(ids, positions), device, args.repeats)
             reduce_ms = gather_ms = 0.0
-            if group is not None:  # the step's collectives by themselves, same sizes
+            if group is not None and not args.skip_collectives:  # the step's collectives by themselves, same sizes
                 x = torch.zeros(B * T, cfg.hidden_size, dtype=dtype, device=device)
                 reduce_ms = median_ms(lambda: group.all_reduce(x), device, args.repeats)
                 piece = torch.zeros(B, T, -(-cfg.vocab_size // world), dtype=torch.float32, device=device)
@@ -166,6 +199,9 @@ def main() -> None:
                     "world": world,
                     "device": str(device.type),
                     "dtype": str(dtype).removeprefix("torch."),
+                    "weights": args.weights,
+                    "backend": type(model.backend).__name__,
+                    "collectives_skipped": bool(args.skip_collectives),
                     "threads": torch.get_num_threads(),
                     "batch": B,
                     "context": C,
@@ -177,7 +213,11 @@ def main() -> None:
                 }
             )
     if rank == 0:
-        head = f"{args.shape} ({cfg.num_layers} layers) on {world} rank(s), {device.type} {rows[0]['dtype']}, batch {B}, context {C}, {torch.get_num_threads()} thread(s) a rank"
+        head = (
+            f"{args.shape} ({cfg.num_layers} layers) on {world} rank(s), {device.type} {rows[0]['dtype']} "
+            f"({args.weights} projections, {type(model.backend).__name__}"
+            f"{', collectives skipped' if args.skip_collectives else ''}), batch {B}, context {C}, {torch.get_num_threads()} thread(s) a rank"
+        )
         print(head)
         print(f"{'tokens':>6} {'step ms':>9} {'all-reduce ms':>14} {'collectives ms':>15} {'share':>6}")
         for r in rows:
