@@ -133,6 +133,8 @@ def _modes():
     return {
         "ar": lambda t, d: (None, None),
         "chain-draft-full": lambda t, d: (ModelDrafter(d, FullPolicy(), 320), Tree.chain(3)),
+        # (the draft whole on every rank: `sharded_engine_tokens` passes it, rank 0's proposal broadcast)
+        "chain-draft-replicated": lambda t, d: (ModelDrafter(d, FullPolicy(), 320), Tree.chain(3)),
         "chain-self-streaming": lambda t, d: (SelfDrafter(t, StreamingPolicy(2, 10)), Tree.chain(3)),
         "chain-self-snapkv": lambda t, d: (SelfDrafter(t, SnapKVPolicy(16, window=4)), Tree.chain(3)),
         "tree-self-streaming": lambda t, d: (SelfDrafter(t, StreamingPolicy(2, 10)), resolve_tree("generic-16")),
@@ -140,7 +142,7 @@ def _modes():
     }
 
 
-def engine_tokens(target, draft, mode: str, prompts, arrivals, max_new: int) -> list[list[int]]:
+def engine_tokens(target, draft, mode: str, prompts, arrivals, max_new: int, replicas=None) -> list[list[int]]:
     """Tokens of every prompt through an Engine running `mode` over `target` / `draft` (whole models, or this rank's
     shards: then every rank runs this same call sequence, in lockstep), requests arriving at the steps `arrivals`
     (continuous batching: joining while others run, leaving as they finish). Greedy, or seeded sampling for a mode
@@ -150,6 +152,8 @@ def engine_tokens(target, draft, mode: str, prompts, arrivals, max_new: int) -> 
 
     seeded = mode.endswith("-seeded")
     drafter, tree = _modes()[mode.removesuffix("-seeded")](target, draft)
+    if replicas is not None:
+        drafter.replicas = replicas
     params = greedy(max_new)
     if seeded:
         params = [
@@ -167,4 +171,11 @@ def sharded_engine_tokens(group, target: str, draft: str, modes: list[str], prom
     from redwood.loading import load_model
 
     t, d = load_model(target, tp=group).model, load_model(draft, tp=group).model
-    return {mode: engine_tokens(t, d, mode, prompts, arrivals, max_new) for mode in modes}
+    whole = load_model(draft, weights="float32").model if any("replicated" in m for m in modes) else None
+    out = {}
+    for mode in modes:
+        if "replicated" in mode:  # (the whole draft on this rank, rank 0's proposals every rank's)
+            out[mode] = engine_tokens(t, whole, mode, prompts, arrivals, max_new, replicas=group)
+        else:
+            out[mode] = engine_tokens(t, d, mode, prompts, arrivals, max_new)
+    return out

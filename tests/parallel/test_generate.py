@@ -32,13 +32,18 @@ target, draft, mode, prompts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads
 spec = {
     "ar": None,
     "chain-draft": SpeculativeConfig(draft_model=draft, num_draft_tokens=3),
+    "chain-draft-replicated": SpeculativeConfig(draft_model=draft, num_draft_tokens=3, draft_tensor_parallel="replicate"),
     "auto": SpeculativeConfig(policy="auto", draft_model=draft),
 }[mode]
 llm = LLM(target, tensor_parallel_size=2, speculative=spec, max_num_seqs=2)
 outs = llm.generate(prompts, SamplingParams(max_new_tokens=int(sys.argv[5]), ignore_eos=True))
 print(json.dumps([o.token_ids for o in outs]))
+extra = {}
 if mode == "auto":
-    print(json.dumps(llm.engine.policy.report()["plans"]))
+    extra["plans"] = llm.engine.policy.report()["plans"]
+if mode == "chain-draft-replicated":
+    extra["draft"] = {"whole": llm.drafter.own_model.shard is None, "replicas": llm.drafter.replicas.world}
+print(json.dumps(extra))
 """
 
 KILL_SCRIPT = """
@@ -74,23 +79,26 @@ def _tp1(folder, draft=None) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("mode", ["ar", "chain-draft", "auto"])
+@pytest.mark.parametrize("mode", ["ar", "chain-draft", "chain-draft-replicated", "auto"])
 def test_llm_greedy_tp2_equals_tp1(folders, mode, tmp_path):
-    """Greedy tokens are the target's whatever the plan: TP=2 (a draft chain, or the automatic policy over the
-    draft model and ngram — rank 0 plans from costs calibrated at TP=2, its plans run on both ranks) equals
+    """Greedy tokens are the target's whatever the plan: TP=2 (a draft chain — the draft sharded, or whole on
+    every rank — or the automatic policy over the draft model and ngram — rank 0 plans from costs calibrated at TP=2, its plans run on both ranks) equals
     TP=1 autoregressive decoding (and TP=1's draft chain). The script is a file without an `if __name__ ==
     "__main__"` guard: the rank redwood spawns does not run it again."""
     target, draft = folders
-    want = _tp1(target, draft if mode == "chain-draft" else None)
+    want = _tp1(target, draft if mode.startswith("chain-draft") else None)
     args = [str(target), str(draft), mode, json.dumps(PROMPTS), str(MAX_NEW)]
     script = tmp_path / "script.py"  # (a file with no `__main__` guard: the spawned rank must not run it again)
     script.write_text(LLM_SCRIPT)
     out = _run([sys.executable, str(script), *args], REDWOOD_HOME=str(tmp_path))
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
-    assert json.loads(lines[-2 if mode == "auto" else -1]) == want
+    assert json.loads(lines[-2]) == want
+    extra = json.loads(lines[-1])
+    if mode == "chain-draft-replicated":
+        assert extra["draft"] == {"whole": True, "replicas": 2}  # (rank 0's proposals broadcast over 2 ranks)
     if mode == "auto":
-        assert sum(json.loads(lines[-1]).values()) > 0  # (steps were planned)
+        assert sum(extra["plans"].values()) > 0  # (steps were planned)
         [costs] = (tmp_path / "costs").glob("*.json")  # rank 0 saved the TP=2 calibration
         assert json.loads(costs.read_text())["key"]["tensor_parallel"] == 2
 

@@ -14,6 +14,7 @@ from tests.parallel.ranks import engine_tokens, run_ranks, sharded_engine_tokens
 MODES = [
     "ar",
     "chain-draft-full",
+    "chain-draft-replicated",  # (the draft whole on every rank; draft_tensor_parallel="replicate")
     "chain-self-streaming",
     "chain-self-snapkv",
     "tree-self-streaming",
@@ -21,6 +22,7 @@ MODES = [
     # seeded sampling: a request's draws depend on its seed and positions only, so the ranks (and TP=1) agree
     "ar-seeded",
     "chain-draft-full-seeded",
+    "chain-draft-replicated-seeded",  # (rank 0's draft distributions broadcast with its tokens)
 ]
 PROMPTS = [[5, 17, 3, 99, 42, 7, 250, 11, 64, 8, 1, 33], [250, 11, 64], [7, 7, 7, 7, 7, 7, 7, 9], [31, 41, 59, 26, 5]]
 ARRIVALS = [0, 0, 2, 5]  # (2 slots: the later ones join as the first finish)

@@ -376,6 +376,13 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-min", type=int, default=None, metavar="N", help="shortest match (default 2)")
     p.add_argument("--ngram-max", type=int, default=None, metavar="N", help="longest match tried first (default 4)")
     add_draft_weights_arg(p)
+    p.add_argument(
+        "--draft-tensor-parallel",
+        default=None,
+        choices=["shard", "replicate"],
+        help="with --tensor-parallel-size: shard the draft model over the ranks (default; its all-reduces in every "
+        "draft level) or replicate it whole on every rank (no collectives; rank 0's draft tokens broadcast)",
+    )
     add_draft_kv_args(p, tree=True)
 
 
@@ -392,6 +399,7 @@ _SPEC_FLAGS = (
     "tree",
     "verifier",
     "draft_weights",
+    "draft_tensor_parallel",
 )
 
 
@@ -513,6 +521,7 @@ def make_speculative_config(
         ngram_min=getattr(args, "ngram_min", None) or DEFAULT_MIN_N,
         ngram_max=getattr(args, "ngram_max", None) or DEFAULT_MAX_N,
         suffix_shared=bool(getattr(args, "suffix_shared", None)),
+        draft_tensor_parallel=getattr(args, "draft_tensor_parallel", None) or "shard",
     )
 
 
@@ -549,6 +558,7 @@ def _auto_config(args, draftless: str | None):
         policy="auto",
         acceptance_file=getattr(args, "acceptance", None),
         suffix_shared=bool(getattr(args, "suffix_shared", None)),
+        draft_tensor_parallel=getattr(args, "draft_tensor_parallel", None) or "shard",
     )
 
 

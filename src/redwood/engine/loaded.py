@@ -123,7 +123,7 @@ class LoadedModels:
 
             draft_info = inspect_model(speculative.draft_model)
             check_compatible(info.tokenizer, draft_info.tokenizer, info.config.vocab_size, draft_info.config.vocab_size)
-            if tp is not None:
+            if tp is not None and speculative.draft_tensor_parallel == "shard":
                 from redwood.models.shard import check_shardable
 
                 check_shardable(draft_info.config, tp.world)  # (the draft is sharded over the same ranks)
@@ -150,16 +150,24 @@ class LoadedModels:
             speculative=speculative,
             tp=tp,
         )
+        replicate = tp is not None and speculative is not None and speculative.draft_tensor_parallel == "replicate"
+        draft_tp = None if replicate else tp  # (a replicated draft loads whole on every rank)
         if speculative is not None and speculative.auto:
             self.tree = speculative.make_tree()
-            self.auto_drafters = _auto_drafters(speculative, loaded.model, dtype, device, draft_info, execution, tp)
+            self.auto_drafters = _auto_drafters(
+                speculative, loaded.model, dtype, device, draft_info, execution, draft_tp
+            )
             self.drafter = self.auto_drafters[0]
             self.draft_name = "auto: " + ", ".join(d.name for d in self.auto_drafters)
         elif speculative is not None:
             self.tree = speculative.make_tree()
             self.drafter, self.draft_name = _make_drafter(
-                speculative, loaded.model, dtype, device, draft_info, execution, tp
+                speculative, loaded.model, dtype, device, draft_info, execution, draft_tp
             )
+        if replicate:
+            for d in self.auto_drafters or [self.drafter]:
+                if d.own_model is not None:
+                    d.replicas = tp  # (rank 0's proposal on every rank)
         if dev.type == "cpu" and not offload and self.thread_exact_decode():
             # (None where the count is the user's or fixed, or the execution config turns it off)
             self.thread_policy = adaptive_threads(threads, enabled=execution is None or execution.adaptive_threads)

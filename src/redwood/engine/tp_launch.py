@@ -70,7 +70,7 @@ def _start(model, load: dict, config: EngineConfig):
     check_tensor_parallel(world, info.config, load.get("offload", False))
     check_sharded_format(info, load.get("weights", "auto"), device, world)
     spec = load.get("speculative")
-    if spec is not None and spec.draft_model:  # (the draft shards over the same ranks)
+    if spec is not None and spec.draft_model and spec.draft_tensor_parallel == "shard":  # (over the same ranks)
         draft = inspect_model(spec.draft_model)
         check_tensor_parallel(world, draft.config, False)
         check_sharded_format(draft, spec.draft_weights, device, world, draft=True)

@@ -82,6 +82,11 @@ class TPGroup:
         self._run("all_gather", lambda: dist.all_gather(parts, x))
         return torch.cat(parts, dim=-1)[..., :full]
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank `src`'s x on every rank, in place → x (a replicated draft's tokens and distributions)."""
+        self._run("broadcast", lambda: dist.broadcast(x, src=src))
+        return x
+
     def min_int(self, value: int) -> int:
         """The smallest of the ranks' `value`s (sizes every rank must agree on: the KV pages)."""
         x = torch.tensor([value], dtype=torch.int64, device=self.device)

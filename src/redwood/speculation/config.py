@@ -20,6 +20,8 @@ VERIFIERS = ("auto", "greedy", "sampling", "sequoia", "specinfer", "topk", "matc
 # (0.95^64) and expected tokens per step are within 4% of their γ → ∞ limit (1 / (1 − α) = 20); the
 # papers' chains and trees stay at or under ~16-20 levels. Deeper drafts only cost draft forwards and a
 # longer verify (`--gamma 1000` spent 282 s drafting to emit 8 tokens).
+# where a draft model lives under tensor parallelism (`draft_tensor_parallel`)
+DRAFT_PLACEMENTS = ("shard", "replicate")
 DRAFTLESS = ("ngram", "suffix")  # drafters that run no model (`speculation.draftless`, `speculation.suffix`)
 
 MAX_DRAFT_DEPTH = 64
@@ -79,6 +81,10 @@ class SpeculativeConfig:
     "int8": its one-token forwards read int8 copies of its projection weights (per-row scales), half the
     bytes per draft level; another CPU format there is a ConfigError as the models load
     (`cpu_weights.draft_weights_on`). Verification stays exact, so outputs do not change; acceptance may.
+    draft_tensor_parallel: where a draft model lives under tensor parallelism — "shard" (over the target's ranks,
+    its all-reduces in every draft level) or "replicate" (whole on every rank: no collectives in a draft level,
+    its whole weights read on every rank; rank 0's draft tokens are broadcast so every rank verifies the same
+    tree — `ModelDrafter.replicas`). Self-speculation always drafts on the target's own shards.
     """
 
     draft_model: str | None = None
@@ -98,8 +104,18 @@ class SpeculativeConfig:
     policy: str = "fixed"
     acceptance_file: str | None = None
     suffix_shared: bool = False
+    draft_tensor_parallel: str = "shard"
 
     def __post_init__(self) -> None:
+        if self.draft_tensor_parallel not in DRAFT_PLACEMENTS:
+            raise ConfigError(
+                f"unknown draft_tensor_parallel {self.draft_tensor_parallel!r}; choose one of "
+                f"{', '.join(DRAFT_PLACEMENTS)}"
+            )
+        if self.draft_tensor_parallel != "shard" and not self.draft_model:
+            raise ConfigError(
+                "draft_tensor_parallel places a draft model: self-speculation and draftless drafters have none"
+            )
         if self.policy not in POLICIES:
             raise ConfigError(f"unknown speculation policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.policy == "auto":

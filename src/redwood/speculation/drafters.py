@@ -268,6 +268,10 @@ class ModelDrafter(Drafter):
         # Tokens the two models share; the draft never proposes a token outside this range.
         self.shared_vocab = min(target_vocab, model.config.vocab_size)
         self._plan: DevicePlan | None = None  # the latest proposal's (for commit)
+        # under tensor parallelism with this draft whole on every rank: the group whose rank 0's proposal every
+        # rank takes (the ranks' drafts would agree bit for bit only where their kernels are deterministic; the
+        # target verifies rank 0's tree everywhere, so a rank whose draft differed only drafts worse next step)
+        self.replicas = None
 
     @property
     def model(self) -> Transformer:
@@ -280,6 +284,9 @@ class ModelDrafter(Drafter):
         draft.cache.lengths.copy_(target.cache.lengths - target.cache.live)
         self._plan = self._plan_for(tree, 1, last.device)  # (one lead token: prev)
         tokens, q = self._draft(draft, prev[:, None], last, tree, sampler, rule, need_q, self.shared_vocab)
+        if self.replicas is not None:  # [B, n] tokens, [B, n, V] distributions: rank 0's
+            tokens = self.replicas.broadcast(tokens)
+            q = None if q is None else self.replicas.broadcast(q)
         return tokens, None if q is None else self.pad_to_target(q)
 
     def pad_to_target(self, q: torch.Tensor) -> torch.Tensor:
