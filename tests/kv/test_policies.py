@@ -411,6 +411,8 @@ def test_speculative_config_valid():
             dict(self_speculate=True, draft_weights="int8"),
             "draft_weights applies to a draft model; self-speculation drafts with the target",
         ),
+        (dict(draft_model="d", draft_tensor_parallel="half"), "unknown draft_tensor_parallel 'half'; choose one of"),
+        (dict(self_speculate=True, draft_tensor_parallel="replicate"), "draft_tensor_parallel places a draft model"),
     ],
 )
 def test_speculative_config_errors(kwargs, match):
