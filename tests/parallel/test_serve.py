@@ -80,3 +80,36 @@ def test_tp2_server_answers_the_openai_client_like_one_process_and_exits_when_a_
         assert f"tensor-parallel rank 1 (pid {rank1}) died (killed by SIGKILL)" in server.log(), server.log()[-2000:]
     finally:
         server.stop(timeout=20)
+
+
+def test_ctrl_c_drains_the_tp2_server_then_every_rank_ends_cleanly(folders):
+    """A terminal's Ctrl-C reaches every process of the group at once: rank 1 leaves it to rank 0, which drains
+    (the running request completes), releases rank 1 and exits 0."""
+    from redwood.parallel.group import pid_alive
+
+    target, _ = folders
+    flags = ["--model", str(target), "--served-model-name", NAME, "--tensor-parallel-size", "2"]
+    server = start_server(flags, timeout=120, env={"REDWOOD_TP_TIMEOUT": "20"}, new_session=True)
+    try:
+        [rank1] = spawned_ranks(server.proc.pid)
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=60, max_retries=0) as client:
+            with ThreadPoolExecutor(1) as pool:
+                running = pool.submit(
+                    client.completions.create,
+                    model=NAME,
+                    prompt=PROMPTS[0],
+                    max_tokens=200,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
+                )
+                time.sleep(0.5)  # (the request is running)
+                os.killpg(server.proc.pid, signal.SIGINT)
+                assert running.result(timeout=60).usage.completion_tokens == 200
+        assert server.wait(timeout=30) == 0, server.log()[-2000:]
+        deadline = time.monotonic() + 10
+        while pid_alive(rank1) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not pid_alive(rank1)
+        assert "died" not in server.log(), server.log()[-2000:]
+    finally:
+        server.stop(timeout=20)

@@ -85,13 +85,25 @@ class ServerProcess:
             self._reader.join(timeout=5)
 
 
-def start_server(flags: list[str], timeout: float = 120, env: dict | None = None) -> ServerProcess:
-    """`redwood serve --host 127.0.0.1 --port 0 FLAGS` (FLAGS must include --model); → once /health is 200."""
+def start_server(
+    flags: list[str], timeout: float = 120, env: dict | None = None, new_session: bool = False
+) -> ServerProcess:
+    """`redwood serve --host 127.0.0.1 --port 0 FLAGS` (FLAGS must include --model); → once /health is 200.
+    new_session: the server leads a process group of its own (a test can signal it and its children together,
+    as a terminal's Ctrl-C does)."""
     child_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), child_env.get("PYTHONPATH")]))
     child_env.update(env or {})
     cmd = [sys.executable, "-m", "redwood.cli", "serve", "--host", "127.0.0.1", "--port", "0", *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=child_env)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=child_env,
+        start_new_session=new_session,
+    )
     server = ServerProcess(proc)
     try:
         server.wait_ready(timeout)

@@ -77,9 +77,15 @@ def _start(model, load: dict, config: EngineConfig):
     if torchrun is not None:
         group = launch.join(device)
         if group.rank != 0:
+            import signal
+
             from redwood.progress import set_quiet
 
             set_quiet(True)  # (rank 0 shows the progress)
+            launch.follow_rank0_signals()
+            # (torchrun's SIGTERM reaches every rank at once: these follow rank 0's shutdown — a server's drain
+            # — and end when it releases them, or with a RankFailure when it is gone)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         return group
     from redwood.engine.tp_worker import spawned_rank
 

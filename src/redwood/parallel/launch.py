@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import sys
 import time
@@ -125,8 +126,16 @@ def _main_hidden():
         main.__dict__.update(saved)
 
 
+def follow_rank0_signals() -> None:
+    """A rank > 0 leaves Ctrl-C (SIGINT, which a terminal sends to every rank at once) to rank 0: rank 0 decides
+    — a server drains its running requests, then releases the ranks; `generate` stops them — and a rank whose
+    rank 0 is gone still ends with a `RankFailure`."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _spawned_main(rank: int, world: int, port: int, device: str, worker, payload) -> None:
     """A spawned rank: join rank 0's store, run `worker`, exit (non-zero, one line on stderr, on a failure)."""
+    follow_rank0_signals()
     from redwood.errors import RedwoodError
     from redwood.progress import set_quiet
 
