@@ -28,4 +28,4 @@ def test_every_setting_is_documented_and_its_default_is_a_choice():
 
 def test_the_registry_holds_only_what_users_set():
     """Execution switches are ExecutionConfig fields and benchmark switches benchmark arguments, not settings."""
-    assert set(envs.SETTINGS) == {"REDWOOD_HOME", "REDWOOD_CPU_ISA"}
+    assert set(envs.SETTINGS) == {"REDWOOD_HOME", "REDWOOD_CPU_ISA", "REDWOOD_CPU_KERNEL"}

@@ -141,7 +141,9 @@ def run_layers(model, x: torch.Tensor, cache, p: Plan) -> torch.Tensor:
     """All decoder layers over x [B, T, H] (float32, updated in place and returned)."""
     B, T, H = x.shape
     flat = x.view(B * T, H)
-    op = torch.ops.redwood_cpu.decoder_layer
+    from redwood.cpu_kernels import kquant
+
+    op = kquant.ops().decoder_layer  # (the chosen variant's build: kquant.variant())
     attn = model.layers[0].self_attn
     Hq, Hkv = attn.num_heads, attn.num_kv_heads
     for i, layer in enumerate(model.layers):
