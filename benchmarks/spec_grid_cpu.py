@@ -2,8 +2,11 @@
 temperature and batch, side by side in one process with the configurations interleaved.
 
 Models load once (the 1.5B target and the 0.5B draft, the registry GGUFs of the main job, in the formats
-the main job gives them: `--weights auto --draft-weights auto`); each configuration is an Engine built over
-those loaded models (`LoadedModels`: nothing is loaded twice):
+the main job gives them: `--weights auto --draft-weights auto`); engines are built over those loaded models
+(`LoadedModels`: nothing is loaded twice). ar, draft-g3, ngram and auto run in one engine — the automatic
+policy's, whose drafters are the draft model and prompt lookup — with its policy set per run (`PolicyView`:
+the fixed ones pin the plan as their own engines would), so a prompt is prefilled once for the four;
+self-streaming has its own engine (`--separate-engines`: one each, as before):
 
     ar              plain decoding (no drafter)
     draft-g3        the 0.5B draft over its full cache, a chain of γ 3 (the main job's speculation)
@@ -22,11 +25,11 @@ summary — draftless_cpu.py's builder — and to answer a question quoting the 
 them: every kind at T = 0 and 0.7, batch 1; code-edit and chat also at batch 4 (the prompt set is padded to
 a multiple of the batch with more prompts of the kind: 6 → 8, two groups of 4 through one engine).
 
-Cells run grouped by kind; a kind's cells share its prompts and one engine per configuration. Each repeat
+Cells run grouped by kind; a kind's cells share its prompts and engines. Each repeat
 runs the configurations in turn (AR, draft, self, ngram, auto, then again …) over the same prompts, each
 prompt with a fixed sampling seed (--seed + its index). With --prefix-cache (the default) an engine's KV pool
-has room for every prompt of its kind, so each configuration prefills a prompt once for all of the kind's
-cells and repeats (prefill is not measured, and on this CPU it costs several times the 96-token decode of a
+has room for every prompt of its kind, so each engine prefills a prompt once for all of the kind's
+cells, repeats and the configurations it runs (prefill is not measured, and on this CPU it costs several times the 96-token decode of a
 ~1K-token prompt); the decode rows still take the lowest slots, so a step runs at its batch's size. Decode
 tokens/s counts only steps in which no prompt of the group was prefilling (each step timed around
 `Engine.step()`; the first token of each request comes from its prefill and is not counted). Also
@@ -176,6 +179,8 @@ def run_config(engine, prompts, batch: int, temperature: float, new_tokens: int,
     from redwood.engine.threads import apply_threads
 
     apply_threads(threads)  # (process-wide: an engine without a per-step choice runs at the default count)
+    if isinstance(engine, PolicyView):
+        engine.activate()
     t0 = time.perf_counter()
     groups = [
         run_group(
@@ -213,14 +218,57 @@ def run_config(engine, prompts, batch: int, temperature: float, new_tokens: int,
     }
 
 
+SHARED = ("ar", "draft-g3", "ngram", "auto")  # the configurations one engine runs (`PolicyView`)
+
+
+class PolicyView:
+    """One configuration run by an engine shared with others: `activate()` sets the engine's policy (the plan
+    of every step) to this configuration's before its run. The shared engine is the automatic policy's — the
+    draft model and prompt lookup, both drafters' state kept per slot — so plain decoding, the draft at γ 3
+    and prompt lookup at γ 4 run exactly as their own engines would (the same drafters, verifier choice,
+    thread policy), while each prompt's KV, the target's and the draft model's, is prefilled once for all four
+    configurations instead of once each (prefill is most of the grid's time on this CPU)."""
+
+    def __init__(self, engine, policy, draft_name: str | None):
+        self.engine, self.policy, self.draft_name = engine, policy, draft_name
+
+    def activate(self) -> None:
+        self.engine.policy = self.engine.executor.policy = self.policy
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
 def build_engines(names, specs, base, draft_model, args, max_len: int, slots: int) -> dict:
-    """One engine per configuration over the loaded models; `slots` batch slots (the KV pool holds that many
-    full-length rows: with --prefix-cache, room for every prompt of the kind to stay cached)."""
+    """The configurations' engines over the loaded models; `slots` batch slots (the KV pool holds that many
+    full-length rows: with --prefix-cache, room for every prompt of the kind to stay cached). Plain decoding,
+    draft-g3, ngram and auto share the automatic policy's engine (`PolicyView`) unless --separate-engines;
+    self-streaming has its own (its drafter reads the target's cache through a StreamingLLM view)."""
     from redwood import Engine
     from redwood.config import EngineConfig
+    from redwood.speculation.policy import FixedPolicy, family_of
+    from redwood.speculation.trees import Tree
 
     config = EngineConfig(max_num_seqs=slots, max_model_len=max_len, enable_prefix_caching=args.prefix_cache)
-    return {n: Engine(models_for(specs[n], base, draft_model, args.threads), config) for n in names}
+    shared = [n for n in names if n in SHARED] if not args.separate_engines else []
+    out = {}
+    if shared:
+        engine = Engine(models_for(config_spec("auto", args), base, draft_model, args.threads), config)
+        auto = engine.policy
+        by_family = {family_of(d): d for d in auto.drafters}
+        draft, ngram = by_family["draft"], by_family["ngram"]
+        policies = {
+            "ar": (FixedPolicy(), None),
+            "draft-g3": (FixedPolicy(draft, Tree.chain(3)), draft.name),
+            "ngram": (FixedPolicy(ngram, Tree.chain(args.ngram_gamma)), ngram.name),
+            "auto": (auto, engine.draft_name),
+        }
+        for n in shared:
+            out[n] = PolicyView(engine, *policies[n])
+    for n in names:
+        if n not in out:
+            out[n] = Engine(models_for(specs[n], base, draft_model, args.threads), config)
+    return out
 
 
 def warm_up(engines: dict, tokenizer, threads) -> None:
@@ -232,6 +280,8 @@ def warm_up(engines: dict, tokenizer, threads) -> None:
     ids = encode(tokenizer, "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n")
     for e in engines.values():
         apply_threads(threads)
+        if isinstance(e, PolicyView):
+            e.activate()
         run_group(e, [ids], [SamplingParams(max_new_tokens=6, ignore_eos=True)])
 
 
@@ -566,10 +616,14 @@ def estimate(args, base, draft_model, names, specs, cells) -> None:
         for kind, kcells in groups.items():
             n = max(cell_prompts(c, prompts) for c in kcells)
             per_prompt = sum(cal[(kind, nm)][0] for nm in every) * lengths[kind]
-            pre = n * per_prompt if args.prefix_cache else 0.0
+            # with the prefix cache each engine prefills a prompt once: the shared engine once for its four
+            prefill = [nm for nm in every if args.separate_engines or nm not in SHARED]
+            if len(prefill) < len(every):
+                prefill.append(max((nm for nm in every if nm in SHARED), key=lambda nm: cal[(kind, nm)][0]))
+            pre = n * sum(cal[(kind, nm)][0] for nm in prefill) * lengths[kind] if args.prefix_cache else 0.0
             total += pre + len(every) * 5  # (+ engines, warm-up)
             if show:
-                print(f"  {kind:<30} prefill {pre / 60:5.1f} min (once per prompt and configuration)")
+                print(f"  {kind:<30} prefill {pre / 60:5.1f} min (once per prompt and engine)")
             for cell in kcells:
                 p = cell_prompts(cell, prompts)
                 sec = 0.0 if args.prefix_cache else args.repeats * p * per_prompt
@@ -692,6 +746,12 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="keep each prompt's KV between a kind's cells and repeats: each configuration prefills a prompt once",
+    )
+    ap.add_argument(
+        "--separate-engines",
+        action="store_true",
+        help="one engine per configuration (each prefills every prompt itself) instead of ar, draft-g3, ngram "
+        "and auto sharing the auto engine (`PolicyView`)",
     )
     ap.add_argument("--out", default=None, help="folder for report.json and report.md")
     ap.add_argument("--rerun-flagged", default=None, metavar="REPORT.json")

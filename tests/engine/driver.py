@@ -7,6 +7,7 @@ table) at the moment its slot is vacated — the only moment the cache still hol
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -128,3 +129,14 @@ def prefill_kv(model, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, ignore_eos=True, **kw)
+
+
+def repetitive_prompts(n: int, seed: int, copies=(2, 5), tail=(0, 6)) -> list[list[int]]:
+    """Prompts that repeat a random phrase of 3-6 tokens (copies: a randrange, so draftless drafters find
+    matches) and end in a random tail (tail: a randrange of its length)."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        phrase = [rng.randrange(3, 300) for _ in range(rng.randrange(3, 7))]
+        prompts.append(phrase * rng.randrange(*copies) + [rng.randrange(3, 300) for _ in range(rng.randrange(*tail))])
+    return prompts

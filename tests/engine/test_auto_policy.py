@@ -16,9 +16,8 @@ from redwood.kv.policies import FullPolicy, StreamingPolicy
 from redwood.speculation.drafters import ModelDrafter, SelfDrafter
 from redwood.speculation.draftless import NgramDrafter
 from redwood.speculation.policy import AutoPolicy, Plan
-from tests.engine.driver import RecordingEngine, prefill_kv, run_engine
+from tests.engine.driver import RecordingEngine, prefill_kv, repetitive_prompts, run_engine
 from tests.engine.test_engine import models  # noqa: F401 — the (target, draft, tokenizer) fixture
-from tests.speculation.test_draftless import _repetitive_prompts
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +52,7 @@ ARRIVALS = [0, 0, 1, 3, 5, 9]
 @pytest.mark.parametrize("self_draft", [False, True], ids=["draft-model", "self-streaming"])
 def test_plans_switching_every_step_keep_greedy_equal_to_ar(models, monkeypatch, self_draft):
     target, draft, tok = models
-    prompts = _repetitive_prompts(6, seed=4)
+    prompts = repetitive_prompts(6, seed=4)
     params = [SamplingParams(max_new_tokens=30, ignore_eos=True) for _ in prompts]
     _, ar, _ = run_engine(target, tok, prompts, params, arrivals=ARRIVALS, max_num_seqs=3, block_size=8)
     cycle_plans(monkeypatch)
@@ -79,7 +78,7 @@ def test_plans_switching_every_step_keep_greedy_equal_to_ar(models, monkeypatch,
 
 def test_the_real_policy_keeps_greedy_equal_to_ar_and_reports_its_plans(models):
     target, draft, tok = models
-    prompts = _repetitive_prompts(6, seed=7)
+    prompts = repetitive_prompts(6, seed=7)
     params = [SamplingParams(max_new_tokens=48, ignore_eos=True) for _ in prompts]
     _, ar, _ = run_engine(target, tok, prompts, params, arrivals=ARRIVALS, max_num_seqs=3, block_size=8)
     engine = auto_engine(target, tok, [ModelDrafter(draft, FullPolicy(), 320), NgramDrafter(320, 1, 3)], max_num_seqs=3)

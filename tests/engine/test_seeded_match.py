@@ -13,8 +13,6 @@ The conftest's clear-margin target and its noisy copy as the draft model (`tests
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from redwood import LLM, Engine, SamplingParams
@@ -24,7 +22,7 @@ from redwood.speculation.config import SpeculativeConfig
 from redwood.speculation.drafters import ModelDrafter, SelfDrafter
 from redwood.speculation.trees import Tree, resolve_tree
 from tests.conftest import save_target_and_draft
-from tests.engine.driver import run_engine
+from tests.engine.driver import repetitive_prompts, run_engine
 
 
 @pytest.fixture(scope="module")
@@ -36,17 +34,7 @@ def pair(tmp_path_factory, tokenizer):
     return root, target.model, draft.model, target.tokenizer
 
 
-def _prompts(n: int, seed: int) -> list[list[int]]:
-    """Prompts that repeat a phrase (the ngram drafter finds matches) and end in a random tail."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        phrase = [rng.randrange(3, 300) for _ in range(rng.randrange(3, 7))]
-        out.append(phrase * rng.randrange(2, 4) + [rng.randrange(3, 300) for _ in range(rng.randrange(1, 9))])
-    return out
-
-
-PROMPTS = _prompts(3, seed=8)
+PROMPTS = repetitive_prompts(3, seed=8, copies=(2, 4), tail=(1, 9))
 # two sampled requests with different seeds and a greedy one beside them
 PARAMS = [
     SamplingParams(max_new_tokens=28, ignore_eos=True, temperature=0.8, top_p=0.9, seed=11),

@@ -59,6 +59,56 @@ def test_online_correction_learns_the_measured_ratio_per_family_and_bucket():
     assert math.isfinite(m.correction("ar", 1))
 
 
+def test_a_run_shape_is_costed_by_its_own_measurements_others_by_their_family():
+    """The calibration's error can differ by step size (its curve was measured once): the shape in use learns
+    its own ratio; shapes never run take the family's."""
+    m = CostModel(CostTable(curve()))
+    four, five, two = StepShape(4), StepShape(5), StepShape(2)
+    for _ in range(60):
+        m.observe("ngram", four, 1, 1, 16, 2 * m.raw(four, 1, 16))
+    for _ in range(60):
+        m.observe("ngram", two, 1, 1, 16, 0.5 * m.raw(two, 1, 16))
+    assert m.predict("ngram", four, 1, 1, 16) == pytest.approx(2 * m.raw(four, 1, 16), rel=1e-3)
+    assert m.predict("ngram", two, 1, 1, 16) == pytest.approx(0.5 * m.raw(two, 1, 16), rel=1e-3)
+    # never run: the family's running ratio (the latest observations weigh most)
+    assert m.predict("ngram", five, 1, 1, 16) == pytest.approx(m.raw(five, 1, 16) * m.correction("ngram", 1), rel=1e-9)
+    assert m.correction("ngram", 1) == pytest.approx(0.5, rel=1e-3)
+
+
+def test_an_old_ratio_weighs_less_against_a_new_one():
+    """A shape probed now and then is costed by its latest probe: the old ratio's weight decays with the
+    steps (of any plan) since it was updated, not only per observation of its own."""
+    m = CostModel(CostTable(curve()))
+    ar, four = StepShape(1), StepShape(4)
+    for _ in range(30):
+        m.observe("ar", ar, 1, 1, 16, 2 * m.raw(ar, 1, 16))  # warm-up: twice the table
+    for _ in range(40):
+        m.observe("ngram", four, 1, 1, 16, m.raw(four, 1, 16))  # another plan runs for a while
+    m.observe("ar", ar, 1, 1, 16, m.raw(ar, 1, 16))  # one probe at the table's time
+    # the old ratio keeps 0.8 · 0.97^40 ≈ 0.24 of its weight (without ageing 0.8: the probe would barely move it)
+    assert m.correction("ar", 1, ar) == pytest.approx(2 ** (0.8 * 0.97**40), rel=1e-6)
+    assert m.correction("ar", 1, ar) < 2**0.25
+    back_to_back = CostModel(CostTable(curve()))
+    for _ in range(30):
+        back_to_back.observe("ar", ar, 1, 1, 16, 2 * m.raw(ar, 1, 16))
+    back_to_back.observe("ar", ar, 1, 1, 16, m.raw(ar, 1, 16))
+    assert back_to_back.correction("ar", 1, ar) == pytest.approx(2**0.8, rel=1e-6)
+
+
+def test_monotone_keeps_the_smallest_time_that_bounds_each_point():
+    """Noise only adds time: a point above a larger forward's time (more tokens, or a longer context) is
+    lowered to it; a quiet curve is unchanged."""
+    quiet = curve()
+    assert quiet.monotone() == quiet and quiet.implausible() is None
+    noisy = curve(lo=(1.7, 0.46, 1.09, 1.6), hi=(0.33, 0.35, 0.48, 2.0))  # measured under load (a real file)
+    assert "1 new tokens timed 3.7x slower than 2" in noisy.implausible()
+    fixed = noisy.monotone()
+    assert fixed.lo_s == [0.33, 0.35, 0.48, 1.6] and fixed.hi_s == [0.33, 0.35, 0.48, 2.0]
+    assert fixed.implausible() is None
+    slower_short = curve(lo=(1.0, 1.2, 1.6, 2.4), hi=(0.5, 2.4, 3.2, 4.8))
+    assert "slower at context 16 than at 1040" in slower_short.implausible()
+
+
 KEY = {"device": "cpu:test", "target": {"config": "x"}, "threads": 1, "version": "0"}
 
 
@@ -77,6 +127,7 @@ def test_cache_round_trip(tmp_path):
         (lambda p: p.write_text(json.dumps({"format": "redwood.costs/0"})), "format"),
         (lambda p: _edit(p, key={**KEY, "device": "cuda:other"}), "another setup"),
         (lambda p: _edit(p, table={"target": {"tokens": [1]}}), "corrupt"),
+        (lambda p: _edit(p, table=CostTable(curve(lo=(1.7, 0.46, 1.09, 1.6))).to_dict()), "implausible"),
     ],
 )
 def test_bad_cache_files_are_reported_and_not_used(tmp_path, damage, says):
@@ -106,7 +157,8 @@ def test_load_or_calibrate_rebuilds_a_corrupt_file_with_a_message(tmp_path, caps
     table = load_or_calibrate(model, None, 256, show=False, root=tmp_path)
     err = capsys.readouterr().err
     assert "unreadable" in err and "calibrated" in err
-    assert table.target.lo_s[0] > 0 and json.loads(path.read_text())["key"] == json.loads(json.dumps(key))
+    assert table.target.lo_s[0] > 0 and table.implausible() is None and table.target.monotone() == table.target
+    assert json.loads(path.read_text())["key"] == json.loads(json.dumps(key))
     again = load_or_calibrate(model, None, 256, show=False, root=tmp_path)
     assert capsys.readouterr().err == "" and again.to_dict() == table.to_dict()
 

@@ -16,7 +16,7 @@ from redwood.errors import ConfigError
 from redwood.speculation.config import SpeculativeConfig
 from redwood.speculation.draftless import NgramDrafter, NgramIndex
 from redwood.speculation.trees import Tree
-from tests.engine.driver import run_engine
+from tests.engine.driver import repetitive_prompts, run_engine
 from tests.engine.test_engine import models  # noqa: F401 — the (target, draft, tokenizer) fixture
 
 
@@ -82,21 +82,12 @@ def test_prepare_pads_rows_and_says_whether_any_row_proposed():
         d.prepare([(0, [1, 2])], Tree([-1, 0, 0]), 1, torch.device("cpu"))
 
 
-def _repetitive_prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(n):
-        phrase = [rng.randrange(3, 300) for _ in range(rng.randrange(3, 7))]
-        prompts.append(phrase * rng.randrange(2, 5) + [rng.randrange(3, 300) for _ in range(rng.randrange(0, 6))])
-    return prompts
-
-
 def test_greedy_ngram_speculation_equals_ar_under_continuous_batching(models):
     """Ragged repetitive prompts arriving at different steps, 3 slots for 6 requests: every request's tokens
     equal its greedy AR output, and drafted tokens were accepted (the test exercises acceptance, not only
     plain steps)."""
     target, _, tok = models
-    prompts = _repetitive_prompts(6, seed=4)
+    prompts = repetitive_prompts(6, seed=4)
     params = [SamplingParams(max_new_tokens=24, ignore_eos=True) for _ in prompts]
     arrivals = [0, 0, 1, 3, 5, 9]
     _, ar, _ = run_engine(target, tok, prompts, params, arrivals=arrivals, max_num_seqs=3, block_size=8)
@@ -122,7 +113,7 @@ def test_seeded_sampling_with_ngram_drafts_is_reproducible_and_plausible(models)
     """Sampled requests (T = 0.3, seeded) through ngram speculation: the same seeds give the same tokens on a
     second run, and drafts are both accepted and rejected."""
     target, _, tok = models
-    prompts = _repetitive_prompts(3, seed=9)
+    prompts = repetitive_prompts(3, seed=9)
     params = [SamplingParams(max_new_tokens=32, ignore_eos=True, temperature=0.3, seed=i) for i in range(3)]
     outs = []
     for _ in range(2):

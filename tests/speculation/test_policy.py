@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 
 from redwood.sampling_params import SamplingParams
 from redwood.speculation.acceptance_live import expected_chain_tokens
-from redwood.speculation.costs import CostModel, CostTable, ForwardCurve
-from redwood.speculation.policy import PROBE_EVERY, AutoPolicy
+from redwood.speculation.costs import CATCH_UP, CostModel, CostTable, ForwardCurve
+from redwood.speculation.policy import AR, MAX_AR_PROBE_INTERVAL, PROBE_EVERY, AutoPolicy, Plan
 
 
 class FakePolicy:
@@ -38,9 +39,10 @@ class SelfDraft:
 class Draftless:
     family, needs_history, own_model = "ngram", True, None
     policy = FakePolicy()
+    proposal = [1] * 8  # what it proposes at every step (its acceptance is seeded by the tests)
 
     def shadow_propose(self, slot, history, k):
-        return []
+        return self.proposal[:k]
 
 
 @dataclass
@@ -140,3 +142,59 @@ def test_self_speculation_drafts_at_its_view_size():
     shapes = {c.name: c.shape for c in p.candidates}
     assert shapes["self γ3"].level_tokens == (1, 1, 1) and shapes["self γ3"].draft_context == 64
     assert not shapes["self γ3"].draft_model and shapes["self γ3"].verify == 4
+
+
+def _tokens(*ids):
+    return SimpleNamespace(token_ids=list(ids), spec=None)
+
+
+def test_a_lagging_draft_model_is_charged_its_catch_up():
+    """A draft model's cache misses what other plans commit: switching back first pays a catch-up over those
+    tokens, charged at 1 / SWITCH_HORIZON per step — enough here to keep plain decoding; once the draft has
+    run (no lag) it wins again. Measured catch-ups correct the prediction."""
+    target = ForwardCurve([1, 2, 4, 8, 16], 16, 1040, [1.0, 1.1, 1.2, 1.4, 1.8], [1.0, 1.1, 1.2, 1.4, 1.8])
+    draft = ForwardCurve([1, 2, 4, 8, 16], 16, 1040, [0.05, 0.1, 0.2, 0.8, 4.0], [0.05, 0.1, 0.2, 0.8, 4.0])
+    p = policy_with(CostTable(target, draft), {"draft": [0.5] * 8, "ngram": [0.0] * 8})
+    row = Row(0)
+    assert p.plan([row], 1).family == "draft"  # no lag: E 1.5 tokens for 1.2 s beats 1 for 1
+    for _ in range(16):  # plain steps: the draft falls 16 tokens behind
+        p.observe([row], Plan(AR), [_tokens(7)], None, 1)
+    assert p.switch_seconds("draft", [row], 1, 100) == pytest.approx(4.0)
+    p.current = AR
+    assert p.plan([row], 1).name == "ar"
+    # a draft step ran (a probe, say) and caught up: no lag, the draft wins again
+    draft_plan = next(c for c in p.candidates if c.name == "draft γ1")
+    p.observe([row], Plan(draft_plan), [_tokens(7, 8)], 1.2, 1, catch_up_s=0.4)
+    assert p.switch_seconds("draft", [row], 1, 100) == 0.0
+    assert p.costs.correction(CATCH_UP, 1) == pytest.approx(0.1)  # measured 0.4 s where the curve said 4
+    assert p.plan([row], 1).family == "draft"
+
+
+def test_plain_decoding_is_probed_at_least_every_max_ar_probe_interval():
+    """AR's probes back off like the others' but stop at MAX_AR_PROBE_INTERVAL: its cost stays measured."""
+    flat = ForwardCurve([1, 16], 16, 1040, [1.0, 1.0], [1.0, 1.0])
+    p = AutoPolicy([Draftless()], margin=0.0)
+    p.costs = CostModel(CostTable(flat))
+    p.acceptance.seed("ngram", 0.0, [0.9] * 8, weight=1e6)
+    steps = [s for s in range(1, 600) if p.plan([Row(0)], 1).family == "ar"]
+    gaps = [b - a for a, b in zip(steps, steps[1:])]
+    assert max(gaps) == MAX_AR_PROBE_INTERVAL and gaps[-3:] == [MAX_AR_PROBE_INTERVAL] * 3
+
+
+def test_a_draftless_drafter_is_planned_by_what_it_proposes_this_step():
+    """Before each step the policy asks the draftless drafter what it would propose for each row: with nothing
+    anywhere it is no candidate (its step would be a plain one) and is not probed; a row without a proposal
+    expects one token from it, whatever its acceptance."""
+    flat = ForwardCurve([1, 16], 16, 1040, [1.0, 1.0], [1.0, 1.0])  # verifies cost what a plain step does
+    drafter = Draftless()
+    p = AutoPolicy([drafter], margin=0.0)
+    p.costs = CostModel(CostTable(flat))
+    p.acceptance.seed("ngram", 0.0, [0.9] * 8, weight=1e6)
+    assert p.plan([Row(0)], 1).family == "ngram"
+    drafter.proposal = []
+    plans = [p.plan([Row(0)], 1) for _ in range(3 * PROBE_EVERY)]
+    assert all(pl.name == "ar" and not pl.probe for pl in plans)
+    drafter.proposal = [1, 1]  # two tokens: a chain past them expects nothing more
+    p.plan([Row(0)], 1)  # (planning asks for this step's proposals)
+    e = p.expected_by_gamma("ngram", [Row(0)])
+    assert e[3] == pytest.approx(e[2]) and e[2] == pytest.approx(1 + 0.9 + 0.81, rel=1e-3)

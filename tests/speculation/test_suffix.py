@@ -21,7 +21,7 @@ from redwood.speculation.config import SpeculativeConfig
 from redwood.speculation.suffix import DEFAULT_TREE, SuffixDrafter, fill_tree
 from redwood.speculation.suffix_index import RANKED, SharedIndex, SuffixIndex, ranked_children
 from redwood.speculation.trees import Tree
-from tests.engine.driver import run_engine
+from tests.engine.driver import repetitive_prompts, run_engine
 from tests.engine.test_engine import models  # noqa: F401 — the (target, draft, tokenizer) fixture
 from tests.engine.test_speculative import assert_target_cache_is_autoregressive
 
@@ -181,21 +181,12 @@ def test_an_engine_refuses_a_q_walk_over_suffix_children(models):
 
 
 # ------------------------------------------------------------------------------------------ the engine
-def _repetitive_prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(n):
-        phrase = [rng.randrange(3, 300) for _ in range(rng.randrange(3, 7))]
-        prompts.append(phrase * rng.randrange(2, 5) + [rng.randrange(3, 300) for _ in range(rng.randrange(0, 6))])
-    return prompts
-
-
 @pytest.mark.parametrize("tree, shared", [(DEFAULT_TREE, False), (Tree.from_branching([3, 2, 1, 1, 1]), True)])
 def test_greedy_suffix_speculation_equals_ar_under_continuous_batching(models, tree, shared):
     """Ragged repetitive prompts arriving at different steps, 3 slots for 6 requests: every request's tokens
     equal its greedy AR output, its cache holds AR's KV, and drafted tokens were accepted."""
     target, _, tok = models
-    prompts = _repetitive_prompts(6, seed=4)
+    prompts = repetitive_prompts(6, seed=4)
     params = [SamplingParams(max_new_tokens=24, ignore_eos=True) for _ in prompts]
     arrivals = [0, 0, 1, 3, 5, 9]
     kw = dict(arrivals=arrivals, max_num_seqs=3, block_size=8)
@@ -219,7 +210,7 @@ def test_seeded_sampling_through_suffix_trees_gives_the_ar_tokens(models, monkey
     real = decode._verify
     monkeypatch.setattr(decode, "_verify", lambda kind, *a: kinds.add(kind) or real(kind, *a))
     target, _, tok = models
-    prompts = _repetitive_prompts(4, seed=9)  # (the tiny random model rarely repeats: T 0.1 keeps it close to greedy)
+    prompts = repetitive_prompts(4, seed=9)  # (the tiny random model rarely repeats: T 0.1 keeps it close to greedy)
     params = [
         SamplingParams(max_new_tokens=32, ignore_eos=True, temperature=0.8 if i == 3 else 0.1, seed=i) for i in range(4)
     ]
@@ -252,7 +243,7 @@ def test_the_auto_policy_plans_suffix_chains(models):
     from tests.engine.driver import RecordingEngine
 
     target, _, tok = models
-    prompts = _repetitive_prompts(3, seed=4)
+    prompts = repetitive_prompts(3, seed=4)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     _, ar, _ = run_engine(target, tok, prompts, params)
     d = SuffixDrafter(target.config.vocab_size, 1, 3)

@@ -194,8 +194,7 @@ def _run(args: argparse.Namespace) -> int:
         tokenizer, max_pos = tgt.tokenizer, min(tgt.config.max_position_embeddings, drf.config.max_position_embeddings)
         target_name, draft_name = tgt.source, drf.source
     else:
-        from redwood.commands.options import graphs_kwargs, threads_kwargs
-        from redwood.llm import LLM
+        from redwood.commands.options import llm_from_args
         from redwood.speculation.config import SpeculativeConfig
 
         spec = SpeculativeConfig(
@@ -210,15 +209,7 @@ def _run(args: argparse.Namespace) -> int:
             pool_kernel=DEFAULT_POOL_KERNEL if args.pool_kernel is None else args.pool_kernel,
             draft_weights=args.draft_weights or "auto",
         )
-        llm = LLM(
-            args.model,
-            dtype=args.dtype,
-            device=args.device,
-            weights=args.weights,
-            speculative=spec,
-            **graphs_kwargs(args),
-            **threads_kwargs(args),
-        )
+        llm = llm_from_args(args, speculative=spec)
         tokenizer, max_pos = llm.tokenizer, llm.config.max_position_embeddings
         target_name = llm.model_name
         draft_name = llm.model_name if args.self_speculate else args.draft_model

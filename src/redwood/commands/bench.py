@@ -9,10 +9,7 @@ from redwood.commands.options import (
     add_draft_weights_arg,
     add_model_args,
     add_offload_args,
-    execution_kwargs,
-    graphs_kwargs,
-    offload_kwargs,
-    threads_kwargs,
+    llm_from_args,
 )
 
 _SPEC_HELP = {
@@ -205,19 +202,10 @@ def _positive(name: str, value: int) -> None:
 
 def run_ar(args) -> int:
     from redwood.bench.ar import format_result, run_ar_bench
-    from redwood.llm import LLM
 
     for name in ("batch_size", "prompt_len", "gen_len", "repeats"):
         _positive(name.replace("_", "-"), getattr(args, name))
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        weights=args.weights,
-        **graphs_kwargs(args),
-        **threads_kwargs(args),
-        **execution_kwargs(args),
-    )
+    llm = llm_from_args(args)
     result = run_ar_bench(
         llm,
         args.batch_size,
@@ -285,7 +273,6 @@ def run_spec_bench(args) -> int:
     )
     from redwood.commands.options import check_draft_kv_args, check_draft_weights_arg, make_speculative_config
     from redwood.errors import ConfigError
-    from redwood.llm import LLM
     from redwood.sampling_params import SamplingParams
 
     kind = args.bench_kind
@@ -324,17 +311,7 @@ def run_spec_bench(args) -> int:
             for g in gammas or [4]
         ]
         spec = configs[0]  # the draft shape varies per run; everything else is shared
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        weights=args.weights,
-        speculative=spec,
-        **graphs_kwargs(args),
-        **offload_kwargs(args),
-        **threads_kwargs(args),
-        **execution_kwargs(args),
-    )
+    llm = llm_from_args(args, speculative=spec)
     progress = None if args.json else (lambda msg: print(f"... {msg}", file=sys.stderr, flush=True))
     result = run_bench(
         llm,
@@ -381,7 +358,6 @@ def run_throughput(args) -> int:
     from redwood.bench.speculative import DEFAULT_DATASET, PromptSource, make_prompts
     from redwood.commands.options import engine_kwargs, speculative_config_from_args
     from redwood.errors import ConfigError
-    from redwood.llm import LLM
     from redwood.sampling_params import SamplingParams
 
     tput.check_workload(
@@ -427,16 +403,9 @@ def run_throughput(args) -> int:
                 args.draft_budget = SELFSPEC_DEFAULT_BUDGET
         spec = speculative_config_from_args(args)
     # The LLM only loads the models (its own engine is kept minimal and dropped); the bench builds its own.
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        weights=args.weights,
+    llm = llm_from_args(
+        args,
         speculative=spec,
-        **graphs_kwargs(args),
-        **offload_kwargs(args),
-        **threads_kwargs(args),
-        **execution_kwargs(args),
         max_num_seqs=1,
         kv_cache_memory=engine_args.get("kv_cache_memory"),
     )

@@ -13,12 +13,10 @@ from redwood.commands.options import (
     add_sampling_args,
     add_speculative_args,
     engine_kwargs,
-    execution_kwargs,
-    graphs_kwargs,
-    offload_kwargs,
+    llm_from_args,
+    load_kwargs,
     sampling_params_from_args,
     speculative_config_from_args,
-    threads_kwargs,
 )
 
 
@@ -150,7 +148,6 @@ def compare_line(c: dict) -> str:
 def run(args) -> int:
     from redwood.engine.tokenization import check_max_model_len, check_prompt_ids, encode_prompt
     from redwood.errors import ConfigError
-    from redwood.llm import LLM
     from redwood.loading import inspect_model
 
     params = sampling_params_from_args(args)  # validate before the (slow) model load
@@ -164,8 +161,7 @@ def run(args) -> int:
             f"--compare-ar N must be >= 2 (the first token comes from the prefill; decode speed needs "
             f"more), got {args.compare_ar}"
         )
-    offload = offload_kwargs(args)
-    threads = {**threads_kwargs(args), **execution_kwargs(args)}
+    load_kwargs(args)  # (the load flags' errors before reading the prompt)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     # The prompt's checks need only the tokenizer: made before the weights load (the LLM reuses it).
     info = inspect_model(args.model)
@@ -175,17 +171,7 @@ def run(args) -> int:
     # One request: one batch slot, and KV pages for this prompt and answer only (the pool is zero-filled, so
     # all of it is resident: for 256 slots × the whole context it was the whole 4 GiB CPU budget).
     engine = {"max_num_seqs": 1, "max_model_len": min(context, len(ids) + args.max_new_tokens), **engine_kwargs(args)}
-    llm = LLM(
-        info,
-        dtype=args.dtype,
-        device=args.device,
-        weights=args.weights,
-        speculative=spec,
-        **offload,
-        **graphs_kwargs(args),
-        **threads,
-        **engine,
-    )
+    llm = llm_from_args(args, info, speculative=spec, **engine)
     if args.json:
         out = llm.generate([prompt], params, chat=args.chat)[0]
         obj = {

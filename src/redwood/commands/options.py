@@ -651,3 +651,27 @@ def engine_kwargs(args) -> dict:
     if getattr(args, "enable_prefix_caching", False):
         out["enable_prefix_caching"] = True
     return out
+
+
+def load_kwargs(args) -> dict:
+    """LLM(...) / Engine.from_pretrained(...) keywords from the flags every model-loading command shares:
+    --dtype, --device, --weights, --no-cuda-graphs, --threads, the execution flags and, where the command has
+    them, the offload flags (ConfigError for bad values, before any weights load)."""
+    offload = offload_kwargs(args) if hasattr(args, "offload") else {}
+    return {
+        "dtype": args.dtype,
+        "device": args.device,
+        "weights": args.weights,
+        **offload,
+        **graphs_kwargs(args),
+        **threads_kwargs(args),
+        **execution_kwargs(args),
+    }
+
+
+def llm_from_args(args, model=None, **kwargs):
+    """The LLM of `model` (default --model; a `ModelInfo` already inspected is reused) loaded as the command's
+    flags say (`load_kwargs`); `kwargs` add the rest (speculative=..., engine settings)."""
+    from redwood.llm import LLM
+
+    return LLM(args.model if model is None else model, **load_kwargs(args), **kwargs)

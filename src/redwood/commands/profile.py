@@ -95,8 +95,7 @@ def register(subparsers) -> None:
 def _for_policy(args: argparse.Namespace) -> int:
     """Load the models as `generate --speculative auto` with the same flags would, and build the engine: its
     calibration lands in the cache (or is found there already)."""
-    from redwood.commands.options import threads_kwargs
-    from redwood.llm import LLM
+    from redwood.commands.options import llm_from_args
     from redwood.speculation.config import SpeculativeConfig
 
     if args.output is not None:
@@ -104,16 +103,7 @@ def _for_policy(args: argparse.Namespace) -> int:
     check_draft_weights_arg(args)
     spec = SpeculativeConfig(draft_model=args.draft_model, draft_weights=args.draft_weights or "auto", policy="auto")
     t0 = time.perf_counter()
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        weights=args.weights,
-        speculative=spec,
-        cuda_graphs=args.cuda_graphs,
-        max_num_seqs=1,
-        **threads_kwargs(args),
-    )
+    llm = llm_from_args(args, speculative=spec, max_num_seqs=1)
     engine = llm.engine  # (built now: the calibration runs, or the cache is read)
     table = engine.policy.costs.table
     print(f"cost model for {llm.model_name}" + (f" + {args.draft_model}" if args.draft_model else ""))

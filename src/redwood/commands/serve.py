@@ -18,11 +18,8 @@ from redwood.commands.options import (
     add_offload_args,
     add_speculative_args,
     engine_kwargs,
-    execution_kwargs,
-    graphs_kwargs,
-    offload_kwargs,
+    load_kwargs,
     speculative_config_from_args,
-    threads_kwargs,
 )
 
 log = logging.getLogger("redwood.serve")
@@ -92,7 +89,7 @@ def _check_server_args(args) -> None:
 def run(args) -> int:
     _check_server_args(args)  # (every flag checked before the slow model load)
     spec = speculative_config_from_args(args)
-    offload = offload_kwargs(args)
+    loading = load_kwargs(args)  # (the load flags' errors before the server's imports)
     try:
         import uvicorn
 
@@ -109,14 +106,8 @@ def run(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     engine = Engine.from_pretrained(
         args.model,
-        dtype=args.dtype,
-        device=args.device,
-        weights=args.weights,
         speculative=spec,
-        **offload,
-        **graphs_kwargs(args),
-        **threads_kwargs(args),
-        **execution_kwargs(args),
+        **loading,
         **engine_kwargs(args),
     )
     name = args.served_model_name or str(args.model)

@@ -3,8 +3,12 @@
 One row, forwards of N = 1, 2, 4, … new tokens at a short and a long context, for the target and a standalone
 draft model: the curves `CostTable` interpolates. The context is not prefilled — a forward's time does not
 depend on what its keys hold, so the cache's lengths are simply set (seconds instead of minutes of prefill on
-a CPU). Forwards run as the engine runs them (`StepRunner`: CUDA graphs on CUDA), each timed as the median of a
-few after a warm-up, at the thread count decode steps start at.
+a CPU). Forwards run as the engine runs them (`StepRunner`: CUDA graphs on CUDA), at the thread count decode
+steps start at. Other work on the machine only ever adds time, so each point is the *minimum* over PASSES
+passes (the whole sweep repeated, so a burst of load hits one pass's points, not all of one point's runs) of
+REPEATS runs each; then the curve is made monotone — a forward over fewer tokens, or at a shorter context,
+never costs more than one over more (`ForwardCurve.monotone`). A calibration taken while the machine was
+busy once gave 1.7 s for one token and 0.46 s for two; the policy then never chose long chains.
 
 `load_or_calibrate` reads the cache (`speculation.costs_cache`) or calibrates (with a progress bar) and writes
 it; `redwood profile --for-policy` calls it ahead of time.
@@ -13,14 +17,14 @@ it; `redwood profile --for-policy` calls it ahead of time.
 from __future__ import annotations
 
 import dataclasses
+import math
 import platform
-import statistics
 import time
 
 import torch
 
 from redwood import envs
-from redwood.engine.runner import StepRunner, sync
+from redwood.engine.runner import StepRunner, time_ms
 from redwood.progress import Progress, note
 from redwood.speculation.costs import CostTable, ForwardCurve
 from redwood.speculation.costs_cache import load_costs, save_costs
@@ -29,7 +33,7 @@ from redwood.version import __version__
 TOKENS = (1, 2, 4, 8, 16, 32)
 SHORT_CONTEXT = 16
 LONG_CONTEXT = 1024
-REPEATS, WARMUP = 3, 1
+REPEATS, WARMUP, PASSES = 3, 1, 2
 
 
 def device_name(device: torch.device) -> str:
@@ -72,19 +76,6 @@ def cost_key(model, draft_model=None, threads: int | None = None, tensor_paralle
     }
 
 
-def _time(fn, device, repeats: int = REPEATS, warmup: int = WARMUP) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return float(statistics.median(times))
-
-
 @torch.inference_mode()
 def forward_curve(model, max_context: int, progress: Progress | None = None, tokens=TOKENS) -> ForwardCurve:
     """Times of one-row forwards of `tokens` new tokens at SHORT_CONTEXT and at min(LONG_CONTEXT, room)."""
@@ -94,22 +85,22 @@ def forward_curve(model, max_context: int, progress: Progress | None = None, tok
     cache = model.new_cache(1, hi + max(tokens))
     runner = StepRunner(model, cache, use_graphs=model.device.type == "cuda")
     device = model.device
-    out = {}
-    for ctx in (lo, hi):
-        cache.lengths.fill_(ctx)  # (the keys' values do not change a forward's time)
-        times = []
-        for n in tokens:
-            ids = torch.zeros(1, n, dtype=torch.long, device=device)
-            positions = (ctx + torch.arange(n, device=device))[None]
-            times.append(_time(lambda: runner.forward(ids, positions), device))
-            if progress is not None:
-                progress.update()
-        out[ctx] = times
-    return ForwardCurve(list(tokens), lo, hi, out[lo], out[hi])
+    out = {ctx: [math.inf] * len(tokens) for ctx in (lo, hi)}
+    for _ in range(PASSES):
+        for ctx in (lo, hi):
+            cache.lengths.fill_(ctx)  # (the keys' values do not change a forward's time)
+            for i, n in enumerate(tokens):
+                ids = torch.zeros(1, n, dtype=torch.long, device=device)
+                positions = (ctx + torch.arange(n, device=device))[None]
+                t = time_ms(lambda: runner.forward(ids, positions), device, REPEATS, WARMUP, reduce=min) / 1e3
+                out[ctx][i] = min(out[ctx][i], t)
+                if progress is not None:
+                    progress.update()
+    return ForwardCurve(list(tokens), lo, hi, out[lo], out[hi]).monotone()
 
 
 def calibrate(model, draft_model=None, max_context: int = 4096, show: bool = True) -> CostTable:
-    n = len(TOKENS) * 2 * (1 if draft_model is None else 2)
+    n = len(TOKENS) * 2 * PASSES * (1 if draft_model is None else 2)
     with Progress(n, "calibrating the speculation cost model", enabled=show) as bar:
         target = forward_curve(model, max_context, bar)
         draft = None if draft_model is None else forward_curve(draft_model, max_context, bar)

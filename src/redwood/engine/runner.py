@@ -23,6 +23,7 @@ for its lifetime, so graphs are captured once per engine, not once per request.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
@@ -206,3 +207,20 @@ def sync(device: torch.device) -> None:
     """Wait for the device's queued work (timing on CUDA); a no-op on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def time_ms(
+    fn: Callable[[], object], device: torch.device, repeats: int, warmup: int, reduce: Callable = statistics.median
+) -> float:
+    """Wall time of fn() in ms — the median (or `reduce`, e.g. min) of `repeats` runs after `warmup` untimed
+    runs, synced around each."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(reduce(times))

@@ -17,6 +17,8 @@ what it *would* propose after each row's tokens, and after the step compares tha
 the row actually emitted. For a proposal that is one token per position (a one-hot draft distribution) the
 chance that a sampled token equals it is exactly the chance rejection sampling accepts it (p(x) both ways),
 so the counts are unbiased at every temperature, and a drafter the policy does not choose keeps being scored.
+A step where it has nothing to propose is not scored: its rates are acceptance *given* a proposal, and the
+policy, which knows before each step which rows have one, plans around the others.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from redwood.jsonfile import check_format, read_json
 from redwood.speculation.trees import acceptance_rows
 
 TEMP_BUCKETS = (0.0, 0.5, 1.0)  # temperature 0 | (0, 0.5] | (0.5, 1] | above
-ROW_PRIOR = 4.0  # pseudo-reaches a row's own counts are shrunk toward its drafter's with
+ROW_PRIOR = 4.0
+BORROW_WEIGHT = 2.0  # reaches a new temperature bucket's table takes from the drafter's nearest one  # pseudo-reaches a row's own counts are shrunk toward its drafter's with
 GLOBAL_DECAY = 0.995
 ROW_DECAY = 0.95
 
@@ -73,6 +76,7 @@ class DepthRates:
     depth: int
     prior: float = 0.5
     prior_weight: float = 2.0
+    prior_rates: list[float] | None = None  # a prior per depth instead of the flat `prior`
     decay: float = GLOBAL_DECAY
     hits: list[float] = field(default_factory=list)
     reached: list[float] = field(default_factory=list)
@@ -82,22 +86,26 @@ class DepthRates:
         self.hits = self.hits or [0.0] * self.depth
         self.reached = self.reached or [0.0] * self.depth
 
-    def record(self, accepted: int, offered: int) -> None:
-        """One verified proposal: `offered` draft tokens, the first `accepted` of them accepted."""
+    def record(self, accepted: int, offered: int, start: int = 0) -> None:
+        """One verified proposal: `offered` draft tokens, the first `accepted` of them accepted. `start` > 0:
+        the rest of a proposal whose first `start` tokens were recorded already (as accepted: a proposal
+        scored as its tokens arrive); only a proposal's first record decays the old counts."""
         offered = min(offered, self.depth)
         accepted = min(accepted, offered)
-        for d in range(self.depth):
-            self.hits[d] *= self.decay
-            self.reached[d] *= self.decay
-        for d in range(min(accepted + 1, offered)):
+        if start == 0:
+            for d in range(self.depth):
+                self.hits[d] *= self.decay
+                self.reached[d] *= self.decay
+            self.records += 1
+        for d in range(start, min(accepted + 1, offered)):
             self.reached[d] += 1.0
             if d < accepted:
                 self.hits[d] += 1.0
-        self.records += 1
 
     def rates(self, prior: list[float] | None = None, weight: float | None = None) -> list[float]:
         """α_d per depth: the counts shrunk toward `prior` (default: this table's own flat prior)."""
         w = self.prior_weight if weight is None else weight
+        prior = self.prior_rates if prior is None else prior
         out = []
         for d in range(self.depth):
             p = self.prior if prior is None else prior[d]
@@ -124,18 +132,25 @@ class LiveAcceptance:
         key = (drafter, bucket)
         t = self._global.get(key)
         if t is None:
-            t = self._global[key] = DepthRates(self.depth, prior=self.priors.get(drafter, 0.5))
+            t = DepthRates(self.depth, prior=self.priors.get(drafter, 0.5))
+            # a temperature bucket seen first takes the drafter's nearest bucket with counts as its prior (worth
+            # BORROW_WEIGHT reaches), not the flat one: acceptance moves with temperature, not from scratch
+            known = [(abs(b - bucket), b) for (d, b), x in self._global.items() if d == drafter and x.records]
+            if known:
+                t.prior_rates = self._global[(drafter, min(known)[1])].rates()
+                t.prior_weight = BORROW_WEIGHT
+            self._global[key] = t
         return t
 
     def seed(self, drafter: str, temperature: float, rates: list[float], weight: float = 16.0) -> None:
         self._table(drafter, temperature_bucket(temperature)).seed(rates, weight)
 
-    def record(self, drafter: str, slot: int, temperature: float, accepted: int, offered: int) -> None:
-        self._table(drafter, temperature_bucket(temperature)).record(accepted, offered)
+    def record(self, drafter: str, slot: int, temperature: float, accepted: int, offered: int, start: int = 0) -> None:
+        self._table(drafter, temperature_bucket(temperature)).record(accepted, offered, start)
         row = self._rows.get((drafter, slot))
         if row is None:
             row = self._rows[(drafter, slot)] = DepthRates(self.depth, decay=ROW_DECAY)
-        row.record(accepted, offered)
+        row.record(accepted, offered, start)
 
     def rates(self, drafter: str, slot: int, temperature: float) -> list[float]:
         """α_d for the request in `slot`: its own counts shrunk toward its drafter's at its temperature."""
@@ -157,36 +172,53 @@ class LiveAcceptance:
 
 
 class ShadowScorer:
-    """Scores one draftless drafter against the tokens rows emit (see the module docstring)."""
+    """Scores one draftless drafter against the tokens rows emit (see the module docstring).
+
+    A proposal is asked for before *every* step of every row, and each stays pending until the tokens the
+    row emits settle it (a miss, or its end): under plans that emit a token or two a step, several are live
+    at once, and the depths a live proposal has matched count as accepted at once (its miss, or its end,
+    when it settles). Asking only when none was pending, and counting a proposal only when it settled, scored
+    one proposal per four steps or so: at a request's start the policy planned for many steps on the
+    drafter's prior instead of what it measured (on code editing: γ1 for its first ten steps where γ4-γ7 was
+    right)."""
 
     def __init__(self, name: str, drafter, acceptance: LiveAcceptance, depth: int):
         self.name, self.drafter, self.acceptance, self.depth = name, drafter, acceptance, depth
-        # slot → (proposal, its temperature, tokens of it matched by earlier steps)
-        self._pending: dict[int, tuple[list[int], float, int]] = {}
+        # slot → its live proposals, oldest first: [proposal, temperature, tokens of it matched so far]
+        self._pending: dict[int, list[list]] = {}
         self.scored = 0  # proposals scored (reports)
 
-    def before(self, slot: int, history: list[int], temperature: float) -> None:
-        """The row's tokens (prompt + output, its newest last) before a step."""
-        if slot not in self._pending:
-            self._pending[slot] = (self.drafter.shadow_propose(slot, history, self.depth), temperature, 0)
+    def before(self, slot: int, history: list[int], temperature: float) -> int:
+        """The row's tokens (prompt + output, its newest last) before a step → the length of what the drafter
+        proposes there (0: nothing — a step of this drafter would decode the row plainly)."""
+        proposal = self.drafter.shadow_propose(slot, history, self.depth)
+        if proposal:  # (nothing proposed teaches nothing about acceptance: the policy plans around it)
+            self._pending.setdefault(slot, []).append([proposal, temperature, 0])
+        return len(proposal)
 
     def after(self, slot: int, emitted: list[int]) -> None:
         """The tokens the row emitted in the step (after the history `before` saw). A proposal whose every
         token so far matched stays pending across steps (an AR step emits one token at a time)."""
-        pending = self._pending.pop(slot, None)
-        if pending is None:
+        live = self._pending.get(slot)
+        if not live:
             return
-        proposal, temperature, matched = pending
-        k = 0
-        rest = proposal[matched:]
-        while k < len(emitted) and k < len(rest) and emitted[k] == rest[k]:
-            k += 1
-        if rest and k == len(emitted) and k < len(rest):
-            self._pending[slot] = (proposal, temperature, matched + k)
-            return
-        # (no proposal at all counts as a miss at depth 1: that step would have emitted one token)
-        self.acceptance.record(self.name, slot, temperature, matched + k, len(proposal) or self.depth)
-        self.scored += 1
+        still = []
+        for entry in live:
+            proposal, temperature, matched = entry
+            rest = proposal[matched:]
+            k = 0
+            while k < len(emitted) and k < len(rest) and emitted[k] == rest[k]:
+                k += 1
+            if rest and k == len(emitted) and k < len(rest):
+                # every token so far matched: those depths count as accepted now (the policy sees them this
+                # step, not when the proposal ends), the rest when it settles
+                self.acceptance.record(self.name, slot, temperature, matched + k, matched + k, start=matched)
+                entry[2] = matched + k
+                still.append(entry)
+                continue
+            self.acceptance.record(self.name, slot, temperature, matched + k, len(proposal), start=matched)
+            self.scored += 1
+        self._pending[slot] = still
 
     def forget(self, slot: int) -> None:
         self._pending.pop(slot, None)

@@ -13,9 +13,11 @@ piecewise-linearly in N (clamped, then extended by the last slope) and linearly 
 its total of new tokens and its rows' reads: a first guess the online correction makes good.
 
 The correction: every timed step divides the measured time by this table's prediction; a decayed
-geometric mean of that ratio per (plan family, batch bucket) — family "ar" or a drafter's name — scales
-later predictions of that family at that bucket. A graphed GPU step is timed whole, so the whole step is
-corrected, never its parts.
+geometric mean of that ratio (decayed per observation, and further by its age in steps: a plan probed now
+and then is costed by its latest probes) is kept per (plan family, step shape, batch bucket) and per (family, bucket) —
+family "ar" or a drafter's name. A shape already run is predicted with its own ratio (the plan in use is
+costed by what it measured, whatever the calibration's error at its size); any other with its family's. A
+graphed GPU step is timed whole, so the whole step is corrected, never its parts.
 
 `CostTable` round-trips through JSON (the calibration cache, `costs_cache`); the cache's key names what
 the times depend on (device, model, dtype, weight format, threads, backend settings, tensor-parallel size,
@@ -29,6 +31,9 @@ import math
 from dataclasses import dataclass, field
 
 COSTS_FORMAT = "redwood.costs/1"
+AGE_DECAY = 0.97  # per step: a ratio last updated 23 steps ago keeps half its weight against a new one
+CATCH_UP = "catch-up"  # the correction family of draft-model catch-ups (`CostModel.catch_up`)
+PLAUSIBLE_SLACK = 1.25  # a cached curve may dip this much (calibrations are monotone; hand edits, old files)
 
 
 @dataclass
@@ -48,6 +53,31 @@ class ForwardCurve:
             raise ValueError("the long context must exceed the short one")
         if any(not (t > 0 and math.isfinite(t)) for t in self.lo_s + self.hi_s):
             raise ValueError("forward times must be positive and finite")
+
+    def monotone(self) -> "ForwardCurve":
+        """This curve with every time lowered to the least of the times that cannot be smaller — at more
+        tokens, or at the long context (noise from other work only adds time, so the smaller one is the
+        truer)."""
+        lo = [min(a, b) for a, b in zip(self.lo_s, self.hi_s)]
+        out = []
+        for times in (lo, self.hi_s):
+            times = list(times)
+            for i in range(len(times) - 2, -1, -1):
+                times[i] = min(times[i], times[i + 1])
+            out.append(times)
+        return ForwardCurve(list(self.tokens), self.lo_ctx, self.hi_ctx, out[0], out[1])
+
+    def implausible(self, slack: float = PLAUSIBLE_SLACK) -> str | None:
+        """Why these times cannot describe one quiet machine (a forward over fewer tokens, or at a shorter
+        context, taking over `slack` times as long), or None."""
+        for name, ctx, times in (("short", self.lo_ctx, self.lo_s), ("long", self.hi_ctx, self.hi_s)):
+            for (n0, t0), (n1, t1) in zip(zip(self.tokens, times), zip(self.tokens[1:], times[1:])):
+                if t0 > slack * t1:
+                    return f"{n0} new tokens timed {t0 / t1:.1f}x slower than {n1} at context {ctx} ({name})"
+        for n, a, b in zip(self.tokens, self.lo_s, self.hi_s):
+            if a > slack * b:
+                return f"{n} new tokens timed {a / b:.1f}x slower at context {self.lo_ctx} than at {self.hi_ctx}"
+        return None
 
     @staticmethod
     def _interp(xs: list[int], ys: list[float], x: float) -> float:
@@ -101,6 +131,14 @@ class CostTable:
         draft = d.get("draft")
         return cls(ForwardCurve.from_dict(d["target"]), None if draft is None else ForwardCurve.from_dict(draft))
 
+    def implausible(self) -> str | None:
+        """Why this table cannot be a quiet machine's (`ForwardCurve.implausible`), or None."""
+        for name, curve in (("target", self.target), ("draft", self.draft)):
+            why = None if curve is None else curve.implausible()
+            if why is not None:
+                return f"the {name}'s {why}"
+        return None
+
 
 @dataclass
 class StepShape:
@@ -116,12 +154,16 @@ class StepShape:
 
 @dataclass
 class CostModel:
-    """Predicted step times from a `CostTable`, corrected online per (family, bucket)."""
+    """Predicted step times from a `CostTable`, corrected online per (family, shape, bucket) and per (family,
+    bucket)."""
 
     table: CostTable
     decay: float = 0.8  # weight of the old log-ratio at each observation
-    _log_ratio: dict[tuple[str, int], float] = field(default_factory=dict)
-    observations: int = 0
+    age_decay: float = AGE_DECAY  # and its further weight per step (any plan's) since it was last updated
+    # key → (decayed log-ratio, `observations` when last updated)
+    _log_ratio: dict[tuple[str, int], tuple[float, int]] = field(default_factory=dict)
+    _shape_log_ratio: dict[tuple, tuple[float, int]] = field(default_factory=dict)
+    observations: int = 0  # timed steps seen (the clock of the ratios' ages)
 
     def raw(self, shape: StepShape, rows: int, context: int) -> float:
         """The table's prediction for one step of `shape` over `rows` rows at `context` slots each."""
@@ -134,24 +176,60 @@ class CostModel:
             t += sum(curve.seconds(rows, k, ctx) for k in shape.level_tokens)
         return t
 
-    def correction(self, family: str, bucket: int) -> float:
-        """The learnt measured / predicted ratio for a family at a bucket (1 before any step); a bucket
-        never measured borrows its family's nearest measured bucket."""
-        r = self._log_ratio.get((family, bucket))
-        if r is None:
-            near = [(abs(math.log2(b) - math.log2(bucket)), v) for (f, b), v in self._log_ratio.items() if f == family]
-            r = min(near)[1] if near else 0.0
-        return math.exp(r)
+    def correction(self, family: str, bucket: int, shape: StepShape | None = None) -> float:
+        """The learnt measured / predicted ratio for `shape` of a family at a bucket if that was run, else the
+        family's at the bucket (1 before any step); a bucket never measured borrows its family's nearest
+        measured bucket."""
+        if shape is not None:
+            got = self._shape_log_ratio.get((family, _shape_key(shape), bucket))
+            if got is not None:
+                return math.exp(got[0])
+        got = self._log_ratio.get((family, bucket))
+        if got is None:
+            near = [
+                (abs(math.log2(b) - math.log2(bucket)), v[0]) for (f, b), v in self._log_ratio.items() if f == family
+            ]
+            return math.exp(min(near)[1] if near else 0.0)
+        return math.exp(got[0])
+
+    def _blend(self, ratios: dict, key, r: float) -> None:
+        """Fold log-ratio r into ratios[key]: the old value keeps `decay`, less for every step since it was
+        last updated (a plan probed once in a while is costed by its probe, not by what it measured long ago
+        — while the machine warmed up, or before another process started)."""
+        old = ratios.get(key)
+        if old is None:
+            ratios[key] = (r, self.observations)
+            return
+        value, at = old
+        keep = self.decay * self.age_decay ** max(self.observations - at - 1, 0)
+        ratios[key] = (keep * value + (1 - keep) * r, self.observations)
+
+    def catch_up(self, rows: int, tokens: int, bucket: int, context: int) -> float:
+        """A draft model's catch-up: one draft forward over the `tokens` it missed in each of `rows` rows
+        (steps of other plans committed them), corrected by the catch-ups measured (family "catch-up")."""
+        if self.table.draft is None or tokens <= 0:
+            return 0.0
+        return self.table.draft.seconds(rows, tokens, context) * self.correction(CATCH_UP, bucket)
+
+    def observe_catch_up(self, rows: int, tokens: int, bucket: int, context: int, seconds: float) -> None:
+        if self.table.draft is None or tokens <= 0 or not (seconds > 0 and math.isfinite(seconds)):
+            return
+        self._blend(
+            self._log_ratio, (CATCH_UP, bucket), math.log(seconds / self.table.draft.seconds(rows, tokens, context))
+        )
 
     def predict(self, family: str, shape: StepShape, rows: int, bucket: int, context: int) -> float:
-        return self.raw(shape, rows, context) * self.correction(family, bucket)
+        return self.raw(shape, rows, context) * self.correction(family, bucket, shape)
 
     def observe(self, family: str, shape: StepShape, rows: int, bucket: int, context: int, seconds: float) -> None:
         """A step of this family and shape took `seconds` (captures left out)."""
         if not (seconds > 0 and math.isfinite(seconds)):
             return
         r = math.log(seconds / self.raw(shape, rows, context))
-        key = (family, bucket)
-        old = self._log_ratio.get(key)
-        self._log_ratio[key] = r if old is None else self.decay * old + (1 - self.decay) * r
         self.observations += 1
+        self._blend(self._log_ratio, (family, bucket), r)
+        self._blend(self._shape_log_ratio, (family, _shape_key(shape), bucket), r)
+
+
+def _shape_key(shape: StepShape) -> tuple:
+    return (shape.verify, shape.level_tokens, shape.draft_model, shape.draft_context)

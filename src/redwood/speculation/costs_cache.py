@@ -46,9 +46,13 @@ def load_costs(key: dict, root: Path | None = None) -> tuple[CostTable | None, s
     if doc.get("key") != json.loads(json.dumps(key, sort_keys=True)):
         return None, f"the calibration file {path} was made for another setup (device, model or version); rebuilding it"
     try:
-        return CostTable.from_dict(doc["table"]), ""
+        table = CostTable.from_dict(doc["table"])
     except (KeyError, TypeError, ValueError) as e:
         return None, f"the calibration file {path} is corrupt ({e}); rebuilding it"
+    why = table.implausible()
+    if why is not None:
+        return None, f"the calibration file {path} is implausible ({why}: measured while busy?); rebuilding it"
+    return table, ""
 
 
 def save_costs(key: dict, table: CostTable, root: Path | None = None) -> Path:

@@ -16,13 +16,18 @@ plan is kept unless another is better by `margin` (on CUDA a plan whose graph is
 `capture_margin`), so plans — and CUDA graphs — do not flap on noise.
 
 Never permanently wrong: a family (ar, or a drafter) that is not chosen is *probed* — run for one step — after
-`PROBE_EVERY` steps, then after twice as many each time it still loses (up to `MAX_PROBE_INTERVAL`), so its cost
+`PROBE_EVERY` steps, then after twice as many each time it still loses (up to `MAX_PROBE_INTERVAL`;
+`MAX_AR_PROBE_INTERVAL` for plain decoding, whose probes are cheap and whose cost is the yardstick), so its cost
 and acceptance stay measured while the text changes; its probes count in the run's time. Draftless drafters
 are also scored for free on every step (`ShadowScorer`), so their acceptance never goes stale.
 
 A draft model's KV is written only on its own steps: after steps of another plan its cache lags the target's,
-and the executor catches it up (one draft forward over the missed tokens) before its next step; that cost is
-part of that step's measured time.
+and the executor catches it up (one draft forward over the missed tokens) before its next step. The policy
+counts the tokens each row's draft cache missed, predicts that catch-up (the draft's calibrated curve,
+corrected by the catch-ups measured) and charges a switch to the draft model 1 / SWITCH_HORIZON of it per
+step — on chat at T 0.7, where the draft model and plain decoding are within a few percent, flipping between
+them without that charge spent a fifth of the run catching up. The catch-up is not part of the draft plan's
+own step cost (it is a switch's, not the plan's).
 """
 
 from __future__ import annotations
@@ -37,8 +42,14 @@ from redwood.speculation.trees import Tree
 MAX_GAMMA = 8
 PROBE_EVERY = 16
 MAX_PROBE_INTERVAL = 512
+# Plain decoding's probes stop doubling here: they cost little (one step without speculation's gain) and keep
+# AR's cost current — the yardstick "never slower than plain decoding" is measured against.
+MAX_AR_PROBE_INTERVAL = 64
 MARGIN = 0.03
 CAPTURE_MARGIN = 0.10
+# A switch to a draft model whose cache lags (other plans ran) first pays its catch-up: that cost is spread
+# over this many steps of the new plan when comparing (a plan, once chosen, is kept for a while — hysteresis).
+SWITCH_HORIZON = 4
 PRIORS = {"draft": 0.6, "self": 0.6}  # first guesses of α before any step (draftless: scored from step 1)
 
 
@@ -107,13 +118,12 @@ class FixedPolicy:
             self._plan = Plan(Candidate(family_of(drafter), drafter, tree, StepShape(tree.size)))
         self.drafters = [] if drafter is None else [drafter]
         self.max_tree_size = 1 if tree is None else tree.size
-        self.counts: dict[str, int] = {}
 
     def plan(self, rows, bucket: int) -> Plan:
         return self._plan
 
-    def observe(self, rows, ran: Plan, tokens, seconds: float | None, bucket: int) -> None:
-        self.counts[ran.name] = self.counts.get(ran.name, 0) + 1
+    def observe(self, rows, ran: Plan, tokens, seconds: float | None, bucket: int, catch_up_s: float = 0.0) -> None:
+        pass  # (nothing to learn: the plan never changes; SpecStats counts the steps)
 
     def forget(self, slot: int) -> None:
         pass
@@ -158,6 +168,7 @@ class AutoPolicy:
         self.costs: CostModel | None = None  # set by the engine (a calibration, or the cache's)
         self.costs_path = None  # where that calibration is cached
         self.current: Candidate = AR
+        self._proposing: dict[str, list[int]] = {}  # draftless family → its proposal length per row, this step
         self.steps = 0
         self._probes = {f: _Probe(PROBE_EVERY) for f in {"ar", *(family_of(d) for d in self.drafters)}}
         self._captured: set[tuple] = set()  # (candidate name, bucket) run at least once (graph captured)
@@ -165,25 +176,48 @@ class AutoPolicy:
         self.probes = 0
         self.expected_sum = 0.0  # Σ expected tokens per row over planned steps, and achieved (reports)
         self.achieved_sum = 0.0
+        self.expected_steps = 0
+        # the model drafters' families (their own KV cache, written only on their own steps) → slot → tokens
+        # committed by other plans since (what a switch back must catch up)
+        self._lag: dict[str, dict[int, int]] = {
+            family_of(d): {} for d in self.drafters if getattr(d, "own_model", None) is not None
+        }
 
     # ------------------------------------------------------------------ planning
     def expected_by_gamma(self, family: str, rows) -> list[float]:
         """[E(γ) for γ = 0 … max_gamma]: expected tokens per row per step of a chain of γ from `family`, averaged
-        over the rows (one pass per row: the running products of its α_d)."""
+        over the rows (one pass per row: the running products of its α_d; a draftless drafter's row offers only
+        the proposal it has this step — none: 1 token)."""
         total = [0.0] * (self.max_gamma + 1)
-        for r in rows:
+        proposing = self._proposing.get(family)
+        for i, r in enumerate(rows):
             run, acc = 1.0, 1.0
             total[0] += 1.0
-            for d, a in enumerate(self.acceptance.rates(family, r.slot, r.params.temperature)[: self.max_gamma]):
-                run *= a
-                acc += run
+            rates = self.acceptance.rates(family, r.slot, r.params.temperature)[: self.max_gamma]
+            offered = len(rates) if proposing is None else min(proposing[i], len(rates))  # (draftless: its proposal)
+            for d in range(self.max_gamma):
+                if d < offered:
+                    run *= rates[d]
+                    acc += run
                 total[d + 1] += acc
         return [t / len(rows) for t in total]
 
+    def switch_seconds(self, family: str, rows, bucket: int, context: int) -> float:
+        """The predicted catch-up a step of `family` pays first (0 unless it is a lagging draft model)."""
+        lag = self._lag.get(family)
+        if not lag:
+            return 0.0
+        behind = [lag.get(r.slot, 0) for r in rows]
+        if not any(behind):
+            return 0.0
+        return self.costs.catch_up(sum(b > 0 for b in behind), max(behind), bucket, context)
+
     def score(self, cand: Candidate, rows, bucket: int, expected: dict | None = None) -> tuple[float, float, float]:
-        """→ (tokens per second, expected tokens per row, predicted seconds) of `cand` for these rows."""
+        """→ (tokens per second, expected tokens per row, predicted seconds) of `cand` for these rows; the
+        seconds include 1 / SWITCH_HORIZON of a lagging draft model's catch-up."""
         context = sum(r.computed for r in rows) / len(rows)
         seconds = self.costs.predict(cand.family, cand.shape, bucket, bucket, int(context))
+        seconds += self.switch_seconds(cand.family, rows, bucket, int(context)) / SWITCH_HORIZON
         if cand.tree is None:
             e = 1.0
         else:
@@ -197,11 +231,14 @@ class AutoPolicy:
         if self.costs is None:
             raise RuntimeError("the automatic policy has no cost model yet (the engine calibrates it first)")
         self.steps += 1
+        # draftless drafters: what each row's proposal is this step (0 tokens: none — a step of that drafter
+        # decodes the row plainly, and with no row proposing it would be a plain step: not a candidate now)
+        self._proposing = {}
         for s in self.shadows:
-            for r in rows:
-                s.before(r.slot, r.token_ids, r.params.temperature)
+            self._proposing[s.name] = [s.before(r.slot, r.token_ids, r.params.temperature) for r in rows]
+        idle = {f for f, lens in self._proposing.items() if not any(lens)}
         expected = {f: self.expected_by_gamma(f, rows) for f in {c.family for c in self.candidates if c.tree}}
-        scored = [(self.score(c, rows, bucket, expected), c) for c in self.candidates]
+        scored = [(self.score(c, rows, bucket, expected), c) for c in self.candidates if c.family not in idle]
         best_of: dict[str, tuple] = {}
         for sc, c in scored:
             if c.family not in best_of or sc[0] > best_of[c.family][0][0]:
@@ -219,11 +256,11 @@ class AutoPolicy:
         for fam, probe in self._probes.items():  # the chosen family is not probed; its clock restarts
             if fam == chosen.family:
                 probe.due, probe.interval = self.steps + PROBE_EVERY, PROBE_EVERY
-        due = [f for f, p in self._probes.items() if f != chosen.family and p.due <= self.steps]
+        due = [f for f, p in self._probes.items() if f != chosen.family and p.due <= self.steps and f not in idle]
         if due:
             fam = min(due, key=lambda f: self._probes[f].due)
             probe = self._probes[fam]
-            probe.interval = min(2 * probe.interval, MAX_PROBE_INTERVAL)
+            probe.interval = min(2 * probe.interval, MAX_AR_PROBE_INTERVAL if fam == "ar" else MAX_PROBE_INTERVAL)
             probe.due = self.steps + probe.interval
             (rate, e, s), cand = best_of[fam]
             self.probes += 1
@@ -231,14 +268,25 @@ class AutoPolicy:
         return Plan(chosen, expected_tokens=e, predicted_s=s)
 
     # ------------------------------------------------------------------ learning
-    def observe(self, rows, ran: Plan, tokens, seconds: float | None, bucket: int) -> None:
+    def observe(self, rows, ran: Plan, tokens, seconds: float | None, bucket: int, catch_up_s: float = 0.0) -> None:
         """After a step: `ran` — the plan that ran (plain decoding when its drafter had nothing to propose);
-        tokens[i] — `Tokens` of rows[i]; seconds: the step's time (None: not to learn from, e.g. a thread-count
-        probe)."""
+        tokens[i] — `Tokens` of rows[i]; seconds: the step's time without the draft model's catch-up (None:
+        not to learn from, e.g. a thread-count probe); catch_up_s: that catch-up's time (0: none ran)."""
         for s in self.shadows:
             for r, t in zip(rows, tokens):
                 s.after(r.slot, t.token_ids)
         cand = ran.candidate
+        context = int(sum(r.computed for r in rows) / len(rows)) if rows else 0
+        for family, lag in self._lag.items():
+            if cand.family == family:
+                if catch_up_s > 0 and seconds is not None and self.costs is not None:
+                    behind = [lag.get(r.slot, 0) for r in rows]
+                    self.costs.observe_catch_up(sum(b > 0 for b in behind), max(behind), bucket, context, catch_up_s)
+                for r in rows:
+                    lag[r.slot] = 0
+            else:
+                for r, t in zip(rows, tokens):
+                    lag[r.slot] = lag.get(r.slot, 0) + len(t.token_ids)
         self.counts[cand.name] = self.counts.get(cand.name, 0) + 1
         self._captured.add((cand.name, bucket))
         if cand.tree is not None and not getattr(cand.drafter, "needs_history", False):
@@ -247,21 +295,23 @@ class AutoPolicy:
                 if t.spec is not None:
                     self.acceptance.record(cand.family, r.slot, r.params.temperature, t.spec[0], gamma)
         if ran.expected_tokens:
+            self.expected_steps += 1
             self.expected_sum += ran.expected_tokens
             self.achieved_sum += sum(len(t.token_ids) for t in tokens) / max(len(tokens), 1)
         if seconds is not None and self.costs is not None and rows:
-            context = sum(r.computed for r in rows) / len(rows)
-            self.costs.observe(cand.family, cand.shape, bucket, bucket, int(context), seconds)
+            self.costs.observe(cand.family, cand.shape, bucket, bucket, context, seconds)
 
     def forget(self, slot: int) -> None:
         """A request left `slot`."""
         self.acceptance.forget_row(slot)
         for s in self.shadows:
             s.forget(slot)
+        for lag in self._lag.values():  # (the next request's draft KV is prefilled with its prompt)
+            lag.pop(slot, None)
 
     def report(self) -> dict:
         """Plan counts, probes, expected vs achieved tokens per step, the acceptance the policy holds."""
-        planned = sum(self.counts.values())
+        planned = self.expected_steps
         return {
             "plans": dict(sorted(self.counts.items(), key=lambda kv: -kv[1])),
             "probes": self.probes,

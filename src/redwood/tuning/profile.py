@@ -24,13 +24,11 @@ ones (CUDA is synchronised before and after every run):
 from __future__ import annotations
 
 import platform
-import statistics
-import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from redwood.engine.runner import CapturedStep, StepRunner, sync
+from redwood.engine.runner import CapturedStep, StepRunner, time_ms
 from redwood.errors import ConfigError
 from redwood.sample.random import RowRandom
 from redwood.sample.sampler import probabilities
@@ -61,20 +59,6 @@ def parse_sizes(text: str, flag: str) -> tuple[int, ...]:
 def profile_tree(n: int) -> Tree:
     """A complete binary tree of n nodes (breadth-first: node i's parent is (i − 1) // 2)."""
     return Tree((-1,) + tuple((i - 1) // 2 for i in range(1, n)))
-
-
-def time_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int) -> float:
-    """Median wall time of fn() in ms over `repeats` runs after `warmup` untimed runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return float(statistics.median(times))
 
 
 def _prefilled_cache(model, batch: int, context: int, extra: int, generator: torch.Generator, policy=None):
