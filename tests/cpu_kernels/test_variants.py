@@ -131,6 +131,26 @@ def test_a_failed_build_warns_once_and_falls_back(fake_cpu, monkeypatch):
     assert kquant.why_unavailable() == "building the avx2 kernel failed: boom avx2"
 
 
+def test_describe_names_the_build_what_chose_it_and_what_the_cpu_runs(fake_cpu, monkeypatch):
+    fake_cpu(AVX512)
+    assert kquant.describe() == "CPU kernels: avx512 (auto; this CPU runs avx512, avx2, portable)"
+    monkeypatch.setenv(envs.CPU_KERNEL, "avx2")
+    assert kquant.describe() == "CPU kernels: avx2 (forced by REDWOOD_CPU_KERNEL; this CPU runs avx512, avx2, portable)"
+    monkeypatch.setenv(envs.CPU_ISA, "avx2")
+    assert kquant.describe() == (
+        "CPU kernels: avx2 (forced by REDWOOD_CPU_KERNEL; this CPU runs avx2, portable under REDWOOD_CPU_ISA=avx2)"
+    )
+    monkeypatch.setenv(envs.CPU_KERNEL, "avx512")  # a setting the CPU lacks: the line says so, nothing raises
+    assert kquant.describe().startswith("CPU kernels: none (REDWOOD_CPU_KERNEL=avx512: this CPU lacks avx512f")
+    monkeypatch.delenv(envs.CPU_KERNEL)
+    monkeypatch.delenv(envs.CPU_ISA)
+    fake_cpu(AVX2, fail=("avx2", "portable"))
+    with pytest.warns(UserWarning):
+        assert kquant.describe() == (
+            "CPU kernels: none (building the kernel failed (avx2: boom avx2; portable: boom portable))"
+        )
+
+
 def test_no_compiler_is_reported(fake_cpu, monkeypatch):
     fake_cpu(AVX512)
     monkeypatch.setattr(kquant, "_no_compiler", lambda: "no C++ compiler (install g++) to build the kernel")

@@ -180,6 +180,21 @@ def chosen() -> str | None:
     return got[0] if got else None
 
 
+def describe() -> str:
+    """One line for `redwood --version` and reports: the build this process runs (choosing and building it if need
+    be), what chose it, and every build this CPU runs; or why none runs. Never raises (a bad setting is the line)."""
+    try:
+        name, why = _current()
+        forced = envs.get(envs.CPU_KERNEL) != "auto"
+    except ConfigError as e:
+        return f"CPU kernels: none ({e})"
+    if name is None:
+        return f"CPU kernels: none ({why})"
+    cap = f" under {envs.CPU_ISA}={isa.capped()}" if isa.capped() else ""
+    how = f"forced by {envs.CPU_KERNEL}" if forced else "auto"
+    return f"CPU kernels: {name} ({how}; this CPU runs {', '.join(supported())}{cap})"
+
+
 def variant_unavailable(name: str) -> str | None:
     """None when variant `name` runs here (built and loaded: its CPU flags, a compiler, a build); else why not."""
     missing = lacks(name)
