@@ -3,7 +3,7 @@ call each on the CPU.
 
 Against the Python layers (backends.cpu_packed.packed_layer, the same kquant products) for every forward shape the
 path takes — a short prefill, decode, a chain verify after pending draft tokens, a tree verify, a ragged batch
-with a finished row, a sliding window, a paged cache — within float32 rounding of the non-matmul ops (their
+with a finished row, a sliding window, a paged cache, a long prefill chunk (the plain layers' path before) — within float32 rounding of the non-matmul ops (their
 sums run in another order); a T-token verify (chain or tree) scores each token bit for bit as the decode
 steps it stands for; each in every build of the layer this CPU runs (`kquant_variant`), and every build the same
 logits bit for bit; which forwards take the path; the op's argument errors. Greedy speculation == AR through
@@ -102,6 +102,13 @@ def scenario(name: str):
             pos = cache.lengths[:, None] + torch.arange(2)
             b = m(ids(3, 2, seed=7), pos, cache)
             return torch.cat([a, b], 1)
+        if name == "long_prefill":  # a prefill chunk past the packed gemm paths' rows, then decode steps
+            cache = m.new_cache(1, 160)
+            outs = [prefill(m, cache, n=150)]
+            for t in range(2):
+                outs.append(m(ids(1, 1, seed=t + 9), torch.tensor([[150 + t]]), cache))
+                cache.commit(1)
+            return torch.cat(outs, 1)
         if name == "paged":
             from redwood.kv.cache import KVCache
 
@@ -117,7 +124,7 @@ def scenario(name: str):
     return steps
 
 
-SCENARIOS = ["decode", "chain_after_pending", "tree", "ragged_batch_with_a_finished_row", "paged"]
+SCENARIOS = ["decode", "chain_after_pending", "tree", "ragged_batch_with_a_finished_row", "paged", "long_prefill"]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -177,13 +184,13 @@ def test_which_forwards_take_the_cpp_layers(models, tmp_path, monkeypatch):
             model(ids(1, n), torch.arange(n)[None], model.new_cache(1, 128), **kw)
         return bool(calls)
 
-    assert forward(m, 1) and forward(m, 80)
-    assert not forward(m, 81)  # a prefill chunk: the gemm paths
+    assert forward(m, 1) and forward(m, 80) and forward(m, 81) and forward(m, 128)  # prefill chunks too
+    assert cpu_fused.takes_every_forward(m)
     assert not forward(m, 4, observer=lambda *a: None)  # SnapKV's scores
     view = lambda layer: (torch.zeros(1, 1, 1, dtype=torch.long), torch.ones(1, 1, 1, dtype=torch.bool))
     assert not forward(m, 1, view=view)  # a compressed draft view
     m.set_execution(ExecutionConfig(cpu_fused=False))
-    assert not forward(m, 1)
+    assert not forward(m, 1) and not cpu_fused.takes_every_forward(m)
     m.set_execution(ExecutionConfig())
     random_hf_model(tiny_hf_config("llama", vocab_size=VOCAB)).save_pretrained(tmp_path / "f")
     assert not cpu_fused.model_takes(load_model(tmp_path / "f").model)  # float32: not a kquant kind

@@ -78,7 +78,7 @@ def main_job(real_model, target_weights: str, draft_weights: str) -> None:
     assert got == want
 
 
-def test_default_target_decode_and_verify_logits_equal_at_1_and_2_threads(real_model):
+def test_default_target_decode_and_verify_logits_equal_at_1_and_2_threads(real_model, kquant_variant):
     """The packed kernels (every forward under the gemm threshold: decode steps, verifies, short prefills)
     give the same logits bit for bit at 1 and 2 threads — what lets the thread count change without changing
     a decode. (A prefill chunk of ≥ 128 rows takes oneDNN's bfloat16 gemm, whose sums do depend on the count:
