@@ -17,7 +17,7 @@
 //            (q ≤ 63) 16 128, both < 32 767. Adding s16 pairs before vpmaddwd: Q4_K sums all 4 vectors' pairs in s16
 //            (≤ 4 · 3 840 = 15 360), Q6_K two at a time (≤ 2 · 16 128 = 32 256 < 32 767), never 4 (64 512 would
 //            wrap). So no sum saturates or wraps and the lane sums equal vpdpbusd's;
-//   portable plain int32 loops.
+//   portable plain loops the compiler vectorizes (int16 sums within the same kind of bound: `dot` below).
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -382,15 +382,18 @@ inline Q decode_q6k(const uint8_t* blk) {
   }
   return w;
 }
+// The 4 vectors' products added position by position in int16 — |Σ| ≤ 4 · kMaxQ · 127 (Q6_K: 32 004) fits, so
+// nothing wraps and the sums are exact — then each lane's 4 positions in int32. Written so that the compiler
+// vectorizes it (byte widening, 16-bit multiplies and adds: SSE2, NEON), which the lane-by-lane loop was not.
 template <int kMaxQ>
 inline I32 dot(const Q& w, const int8_t* xq) {
+  static_assert(4 * kMaxQ * 127 <= 32767, "the 4 vectors' products must add in int16 without wrapping");
+  int16_t p[64] = {};
+  for (int c = 0; c < 4; ++c)
+    for (int i = 0; i < 64; ++i)
+      p[i] = static_cast<int16_t>(p[i] + static_cast<int16_t>(w.v[c][i]) * static_cast<int16_t>(xq[64 * c + i]));
   I32 r;
-  for (int l = 0; l < 16; ++l) {
-    int32_t s = 0;
-    for (int c = 0; c < 4; ++c)
-      for (int t = 0; t < 4; ++t) s += static_cast<int32_t>(w.v[c][4 * l + t]) * xq[64 * c + 4 * l + t];
-    r.v[l] = s;
-  }
+  for (int l = 0; l < 16; ++l) r.v[l] = int32_t{p[4 * l]} + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3];
   return r;
 }
 inline float fp16(const uint8_t* p) {  // IEEE binary16 → float32 (exact)
