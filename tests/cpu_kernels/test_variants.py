@@ -1,7 +1,8 @@
 """Which kquant build runs (redwood.cpu_kernels.kquant): the dispatcher on faked CPU flag sets and builds (no
 compiler runs: `_build` is replaced), REDWOOD_CPU_KERNEL forcing a variant, a failed build warning once and
 giving way to the next; and the torch-free core (kquant.h) built without torch for every variant — run where this
-CPU can, and compared bit for bit with the torch operators.
+CPU can, and compared bit for bit with the torch operators — and the portable core cross-built for aarch64 and run
+under qemu-user, where the cross compiler and emulator are installed.
 """
 
 from __future__ import annotations
@@ -167,10 +168,20 @@ HERE = Path(__file__).parent
 CORE = Path(kquant.__file__).parent
 
 
+def build_core(cxx: str, flags: list[str], exe: Path) -> Path:
+    """tests/cpu_kernels/kq_standalone.cpp with kquant.cpp and layer.cpp, compiled by `cxx` with `flags` (no torch
+    headers or libraries) into `exe`."""
+    cmd = [cxx, "-std=c++17", "-O2", "-ffp-contract=off", *flags, f"-I{CORE}"]
+    cmd += [str(CORE / "kquant.cpp"), str(CORE / "layer.cpp"), str(HERE / "kq_standalone.cpp"), "-o", str(exe)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return exe
+
+
 @pytest.fixture(scope="module")
 def standalone(tmp_path_factory):
-    """variant → the path of tests/cpu_kernels/kq_standalone.cpp built with kquant.cpp and layer.cpp under the variant's
-    flags (g++, no torch headers or libraries), or pytest.skip's reason."""
+    """variant → the path of the torch-free core built under the variant's flags (`build_core`, g++), or
+    pytest.skip's reason."""
     cxx = shutil.which("g++") or shutil.which("c++")
     out = tmp_path_factory.mktemp("kq_standalone")
     built: dict[str, Path] = {}
@@ -179,39 +190,23 @@ def standalone(tmp_path_factory):
         if cxx is None:
             pytest.skip("no C++ compiler")
         if name not in built:
-            exe = out / name
-            cmd = [cxx, "-std=c++17", "-O2", "-ffp-contract=off", *kquant.VARIANTS[name][1], f"-I{CORE}"]
-            cmd += [str(CORE / "kquant.cpp"), str(CORE / "layer.cpp"), str(HERE / "kq_standalone.cpp"), "-o", str(exe)]
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            assert r.returncode == 0, r.stderr[-3000:]
-            built[name] = exe
+            built[name] = build_core(cxx, kquant.VARIANTS[name][1], out / name)
         return built[name]
 
     return get
 
 
-@pytest.mark.parametrize("name", list(kquant.VARIANTS))
-def test_the_core_builds_without_torch_and_gives_the_operators_bits(standalone, name):
-    """Each variant's core compiles with no torch header on the include path; where this CPU runs it, its packed
-    bytes and products equal the torch operators' (the chosen build's) bit for bit. avxvnni is only built here
-    unless the CPU has AVX-VNNI."""
+def assert_core_gives_the_operators_bits(command: list[str], name: str) -> None:
+    """The core run as `command` (stdin → stdout: kq_standalone.cpp) packs and multiplies random Q4_K and Q6_K rows
+    as the torch operators (this process's chosen build) do, bit for bit, and names itself `name`."""
     from tests.cpu_kernels.test_kquant import activations, random_blocks
 
-    exe = standalone(name)
-    if kquant.lacks(name):
-        if name == "avxvnni":  # the VEX vpdpbusd is in the build
-            dis = subprocess.run(["objdump", "-d", str(exe)], capture_output=True, text=True)
-            if dis.returncode == 0:
-                assert "vpdpbusd" in dis.stdout
-        pytest.skip(f"built; this CPU lacks {', '.join(kquant.lacks(name))} to run it")
-    if not kquant.available():
-        pytest.skip(f"no torch operators to compare with: {kquant.why_unavailable()}")
     for type_name, (type_id, _, _) in kquant.TYPES.items():
         M, N, K = 11, 37, 768
         rows = random_blocks(type_name, N, K, seed=5)
         x = activations(M, K, seed=6)
         stdin = np.array([M, K, N, type_id], dtype=np.int64).tobytes() + x.numpy().tobytes() + rows.numpy().tobytes()
-        r = subprocess.run([str(exe)], input=stdin, capture_output=True, timeout=120)
+        r = subprocess.run(command, input=stdin, capture_output=True, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         line, _, rest = r.stdout.partition(b"\n")
         assert line.decode() == name
@@ -221,3 +216,34 @@ def test_the_core_builds_without_torch_and_gives_the_operators_bits(standalone, 
         )
         y = torch.frombuffer(bytearray(rest[packed.numel() :]), dtype=torch.float32).view(M, N)
         assert torch.equal(y, kquant.kquant_linear(x, packed, type_name)), type_name
+
+
+@pytest.mark.parametrize("name", list(kquant.VARIANTS))
+def test_the_core_builds_without_torch_and_gives_the_operators_bits(standalone, name):
+    """Each variant's core compiles with no torch header on the include path; where this CPU runs it, its packed
+    bytes and products equal the torch operators' (the chosen build's) bit for bit. avxvnni is only built here
+    unless the CPU has AVX-VNNI."""
+    exe = standalone(name)
+    if kquant.lacks(name):
+        if name == "avxvnni":  # the VEX vpdpbusd is in the build
+            dis = subprocess.run(["objdump", "-d", str(exe)], capture_output=True, text=True)
+            if dis.returncode == 0:
+                assert "vpdpbusd" in dis.stdout
+        pytest.skip(f"built; this CPU lacks {', '.join(kquant.lacks(name))} to run it")
+    if not kquant.available():
+        pytest.skip(f"no torch operators to compare with: {kquant.why_unavailable()}")
+    assert_core_gives_the_operators_bits([str(exe)], name)
+
+
+def test_the_portable_core_on_arm_gives_the_same_bits(tmp_path):
+    """The portable core cross-compiled for aarch64 (Debian's g++-aarch64-linux-gnu, static) and run under
+    qemu-user (qemu-aarch64) packs and multiplies as this machine's operators do, bit for bit: the portable build is
+    the same arithmetic on ARM (std::fma there is one instruction). Skipped without the cross compiler and
+    emulator (`apt-get install g++-aarch64-linux-gnu qemu-user`)."""
+    cxx, qemu = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64")
+    if cxx is None or qemu is None:
+        pytest.skip("no aarch64 cross compiler / qemu-aarch64 (apt-get install g++-aarch64-linux-gnu qemu-user)")
+    if not kquant.available():
+        pytest.skip(f"no torch operators to compare with: {kquant.why_unavailable()}")
+    exe = build_core(cxx, ["-static"], tmp_path / "kq_arm")
+    assert_core_gives_the_operators_bits([qemu, str(exe)], "portable")
