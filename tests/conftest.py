@@ -143,7 +143,7 @@ def _kquant_variants() -> list[str]:
 @pytest.fixture(params=_kquant_variants())
 def kquant_variant(request, monkeypatch):
     """Each build of the kquant kernel and C++ layer this CPU runs (redwood.cpu_kernels.kquant: avx512, avxvnni,
-    avx2, portable), chosen for the test by REDWOOD_CPU_KERNEL; skipped where it does not build."""
+    avx2, neon, portable), chosen for the test by REDWOOD_CPU_KERNEL; skipped where it does not build."""
     from redwood.cpu_kernels import kquant
 
     why = kquant.variant_unavailable(request.param)

@@ -4,21 +4,12 @@
 //
 // stdin:  int64 M, K, N, type; float32 x [M, K]; uint8 file rows [N, K / 256 · file bytes]
 // stdout: the variant's name and a newline; uint8 packed rows [N, K / 256 · block bytes]; float32 y [M, N]
-#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <vector>
 
+#include "kq_serial_for.h"
 #include "kquant.h"
-
-namespace redwood_kq {
-inline namespace KQ_VARIANT {
-// chunks of `grain` in turn (a split of its own: the results do not depend on it)
-void parallel_for(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
-  for (int64_t b = begin; b < end; b += std::max<int64_t>(grain, 1)) fn(b, std::min(end, b + std::max<int64_t>(grain, 1)));
-}
-}  // namespace KQ_VARIANT
-}  // namespace redwood_kq
 
 template <typename T>
 static bool read_all(std::vector<T>& v) {

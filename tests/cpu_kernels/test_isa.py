@@ -40,3 +40,13 @@ def test_capped_probes_answer_as_a_smaller_cpu(monkeypatch, cap):
     assert kquant.variant() == cap and kquant.available()
     assert not cpu_weights.w8a8_exact()
     assert cpu_weights.gguf_default() == "kquant" and cpu_weights.gguf_default(draft=True) == "q4k"
+
+
+def test_the_flags_come_from_x86_and_arm_cpuinfo(tmp_path):
+    x86 = tmp_path / "x86"
+    x86.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 fma\n\nprocessor\t: 1\n")
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd asimddp lrcpc\nCPU implementer\t: 0x41\n")
+    assert isa._host_flags(str(x86)) == {"fpu", "sse2", "avx2", "fma"}
+    assert isa._host_flags(str(arm)) == {"fp", "asimd", "asimddp", "lrcpc"}
+    assert isa._host_flags(str(tmp_path / "missing")) == frozenset()

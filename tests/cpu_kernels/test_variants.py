@@ -7,6 +7,7 @@ under qemu-user, where the cross compiler and emulator are installed.
 
 from __future__ import annotations
 
+import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -22,6 +23,7 @@ from redwood.errors import ConfigError
 AVX512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
 AVX2 = {"sse4_2", "avx", "avx2", "fma", "f16c"}
 ALDER_LAKE = AVX2 | {"avx_vnni"}
+GRAVITON2 = {"fp", "asimd", "asimdhp", "asimddp", "lrcpc"}  # (ARM's Features line)
 
 
 @pytest.fixture
@@ -57,8 +59,12 @@ def test_auto_takes_the_fastest_build_the_cpu_runs(fake_cpu, monkeypatch):
     assert kquant.variant() == "avx2" and kquant.supported() == ["avx2", "portable"]
     fake_cpu(ALDER_LAKE)  # avxvnni runs there, but auto does not pick it yet (kquant's docstring)
     assert kquant.variant() == "avx2" and kquant.supported() == ["avxvnni", "avx2", "portable"]
-    fake_cpu({"sse2", "avx"})  # no AVX2 (or an ARM CPU: no x86 flags at all)
+    fake_cpu({"sse2", "avx"})  # no AVX2
     assert kquant.variant() == "portable" and kquant.available()
+    fake_cpu(GRAVITON2)  # ARM with DOTPROD; without it (ARMv8.0), or no flags read at all: portable
+    assert kquant.variant() == "neon" and kquant.supported() == ["neon", "portable"]
+    fake_cpu({"fp", "asimd"})
+    assert kquant.variant() == "portable"
     fake_cpu(set())
     assert kquant.variant() == "portable"
     fake_cpu(AVX512 | {"avx_vnni"})  # the caps: as an AVX2-only CPU, as one without AVX
@@ -66,6 +72,8 @@ def test_auto_takes_the_fastest_build_the_cpu_runs(fake_cpu, monkeypatch):
     assert kquant.variant() == "avx2" and kquant.supported() == ["avx2", "portable"]
     monkeypatch.setenv(envs.CPU_ISA, "portable")
     assert kquant.variant() == "portable" and kquant.supported() == ["portable"]
+    fake_cpu(GRAVITON2)
+    assert kquant.variant() == "portable"  # (the cap: as an ARM CPU without DOTPROD)
 
 
 def test_the_choice_is_made_once_and_logged(fake_cpu, caplog):
@@ -168,11 +176,12 @@ HERE = Path(__file__).parent
 CORE = Path(kquant.__file__).parent
 
 
-def build_core(cxx: str, flags: list[str], exe: Path) -> Path:
-    """tests/cpu_kernels/kq_standalone.cpp with kquant.cpp and layer.cpp, compiled by `cxx` with `flags` (no torch
-    headers or libraries) into `exe`."""
-    cmd = [cxx, "-std=c++17", "-O2", "-ffp-contract=off", *flags, f"-I{CORE}"]
-    cmd += [str(CORE / "kquant.cpp"), str(CORE / "layer.cpp"), str(HERE / "kq_standalone.cpp"), "-o", str(exe)]
+def build_core(cxx: str, flags: list[str], exe: Path, main: str = "kq_standalone.cpp") -> Path:
+    """A test program of tests/cpu_kernels (`main`: kq_standalone.cpp, the product; kq_layer_standalone.cpp, the
+    layer) with kquant.cpp and layer.cpp, compiled by `cxx` with `flags` (no torch headers or libraries) into
+    `exe`."""
+    cmd = [cxx, "-std=c++17", "-O2", "-ffp-contract=off", *flags, f"-I{CORE}", f"-I{HERE}"]
+    cmd += [str(CORE / "kquant.cpp"), str(CORE / "layer.cpp"), str(HERE / main), "-o", str(exe)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return exe
@@ -189,6 +198,8 @@ def standalone(tmp_path_factory):
     def get(name: str) -> Path:
         if cxx is None:
             pytest.skip("no C++ compiler")
+        if (name == "neon") != (platform.machine() in ("aarch64", "arm64")):
+            pytest.skip(f"the {name} build is for another architecture than {platform.machine()}")
         if name not in built:
             built[name] = build_core(cxx, kquant.VARIANTS[name][1], out / name)
         return built[name]
@@ -235,15 +246,54 @@ def test_the_core_builds_without_torch_and_gives_the_operators_bits(standalone, 
     assert_core_gives_the_operators_bits([str(exe)], name)
 
 
-def test_the_portable_core_on_arm_gives_the_same_bits(tmp_path):
-    """The portable core cross-compiled for aarch64 (Debian's g++-aarch64-linux-gnu, static) and run under
-    qemu-user (qemu-aarch64) packs and multiplies as this machine's operators do, bit for bit: the portable build is
-    the same arithmetic on ARM (std::fma there is one instruction). Skipped without the cross compiler and
-    emulator (`apt-get install g++-aarch64-linux-gnu qemu-user`)."""
+def arm_tools() -> tuple[str, str]:
+    """(the aarch64 cross compiler, qemu-aarch64), or pytest.skip."""
     cxx, qemu = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64")
     if cxx is None or qemu is None:
         pytest.skip("no aarch64 cross compiler / qemu-aarch64 (apt-get install g++-aarch64-linux-gnu qemu-user)")
+    return cxx, qemu
+
+
+ARM_BUILDS = {"portable": ["-static"], "neon": ["-static", *kquant.VARIANTS["neon"][1]]}
+
+
+@pytest.mark.parametrize("name", list(ARM_BUILDS))
+def test_the_arm_builds_give_the_operators_bits(tmp_path, name):
+    """The core cross-compiled for aarch64 (Debian's g++-aarch64-linux-gnu, static; neon with DOTPROD) and run under
+    qemu-user (`qemu-aarch64 -cpu max`) packs and multiplies as this machine's operators do, bit for bit (std::fma
+    is one instruction there; sdot's sums are exact). Skipped without the cross compiler and emulator."""
+    cxx, qemu = arm_tools()
     if not kquant.available():
         pytest.skip(f"no torch operators to compare with: {kquant.why_unavailable()}")
-    exe = build_core(cxx, ["-static"], tmp_path / "kq_arm")
-    assert_core_gives_the_operators_bits([qemu, str(exe)], "portable")
+    exe = build_core(cxx, ARM_BUILDS[name], tmp_path / f"kq_{name}")
+    assert_core_gives_the_operators_bits([qemu, "-cpu", "max", str(exe)], name)
+
+
+def test_every_build_of_the_layer_gives_the_same_bits(tmp_path):
+    """tests/cpu_kernels/kq_layer_standalone.cpp (a synthetic decoder layer, 7 new tokens after 20 of context, from a
+    fixed pseudo-random stream) built for every x86 variant this CPU runs and, where the tools are installed, for
+    aarch64 (portable and neon, under qemu): the layer's output and KV cache are the same bytes in every build —
+    norms, rotary, attention, exp, softmax tails, SiLU included, which the product alone does not reach."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    runs = {}
+    for name in kquant.supported():
+        exe = build_core(cxx, kquant.VARIANTS[name][1], tmp_path / f"layer_{name}", "kq_layer_standalone.cpp")
+        runs[name] = [str(exe), "7"]
+    if shutil.which("aarch64-linux-gnu-g++") and shutil.which("qemu-aarch64"):
+        cxx_arm, qemu = arm_tools()
+        for name, flags in ARM_BUILDS.items():
+            exe = build_core(cxx_arm, flags, tmp_path / f"layer_arm_{name}", "kq_layer_standalone.cpp")
+            runs[f"arm {name}"] = [qemu, "-cpu", "max", str(exe), "7"]
+    outs = {}
+    for key, cmd in runs.items():
+        r = subprocess.run(cmd, capture_output=True, timeout=300)
+        assert r.returncode == 0, (key, r.stderr[-2000:])
+        line, _, outs[key] = r.stdout.partition(b"\n")
+        assert line.decode() == key.split()[-1]
+    first = next(iter(outs))
+    x = np.frombuffer(outs[first][: 7 * 256 * 4], dtype=np.float32)
+    assert np.isfinite(x).all() and len(outs) >= 2, list(outs)
+    for key, out in outs.items():
+        assert out == outs[first], (key, first)

@@ -17,6 +17,8 @@
 //            (q ≤ 63) 16 128, both < 32 767. Adding s16 pairs before vpmaddwd: Q4_K sums all 4 vectors' pairs in s16
 //            (≤ 4 · 3 840 = 15 360), Q6_K two at a time (≤ 2 · 16 128 = 32 256 < 32 767), never 4 (64 512 would
 //            wrap). So no sum saturates or wraps and the lane sums equal vpdpbusd's;
+//   neon     aarch64 DOTPROD's sdot on each 16-byte quarter (weights ≤ 63 are valid int8, so the signed product
+//            is the same; exact int32 sums, as vpdpbusd);
 //   portable plain loops the compiler vectorizes (int16 sums within the same kind of bound: `dot` below).
 #pragma once
 #include <cmath>
@@ -25,7 +27,9 @@
 
 #include "kquant.h"
 
-#if !defined(KQ_ISA_PORTABLE)
+#if defined(KQ_ISA_NEON)
+#include <arm_neon.h>
+#elif !defined(KQ_ISA_PORTABLE)
 #include <immintrin.h>
 #endif
 
@@ -285,6 +289,128 @@ inline void q6k_scales(const uint8_t* blk, F32& scale, F32& offset) {
   offset = mul(scale, set1(32.f));
 }
 inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_NTA); }
+
+// ------------------------------------------------------------------------------------------------------------ neon
+#elif defined(KQ_ISA_NEON)
+
+struct F32 {
+  float32x4_t v[4];  // lanes 0-3, 4-7, 8-11, 12-15
+};
+inline F32 set1(float a) { return {{vdupq_n_f32(a), vdupq_n_f32(a), vdupq_n_f32(a), vdupq_n_f32(a)}}; }
+inline F32 zero() { return set1(0.f); }
+inline F32 load(const float* p) { return {{vld1q_f32(p), vld1q_f32(p + 4), vld1q_f32(p + 8), vld1q_f32(p + 12)}}; }
+inline F32 load_n(const float* p, int64_t left) {  // zeros past left
+  if (left >= 16) return load(p);
+  float t[16] = {};
+  std::memcpy(t, p, static_cast<size_t>(left) * sizeof(float));
+  return load(t);
+}
+inline void store_n(float* p, F32 a, int64_t left) {
+  float t[16];
+  for (int i = 0; i < 4; ++i) vst1q_f32(t + 4 * i, a.v[i]);
+  std::memcpy(p, t, static_cast<size_t>(left >= 16 ? 16 : left) * sizeof(float));
+}
+#define KQ_NEON2(expr)                       \
+  F32 r;                                     \
+  for (int i = 0; i < 4; ++i) r.v[i] = (expr); \
+  return r
+inline F32 keep_n(F32 a, int64_t left) {  // lanes past left: +0
+  const int32x4_t n = vdupq_n_s32(static_cast<int32_t>(left >= 16 ? 16 : left));
+  const int32_t base[4] = {0, 1, 2, 3};
+  const int32x4_t idx = vld1q_s32(base);
+  KQ_NEON2(vreinterpretq_f32_u32(
+      vandq_u32(vreinterpretq_u32_f32(a.v[i]), vcltq_s32(vaddq_s32(idx, vdupq_n_s32(4 * i)), n))));
+}
+inline F32 add(F32 a, F32 b) { KQ_NEON2(vaddq_f32(a.v[i], b.v[i])); }
+inline F32 sub(F32 a, F32 b) { KQ_NEON2(vsubq_f32(a.v[i], b.v[i])); }
+inline F32 mul(F32 a, F32 b) { KQ_NEON2(vmulq_f32(a.v[i], b.v[i])); }
+inline F32 div(F32 a, F32 b) { KQ_NEON2(vdivq_f32(a.v[i], b.v[i])); }
+// SSE's rule (a > b ? a : b, b where either is NaN), not vmaxq's (NaN where either is)
+inline F32 max(F32 a, F32 b) { KQ_NEON2(vbslq_f32(vcgtq_f32(a.v[i], b.v[i]), a.v[i], b.v[i])); }
+inline F32 min(F32 a, F32 b) { KQ_NEON2(vbslq_f32(vcltq_f32(a.v[i], b.v[i]), a.v[i], b.v[i])); }
+inline F32 fmadd(F32 a, F32 b, F32 c) { KQ_NEON2(vfmaq_f32(c.v[i], a.v[i], b.v[i])); }   // c + a·b, one rounding
+inline F32 fnmadd(F32 a, F32 b, F32 c) { KQ_NEON2(vfmsq_f32(c.v[i], a.v[i], b.v[i])); }  // c − a·b, one rounding
+inline F32 round_even(F32 a) { KQ_NEON2(vrndnq_f32(a.v[i])); }
+inline float32x4_t pow2(float32x4_t n) {  // n integral in [−126, 127]
+  return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23));
+}
+inline float32x4_t scale_pow2(float32x4_t p, float32x4_t n) {  // as the avx2 one
+  const float32x4_t n1 = vminq_f32(n, vdupq_n_f32(127.f));  // (n is never NaN here)
+  return vmulq_f32(vmulq_f32(p, pow2(n1)), pow2(vsubq_f32(n, n1)));
+}
+inline F32 scale_pow2(F32 p, F32 n) { KQ_NEON2(scale_pow2(p.v[i], n.v[i])); }
+inline float sum(F32 a) {  // the tree of simd::sum (avx512): lanes i + 8, then i + 4, then i + 2, then i + 1
+  const float32x4_t t6 = vaddq_f32(vaddq_f32(a.v[3], a.v[1]), vaddq_f32(a.v[2], a.v[0]));
+  const float32x2_t t8 = vadd_f32(vget_low_f32(t6), vget_high_f32(t6));
+  return vget_lane_f32(t8, 0) + vget_lane_f32(t8, 1);
+}
+
+struct I32 {
+  int32x4_t v[4];
+};
+inline F32 to_float(I32 a) { KQ_NEON2(vcvtq_f32_s32(a.v[i])); }
+#undef KQ_NEON2
+
+struct Q {
+  uint8x16_t v[4][4];  // vector c, quarter j (bytes 16j..16j+15: lanes 4j..4j+3)
+};
+inline Q decode_q4k(const uint8_t* blk) {
+  const uint8x16_t low4 = vdupq_n_u8(0x0F);
+  Q w;
+  for (int h = 0; h < 2; ++h)
+    for (int j = 0; j < 4; ++j) {
+      const uint8x16_t q = vld1q_u8(blk + 20 + 64 * h + 16 * j);
+      w.v[2 * h][j] = vandq_u8(q, low4);
+      w.v[2 * h + 1][j] = vshrq_n_u8(q, 4);
+    }
+  return w;
+}
+inline Q decode_q6k(const uint8_t* blk) {
+  const uint8x16_t low4 = vdupq_n_u8(0x0F), high2 = vdupq_n_u8(0x30);
+  Q w;
+  for (int j = 0; j < 4; ++j) {
+    const uint8x16_t l0 = vld1q_u8(blk + 16 * j), l1 = vld1q_u8(blk + 64 + 16 * j), qh = vld1q_u8(blk + 128 + 16 * j);
+    w.v[0][j] = vorrq_u8(vandq_u8(l0, low4), vandq_u8(vshlq_n_u8(qh, 4), high2));
+    w.v[1][j] = vorrq_u8(vshrq_n_u8(l0, 4), vandq_u8(vshlq_n_u8(qh, 2), high2));
+    w.v[2][j] = vorrq_u8(vandq_u8(l1, low4), vandq_u8(qh, high2));
+    w.v[3][j] = vorrq_u8(vshrq_n_u8(l1, 4), vandq_u8(vshrq_n_u8(qh, 2), high2));
+  }
+  return w;
+}
+template <int kMaxQ>
+inline I32 dot(const Q& w, const int8_t* xq) {
+  static_assert(kMaxQ <= 127, "weights must be valid int8 for sdot");
+  I32 r;
+  for (int j = 0; j < 4; ++j) {
+    int32x4_t acc = vdupq_n_s32(0);
+    for (int c = 0; c < 4; ++c) acc = vdotq_s32(acc, vreinterpretq_s8_u8(w.v[c][j]), vld1q_s8(xq + 64 * c + 16 * j));
+    r.v[j] = acc;
+  }
+  return r;
+}
+inline float fp16(const uint8_t* p) {  // IEEE binary16 → float32 (exact)
+  float16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(h);
+}
+inline void q4k_scales(const uint8_t* blk, F32& scale, F32& offset) {
+  const float d = fp16(blk), dmin = fp16(blk + 2);
+  float s[16], o[16];
+  for (int l = 0; l < 16; ++l) {
+    s[l] = static_cast<float>(blk[4 + l / 2]) * d;
+    o[l] = static_cast<float>(blk[12 + l / 2]) * dmin;
+  }
+  scale = load(s);
+  offset = load(o);
+}
+inline void q6k_scales(const uint8_t* blk, F32& scale, F32& offset) {
+  const float d = fp16(blk + 208);
+  float s[16];
+  for (int l = 0; l < 16; ++l) s[l] = static_cast<float>(static_cast<int8_t>(blk[192 + l])) * d;
+  scale = load(s);
+  offset = mul(scale, set1(32.f));
+}
+inline void prefetch(const uint8_t* p) { __builtin_prefetch(p, 0, 0); }
 
 // -------------------------------------------------------------------------------------------------------- portable
 #else

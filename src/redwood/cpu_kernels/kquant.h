@@ -6,6 +6,7 @@
 //   avx512   AVX-512 F/BW/VL/DQ + VNNI + F16C + FMA: `vpdpbusd` over 64-byte vectors;
 //   avxvnni  AVX2 + FMA + F16C + AVX-VNNI (VEX `vpdpbusd` over two 32-byte halves);
 //   avx2     AVX2 + FMA + F16C: `vpmaddubsw` (u8 × s8 → s16 pairs) + `vpmaddwd` with ones (→ s32);
+//   neon     aarch64 with DOTPROD (ARMv8.2+: Graviton 2+, Apple M1+, Cortex-A76+): `sdot` over 16-byte quarters;
 //   portable plain C++ loops (any CPU, ARM included).
 // All variants compute the same bits (kq_simd.h says how); each lives in its own inline namespace, so several
 // variants' libraries can sit in one process without their symbols meeting.
@@ -25,6 +26,9 @@
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define KQ_ISA_AVX2 1
 #define KQ_VARIANT avx2
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#define KQ_ISA_NEON 1
+#define KQ_VARIANT neon
 #else
 #define KQ_ISA_PORTABLE 1
 #define KQ_VARIANT portable

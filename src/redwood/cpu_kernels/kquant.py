@@ -7,7 +7,8 @@ and each output row depends only on its own input row (the kernel's docstring).
 
 Variants (kquant.h, kq_simd.h): the same C++ built for several instruction sets — avx512 (AVX-512 VNNI's
 vpdpbusd), avxvnni (the 256-bit VEX vpdpbusd), avx2 (vpmaddubsw + vpmaddwd, within their int16 saturation
-bound) and portable (plain C++, any CPU) — each its own extension (`redwood_cpu_kquant_<variant>`) with its own
+bound), neon (aarch64 DOTPROD's sdot; tested here cross-compiled under qemu-user, not yet run on an ARM machine)
+and portable (plain C++, any CPU) — each its own extension (`redwood_cpu_kquant_<variant>`) with its own
 operator namespace (`redwood_kq_<variant>`), so several can load in one process. They share one packed layout
 and compute the same bits (tested). The fastest the CPU runs (its /proc/cpuinfo flags under REDWOOD_CPU_ISA:
 `isa`) is chosen once, on first use: `AUTO` in order, a variant whose build fails warning once and giving way to
@@ -54,9 +55,10 @@ VARIANTS: dict[str, tuple[tuple[str, ...], list[str]]] = {
     ),
     "avxvnni": (("avx2", "fma", "f16c", "avx_vnni"), ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"]),
     "avx2": (("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
+    "neon": (("asimddp",), ["-march=armv8.2-a+dotprod"]),  # (aarch64: /proc/cpuinfo's Features)
     "portable": ((), []),
 }
-AUTO = ("avx512", "avx2", "portable")  # what auto tries, in order (avxvnni: forced only, module docstring)
+AUTO = ("avx512", "avx2", "neon", "portable")  # what auto tries, in order (avxvnni: forced only, module docstring)
 # every variant: -ffp-contract=off (no multiply-add fused unless written so: the variants' bits agree)
 _COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 SOURCES = ("kquant.cpp", "layer.cpp", "ops.cpp")  # (kquant.cpp, layer.cpp: the torch-free core; ops.cpp: the ops)
@@ -158,7 +160,7 @@ def _current() -> tuple[str | None, str | None]:
 
 
 def variant() -> str | None:
-    """The variant this process runs ("avx512", "avxvnni", "avx2" or "portable"; chosen and built on first call),
+    """The variant this process runs ("avx512", "avxvnni", "avx2", "neon" or "portable"; chosen and built on first call),
     or None where none can run (`why_unavailable`). A ConfigError where REDWOOD_CPU_KERNEL forces one the CPU
     lacks."""
     return _current()[0]
