@@ -4,10 +4,12 @@ on a real model, side by side in one process: prompt processing (one prefill for
 
 The model loads once (its packed weights are the same bytes for every build); REDWOOD_CPU_KERNEL switches the build
 between passes (the forwards reach the operators through `kquant.ops()`). Each pass also checks that the build's
-logits equal the first build's bit for bit (the variants compute the same bits).
+logits equal the first build's bit for bit (the variants compute the same bits). `--python-layers` adds a pass
+with the C++ layers off (`ExecutionConfig(cpu_fused=False)`: the Python layers around the first build's products),
+reported as the build "python" (its logits differ within float32 rounding: not checked).
 
 Usage: PYTHONPATH=src python benchmarks/cpu_variants.py [--model qwen2.5-coder-1.5b-instruct] [--prompt 496]
-    [--decode 32] [--threads 1 2] [--rounds 2] [--variants avx512 avx2 portable]
+    [--decode 32] [--threads 1 2] [--rounds 2] [--variants avx512 avx2 portable] [--python-layers]
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 import torch
 
 from redwood import envs
+from redwood.config import ExecutionConfig
 from redwood.cpu_kernels import kquant
 from redwood.loading import load_model
 
@@ -49,8 +52,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--variants", nargs="+", default=None, help="default: every build this CPU runs")
+    ap.add_argument("--python-layers", action="store_true", help="also the first build with the C++ layers off")
     args = ap.parse_args()
-    names = args.variants or [v for v in kquant.supported() if kquant.variant_unavailable(v) is None]
+    builds = args.variants or [v for v in kquant.supported() if kquant.variant_unavailable(v) is None]
+    names = builds + (["python"] if args.python_layers else [])
     model = load_model(args.model, weights="auto").model
     print(f"model {args.model} ({model.weights}); builds {', '.join(names)}; CPU threads {args.threads}")
     ids = torch.randint(100, 20000, (1, args.prompt), generator=torch.Generator().manual_seed(0))
@@ -60,13 +65,13 @@ def main() -> None:
         for n in args.threads:
             torch.set_num_threads(n)
             for name in names:
-                os.environ[envs.CPU_KERNEL] = name
-                assert kquant.variant() == name
+                os.environ[envs.CPU_KERNEL] = builds[0] if name == "python" else name
+                model.set_execution(ExecutionConfig(cpu_fused=name != "python"))
                 pre, dec, logits = one_pass(model, ids, args.decode)
                 times.setdefault((name, n), []).append((pre, dec))
                 if first is None:
                     first = logits
-                same = torch.equal(logits, first)
+                same = "not checked" if name == "python" else torch.equal(logits, first)
                 print(f"round {r} threads {n} {name}: prefill {pre:.2f} s, decode {dec:.2f} s, logits equal: {same}")
     print(f"\n| build | threads | prompt tok/s ({args.prompt}) | decode tok/s ({args.decode}) |\n|---|---|---|---|")
     for n in args.threads:
