@@ -4,7 +4,7 @@
 # On the GPU machine, from the repo root, after staging the GGUF chunks as /root/stage/t?? (1.5B) and
 # /root/stage/d?? (0.5B), carrying .whl (the gguf wheel) and .stage/home (REDWOOD_HOME with the essays,
 # humaneval and mt-bench datasets):
-#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests (tests-a, tests-b) kernels pdl l2 tile mega p1 steps p2 p3 p3tree p4 e2e p5 summary pack
+#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests (tests-a, tests-b) kernels pdl l2 tile mega p1 steps p2 p3 p3tree p4 e2e auto p5 summary pack
 # Each step writes JSON under $OUT and prints its tables; `summary` prints the short P1–P5 table last.
 # Settings (environment): P2_TEMPS, P2_GAMMAS, P2_DRAFT_WEIGHTS (bf16 int8), P2_ACC (a folder of acceptance vectors measured earlier with
 # the same models, [p2-]acc-<dataset>-t<temp>.json: reused instead of measured), P2_ACC_PROMPTS, P3_KV, P3_BATCH, P3_CONTEXT, P3_GAMMAS,
@@ -159,12 +159,36 @@ p4)  # the attention kernel against the KV-read floor and SDPA (chains and trees
   run python3 benchmarks/attention_bench.py --output "$OUT/p4.json" ;;
 e2e)  # issue 40 item 3, MagicDec's regime end to end: E2E_REQUESTS (64) requests at once over E2E_CONTEXT-token essay
      # windows (30720 + 2048 = the 32K window), E2E_GEN (2048) new tokens each, AR vs self-speculation over a
-     # StreamingLLM view of P3_BUDGET (512) with γ E2E_GAMMA (3) — or E2E_DRAFTER="--draft-model $D" — in one call
+     # StreamingLLM view of P3_BUDGET (512) with γ E2E_GAMMA (3) — or E2E_DRAFTER="--draft-model $D" — in one call;
+     # E2E_SPECULATIVE=auto: the automatic policy plans every step over that drafter (and prompt lookup) instead
   ctx=${E2E_CONTEXT:-30720}; n=${E2E_REQUESTS:-64}; gen=${E2E_GEN:-2048}
   drafter=${E2E_DRAFTER:---self-speculate --draft-kv streaming --draft-budget ${P3_BUDGET:-512}}
+  plan="--gamma ${E2E_GAMMA:-3}"; [ "${E2E_SPECULATIVE:-fixed}" = auto ] && plan="--speculative auto"
   run $R bench throughput --model "$T" $GPU --num-requests $n --prompt-len $ctx --min-new-tokens $gen \
-      --max-new-tokens $gen --max-num-seqs $n $drafter --gamma ${E2E_GAMMA:-3} --dataset essays \
-      --output "$OUT/e2e-$(echo "$drafter" | tr -cs 'a-z0-9' '-' | cut -c1-40)" ;;
+      --max-new-tokens $gen --max-num-seqs $n $drafter $plan --dataset essays \
+      --output "$OUT/e2e-$(echo "$drafter $plan" | tr -cs 'a-z0-9' '-' | cut -c1-48)" ;;
+auto)  # issue 40 item 2: the automatic policy next to AR and the fixed plan, one `bench throughput` per plan (each runs
+       # AR on the same prompts): batch-1 code / chat with the 0.5B draft at AUTO_TEMPS (0 0.6), then self-speculation
+       # (StreamingLLM 512) at AUTO_CONTEXT × AUTO_BATCH essay windows, AUTO_GEN new tokens; AUTO_PART: b1, long or both;
+       # AUTO_REPEATS: AR and the plan interleaved this many times (medians reported).
+       # The table last: benchmarks/auto_cells.py
+  for part in ${AUTO_PART:-b1 long}; do
+    if [ $part = b1 ]; then
+      for temp in ${AUTO_TEMPS:-0 0.6}; do for ds in humaneval mt-bench; do for plan in "--gamma 3" "--speculative auto"; do
+        run $R bench throughput --model "$T" --draft-model "$D" $GPU --num-requests ${AUTO_REQUESTS:-16} --max-num-seqs 1 \
+            --prompt-len 128 --min-new-tokens 128 --max-new-tokens 128 --dataset $ds --temperature $temp --seed 1 $plan \
+            --repeats ${AUTO_REPEATS:-1} \
+            --quiet --output "$OUT/auto/b1-$ds-t$temp-$(echo $plan | tr -cs 'a-z0-9.' '-')" | tail -6 || echo "CELL FAILED"
+      done; done; done
+    else
+      for ctx in ${AUTO_CONTEXT:-8192 16384}; do for b in ${AUTO_BATCH:-16 64}; do for plan in "--gamma 3" "--speculative auto"; do
+        run $R bench throughput --model "$T" $GPU --self-speculate --draft-kv streaming --draft-budget 512 --num-requests $b \
+            --max-num-seqs $b --prompt-len $ctx --min-new-tokens ${AUTO_GEN:-256} --max-new-tokens ${AUTO_GEN:-256} \
+            --dataset essays $plan --repeats ${AUTO_REPEATS:-1} --quiet --output "$OUT/auto/ctx$ctx-b$b-$(echo $plan | tr -cs 'a-z0-9' '-')" | tail -6 || echo "CELL FAILED"
+      done; done; done
+    fi
+  done
+  run python3 benchmarks/auto_cells.py "$OUT/auto" ;;
 p5)  # offloaded target (weights streamed from pinned host memory): AR vs large trees picked for that cost
      # profile: the offloaded target's forward is ~flat in tokens (host-link bound), so deep trees pay
   mkdir -p "$OUT/p5"

@@ -7,12 +7,14 @@
 # /root/stage/d?? (0.5B), carrying .whl (gguf + fastapi, starlette, pydantic, pydantic-core, uvicorn,
 # annotated-types, typing-inspection: the server's packages the machine lacks) and .stage/home (REDWOOD_HOME
 # with the essays and mt-bench datasets):
-#     OUT=/path benchmarks/h200_serve.sh STEP...     steps: stream long long-distinct chat compare
+#     OUT=/path benchmarks/h200_serve.sh STEP...     steps: stream long long-distinct chat ramp compare
 # Every step writes report folders under $OUT and prints its tables; `compare` prints the ratios last.
 # Settings (environment): LONG_LEN (prompt tokens, default 24576), LONG_SHARED (of them common to all
 # requests, default LONG_LEN - 1024), LONG_N (requests, default 128), LONG_CONC (in flight, default 64),
 # LONG_MIN / LONG_MAX (output tokens drawn from, default 256 / 512), SPEC_FLAGS (the self-speculation,
-# default streaming 512 γ 3), GPU_FLAGS (default --dtype bfloat16 --device cuda), CHAT_N (MT-Bench questions, default 16), CHAT_FLAGS (the draft-model flags).
+# default streaming 512 γ 3), GPU_FLAGS (default --dtype bfloat16 --device cuda), CHAT_N (MT-Bench questions, default 16), CHAT_FLAGS (the draft-model flags),
+# RAMP_LEN / RAMP_LEVELS / RAMP_TOKENS / RAMP_AUTO (the ramp step: prompt tokens, default 16384; concurrency levels,
+# default 1 4 16 32 64; output tokens, default 256; the automatic policy's drafter flags, default streaming 512).
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
 . "$(dirname "$0")/h200_env.sh"  # wheels, PYTHONPATH, REDWOOD_HOME, the staged GGUFs → T, D; R, run
@@ -96,6 +98,27 @@ chat)  # (b) batch-1 chat: MT-Bench first turns one at a time, the 0.5B draft vs
   for temp in 0 0.6; do
     run $R bench serve --compare "$OUT/chat-ar-t$temp" "$OUT/chat-spec-t$temp" --output "$OUT/chat-compare-t$temp"
   done ;;
+ramp)  # issue 40 item 2: a load ramping from 1 to 64 concurrent long-context requests (distinct essay windows of
+       # RAMP_LEN tokens, RAMP_TOKENS new each, 2 × C requests at concurrency C) against three servers — AR, the
+       # fixed plan (SPEC_FLAGS) and `--speculative auto` — with the same flags otherwise; the table last
+  levels=${RAMP_LEVELS:-1 4 16 32 64}; top=$(echo $levels | awk '{print $NF}')
+  rlen=${RAMP_LEN:-16384}; rtok=${RAMP_TOKENS:-256}
+  ramp_server="--max-num-seqs $top --max-model-len $((rlen + rtok + 64)) --max-num-batched-tokens 8192"
+  auto_flags=${RAMP_AUTO:---self-speculate --draft-kv streaming --draft-budget 512 --speculative auto}
+  for side in ar fixed auto; do
+    flags=""; [ $side = fixed ] && flags=$SPEC_FLAGS; [ $side = auto ] && flags=$auto_flags
+    serve "$OUT/server-ramp-$side.log" $ramp_server $flags
+    # warm-up (other text, short outputs): every batch bucket up to the top level, and auto's calibration
+    run $R bench serve --base-url "$URL" --tokenizer "$T" --prompt-len $rlen --num-requests $top \
+        --max-concurrency $top --max-tokens 24 --ignore-eos --prompt-seed 99 --json >/dev/null
+    for c in $levels; do
+      run $R bench serve --base-url "$URL" --tokenizer "$T" --label "ramp-$side-c$c" --prompt-len $rlen \
+          --num-requests $((2 * c)) --max-concurrency $c --max-tokens $rtok --ignore-eos \
+          --output "$OUT/ramp-$side-c$c" | tail -4
+    done
+    stop
+  done
+  run python3 benchmarks/ramp_table.py "$OUT" $levels ;;
 compare)  # every comparison measured so far, ratios to AR
   for pair in long distinct; do
     [ -d "$OUT/$pair-ar" ] && [ -d "$OUT/$pair-spec" ] && $R bench serve --compare "$OUT/$pair-ar" "$OUT/$pair-spec"

@@ -281,7 +281,7 @@ def test_spec_run_steady_state_rate_and_first_divergence():
 def test_divergence_logits_is_the_targets_view_at_the_parting_token(tiny_llm):
     import torch
 
-    from redwood.bench.speculative import divergence_logits
+    from redwood.bench.divergence import divergence_logits
 
     model = tiny_llm.model
     prompt, ar_ids = [5, 9, 33, 2, 17], [40, 41, 42, 43]

@@ -151,6 +151,33 @@ def test_cli_auto_policy(tiny_model_dir, tiny_draft_dir, text_file, tmp_path, ca
     assert sum(spec["policy"]["plans"].values()) > 0
 
 
+def test_cli_repeats_interleaved_medians(tiny_model_dir, text_file, capsys, monkeypatch):
+    """--repeats 3: AR and speculation alternate (each run's speedup over the AR run just before it), each
+    (mode, rate) reports its median run and every repeat's tokens/s."""
+    from redwood.bench import throughput as tput
+
+    order = []
+    real = tput.run_stream
+
+    def spy(engine, workload, arrivals, prefix="", progress=None):
+        order.append(prefix.rstrip("-0123456789"))  # the mode: requests are named "{mode}{rate index}-{i}"
+        return real(engine, workload, arrivals, prefix=prefix, progress=progress)
+
+    monkeypatch.setattr(tput, "run_stream", spy)
+    rc = main(_base(tiny_model_dir, text_file, "--self-speculate", "--gamma", "2", "--repeats", "3", "--json"))
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    res = json.loads(captured.out)
+    assert order == ["ar", "spec"] * 3
+    ar, spec = res["runs"]
+    for run in (ar, spec):
+        each = run["tokens_per_s_repeats"]
+        assert len(each) == 3 and run["tokens_per_s"] == sorted(each)[1]
+    assert len(spec["speedup_repeats"]) == 3 and spec["identical_to_ar"] is True
+    assert spec["speedup"] == pytest.approx(spec["tokens_per_s"] / ar["tokens_per_s"])
+    assert res["all_identical"] is True
+
+
 def test_cli_no_spec(tiny_model_dir, text_file, capsys):
     rc = main(_base(tiny_model_dir, text_file, "--no-spec", "--request-rate", "100", "--json"))
     captured = capsys.readouterr()
@@ -244,6 +271,7 @@ def test_latency_samples_per_token_and_per_chunk():
         (["--max-model-len", "20"], "is more than --max-model-len 20"),
         (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
         (["--kv-cache-memory", "0"], "--kv-cache-memory must be > 0"),
+        (["--self-speculate", "--repeats", "0"], "--repeats must be at least 1"),
         ([], "give --draft-model D, --self-speculate, --draft ngram or --speculative auto"),
         (["--no-spec", "--self-speculate"], "--no-spec measures autoregressive decoding only"),
         (["--no-spec", "--gamma", "3"], "only applies when speculating"),

@@ -31,7 +31,7 @@ def costs_in_tmp(tmp_path, monkeypatch):
 def cycle_plans(monkeypatch, order=None):
     """Make AutoPolicy.plan run its candidates in turn, one per step (every switch the policy could make)."""
 
-    def plan(self, rows, bucket):
+    def plan(self, rows, bucket, prefill_backlog_steps=0):
         self.steps += 1
         for s in self.shadows:
             for r in rows:
@@ -90,6 +90,21 @@ def test_the_real_policy_keeps_greedy_equal_to_ar_and_reports_its_plans(models):
     assert set(report["acceptance"]) >= {"ngram@t0"}
     d = spec[0].stats.spec.to_dict()
     assert d["policy"] == "auto" and sum(d["plans"].values()) > 0
+
+
+def test_steps_behind_a_prefill_backlog_decode_plainly_and_greedy_stays_equal(models):
+    """Many requests at once, long prompts, short outputs, a small prefill budget: while the queued prefills
+    outlast every decoding row, the policy plans plain steps (counted in its report); output equals AR's."""
+    target, draft, tok = models
+    prompts = repetitive_prompts(6, seed=11)
+    params = [SamplingParams(max_new_tokens=6, ignore_eos=True) for _ in prompts]
+    kw = dict(max_num_seqs=6, max_num_batched_tokens=8)
+    _, ar, _ = run_engine(target, tok, prompts, params, arrivals=[0] * 6, block_size=8, **kw)
+    engine = auto_engine(target, tok, [ModelDrafter(draft, FullPolicy(), 320), NgramDrafter(320, 1, 3)], **kw)
+    _, spec, _ = run_engine(target, tok, prompts, params, arrivals=[0] * 6, engine=engine)
+    assert [s.output_ids for s in spec] == [s.output_ids for s in ar]
+    report = engine.policy.report()
+    assert report["prefill_bound_steps"] > 0 and report["plans"]["ar"] >= report["prefill_bound_steps"]
 
 
 def test_llm_with_the_auto_policy_and_no_model_drafter(tiny_model_dir):

@@ -395,3 +395,19 @@ def test_random_simulation(prefix, num_blocks, lookahead, max_num_seqs, budget, 
     if num_blocks == 12:
         assert sum(r.num_preemptions for r in reqs) > 20  # the tiny pool did exercise preemption
         assert all(r.status is not Status.WAITING for r in reqs)
+
+
+def test_prefill_backlog_counts_the_prefills_that_can_proceed_now():
+    """Unfinished prefills of running requests, and waiting prompts up to the free slots, in steps of the budget
+    (what the automatic policy weighs against the decoding rows' remaining tokens)."""
+    s = make(max_num_seqs=2, budget=8, num_blocks=64)
+    assert s.prefill_backlog_steps() == 0
+    for rid, n in (("a", 20), ("b", 6), ("c", 30)):
+        s.add(req(rid, n))
+    assert s.prefill_backlog_steps() == -(-(20 + 6) // 8)  # two free slots: a and b; c waits for a slot
+    out = s.schedule()  # a's first chunk (8 of 20)
+    run_step(s, out)
+    assert s.prefill_backlog_steps() == -(-(12 + 6) // 8)
+    while any(r.is_prefilling for r in s.running) or s.waiting[:1] and s._free_slots:
+        run_step(s, s.schedule())
+    assert s.prefill_backlog_steps() == 0  # c waits for a decoding row to finish, not for prefill budget

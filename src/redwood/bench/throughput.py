@@ -425,6 +425,7 @@ def run_bench(
     cuda_graphs: bool | None = None,
     workload_seed: int = 0,
     progress: bool = False,
+    repeats: int = 1,
 ) -> dict[str, Any]:
     """Measure AR (and speculation with `drafter` over `tree`, unless spec is False) at every rate.
 
@@ -432,7 +433,13 @@ def run_bench(
     (`Engine.build`, one at a time), warmed up, and serves every rate — a fresh one per rate when prefix
     caching is on, so one rate's cached prompts do not serve the next. auto_drafters: speculation under the
     automatic policy over these drafters (`LoadedModels.auto_drafters`) instead of `drafter` over `tree`.
+    repeats: the modes measured this many times, interleaved (AR, spec, AR, spec, …: a drift of the machine's
+    speed hits both); each (mode, rate) reports its median run by tokens/s, with every repeat's tokens/s
+    (`tokens_per_s_repeats`) and, for speculation, every repeat's speedup over the AR run just before it.
     """
+    if repeats < 1:
+        raise ConfigError(f"--repeats must be at least 1 (got {repeats})")
+    from redwood.bench.divergence import divergence_logits, first_divergence, is_numerical_tie
     from redwood.engine.engine import Engine
 
     if spec and drafter is None:
@@ -447,10 +454,10 @@ def run_bench(
     arrivals = {r: poisson_arrivals(workload.n, r, workload_seed) for r in rates}
     spec_kw = {"drafter": drafter, "tree": tree} if not auto_drafters else {"auto_drafters": auto_drafters}
     modes = [("ar", {})] + ([("spec", {**spec_kw, "verifier": verifier})] if spec else [])
-    runs: dict[tuple[str, float], dict[str, Any]] = {}
+    trials: dict[tuple[str, float], list[dict[str, Any]]] = {}
     tokens: dict[tuple[str, float], list[list[int]]] = {}
     info: dict[str, Any] = {}
-    for mode, kw in modes:
+    for rep, (mode, kw) in ((rep, m) for rep in range(repeats) for m in modes):
         engine = None
         for j, rate in enumerate(rates):
             if engine is None or fresh_per_rate:
@@ -479,7 +486,7 @@ def run_bench(
 
                 bar = tqdm(
                     total=workload.n,
-                    desc=f"{mode} @ {rate_label(rate)} req/s",
+                    desc=f"{mode} @ {rate_label(rate)} req/s" + (f" ({rep + 1}/{repeats})" if repeats > 1 else ""),
                     unit="req",
                     file=sys.stderr,
                     leave=False,
@@ -492,18 +499,37 @@ def run_bench(
                 if bar is not None:
                     bar.close()
             run = summarize(stream, mode, rate)
-            tokens[mode, rate] = [r.token_ids for r in stream["records"]]
+            tokens[mode, rate] = [r.token_ids for r in stream["records"]]  # (this repeat's: AR's ran just before)
             if mode == "spec":
                 same = [a == b for a, b in zip(tokens["ar", rate], tokens[mode, rate])]
                 run["identical_to_ar"] = all(same) if greedy else None
                 run["requests_identical_to_ar"] = sum(same)
-                ar_tps = runs["ar", rate]["tokens_per_s"]
+                parting = first_divergence(tokens["ar", rate], tokens[mode, rate]) if greedy else None
+                if parting is not None:  # where, and the target's top-2 gap there (a tie in bf16, or a bug)
+                    i = parting["row"]
+                    parting.update(
+                        divergence_logits(
+                            target,
+                            workload.prompts[i],
+                            tokens["ar", rate][i],
+                            tokens[mode, rate][i],
+                            parting["position"],
+                        )
+                    )
+                    parting["numerical_tie"] = is_numerical_tie(parting, target.dtype)
+                    run["first_divergence"] = parting
+                ar_tps = trials["ar", rate][-1]["tokens_per_s"]  # (this repeat's AR run)
                 run["speedup"] = run["tokens_per_s"] / ar_tps if ar_tps > 0 else None
                 if engine.policy.auto:  # its plans so far (this engine's rates up to this one, warm-up included)
                     run["policy"] = engine.policy.report()
-            runs[mode, rate] = run
+            trials.setdefault((mode, rate), []).append(run)
         del engine
         _free_memory(target.device)
+    runs = {key: _median_run(group) for key, group in trials.items()}
+    if repeats > 1 and spec:
+        for rate in rates:  # the medians' ratio (each repeat's own: speedup_repeats)
+            ar_tps = runs["ar", rate]["tokens_per_s"]
+            runs["spec", rate]["speedup"] = runs["spec", rate]["tokens_per_s"] / ar_tps if ar_tps > 0 else None
     ordered = [runs[m, r] for r in rates for m, _ in modes]
     comparison = [compare(runs["ar", r], runs["spec", r]) for r in rates] if spec else []
     identical = [c["identical_to_ar"] for c in comparison if c["identical_to_ar"] is not None]
@@ -518,6 +544,24 @@ def run_bench(
         "all_identical": all(identical) if identical else None,
         "capture_s_in_timed_runs": sum(r["capture_s"] for r in ordered),
     }
+
+
+def _median_run(group: list[dict[str, Any]]) -> dict[str, Any]:
+    """One (mode, rate)'s report over its repeats: the run of median tokens/s (the lower of the middle two for
+    an even count), with every repeat's tokens/s and speedup; greedy output identical only if in every one."""
+    if len(group) == 1:
+        return group[0]
+    run = dict(sorted(group, key=lambda x: x["tokens_per_s"])[(len(group) - 1) // 2])
+    run["tokens_per_s_repeats"] = [x["tokens_per_s"] for x in group]
+    if "speedup" in run:
+        run["speedup_repeats"] = [x["speedup"] for x in group]
+        if any(x.get("identical_to_ar") is False for x in group):
+            worst = next(x for x in group if x.get("identical_to_ar") is False)
+            run["identical_to_ar"] = False
+            run["requests_identical_to_ar"] = worst["requests_identical_to_ar"]
+            if "first_divergence" in worst:
+                run["first_divergence"] = worst["first_divergence"]
+    return run
 
 
 # ----------------------------------------------------------------------------------------------- output
@@ -583,6 +627,13 @@ def format_result(r: dict[str, Any]) -> str:
         "tokens); acc len = tokens per target step, bonus included; same = greedy spec output "
         "identical to AR"
     )
+    for x in r["runs"]:
+        if "tokens_per_s_repeats" in x:  # (--repeats: the medians above; each repeat's here)
+            each = ", ".join(f"{v:.1f}" for v in x["tokens_per_s_repeats"])
+            line = f"repeats @ {_rate_text(x['request_rate'])} req/s, {x['method']}: tok/s {each}"
+            if "speedup_repeats" in x:
+                line += " (speedup " + ", ".join(f"{v:.2f}x" for v in x["speedup_repeats"] if v is not None) + ")"
+            lines.append(line)
     if r.get("capture_s_in_timed_runs", 0) > 0:
         lines.append(
             f"note: {r['capture_s_in_timed_runs']:.2f} s of CUDA-graph capture during the timed runs was "
@@ -592,8 +643,36 @@ def format_result(r: dict[str, Any]) -> str:
     if preempted:
         lines.append(f"note: {preempted} preemptions (KV cache full; the requests were recomputed)")
     if r.get("all_identical") is False:
-        lines.append("WARNING: greedy speculative output differs from autoregressive output (must be identical)")
+        lines.extend(_parting_lines(r))
     return "\n".join(lines)
+
+
+def _parting_lines(r: dict[str, Any]) -> list[str]:
+    """Greedy outputs that differ: a note where every first parting is a tie of the dtype's rounding (bf16 /
+    fp16 verify and decode forwards round differently), else the warning — a bug."""
+    import torch
+
+    from redwood.bench.divergence import describe
+
+    dtype = getattr(torch, r["settings"]["dtype"], torch.float32)
+    runs = [x for x in r["runs"] if x.get("identical_to_ar") is False]
+    partings = [(x, x.get("first_divergence") or {}) for x in runs]
+    ties = all(d.get("numerical_tie") for _, d in partings)
+    lines = []
+    if ties:
+        lines.append(
+            f"note: greedy outputs differ from AR's at a near-tie of {r['settings']['dtype']} rounding (a verify and "
+            "a one-token decode round differently there; float32 outputs are identical):"
+        )
+    else:
+        lines.append("WARNING: greedy speculative output differs from autoregressive output (must be identical)")
+    for x, d in partings:
+        where = describe(d, dtype) if d else "no parting found"
+        lines.append(
+            f"  @ {_rate_text(x['request_rate'])} req/s: {x['num_requests'] - x['requests_identical_to_ar']} of "
+            f"{x['num_requests']} requests differ; {where}"
+        )
+    return lines
 
 
 def write_plot(path: str | Path, r: dict[str, Any]) -> Path:

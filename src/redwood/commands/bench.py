@@ -172,6 +172,14 @@ def register(sub) -> None:
         metavar="S",
         help="seed of the output lengths and the arrival times (default 0)",
     )
+    tp.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="N",
+        help="measure AR and speculation N times each, interleaved (AR, spec, AR, spec, …); each reports its median "
+        "run, with every repeat's tokens/s and speedup (default 1)",
+    )
     tp.add_argument("--no-spec", action="store_true", help="measure autoregressive decoding only")
     add_speculative_args(tp)
     add_offload_args(tp)
@@ -369,6 +377,8 @@ def run_throughput(args) -> int:
             f"token is each request's own), got {args.shared_prefix_len}"
         )
     rates = tput.parse_rates(args.request_rate)
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be at least 1, got {args.repeats}")
     engine_args = engine_kwargs(args)
     for name in ("max_num_seqs", "block_size", "max_num_batched_tokens"):
         if name in engine_args and engine_args[name] < 1:
@@ -443,6 +453,7 @@ def run_throughput(args) -> int:
         cuda_graphs=None if args.cuda_graphs else False,
         workload_seed=args.workload_seed,
         progress=not args.json,
+        repeats=args.repeats,
     )
     result.update(
         draft=draft_name,
@@ -462,6 +473,7 @@ def run_throughput(args) -> int:
         "seed": args.seed,
         "prompt_seed": args.prompt_seed,
         "workload_seed": args.workload_seed,
+        "repeats": args.repeats,
         "ignore_eos": True,
         "dtype": args.dtype,
         "device": str(target.device),

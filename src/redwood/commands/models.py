@@ -1,4 +1,4 @@
-"""`redwood models list`, `redwood models pull NAME` and `redwood models rm NAME`: the model zoo (see
+"""`redwood models list`, `redwood models pull NAME [NAME ...]` and `redwood models rm NAME`: the model zoo (see
 `redwood.models.registry`)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def register(subparsers) -> None:
         help="download, assemble and verify a model (a no-op if already there and "
         "intact; a file changed since it was verified is re-hashed)",
     )
-    p.add_argument("name", metavar="NAME", help="model name, see `redwood models list`")
+    p.add_argument("names", nargs="+", metavar="NAME", help="model names, see `redwood models list`")
     p.add_argument("--force", action="store_true", help="delete the file and download it again in any case")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_pull)
@@ -62,8 +62,11 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    path = registry.pull(args.name, progress=not args.quiet, force=args.force)
-    print(path)
+    names = list(dict.fromkeys(args.names))  # (each once, in the order given)
+    for name in names:
+        registry.model_path(name)  # every name checked before any download (an unknown one: a one-line error)
+    for name in names:
+        print(registry.pull(name, progress=not args.quiet, force=args.force))
     return 0
 
 

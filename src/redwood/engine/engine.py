@@ -240,7 +240,7 @@ class Engine:
         plan, bucket = None, 0
         if batch.decode:
             bucket = self.executor.bucket(batch.decode)
-            plan = self.policy.plan(batch.decode, bucket)
+            plan = self.policy.plan(batch.decode, bucket, self.scheduler.prefill_backlog_steps())
         result = self.executor.execute(batch, plan)
         updates = self.output.process(batch, result, decode, prefill)
         if batch.decode:

@@ -141,6 +141,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def prefill_backlog_steps(self) -> int:
+        """Steps the prefills that can proceed now still need at `max_num_batched_tokens` a step: the unfinished
+        prefills of running requests and the prompts of as many waiting requests as there are free slots
+        (those behind them wait for a slot — for decoding rows to finish — not for prefill budget)."""
+        tokens = sum(r.prefill_len - r.num_computed for r in self.running if r.is_prefilling)
+        tokens += sum(r.num_tokens for r in self.waiting[: len(self._free_slots)])
+        return -(-tokens // self.max_num_batched_tokens)
+
     def get(self, request_id: str) -> SeqState | None:
         return self._requests.get(request_id)
 
