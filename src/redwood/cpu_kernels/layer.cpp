@@ -127,45 +127,57 @@ void decoder_layer(const LayerArgs& a) {
     }
   }
 
-  // attention, one (token, query head) at a time: softmax(q·k / √D) over its keys, times v
+  // attention, one (token, KV head) at a time: for each of the G query heads sharing the KV head, softmax(q·k / √D)
+  // over the token's keys, times v. The G heads walk the keys together (each key's k and v rows read once for all
+  // G: a sixth of the cache reads on the 1.5B's 12 / 2 heads), but each head's numbers are its own sequence of
+  // operations, the same as one head alone — whatever M, the thread split or how the heads are grouped.
   std::vector<float> att(M * Nq);
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
-  parallel_for(0, M * Hq, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> s;
+  const int64_t G = Hq / Hkv;
+  parallel_for(0, M * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s;       // [G, n]: head i's scores, then its softmax numerators
     std::vector<int64_t> rows;  // the keys' rows of this KV head in k_buf / v_buf, in key order
-    std::vector<float> acc(D);
+    std::vector<float> acc(G * D);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t m = task / Hq, hq = task % Hq, g = hq / (Hq / Hkv), b = m / tokens_per_row;
-      const float* q = qkvs.data() + m * Nqkv + hq * D;
-      float* out = att.data() + m * Nq + hq * D;
-      s.clear();
+      const int64_t m = task / Hkv, g = task % Hkv, b = m / tokens_per_row;
+      const float* q = qkvs.data() + m * Nqkv + g * G * D;  // the group's G query heads, side by side
+      float* out = att.data() + m * Nq + g * G * D;
       rows.clear();
       for (int64_t r = rp[m]; r < rp[m + 1]; ++r)
-        for (int64_t slot = rg[2 * r]; slot < rg[2 * r + 1]; ++slot) {
+        for (int64_t slot = rg[2 * r]; slot < rg[2 * r + 1]; ++slot)
           rows.push_back((static_cast<int64_t>(bt[b * W + slot / ps]) * Hkv + g) * ps + slot % ps);
-          s.push_back(dot(q, kb + rows.back() * D, D) * scale);
-        }
-      const int64_t n = static_cast<int64_t>(s.size());
+      const int64_t n = static_cast<int64_t>(rows.size());
       if (n == 0) {
-        std::fill(out, out + D, 0.f);
+        std::fill(out, out + G * D, 0.f);
         continue;
       }
-      float mx = s[0];
-      for (float v : s) mx = std::max(mx, v);
-      F32 sum16 = simd::zero();
-      for (int64_t j = 0; j < n; j += 16) {
-        const F32 e = exp16(simd::sub(simd::load_n(s.data() + j, n - j), simd::set1(mx)));
-        simd::store_n(s.data() + j, e, n - j);
-        sum16 = simd::add(sum16, simd::keep_n(e, n - j));
+      s.resize(G * n);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* k = kb + rows[j] * D;
+        for (int64_t i = 0; i < G; ++i) s[i * n + j] = dot(q + i * D, k, D) * scale;
       }
-      const float inv = 1.f / simd::sum(sum16);
+      std::vector<float> inv(G);
+      for (int64_t i = 0; i < G; ++i) {
+        float* si = s.data() + i * n;
+        float mx = si[0];
+        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, si[j]);
+        F32 sum16 = simd::zero();
+        for (int64_t j = 0; j < n; j += 16) {
+          const F32 e = exp16(simd::sub(simd::load_n(si + j, n - j), simd::set1(mx)));
+          simd::store_n(si + j, e, n - j);
+          sum16 = simd::add(sum16, simd::keep_n(e, n - j));
+        }
+        inv[i] = 1.f / simd::sum(sum16);
+      }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < n; ++j) {
-        const F32 p = simd::set1(s[j] * inv);
         const float* v = vb + rows[j] * D;
-        for (int64_t d = 0; d < D; d += 16)
-          simd::store_n(acc.data() + d, simd::fmadd(p, simd::load_n(v + d, D - d), simd::load_n(acc.data() + d, D - d)),
-                        D - d);
+        for (int64_t i = 0; i < G; ++i) {
+          const F32 p = simd::set1(s[i * n + j] * inv[i]);
+          float* ai = acc.data() + i * D;
+          for (int64_t d = 0; d < D; d += 16)
+            simd::store_n(ai + d, simd::fmadd(p, simd::load_n(v + d, D - d), simd::load_n(ai + d, D - d)), D - d);
+        }
       }
       std::copy(acc.begin(), acc.end(), out);
     }
