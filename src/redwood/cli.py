@@ -12,6 +12,18 @@ import sys
 from redwood.errors import RedwoodError
 
 
+class VersionAction(argparse.Action):
+    """`redwood --version`: the version, then which build of the C++ CPU kernels this machine runs
+    (`kquant.describe`: chosen, and built on first use, as a generation would)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from redwood import __version__
+        from redwood.cpu_kernels import kquant
+
+        print(f"{parser.prog} {__version__}\n{kquant.describe()}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     from redwood.commands import COMMAND_MODULES
 
@@ -19,9 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="redwood",
         description="Fast, lossless speculative decoding of LLMs (MagicDec + Sequoia).",
     )
-    from redwood import __version__
-
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--version", action=VersionAction, nargs=0, help="show the version and the CPU kernels' build")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for module in COMMAND_MODULES:

@@ -39,9 +39,18 @@ CPU_ISA = _register(
     "REDWOOD_CPU_ISA",
     "native",
     "cap the CPU features redwood's own kernels and format choices use: native (all the CPU reports), "
-    "avx2 (as an AVX2-only CPU: no AVX-512, no VNNI, no AMX). With ATEN_CPU_CAPABILITY=avx2 it runs the "
-    "suite as an AVX2 machine would on an AVX-512 one.",
-    ("native", "avx2"),
+    "avx2 (as an AVX2-only CPU: no AVX-512, no VNNI, no AMX), portable (as an x86 CPU without AVX, FMA or F16C; an ARM one without DOTPROD). "
+    "With ATEN_CPU_CAPABILITY=avx2 it runs the suite as an AVX2 machine would on an AVX-512 one.",
+    ("native", "avx2", "portable"),
+)
+
+CPU_KERNEL = _register(
+    "REDWOOD_CPU_KERNEL",
+    "auto",
+    "which build of the CPU kquant kernel and C++ decoder layer runs (redwood.cpu_kernels.kquant): auto (the "
+    "fastest this CPU runs, under REDWOOD_CPU_ISA: avx512, else avx2, else neon on ARM, else portable), or one of "
+    "avx512, avxvnni, avx2, neon, portable (all compute the same bits); forcing one the CPU lacks is an error.",
+    ("auto", "avx512", "avxvnni", "avx2", "neon", "portable"),
 )
 
 TP_TIMEOUT = _register(

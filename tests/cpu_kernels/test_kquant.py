@@ -1,5 +1,6 @@
-"""The kquant CPU kernel (redwood.cpu_kernels.kquant: Q4_K / Q6_K GGUF super-blocks × int8 activations,
-AVX-512 VNNI), on random valid blocks built from bytes:
+"""The kquant CPU kernel (redwood.cpu_kernels.kquant: Q4_K / Q6_K GGUF super-blocks × int8 activations), in
+every build this CPU runs (the `kquant_variant` fixture: avx512, avx2, portable on an AVX-512 machine), on random
+valid blocks built from bytes:
 
 - `pack` keeps the file's values: unpack(pack(rows)) equals loading.gguf.dequantize(rows) bit for bit;
 - the product equals float64(dequantized W) @ float64(q · dx), q and dx each activation row's per-256
@@ -7,8 +8,10 @@ AVX-512 VNNI), on random valid blocks built from bytes:
   rounding of the sums;
 - each output row is the same bits whatever M, the row's position (row tiles of 4 and their tails) and
   the thread count; rows (and super-blocks) of zeros give zeros;
+- every variant gives the same bits as every other (the integer lane sums are exact and the float operations
+  the same, in the same order: kq_simd.h);
 - bad shapes / dtypes are errors that name the problem; `kernel_order` is a permutation.
-Skipped where the kernel cannot run (no AVX-512 VNNI, no compiler, a failed build: `why_unavailable`).
+Skipped where the kernel cannot run (no compiler, a failed build: `why_unavailable`).
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ def q4k_terms(rows: torch.Tensor, N: int, K: int) -> tuple[torch.Tensor, torch.T
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_unpack_of_pack_is_the_files_values_bit_for_bit(type_name, shape):
+def test_unpack_of_pack_is_the_files_values_bit_for_bit(type_name, shape, kquant_variant):
     N, K = shape
     rows = random_blocks(type_name, N, K, seed=N + K)
     before = rows.clone()
@@ -108,7 +111,7 @@ def test_unpack_of_pack_is_the_files_values_bit_for_bit(type_name, shape):
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_the_product_is_the_float64_product_of_the_quantized_activations(type_name, shape):
+def test_the_product_is_the_float64_product_of_the_quantized_activations(type_name, shape, kquant_variant):
     N, K = shape
     rows = random_blocks(type_name, N, K, seed=2 * N + K)
     packed = kquant.pack(rows, type_name)
@@ -132,7 +135,7 @@ def test_the_product_is_the_float64_product_of_the_quantized_activations(type_na
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
-def test_ties_round_half_to_even(type_name):
+def test_ties_round_half_to_even(type_name, kquant_variant):
     """Row 2's first super-block holds x · 127 / amax = ±0.5, ±1.5, …: the kernel's q are nearbyint's
     (halves to even), not halves away from zero — one q off by one moves the product far beyond rounding."""
     N, K = 48, 256
@@ -150,13 +153,13 @@ def test_ties_round_half_to_even(type_name):
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_rows_are_exact_at_any_m_position_and_thread_count(type_name, shape):
+def test_rows_are_exact_at_any_m_position_and_thread_count(type_name, shape, kquant_variant):
     N, K = shape
     rows = random_blocks(type_name, N, K, seed=N * K)
     packed = kquant.pack(rows, type_name)
     x = activations(17, K, seed=N)
     ones = torch.cat([kquant.kquant_linear(x[i : i + 1], packed, type_name) for i in range(17)])
-    for m in list(range(1, 10)) + [17]:  # row tiles of 4 and tails of 1..3
+    for m in list(range(1, 10)) + [17]:  # row tiles (8 or 4 rows) and their tails
         assert torch.equal(kquant.kquant_linear(x[:m], packed, type_name), ones[:m]), m
     for start, end in ((3, 12), (5, 6), (1, 17)):  # rows in other tile positions
         assert torch.equal(kquant.kquant_linear(x[start:end], packed, type_name), ones[start:end])
@@ -176,7 +179,7 @@ def test_rows_are_exact_at_any_m_position_and_thread_count(type_name, shape):
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
-def test_zero_activations_give_zero_outputs(type_name):
+def test_zero_activations_give_zero_outputs(type_name, kquant_variant):
     N, K = 61, 512
     rows = random_blocks(type_name, N, K, seed=3)
     packed = kquant.pack(rows, type_name)
@@ -227,19 +230,22 @@ def test_bad_inputs_are_errors_that_name_the_problem():
 # The C++ ops' own checks (the last guard, behind the wrappers), run in a child process: on a torch build where an
 # extension's exception kills the process (kquant.py's docstring), this fails alone instead of ending the session.
 CPP_CHECKS = r"""
+import sys
 import torch
 from redwood.cpu_kernels import kquant
 from tests.cpu_kernels.test_kquant import random_blocks
 rows = random_blocks("Q4_K", 16, 512, seed=1)
 packed = kquant.pack(rows, "Q4_K")
-for call in (lambda: torch.ops.redwood_cpu.kquant_linear(torch.randn(2, 512), packed, 13),
-             lambda: torch.ops.redwood_cpu.kquant_linear(torch.randn(2, 256), packed, 12),
-             lambda: torch.ops.redwood_cpu.kquant_pack(rows, 10)):
-    try:
-        call()
-        print("no error")
-    except RuntimeError as e:
-        print(str(e).splitlines()[0])
+for name in sys.argv[1:]:
+    op = kquant.ops(name)
+    for call in (lambda: op.kquant_linear(torch.randn(2, 512), packed, 13),
+                 lambda: op.kquant_linear(torch.randn(2, 256), packed, 12),
+                 lambda: op.kquant_pack(rows, 10)):
+        try:
+            call()
+            print("no error")
+        except RuntimeError as e:
+            print(str(e).splitlines()[0])
 """
 
 
@@ -249,8 +255,9 @@ def test_the_cpp_ops_check_their_arguments_too():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
+    names = [v for v in kquant.supported() if kquant.variant_unavailable(v) is None]
     out = subprocess.run(
-        [sys.executable, "-c", CPP_CHECKS],
+        [sys.executable, "-c", CPP_CHECKS, *names],
         capture_output=True,
         text=True,
         timeout=300,
@@ -259,9 +266,11 @@ def test_the_cpp_ops_check_their_arguments_too():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
-    assert "type must be Q4_K (12) or Q6_K (14), got 13" in lines[0]
-    assert "K = 256 needs whole super-blocks of 256 and packed rows of 148 bytes, got 296" in lines[1]
-    assert "kquant_pack: type must be Q4_K (12) or Q6_K (14), got 10" in lines[2]
+    assert len(lines) == 3 * len(names) and names, (names, lines)
+    for i in range(0, len(lines), 3):
+        assert "type must be Q4_K (12) or Q6_K (14), got 13" in lines[i]
+        assert "K = 256 needs whole super-blocks of 256 and packed rows of 148 bytes, got 296" in lines[i + 1]
+        assert "kquant_pack: type must be Q4_K (12) or Q6_K (14), got 10" in lines[i + 2]
 
 
 def test_kernel_order_is_a_permutation_that_keeps_each_lane_in_16_values():
@@ -277,4 +286,43 @@ def test_kernel_order_is_a_permutation_that_keeps_each_lane_in_16_values():
 
 def test_availability_is_reported():
     assert kquant.available() and kquant.why_unavailable() is None
+    assert kquant.variant() in kquant.AUTO and kquant.chosen() == kquant.variant()
+    assert kquant.ops().variant() == kquant.variant()  # (the build computes with its variant's code)
     assert kquant.BLOCK == 256 and set(kquant.TYPES) == {"Q4_K", "Q6_K"}
+
+
+def test_each_build_runs_its_own_code(kquant_variant):
+    assert kquant.ops(kquant_variant).variant() == kquant_variant == kquant.variant()
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_every_variant_gives_the_same_bits(type_name):
+    """Against the first (fastest) variant: packing, the product at M = 1..9 and 17 (row tiles of 8 and of 4),
+    rows of zeros and ties, outliers, large and tiny scales, and weights at the extremes of the AVX2 saturation bound
+    (every q at its maximum against activations of ±127)."""
+    names = [v for v in kquant.supported() if kquant.variant_unavailable(v) is None]
+    if len(names) < 2:
+        pytest.skip(f"one kquant build runs here ({names})")
+    N, K = 61, 1536
+    rows = random_blocks(type_name, N, K, seed=21, d_range=(1e-4, 4.0))
+    full = rows.view(N, K // 256, FILE_BYTES[type_name]).clone()
+    if type_name == "Q4_K":
+        full[:5, :, 16:] = 0xFF  # q = 15 everywhere (rows 0-4)
+        full[:5, :, 4:16] = 0xFF  # scales / mins 63
+    else:
+        full[:5, :, :192] = 0xFF  # q = 63 everywhere
+    rows = full.view(N, -1)
+    x = torch.cat([activations(9, K, seed=7), torch.randn(8, K) * 1e-3])
+    x[3], x[4] = 127.0, -127.0  # q = ±127 throughout: the largest |sums| of a lane's byte pairs
+    x[5] = 1e20 * torch.randn(K)  # huge values
+    packed = {v: kquant.pack(rows, type_name, variant=v) for v in names}
+    ys = {v: kquant.kquant_linear(x, packed[names[0]], type_name, variant=v) for v in names}
+    for v in names[1:]:
+        assert torch.equal(packed[v], packed[names[0]]), v
+        assert torch.equal(ys[v], ys[names[0]]), (v, (ys[v] - ys[names[0]]).abs().max())
+        for m in list(range(1, 10)) + [17]:
+            assert torch.equal(kquant.kquant_linear(x[:m], packed[v], type_name, variant=v), ys[v][:m]), (v, m)
+    # the saturation rows against the exact product (float64 of the quantized activations): no lane wrapped
+    w = dequantize(rows, type_name, (N, K)).double()
+    ref = quantize_reference(x[3:5]) @ w[:5].T
+    assert ((ys[names[0]][3:5, :5].double() - ref).abs() <= 1e-5 * ref.abs().max()).all()

@@ -149,13 +149,11 @@ class Alternating:
 
 
 @pytest.mark.parametrize("sampled", [False, True])
-def test_decode_steps_give_the_same_tokens_whatever_the_count(tmp_path, sampled):
+def test_decode_steps_give_the_same_tokens_whatever_the_count(tmp_path, sampled, kquant_variant):
     """A q4k target and draft (the C++ layers): speculative outputs — greedy, and sampled with seeds — are the
-    same with every decode step at one thread as with the count flipping every step (prefill at the base)."""
-    from redwood.cpu_kernels import kquant
-
-    if not kquant.available():
-        pytest.skip(f"kquant kernel unavailable here: {kquant.why_unavailable()}")
+    same with every decode step at one thread as with the count flipping every step (prefill at the base). In
+    every build of the kernels this CPU runs (`kquant_variant`): each is thread-count exact, so each gets the
+    adaptive policy (`LoadedModels.thread_exact_decode`)."""
     import random
 
     from redwood.kv.policies import FullPolicy
@@ -193,3 +191,71 @@ def test_decode_steps_give_the_same_tokens_whatever_the_count(tmp_path, sampled)
     finally:
         torch.set_num_threads(before)
     assert outs[0] == outs[1] and all(len(o) == 12 for o in outs[0])
+
+
+class Fixed:
+    """A policy that keeps every decode step at one count (base 1, wide 2): only the prefill's count varies."""
+
+    base, wide, current = 1, 2, 1
+
+    def for_step(self, key):
+        return 1
+
+    def record(self, count, key, seconds):
+        pass
+
+
+def test_prefill_chunks_run_at_the_wide_count_where_every_forward_is_thread_exact(
+    tmp_path, monkeypatch, kquant_variant
+):
+    """A q4k target and draft (the C++ layers at any length): prefill chunks — prompts past the packed gemm paths'
+    128 rows, in chunks of 160 — run at the policy's wide count and give the same tokens as at one thread (no
+    policy); with the C++ layers off (`cpu_fused=False`: the Python layers' gemms) they keep the base count."""
+    import random
+
+    from redwood.config import ExecutionConfig
+    from redwood.engine import executor as executor_mod
+    from redwood.kv.policies import FullPolicy
+    from redwood.loading import load_model
+    from redwood.sampling_params import SamplingParams
+    from redwood.speculation.drafters import ModelDrafter
+    from redwood.speculation.trees import Tree
+    from tests.conftest import random_hf_model, tiny_hf_config
+    from tests.engine.driver import RecordingEngine, run_engine
+
+    cfg = tiny_hf_config("qwen2", vocab_size=320, hidden_size=128, intermediate_size=320, max_position_embeddings=512)
+    random_hf_model(cfg, seed=5).save_pretrained(tmp_path / "m")
+    target = load_model(tmp_path / "m", weights="q4k").model
+    draft = load_model(tmp_path / "m", weights="q4k").model
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (300, 140, 20)]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    counts = []
+    real = executor_mod.prefill_rows
+    monkeypatch.setattr(executor_mod, "prefill_rows", lambda *a: counts.append(torch.get_num_threads()) or real(*a))
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for policy, fused in ((None, True), (Fixed(), True), (Fixed(), False)):
+            torch.set_num_threads(1)
+            for m in (target, draft):
+                m.set_execution(ExecutionConfig(cpu_fused=fused))
+            engine = RecordingEngine.build(
+                target,
+                None,
+                drafter=ModelDrafter(draft, FullPolicy(), 320),
+                tree=Tree.chain(3),
+                max_num_seqs=3,
+                max_num_batched_tokens=160,
+            )
+            engine.executor.thread_policy = policy
+            assert engine.executor.prefill_wide() == (policy is not None and fused)
+            counts.clear()
+            _, states, _ = run_engine(target, None, prompts, params, engine=engine)
+            outs.append([s.output_ids for s in states])
+            assert counts and set(counts) == {2 if engine.executor.prefill_wide() else 1}
+    finally:
+        torch.set_num_threads(before)
+        for m in (target, draft):
+            m.set_execution(ExecutionConfig())
+    assert outs[0] == outs[1] and all(len(o) == 6 for o in outs[0])

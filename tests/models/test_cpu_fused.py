@@ -3,9 +3,10 @@ call each on the CPU.
 
 Against the Python layers (backends.cpu_packed.packed_layer, the same kquant products) for every forward shape the
 path takes — a short prefill, decode, a chain verify after pending draft tokens, a tree verify, a ragged batch
-with a finished row, a sliding window, a paged cache — within float32 rounding of the non-matmul ops (their
+with a finished row, a sliding window, a paged cache, a long prefill chunk (the plain layers' path before) — within float32 rounding of the non-matmul ops (their
 sums run in another order); a T-token verify (chain or tree) scores each token bit for bit as the decode
-steps it stands for; which forwards take the path; the op's argument errors. Greedy speculation == AR through
+steps it stands for; each in every build of the layer this CPU runs (`kquant_variant`), and every build the same
+logits bit for bit; which forwards take the path; the op's argument errors. Greedy speculation == AR through
 the Engine on a q4k target and draft: tests/models/test_cpu_kquant.py.
 """
 
@@ -17,7 +18,7 @@ import torch
 from redwood.config import ExecutionConfig
 from redwood.cpu_kernels import kquant
 from redwood.loading import load_model
-from redwood.models import cpu_fused
+from redwood.models import cpu_fused, cpu_weights
 from tests.conftest import random_hf_model, tiny_hf_config
 from tests.models.test_cpu_kquant import decode_steps, prefilled
 
@@ -101,6 +102,13 @@ def scenario(name: str):
             pos = cache.lengths[:, None] + torch.arange(2)
             b = m(ids(3, 2, seed=7), pos, cache)
             return torch.cat([a, b], 1)
+        if name == "long_prefill":  # a prefill chunk past the packed gemm paths' rows, then decode steps
+            cache = m.new_cache(1, 160)
+            outs = [prefill(m, cache, n=150)]
+            for t in range(2):
+                outs.append(m(ids(1, 1, seed=t + 9), torch.tensor([[150 + t]]), cache))
+                cache.commit(1)
+            return torch.cat(outs, 1)
         if name == "paged":
             from redwood.kv.cache import KVCache
 
@@ -116,12 +124,12 @@ def scenario(name: str):
     return steps
 
 
-SCENARIOS = ["decode", "chain_after_pending", "tree", "ragged_batch_with_a_finished_row", "paged"]
+SCENARIOS = ["decode", "chain_after_pending", "tree", "ragged_batch_with_a_finished_row", "paged", "long_prefill"]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("name", SCENARIOS)
-def test_the_cpp_layers_match_the_python_layers(models, arch, name, monkeypatch):
+def test_the_cpp_layers_match_the_python_layers(models, arch, name, monkeypatch, kquant_variant):
     """Same logits as packed_layer up to float32 rounding of norms / rotary / softmax / SiLU, which sum in
     another order (~1e-6 here). Now and then such a last bit sends an int8 activation to the neighbouring
     integer (a step of max|x| / 127 in that value), which the following layers of a random model carry to
@@ -148,7 +156,7 @@ def test_a_sliding_window_model_matches_too(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_a_verify_scores_each_token_exactly_as_decode_steps(models, arch):
+def test_a_verify_scores_each_token_exactly_as_decode_steps(models, arch, kquant_variant):
     """Bit for bit: a 4-token chain verify == 4 decode steps; a tree verify's nodes == decode along their path
     (a node's keys then sit in other slots and come as two ranges — the same values in the same order)."""
     m = models[arch]
@@ -176,17 +184,18 @@ def test_which_forwards_take_the_cpp_layers(models, tmp_path, monkeypatch):
             model(ids(1, n), torch.arange(n)[None], model.new_cache(1, 128), **kw)
         return bool(calls)
 
-    assert forward(m, 1) and forward(m, 80)
-    assert not forward(m, 81)  # a prefill chunk: the gemm paths
+    assert forward(m, 1) and forward(m, 80) and forward(m, 81) and forward(m, 128)  # prefill chunks too
+    assert cpu_fused.takes_every_forward(m)
     assert not forward(m, 4, observer=lambda *a: None)  # SnapKV's scores
     view = lambda layer: (torch.zeros(1, 1, 1, dtype=torch.long), torch.ones(1, 1, 1, dtype=torch.bool))
     assert not forward(m, 1, view=view)  # a compressed draft view
     m.set_execution(ExecutionConfig(cpu_fused=False))
-    assert not forward(m, 1)
+    assert not forward(m, 1) and not cpu_fused.takes_every_forward(m)
     m.set_execution(ExecutionConfig())
     random_hf_model(tiny_hf_config("llama", vocab_size=VOCAB)).save_pretrained(tmp_path / "f")
     assert not cpu_fused.model_takes(load_model(tmp_path / "f").model)  # float32: not a kquant kind
-    assert not cpu_fused.model_takes(load_model(tmp_path / "f", weights="w8a8").model)
+    if cpu_weights.w8a8_exact():  # (w8a8 loads where fbgemm's sums are exact: AVX512-VNNI)
+        assert not cpu_fused.model_takes(load_model(tmp_path / "f", weights="w8a8").model)
 
 
 # The op's checks guard the Python glue's own arguments (users never call it directly), run in a child process:
@@ -196,6 +205,7 @@ OP_CHECKS = r"""
 import tempfile
 from pathlib import Path
 import torch
+from redwood.cpu_kernels import kquant
 from redwood.models import cpu_fused
 from tests.models.test_cpu_fused import q4k_model
 m = q4k_model(Path(tempfile.mkdtemp()), "llama")
@@ -206,9 +216,9 @@ good = dict(cos=cs, types=types, ranges=torch.tensor([[0, 1]]), write_at=torch.z
 def call(**kw):
     a = {**good, **kw}
     try:
-        torch.ops.redwood_cpu.decoder_layer(x, w, a["types"], biases, groups, n1, n2, eps, a["cos"], a["cos"],
-                                            cache.k[0], cache.v[0], a["write_at"], cache.block_table, 1,
-                                            torch.tensor([0, 1]), a["ranges"], 4, 2)
+        kquant.ops().decoder_layer(x, w, a["types"], biases, groups, n1, n2, eps, a["cos"], a["cos"],
+                                   cache.k[0], cache.v[0], a["write_at"], cache.block_table, 1,
+                                   torch.tensor([0, 1]), a["ranges"], 4, 2)
         print("ran")
     except RuntimeError as e:
         print(str(e).splitlines()[0])
@@ -245,7 +255,7 @@ def test_the_op_rejects_bad_arguments():
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
-def test_the_cpp_layers_give_the_same_bits_at_1_and_2_threads(models, name, monkeypatch):
+def test_the_cpp_layers_give_the_same_bits_at_1_and_2_threads(models, name, monkeypatch, kquant_variant):
     """What lets the Engine pick each decode step's thread count as it runs (engine.threads.AdaptiveThreads):
     the kquant rows and the (token, head) attention tasks are split among threads, never a sum."""
     steps = scenario(name)
@@ -259,3 +269,20 @@ def test_the_cpp_layers_give_the_same_bits_at_1_and_2_threads(models, name, monk
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_every_build_gives_the_same_logits(models, name, monkeypatch):
+    """The layer's norms, rotary, exp, softmax and SiLU, and the kquant products, are the same IEEE operations in
+    the same order in every build (kq_simd.h): the logits agree bit for bit, not just within rounding."""
+    names = [v for v in kquant.supported() if kquant.variant_unavailable(v) is None]
+    if len(names) < 2:
+        pytest.skip(f"one kquant build runs here ({names})")
+    logits = {}
+    for arch in ("llama", "qwen2"):
+        for v in names:
+            monkeypatch.setenv("REDWOOD_CPU_KERNEL", v)
+            assert kquant.variant() == v
+            logits[arch, v] = run(models[arch], True, monkeypatch, scenario(name))
+        for v in names[1:]:
+            assert torch.equal(logits[arch, v], logits[arch, names[0]]), (arch, v)

@@ -259,9 +259,10 @@ def test_a_tied_head_takes_the_fallback_from_the_float_embedding(tmp_path):
 # ---------------------------------------------------------------- exactness of verification
 
 
-def test_every_projection_and_a_t_token_forward_are_row_exact(kq_model):
+def test_every_projection_and_a_t_token_forward_are_row_exact(kq_model, kquant_variant):
     """Each loaded projection: rows of a T-row product == one-row products. The model: a 4-token verify
-    after a prefill scores each token exactly as 4 one-token decode steps would (the logits, bit for bit)."""
+    after a prefill scores each token exactly as 4 one-token decode steps would (the logits, bit for bit). In
+    every build of the kernel this CPU runs."""
     g = torch.Generator().manual_seed(5)
     for name, module in projections(kq_model):
         x = torch.randn(7, module.in_features, generator=g)
@@ -278,10 +279,10 @@ def test_every_projection_and_a_t_token_forward_are_row_exact(kq_model):
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_greedy_speculation_equals_greedy_ar(kq_file, kq_model, tokenizer, mode):
+def test_greedy_speculation_equals_greedy_ar(kq_file, kq_model, tokenizer, mode, kquant_variant):
     """Three ragged prompts batched: the kquant target's speculative greedy output equals its greedy AR
     output token for token (verify rows = decode rows), with an int4 copy of the file as the draft (γ 3
-    chain, a 2×3 tree); drafts partly accepted."""
+    chain, a 2×3 tree); drafts partly accepted. In every build of the kernel this CPU runs."""
     from redwood.kv.policies import FullPolicy
     from redwood.sampling_params import SamplingParams
     from redwood.speculation.drafters import ModelDrafter
@@ -361,7 +362,7 @@ def test_q4k_quantizes_near_the_weight_pads_with_zeros_and_is_row_exact(K):
         assert torch.equal(m(x[:M]), torch.cat([m(x[i : i + 1]) for i in range(M)]))
 
 
-def test_q4k_target_and_draft_greedy_speculation_equals_greedy_ar(kq_file, tokenizer):
+def test_q4k_target_and_draft_greedy_speculation_equals_greedy_ar(kq_file, tokenizer, kquant_variant):
     """A q4k target (its every projection and head re-quantized: the same kernel for verify and decode rows)
     with a q4k draft: speculative greedy == greedy AR, token for token."""
     from redwood.kv.policies import FullPolicy

@@ -5,7 +5,8 @@ greedy speculation emits exactly greedy AR's tokens (no tie allowance: the packe
 like a one-row forward and the CPU attention scores each query like the one-token step, so a verify is bit
 for bit the AR steps it stands for). Also the target in int8 and the draft in "gguf", both in w8a8, and the default
 target's decode and verify logits at 1 and 2 threads (bit for bit: the thread count does not change a
-decode step's result)."""
+decode step's result). The defaults run once per build of the kquant kernel this CPU runs (`kquant_variant`:
+avx512, avx2, portable on an AVX-512 machine)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,6 @@ def _w8a8_here() -> bool:
 @pytest.mark.parametrize(
     "target_weights, draft_weights",
     [
-        ("auto", "auto"),
         ("int8", "gguf"),
         pytest.param(
             "w8a8",
@@ -44,6 +44,15 @@ def _w8a8_here() -> bool:
     ],
 )
 def test_main_job_greedy_speculation_equals_ar(real_model, target_weights, draft_weights):
+    main_job(real_model, target_weights, draft_weights)
+
+
+def test_main_job_greedy_speculation_equals_ar_in_each_kernel_build(real_model, kquant_variant):
+    """The defaults (kquant target, q4k draft) with the kquant kernel and C++ layers of each build."""
+    main_job(real_model, "auto", "auto")
+
+
+def main_job(real_model, target_weights: str, draft_weights: str) -> None:
     from redwood import LLM, SamplingParams
     from redwood.speculation.config import SpeculativeConfig
 
@@ -69,7 +78,7 @@ def test_main_job_greedy_speculation_equals_ar(real_model, target_weights, draft
     assert got == want
 
 
-def test_default_target_decode_and_verify_logits_equal_at_1_and_2_threads(real_model):
+def test_default_target_decode_and_verify_logits_equal_at_1_and_2_threads(real_model, kquant_variant):
     """The packed kernels (every forward under the gemm threshold: decode steps, verifies, short prefills)
     give the same logits bit for bit at 1 and 2 threads — what lets the thread count change without changing
     a decode. (A prefill chunk of ≥ 128 rows takes oneDNN's bfloat16 gemm, whose sums do depend on the count:

@@ -8,6 +8,7 @@ Schema ``redwood.bench/1`` (every field except ``schema`` and ``runs`` may be mi
       "title": "free text",                                          # optional
       "environment": {                                               # environment_info(), added if absent
         "hostname", "platform", "machine", "cpu_count", "python", "torch", "transformers", "redwood",
+        "cpu_kernel",                                                # kquant's build: "avx512" | "avx2" | ... | null
         "cuda_available", "cuda_version", "device_count", "device_name", "devices": [...], "timestamp"
       },
       "models": {"target": "name or path", "draft": "...", "dtype": "bfloat16", ...},
@@ -88,9 +89,10 @@ class ReportError(RedwoodError):
 
 # ----------------------------------------------------------------------------------------- environment
 def environment_info(execution=None) -> dict[str, Any]:
-    """Machine and software facts for a report: host, platform, CPUs, Python / torch versions, GPU, time, and the
-    settings a number was measured with: the `ExecutionConfig` (`execution`; None: the defaults) and redwood's
-    settings from the environment (`envs.describe()`; the home folder, a path, left out)."""
+    """Machine and software facts for a report: host, platform, CPUs, Python / torch versions, the CPU kernels'
+    build (`cpu_kernel`: kquant.chosen()), GPU, time, and the settings a number was measured with: the
+    `ExecutionConfig` (`execution`; None: the defaults) and redwood's settings from the environment
+    (`envs.describe()`; the home folder, a path, left out)."""
     import redwood
     from redwood import envs
     from redwood.config import ExecutionConfig
@@ -115,6 +117,13 @@ def environment_info(execution=None) -> dict[str, Any]:
         info["torch"] = None
     else:
         info["torch"] = torch.__version__
+        from redwood.cpu_kernels import kquant
+        from redwood.errors import ConfigError
+
+        try:
+            info["cpu_kernel"] = kquant.chosen()  # the kquant build this process ran (None: none used yet)
+        except ConfigError:  # (an invalid REDWOOD_CPU_KERNEL: settings shows it)
+            info["cpu_kernel"] = None
         info["cuda_available"] = bool(torch.cuda.is_available())
         info["cuda_version"] = torch.version.cuda
         if info["cuda_available"]:

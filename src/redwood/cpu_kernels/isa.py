@@ -1,8 +1,8 @@
 """The CPU features redwood may use: what /proc/cpuinfo reports, capped by REDWOOD_CPU_ISA (`envs`).
 
-The cap lets one machine answer every capability probe as a smaller CPU would — the kquant kernel's
-flags, fbgemm's exact w8a8 sums (VNNI) — so the tests and a user can run the AVX2 paths on an AVX-512
-machine. torch's own kernels follow ATen's capability instead (ATEN_CPU_CAPABILITY=avx2).
+The cap lets one machine answer every capability probe as a smaller CPU would — which kquant kernel build
+runs, fbgemm's exact w8a8 sums (VNNI) — so the tests and a user can run the AVX2 (or portable) paths on an
+AVX-512 machine. torch's own kernels follow ATen's capability instead (ATEN_CPU_CAPABILITY=avx2).
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ import functools
 from redwood import envs
 
 
-def _host_flags() -> frozenset[str]:
+def _host_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The first CPU's feature flags in `cpuinfo` (empty where it cannot be read: no flags, the portable build)."""
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             for line in f:
-                if line.startswith("flags"):
+                if line.startswith(("flags", "Features")):  # (x86; ARM's line, e.g. "asimddp" for DOTPROD)
                     return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
@@ -24,8 +25,11 @@ def _host_flags() -> frozenset[str]:
 
 
 def _dropped_by(cap: str, flag: str) -> bool:
-    """Whether the cap removes this cpuinfo flag (avx2: every AVX-512 extension, AVX-VNNI and AMX)."""
-    return cap == "avx2" and flag.startswith(("avx512", "avx_vnni", "amx"))
+    """Whether the cap removes this cpuinfo flag (avx2: every AVX-512 extension, AVX-VNNI and AMX; portable:
+    every AVX flag, AMX, FMA and F16C, and ARM's DOTPROD)."""
+    if cap == "avx2":
+        return flag.startswith(("avx512", "avx_vnni", "amx"))
+    return cap == "portable" and flag.startswith(("avx", "amx", "fma", "f16c", "asimddp"))
 
 
 @functools.lru_cache(maxsize=None)

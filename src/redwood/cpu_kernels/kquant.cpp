@@ -1,7 +1,9 @@
-// K-quant GGUF weights (Q4_K, Q6_K) times int8-quantized activations, with AVX-512 VNNI integer dot products.
+// K-quant GGUF weights (Q4_K, Q6_K) times int8-quantized activations with integer dot products: the torch-free core
+// (kquant.h; the operators in ops.cpp), one build per variant (AVX-512 VNNI, AVX-VNNI, AVX2, portable: kq_simd.h).
 //
-//   redwood_cpu::kquant_linear(x float32 [M, K], w uint8 [N, K / 256 * B], type) -> float32 [M, N]
-//   redwood_cpu::kquant_pack(w uint8 [N, K / 256 * file bytes], type) -> uint8 [N, K / 256 * B]
+//   kquant_linear(x float32 [M, K], w uint8 [N, K / 256 * B], type) -> float32 [M, N]
+//   kquant_pack(w uint8 [N, K / 256 * file bytes], type) -> uint8 [N, K / 256 * B]
+// (ops.cpp's operators, in the variant's namespace redwood_kq_<variant>: kquant.py)
 //
 // A weight row is a run of super-blocks of 256 values holding the file's own numbers (nothing re-quantized):
 //   Q4_K: value = d·sc[j]·q − dmin·mn[j] in sub-block j (32 values), q in 0..15, fp16 d / dmin, 6-bit sc / mn;
@@ -11,7 +13,8 @@
 // 16 scales, d), each arranged so that 64-byte loads and masks give the 4 vectors of 64 values. Both put the
 // values in KERNEL ORDER: byte 4l + t of vector c holds value 16l + 4c + t — so 32-bit lane l of every
 // vector belongs to the same 16 values (lane l, and for Q4_K sub-block l / 2), and vpdpbusd can accumulate
-// all 4 vectors into one register before the scales are applied once per super-block.
+// all 4 vectors into one register before the scales are applied once per super-block. One layout for every
+// variant (the 256-bit ones read each 64-byte vector as two 32-byte halves).
 //
 // Activations: each row is quantized per super-block (dx = max|x| / 127, q = round(x / dx) in int8, also in
 // kernel order) with dx times the sums of q over each 16 values (for the Q4_K mins and the Q6_K offset). A
@@ -20,13 +23,10 @@
 // dot products instead of float FMAs.
 //
 // Exactness: every output (m, n) is computed by the same sequence of operations whatever M, the row tile it
-// falls in and the thread split are — a verify over T rows scores each row exactly as a one-row forward.
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/util/Exception.h>
-#include <torch/library.h>
-#include <immintrin.h>
+// falls in and the thread split are — a verify over T rows scores each row exactly as a one-row forward. And the
+// same sequence in every variant (the lane sums are exact integers; the float operations per lane and the final
+// lane sum are the same IEEE operations in the same order: kq_simd.h), so the variants agree bit for bit.
+#include "kquant.h"
 
 #include <algorithm>
 #include <cmath>
@@ -34,20 +34,28 @@
 #include <cstring>
 #include <vector>
 
+#include "kq_simd.h"
+
+namespace redwood_kq {
+inline namespace KQ_VARIANT {
 namespace {
 
 constexpr int kQK = 256;       // values per super-block
 constexpr int64_t kQ4K = 12;   // ggml type ids
 constexpr int64_t kQ6K = 14;
 constexpr int kQ4KFile = 144, kQ4KPacked = 148, kQ6KBytes = 210;
-constexpr int kRowTile = 8;    // activation rows sharing one pass over a weight row
+#ifndef KQ_ROW_TILE
+#if defined(KQ_ISA_AVX512)
+#define KQ_ROW_TILE 8
+#else
+#define KQ_ROW_TILE 4  // (16 ymm registers: 4 rows' accumulators are 8 of them)
+#endif
+#endif
+constexpr int kRowTile = KQ_ROW_TILE;  // activation rows sharing one pass over a weight row (no effect on results)
 #ifndef KQ_PREFETCH
 #define KQ_PREFETCH 2048
 #endif
 constexpr int kPrefetch = KQ_PREFETCH;  // bytes ahead of the super-block being read that are prefetched
-#ifndef KQ_HINT
-#define KQ_HINT _MM_HINT_NTA
-#endif
 
 // kernel position p (0..255) <- value index 16·l + 4·c + t, where p = 64·c + 4·l + t
 inline int value_at(int p) { return 16 * ((p & 63) >> 2) + 4 * (p >> 6) + (p & 3); }
@@ -64,7 +72,7 @@ QuantRows quantize(const float* x, int64_t M, int64_t K) {
   r.q.resize(M * K);
   r.dx.resize(blocks);
   r.sum16.resize(blocks * 16);
-  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
     int order[kQK];
     for (int p = 0; p < kQK; ++p) order[p] = value_at(p);
     for (int64_t i = begin; i < end; ++i) {
@@ -87,93 +95,61 @@ QuantRows quantize(const float* x, int64_t M, int64_t K) {
   return r;
 }
 
-inline float fp16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-
 inline void prefetch_block(const uint8_t* blk, int bytes) {
   if (kPrefetch)
-    for (int l = 0; l < bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + l), KQ_HINT);
+    for (int l = 0; l < bytes; l += 64) simd::prefetch(blk + kPrefetch + l);
 }
 
 // Each kernel below decodes a super-block's weight side once for the R activation rows of a tile: the 4 vectors
 // of q, `scale` (lane l: the multiplier of its integer sum) and `offset` (what each unit of the lane's activation
 // sum costs: Q4_K dmin·mn, Q6_K 32·d·sc). The row side of super-block b, shared by both block types: per row,
-// 4 vpdpbusd give lane l's integer dot product over its 16 values (wv: the block's 4 weight vectors), then
+// `simd::dot` gives lane l's integer dot product over its 16 values (wv: the block's 4 weight vectors; kMaxQ the
+// largest weight, for the AVX2 saturation bound), then
 // acc += float(isum)·(scale·dx) − offset·(dx·Σq over the lane's 16 values).
-template <int R>
-inline void accumulate_rows(__m512 (&acc)[R], const __m512i* wv, __m512 scale, __m512 offset, const QuantRows& a,
-                            int64_t m0, int64_t b, int64_t nb, int64_t K) {
+template <int R, int kMaxQ>
+inline void accumulate_rows(simd::F32 (&acc)[R], const simd::Q& wv, simd::F32 scale, simd::F32 offset,
+                            const QuantRows& a, int64_t m0, int64_t b, int64_t nb, int64_t K) {
   for (int r = 0; r < R; ++r) {
     const int64_t m = m0 + r, i = m * nb + b;
     const int8_t* xq = a.q.data() + m * K + b * kQK;
-    __m512i isum = _mm512_setzero_si512();
-    for (int c = 0; c < 4; ++c) isum = _mm512_dpbusd_epi32(isum, wv[c], _mm512_loadu_si512(xq + 64 * c));
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(scale, _mm512_set1_ps(a.dx[i])), acc[r]);
-    acc[r] = _mm512_fnmadd_ps(offset, _mm512_loadu_ps(a.sum16.data() + i * 16), acc[r]);
+    const simd::I32 isum = simd::dot<kMaxQ>(wv, xq);
+    acc[r] = simd::fmadd(simd::to_float(isum), simd::mul(scale, simd::set1(a.dx[i])), acc[r]);
+    acc[r] = simd::fnmadd(offset, simd::load(a.sum16.data() + i * 16), acc[r]);
   }
 }
 
 template <int R>
 void q4k_rows(const uint8_t* wrow, int64_t nb, const QuantRows& a, int64_t m0, int64_t K, float* out,
               int64_t ldo) {
-  const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);  // lane l: sub-block l/2
-  const __m512i mins = _mm512_add_epi32(pairs, _mm512_set1_epi32(8));
-  const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  simd::F32 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = simd::zero();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = wrow + b * kQ4KPacked;
     prefetch_block(blk, kQ4KPacked);
-    // d and dmin: one 4-byte load, converted together, lanes 0-7 ← d and 8-15 ← dmin; `both`: lanes 0-7
-    // d·sc[j], lanes 8-15 dmin·mn[j]
-    const __m512 ddmin = _mm512_permutexvar_ps(
-        halves, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(blk)))));
-    const __m512 both = _mm512_mul_ps(
-        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)))), ddmin);
-    const __m512 scale = _mm512_permutexvar_ps(pairs, both);
-    const __m512 offset = _mm512_permutexvar_ps(mins, both);
-    __m512i wv[4];
-    for (int h = 0; h < 2; ++h) {  // 64 bytes: positions 128h + t (low nibbles), 128h + 64 + t (high)
-      const __m512i q = _mm512_loadu_si512(blk + 20 + 64 * h);
-      wv[2 * h] = _mm512_and_si512(q, low4);
-      wv[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
-    }
-    accumulate_rows<R>(acc, wv, scale, offset, a, m0, b, nb, K);
+    simd::F32 scale, offset;
+    simd::q4k_scales(blk, scale, offset);
+    const simd::Q wv = simd::decode_q4k(blk);
+    accumulate_rows<R, 15>(acc, wv, scale, offset, a, m0, b, nb, K);
   }
-  for (int r = 0; r < R; ++r) out[r * ldo] = _mm512_reduce_add_ps(acc[r]);
+  for (int r = 0; r < R; ++r) out[r * ldo] = simd::sum(acc[r]);
 }
 
 template <int R>
 void q6k_rows(const uint8_t* wrow, int64_t nb, const QuantRows& a, int64_t m0, int64_t K, float* out,
               int64_t ldo) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const __m512i high2 = _mm512_set1_epi8(0x30);
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  simd::F32 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = simd::zero();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = wrow + b * kQ6KBytes;
     prefetch_block(blk, kQ6KBytes);
-    const __m512 scale = _mm512_mul_ps(
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))),
-        _mm512_set1_ps(fp16(blk + 208)));
-    const __m512 offset = _mm512_mul_ps(scale, _mm512_set1_ps(32.f));  // q's offset of 32 (exact: a power of 2)
+    simd::F32 scale, offset;
+    simd::q6k_scales(blk, scale, offset);
     // ql: byte 64h + t holds positions 128h + t (low nibble) and 128h + 64 + t (high); qh: byte t holds the 2
-    // high bits of positions t, 64 + t, 128 + t, 192 + t (bits 0-1, 2-3, 4-5, 6-7). (Byte shifts go through
-    // 16-bit shifts; the masks drop what crosses bytes.)
-    const __m512i l0 = _mm512_loadu_si512(blk), l1 = _mm512_loadu_si512(blk + 64);
-    const __m512i qh = _mm512_loadu_si512(blk + 128);
-    const __m512i wv[4] = {
-        _mm512_or_si512(_mm512_and_si512(l0, low4), _mm512_and_si512(_mm512_slli_epi16(qh, 4), high2)),
-        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), low4), _mm512_and_si512(_mm512_slli_epi16(qh, 2), high2)),
-        _mm512_or_si512(_mm512_and_si512(l1, low4), _mm512_and_si512(qh, high2)),
-        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), low4), _mm512_and_si512(_mm512_srli_epi16(qh, 2), high2))};
-    accumulate_rows<R>(acc, wv, scale, offset, a, m0, b, nb, K);
+    // high bits of positions t, 64 + t, 128 + t, 192 + t (bits 0-1, 2-3, 4-5, 6-7)
+    const simd::Q wv = simd::decode_q6k(blk);
+    accumulate_rows<R, 63>(acc, wv, scale, offset, a, m0, b, nb, K);
   }
-  for (int r = 0; r < R; ++r) out[r * ldo] = _mm512_reduce_add_ps(acc[r]);
+  for (int r = 0; r < R; ++r) out[r * ldo] = simd::sum(acc[r]);
 }
 
 using RowsFn = void (*)(const uint8_t*, int64_t, const QuantRows&, int64_t, int64_t, float*, int64_t);
@@ -181,11 +157,13 @@ using RowsFn = void (*)(const uint8_t*, int64_t, const QuantRows&, int64_t, int6
 template <int R>
 RowsFn pick(int64_t type) { return type == kQ4K ? q4k_rows<R> : q6k_rows<R>; }
 
-void check_type(int64_t type, const char* op) {
-  TORCH_CHECK(type == kQ4K || type == kQ6K, op, ": type must be Q4_K (12) or Q6_K (14), got ", type);
-}
-
-int64_t block_bytes(int64_t type) { return type == kQ4K ? kQ4KPacked : type == kQ6K ? kQ6KBytes : -1; }
+template <int... Rs>
+struct RowFns {
+  static void fill(int64_t type, RowsFn* fns) {
+    int i = 0;
+    ((fns[i++] = pick<Rs>(type)), ...);
+  }
+};
 
 // out[m·ldo + n] = Σ_k x[m, k]·W[n, k] over whole super-blocks (see redwood_kq::matmul in kquant.h)
 void matmul_rows(const float* x, int64_t M, int64_t k_in, int64_t ldx, const uint8_t* wp, int64_t N,
@@ -199,9 +177,11 @@ void matmul_rows(const float* x, int64_t M, int64_t k_in, int64_t ldx, const uin
     x = padded.data();
   }
   const QuantRows a = quantize(x, M, K);
-  const RowsFn fns[kRowTile] = {pick<1>(type), pick<2>(type), pick<3>(type), pick<4>(type),
-                                pick<5>(type), pick<6>(type), pick<7>(type), pick<8>(type)};
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  RowsFn fns[8];
+  static_assert(kRowTile == 4 || kRowTile == 8, "row tiles of 4 or 8");
+  if constexpr (kRowTile == 8) RowFns<1, 2, 3, 4, 5, 6, 7, 8>::fill(type, fns);
+  else RowFns<1, 2, 3, 4>::fill(type, fns);
+  parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* wrow = wp + n * row_bytes;
       for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
@@ -210,21 +190,6 @@ void matmul_rows(const float* x, int64_t M, int64_t k_in, int64_t ldx, const uin
       }
     }
   });
-}
-
-at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type) {
-  check_type(type, "kquant_linear");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "kquant_linear: x must be a contiguous float32 [M, K] tensor");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
-              "kquant_linear: w must be a contiguous uint8 [N, row bytes] tensor");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(K % kQK == 0 && w.size(1) == K / kQK * block_bytes(type), "kquant_linear: K = ", K,
-              " needs whole super-blocks of 256 and packed rows of ", K / kQK * block_bytes(type), " bytes, got ",
-              w.size(1));
-  at::Tensor out = at::empty({M, N}, x.options());
-  matmul_rows(x.data_ptr<float>(), M, K, K, w.data_ptr<uint8_t>(), N, w.size(1), type, out.data_ptr<float>(), N);
-  return out;
 }
 
 // The kernel's layouts, from the file's (positions p = kernel order, `value_at`):
@@ -272,48 +237,30 @@ void pack_q6k(const uint8_t* s, uint8_t* o) {
   std::memcpy(o + 192, s + 192, 18);  // scales, d
 }
 
-at::Tensor kquant_pack(const at::Tensor& w, int64_t type) {
-  check_type(type, "kquant_pack");
-  const int64_t file_bytes = type == kQ4K ? kQ4KFile : kQ6KBytes;
-  const int64_t packed_bytes = type == kQ4K ? kQ4KPacked : kQ6KBytes;
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) % file_bytes == 0,
-              "kquant_pack: w must be a contiguous uint8 [N, K / 256 * ", file_bytes, "] tensor");
-  const int64_t N = w.size(0), nb = w.size(1) / file_bytes;
-  at::Tensor out = at::empty({N, nb * packed_bytes}, w.options());
-  const uint8_t* src = w.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, N * nb, 1024, [&](int64_t begin, int64_t end) {
+}  // namespace
+
+#define KQ_STR2(x) #x
+#define KQ_STR(x) KQ_STR2(x)
+const char* variant() { return KQ_STR(KQ_VARIANT); }
+
+int64_t block_bytes(int64_t type) { return type == kQ4K ? kQ4KPacked : type == kQ6K ? kQ6KBytes : -1; }
+
+int64_t file_block_bytes(int64_t type) { return type == kQ4K ? kQ4KFile : type == kQ6K ? kQ6KBytes : -1; }
+
+void matmul(const float* x, int64_t M, int64_t k_in, int64_t ldx, const uint8_t* w, int64_t N, int64_t row_bytes,
+            int64_t type, float* out, int64_t ldo) {
+  matmul_rows(x, M, k_in, ldx, w, N, row_bytes, type, out, ldo);
+}
+
+void pack(const uint8_t* src, int64_t blocks, int64_t type, uint8_t* dst) {
+  const int64_t file_bytes = file_block_bytes(type), packed_bytes = block_bytes(type);
+  parallel_for(0, blocks, 1024, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       if (type == kQ4K) pack_q4k(src + i * file_bytes, dst + i * packed_bytes);
       else pack_q6k(src + i * file_bytes, dst + i * packed_bytes);
     }
   });
-  return out;
 }
 
-}  // namespace
-
-namespace redwood_kq {  // for layer.cpp (declared in kquant.h)
-int64_t block_bytes(int64_t type) { return ::block_bytes(type); }
-void matmul(const float* x, int64_t M, int64_t k_in, int64_t ldx, const uint8_t* w, int64_t N, int64_t row_bytes,
-            int64_t type, float* out, int64_t ldo) {
-  ::matmul_rows(x, M, k_in, ldx, w, N, row_bytes, type, out, ldo);
-}
+}  // namespace KQ_VARIANT
 }  // namespace redwood_kq
-
-// KQ_NS: the operator namespace (benchmarks/cpu_kquant.py builds variants side by side under other names)
-#ifndef KQ_NS
-#define KQ_NS redwood_cpu
-#endif
-#define KQ_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
-#define KQ_LIBRARY_IMPL(ns, m) TORCH_LIBRARY_IMPL(ns, CPU, m)
-
-KQ_LIBRARY(KQ_NS, m) {
-  m.def("kquant_linear(Tensor x, Tensor w, int type) -> Tensor");
-  m.def("kquant_pack(Tensor w, int type) -> Tensor");
-}
-
-KQ_LIBRARY_IMPL(KQ_NS, m) {
-  m.impl("kquant_linear", &kquant_linear);
-  m.impl("kquant_pack", &kquant_pack);
-}

@@ -1,14 +1,24 @@
-"""Q4_K / Q6_K GGUF blocks × int8 activations on the CPU (kquant.cpp), built on first use.
+"""Q4_K / Q6_K GGUF blocks × int8 activations on the CPU (kquant.cpp), built on first use, one build per ISA.
 
 `kquant_linear(x, blocks, type_name)` multiplies float32 activations x [M, K] by a weight kept as the GGUF
 file's own super-blocks (uint8 [N, K / 256 · block bytes]); each activation row is quantized per 256 values
-to int8 and every super-block's dot product is integer arithmetic (AVX-512 VNNI), so the bytes read per
-token are the file's and each output row depends only on its own input row (the kernel's docstring).
+to int8 and every super-block's dot product is integer arithmetic, so the bytes read per token are the file's
+and each output row depends only on its own input row (the kernel's docstring).
 
-The kernel is C++ compiled with the machine's g++ the first time it is needed (tens of seconds, then cached by
-torch.utils.cpp_extension under TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). `available()`
-says whether this machine can run it (x86 with AVX-512 BW / VL / VNNI and F16C, a C++ compiler, and a build
-that succeeds); `why_unavailable()` says why not.
+Variants (kquant.h, kq_simd.h): the same C++ built for several instruction sets — avx512 (AVX-512 VNNI's
+vpdpbusd), avxvnni (the 256-bit VEX vpdpbusd), avx2 (vpmaddubsw + vpmaddwd, within their int16 saturation
+bound), neon (aarch64 DOTPROD's sdot; tested here cross-compiled under qemu-user, not yet run on an ARM machine)
+and portable (plain C++, any CPU) — each its own extension (`redwood_cpu_kquant_<variant>`) with its own
+operator namespace (`redwood_kq_<variant>`), so several can load in one process. They share one packed layout
+and compute the same bits (tested). The fastest the CPU runs (its /proc/cpuinfo flags under REDWOOD_CPU_ISA:
+`isa`) is chosen once, on first use: `AUTO` in order, a variant whose build fails warning once and giving way to
+the next. REDWOOD_CPU_KERNEL forces one (`envs`; one the CPU lacks is a ConfigError). avxvnni is never chosen by
+auto yet: it has not run on an AVX-VNNI CPU (it builds and is forced like the others). `variant()` names the
+choice; every caller reaches the operators through `ops()`.
+
+The kernel is C++ compiled with the machine's g++ the first time it is needed (tens of seconds a variant, then
+cached by torch.utils.cpp_extension under TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). `available()`
+says whether some variant runs here (a C++ compiler and a build that succeeds); `why_unavailable()` says why not.
 
 The wrappers here check their arguments in Python before calling the C++ ops (which check them again): on
 some torch builds an exception thrown by a JIT-built extension kills the process instead of raising
@@ -19,66 +29,199 @@ so bad input must never depend on the C++ checks.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
 
+from redwood import envs
 from redwood.cpu_kernels import isa
+from redwood.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 # name -> (ggml type id, bytes per super-block of 256 in the file, in the kernel's layout)
 TYPES = {"Q4_K": (12, 144, 148), "Q6_K": (14, 210, 210)}
 BLOCK = 256
-_FLAGS = [
-    "-O3",
-    "-mavx512f",
-    "-mavx512bw",
-    "-mavx512vl",
-    "-mavx512vnni",
-    "-mavx512dq",
-    "-mf16c",
-    "-mfma",
-    "-ffp-contract=off",
-    "-fopenmp",
-]
-_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c")
+
+# variant -> (the cpuinfo flags it needs, its compiler flags); fastest first
+VARIANTS: dict[str, tuple[tuple[str, ...], list[str]]] = {
+    "avx512": (
+        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma"),
+        ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512dq", "-mf16c", "-mfma"],
+    ),
+    "avxvnni": (("avx2", "fma", "f16c", "avx_vnni"), ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"]),
+    "avx2": (("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
+    "neon": (("asimddp",), ["-march=armv8.2-a+dotprod"]),  # (aarch64: /proc/cpuinfo's Features)
+    "portable": ((), []),
+}
+AUTO = ("avx512", "avx2", "neon", "portable")  # what auto tries, in order (avxvnni: forced only, module docstring)
+# every variant: -ffp-contract=off (no multiply-add fused unless written so: the variants' bits agree)
+_COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+SOURCES = ("kquant.cpp", "layer.cpp", "ops.cpp")  # (kquant.cpp, layer.cpp: the torch-free core; ops.cpp: the ops)
 
 
-@functools.lru_cache(maxsize=1)
-def why_unavailable() -> str | None:
-    """None when the kernel is built and loaded; else the reason it cannot run here."""
-    missing = [f for f in _CPU_FLAGS if f not in isa.cpu_flags()]
-    if missing:
-        cap = f" (under REDWOOD_CPU_ISA={isa.capped()})" if isa.capped() else ""
-        return f"this CPU lacks {', '.join(missing)}{cap}"
+def namespace(name: str) -> str:
+    """The torch operator namespace of a variant's build (torch.ops.<namespace>)."""
+    return f"redwood_kq_{name}"
+
+
+def lacks(name: str, flags: frozenset[str] | None = None) -> list[str]:
+    """The cpuinfo flags variant `name` needs that this CPU (under REDWOOD_CPU_ISA) lacks."""
+    flags = isa.cpu_flags() if flags is None else flags
+    return [f for f in VARIANTS[name][0] if f not in flags]
+
+
+def supported() -> list[str]:
+    """The variants this CPU can run (its flags under REDWOOD_CPU_ISA; nothing is built), fastest first."""
+    return [name for name in VARIANTS if not lacks(name)]
+
+
+def _compile(name: str) -> None:
+    """Build (or find in the cache) and load variant `name`'s extension; raises on failure."""
+    from torch.utils import cpp_extension
+
+    here = Path(__file__).parent
+    cpp_extension.load(
+        name=f"redwood_cpu_kquant_{name}",
+        sources=[str(here / s) for s in SOURCES],
+        extra_cflags=_COMMON_FLAGS + VARIANTS[name][1] + [f"-DKQ_NS={namespace(name)}"],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
+    built = getattr(torch.ops, namespace(name)).variant()
+    if built != name:  # (the compiler did not define the macros the flags imply: kquant.h)
+        raise RuntimeError(f"the {name} build computes with the {built} code")
+
+
+@functools.lru_cache(maxsize=None)
+def _build(name: str) -> str | None:
+    """None once variant `name` is loaded, else the last line of why its build failed (tried once a process)."""
+    try:
+        _compile(name)
+    except Exception as e:  # a failed build: reported, the caller falls back
+        text = str(e).strip()
+        return text.splitlines()[-1] if text else type(e).__name__
+    return None
+
+
+def _no_compiler() -> str | None:
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return "no C++ compiler (install g++) to build the kernel"
-    try:
-        _load()
-    except Exception as e:  # a failed build: report it, callers fall back to another format
-        return f"building the kernel failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
     return None
+
+
+def _choose(setting: str, flags: frozenset[str]) -> tuple[str | None, str | None]:
+    """(variant, None), or (None, why none runs), for REDWOOD_CPU_KERNEL = setting on a CPU with `flags` (called
+    once per setting and flag set: `_current`)."""
+    cap = f" (under {envs.CPU_ISA}={isa.capped()})" if isa.capped() else ""
+    if setting != "auto":
+        missing = lacks(setting, flags)
+        if missing:
+            raise ConfigError(f"{envs.CPU_KERNEL}={setting}: this CPU lacks {', '.join(missing)}{cap}")
+    why = _no_compiler()
+    if why:
+        return None, why
+    if setting != "auto":
+        why = _build(setting)
+        if why:
+            warnings.warn(f"the {setting} CPU kernel (forced by {envs.CPU_KERNEL}) did not build: {why}", stacklevel=3)
+            return None, f"building the {setting} kernel failed: {why}"
+        log.info("CPU kernels: the %s build (forced by %s)", setting, envs.CPU_KERNEL)
+        return setting, None
+    failed = []
+    candidates = [name for name in AUTO if not lacks(name, flags)]
+    for i, name in enumerate(candidates):
+        why = _build(name)
+        if why is None:
+            log.info("CPU kernels: the %s build, the fastest this CPU runs%s", name, cap)
+            return name, None
+        failed.append(f"{name}: {why}")
+        nxt = f"falling back to {candidates[i + 1]}" if i + 1 < len(candidates) else "no other build left"
+        warnings.warn(f"the {name} CPU kernel did not build ({why}); {nxt}", stacklevel=3)
+    return None, "building the kernel failed (" + "; ".join(failed) + ")"
+
+
+# (REDWOOD_CPU_KERNEL, the CPU's flags under REDWOOD_CPU_ISA) -> `_choose`'s answer: each choice is made (and
+# logged, and a failed build warned about) once a process
+_CHOICES: dict[tuple[str, frozenset[str]], tuple[str | None, str | None]] = {}
+
+
+def _current() -> tuple[str | None, str | None]:
+    key = (envs.get(envs.CPU_KERNEL), isa.cpu_flags())
+    got = _CHOICES.get(key)
+    if got is None:
+        got = _CHOICES[key] = _choose(*key)
+    return got
+
+
+def variant() -> str | None:
+    """The variant this process runs ("avx512", "avxvnni", "avx2", "neon" or "portable"; chosen and built on first call),
+    or None where none can run (`why_unavailable`). A ConfigError where REDWOOD_CPU_KERNEL forces one the CPU
+    lacks."""
+    return _current()[0]
+
+
+def why_unavailable() -> str | None:
+    """None when a variant is built and loaded; else the reason none can run here."""
+    return _current()[1]
 
 
 def available() -> bool:
     return why_unavailable() is None
 
 
-@functools.lru_cache(maxsize=1)
-def _load() -> None:
-    from torch.utils import cpp_extension
+def chosen() -> str | None:
+    """The variant this process runs if it has been chosen already (None before the first use, or where none runs),
+    without choosing or building one: for reports."""
+    got = _CHOICES.get((envs.get(envs.CPU_KERNEL), isa.cpu_flags()))
+    return got[0] if got else None
 
-    here = Path(__file__).parent
-    sources = [str(here / "kquant.cpp"), str(here / "layer.cpp")]  # (layer.cpp: the fused decoder layer)
-    cpp_extension.load(
-        name="redwood_cpu_kquant",
-        sources=sources,
-        extra_cflags=_FLAGS,
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-        verbose=False,
-    )
+
+def describe() -> str:
+    """One line for `redwood --version` and reports: the build this process runs (choosing and building it if need
+    be), what chose it, and every build this CPU runs; or why none runs. Never raises (a bad setting is the line)."""
+    try:
+        name, why = _current()
+        forced = envs.get(envs.CPU_KERNEL) != "auto"
+    except ConfigError as e:
+        return f"CPU kernels: none ({e})"
+    if name is None:
+        return f"CPU kernels: none ({why})"
+    cap = f" under {envs.CPU_ISA}={isa.capped()}" if isa.capped() else ""
+    how = f"forced by {envs.CPU_KERNEL}" if forced else "auto"
+    return f"CPU kernels: {name} ({how}; this CPU runs {', '.join(supported())}{cap})"
+
+
+def variant_unavailable(name: str) -> str | None:
+    """None when variant `name` runs here (built and loaded: its CPU flags, a compiler, a build); else why not."""
+    missing = lacks(name)
+    if missing:
+        cap = f" (under {envs.CPU_ISA}={isa.capped()})" if isa.capped() else ""
+        return f"this CPU lacks {', '.join(missing)}{cap}"
+    why = _no_compiler()
+    if why:
+        return why
+    why = _build(name)
+    return None if why is None else f"building the {name} kernel failed: {why}"
+
+
+def ops(name: str | None = None):
+    """The operators (torch.ops namespace) of variant `name`, default the chosen one — kquant_linear, kquant_pack,
+    decoder_layer (layer.cpp), variant. RuntimeError where it cannot run."""
+    if name is None:
+        name, why = _current()
+    else:
+        if name not in VARIANTS:
+            raise ValueError(f"unknown kquant variant {name!r}; one of {', '.join(VARIANTS)}")
+        why = variant_unavailable(name)
+    if why:
+        raise RuntimeError(f"the kquant kernel cannot run here: {why}")
+    return getattr(torch.ops, namespace(name))
 
 
 def _type(type_name: str) -> tuple[int, int, int]:
@@ -87,22 +230,23 @@ def _type(type_name: str) -> tuple[int, int, int]:
     return TYPES[type_name]
 
 
-def pack(rows: torch.Tensor, type_name: str) -> torch.Tensor:
+def pack(rows: torch.Tensor, type_name: str, variant: str | None = None) -> torch.Tensor:
     """A tensor's file rows (uint8 [N, K / 256 · file bytes]) in the kernel's layout: Q6_K as in the file,
     values in the kernel's order, Q4_K's 6-bit scales and mins unpacked to bytes (148 bytes a super-block,
-    Q6_K 210 as in the file; the same values: kquant.cpp)."""
+    Q6_K 210 as in the file; the same values: kquant.cpp). One layout for every variant (`variant`: whose
+    operator packs, default the chosen one; the same bytes)."""
     type_id, file_bytes, _ = _type(type_name)
     if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] % file_bytes:
         raise ValueError(
             f"kquant_pack: w must be a contiguous uint8 [N, K / 256 * {file_bytes}] tensor, got "
             f"{rows.dtype} {list(rows.shape)}"
         )
-    _load()
-    return torch.ops.redwood_cpu.kquant_pack(rows.contiguous(), type_id)
+    return ops(variant).kquant_pack(rows.contiguous(), type_id)
 
 
-def kquant_linear(x: torch.Tensor, packed: torch.Tensor, type_name: str) -> torch.Tensor:
-    """float32 [M, N] = x [M, K] (float32) · Wᵀ, W a Q4_K / Q6_K tensor in the kernel's layout (`pack`)."""
+def kquant_linear(x: torch.Tensor, packed: torch.Tensor, type_name: str, variant: str | None = None) -> torch.Tensor:
+    """float32 [M, N] = x [M, K] (float32) · Wᵀ, W a Q4_K / Q6_K tensor in the kernel's layout (`pack`), by
+    `variant` (default the chosen one; every variant gives the same bits)."""
     type_id, _, block_bytes = _type(type_name)
     if x.dtype != torch.float32 or x.dim() != 2:
         raise ValueError(f"kquant_linear: x must be a contiguous float32 [M, K] tensor, got {x.dtype} {list(x.shape)}")
@@ -114,8 +258,7 @@ def kquant_linear(x: torch.Tensor, packed: torch.Tensor, type_name: str) -> torc
             f"kquant_linear: K = {K} needs whole super-blocks of 256 and packed rows of "
             f"{K // BLOCK * block_bytes} bytes, got {packed.shape[1]}"
         )
-    _load()
-    return torch.ops.redwood_cpu.kquant_linear(x.contiguous(), packed, type_id)
+    return ops(variant).kquant_linear(x.contiguous(), packed, type_id)
 
 
 def kernel_order() -> torch.Tensor:

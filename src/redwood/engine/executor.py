@@ -39,6 +39,7 @@ from redwood.engine.runner import StepRunner, sync
 from redwood.engine.threads import set_threads
 from redwood.errors import ConfigError
 from redwood.kv.cache import KVCache
+from redwood.models import cpu_fused
 from redwood.sample.sampler import Sampler, token_logprobs
 from redwood.sampling_params import SamplingParams
 from redwood.speculation.policy import AR, FixedPolicy, Plan
@@ -367,11 +368,19 @@ class Executor:
                     self._draft_valid[slot] = computed[slot] + k - 1
         cache.commit(kept_t)
 
+    def prefill_wide(self) -> bool:
+        """Whether plain prefill chunks run at the thread policy's wide count: every model they run (the target, a
+        draft model) computes the same bits at any count (the C++ layers at any length: `cpu_fused`). Else they
+        keep its base count (the Python layers' gemms may round by the count)."""
+        own = [] if self.drafter is None or self.drafter.own_model is None else [self.drafter.own_model]
+        return self.thread_policy is not None and all(cpu_fused.takes_every_forward(m) for m in [self.model, *own])
+
     def _prefill(self, work: list[PrefillWork], result: StepResult) -> None:
         """This step's prefill chunks: observed ones (SnapKV) one request at a time, the others in one
         batch; a chunk that ends its prefill samples the request's first token."""
-        if self.thread_policy is not None:
-            set_threads(self.thread_policy.base)  # (prefill's gemm paths may round differently at other counts)
+        policy = self.thread_policy
+        if policy is not None:
+            set_threads(policy.base)  # (observed chunks take the Python layers, whose gemms may round by the count)
         t0 = time.perf_counter()
         logits: dict[int, torch.Tensor] = {}
         plain = [(i, w) for i, w in enumerate(work) if self._observers.get(w.slot, (None, None)) == (None, None)]
@@ -380,6 +389,8 @@ class Executor:
             if observers != (None, None):
                 logits[i] = self._prefill_observed(w, observers)
         if plain:
+            if self.prefill_wide():
+                set_threads(policy.wide)
             rows = [w.slot for _, w in plain]
             ids = [w.token_ids for _, w in plain]
             starts, stops = [w.start for _, w in plain], [w.stop for _, w in plain]

@@ -7,9 +7,11 @@ of at most two cores, torch's own default (its physical cores, as llama.cpp's) a
 was measured. On the 2-core machine two threads decode faster while it is idle and much slower while one
 other process is busy (OpenMP's barriers wait for the descheduled thread). So where the count is left to
 redwood on such a machine, the Engine's decode steps choose 1 or 2 as they run (`AdaptiveThreads`) for models
-whose decode steps are bit-identical at any count (kquant kinds: every forward through the C++ layers), while
-loading and prefill chunks keep the one thread (≥ 128-row prefill chunks through oneDNN's gemm round
-differently at another count), so the output never depends on the machine's load. The setting is process-wide
+whose decode steps are bit-identical at any count (kquant kinds: every forward through the C++ layers, whichever
+build of them runs: `cpu_kernels.kquant`). Prefill chunks of such models run at the wide count (the C++ layers take
+them at any length, as exact: `Executor.prefill_wide`); otherwise, and while loading, the one thread (≥ 128-row
+prefill chunks through oneDNN's gemm round differently at another count), so the output never depends on the
+machine's load. The setting is process-wide
 (torch has one intra-op pool), so the last Engine built sets it for every model in the process.
 """
 
@@ -83,8 +85,8 @@ class AdaptiveThreads:
     start at `wide` and time themselves: at the first step of a new shape `key`, right after a step took 1.5× its
     average, and every PROBE_EVERY steps — an interval that doubles (to MAX_INTERVAL) each time a probe loses, so a
     lasting state costs few slow probe steps — one step runs at the other count; the faster count (by MARGIN,
-    against noise) is kept. Prefill chunks stay at `base` (their gemm paths may round differently at another thread
-    count); a decode step computes the same bits at any count for the models this is used with (`engine.Engine`:
+    against noise) is kept. Prefill chunks run at `wide` where every forward goes through the C++ layers, else at
+    `base` (their gemm paths may round differently at another thread count: `Executor.prefill_wide`); a decode step computes the same bits at any count for the models this is used with (`engine.Engine`:
     kquant-kind models, whose layer and kernel rows are thread-count exact — tested), so the output never depends on
     the choice.
     """

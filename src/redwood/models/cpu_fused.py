@@ -1,9 +1,10 @@
 """A kquant model's decoder layers as one C++ call each on the CPU (redwood.cpu_kernels layer.cpp).
 
 Where: a float32 CPU model whose every projection is a kquant kind (`--weights kquant` / `q4k`, the CPU
-default for GGUF files where the kernel builds), in a forward of at most `reference.BY_QUERY_MAX_NEW` new
-tokens per row (decode, chain and tree verifies, drafting) that reads the full context (no compressed view,
-no SnapKV observer). Everything else keeps `backends.cpu_packed.packed_layer`.
+default for GGUF files where the kernel builds), in any forward that reads the full context (no compressed view,
+no SnapKV observer): decode, chain and tree verifies, drafting, and prefill chunks of any length — so a prefill
+computes the same bits at any thread count and runs at every core (engine.executor). Everything else keeps
+`backends.cpu_packed.packed_layer` or the plain layers.
 
 Why: besides the projections, the ~25 small PyTorch ops a layer between them (norms, bias adds, rotary,
 cache write, the page gather, attention, SiLU, residual adds) and the Python that calls them cost a decode step
@@ -66,6 +67,13 @@ def model_takes(model) -> bool:
     return cached
 
 
+def takes_every_forward(model) -> bool:
+    """Whether every forward of this model without a compressed view or observer — prefill chunks of any length
+    included — runs through the C++ layers, and so computes the same bits at any thread count (the kquant rows and
+    the layer's (token, head) tasks are split among threads, never a sum)."""
+    return model.execution.cpu_fused and model_takes(model)
+
+
 @dataclass
 class Plan:
     """One forward's arguments shared by all layers."""
@@ -87,7 +95,6 @@ def plan(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, de
         not model.execution.cpu_fused
         or x.dtype != torch.float32
         or x.device.type != "cpu"
-        or T > reference.BY_QUERY_MAX_NEW
         or meta.view is not None
         or meta.observer is not None
         or not model_takes(model)
@@ -141,7 +148,9 @@ def run_layers(model, x: torch.Tensor, cache, p: Plan) -> torch.Tensor:
     """All decoder layers over x [B, T, H] (float32, updated in place and returned)."""
     B, T, H = x.shape
     flat = x.view(B * T, H)
-    op = torch.ops.redwood_cpu.decoder_layer
+    from redwood.cpu_kernels import kquant
+
+    op = kquant.ops().decoder_layer  # (the chosen variant's build: kquant.variant())
     attn = model.layers[0].self_attn
     Hq, Hkv = attn.num_heads, attn.num_kv_heads
     for i, layer in enumerate(model.layers):

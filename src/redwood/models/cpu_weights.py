@@ -33,7 +33,8 @@ output back to the model dtype; the residual stream, norms, attention and the KV
   quality at about int4's speed.
 - "kquant" (a GGUF file only, chosen as it loads): Q4_K and Q6_K tensors keep the file's own super-blocks and
   multiply them by int8 activations (each row quantized per 256 values) with integer dot products
-  (redwood.cpu_kernels.kquant: a C++ AVX-512 VNNI kernel built on first use) — the file's bytes per token
+  (redwood.cpu_kernels.kquant: a C++ kernel built on first use for the CPU's ISA — AVX-512 VNNI, AVX2 or
+  portable C++, the same bits in each) — the file's bytes per token
   (~4.6 / 6.6 bits a weight), the way llama.cpp runs them; every other type w8a8 (int8 where w8a8 is not
   exact here). Rows are exact at any M as w8a8's.
 

@@ -1,6 +1,6 @@
 """The CPU packed-weights backend: a model whose projections are CPU weight formats (redwood.models.cpu_weights,
-`Transformer.quantize_cpu`). Per forward, by shape: a kquant model's short forwards without a compressed view or
-observer as one C++ call a layer (redwood.models.cpu_fused); forwards of fewer rows a row than the packed gemm paths
+`Transformer.quantize_cpu`). Per forward, by shape: a kquant model's forwards of any length without a compressed view
+or observer as one C++ call a layer (redwood.models.cpu_fused); forwards of fewer rows a row than the packed gemm paths
 take through `packed_layer` (q | k | v and gate | up as one kernel call each); the rest (prefill chunks) through the
 plain layers, whose PackedLinear projections route them to the gemm paths. The same arithmetic on every path, bit
 for bit (tests/models/test_cpu_packed_forward.py), so decode == verify.
@@ -31,11 +31,11 @@ class CpuPackedBackend(ReferenceBackend):
         )
 
     def run(self, model, x, cos, sin, cache, dest, meta, logits_at):
-        if not self.takes_packed(model, x):
-            return super().run(model, x, cos, sin, cache, dest, meta, logits_at)
-        fused = cpu_fused.plan(model, x, cos, sin, cache, dest, meta)  # kquant kinds: a C++ call a layer
+        fused = cpu_fused.plan(model, x, cos, sin, cache, dest, meta)  # kquant kinds, any length: a C++ call a layer
         if fused is not None:
             x = cpu_fused.run_layers(model, x, cache, fused)
+        elif not self.takes_packed(model, x):
+            return super().run(model, x, cos, sin, cache, dest, meta, logits_at)
         else:
             cos, sin = cos[:, :, None], sin[:, :, None]  # [B, T, 1, D]: over heads in a [B, T, H, D] layout
             for layer in model.layers:
