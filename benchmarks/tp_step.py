@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import torch
 
 from redwood.config import ModelConfig
+from redwood.engine.runner import time_ms
 
 QWEN_1_5B = {
     "model_type": "qwen2",
@@ -116,24 +115,6 @@ def skip_collectives(group) -> None:
     group.all_gather_last = lambda x, full: torch.cat([x] * group.world, dim=-1)[..., :full]
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_ms(fn, device, repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
@@ -184,13 +165,15 @@ def main() -> None:
             cache.lengths.fill_(C)  # (the keys' values do not change a forward's time)
             ids = torch.zeros(B, T, dtype=torch.long, device=device)
             positions = (C + torch.arange(T, device=device))[None].expand(B, T)
-            step = median_ms(lambda: runner.forward(ids, positions), device, args.repeats)
+            step = time_ms(lambda: runner.forward(ids, positions), device, args.repeats, warmup=2)
             reduce_ms = gather_ms = 0.0
             if group is not None and not args.skip_collectives:  # the step's collectives by themselves, same sizes
                 x = torch.zeros(B * T, cfg.hidden_size, dtype=dtype, device=device)
-                reduce_ms = median_ms(lambda: group.all_reduce(x), device, args.repeats)
+                reduce_ms = time_ms(lambda: group.all_reduce(x), device, args.repeats, warmup=2)
                 piece = torch.zeros(B, T, -(-cfg.vocab_size // world), dtype=torch.float32, device=device)
-                gather_ms = median_ms(lambda: group.all_gather_last(piece, cfg.vocab_size), device, args.repeats)
+                gather_ms = time_ms(
+                    lambda: group.all_gather_last(piece, cfg.vocab_size), device, args.repeats, warmup=2
+                )
             comm = (2 * cfg.num_layers + 1) * reduce_ms + gather_ms
             rows.append(
                 {
