@@ -216,3 +216,50 @@ def test_prefill_bound_steps_decode_plainly():
     assert p.report()["prefill_bound_steps"] == 3 * PROBE_EVERY
     after = [p.plan(rows, 2, prefill_backlog_steps=0) for _ in range(2)]  # (plain decoding's probe fell due)
     assert [pl.family for pl in after if not pl.probe][0] == "ngram"
+
+
+def test_a_draft_model_probe_is_held_to_the_probe_budget():
+    """After its first probe, a draft model is probed again only when the probe's predicted loss — its step and
+    its whole catch-up, less what its expected tokens are worth at the chosen plan's rate — is within
+    PROBE_BUDGET of the seconds planned since it last ran: a long catch-up postpones the probe past its step
+    interval, yet it comes (never permanently wrong); plain decoding's probes are never held back."""
+    target = ForwardCurve([1, 2, 4, 8, 16], 16, 1040, [1.0, 1.1, 1.2, 1.4, 1.8], [1.0, 1.1, 1.2, 1.4, 1.8])
+    # a draft forward costs ≥ 2 s; its catch-up over L > 16 missed tokens 2.4 + 0.025 (L - 16) s
+    draft = ForwardCurve([1, 2, 4, 8, 16], 16, 1040, [2.0, 2.05, 2.1, 2.2, 2.4], [2.0, 2.05, 2.1, 2.2, 2.4])
+    p = policy_with(CostTable(target, draft), {"draft": [0.3] * 8, "ngram": [0.0] * 8})
+    row = Row(0)
+    draft_steps = []
+    for step in range(1, 600):
+        plan = p.plan([row], 1)
+        if plan.family == "draft":
+            draft_steps.append(step)
+        assert plan.family == "ar" or plan.probe
+        p.observe([row], plan, [_tokens(7, 8) if plan.family == "draft" else _tokens(7)], None, 1)
+    assert draft_steps[0] in (PROBE_EVERY, PROBE_EVERY + 1)  # the first probe is free
+    # then: loss ≈ 3.15 + 2.4 + 0.025 (L - 16) - 1.3 s ≤ 0.05 × L plain 1-s steps → L ≥ ~154, not the interval 32
+    gaps = [b - a for a, b in zip(draft_steps, draft_steps[1:])]
+    assert len(gaps) >= 2 and all(150 <= g <= 160 for g in gaps), gaps
+
+
+def test_a_one_step_interlude_charges_a_switch_in_full():
+    """When the running draftless drafter has nothing to propose for one step, a lagging draft model would pay
+    its whole catch-up for that step alone: it is charged in full (plain decoding wins the interlude), where
+    spread over SWITCH_HORIZON steps it would have looked cheap."""
+    target = ForwardCurve([1, 2, 4, 8, 16], 16, 1040, [1.0, 1.1, 1.2, 1.4, 1.8], [1.0, 1.1, 1.2, 1.4, 1.8])
+    draft = ForwardCurve([1, 2, 4, 8, 16], 16, 1040, [0.05, 0.1, 0.2, 0.4, 0.8], [0.05, 0.1, 0.2, 0.4, 0.8])
+    drafter = Draftless()
+    p = AutoPolicy([ModelDraft(), drafter], margin=0.0)
+    p.costs = CostModel(CostTable(target, draft))
+    p.acceptance.seed("draft", 0.0, [0.8] * 8, weight=1e6)
+    p.acceptance.seed("ngram", 0.0, [0.99] * 8, weight=1e6)
+    row = Row(0)
+    plan = p.plan([row], 1)
+    assert plan.family == "ngram"
+    for _ in range(8):  # prompt lookup commits 64 tokens: the draft model lags by 64 (catch-up ~3.2 s)
+        p.observe([row], plan, [_tokens(*([7] * 8))], None, 1)
+    drafter.proposal = []
+    assert p.plan([row], 1).name == "ar"
+    # the same scores spread over SWITCH_HORIZON steps would have picked the draft model
+    rows = [row]
+    spread = max((p.score(c, rows, 1, None) for c in p.candidates if c.family == "draft"), key=lambda x: x[0])
+    assert spread[0] > p.score(AR, rows, 1)[0]

@@ -18,7 +18,8 @@ plan is kept unless another is better by `margin` (on CUDA a plan whose graph is
 Never permanently wrong: a family (ar, or a drafter) that is not chosen is *probed* — run for one step — after
 `PROBE_EVERY` steps, then after twice as many each time it still loses (up to `MAX_PROBE_INTERVAL`;
 `MAX_AR_PROBE_INTERVAL` for plain decoding, whose probes are cheap and whose cost is the yardstick), so its cost
-and acceptance stay measured while the text changes; its probes count in the run's time. Draftless drafters
+and acceptance stay measured while the text changes; its probes count in the run's time, and after a drafter's
+first probe they are held to `PROBE_BUDGET` of it (a draft model's probe pays its whole catch-up). Draftless drafters
 are also scored for free on every step (`ShadowScorer`), so their acceptance never goes stale.
 
 A draft model's KV is written only on its own steps: after steps of another plan its cache lags the target's,
@@ -45,6 +46,12 @@ MAX_PROBE_INTERVAL = 512
 # Plain decoding's probes stop doubling here: they cost little (one step without speculation's gain) and keep
 # AR's cost current — the yardstick "never slower than plain decoding" is measured against.
 MAX_AR_PROBE_INTERVAL = 64
+# A drafter's probes after its first are also held to this share of the run: a probe's predicted loss (its step
+# and a lagging draft model's whole catch-up, less the time its expected tokens are worth at the best plan's
+# rate) must not exceed PROBE_BUDGET × the predicted seconds since the family last ran. On a 2-core CPU a draft
+# model's probe after 50 tokens of prompt lookup costs ~0.3 s (mostly catch-up): unbudgeted, two probes and one
+# interlude spent a fifth of a 3-second code-editing request (auto 0.93× fixed prompt lookup).
+PROBE_BUDGET = 0.05
 MARGIN = 0.03
 CAPTURE_MARGIN = 0.10
 # A switch to a draft model whose cache lags (other plans ran) first pays its catch-up: that cost is spread
@@ -133,6 +140,8 @@ class FixedPolicy:
 class _Probe:
     due: int  # the step at which the family is probed next
     interval: int = PROBE_EVERY
+    since_s: float = 0.0  # predicted seconds of the steps planned since the family last ran
+    ran: bool = False  # run at least once (its first probe is not budgeted)
 
 
 class AutoPolicy:
@@ -213,12 +222,14 @@ class AutoPolicy:
             return 0.0
         return self.costs.catch_up(sum(b > 0 for b in behind), max(behind), bucket, context)
 
-    def score(self, cand: Candidate, rows, bucket: int, expected: dict | None = None) -> tuple[float, float, float]:
+    def score(
+        self, cand: Candidate, rows, bucket: int, expected: dict | None = None, horizon: int = SWITCH_HORIZON
+    ) -> tuple[float, float, float]:
         """→ (tokens per second, expected tokens per row, predicted seconds) of `cand` for these rows; the
-        seconds include 1 / SWITCH_HORIZON of a lagging draft model's catch-up."""
+        seconds include 1 / horizon of a lagging draft model's catch-up."""
         context = sum(r.computed for r in rows) / len(rows)
         seconds = self.costs.predict(cand.family, cand.shape, bucket, bucket, int(context))
-        seconds += self.switch_seconds(cand.family, rows, bucket, int(context)) / SWITCH_HORIZON
+        seconds += self.switch_seconds(cand.family, rows, bucket, int(context)) / horizon
         if cand.tree is None:
             e = 1.0
         else:
@@ -247,8 +258,12 @@ class AutoPolicy:
             self.prefill_bound_steps += 1
             return Plan(AR, expected_tokens=1.0)
         idle = {f for f, lens in self._proposing.items() if not any(lens)}
+        # The running plan's draftless drafter has nothing to propose this step: an interlude of one step, most
+        # likely (its proposals come back with the next tokens) — a lagging draft model would pay its whole
+        # catch-up for that one step, so it is charged in full, not spread over SWITCH_HORIZON steps.
+        horizon = 1 if self.current.family in idle else SWITCH_HORIZON
         expected = {f: self.expected_by_gamma(f, rows) for f in {c.family for c in self.candidates if c.tree}}
-        scored = [(self.score(c, rows, bucket, expected), c) for c in self.candidates if c.family not in idle]
+        scored = [(self.score(c, rows, bucket, expected, horizon), c) for c in self.candidates if c.family not in idle]
         best_of: dict[str, tuple] = {}
         for sc, c in scored:
             if c.family not in best_of or sc[0] > best_of[c.family][0][0]:
@@ -266,16 +281,41 @@ class AutoPolicy:
         for fam, probe in self._probes.items():  # the chosen family is not probed; its clock restarts
             if fam == chosen.family:
                 probe.due, probe.interval = self.steps + PROBE_EVERY, PROBE_EVERY
-        due = [f for f, p in self._probes.items() if f != chosen.family and p.due <= self.steps and f not in idle]
+        due = [
+            f
+            for f, p in self._probes.items()
+            if f != chosen.family
+            and p.due <= self.steps
+            and f not in idle
+            and self._affordable(f, best_of, rows, bucket, rate)
+        ]
+        plan = Plan(chosen, expected_tokens=e, predicted_s=s)
         if due:
             fam = min(due, key=lambda f: self._probes[f].due)
             probe = self._probes[fam]
             probe.interval = min(2 * probe.interval, MAX_AR_PROBE_INTERVAL if fam == "ar" else MAX_PROBE_INTERVAL)
             probe.due = self.steps + probe.interval
-            (rate, e, s), cand = best_of[fam]
+            (_, e, s), cand = best_of[fam]
             self.probes += 1
-            return Plan(cand, probe=True, expected_tokens=e, predicted_s=s)
-        return Plan(chosen, expected_tokens=e, predicted_s=s)
+            plan = Plan(cand, probe=True, expected_tokens=e, predicted_s=s)
+        for fam, probe in self._probes.items():
+            if fam == plan.family:
+                probe.since_s, probe.ran = 0.0, True
+            else:
+                probe.since_s += plan.predicted_s
+        return plan
+
+    def _affordable(self, family: str, best_of: dict, rows, bucket: int, best_rate: float) -> bool:
+        """Whether a probe of `family` now keeps within PROBE_BUDGET (plain decoding and first probes always do)."""
+        probe = self._probes[family]
+        if family == "ar" or not probe.ran:
+            return True
+        (_, e, _s), cand = best_of[family]
+        context = int(sum(r.computed for r in rows) / len(rows))
+        seconds = self.costs.predict(family, cand.shape, bucket, bucket, context)
+        seconds += self.switch_seconds(family, rows, bucket, context)  # (a probe pays its whole catch-up)
+        loss = seconds - e * len(rows) / best_rate
+        return loss <= PROBE_BUDGET * probe.since_s
 
     # ------------------------------------------------------------------ learning
     def observe(self, rows, ran: Plan, tokens, seconds: float | None, bucket: int, catch_up_s: float = 0.0) -> None:
