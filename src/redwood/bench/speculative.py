@@ -168,17 +168,19 @@ def measure(
     device = model.device
     lookahead = 1 if tree is None else tree.size
     longest = max(len(p) + q.max_new_tokens for p, q in zip(prompts, params))
-    engine = Engine.build(
-        model,
-        llm.tokenizer,
-        drafter=drafter,
-        tree=tree,
-        verifier=verifier,
-        model_name=llm.model_name,
-        max_num_seqs=len(prompts),
-        max_model_len=min(longest + lookahead, model.config.max_position_embeddings),
-        max_num_batched_tokens=sum(len(p) for p in prompts),
-    )  # (all prefilled in step 1)
+    config = {
+        "max_num_seqs": len(prompts),
+        "max_model_len": min(longest + lookahead, model.config.max_position_embeddings),
+        "max_num_batched_tokens": sum(len(p) for p in prompts),  # (all prefilled in step 1)
+    }
+    if llm.tp is not None:  # sharded models serve one engine at a time: rebuilt on every rank
+        if drafter is not None and drafter is not llm.drafter:
+            raise ConfigError("under tensor parallelism a benchmark speculates with the LLM's own drafter")
+        engine = llm.engine = llm.engine.rebuild(speculate=drafter is not None, tree=tree, verifier=verifier, **config)
+    else:
+        engine = Engine.build(
+            model, llm.tokenizer, drafter=drafter, tree=tree, verifier=verifier, model_name=llm.model_name, **config
+        )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     ids = [engine.add_request(p, q) for p, q in zip(prompts, params)]
@@ -320,7 +322,7 @@ def run_bench(
                     d = run["first_divergence"]
                     d.update(
                         divergence_logits(
-                            llm.model,
+                            llm.engine.prompt_logits if llm.tp is not None else llm.model,
                             prompt_sets[batch, prefix][d["row"]],
                             ar["token_ids"][d["row"]],
                             sp["token_ids"][d["row"]],

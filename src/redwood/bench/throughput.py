@@ -426,6 +426,7 @@ def run_bench(
     workload_seed: int = 0,
     progress: bool = False,
     repeats: int = 1,
+    base=None,
 ) -> dict[str, Any]:
     """Measure AR (and speculation with `drafter` over `tree`, unless spec is False) at every rate.
 
@@ -436,6 +437,9 @@ def run_bench(
     repeats: the modes measured this many times, interleaved (AR, spec, AR, spec, …: a drift of the machine's
     speed hits both); each (mode, rate) reports its median run by tokens/s, with every repeat's tokens/s
     (`tokens_per_s_repeats`) and, for speculation, every repeat's speedup over the AR run just before it.
+    base: an `Engine` over the loaded models (an `LLM`'s) — each mode's engine is then `base.rebuild(...)` (AR:
+    its drafters left unused), which closes the one before on every rank: the way this runs under tensor
+    parallelism; target / drafter / tree / auto_drafters are then read from it.
     """
     if repeats < 1:
         raise ConfigError(f"--repeats must be at least 1 (got {repeats})")
@@ -461,11 +465,14 @@ def run_bench(
         engine = None
         for j, rate in enumerate(rates):
             if engine is None or fresh_per_rate:
-                engine = None
-                _free_memory(target.device)
-                engine = Engine.build(
-                    target, tokenizer, model_name=model_name, cuda_graphs=cuda_graphs, **kw, **engine_args
-                )
+                if base is not None:  # (closes the engine before it, on every rank, then builds)
+                    engine = base = base.rebuild(speculate=mode == "spec", cuda_graphs=cuda_graphs, **engine_args)
+                else:
+                    engine = None
+                    _free_memory(target.device)
+                    engine = Engine.build(
+                        target, tokenizer, model_name=model_name, cuda_graphs=cuda_graphs, **kw, **engine_args
+                    )
                 warm_up(engine, workload)
                 info.setdefault(
                     "engine",
@@ -509,7 +516,7 @@ def run_bench(
                     i = parting["row"]
                     parting.update(
                         divergence_logits(
-                            target,
+                            engine.prompt_logits,
                             workload.prompts[i],
                             tokens["ar", rate][i],
                             tokens[mode, rate][i],
@@ -523,8 +530,9 @@ def run_bench(
                 if engine.policy.auto:  # its plans so far (this engine's rates up to this one, warm-up included)
                     run["policy"] = engine.policy.report()
             trials.setdefault((mode, rate), []).append(run)
-        del engine
-        _free_memory(target.device)
+        if base is None:
+            del engine
+            _free_memory(target.device)
     runs = {key: _median_run(group) for key, group in trials.items()}
     if repeats > 1 and spec:
         for rate in rates:  # the medians' ratio (each repeat's own: speedup_repeats)

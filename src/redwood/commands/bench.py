@@ -59,7 +59,7 @@ def _add_prompt_and_sampling_args(p, seed_help: str) -> None:
 def _add_spec_bench(bench, kind: str) -> None:
     help_, description = _SPEC_HELP[kind]
     p = bench.add_parser(kind, help=help_, description=description)
-    add_model_args(p)
+    add_model_args(p, tensor_parallel=True)
     if kind == "standalone":
         p.add_argument("--draft-model", default=None, metavar="D", help="the draft model (required)")
         add_draft_weights_arg(p)
@@ -138,7 +138,7 @@ def register(sub) -> None:
         "D or --self-speculate) on the same prompts, lengths and arrivals. Reports output tokens/s, "
         "TTFT, inter-token latency, TPOT, end-to-end latency (p50/p99) and KV blocks in use.",
     )
-    add_model_args(tp)
+    add_model_args(tp, tensor_parallel=True)
     tp.add_argument("--num-requests", type=int, default=64, metavar="N", help="requests in the stream (default 64)")
     tp.add_argument(
         "--prompt-len", type=int, default=1024, metavar="L", help="prompt tokens per request (default 1024)"
@@ -426,6 +426,9 @@ def run_throughput(args) -> int:
     own = getattr(drafter, "own_model", None)
     if own is not None:
         contexts.append(("the draft model", own.config.max_position_embeddings))
+    # Sharded models serve one engine at a time, rebuilt per mode on every rank (`Engine.rebuild`); one process
+    # builds its engines from the models (the LLM's own, never built, leaves the memory to them).
+    base = llm.engine if llm.tp is not None else None
     llm.engine = None
     del llm
     tput.check_context(contexts, args.prompt_len, args.max_new_tokens)
@@ -454,6 +457,7 @@ def run_throughput(args) -> int:
         workload_seed=args.workload_seed,
         progress=not args.json,
         repeats=args.repeats,
+        base=base,
     )
     result.update(
         draft=draft_name,

@@ -26,6 +26,7 @@ Under tensor parallelism every rank runs this engine over its shards in lockstep
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from pathlib import Path
@@ -59,11 +60,17 @@ class Engine:
     `Engine.from_pretrained(model, ...)` (loads them; the arguments as `redwood.LLM`'s), or
     `Engine.build(model, tokenizer, drafter=..., tree=..., **config)` over models already in memory."""
 
-    def __init__(self, models: LoadedModels, config: EngineConfig | None = None):
+    def __init__(self, models: LoadedModels, config: EngineConfig | None = None, *, speculate: bool = True):
+        """speculate False: plain decoding over models loaded for speculation (their drafters stay loaded,
+        unused) — what a benchmark's AR baseline runs over the same load."""
         config = EngineConfig() if config is None else config
         if not isinstance(config, EngineConfig):
             raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
-        self.models, self.engine_config = models, config
+        self.loaded = models  # (everything loaded; `models` is what this engine runs)
+        self.models = models if speculate else models.without_drafters()
+        self.engine_config = config
+        models = self.models
+        self._closed = False
         self._driver = _tensor_parallel_driver(models, config)  # rank 0 under tensor parallelism, else None
         self.max_model_len = check_max_model_len(config.max_model_len, models.config.max_position_embeddings)
         self.eos_ids = eos_token_ids(models.config, models.tokenizer)
@@ -144,6 +151,68 @@ class Engine:
             models.draft_name = "auto"
         return cls(models, config)
 
+    def rebuild(
+        self, *, speculate: bool = True, tree: Tree | None = None, verifier: str | None = None, **config
+    ) -> "Engine":
+        """A new engine over this one's loaded models — plain decoding when `speculate` is False; the loaded
+        drafter over `tree` with `verifier` when given — with `config` (`EngineConfig`'s fields; the
+        tensor-parallel size is this one's). This engine is closed first (its KV cache freed before the new one
+        sizes its own) and refuses calls after. Under tensor parallelism every rank rebuilds alike: the way a
+        benchmark runs AR and speculation, at several trees, over one sharded load."""
+        self._check_open()
+        fields = {**config, "tensor_parallel_size": self.tensor_parallel_size}
+        new_config = engine_config(**fields)  # (validated before any rank rebuilds)
+        loaded = self.loaded
+        if tree is not None or verifier is not None:
+            if loaded.drafter is None or loaded.auto_drafters:
+                raise ConfigError("a tree or verifier needs models loaded with one drafter (not the automatic policy)")
+            loaded = dataclasses.replace(
+                loaded,
+                tree=loaded.tree if tree is None else tree,
+                verifier=loaded.verifier if verifier is None else verifier,
+                speculative=None,
+            )
+        if self._driver is not None:
+            self._driver.send("rebuild", speculate, tree, verifier, fields)
+        self.close()
+        engine = Engine(loaded, new_config, speculate=speculate)
+        engine.loaded = self.loaded  # (the next rebuild starts from what was loaded, not this tree)
+        return engine
+
+    def close(self) -> None:
+        """Free this engine's KV cache and executor state now (the models stay loaded: another engine may
+        serve them, `rebuild`); any call after is refused."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._driver is not None:
+            self._driver.release(self)
+        self.executor = self.pool = self.scheduler = self.output = None
+        self._requests = {}
+        import gc
+
+        gc.collect()
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError("this engine was closed (Engine.rebuild returns the one that replaced it)")
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """The target's logits after `token_ids` from one fresh forward (batch 1, a cache of its own, this
+        engine's pool untouched) → [vocab] float32 — what a benchmark asks at a greedy parting. Under tensor
+        parallelism every rank runs it (the forward's collectives)."""
+        from redwood.engine.prefill import prefill_batch
+
+        self._check_open()
+        ids = [int(t) for t in token_ids]
+        if self._driver is not None:
+            self._driver.send("prompt_logits", ids)
+        cache = self.model.new_cache(1, len(ids) + 1)
+        return prefill_batch(self.model, cache, [ids])[0].float()
+
     # ------------------------------------------------------------------ what the engine holds
     model = property(lambda self: self.models.model)
     tokenizer = property(lambda self: self.models.tokenizer)
@@ -172,6 +241,7 @@ class Engine:
         self, prompt, params: SamplingParams | None = None, request_id: str | None = None, chat: bool = False
     ) -> str:
         """Queue a request (text or token ids); returns its id. It joins the batch at a step boundary."""
+        self._check_open()
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ConfigError(f"expected SamplingParams, got {type(params).__name__}")
@@ -254,6 +324,7 @@ class Engine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestDelta]:
         """Run one step; → the deltas of the requests that got tokens (or ended) in it."""
+        self._check_open()
         if self._driver is None:
             return self._step()
         self._driver.send("step")
@@ -340,7 +411,8 @@ class Engine:
 
 def _tensor_parallel_driver(models: LoadedModels, config: EngineConfig):
     """Rank 0's `tp_worker.Driver` for models sharded over several ranks (None for one process, and on the other
-    ranks: they replay the driver's calls). Such models serve one engine: the ranks replay one call stream."""
+    ranks: they replay the driver's calls). Such models serve one engine at a time (the ranks replay one call
+    stream): another is built by `Engine.rebuild`, which closes the first on every rank."""
     tp = getattr(models, "tp", None)
     world = 1 if tp is None else tp.world
     if config.tensor_parallel_size != world:
@@ -353,10 +425,7 @@ def _tensor_parallel_driver(models: LoadedModels, config: EngineConfig):
         return None
     from redwood.engine.tp_worker import Driver
 
-    if getattr(models, "tp_engine_built", False):
-        raise ConfigError("models sharded over tensor-parallel ranks serve one engine; this one has it already")
-    models.tp_engine_built = True
-    return Driver(tp)
+    return Driver.of(tp).claim()  # (one engine at a time: the ranks replay one call stream)
 
 
 def make_policy(models: LoadedModels):

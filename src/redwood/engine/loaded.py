@@ -12,6 +12,7 @@ loading; `LoadedModels.of` wraps models a caller already holds.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +39,8 @@ class LoadedModels:
     auto_drafters: under the automatic policy (`SpeculativeConfig(policy="auto")`), every drafter it chooses
     from (`drafter` is the one with a KV cache or policy of its own, if any, else the draftless one), else None.
     tp: under tensor parallelism this rank's group (`redwood.parallel.TPGroup`; the models hold its shards), else
-    None; such models serve one engine (`engine.tp_worker`: every rank replays rank 0's calls to it)."""
+    None; such models serve one engine at a time (`engine.tp_worker`: every rank replays rank 0's calls to it;
+    `Engine.rebuild` replaces it on every rank)."""
 
     model: torch.nn.Module
     tokenizer: object | None = None
@@ -68,6 +70,10 @@ class LoadedModels:
     @property
     def config(self):
         return self.model.config
+
+    def without_drafters(self) -> "LoadedModels":
+        """The same models for plain decoding: no drafter, tree or automatic policy (they stay loaded here)."""
+        return dataclasses.replace(self, drafter=None, tree=None, draft_name=None, auto_drafters=None, speculative=None)
 
     @classmethod
     def of(

@@ -33,17 +33,43 @@ import atexit
 from redwood.config import EngineConfig
 from redwood.errors import ConfigError, RankFailure
 
-# the engine calls the driver forwards (the others read state only)
-CALLS = ("add_request", "abort", "step")
+# the engine calls the driver forwards (the others read state only); "rebuild" replaces the engine on every rank
+# (`Engine.rebuild`: a benchmark's AR and speculative engines over one load), "prompt_logits" is a forward outside
+# the engine's pool (a benchmark's look at a greedy parting) that every rank must join
+CALLS = ("add_request", "abort", "step", "rebuild", "prompt_logits")
+
+_DRIVERS: dict[int, "Driver"] = {}  # id(group) → its driver: one per group, whichever engine it serves now
 
 
 class Driver:
-    """Rank 0's side: forwards engine calls to the other ranks; `close` (also at exit) releases them."""
+    """Rank 0's side: forwards engine calls to the other ranks; `close` (also at exit) releases them. One per
+    group (`Driver.of`), serving one engine at a time (`claim` / `release`)."""
 
     def __init__(self, group):
         self.group = group
         self.closed = False
+        self.serving = False  # an engine holds this driver now
         atexit.register(self.close)
+
+    @classmethod
+    def of(cls, group) -> "Driver":
+        driver = _DRIVERS.get(id(group))
+        if driver is None or driver.group is not group:
+            driver = _DRIVERS[id(group)] = cls(group)
+        return driver
+
+    def claim(self) -> "Driver":
+        """For a new engine on rank 0 (→ self); an error while another engine still serves the group."""
+        if self.serving:
+            raise ConfigError(
+                "models sharded over tensor-parallel ranks serve one engine at a time; this one has it already "
+                "(Engine.rebuild replaces it on every rank)"
+            )
+        self.serving = True
+        return self
+
+    def release(self, engine) -> None:
+        self.serving = False
 
     def send(self, call: str, *args) -> None:
         if call not in CALLS:
@@ -104,22 +130,26 @@ def share_plan(group, policy, plan):
 
 
 def serve(engine, group) -> None:
-    """A rank > 0: replay rank 0's engine calls until it says stop (a dead rank 0 is a `RankFailure` here)."""
+    """A rank > 0: replay rank 0's engine calls until it says stop (a dead rank 0 is a `RankFailure` here);
+    "rebuild" swaps in the engine `Engine.rebuild` returns, as on rank 0."""
     while True:
         call, args = group.broadcast_object(None)
         if call == "stop":
             return
         if call not in CALLS:
             raise ConfigError(f"tensor-parallel rank {group.rank}: unknown engine call {call!r} from rank 0")
-        getattr(engine, call)(*args)
+        if call == "rebuild":
+            speculate, tree, verifier, fields = args
+            engine = engine.rebuild(speculate=speculate, tree=tree, verifier=verifier, **fields)
+        else:
+            getattr(engine, call)(*args)
 
 
 def run_rank(models, config: EngineConfig, group) -> None:
     """A rank > 0's life after loading its shards: its engine (the same config as rank 0's), then `serve`."""
     from redwood.engine.engine import Engine
 
-    engine = Engine(models, config)
-    serve(engine, group)
+    serve(Engine(models, config), group)
 
 
 def spawned_rank(group, payload: dict) -> None:
