@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -111,5 +112,42 @@ def test_ctrl_c_drains_the_tp2_server_then_every_rank_ends_cleanly(folders):
             time.sleep(0.1)
         assert not pid_alive(rank1)
         assert "died" not in server.log(), server.log()[-2000:]
+    finally:
+        server.stop(timeout=20)
+
+
+def test_torchrun_serve_answers_like_one_process_and_drains_on_sigterm(folders):
+    """`torchrun --nproc_per_node 2 -m redwood serve …`: torchrun's processes are the ranks (rank 0 serves HTTP,
+    rank 1 replays its engine); the client gets one process's greedy text; torchrun's SIGTERM (it forwards it to
+    both ranks) drains rank 0 — the running request completes — and every rank ends cleanly (torchrun itself then
+    exits 1 with its SignalException: its own way of ending on a signal)."""
+    target, _ = folders
+    one = LLM(str(target), max_num_seqs=2)
+    want = one.generate([PROMPTS[2]], SamplingParams(max_new_tokens=N, ignore_eos=True))[0].text
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    flags = ["--model", str(target), "--served-model-name", NAME, "--max-num-seqs", "2"]
+    server = start_server(flags, timeout=120, env={"REDWOOD_TP_TIMEOUT": "20"}, launcher=launcher)
+    try:
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=60, max_retries=0) as client:
+            r = client.completions.create(
+                model=NAME, prompt=PROMPTS[2], max_tokens=N, temperature=0, extra_body={"ignore_eos": True}
+            )
+            assert r.choices[0].text == want
+            with ThreadPoolExecutor(1) as pool:
+                running = pool.submit(
+                    client.completions.create,
+                    model=NAME,
+                    prompt=PROMPTS[0],
+                    max_tokens=200,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
+                )
+                time.sleep(0.5)  # (the request is running)
+                server.proc.send_signal(signal.SIGTERM)  # (torchrun forwards it to both ranks)
+                assert running.result(timeout=60).usage.completion_tokens == 200
+        server.wait(timeout=30)
+        log = server.log()
+        assert "Application shutdown complete" in log and "SignalException" in log, log[-2000:]
+        assert "terminate called" not in log and "died" not in log, log[-2000:]  # (rank 0 ends without teardown)
     finally:
         server.stop(timeout=20)

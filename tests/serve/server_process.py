@@ -86,15 +86,21 @@ class ServerProcess:
 
 
 def start_server(
-    flags: list[str], timeout: float = 120, env: dict | None = None, new_session: bool = False
+    flags: list[str],
+    timeout: float = 120,
+    env: dict | None = None,
+    new_session: bool = False,
+    launcher: list[str] | None = None,
 ) -> ServerProcess:
     """`redwood serve --host 127.0.0.1 --port 0 FLAGS` (FLAGS must include --model); → once /health is 200.
     new_session: the server leads a process group of its own (a test can signal it and its children together,
-    as a terminal's Ctrl-C does)."""
+    as a terminal's Ctrl-C does). launcher: what runs `-m redwood serve …` instead of `python -m redwood.cli`
+    (e.g. `python -m torch.distributed.run --nproc_per_node 2`)."""
     child_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), child_env.get("PYTHONPATH")]))
     child_env.update(env or {})
-    cmd = [sys.executable, "-m", "redwood.cli", "serve", "--host", "127.0.0.1", "--port", "0", *flags]
+    head = [sys.executable, "-m", "redwood.cli"] if launcher is None else [*launcher, "-m", "redwood"]
+    cmd = [*head, "serve", "--host", "127.0.0.1", "--port", "0", *flags]
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,

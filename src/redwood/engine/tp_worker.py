@@ -112,6 +112,13 @@ class Driver:
         self.group.close()  # (the process group's threads end here, not in the interpreter's teardown)
 
 
+def close_drivers() -> None:
+    """Release every group's other ranks now (what `Driver.close` does at exit) — before a process ends without
+    the interpreter's teardown (`redwood.__main__` under torchrun)."""
+    for driver in list(_DRIVERS.values()):
+        driver.close()
+
+
 def share_plan(group, policy, plan):
     """The automatic policy's plan for this step, rank 0's on every rank (→ a `policy.Plan`).
 
