@@ -186,7 +186,7 @@ class Engine:
             return
         self._closed = True
         if self._driver is not None:
-            self._driver.release(self)
+            self._driver.release()
         self.executor = self.pool = self.scheduler = self.output = None
         self._requests = {}
         import gc

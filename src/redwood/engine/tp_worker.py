@@ -68,7 +68,8 @@ class Driver:
         self.serving = True
         return self
 
-    def release(self, engine) -> None:
+    def release(self) -> None:
+        """The engine that claimed this driver is closed: the next may claim it."""
         self.serving = False
 
     def send(self, call: str, *args) -> None:
