@@ -15,7 +15,6 @@ import torch
 
 from redwood import LLM, SamplingParams
 from redwood.bench.divergence import fresh_logits
-from tests.conftest import save_target_and_draft
 from tests.parallel.test_generate import MAX_NEW, PROMPTS, _run
 
 REBUILD_SCRIPT = """
@@ -42,13 +41,6 @@ logits = llm.engine.prompt_logits(prompts[1]).tolist()
 print(json.dumps({"ar": ar, "spec": spec, "refused": refused, "plain": plain, "logits": logits,
                   "steps": llm.engine.num_steps}))
 """
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory, tokenizer):
-    root = tmp_path_factory.mktemp("tp-bench-models")
-    save_target_and_draft(root, tokenizer, noise=0.01)
-    return root / "target", root / "draft"
 
 
 def test_rebuild_swaps_the_engine_on_every_rank_and_prompt_logits_match_one_process(folders, tmp_path):

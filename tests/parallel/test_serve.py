@@ -13,22 +13,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
-import pytest
 
 from redwood import LLM, SamplingParams
-from tests.conftest import save_target_and_draft
 from tests.serve.server_process import start_server
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of", "for i in range(10):"]
 N = 24
 NAME = "tiny"
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory, tokenizer):
-    root = tmp_path_factory.mktemp("tp-serve-models")
-    save_target_and_draft(root, tokenizer, noise=0.01)
-    return root / "target", root / "draft"
 
 
 def spawned_ranks(pid: int) -> list[int]:
@@ -40,6 +31,22 @@ def spawned_ranks(pid: int) -> list[int]:
             if "spawn_main" in cmd and "resource_tracker" not in cmd:
                 out.append(int(child))
     return out
+
+
+def completes_through(client, send_signal) -> None:
+    """A 200-token request runs; `send_signal()` then reaches the server, which drains: the request completes."""
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(
+            client.completions.create,
+            model=NAME,
+            prompt=PROMPTS[0],
+            max_tokens=200,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        time.sleep(0.5)  # (the request is running)
+        send_signal()
+        assert running.result(timeout=60).usage.completion_tokens == 200
 
 
 def test_tp2_server_answers_the_openai_client_like_one_process_and_exits_when_a_rank_dies(folders):
@@ -94,18 +101,7 @@ def test_ctrl_c_drains_the_tp2_server_then_every_rank_ends_cleanly(folders):
     try:
         [rank1] = spawned_ranks(server.proc.pid)
         with openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=60, max_retries=0) as client:
-            with ThreadPoolExecutor(1) as pool:
-                running = pool.submit(
-                    client.completions.create,
-                    model=NAME,
-                    prompt=PROMPTS[0],
-                    max_tokens=200,
-                    temperature=0,
-                    extra_body={"ignore_eos": True},
-                )
-                time.sleep(0.5)  # (the request is running)
-                os.killpg(server.proc.pid, signal.SIGINT)
-                assert running.result(timeout=60).usage.completion_tokens == 200
+            completes_through(client, lambda: os.killpg(server.proc.pid, signal.SIGINT))
         assert server.wait(timeout=30) == 0, server.log()[-2000:]
         deadline = time.monotonic() + 10
         while pid_alive(rank1) and time.monotonic() < deadline:
@@ -133,18 +129,8 @@ def test_torchrun_serve_answers_like_one_process_and_drains_on_sigterm(folders):
                 model=NAME, prompt=PROMPTS[2], max_tokens=N, temperature=0, extra_body={"ignore_eos": True}
             )
             assert r.choices[0].text == want
-            with ThreadPoolExecutor(1) as pool:
-                running = pool.submit(
-                    client.completions.create,
-                    model=NAME,
-                    prompt=PROMPTS[0],
-                    max_tokens=200,
-                    temperature=0,
-                    extra_body={"ignore_eos": True},
-                )
-                time.sleep(0.5)  # (the request is running)
-                server.proc.send_signal(signal.SIGTERM)  # (torchrun forwards it to both ranks)
-                assert running.result(timeout=60).usage.completion_tokens == 200
+            # (torchrun forwards SIGTERM to both ranks)
+            completes_through(client, lambda: server.proc.send_signal(signal.SIGTERM))
         server.wait(timeout=30)
         log = server.log()
         assert "Application shutdown complete" in log and "SignalException" in log, log[-2000:]
