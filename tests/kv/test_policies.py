@@ -413,6 +413,10 @@ def test_speculative_config_valid():
         ),
         (dict(draft_model="d", draft_tensor_parallel="half"), "unknown draft_tensor_parallel 'half'; choose one of"),
         (dict(self_speculate=True, draft_tensor_parallel="replicate"), "draft_tensor_parallel places a draft model"),
+        (dict(draft_model="d", draft_tensor_parallel=0), "or a number of ranks >= 1, got 0"),
+        (dict(draft_model="d", draft_tensor_parallel=True), "or a number of ranks >= 1, got True"),
+        (dict(draft_model="d", draft_tensor_parallel=2.0), "or a number of ranks >= 1, got 2.0"),
+        (dict(self_speculate=True, draft_tensor_parallel=2), "draft_tensor_parallel places a draft model"),
     ],
 )
 def test_speculative_config_errors(kwargs, match):

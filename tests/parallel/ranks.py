@@ -139,6 +139,10 @@ def _modes():
         "chain-self-snapkv": lambda t, d: (SelfDrafter(t, SnapKVPolicy(16, window=4)), Tree.chain(3)),
         "tree-self-streaming": lambda t, d: (SelfDrafter(t, StreamingPolicy(2, 10)), resolve_tree("generic-16")),
         "tree-draft-full": lambda t, d: (ModelDrafter(d, FullPolicy(), 320), resolve_tree("chains:2x3")),
+        # (the draft sharded over ranks 0 … K−1 alone, a `RemoteDraft` on the others: `sharded_engine_tokens`)
+        "chain-draft-subset": lambda t, d: (ModelDrafter(d, FullPolicy(), 320), Tree.chain(3)),
+        "chain-draft-subset-snapkv": lambda t, d: (ModelDrafter(d, SnapKVPolicy(16, window=4), 320), Tree.chain(3)),
+        "tree-draft-subset": lambda t, d: (ModelDrafter(d, FullPolicy(), 320), resolve_tree("chains:2x3")),
     }
 
 
@@ -146,12 +150,15 @@ def engine_tokens(target, draft, mode: str, prompts, arrivals, max_new: int, rep
     """Tokens of every prompt through an Engine running `mode` over `target` / `draft` (whole models, or this rank's
     shards: then every rank runs this same call sequence, in lockstep), requests arriving at the steps `arrivals`
     (continuous batching: joining while others run, leaving as they finish). Greedy, or seeded sampling for a mode
-    ending in "-seeded" (temperature 0.8, a seed per prompt)."""
+    ending in "-seeded" (temperature 0.8, a seed per prompt; the verifier "auto" picks: `match`, whose numbers are
+    keyed by position) or "-sampling" (the same requests, rejection sampling: its numbers and the draft's children's
+    come from each row's counter)."""
     from redwood.sampling_params import SamplingParams
     from tests.engine.driver import greedy, run_engine
 
-    seeded = mode.endswith("-seeded")
-    drafter, tree = _modes()[mode.removesuffix("-seeded")](target, draft)
+    seeded = mode.endswith(("-seeded", "-sampling"))
+    verifier = "sampling" if mode.endswith("-sampling") else "auto"
+    drafter, tree = _modes()[mode.removesuffix("-seeded").removesuffix("-sampling")](target, draft)
     if replicas is not None:
         drafter.replicas = replicas
     params = greedy(max_new)
@@ -161,21 +168,40 @@ def engine_tokens(target, draft, mode: str, prompts, arrivals, max_new: int, rep
             for i in range(len(prompts))
         ]
     _, states, _ = run_engine(
-        target, None, prompts, params, drafter=drafter, tree=tree, max_num_seqs=2, arrivals=arrivals
+        target, None, prompts, params, drafter=drafter, tree=tree, verifier=verifier, max_num_seqs=2, arrivals=arrivals
     )
     return [list(s.output_ids) for s in states]
 
 
 def sharded_engine_tokens(group, target: str, draft: str, modes: list[str], prompts, arrivals, max_new: int) -> dict:
-    """`engine_tokens` of each mode over this rank's shards of the target and the draft."""
+    """`engine_tokens` of each mode over this rank's shards of the target and the draft ("-subset" modes: the draft
+    on ranks 0 … world/2 − 1 alone)."""
     from redwood.loading import load_model
 
     t, d = load_model(target, tp=group).model, load_model(draft, tp=group).model
     whole = load_model(draft, weights="float32").model if any("replicated" in m for m in modes) else None
+    subset = subset_draft(group, draft, group.world // 2) if any("subset" in m for m in modes) else None
     out = {}
     for mode in modes:
         if "replicated" in mode:  # (the whole draft on this rank, rank 0's proposals every rank's)
             out[mode] = engine_tokens(t, whole, mode, prompts, arrivals, max_new, replicas=group)
+        elif "subset" in mode:  # (rank 0's proposals every rank's, as for a replicated draft)
+            out[mode] = engine_tokens(t, subset, mode, prompts, arrivals, max_new, replicas=group)
         else:
             out[mode] = engine_tokens(t, d, mode, prompts, arrivals, max_new)
     return out
+
+
+def subset_draft(group, draft: str, size: int):
+    """The draft as `LoadedModels.load` places it on ranks 0 … size−1 (`draft_tensor_parallel=size`): this rank's
+    shard over their sub-group (the whole model when size is 1), a `RemoteDraft` on a rank outside them."""
+    from redwood.engine.loaded import draft_group
+    from redwood.loading import load_model
+    from redwood.speculation.drafters import RemoteDraft
+
+    sub = draft_group(group, size)
+    if sub is not None and not sub.member:
+        return RemoteDraft(model_info(draft).config.vocab_size)
+    shard = load_model(draft, weights="float32", tp=sub).model
+    assert (shard.shard is None) == (size == 1) and (sub is None or sub.world == size)  # (no rank holds it whole)
+    return shard

@@ -18,7 +18,6 @@ import pytest
 from redwood import LLM, SamplingParams
 from redwood.parallel.group import pid_alive
 from redwood.speculation.config import SpeculativeConfig
-from tests.conftest import save_target_and_draft
 from tests.parallel.ranks import subprocess_env
 
 PROMPTS = [[5, 17, 3, 99, 42], [250, 11, 64, 8, 1, 33, 90, 12, 77], [7, 7, 7]]
@@ -34,15 +33,18 @@ spec = {
     "chain-draft": SpeculativeConfig(draft_model=draft, num_draft_tokens=3),
     "chain-draft-replicated": SpeculativeConfig(draft_model=draft, num_draft_tokens=3, draft_tensor_parallel="replicate"),
     "auto": SpeculativeConfig(policy="auto", draft_model=draft),
+    "chain-draft-subset": SpeculativeConfig(draft_model=draft, num_draft_tokens=3, draft_tensor_parallel=1),
+    "auto-subset": SpeculativeConfig(policy="auto", draft_model=draft, draft_tensor_parallel=1),
 }[mode]
 llm = LLM(target, tensor_parallel_size=2, speculative=spec, max_num_seqs=2)
 outs = llm.generate(prompts, SamplingParams(max_new_tokens=int(sys.argv[5]), ignore_eos=True))
 print(json.dumps([o.token_ids for o in outs]))
 extra = {}
-if mode == "auto":
+if mode.startswith("auto"):
     extra["plans"] = llm.engine.policy.report()["plans"]
-if mode == "chain-draft-replicated":
-    extra["draft"] = {"whole": llm.drafter.own_model.shard is None, "replicas": llm.drafter.replicas.world}
+if mode in ("chain-draft-replicated", "chain-draft-subset", "auto-subset"):
+    drafter = llm.drafter  # (the model drafter: the fixed plan's, or the first of the auto policy's)
+    extra["draft"] = {"whole": drafter.own_model.shard is None, "replicas": drafter.replicas.world}
 print(json.dumps(extra))
 """
 
@@ -61,13 +63,6 @@ except RedwoodError as e:
 """
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory, tokenizer):
-    root = tmp_path_factory.mktemp("tp-models")
-    save_target_and_draft(root, tokenizer, noise=0.01)
-    return root / "target", root / "draft"
-
-
 def _run(args: list[str], timeout: float = 90, **env) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=subprocess_env(**env))
 
@@ -79,12 +74,15 @@ def _tp1(folder, draft=None) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("mode", ["ar", "chain-draft", "chain-draft-replicated", "auto"])
+@pytest.mark.parametrize(
+    "mode", ["ar", "chain-draft", "chain-draft-replicated", "chain-draft-subset", "auto", "auto-subset"]
+)
 def test_llm_greedy_tp2_equals_tp1(folders, mode, tmp_path):
-    """Greedy tokens are the target's whatever the plan: TP=2 (a draft chain — the draft sharded, or whole on
-    every rank — or the automatic policy over the draft model and ngram — rank 0 plans from costs calibrated at TP=2, its plans run on both ranks) equals
-    TP=1 autoregressive decoding (and TP=1's draft chain). The script is a file without an `if __name__ ==
-    "__main__"` guard: the rank redwood spawns does not run it again."""
+    """Greedy tokens are the target's whatever the plan: TP=2 (a draft chain — the draft sharded, whole on every
+    rank, or whole on rank 0 alone — or the automatic policy over the draft model and ngram — rank 0 plans from
+    costs calibrated at TP=2, its plans run on both ranks) equals TP=1 autoregressive decoding (and TP=1's draft
+    chain). The script is a file without an `if __name__ == "__main__"` guard: the rank redwood spawns does not
+    run it again."""
     target, draft = folders
     want = _tp1(target, draft if mode.startswith("chain-draft") else None)
     args = [str(target), str(draft), mode, json.dumps(PROMPTS), str(MAX_NEW)]
@@ -95,12 +93,14 @@ def test_llm_greedy_tp2_equals_tp1(folders, mode, tmp_path):
     lines = out.stdout.strip().splitlines()
     assert json.loads(lines[-2]) == want
     extra = json.loads(lines[-1])
-    if mode == "chain-draft-replicated":
+    if mode in ("chain-draft-replicated", "chain-draft-subset", "auto-subset"):
         assert extra["draft"] == {"whole": True, "replicas": 2}  # (rank 0's proposals broadcast over 2 ranks)
-    if mode == "auto":
+    if mode.startswith("auto"):
         assert sum(extra["plans"].values()) > 0  # (steps were planned)
         [costs] = (tmp_path / "costs").glob("*.json")  # rank 0 saved the TP=2 calibration
-        assert json.loads(costs.read_text())["key"]["tensor_parallel"] == 2
+        key = json.loads(costs.read_text())["key"]
+        assert key["tensor_parallel"] == 2
+        assert key["draft"] is not None  # (the draft's curve: calibrated on its ranks — rank 0 alone for a subset)
 
 
 def _generate_args(target, *extra) -> list[str]:
@@ -139,10 +139,16 @@ def test_cli_spawned_and_torchrun_equal_one_process(folders):
         (["--tensor-parallel-size", "3"], "tensor_parallel_size 3 must divide the model's 4 attention heads"),
         (["--tensor-parallel-size", "2", "--offload"], "offloading streams one process's layers"),
         (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1, got 0"),
+        (
+            ["--tensor-parallel-size", "2", "--draft-model", "{draft}", "--draft-tensor-parallel", "4"],
+            "draft_tensor_parallel 4 is more ranks than tensor_parallel_size 2",
+        ),
+        (["--draft-model", "{draft}", "--draft-tensor-parallel", "half"], "unknown draft_tensor_parallel 'half'"),
     ],
 )
 def test_bad_input_is_one_line(folders, extra, words):
-    target, _ = folders
+    target, draft = folders
+    extra = [arg.format(draft=draft) for arg in extra]
     out = _run([sys.executable, "-m", "redwood", *_generate_args(target, *extra)], timeout=60)
     assert out.returncode == 2
     assert words in out.stderr

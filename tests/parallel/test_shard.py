@@ -4,14 +4,17 @@ for shapes that cannot split, and loading a shard (safetensors, float GGUF) equa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
 from redwood.config import ModelConfig
+from redwood.engine.loaded import check_draft_tensor_parallel
 from redwood.errors import ConfigError
-from redwood.loading import load_model
+from redwood.loading import ModelInfo, load_model
 from redwood.models.shard import ShardPlan, check_shardable
+from redwood.speculation.config import SpeculativeConfig
 
 
 def config(heads=8, kv=2, ffn=128, vocab=301) -> ModelConfig:
@@ -50,6 +53,38 @@ def test_shapes_that_cannot_split_are_one_line_errors(world, kw, words):
     with pytest.raises(ConfigError, match=words) as e:
         check_shardable(config(**kw), world)
     assert "\n" not in str(e.value)
+
+
+def draft_placed(placement) -> tuple[SpeculativeConfig, ModelInfo]:
+    """A config placing an 8-head draft model (a float checkpoint: no file is read) by `placement`, and its info."""
+    spec = SpeculativeConfig(draft_model="draft", draft_weights="float32", draft_tensor_parallel=placement)
+    return spec, ModelInfo(config=config(heads=8, kv=2), tokenizer=None, source="draft", path=Path("draft"))
+
+
+@pytest.mark.parametrize(
+    "world, placement, words",
+    [
+        (4, 4, "draft_tensor_parallel 4 is every one of the 4 tensor-parallel ranks: that is draft_tensor_parallel="),
+        (4, 8, "draft_tensor_parallel 8 is more ranks than tensor_parallel_size 4: a number K shards the draft model"),
+        (
+            8,
+            3,
+            "the draft model cannot be sharded over draft_tensor_parallel=3 ranks: tensor_parallel_size 3 must "
+            "divide the model's 8 attention heads",
+        ),
+    ],
+)
+def test_a_draft_on_ranks_that_are_no_strict_subset_or_do_not_split_it_is_one_line(world, placement, words):
+    spec, info = draft_placed(placement)
+    with pytest.raises(ConfigError) as e:
+        check_draft_tensor_parallel(spec, info, world, "cpu")
+    assert words in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("placement", [1, 2, 4, "shard", "replicate"])
+def test_a_draft_on_a_strict_subset_that_splits_it_or_on_every_rank_passes(placement):
+    check_draft_tensor_parallel(*draft_placed(placement), 8, "cpu")
 
 
 @dataclass

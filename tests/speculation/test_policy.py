@@ -26,18 +26,18 @@ class FakePolicy:
 
 
 class ModelDraft:
-    family, needs_history = "draft", False
+    family, needs_history, standalone = "draft", False, True
     own_model = object()
     policy = FakePolicy()
 
 
 class SelfDraft:
-    family, needs_history, own_model = "self", False, None
+    family, needs_history, own_model, standalone = "self", False, None, False
     policy = FakePolicy(reads=64)
 
 
 class Draftless:
-    family, needs_history, own_model = "ngram", True, None
+    family, needs_history, own_model, standalone = "ngram", True, None, False
     policy = FakePolicy()
     proposal = [1] * 8  # what it proposes at every step (its acceptance is seeded by the tests)
 

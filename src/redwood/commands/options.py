@@ -379,9 +379,11 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft-tensor-parallel",
         default=None,
-        choices=["shard", "replicate"],
+        metavar="shard|replicate|K",
         help="with --tensor-parallel-size: shard the draft model over the ranks (default; its all-reduces in every "
-        "draft level) or replicate it whole on every rank (no collectives; rank 0's draft tokens broadcast)",
+        "draft level), replicate it whole on every rank (no collectives), or shard it over ranks 0 … K-1 only "
+        "(K below the tensor-parallel size; 1: whole on rank 0) while the other ranks skip the draft; placed other "
+        "than shard, rank 0's draft tokens are broadcast",
     )
     add_draft_kv_args(p, tree=True)
 
@@ -401,6 +403,13 @@ _SPEC_FLAGS = (
     "draft_weights",
     "draft_tensor_parallel",
 )
+
+
+def draft_placement_arg(args) -> str | int:
+    """--draft-tensor-parallel as `SpeculativeConfig.draft_tensor_parallel` takes it: "shard" (the default),
+    "replicate", or a number of ranks (checked there: one line for a bad value)."""
+    value = getattr(args, "draft_tensor_parallel", None) or "shard"
+    return int(value) if value.lstrip("+-").isdigit() else value
 
 
 def _flag(name: str) -> str:
@@ -521,7 +530,7 @@ def make_speculative_config(
         ngram_min=getattr(args, "ngram_min", None) or DEFAULT_MIN_N,
         ngram_max=getattr(args, "ngram_max", None) or DEFAULT_MAX_N,
         suffix_shared=bool(getattr(args, "suffix_shared", None)),
-        draft_tensor_parallel=getattr(args, "draft_tensor_parallel", None) or "shard",
+        draft_tensor_parallel=draft_placement_arg(args),
     )
 
 
@@ -558,7 +567,7 @@ def _auto_config(args, draftless: str | None):
         policy="auto",
         acceptance_file=getattr(args, "acceptance", None),
         suffix_shared=bool(getattr(args, "suffix_shared", None)),
-        draft_tensor_parallel=getattr(args, "draft_tensor_parallel", None) or "shard",
+        draft_tensor_parallel=draft_placement_arg(args),
     )
 
 

@@ -46,6 +46,19 @@ from redwood.speculation.policy import AR, FixedPolicy, Plan
 from redwood.speculation.trees import Tree
 
 
+class _ObservedElsewhere:
+    """A row's draft-prefill observer on a rank outside the draft model's (a draft on a subset of the
+    tensor-parallel ranks, `SpeculativeConfig.draft_tensor_parallel`): the draft's ranks observe (SnapKV's
+    selection is theirs); here the row's chunks still run alone, as there — every rank must run the same target
+    forwards, their collectives in lockstep — and there is nothing to finish."""
+
+    def finish(self) -> None:
+        return None
+
+
+OBSERVED_ELSEWHERE = _ObservedElsewhere()
+
+
 class Executor:
     """Device state and device work of one Engine: its KV caches (allocated here, eagerly, within the
     config's memory share), slots, runners and sampler."""
@@ -113,6 +126,8 @@ class Executor:
             self.draft_cache.block_table = self.cache.block_table  # the same blocks, the draft's pages
             self.draft_cache.live = self.cache.live
         for d in self.drafters:
+            if d.elsewhere:
+                continue  # (a draft model on other tensor-parallel ranks: its KV policy's state is theirs)
             owner = d.own_model or self.model
             d.policy.allocate(S, owner.config.num_layers, owner.kv_config.num_kv_heads, device)
         self.sampling_noise = config.sampling_noise
@@ -133,7 +148,10 @@ class Executor:
             self.draft_cache.lengths[slot] = num_computed
         self._draft_valid[slot] = num_computed
         observers = (None, None)
-        if self.drafter is not None:
+        if self.drafter is not None and self.drafter.elsewhere:
+            if self.drafter.policy.observes_prefill:  # (its ranks prefill the row alone: so does this one)
+                observers = (None, OBSERVED_ELSEWHERE)
+        elif self.drafter is not None:
             obs = self.drafter.policy.admit(slot, prefill_len)
             observers = (obs, None) if self.drafter.own_model is None else (None, obs)
         self._observers[slot] = observers

@@ -100,7 +100,9 @@ class LoadedModels:
         """Load a target (and its drafter); the arguments as `redwood.LLM`'s (max_model_len: checked against
         the model's context before the weights load; execution: how both models' forwards run). A draft
         model loads in `speculative.draft_weights`. tp: a tensor-parallel rank's group: this rank's shards of
-        the target and of a draft model are loaded (float weights; no offloading)."""
+        the target and of a draft model are loaded (no offloading) — the draft placed as
+        `speculative.draft_tensor_parallel` says (`draft_group`: over the same ranks, whole, or over ranks 0 … K−1,
+        none of it on the others)."""
         from redwood.engine.threads import adaptive_threads, apply_threads, check_threads
 
         if execution is not None and not isinstance(execution, ExecutionConfig):
@@ -129,10 +131,8 @@ class LoadedModels:
 
             draft_info = inspect_model(speculative.draft_model)
             check_compatible(info.tokenizer, draft_info.tokenizer, info.config.vocab_size, draft_info.config.vocab_size)
-            if tp is not None and speculative.draft_tensor_parallel == "shard":
-                from redwood.models.shard import check_shardable
-
-                check_shardable(draft_info.config, tp.world)  # (the draft is sharded over the same ranks)
+            if tp is not None:
+                check_draft_tensor_parallel(speculative, draft_info, tp.world, tp.device)
         if threads is not None or dev.type == "cpu":
             apply_threads(threads)  # before loading: dequantizing the weights runs on these threads too
         loaded = load_model(
@@ -156,8 +156,7 @@ class LoadedModels:
             speculative=speculative,
             tp=tp,
         )
-        replicate = tp is not None and speculative is not None and speculative.draft_tensor_parallel == "replicate"
-        draft_tp = None if replicate else tp  # (a replicated draft loads whole on every rank)
+        draft_tp = tp if draft_info is None or tp is None else draft_group(tp, speculative.draft_tensor_parallel)
         if speculative is not None and speculative.auto:
             self.tree = speculative.make_tree()
             self.auto_drafters = _auto_drafters(
@@ -170,9 +169,9 @@ class LoadedModels:
             self.drafter, self.draft_name = _make_drafter(
                 speculative, loaded.model, dtype, device, draft_info, execution, draft_tp
             )
-        if replicate:
+        if draft_info is not None and tp is not None and speculative.draft_tensor_parallel != "shard":
             for d in self.auto_drafters or [self.drafter]:
-                if d.own_model is not None:
+                if d.standalone:
                     d.replicas = tp  # (rank 0's proposal on every rank)
         if dev.type == "cpu" and not offload and self.thread_exact_decode():
             # (None where the count is the user's or fixed, or the execution config turns it off)
@@ -266,9 +265,14 @@ def auto_drafters_for(spec: SpeculativeConfig, target, draft_model=None, draft_s
 
 def _load_draft(spec: SpeculativeConfig, dtype, device, draft_info, execution, tp=None) -> tuple:
     """(the draft model, its source name) when `spec` names one — loaded from `draft_info` (`inspect_model`: its
-    tokenizer already checked against the target's) in the format `spec.draft_weights` — else (None, None)."""
+    tokenizer already checked against the target's) in the format `spec.draft_weights`, this rank's shard under
+    `tp`; a `RemoteDraft` on a rank outside the draft's (`tp` a `NotMember`) — else (None, None)."""
     if not spec.draft_model:
         return None, None
+    if tp is not None and not tp.member:
+        from redwood.speculation.drafters import RemoteDraft
+
+        return RemoteDraft(draft_info.config.vocab_size), draft_info.source
     draft = load_draft_model(
         draft_info, dtype=dtype, device=device, draft_weights=spec.draft_weights, execution=execution, tp=tp
     )
@@ -281,6 +285,43 @@ def _make_drafter(
     """The drafter `spec` asks for and its name, loading its draft model (this rank's shard under `tp`) if it has
     one."""
     return drafter_for(spec, target, *_load_draft(spec, dtype, device, draft_info, execution, tp))
+
+
+def draft_group(tp, placement: str | int):
+    """This rank's group for a draft model's collectives under tensor parallelism (`SpeculativeConfig.
+    draft_tensor_parallel`): `tp` itself ("shard"), None (loaded whole: "replicate", and 1 on rank 0), a sub-group
+    of ranks 0 … K−1 (K > 1), or a `NotMember` on a rank outside them. Every rank calls it, in the same order
+    (each rank makes every sub-group, its own or not)."""
+    from redwood.parallel.group import NotMember
+
+    if placement == "shard":
+        return tp
+    if placement == "replicate":
+        return None
+    if placement == 1:
+        return None if tp.rank == 0 else NotMember(1)
+    return tp.subgroup(placement)
+
+
+def check_draft_tensor_parallel(spec: SpeculativeConfig, draft_info: ModelInfo, world: int, device) -> None:
+    """What placing `spec`'s draft model over `world` tensor-parallel ranks refuses, as a one-line ConfigError
+    before any rank starts: a number of ranks that is no strict subset, a draft whose shapes or weight format do
+    not split over the ranks it is sharded over."""
+    from redwood.loading import check_sharded_format
+    from redwood.speculation.config import check_draft_placement
+
+    placement = spec.draft_tensor_parallel
+    check_draft_placement(placement, world)
+    shards = world if placement == "shard" else 1 if placement == "replicate" else placement
+    if shards == 1:
+        return  # (whole wherever it loads)
+    try:
+        check_tensor_parallel(shards, draft_info.config, False)
+        check_sharded_format(draft_info, spec.draft_weights, device, shards, draft=True)
+    except ConfigError as e:
+        if shards == world:
+            raise
+        raise ConfigError(f"the draft model cannot be sharded over draft_tensor_parallel={shards} ranks: {e}") from None
 
 
 def check_tensor_parallel(world: int, config, offload: bool) -> None:
@@ -296,7 +337,7 @@ def check_tensor_parallel(world: int, config, offload: bool) -> None:
 def drafter_for(spec: SpeculativeConfig, target, draft_model=None, draft_source: str | None = None) -> tuple:
     """The drafter `spec` asks for over loaded models (`draft_model`: the draft model `spec.draft_model` names,
     already loaded) and its name."""
-    from redwood.speculation.drafters import ModelDrafter, SelfDrafter
+    from redwood.speculation.drafters import ModelDrafter, RemoteDraft, SelfDrafter
     from redwood.speculation.draftless import NgramDrafter
     from redwood.speculation.suffix import SuffixDrafter
 
@@ -312,8 +353,10 @@ def drafter_for(spec: SpeculativeConfig, target, draft_model=None, draft_source:
         return SelfDrafter(target, policy), f"self ({policy.describe()})"
     if draft_model is None:
         raise ConfigError(f"the draft model {spec.draft_model!r} is not loaded")
-    skinny = "int8" if draft_model.skinny_int8 is not None else None  # (CUDA: int8 one-token forwards)
-    packed = draft_model.weights if draft_model.weights != "float32" else None
-    quant = "".join(f", {q} weights" for q in (skinny, packed) if q)
+    quant = ""
+    if not isinstance(draft_model, RemoteDraft):  # (a draft model on other tensor-parallel ranks has no weights here)
+        skinny = "int8" if draft_model.skinny_int8 is not None else None  # (CUDA: int8 one-token forwards)
+        packed = draft_model.weights if draft_model.weights != "float32" else None
+        quant = "".join(f", {q} weights" for q in (skinny, packed) if q)
     name = f"{draft_source or spec.draft_model} ({policy.describe()}{quant})"
     return ModelDrafter(draft_model, policy, target.config.vocab_size), name

@@ -60,7 +60,7 @@ def _start(model, load: dict, config: EngineConfig):
         if torchrun is not None and torchrun > 1:
             raise ConfigError(f"tensor_parallel_size 1 under torchrun's {torchrun} processes: give the same")
         return None
-    from redwood.engine.loaded import check_tensor_parallel
+    from redwood.engine.loaded import check_draft_tensor_parallel, check_tensor_parallel
     from redwood.loading import check_sharded_format, inspect_model
 
     if torchrun is not None and torchrun != world:
@@ -70,10 +70,8 @@ def _start(model, load: dict, config: EngineConfig):
     check_tensor_parallel(world, info.config, load.get("offload", False))
     check_sharded_format(info, load.get("weights", "auto"), device, world)
     spec = load.get("speculative")
-    if spec is not None and spec.draft_model and spec.draft_tensor_parallel == "shard":  # (over the same ranks)
-        draft = inspect_model(spec.draft_model)
-        check_tensor_parallel(world, draft.config, False)
-        check_sharded_format(draft, spec.draft_weights, device, world, draft=True)
+    if spec is not None and spec.draft_model:  # (sharded over the same ranks, a subset of them, or whole)
+        check_draft_tensor_parallel(spec, inspect_model(spec.draft_model), world, device)
     if torchrun is not None:
         group = launch.join(device)
         if group.rank != 0:

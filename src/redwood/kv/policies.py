@@ -69,6 +69,8 @@ class DraftKVPolicy:
     """Base: the full context."""
 
     name = "full"
+    # `admit` gives each row's prefill an observer (SnapKV): the Engine runs such a row's prefill chunks alone
+    observes_prefill = False
     # Bumped whenever the policy reallocates the buffers its views read: a captured draft step is keyed
     # by it, so a graph never reads a stale buffer.
     version = 0
@@ -147,6 +149,7 @@ class SnapKVPolicy(DraftKVPolicy):
     """SnapKV (see the module docstring); it is its own `PrefillObserver`."""
 
     name = "snapkv"
+    observes_prefill = True
 
     def __init__(self, budget: int, window: int = 32, kernel: int = 5, pool: str = "avg"):
         if budget < 1 or window < 1:

@@ -12,6 +12,10 @@ Two groups over the same processes (vLLM's device group / CPU group split):
 A collective that fails raises `RankFailure` naming the rank that died where this process can tell (the ranks
 on this host: their pids are exchanged at start; ranks this process spawned: their exit codes), e.g.
 "tensor-parallel rank 1 (pid 4242) died (killed by SIGKILL); rank 0 stops: all_reduce failed".
+
+A sub-group (`TPGroup.subgroup`): ranks 0 … K−1 with the same interface — their own `device` and `control`
+groups, failures reported as the whole group's — for a draft model sharded over fewer ranks than the target
+(MagicDec's `--draft_rank_group`); a rank outside it holds a `NotMember`.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import signal
 import socket
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -51,12 +56,15 @@ class TPGroup:
 
     procs: rank → the `multiprocessing.Process` of a rank this process spawned (its exit code names a failure)."""
 
+    member = True  # (this rank belongs to the group; a `NotMember` stands for a sub-group it is outside)
+
     def __init__(self, rank: int, world: int, device: torch.device, procs: dict | None = None):
         self.rank, self.world, self.device = rank, world, device
         self.procs = dict(procs or {})
         self.timeout_s = timeout_s()
         self.broken: RankFailure | None = None  # the first failure: every later collective raises it again
         self.peers: list[tuple[str, int]] = []  # rank → (host, pid)
+        self.pg = None  # the model's collectives' process group (None: torch's default group, every rank)
         self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         peers: list = [None] * world
         me = (socket.gethostname(), os.getpid())
@@ -67,11 +75,26 @@ class TPGroup:
     def is_driver(self) -> bool:
         return self.rank == 0
 
+    def subgroup(self, size: int) -> "TPGroup | NotMember":
+        """Ranks 0 … size−1 as a group of their own (1 < size < world): a `SubGroup` on those ranks, a `NotMember`
+        on the others. Every rank must call it, in the same order (torch.distributed.new_group's rule: each rank
+        builds every group, its own or not)."""
+        if not 1 < size < self.world:
+            raise ConfigError(
+                f"a sub-group of {self.world} tensor-parallel ranks holds 2 … {self.world - 1}, not {size}"
+            )
+        ranks = list(range(size))
+        pg = dist.new_group(ranks, timeout=timedelta(seconds=self.timeout_s))  # (the default backend: gloo / NCCL)
+        control = dist.new_group(ranks, backend="gloo", timeout=CONTROL_TIMEOUT)
+        if self.rank >= size:
+            return NotMember(size)
+        return SubGroup(self, size, pg, control)
+
     # ------------------------------------------------------------------ the model's collectives
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks, in place (every rank gets the same bits: gloo and NCCL reduce each chunk
         once, then copy it to every rank) → x."""
-        self._run("all_reduce", lambda: dist.all_reduce(x))
+        self._run("all_reduce", lambda: dist.all_reduce(x, group=self.pg))
         return x
 
     def all_gather_last(self, x: torch.Tensor, full: int) -> torch.Tensor:
@@ -79,18 +102,19 @@ class TPGroup:
         along the last dim, cut to `full` → [..., full]: the vocab-parallel head's logits."""
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world)]
-        self._run("all_gather", lambda: dist.all_gather(parts, x))
+        self._run("all_gather", lambda: dist.all_gather(parts, x, group=self.pg))
         return torch.cat(parts, dim=-1)[..., :full]
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Rank `src`'s x on every rank, in place → x (a replicated draft's tokens and distributions)."""
-        self._run("broadcast", lambda: dist.broadcast(x, src=src))
+        """Rank `src`'s x on every rank, in place → x (rank 0's draft tokens and distributions, when the draft is
+        replicated or on a subset of the ranks)."""
+        self._run("broadcast", lambda: dist.broadcast(x, src=src, group=self.pg))
         return x
 
     def min_int(self, value: int) -> int:
         """The smallest of the ranks' `value`s (sizes every rank must agree on: the KV pages)."""
         x = torch.tensor([value], dtype=torch.int64, device=self.device)
-        self._run("all_reduce", lambda: dist.all_reduce(x, op=dist.ReduceOp.MIN))
+        self._run("all_reduce", lambda: dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.pg))
         return int(x.item())
 
     def barrier(self) -> None:
@@ -161,6 +185,40 @@ class TPGroup:
         """Leave the group (the process's default group with it)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class SubGroup(TPGroup):
+    """Ranks 0 … world−1 of `parent` (`TPGroup.subgroup`): the same collectives over those ranks only (a rank's
+    number is its number in the parent: rank 0 is the parent's). A failure here is the parent's — `broken` is
+    shared, and the rank that died is looked for among all the parent's ranks."""
+
+    def __init__(self, parent: TPGroup, world: int, pg, control):
+        self.parent = parent
+        self.rank, self.world, self.device = parent.rank, world, parent.device
+        self.procs, self.peers, self.timeout_s = parent.procs, parent.peers, parent.timeout_s
+        self.pg, self.control = pg, control
+
+    @property
+    def broken(self) -> RankFailure | None:
+        return self.parent.broken
+
+    @broken.setter
+    def broken(self, failure: RankFailure | None) -> None:
+        self.parent.broken = failure
+
+    def dead_peers(self) -> list[tuple[int, int, str]]:
+        return self.parent.dead_peers()
+
+    def close(self) -> None:
+        """Nothing of its own to end: the parent's `close` ends every group of the process."""
+
+
+@dataclass(frozen=True)
+class NotMember:
+    """A rank's side of a sub-group it is outside (`TPGroup.subgroup`): the sub-group's size, no collectives."""
+
+    world: int
+    member = False
 
 
 def exit_words(code: int) -> str:

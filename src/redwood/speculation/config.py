@@ -20,11 +20,41 @@ VERIFIERS = ("auto", "greedy", "sampling", "sequoia", "specinfer", "topk", "matc
 # (0.95^64) and expected tokens per step are within 4% of their γ → ∞ limit (1 / (1 − α) = 20); the
 # papers' chains and trees stay at or under ~16-20 levels. Deeper drafts only cost draft forwards and a
 # longer verify (`--gamma 1000` spent 282 s drafting to emit 8 tokens).
-# where a draft model lives under tensor parallelism (`draft_tensor_parallel`)
+# where a draft model lives under tensor parallelism (`draft_tensor_parallel`; or K: sharded over ranks 0 … K−1)
 DRAFT_PLACEMENTS = ("shard", "replicate")
 DRAFTLESS = ("ngram", "suffix")  # drafters that run no model (`speculation.draftless`, `speculation.suffix`)
 
 MAX_DRAFT_DEPTH = 64
+
+
+def check_draft_placement(placement, world: int | None = None) -> None:
+    """A one-line ConfigError for a `draft_tensor_parallel` that is neither a placement's name nor a number of
+    ranks ≥ 1 — and, given the tensor-parallel size `world` (> 1), for a number that is not a strict subset of
+    its ranks. (Whether the draft's shapes split over those ranks: `engine.loaded.check_tensor_parallel`.)"""
+    if isinstance(placement, str):
+        if placement not in DRAFT_PLACEMENTS:
+            raise ConfigError(
+                f"unknown draft_tensor_parallel {placement!r}; choose one of {', '.join(DRAFT_PLACEMENTS)} "
+                "or a number of ranks"
+            )
+        return
+    if not isinstance(placement, int) or isinstance(placement, bool) or placement < 1:
+        raise ConfigError(
+            f"draft_tensor_parallel must be {' or '.join(repr(p) for p in DRAFT_PLACEMENTS)} or a number of ranks "
+            f">= 1, got {placement!r}"
+        )
+    if world is None or world == 1:
+        return
+    if placement == world:
+        raise ConfigError(
+            f"draft_tensor_parallel {placement} is every one of the {world} tensor-parallel ranks: that is "
+            "draft_tensor_parallel='shard' (the default)"
+        )
+    if placement > world:
+        raise ConfigError(
+            f"draft_tensor_parallel {placement} is more ranks than tensor_parallel_size {world}: a number K shards "
+            f"the draft model over the target's ranks 0 … K−1 (K from 1 to {world - 1})"
+        )
 
 
 def check_draft_tree(tree, what: str = "tree") -> None:
@@ -82,9 +112,12 @@ class SpeculativeConfig:
     bytes per draft level; another CPU format there is a ConfigError as the models load
     (`cpu_weights.draft_weights_on`). Verification stays exact, so outputs do not change; acceptance may.
     draft_tensor_parallel: where a draft model lives under tensor parallelism — "shard" (over the target's ranks,
-    its all-reduces in every draft level) or "replicate" (whole on every rank: no collectives in a draft level,
-    its whole weights read on every rank; rank 0's draft tokens are broadcast so every rank verifies the same
-    tree — `ModelDrafter.replicas`). Self-speculation always drafts on the target's own shards.
+    its all-reduces in every draft level), "replicate" (whole on every rank: no collectives in a draft level,
+    its whole weights read on every rank) or K, a number of ranks below the tensor-parallel size (sharded over
+    ranks 0 … K−1 alone, its all-reduces among them; K = 1: whole on rank 0; the other ranks hold none of it
+    and skip the draft levels — MagicDec's `--draft_rank_group`). Placed other than "shard", rank 0's draft
+    tokens are broadcast so every rank verifies the same tree (`ModelDrafter.replicas`). Self-speculation always
+    drafts on the target's own shards.
     """
 
     draft_model: str | None = None
@@ -104,14 +137,10 @@ class SpeculativeConfig:
     policy: str = "fixed"
     acceptance_file: str | None = None
     suffix_shared: bool = False
-    draft_tensor_parallel: str = "shard"
+    draft_tensor_parallel: str | int = "shard"
 
     def __post_init__(self) -> None:
-        if self.draft_tensor_parallel not in DRAFT_PLACEMENTS:
-            raise ConfigError(
-                f"unknown draft_tensor_parallel {self.draft_tensor_parallel!r}; choose one of "
-                f"{', '.join(DRAFT_PLACEMENTS)}"
-            )
+        check_draft_placement(self.draft_tensor_parallel)
         if self.draft_tensor_parallel != "shard" and not self.draft_model:
             raise ConfigError(
                 "draft_tensor_parallel places a draft model: self-speculation and draftless drafters have none"

@@ -15,7 +15,9 @@ that position with — the row seed's number at the children's absolute position
   it rewinds its cache to the target's committed length − 1 and re-feeds the newest committed token with
   the root: that covers the one accepted token it may never have fed (a leaf of the accepted path) with
   a batch shape that is the same for every row. After verification the accepted path's nodes are moved
-  into place in its cache (`commit`).
+  into place in its cache (`commit`). Under tensor parallelism with the draft model on a strict subset of the
+  ranks, a rank outside it holds a `ModelDrafter` over a `RemoteDraft`: it runs no draft forward and takes rank
+  0's proposal (`ModelDrafter.replicas`).
 
 Draft distributions are the same processed distributions (temperature / top-k / top-p) the verifier
 compares against; for greedy verification children are the draft's top tokens by raw probability.
@@ -131,11 +133,20 @@ class Drafter:
     # A runner (`redwood.engine.runner.StepRunner`: .forward(ids, positions, ...) and .cache) runs a model
     # over a batch of rows of its cache; the Engine passes the target's and, for a drafter with its own
     # model, the draft's for the rows a step runs.
-    own_model: Transformer | None = None  # a standalone draft model (its own cache), else None
+    own_model: Transformer | None = None  # a standalone draft model (its own cache) on this rank, else None
+    # a standalone draft model at all — on this rank (`own_model`) or, under tensor parallelism with the draft on a
+    # subset of the ranks, on others (`elsewhere`): a step's shape and the automatic policy's catch-ups are its
+    standalone = False
     needs_history = False  # draftless drafters read each row's tokens on the host (`prepare`)
     # Children fixed by the context, not drawn from a draft distribution (draftless drafters): a tree of
     # them is verified only by the verifiers that need no q (greedy, topk, match; `engine.decode.resolve_verifier`).
     deterministic_children = False
+
+    @property
+    def elsewhere(self) -> bool:
+        """The draft model runs on other tensor-parallel ranks, not this one: no draft cache, forward or KV-policy
+        state here (its proposals arrive from rank 0)."""
+        return self.standalone and self.own_model is None
 
     def reset_row(self, slot: int) -> None:
         """A request leaves the slot (or a new one takes it): drop host state kept for the row."""
@@ -255,39 +266,75 @@ class SelfDrafter(Drafter):
         return self._draft(target, None, last, tree, sampler, rule, need_q, self.target.config.vocab_size)
 
 
+@dataclass(frozen=True)
+class RemoteDraft:
+    """A draft model held by other tensor-parallel ranks (`SpeculativeConfig.draft_tensor_parallel` = K: ranks
+    0 … K−1 hold it): what a rank outside them knows of it — its vocabulary size, the width of the proposals
+    it receives."""
+
+    vocab_size: int
+
+
 class ModelDrafter(Drafter):
     """A standalone draft model over its own cache (the Engine keeps it: same rows, same page table as
-    the target's, the draft model's own pages)."""
+    the target's, the draft model's own pages) — or, over a `RemoteDraft`, a rank's place in the steps of a
+    draft model other ranks run."""
 
     family = "draft"
+    standalone = True
 
-    def __init__(self, model: Transformer, policy: DraftKVPolicy, target_vocab: int):
+    def __init__(self, model: Transformer | RemoteDraft, policy: DraftKVPolicy, target_vocab: int):
         super().__init__(policy)
-        self.own_model = model
+        remote = isinstance(model, RemoteDraft)
+        self.own_model = None if remote else model
         self.target_vocab = target_vocab
         # Tokens the two models share; the draft never proposes a token outside this range.
-        self.shared_vocab = min(target_vocab, model.config.vocab_size)
+        self.shared_vocab = min(target_vocab, model.vocab_size if remote else model.config.vocab_size)
         self._plan: DevicePlan | None = None  # the latest proposal's (for commit)
-        # under tensor parallelism with this draft whole on every rank: the group whose rank 0's proposal every
-        # rank takes (the ranks' drafts would agree bit for bit only where their kernels are deterministic; the
-        # target verifies rank 0's tree everywhere, so a rank whose draft differed only drafts worse next step)
+        # under tensor parallelism with this draft whole on every rank, or on a subset of the ranks: the group whose
+        # rank 0's proposal every rank takes (the ranks' drafts would agree bit for bit only where their kernels
+        # are deterministic, and ranks outside a subset draft nothing; the target verifies rank 0's tree
+        # everywhere, so a rank whose draft differed only drafts worse next step)
         self.replicas = None
 
     @property
-    def model(self) -> Transformer:
+    def model(self) -> Transformer | None:
         return self.own_model
 
     def propose(self, target, draft, prev, last, tree, sampler, rule, need_q):
+        if self.own_model is None:  # (the draft on other ranks: rank 0's proposal arrives below)
+            tokens, q = self._await(last, tree, need_q)
+        else:
+            tokens, q = self._propose_here(target, draft, prev, last, tree, sampler, rule, need_q)
+        if self.replicas is not None:
+            tokens, q = self._take_rank0(tokens, q, sampler)
+        return tokens, None if q is None else self.pad_to_target(q)
+
+    def _propose_here(self, target, draft, prev, last, tree, sampler, rule, need_q):
         # Rewind every generating row by one (re-feed the newest committed token, which may be an
         # accepted leaf the draft never fed); rows that do not generate (live 0: idle, prefilling)
         # keep their length, so this step's scratch writes land past their prefilled tokens.
         draft.cache.lengths.copy_(target.cache.lengths - target.cache.live)
         self._plan = self._plan_for(tree, 1, last.device)  # (one lead token: prev)
-        tokens, q = self._draft(draft, prev[:, None], last, tree, sampler, rule, need_q, self.shared_vocab)
-        if self.replicas is not None:  # [B, n] tokens, [B, n, V] distributions: rank 0's
-            tokens = self.replicas.broadcast(tokens)
-            q = None if q is None else self.replicas.broadcast(q)
-        return tokens, None if q is None else self.pad_to_target(q)
+        return self._draft(draft, prev[:, None], last, tree, sampler, rule, need_q, self.shared_vocab)
+
+    def _await(self, last: torch.Tensor, tree: Tree, need_q: bool):
+        """A rank outside the draft's: buffers for rank 0's proposal — tokens [B, n], distributions [B, n, V_shared]
+        (`_draft`'s shapes and dtypes)."""
+        B, device = last.shape[0], last.device
+        tokens = torch.zeros(B, tree.size, dtype=torch.long, device=device)
+        q = torch.zeros(B, tree.size, self.shared_vocab, device=device) if need_q else None
+        return tokens, q
+
+    def _take_rank0(self, tokens: torch.Tensor, q: torch.Tensor | None, sampler: Sampler):
+        """Rank 0's tokens [B, n] and distributions [B, n, V] on every rank, and its random counters [B] with them:
+        drawing children advances a row's counter, and a rank that drafted nothing (outside a subset) must draw
+        the verification's numbers where rank 0 does. Tokens and counters go in one broadcast."""
+        counter = sampler.random.counter  # [B] (a view of the executor's: written in place)
+        both = self.replicas.broadcast(torch.cat([tokens, counter[:, None]], dim=1))
+        counter.copy_(both[:, -1])
+        q = None if q is None else self.replicas.broadcast(q)
+        return both[:, :-1], q
 
     def pad_to_target(self, q: torch.Tensor) -> torch.Tensor:
         """Draft distributions over the shared vocabulary [..., V_shared] → [..., V_target] (zeros beyond)."""
@@ -300,6 +347,8 @@ class ModelDrafter(Drafter):
         # internal nodes all have children, so all were fed; its last node may be an unfed leaf, but the
         # next step re-feeds it as `prev`, so it need not move. The draft's lengths stay rewound: the
         # next proposal sets them from the target's.
+        if self.own_model is None:
+            return  # (the draft's cache lives on its ranks)
         assert self._plan is not None
         if self._plan.chain:
             return  # a chain: every accepted node is already in place

@@ -107,7 +107,7 @@ def step_shape(drafter, tree: Tree) -> StepShape:
     if getattr(drafter, "needs_history", False):  # draftless: no draft forward
         return StepShape(verify=tree.size)
     reads = drafter.policy.reads()
-    if drafter.own_model is not None:  # the lead token (prev) is re-fed with the root
+    if drafter.standalone:  # the lead token (prev) is re-fed with the root
         return StepShape(tree.size, (2,) + (1,) * (gamma - 1), draft_model=True, draft_context=reads)
     return StepShape(tree.size, (1,) * gamma, draft_model=False, draft_context=reads)
 
@@ -190,7 +190,7 @@ class AutoPolicy:
         # the model drafters' families (their own KV cache, written only on their own steps) → slot → tokens
         # committed by other plans since (what a switch back must catch up)
         self._lag: dict[str, dict[int, int]] = {
-            family_of(d): {} for d in self.drafters if getattr(d, "own_model", None) is not None
+            family_of(d): {} for d in self.drafters if getattr(d, "standalone", False)
         }
 
     # ------------------------------------------------------------------ planning

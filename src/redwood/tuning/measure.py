@@ -251,8 +251,12 @@ class _RankRecorder(Drafter):
         return getattr(self._inner, name)
 
     @property
-    def own_model(self):  # (a class attribute of Drafter: __getattr__ would not reach it)
+    def own_model(self):  # (class attributes of Drafter: __getattr__ would not reach them)
         return self._inner.own_model
+
+    @property
+    def standalone(self) -> bool:
+        return self._inner.standalone
 
     def propose(self, *args, **kwargs):
         return self._inner.propose(*args, **kwargs)
