@@ -5,9 +5,10 @@ and, per plan, the measured step time and tokens, the draft model's catch-up tim
 
     PYTHONPATH=src python benchmarks/auto_trace.py --kind chat --temperature 0.7 --new-tokens 128 --repeats 2
     PYTHONPATH=src python benchmarks/auto_trace.py --kind code-edit --steps      # every step's line too
+    PYTHONPATH=src python benchmarks/auto_trace.py --kind code-edit --batch 4 --temperature 0.7
 
 The last lines are the table: tok/s of AR and auto per repeat, then steps, ms per step and tokens per step by
-plan (probes apart). Notes from its use: docs/perf/auto-policy.md.
+plan (probes apart; ms measured and predicted, tokens per row achieved and expected). Notes from its use: docs/perf/auto-policy.md.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--prompt", type=int, default=0, help="which prompt of the kind")
+    ap.add_argument("--prompt", type=int, default=0, help="which prompt of the kind (the first of a batch)")
+    ap.add_argument("--batch", type=int, default=1, help="prompts decoded together (the kind's next ones)")
     ap.add_argument("--steps", action="store_true", help="print every step's plan and scores")
     args = ap.parse_args()
     g = SimpleNamespace(
@@ -44,10 +46,11 @@ def main() -> None:
         weights="auto",
         speculative=SpeculativeConfig(draft_model=grid.DRAFT, num_draft_tokens=3, draft_weights="auto"),
     )
-    prompt = grid.kind_prompts(args.kind, args.prompt + 1, base.tokenizer, 0)[args.prompt]
+    prompts = grid.kind_prompts(args.kind, args.prompt + args.batch, base.tokenizer, 0)[args.prompt :]
     names = ["ar", "auto"]
     specs = {n: grid.config_spec(n, g) for n in names}
-    engines = grid.build_engines(names, specs, base, base.drafter.own_model, g, len(prompt) + args.new_tokens + 16, 2)
+    max_len = max(map(len, prompts)) + args.new_tokens + 16
+    engines = grid.build_engines(names, specs, base, base.drafter.own_model, g, max_len, max(2, args.batch))
     auto = engines["auto"]
     policy, executor = auto.policy, auto.engine.executor
     planner_s, by_plan, catch_up = [0.0, 0], {}, [0.0]
@@ -70,11 +73,13 @@ def main() -> None:
     def traced_observe(rows, ran, tokens, seconds, bucket, catch_up_s=0.0):
         t0 = time.perf_counter()
         key = ran.name + (" (probe)" if ran.probe else "")
-        d = by_plan.setdefault(key, [0, 0.0, 0, 0])
+        d = by_plan.setdefault(key, [0, 0.0, 0, 0, 0.0, 0.0])
         d[0] += 1
         d[1] += seconds or 0.0
-        d[2] += sum(len(t.token_ids) for t in tokens)
+        d[2] += sum(len(t.token_ids) for t in tokens) / len(tokens)  # (tokens per row)
         d[3] += seconds is None
+        d[4] += (ran.expected_tokens or 0.0) if ran.name != "ar" else 1.0
+        d[5] += ran.predicted_s or 0.0
         observe(rows, ran, tokens, seconds, bucket, catch_up_s)
         planner_s[0] += time.perf_counter() - t0
 
@@ -88,15 +93,24 @@ def main() -> None:
     rows = []
     for rep in range(args.repeats):
         for n in names:
-            out = grid.run_config(engines[n], [prompt], 1, args.temperature, args.new_tokens, 1, None)
+            out = grid.run_config(engines[n], prompts, args.batch, args.temperature, args.new_tokens, 1, None)
             rows.append((rep + 1, n, out["decode_tokens_per_s"], out["steps"]))
-    print(f"\n{args.kind}, T = {args.temperature}, {len(prompt)}-token prompt, {args.new_tokens} new tokens")
+    lens = "/".join(str(len(p)) for p in prompts)
+    print(
+        f"\n{args.kind}, T = {args.temperature}, batch {args.batch}, {lens}-token prompts, {args.new_tokens} new tokens"
+    )
     print("| repeat | config | tok/s | steps |\n|---|---|---|---|")
     for rep, n, tps, steps in rows:
         print(f"| {rep} | {n} | {tps:.2f} | {steps} |")
-    print("\n| plan | steps | ms / timed step | tokens / step |\n|---|---|---|---|")
-    for k, (steps, secs, toks, untimed) in sorted(by_plan.items(), key=lambda kv: -kv[1][0]):
-        print(f"| {k} | {steps} | {secs * 1e3 / max(steps - untimed, 1):.1f} | {toks / steps:.2f} |")
+    print(
+        "\n| plan | steps | ms / timed step | predicted ms | tokens / row-step | expected |\n|---|---|---|---|---|---|"
+    )
+    for k, (steps, secs, toks, untimed, expect, pred) in sorted(by_plan.items(), key=lambda kv: -kv[1][0]):
+        timed = max(steps - untimed, 1)
+        print(
+            f"| {k} | {steps} | {secs * 1e3 / timed:.1f} | {pred * 1e3 / steps:.1f} | {toks / steps:.2f} "
+            f"| {expect / steps:.2f} |"
+        )
     print(
         f"\ndraft catch-ups {catch_up[0]:.2f} s in all; planner {planner_s[0] * 1e3 / max(planner_s[1], 1):.3f} ms "
         f"a step; acceptance held: {policy.report()['acceptance']}"

@@ -169,7 +169,7 @@ e2e)  # issue 40 item 3, MagicDec's regime end to end: E2E_REQUESTS (64) request
       --output "$OUT/e2e-$(echo "$drafter $plan" | tr -cs 'a-z0-9' '-' | cut -c1-48)" ;;
 auto)  # issue 40 item 2: the automatic policy next to AR and the fixed plan, one `bench throughput` per plan (each runs
        # AR on the same prompts): batch-1 code / chat with the 0.5B draft at AUTO_TEMPS (0 0.6), then self-speculation
-       # (StreamingLLM 512) at AUTO_CONTEXT × AUTO_BATCH essay windows, AUTO_GEN new tokens; AUTO_PART: b1, long or both;
+       # (StreamingLLM 512) at AUTO_CONTEXT × AUTO_BATCH windows of AUTO_DATASET (essays; shakespeare: held out), AUTO_GEN new tokens; AUTO_PART: b1, long or both;
        # AUTO_REPEATS: AR and the plan interleaved this many times (medians reported).
        # The table last: benchmarks/auto_cells.py
   for part in ${AUTO_PART:-b1 long}; do
@@ -184,7 +184,8 @@ auto)  # issue 40 item 2: the automatic policy next to AR and the fixed plan, on
       for ctx in ${AUTO_CONTEXT:-8192 16384}; do for b in ${AUTO_BATCH:-16 64}; do for plan in "--gamma 3" "--speculative auto"; do
         run $R bench throughput --model "$T" $GPU --self-speculate --draft-kv streaming --draft-budget 512 --num-requests $b \
             --max-num-seqs $b --prompt-len $ctx --min-new-tokens ${AUTO_GEN:-256} --max-new-tokens ${AUTO_GEN:-256} \
-            --dataset essays $plan --repeats ${AUTO_REPEATS:-1} --quiet --output "$OUT/auto/ctx$ctx-b$b-$(echo $plan | tr -cs 'a-z0-9' '-')" | tail -6 || echo "CELL FAILED"
+            --dataset ${AUTO_DATASET:-essays} $plan --repeats ${AUTO_REPEATS:-1} --quiet \
+            --output "$OUT/auto/${AUTO_DATASET:-essays}-ctx$ctx-b$b-$(echo $plan | tr -cs 'a-z0-9' '-')" | tail -6 || echo "CELL FAILED"
       done; done; done
     fi
   done

@@ -13,7 +13,7 @@
 # requests, default LONG_LEN - 1024), LONG_N (requests, default 128), LONG_CONC (in flight, default 64),
 # LONG_MIN / LONG_MAX (output tokens drawn from, default 256 / 512), SPEC_FLAGS (the self-speculation,
 # default streaming 512 γ 3), GPU_FLAGS (default --dtype bfloat16 --device cuda), CHAT_N (MT-Bench questions, default 16), CHAT_FLAGS (the draft-model flags),
-# RAMP_LEN / RAMP_LEVELS / RAMP_TOKENS / RAMP_AUTO (the ramp step: prompt tokens, default 16384; concurrency levels,
+# RAMP_SIDES (ar fixed auto) / RAMP_LEN / RAMP_LEVELS / RAMP_TOKENS / RAMP_AUTO (the ramp step: prompt tokens, default 16384; concurrency levels,
 # default 1 4 16 32 64; output tokens, default 256; the automatic policy's drafter flags, default streaming 512).
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
@@ -105,7 +105,7 @@ ramp)  # issue 40 item 2: a load ramping from 1 to 64 concurrent long-context re
   rlen=${RAMP_LEN:-16384}; rtok=${RAMP_TOKENS:-256}
   ramp_server="--max-num-seqs $top --max-model-len $((rlen + rtok + 64)) --max-num-batched-tokens 8192"
   auto_flags=${RAMP_AUTO:---self-speculate --draft-kv streaming --draft-budget 512 --speculative auto}
-  for side in ar fixed auto; do
+  for side in ${RAMP_SIDES:-ar fixed auto}; do
     flags=""; [ $side = fixed ] && flags=$SPEC_FLAGS; [ $side = auto ] && flags=$auto_flags
     serve "$OUT/server-ramp-$side.log" $ramp_server $flags
     # warm-up (other text, short outputs): every batch bucket up to the top level, and auto's calibration

@@ -263,3 +263,40 @@ def test_a_one_step_interlude_charges_a_switch_in_full():
     rows = [row]
     spread = max((p.score(c, rows, 1, None) for c in p.candidates if c.family == "draft"), key=lambda x: x[0])
     assert spread[0] > p.score(AR, rows, 1)[0]
+
+
+def test_expected_tokens_follow_what_the_family_achieved():
+    """A family whose steps achieve fewer tokens than its acceptance predicts (the winner's curse, correlated
+    depths) has its expected surplus scaled by the decayed achieved / expected ratio: a predicted gain that does
+    not materialize turns into plain decoding; steps that achieve more raise the ratio (capped) and bring it back.
+    With nothing observed the ratio is 1 (the brute-force test above)."""
+    # a chain of γ costs 1 + 0.5 γ plain steps, its draft nearly nothing: with α = 0.8 a chain predicts ~1.2×
+    target = ForwardCurve([1, 2, 4, 8, 16], 16, 1040, [1.0, 1.5, 2.5, 4.5, 8.5], [1.0, 1.5, 2.5, 4.5, 8.5])
+    draft = ForwardCurve([1, 16], 16, 1040, [1e-3, 1e-3], [1e-3, 1e-3])
+    p = policy_with(CostTable(target, draft), {"draft": [0.8] * 8, "ngram": [0.0] * 8})
+    row = Row(0, remaining=10_000)
+    assert p.plan([row], 1).family == "draft"
+    plans = []
+    for step in range(90):  # its steps achieve 1.5 tokens on average, far under what it expects
+        plan = p.plan([row], 1)
+        plans.append(plan)
+        p.observe([row], plan, [_tokens(*[7] * (1 + step % 2)) if plan.family == "draft" else _tokens(7)], None, 1)
+    low = p.report()["realized"]["draft"]
+    assert low < 0.7
+    assert all(pl.name == "ar" for pl in plans[-30:] if not pl.probe)
+    for _ in range(2000):  # now its steps (the probes) accept every draft: the ratio recovers and it is back
+        plan = p.plan([row], 1)
+        if not plan.probe and plan.family == "draft":
+            break
+        p.observe([row], plan, [_tokens(*[7] * plan.candidate.tree.size) if plan.tree else _tokens(7)], None, 1)
+    else:
+        raise AssertionError("the draft model never came back")
+    assert p.report()["realized"]["draft"] > low
+
+
+def test_a_row_near_its_limit_expects_no_more_than_it_may_emit():
+    """A row with k tokens left emits at most k from a step: its expected tokens stop growing past γ = k − 1."""
+    p = AutoPolicy([Draftless()], margin=0.0)
+    p.acceptance.seed("ngram", 0.0, [0.9] * 8, weight=1e6)
+    e = p.expected_by_gamma("ngram", [Row(0, remaining=3)])
+    assert e[2] == pytest.approx(1 + 0.9 + 0.81, rel=1e-3) and e[8] == pytest.approx(e[2])
