@@ -44,6 +44,11 @@ serve() {  # serve LOG FLAGS...: start `redwood serve` in the background, wait f
   done
   echo "SERVER NEVER HEALTHY" >&2; tail -20 "$log" >&2; return 1
 }
+metrics() {  # metrics FILE: the server's speculation counters now (plan steps, accepted tokens): cumulative —
+  # each level's file holds the totals since the server started (the level before's subtracted by hand)
+  python3 -c "import httpx; print(httpx.get('$URL/metrics', timeout=10).text)" 2>/dev/null \
+    | grep -E '^redwood:(spec_decode|num_preemptions|prompt_tokens|generation_tokens)' >"$1" || true
+}
 stop() {  # SIGTERM drains (running requests finish), then the process exits
   if [ -n "$SERVER" ]; then kill -TERM $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true; SERVER=; fi
 }
@@ -115,6 +120,7 @@ ramp)  # issue 40 item 2: a load ramping from 1 to 64 concurrent long-context re
       run $R bench serve --base-url "$URL" --tokenizer "$T" --label "ramp-$side-c$c" --prompt-len $rlen \
           --num-requests $((2 * c)) --max-concurrency $c --max-tokens $rtok --ignore-eos \
           --output "$OUT/ramp-$side-c$c" | tail -4
+      metrics "$OUT/ramp-$side-c$c/metrics.txt"
     done
     stop
   done

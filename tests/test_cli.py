@@ -153,7 +153,20 @@ def _greedy_reference(tiny_llm, prompt, n):
 @pytest.mark.parametrize(
     "flags, draft",
     [
-        (["--self-speculate", "--draft-kv", "streaming", "--draft-budget", "8", "--sinks", "2"], "self (streaming"),
+        (
+            [
+                "--self-speculate",
+                "--draft-kv",
+                "streaming",
+                "--draft-budget",
+                "8",
+                "--sinks",
+                "2",
+                "--speculative",
+                "fixed",
+            ],
+            "self (streaming",
+        ),
         (
             [
                 "--self-speculate",
@@ -273,12 +286,47 @@ def test_generate_sampling_speculation(tiny_model_dir, capsys):
             "1",
             "--ignore-eos",
             "--self-speculate",
+            "--speculative",
+            "fixed",
             "--json",
         ]
     )
     assert rc == 0
     obj = json.loads(capsys.readouterr().out)
     assert len(obj["token_ids"]) == 6 and obj["stats"]["speculative"]["gamma"] == 4
+
+
+@pytest.mark.parametrize(
+    "flags, policy",
+    [
+        (["--self-speculate"], "auto"),
+        (["--draft", "ngram"], "auto"),
+        (["--self-speculate", "--verifier", "match"], "auto"),  # (a verifier does not pin the plan)
+        (["--self-speculate", "--gamma", "3"], "fixed"),
+        (["--self-speculate", "--tree", "chain:2"], "fixed"),
+        (["--draft", "suffix"], "fixed"),  # (the suffix drafter's token tree)
+        (["--self-speculate", "--speculative", "fixed"], "fixed"),
+    ],
+)
+def test_a_drafter_without_gamma_or_tree_speculates_automatically(flags, policy):
+    """The automatic policy is the default whenever a drafter is given and nothing pins a fixed plan."""
+    from redwood.cli import build_parser
+    from redwood.commands.options import speculative_config_from_args
+
+    args = build_parser().parse_args(["generate", "--model", "m", "--prompt", "p", *flags])
+    assert speculative_config_from_args(args).policy == policy
+
+
+def test_generate_speculates_automatically_by_default(tiny_model_dir, tiny_llm, capsys):
+    prompt = "Paris is the capital of France. Rome is"
+    rc = main(
+        ["generate", "--model", str(tiny_model_dir), "--prompt", prompt, "--max-new-tokens", "10", "--ignore-eos"]
+        + ["--self-speculate", "--json"]
+    )
+    assert rc == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["token_ids"] == _greedy_reference(tiny_llm, prompt, 10)
+    assert obj["draft"].startswith("auto: self")
 
 
 @pytest.mark.parametrize(

@@ -363,8 +363,9 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
         help="auto: plan every step — plain decoding, or a chain of 1-8 drafts from --draft-model / "
         "--self-speculate (if given) or the draftless ngram drafter — from measured step costs and live "
         "acceptance, so speculation never runs slower than plain decoding (a one-time calibration per setup, "
-        "cached; `redwood profile --for-policy` runs it ahead). fixed (the default): every step as the flags "
-        "say. --gamma / --tree pin a fixed plan",
+        "cached; `redwood profile --for-policy` runs it ahead) — the default whenever --draft-model, "
+        "--self-speculate or --draft ngram is given without --gamma / --tree. fixed: every step as the flags say "
+        "(γ 4 unless --gamma); --gamma / --tree pin a fixed plan",
     )
     p.add_argument(
         "--acceptance",
@@ -571,18 +572,22 @@ def _auto_config(args, draftless: str | None):
     )
 
 
-def speculative_config_from_args(args):
-    """The SpeculativeConfig the flags ask for, or None (no --draft-model / --self-speculate / --draft).
+def _auto_by_default(args, draftless: str | None) -> bool:
+    """With no --speculative: the automatic policy whenever a drafter is given — a draft model, self-speculation
+    or prompt lookup (`--draft ngram`) — and no --gamma / --tree pins a fixed plan. Measured no worse than the best
+    fixed choice (issue 37's grids: CPU and GPU), so a user who turns speculation on is not made slower by it. The
+    suffix drafter keeps its fixed token tree (the policy plans chains)."""
+    if draftless not in (None, "ngram") or not (args.draft_model or args.self_speculate or draftless):
+        return False
+    if args.draft_model and args.self_speculate:
+        return False  # (two model drafters: the fixed path's error names the conflict)
+    return args.gamma in (None, []) and getattr(args, "tree", None) is None
 
-    Raises ConfigError for conflicting or bad values — call it before loading any model.
-    """
+
+def _check_drafter_flags(args, draftless: str | None) -> bool:
+    """The drafter flags' one-line errors (one drafter at most; flags that need one); → whether one is given."""
     from redwood.errors import ConfigError
 
-    draftless = getattr(args, "draft", None)
-    if getattr(args, "speculative", None) == "auto":
-        return _auto_config(args, draftless)
-    if getattr(args, "acceptance", None) is not None:
-        raise ConfigError("--acceptance seeds the automatic policy: it needs --speculative auto")
     chosen = [
         f
         for f, on in (
@@ -604,11 +609,32 @@ def speculative_config_from_args(args):
                 f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} when speculating: "
                 f"add --draft-model M, --self-speculate or --draft ngram"
             )
-        return None
+        return False
     if not draftless and (getattr(args, "ngram_min", None) is not None or getattr(args, "ngram_max", None) is not None):
         raise ConfigError("--ngram-min / --ngram-max apply to --draft ngram / suffix")
     if getattr(args, "suffix_shared", None) and draftless != "suffix":
         raise ConfigError("--suffix-shared applies to --draft suffix")
+    return True
+
+
+def speculative_config_from_args(args):
+    """The SpeculativeConfig the flags ask for, or None (no --draft-model / --self-speculate / --draft).
+
+    Raises ConfigError for conflicting or bad values — call it before loading any model.
+    """
+    from redwood.errors import ConfigError
+
+    draftless = getattr(args, "draft", None)
+    mode = getattr(args, "speculative", None)
+    if mode == "auto":
+        return _auto_config(args, draftless)
+    speculating = _check_drafter_flags(args, draftless)
+    if speculating and mode is None and _auto_by_default(args, draftless):
+        return _auto_config(args, draftless)
+    if getattr(args, "acceptance", None) is not None:
+        raise ConfigError("--acceptance seeds the automatic policy: drop --gamma / --tree (or give --speculative auto)")
+    if not speculating:
+        return None
     return make_speculative_config(
         args, draft_model=args.draft_model or None, self_speculate=bool(args.self_speculate), draftless=draftless
     )
