@@ -9,6 +9,16 @@ from redwood.errors import ConfigError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def free_memory(device: torch.device) -> None:
+    """Let dropped objects' memory go now (a closed engine's KV pool), so the next one sizes its own from memory
+    that is really free: a garbage collection, and on CUDA the caching allocator's unused blocks returned."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():

@@ -279,14 +279,18 @@ def test_spec_run_steady_state_rate_and_first_divergence():
 
 
 def test_divergence_logits_is_the_targets_view_at_the_parting_token(tiny_llm):
+    from functools import partial
+
     import torch
 
     from redwood.bench.divergence import divergence_logits
+    from redwood.engine.prefill import fresh_logits
 
     model = tiny_llm.model
     prompt, ar_ids = [5, 9, 33, 2, 17], [40, 41, 42, 43]
     spec_ids = [40, 41, 99, 43]
-    d = divergence_logits(model, prompt, ar_ids, spec_ids, 2)
+    d = divergence_logits(partial(fresh_logits, model), prompt, ar_ids, spec_ids, 2)
+    assert divergence_logits(tiny_llm.engine.prompt_logits, prompt, ar_ids, spec_ids, 2) == d
     ids = torch.tensor([prompt + ar_ids[:2]])
     with torch.inference_mode():
         logits = model(ids, torch.arange(ids.shape[1])[None], model.new_cache(1, 16))[0, -1].float()

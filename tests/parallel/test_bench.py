@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from redwood import LLM, SamplingParams
-from redwood.bench.divergence import fresh_logits
+from redwood.engine.prefill import fresh_logits
 from tests.parallel.test_generate import MAX_NEW, PROMPTS, _run
 
 REBUILD_SCRIPT = """

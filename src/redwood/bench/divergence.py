@@ -16,8 +16,6 @@ import math
 
 import torch
 
-from redwood.engine.prefill import prefill_batch
-
 # mantissa bits of each logits dtype: the spacing of representable values near x is 2^(floor(log2|x|) - bits)
 _MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
 TIE_STEPS = 4  # a gap within this many rounding steps of the top logit is a numerical tie (verify ≠ decode shapes)
@@ -33,25 +31,14 @@ def first_divergence(a_rows: list[list[int]], b_rows: list[list[int]]) -> dict[s
     return {"row": b, "position": position}
 
 
-@torch.inference_mode()
-def fresh_logits(model, token_ids: list[int]) -> torch.Tensor:
-    """The target's logits after `token_ids` from one fresh forward (batch 1, a cache of its own) → [V] float32
-    (`Engine.prompt_logits` is the same forward through an engine, on every rank under tensor parallelism)."""
-    cache = model.new_cache(1, len(token_ids) + 1)
-    return prefill_batch(model, cache, [list(token_ids)])[0].float()
-
-
 def divergence_logits(logits_of, prompt: list[int], ar_ids: list[int], spec_ids: list[int], position: int) -> dict:
     """Why a greedy speculative output parts from the AR output at output `position`: the target's logits
-    for that token after the prompt and AR's tokens before it. logits_of: token ids → [V] logits (a target
-    model: one fresh batch-1 forward, `fresh_logits`; or an engine's `prompt_logits`).
+    for that token after the prompt and AR's tokens before it. logits_of: token ids → [V] logits (an engine's
+    `prompt_logits`, or `partial(engine.prefill.fresh_logits, model)`).
 
     top2_gap: its two largest logits' difference; top_logit: the largest; logit_gap: AR's token's logit minus
     the speculative token's.
     """
-    if isinstance(logits_of, torch.nn.Module):
-        model = logits_of
-        logits_of = lambda ids: fresh_logits(model, ids)  # noqa: E731
     logits = logits_of(list(prompt) + list(ar_ids[:position])).float()  # [V]
     top = logits.topk(2)
     out = {"top2_gap": float(top.values[0] - top.values[1]), "top_logit": float(top.values[0])}

@@ -35,6 +35,7 @@ from typing import Any, Sequence
 import torch
 
 from redwood.bench.divergence import divergence_logits, first_divergence
+from redwood.devices import free_memory
 from redwood.engine.runner import sync
 from redwood.errors import ConfigError
 from redwood.sampling_params import SamplingParams
@@ -215,8 +216,7 @@ def measure(
     if drafter is not None:
         out.update(aggregate_spec([stats[i] for i in ids]))
     del engine
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    free_memory(device)
     return out
 
 
@@ -322,7 +322,7 @@ def run_bench(
                     d = run["first_divergence"]
                     d.update(
                         divergence_logits(
-                            llm.engine.prompt_logits if llm.tp is not None else llm.model,
+                            llm.engine.prompt_logits,
                             prompt_sets[batch, prefix][d["row"]],
                             ar["token_ids"][d["row"]],
                             sp["token_ids"][d["row"]],

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from redwood.devices import free_memory
 from redwood.errors import ConfigError
 from redwood.sampling_params import SamplingParams
 
@@ -398,17 +399,6 @@ def compare(ar: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------- the bench
-def _free_memory(device) -> None:
-    """Let a dropped Engine's KV pool go before the next one sizes its own from the free memory."""
-    import gc
-
-    gc.collect()
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.empty_cache()
-
-
 def run_bench(
     target,
     tokenizer,
@@ -469,7 +459,7 @@ def run_bench(
                     engine = base = base.rebuild(speculate=mode == "spec", cuda_graphs=cuda_graphs, **engine_args)
                 else:
                     engine = None
-                    _free_memory(target.device)
+                    free_memory(target.device)
                     engine = Engine.build(
                         target, tokenizer, model_name=model_name, cuda_graphs=cuda_graphs, **kw, **engine_args
                     )
@@ -532,7 +522,7 @@ def run_bench(
             trials.setdefault((mode, rate), []).append(run)
         if base is None:
             del engine
-            _free_memory(target.device)
+            free_memory(target.device)
     runs = {key: _median_run(group) for key, group in trials.items()}
     if repeats > 1 and spec:
         for rate in rates:  # the medians' ratio (each repeat's own: speedup_repeats)

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from redwood.config import EngineConfig
+from redwood.devices import free_memory
 from redwood.engine.batch import DecodeRow, PrefillWork, StepBatch
 from redwood.engine.calibrate import cost_key, load_or_calibrate
 from redwood.engine.decode import resolve_verifier
@@ -189,11 +190,7 @@ class Engine:
             self._driver.release()
         self.executor = self.pool = self.scheduler = self.output = None
         self._requests = {}
-        import gc
-
-        gc.collect()
-        if self.model.device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_memory(self.model.device)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -204,14 +201,13 @@ class Engine:
         """The target's logits after `token_ids` from one fresh forward (batch 1, a cache of its own, this
         engine's pool untouched) → [vocab] float32 — what a benchmark asks at a greedy parting. Under tensor
         parallelism every rank runs it (the forward's collectives)."""
-        from redwood.engine.prefill import prefill_batch
+        from redwood.engine.prefill import fresh_logits
 
         self._check_open()
         ids = [int(t) for t in token_ids]
         if self._driver is not None:
             self._driver.send("prompt_logits", ids)
-        cache = self.model.new_cache(1, len(ids) + 1)
-        return prefill_batch(self.model, cache, [ids])[0].float()
+        return fresh_logits(self.model, ids)
 
     # ------------------------------------------------------------------ what the engine holds
     model = property(lambda self: self.models.model)

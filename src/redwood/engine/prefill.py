@@ -208,3 +208,13 @@ def prefill_batch(
     if observer is not None:
         observer.finish()
     return logits
+
+
+@torch.inference_mode()
+def fresh_logits(model: Transformer, token_ids: list[int]) -> torch.Tensor:
+    """The target's logits after `token_ids` from one fresh forward (batch 1, a cache of its own) → [V] float32:
+    what a benchmark asks where a greedy speculative output parts from the autoregressive one
+    (`bench.divergence`; through an engine, `Engine.prompt_logits`, which every rank joins under tensor
+    parallelism)."""
+    cache = model.new_cache(1, len(token_ids) + 1)
+    return prefill_batch(model, cache, [list(token_ids)])[0].float()
