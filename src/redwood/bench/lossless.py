@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from redwood.bench.stats import chi2_fit, chi2_homogeneity, effect, holm
+from redwood.devices import free_memory
 from redwood.sample.sampler import probabilities
 from redwood.sampling_params import SamplingParams
 
@@ -440,9 +441,7 @@ def _llm_for(job: Job):
     if _loaded.get("method") != job.case.method.name:
         _loaded.pop("llm", None)  # (freed before the next model loads)
         _loaded.clear()
-        gc.collect()
-        if job.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+        free_memory(torch.device(job.device))
         spec = job.case.method.speculative(job.models)
         _loaded.update(
             method=job.case.method.name,

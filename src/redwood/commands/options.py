@@ -576,12 +576,9 @@ def _auto_by_default(args, draftless: str | None) -> bool:
     """With no --speculative: the automatic policy whenever a drafter is given — a draft model, self-speculation
     or prompt lookup (`--draft ngram`) — and no --gamma / --tree pins a fixed plan. Measured no worse than the best
     fixed choice (issue 37's grids: CPU and GPU), so a user who turns speculation on is not made slower by it. The
-    suffix drafter keeps its fixed token tree (the policy plans chains)."""
-    if draftless not in (None, "ngram") or not (args.draft_model or args.self_speculate or draftless):
-        return False
-    if args.draft_model and args.self_speculate:
-        return False  # (two model drafters: the fixed path's error names the conflict)
-    return args.gamma in (None, []) and getattr(args, "tree", None) is None
+    suffix drafter keeps its fixed token tree (the policy plans chains). Called once `_check_drafter_flags` found
+    exactly one drafter."""
+    return draftless in (None, "ngram") and args.gamma in (None, []) and getattr(args, "tree", None) is None
 
 
 def _check_drafter_flags(args, draftless: str | None) -> bool:

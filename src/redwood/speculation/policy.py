@@ -322,7 +322,7 @@ class AutoPolicy:
             if f != chosen.family
             and p.due <= self.steps
             and f not in idle
-            and self._affordable(f, best_of, rows, bucket, rate)
+            and self._affordable(f, best_of, rows, bucket, rate, expected)
         ]
         plan = Plan(chosen, expected_tokens=e, predicted_s=s)
         if due:
@@ -340,13 +340,13 @@ class AutoPolicy:
                 probe.since_s += plan.predicted_s
         return plan
 
-    def _affordable(self, family: str, best_of: dict, rows, bucket: int, best_rate: float) -> bool:
+    def _affordable(self, family: str, best_of: dict, rows, bucket: int, best_rate: float, expected: dict) -> bool:
         """Whether a probe of `family` now keeps within PROBE_BUDGET (plain decoding and first probes always do)."""
         probe = self._probes[family]
         if family == "ar" or not probe.ran:
             return True
         _, cand = best_of[family]
-        _, e, seconds = self.score(cand, rows, bucket, horizon=1)  # (a probe pays its whole catch-up)
+        _, e, seconds = self.score(cand, rows, bucket, expected, horizon=1)  # (a probe pays its whole catch-up)
         loss = seconds - e * len(rows) / best_rate
         return loss <= PROBE_BUDGET * probe.since_s
 
