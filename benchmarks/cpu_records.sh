@@ -4,7 +4,8 @@
 #   llamacpp-build                 issue 20 item 4: build llama.cpp's CPU tools from the source that the
 #                                  llama-cpp-python sdist on PyPI vendors (skipped when the binaries exist)
 #   peer                           issue 20 item 4: llama.cpp and redwood side by side on the same GGUF files
-#                                  and the same 128-token code prompt, greedy, 128 new tokens, 1 and 2 threads
+#                                  and the same 128-token code prompt, greedy, 128 new tokens, 1 and 2 threads;
+#                                  and prompt processing (512 random tokens: llama-bench pp512, redwood's prefill)
 # Usage: benchmarks/cpu_records.sh OUT_DIR [STEP…]   (default steps: ar standalone selfspec trees)
 # Each redwood run writes OUT_DIR/<run>/report.json; tables go to stdout. `peer` writes OUT_DIR/peer/ (every
 # command's stdout/stderr, runs.tsv, peer.json, summary.md) and builds llama.cpp first when needed; it takes
@@ -13,7 +14,7 @@
 # with redwood installed, for the prompt and the table), REDWOOD_HOME (models, default ~/.cache/redwood),
 # LLAMACPP_DIR (llama.cpp source and build, default $REDWOOD_HOME/bench/llama.cpp — outside the repo: the build
 # is ~200 MB), LLAMACPP_PY_VERSION (the llama-cpp-python sdist that vendors it), PEER_REPEATS (default 3),
-# PEER_THREADS (default "1 2").
+# PEER_THREADS (default "1 2"), PEER_PARTS (default "decode pp"), LLAMACPP_LEVEL (native or avx2, below; each level its own llama.cpp build).
 set -euo pipefail
 OUT=${1:-out/cpu-records}
 shift || true
@@ -30,7 +31,18 @@ RW_HOME=${REDWOOD_HOME:-$HOME/.cache/redwood}
 LLAMACPP_DIR=${LLAMACPP_DIR:-$RW_HOME/bench/llama.cpp}
 # pinned so that a re-run measures the same llama.cpp; 0.3.36 vendors llama.cpp 0.5.0-dev (2026-12)
 LLAMACPP_PY_VERSION=${LLAMACPP_PY_VERSION:-0.3.36}
-LB=$LLAMACPP_DIR/build/bin
+# LLAMACPP_LEVEL: native (-march=native: AVX-512 VNNI on the development machine) or avx2 (GGML_NATIVE=OFF: SSE4.2,
+# AVX, AVX2, BMI2, FMA, F16C and no AVX-512 — llama.cpp's "haswell" level, the CPU class of issue 38). At avx2 the
+# redwood runs are capped the same way (REDWOOD_CPU_ISA=avx2: the avx2 kquant build; ATEN_CPU_CAPABILITY=avx2).
+LLAMACPP_LEVEL=${LLAMACPP_LEVEL:-native}
+case $LLAMACPP_LEVEL in
+  native) BUILD=$LLAMACPP_DIR/build LEVEL_FLAGS=(-DGGML_NATIVE=ON) ;;
+  avx2) BUILD=$LLAMACPP_DIR/build-avx2 LEVEL_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
+          -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX_VNNI=OFF)
+        export REDWOOD_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ;;
+  *) echo "LLAMACPP_LEVEL must be native or avx2, not $LLAMACPP_LEVEL" >&2; exit 2 ;;
+esac
+LB=$BUILD/bin
 # llama-bench: decode tok/s of the Q4/Q5/Q6 file alone; llama-completion: the same prompt end to end;
 # llama-speculative-simple: draft-model speculation (one target, one draft, a chain — redwood's setting)
 LLAMACPP_TOOLS=(llama-bench llama-completion llama-speculative-simple)
@@ -41,13 +53,13 @@ run() { echo; echo "\$ $*"; "$@"; }
 # AMX off (-mno-amx-*; GCC drops AMX from -march=native in either order): on the 2-core development VM the
 # CPU advertises AMX and a plain ldtilecfg + tilezero works, but ggml's AMX matmul dies of SIGILL on its first
 # tilezero (llama-completion's warm-up decode, 1 thread, Q4_K weights), so a native build cannot run there.
-LLAMACPP_CMAKE=(-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF
+LLAMACPP_CMAKE=(-DCMAKE_BUILD_TYPE=Release "${LEVEL_FLAGS[@]}" -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF
   "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
   "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
   -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_UI=OFF -DBUILD_SHARED_LIBS=OFF)
 
 llamacpp_build() {
-  local stamp=$LLAMACPP_DIR/build/redwood-build.txt want missing=0 t
+  local stamp=$BUILD/redwood-build.txt want missing=0 t
   want="llama-cpp-python $LLAMACPP_PY_VERSION; ${LLAMACPP_CMAKE[*]}; ${LLAMACPP_TOOLS[*]}"
   for t in "${LLAMACPP_TOOLS[@]}"; do [[ -x $LB/$t ]] || missing=1; done
   # skipped only when every tool exists and was built from this sdist with these flags
@@ -70,9 +82,9 @@ llamacpp_build() {
   fi
   local gen=()
   if command -v ninja >/dev/null; then gen=(-G Ninja); fi
-  run cmake -S "$LLAMACPP_DIR/src/vendor/llama.cpp" -B "$LLAMACPP_DIR/build" "${gen[@]}" "${LLAMACPP_CMAKE[@]}"
+  run cmake -S "$LLAMACPP_DIR/src/vendor/llama.cpp" -B "$BUILD" "${gen[@]}" "${LLAMACPP_CMAKE[@]}"
   # 2 jobs: the development machine has 2 cores (10 minutes there quiet, 22 while other sessions' tests ran)
-  run cmake --build "$LLAMACPP_DIR/build" -j "${BUILD_JOBS:-2}" --target "${LLAMACPP_TOOLS[@]}"
+  run cmake --build "$BUILD" -j "${BUILD_JOBS:-2}" --target "${LLAMACPP_TOOLS[@]}"
   echo "$want" >"$stamp"
 }
 
@@ -81,6 +93,7 @@ TF=$RW_HOME/models/$T/$T.gguf
 DF=$RW_HOME/models/$D/$D.gguf
 PEER_REPEATS=${PEER_REPEATS:-3}
 PEER_THREADS=${PEER_THREADS:-1 2}
+PEER_PARTS=${PEER_PARTS:-decode pp}  # decode: AR and speculation (llama.cpp's three tools, redwood's bench); pp
 PEER_NEW=128
 
 # Busy CPU seconds of the whole machine so far (user, nice, system, irq, softirq, steal: /proc/stat's cpu line).
@@ -142,6 +155,11 @@ PYEOF
          "$("$LB/llama-completion" --version 2>&1 | tr '\n' ' ')"
     echo "target: $TF ($(stat -c %s "$TF") bytes)"; echo "draft: $DF ($(stat -c %s "$DF") bytes)"
   } | tee "$P/machine.txt"
+  # the kquant build redwood's prompt processing runs: the first `auto` would pick among those the CPU runs
+  # (under the level's cap)
+  KQ=$("$PY" -c 'from redwood.cpu_kernels import kquant as k; print([v for v in k.AUTO if v in k.supported()][0])')
+  echo "level: $LLAMACPP_LEVEL (llama.cpp $BUILD; redwood kquant build $KQ, REDWOOD_CPU_ISA=${REDWOOD_CPU_ISA:-native})" \
+      | tee -a "$P/machine.txt"
   : >"$P/runs.tsv"
   local r t order fails=0
   # llama.cpp and redwood alternate inside every (repeat, threads) cell, and the thread order flips each
@@ -150,6 +168,7 @@ PYEOF
     order=$PEER_THREADS
     (( r % 2 )) || order=$(echo "$PEER_THREADS" | tr ' ' '\n' | tac | tr '\n' ' ')
     for t in $order; do
+      if [[ " $PEER_PARTS " == *" decode "* ]]; then
       # (1) llama.cpp decode alone: tg128 from an empty context and after a 128-token context (-d 128: the
       # prompt length here); -r 2 samples per call, the repeats give the rest
       timed "r$r-t$t-llama-bench" "$LB/llama-bench" -m "$TF" -p 0 -n $PEER_NEW -d 0,128 -t "$t" -r 2 \
@@ -169,6 +188,13 @@ PYEOF
       timed "r$r-t$t-redwood" $R bench standalone --model "$TF" --draft-model "$DF" --prompts-file "$P/prompt.txt" \
           --prefix-len 128 --gen-len $PEER_NEW --gamma 3 --batch-size 1 --threads "$t" --weights auto \
           --output "$P/r$r-t$t-redwood" -q || fails=$((fails + 1))
+      fi
+      [[ " $PEER_PARTS " == *" pp "* ]] || continue
+      # (4) prompt processing, 512 random tokens in one forward: llama-bench's pp512 (-r 2 samples a call) and
+      # redwood's prefill through the C++ layers (the kquant build this level picks; the model loaded once, 2 rounds)
+      timed "r$r-t$t-llama-pp" "$LB/llama-bench" -m "$TF" -p 512 -n 0 -t "$t" -r 2 -o json || fails=$((fails + 1))
+      timed "r$r-t$t-redwood-pp" "$PY" "$REPO/benchmarks/cpu_variants.py" --model "$TF" --prompt 512 --decode 0 \
+          --threads "$t" --rounds 2 --variants "$KQ" --json "$P/r$r-t$t-redwood-pp.json" || fails=$((fails + 1))
     done
   done
   "$PY" - "$P" <<'PYEOF' | tee "$P/summary.md"
@@ -205,11 +231,16 @@ for name, when, load, wall, rc, *rest in runs:
         continue
     r, t, tool = re.match(r"r(\d+)-t(\d+)-(.+)", name).groups()
     out, err = (P / f"{name}.out").read_text(), (P / f"{name}.err").read_text()
-    if tool == "llama-bench":
+    if tool in ("llama-bench", "llama-pp"):
         for b in json.loads(out):
             quant = f"{b['model_type']}, {b['model_size'] / 2**30:.2f} GiB"
+            mode = f"pp{b['n_prompt']}" if b["n_gen"] == 0 else f"AR llama-bench tg{b['n_gen']} @ d{b['n_depth']}"
             for s in b["samples_ts"]:
-                add(("llama.cpp", f"AR llama-bench tg{b['n_gen']} @ d{b['n_depth']}", t), s)
+                add(("llama.cpp", mode, t), s)
+    elif tool == "redwood-pp":
+        for row in json.loads((P / f"{name}.json").read_text())["rows"]:
+            for pre, _ in row["passes_s"]:
+                add(("redwood", f"pp512 ({row['build']})", t), 512 / pre)
     elif tool == "llama-ar":
         prompt_tokens(re.search(r"prompt eval time =.*?/\s*(\d+) tokens", err).group(1), "llama-completion")
         m = re.search(r":\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs", err)  # (not "prompt eval time")
@@ -238,7 +269,8 @@ med = {k: median(v["tok_s"]) for k, v in rows.items()}
 table = []
 order = {"llama.cpp": 0, "redwood": 1}
 for (eng, mode, t), v in sorted(rows.items(), key=lambda kv: (int(kv[0][2]), order[kv[0][0]], kv[0][1])):
-    base = med.get(("llama.cpp", "AR (prompt, 128 new)", t))
+    # prompt processing against llama.cpp's pp512, the rest against llama.cpp's AR on the prompt
+    base = med.get(("llama.cpp", "pp512" if mode.startswith("pp") else "AR (prompt, 128 new)", t))
     rw_ar = med.get(("redwood", "AR (prompt, 128 new)", t))
     m = med[(eng, mode, t)]
     known = [o for o in v["others"] if o is not None]
@@ -258,7 +290,7 @@ print(f"\nllama.cpp reads the file as: {quant}; load average (1 min) before the 
          if oth else ""))
 f = lambda x, d=2: "" if x is None else f"{x:.{d}f}"
 print("\n| engine | mode | threads | tok/s median | all runs | others' cores | quiet median (n) | acceptance "
-      "| × llama.cpp AR | × redwood AR | = AR |")
+      "| × llama.cpp AR (pp: its pp512) | × redwood AR | = AR |")
 print("|---|---|---|---|---|---|---|---|---|---|---|")
 for row in table:
     print(f"| {row['engine']} | {row['mode']} | {row['threads']} | {row['tok_s_median']:.2f} | "

@@ -9,12 +9,13 @@ with the C++ layers off (`ExecutionConfig(cpu_fused=False)`: the Python layers a
 reported as the build "python" (its logits differ within float32 rounding: not checked).
 
 Usage: PYTHONPATH=src python benchmarks/cpu_variants.py [--model qwen2.5-coder-1.5b-instruct] [--prompt 496]
-    [--decode 32] [--threads 1 2] [--rounds 2] [--variants avx512 avx2 portable] [--python-layers]
+    [--decode 32] [--threads 1 2] [--rounds 2] [--variants avx512 avx2 portable] [--python-layers] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -33,7 +34,9 @@ def one_pass(model, ids: torch.Tensor, decode: int) -> tuple[float, float, torch
     with torch.inference_mode():
         cache = model.new_cache(1, P + decode + 1)
         t0 = time.perf_counter()
-        logits = [model(ids, torch.arange(P)[None], cache)[:, -1:]]
+        # (logits of the last prompt position only, as the engine's prefill asks for: the head is not prompt
+        # processing)
+        logits = [model(ids, torch.arange(P)[None], cache, logits_at=torch.tensor([[P - 1]]))]
         cache.commit(P)
         t1 = time.perf_counter()
         for i in range(decode):
@@ -53,12 +56,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--variants", nargs="+", default=None, help="default: every build this CPU runs")
     ap.add_argument("--python-layers", action="store_true", help="also the first build with the C++ layers off")
+    ap.add_argument("--json", default=None, help="also write every pass's seconds and the medians here")
     args = ap.parse_args()
     builds = args.variants or [v for v in kquant.supported() if kquant.variant_unavailable(v) is None]
     names = builds + (["python"] if args.python_layers else [])
     model = load_model(args.model, weights="auto").model
     print(f"model {args.model} ({model.weights}); builds {', '.join(names)}; CPU threads {args.threads}")
     ids = torch.randint(100, 20000, (1, args.prompt), generator=torch.Generator().manual_seed(0))
+    for name in names:  # warm-up, not timed: a build not yet cached compiles on its first call
+        os.environ[envs.CPU_KERNEL] = builds[0] if name == "python" else name
+        model.set_execution(ExecutionConfig(cpu_fused=name != "python"))
+        one_pass(model, ids[:, :16], 1)
     times: dict[tuple[str, int], list[tuple[float, float]]] = {}
     first = None
     for r in range(args.rounds):
@@ -74,11 +82,25 @@ def main() -> None:
                 same = "not checked" if name == "python" else torch.equal(logits, first)
                 print(f"round {r} threads {n} {name}: prefill {pre:.2f} s, decode {dec:.2f} s, logits equal: {same}")
     print(f"\n| build | threads | prompt tok/s ({args.prompt}) | decode tok/s ({args.decode}) |\n|---|---|---|---|")
+    rows = []
     for n in args.threads:
         for name in names:
             pre = statistics.median(t[0] for t in times[(name, n)])
             dec = statistics.median(t[1] for t in times[(name, n)])
-            print(f"| {name} | {n} | {args.prompt / pre:.1f} | {args.decode / dec:.1f} |")
+            dec_rate = args.decode / dec if args.decode else None  # (--decode 0: prompt processing alone)
+            rows.append(
+                {
+                    "build": name,
+                    "threads": n,
+                    "prompt_tok_s": args.prompt / pre,
+                    "decode_tok_s": dec_rate,
+                    "passes_s": times[(name, n)],
+                }
+            )
+            print(f"| {name} | {n} | {args.prompt / pre:.1f} | {'' if dec_rate is None else f'{dec_rate:.1f}'} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "prompt": args.prompt, "decode": args.decode, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -45,9 +45,13 @@ serve() {  # serve LOG FLAGS...: start `redwood serve` in the background, wait f
   echo "SERVER NEVER HEALTHY" >&2; tail -20 "$log" >&2; return 1
 }
 metrics() {  # metrics FILE: the server's speculation counters now (plan steps, accepted tokens): cumulative —
-  # each level's file holds the totals since the server started (the level before's subtracted by hand)
+  # each level's file holds the totals since the server started (the level before's subtracted by hand); and beside
+  # it policy.json, the policy's own report (GET /speculation: under auto, expected vs achieved tokens, realized
+  # ratios, measured / predicted step times per family and bucket)
   python3 -c "import httpx; print(httpx.get('$URL/metrics', timeout=10).text)" 2>/dev/null \
     | grep -E '^redwood:(spec_decode|num_preemptions|prompt_tokens|generation_tokens)' >"$1" || true
+  python3 -c "import httpx; print(httpx.get('$URL/speculation', timeout=30).text)" >"$(dirname "$1")/policy.json" \
+    2>/dev/null || true
 }
 stop() {  # SIGTERM drains (running requests finish), then the process exits
   if [ -n "$SERVER" ]; then kill -TERM $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true; SERVER=; fi

@@ -157,11 +157,12 @@ def test_rows_are_exact_at_any_m_position_and_thread_count(type_name, shape, kqu
     N, K = shape
     rows = random_blocks(type_name, N, K, seed=N * K)
     packed = kquant.pack(rows, type_name)
-    x = activations(17, K, seed=N)
-    ones = torch.cat([kquant.kquant_linear(x[i : i + 1], packed, type_name) for i in range(17)])
-    for m in list(range(1, 10)) + [17]:  # row tiles (8 or 4 rows) and their tails
+    x = activations(40, K, seed=N)
+    ones = torch.cat([kquant.kquant_linear(x[i : i + 1], packed, type_name) for i in range(40)])
+    # row tiles (8 or 4 rows) and their tails; passes over the weights of 16 rows (KQ_M_CHUNK) and their tails
+    for m in list(range(1, 10)) + [16, 17, 33, 40]:
         assert torch.equal(kquant.kquant_linear(x[:m], packed, type_name), ones[:m]), m
-    for start, end in ((3, 12), (5, 6), (1, 17)):  # rows in other tile positions
+    for start, end in ((3, 12), (5, 6), (1, 17), (13, 40)):  # rows in other tile and pass positions
         assert torch.equal(kquant.kquant_linear(x[start:end], packed, type_name), ones[start:end])
     threads = torch.get_num_threads()
     try:

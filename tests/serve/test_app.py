@@ -262,6 +262,7 @@ def test_models_health_metrics_and_page(server_url, client):
     metrics = httpx.get(server_url + "/metrics", timeout=10)
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
     assert "redwood:num_requests_running" in metrics.text
+    assert httpx.get(server_url + "/speculation", timeout=10).json() == {"policy": "off"}  # (no drafter)
     page = httpx.get(server_url + "/", timeout=10)
     assert page.status_code == 200 and page.headers["content-type"] == "text/html; charset=utf-8"
     assert "<html" in page.text.lower()

@@ -85,6 +85,7 @@ def test_auto_policy_server_matches_offline_autoregressive_and_counts_its_plans(
             r = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
             assert r["choices"][0]["text"] == w.text
         m = httpx.get(server.url + "/metrics", timeout=10).text
+        spec = httpx.get(server.url + "/speculation", timeout=10).json()
     finally:
         server.stop(timeout=30)
     plans = [line for line in m.splitlines() if line.startswith("redwood:spec_decode_plan_steps_total{")]
@@ -92,3 +93,11 @@ def test_auto_policy_server_matches_offline_autoregressive_and_counts_its_plans(
     assert any('plan="ar"' in line for line in plans)
     assert 'drafter="ngram@t0"' in m
     assert list((tmp_path / "costs").glob("*.json"))  # the calibration went to the server's REDWOOD_HOME
+    # /speculation: the policy's report, its plan counts those /metrics counted
+    assert spec["policy"] == "auto"
+    report = spec["report"]
+    assert sum(report["plans"].values()) > 0 and "ar" in report["plans"]
+    assert report["expected_tokens_per_step"] >= 1.0 and report["achieved_tokens_per_step"] >= 1.0
+    for key, ratio in report["measured_over_predicted"].items():  # "family@bucket" → a positive ratio
+        family, bucket = key.rsplit("@", 1)
+        assert family and int(bucket) >= 1 and ratio > 0

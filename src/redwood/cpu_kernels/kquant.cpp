@@ -45,17 +45,24 @@ constexpr int64_t kQ4K = 12;   // ggml type ids
 constexpr int64_t kQ6K = 14;
 constexpr int kQ4KFile = 144, kQ4KPacked = 148, kQ6KBytes = 210;
 #ifndef KQ_ROW_TILE
-#if defined(KQ_ISA_AVX512)
+// 8 in every build: on AVX2 too, though 8 rows' accumulators (16 ymm) spill — the weight side (decoding a
+// block's nibbles, its scales) costs more than the spills: 8 rows against 4 took 162 / 191 ms at M = 8 and 335 /
+// 388 at M = 16 on the 1.5B's matrices (benchmarks/cpu_kquant.py --isa avx2; 2 rows: 1.4× slower than 4)
 #define KQ_ROW_TILE 8
-#else
-#define KQ_ROW_TILE 4  // (16 ymm registers: 4 rows' accumulators are 8 of them)
-#endif
 #endif
 constexpr int kRowTile = KQ_ROW_TILE;  // activation rows sharing one pass over a weight row (no effect on results)
 #ifndef KQ_PREFETCH
 #define KQ_PREFETCH 2048
 #endif
 constexpr int kPrefetch = KQ_PREFETCH;  // bytes ahead of the super-block being read that are prefetched
+#ifndef KQ_M_CHUNK
+#define KQ_M_CHUNK 16
+#endif
+// Activation rows a pass over the weight matrix takes at most (0: all). A prefill chunk of hundreds of rows would
+// stream all of its quantized activations (up to M × 8,960 bytes for the MLP's down projection: megabytes, out of
+// L2) once for every weight row; in chunks of this many rows they stay in L2 while the weights — re-read once per
+// chunk, from L3 or DRAM — stream past. Which outputs a pass computes changes, not how: the same bits.
+constexpr int64_t kMChunk = KQ_M_CHUNK;
 
 // kernel position p (0..255) <- value index 16·l + 4·c + t, where p = 64·c + 4·l + t
 inline int value_at(int p) { return 16 * ((p & 63) >> 2) + 4 * (p >> 6) + (p & 3); }
@@ -178,18 +185,24 @@ void matmul_rows(const float* x, int64_t M, int64_t k_in, int64_t ldx, const uin
   }
   const QuantRows a = quantize(x, M, K);
   RowsFn fns[8];
-  static_assert(kRowTile == 4 || kRowTile == 8, "row tiles of 4 or 8");
+  static_assert(kRowTile == 2 || kRowTile == 3 || kRowTile == 4 || kRowTile == 8, "row tiles of 2, 3, 4 or 8");
   if constexpr (kRowTile == 8) RowFns<1, 2, 3, 4, 5, 6, 7, 8>::fill(type, fns);
-  else RowFns<1, 2, 3, 4>::fill(type, fns);
-  parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* wrow = wp + n * row_bytes;
-      for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
-        const int64_t rows = std::min<int64_t>(kRowTile, M - m0);
-        fns[rows - 1](wrow, nb, a, m0, K, op + m0 * ldo + n, ldo);
+  else if constexpr (kRowTile == 4) RowFns<1, 2, 3, 4>::fill(type, fns);
+  else if constexpr (kRowTile == 3) RowFns<1, 2, 3>::fill(type, fns);
+  else RowFns<1, 2>::fill(type, fns);
+  const int64_t chunk = kMChunk > 0 ? kMChunk : M;
+  for (int64_t c0 = 0; c0 < M; c0 += chunk) {
+    const int64_t c1 = std::min(M, c0 + chunk);
+    parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        const uint8_t* wrow = wp + n * row_bytes;
+        for (int64_t m0 = c0; m0 < c1; m0 += kRowTile) {
+          const int64_t rows = std::min<int64_t>(kRowTile, c1 - m0);
+          fns[rows - 1](wrow, nb, a, m0, K, op + m0 * ldo + n, ldo);
+        }
       }
-    }
-  });
+    });
+  }
 }
 
 // The kernel's layouts, from the file's (positions p = kernel order, `value_at`):

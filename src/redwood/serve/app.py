@@ -120,6 +120,14 @@ def create_app(
     async def metrics_route():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/speculation")
+    async def speculation():
+        # the speculation policy's state (not an OpenAI route: redwood's own, like /metrics)
+        try:
+            return await state.loop.speculation_report()
+        except EngineFailed as e:
+            raise APIError(503, str(e), code="engine_failed") from None
+
     @app.get("/")
     async def playground():
         page = resources.files("redwood.serve").joinpath("static", "playground.html")

@@ -61,6 +61,11 @@ class _Add:
     done: asyncio.Future  # → None, or the RedwoodError that rejected the group
 
 
+@dataclass
+class _Report:
+    done: asyncio.Future  # → the speculation report (`EngineLoop.speculation_report`)
+
+
 class EngineLoop:
     """Steps `engine` on a background thread; `submit` / `abort` from the event loop.
 
@@ -137,6 +142,17 @@ class EngineLoop:
             self._in_flight -= len(items)
             raise error
         return handles
+
+    async def speculation_report(self) -> dict:
+        """What the engine's speculation policy holds now, read on the engine thread between two steps: the
+        policy ("auto", "fixed" or "off"), under auto its report (plans, expected vs achieved tokens, the
+        acceptance it plans with, realized ratios, measured / predicted step times), and `capture_s`, the seconds
+        of CUDA-graph captures so far (absent while none)."""
+        if self.fatal is not None or self._thread is None or not self._thread.is_alive():
+            raise EngineFailed("the engine is not running")
+        done = self._loop.create_future()
+        self._send(_Report(done))
+        return await done
 
     def _orphaned(self, handles: list[RequestHandle], error) -> None:
         if error is None:
@@ -223,6 +239,8 @@ class EngineLoop:
             command = self._commands.popleft()
             if isinstance(command, _Add):
                 self._add(command)
+            elif isinstance(command, _Report):
+                self._report(command)
             else:
                 _, rid = command
                 if self._handles.pop(rid, None) is not None:
@@ -246,6 +264,19 @@ class EngineLoop:
                 self._handles.pop(rid, None)
                 self.engine.abort(rid, notify=False)
         self._loop.call_soon_threadsafe(_resolve, command.done, error)
+
+    def _report(self, command: _Report) -> None:
+        policy = getattr(self.engine, "policy", None)
+        if policy is None:
+            body = {"policy": "unknown"}  # (an engine without a policy object here: tensor-parallel drivers)
+        elif policy.auto:
+            body = {"policy": "auto", "report": policy.report()}
+        else:
+            body = {"policy": "fixed" if policy.drafters else "off"}
+        capture_s = getattr(self.engine, "capture_s", None)
+        if capture_s:  # one-time CUDA-graph captures so far (seconds the steps' timings leave out)
+            body["capture_s"] = round(capture_s, 3)
+        self._loop.call_soon_threadsafe(_resolve_value, command.done, body)
 
     def _fail_all(self, error: Exception) -> None:
         failed = EngineFailed(f"the engine failed: {type(error).__name__}: {error}")
@@ -278,3 +309,8 @@ class EngineLoop:
 def _resolve(future: asyncio.Future, error) -> None:
     if not future.done():
         future.set_result(error)
+
+
+def _resolve_value(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)

@@ -192,6 +192,11 @@ class CostModel:
             return math.exp(min(near)[1] if near else 0.0)
         return math.exp(got[0])
 
+    def snapshot(self) -> dict[str, float]:
+        """The learnt measured / predicted step-time ratios per family and batch bucket ("family@bucket"; the
+        catch-up's as "catch-up@bucket") — how far the calibration was off on the steps that ran."""
+        return {f"{f}@{b}": round(math.exp(v[0]), 3) for (f, b), v in sorted(self._log_ratio.items())}
+
     def _blend(self, ratios: dict, key, r: float) -> None:
         """Fold log-ratio r into ratios[key]: the old value keeps `decay`, less for every step since it was
         last updated (a plan probed once in a while is costed by its probe, not by what it measured long ago

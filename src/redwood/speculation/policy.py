@@ -408,4 +408,5 @@ class AutoPolicy:
             "acceptance": self.acceptance.snapshot(),
             "realized": {f: round(r.ratio, 3) for f, r in sorted(self.realized.items())},
             "draftless_scored": {s.name: s.scored for s in self.shadows},
+            "measured_over_predicted": self.costs.snapshot() if self.costs is not None else {},
         }
