@@ -57,8 +57,8 @@ def test_auto_takes_the_fastest_build_the_cpu_runs(fake_cpu, monkeypatch):
     assert kquant.supported() == ["avx512", "avx2", "portable"]
     fake_cpu(AVX2)
     assert kquant.variant() == "avx2" and kquant.supported() == ["avx2", "portable"]
-    fake_cpu(ALDER_LAKE)  # avxvnni runs there, but auto does not pick it yet (kquant's docstring)
-    assert kquant.variant() == "avx2" and kquant.supported() == ["avxvnni", "avx2", "portable"]
+    fake_cpu(ALDER_LAKE)  # AVX-VNNI without AVX-512: the 256-bit VNNI build
+    assert kquant.variant() == "avxvnni" and kquant.supported() == ["avxvnni", "avx2", "portable"]
     fake_cpu({"sse2", "avx"})  # no AVX2
     assert kquant.variant() == "portable" and kquant.available()
     fake_cpu(GRAVITON2)  # ARM with DOTPROD; without it (ARMv8.0), or no flags read at all: portable

@@ -12,9 +12,10 @@ and portable (plain C++, any CPU) — each its own extension (`redwood_cpu_kquan
 operator namespace (`redwood_kq_<variant>`), so several can load in one process. They share one packed layout
 and compute the same bits (tested). The fastest the CPU runs (its /proc/cpuinfo flags under REDWOOD_CPU_ISA:
 `isa`) is chosen once, on first use: `AUTO` in order, a variant whose build fails warning once and giving way to
-the next. REDWOOD_CPU_KERNEL forces one (`envs`; one the CPU lacks is a ConfigError). avxvnni is never chosen by
-auto yet: it has not run on an AVX-VNNI CPU (it builds and is forced like the others). `variant()` names the
-choice; every caller reaches the operators through `ops()`.
+the next. REDWOOD_CPU_KERNEL forces one (`envs`; one the CPU lacks is a ConfigError). avxvnni comes after avx512
+(a CPU with both runs the 512-bit one) and before avx2: it has run on an AVX-VNNI CPU (the GPU host's Xeon, session
+28: its core and its operators bit-equal to avx512's, avx2's and portable's; its speed against avx2 there is not
+measured yet). `variant()` names the choice; every caller reaches the operators through `ops()`.
 
 The kernel is C++ compiled with the machine's g++ the first time it is needed (tens of seconds a variant, then
 cached by torch.utils.cpp_extension under TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). `available()`
@@ -58,7 +59,7 @@ VARIANTS: dict[str, tuple[tuple[str, ...], list[str]]] = {
     "neon": (("asimddp",), ["-march=armv8.2-a+dotprod"]),  # (aarch64: /proc/cpuinfo's Features)
     "portable": ((), []),
 }
-AUTO = ("avx512", "avx2", "neon", "portable")  # what auto tries, in order (avxvnni: forced only, module docstring)
+AUTO = ("avx512", "avxvnni", "avx2", "neon", "portable")  # what auto tries, in order
 # every variant: -ffp-contract=off (no multiply-add fused unless written so: the variants' bits agree)
 _COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 SOURCES = ("kquant.cpp", "layer.cpp", "ops.cpp")  # (kquant.cpp, layer.cpp: the torch-free core; ops.cpp: the ops)
