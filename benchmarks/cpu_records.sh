@@ -155,9 +155,8 @@ PYEOF
          "$("$LB/llama-completion" --version 2>&1 | tr '\n' ' ')"
     echo "target: $TF ($(stat -c %s "$TF") bytes)"; echo "draft: $DF ($(stat -c %s "$DF") bytes)"
   } | tee "$P/machine.txt"
-  # the kquant build redwood's prompt processing runs: the first `auto` would pick among those the CPU runs
-  # (under the level's cap)
-  KQ=$("$PY" -c 'from redwood.cpu_kernels import kquant as k; print([v for v in k.AUTO if v in k.supported()][0])')
+  # the kquant build redwood's prompt processing runs: the one `auto` picks (under the level's cap)
+  KQ=$("$PY" -c 'from redwood.cpu_kernels import kquant; print(kquant.variant())')
   echo "level: $LLAMACPP_LEVEL (llama.cpp $BUILD; redwood kquant build $KQ, REDWOOD_CPU_ISA=${REDWOOD_CPU_ISA:-native})" \
       | tee -a "$P/machine.txt"
   : >"$P/runs.tsv"

@@ -63,9 +63,13 @@ def main() -> None:
     model = load_model(args.model, weights="auto").model
     print(f"model {args.model} ({model.weights}); builds {', '.join(names)}; CPU threads {args.threads}")
     ids = torch.randint(100, 20000, (1, args.prompt), generator=torch.Generator().manual_seed(0))
-    for name in names:  # warm-up, not timed: a build not yet cached compiles on its first call
+
+    def use(name: str) -> None:  # the build (or the Python layers over the first build) the next pass runs
         os.environ[envs.CPU_KERNEL] = builds[0] if name == "python" else name
         model.set_execution(ExecutionConfig(cpu_fused=name != "python"))
+
+    for name in names:  # warm-up, not timed: a build not yet cached compiles on its first call
+        use(name)
         one_pass(model, ids[:, :16], 1)
     times: dict[tuple[str, int], list[tuple[float, float]]] = {}
     first = None
@@ -73,8 +77,7 @@ def main() -> None:
         for n in args.threads:
             torch.set_num_threads(n)
             for name in names:
-                os.environ[envs.CPU_KERNEL] = builds[0] if name == "python" else name
-                model.set_execution(ExecutionConfig(cpu_fused=name != "python"))
+                use(name)
                 pre, dec, logits = one_pass(model, ids, args.decode)
                 times.setdefault((name, n), []).append((pre, dec))
                 if first is None:

@@ -159,7 +159,7 @@ def test_rows_are_exact_at_any_m_position_and_thread_count(type_name, shape, kqu
     packed = kquant.pack(rows, type_name)
     x = activations(40, K, seed=N)
     ones = torch.cat([kquant.kquant_linear(x[i : i + 1], packed, type_name) for i in range(40)])
-    # row tiles (8 or 4 rows) and their tails; passes over the weights of 16 rows (KQ_M_CHUNK) and their tails
+    # row tiles (8 rows; 4 where a build is made with KQ_ROW_TILE=4) and their tails; passes over the weights of 16 rows (KQ_M_CHUNK) and their tails
     for m in list(range(1, 10)) + [16, 17, 33, 40]:
         assert torch.equal(kquant.kquant_linear(x[:m], packed, type_name), ones[:m]), m
     for start, end in ((3, 12), (5, 6), (1, 17), (13, 40)):  # rows in other tile and pass positions
@@ -298,7 +298,7 @@ def test_each_build_runs_its_own_code(kquant_variant):
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
 def test_every_variant_gives_the_same_bits(type_name):
-    """Against the first (fastest) variant: packing, the product at M = 1..9 and 17 (row tiles of 8 and of 4),
+    """Against the first (fastest) variant: packing, the product at M = 1..9 and 17 (row tiles of 8 and their tails),
     rows of zeros and ties, outliers, large and tiny scales, and weights at the extremes of the AVX2 saturation bound
     (every q at its maximum against activations of ±127)."""
     names = [v for v in kquant.supported() if kquant.variant_unavailable(v) is None]

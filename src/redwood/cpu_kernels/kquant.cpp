@@ -185,11 +185,9 @@ void matmul_rows(const float* x, int64_t M, int64_t k_in, int64_t ldx, const uin
   }
   const QuantRows a = quantize(x, M, K);
   RowsFn fns[8];
-  static_assert(kRowTile == 2 || kRowTile == 3 || kRowTile == 4 || kRowTile == 8, "row tiles of 2, 3, 4 or 8");
+  static_assert(kRowTile == 4 || kRowTile == 8, "row tiles of 4 or 8");
   if constexpr (kRowTile == 8) RowFns<1, 2, 3, 4, 5, 6, 7, 8>::fill(type, fns);
-  else if constexpr (kRowTile == 4) RowFns<1, 2, 3, 4>::fill(type, fns);
-  else if constexpr (kRowTile == 3) RowFns<1, 2, 3>::fill(type, fns);
-  else RowFns<1, 2>::fill(type, fns);
+  else RowFns<1, 2, 3, 4>::fill(type, fns);
   const int64_t chunk = kMChunk > 0 ? kMChunk : M;
   for (int64_t c0 = 0; c0 < M; c0 += chunk) {
     const int64_t c1 = std::min(M, c0 + chunk);

@@ -266,17 +266,15 @@ class EngineLoop:
         self._loop.call_soon_threadsafe(_resolve, command.done, error)
 
     def _report(self, command: _Report) -> None:
-        policy = getattr(self.engine, "policy", None)
-        if policy is None:
-            body = {"policy": "unknown"}  # (an engine without a policy object here: tensor-parallel drivers)
-        elif policy.auto:
+        policy = self.engine.policy
+        if policy.auto:
             body = {"policy": "auto", "report": policy.report()}
         else:
             body = {"policy": "fixed" if policy.drafters else "off"}
-        capture_s = getattr(self.engine, "capture_s", None)
+        capture_s = self.engine.capture_s
         if capture_s:  # one-time CUDA-graph captures so far (seconds the steps' timings leave out)
             body["capture_s"] = round(capture_s, 3)
-        self._loop.call_soon_threadsafe(_resolve_value, command.done, body)
+        self._loop.call_soon_threadsafe(_resolve, command.done, body)
 
     def _fail_all(self, error: Exception) -> None:
         failed = EngineFailed(f"the engine failed: {type(error).__name__}: {error}")
@@ -306,11 +304,8 @@ class EngineLoop:
             self.observer.on_step(self)
 
 
-def _resolve(future: asyncio.Future, error) -> None:
-    if not future.done():
-        future.set_result(error)
-
-
-def _resolve_value(future: asyncio.Future, value) -> None:
+def _resolve(future: asyncio.Future, value) -> None:
+    """(event loop) Complete a command's future with its answer — an error or None for `_Add`, the report for
+    `_Report` — unless its waiter is gone."""
     if not future.done():
         future.set_result(value)
