@@ -6,7 +6,7 @@ mkdir -p "$OUT"
 if [ -d .whl ] && ! python3 -c "import fastapi, uvicorn, gguf" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
 fi
-export PYTHONPATH=/tmp/site:src:. PYTHONUNBUFFERED=1 REDWOOD_HOME=${REDWOOD_HOME:-$PWD/.stage/home}
+export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:src:. PYTHONUNBUFFERED=1 REDWOOD_HOME=${REDWOOD_HOME:-$PWD/.stage/home}
 T=${TARGET:-/root/t.gguf}
 D=${DRAFT:-/root/d.gguf}
 if [ ! -f "$T" ] && ls /root/stage/t?? >/dev/null 2>&1; then cat /root/stage/t?? > "$T"; fi

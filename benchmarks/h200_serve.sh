@@ -14,7 +14,8 @@
 # LONG_MIN / LONG_MAX (output tokens drawn from, default 256 / 512), SPEC_FLAGS (the self-speculation,
 # default streaming 512 γ 3), GPU_FLAGS (default --dtype bfloat16 --device cuda), CHAT_N (MT-Bench questions, default 16), CHAT_FLAGS (the draft-model flags),
 # RAMP_SIDES (ar fixed auto) / RAMP_LEN / RAMP_LEVELS / RAMP_TOKENS / RAMP_AUTO (the ramp step: prompt tokens, default 16384; concurrency levels,
-# default 1 4 16 32 64; output tokens, default 256; the automatic policy's drafter flags, default streaming 512).
+# default 1 4 16 32 64; output tokens, default 256; the automatic policy's drafter flags, default streaming 512;
+# RAMP_PROFILE=1: py-spy records the server's stacks during each level, ramp-*/pyspy.txt — carry its wheel in .whl).
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
 . "$(dirname "$0")/h200_env.sh"  # wheels, PYTHONPATH, REDWOOD_HOME, the staged GGUFs → T, D; R, run
@@ -121,9 +122,16 @@ ramp)  # issue 40 item 2: a load ramping from 1 to 64 concurrent long-context re
     run $R bench serve --base-url "$URL" --tokenizer "$T" --prompt-len $rlen --num-requests $top \
         --max-concurrency $top --max-tokens 24 --ignore-eos --prompt-seed 99 --json >/dev/null
     for c in $levels; do
+      spy=
+      if [ -n "${RAMP_PROFILE:-}" ]; then  # the server's Python stacks during the level (py-spy, collapsed)
+        mkdir -p "$OUT/ramp-$side-c$c"
+        py-spy record --pid $SERVER --rate 100 --nonblocking --format raw \
+            --output "$OUT/ramp-$side-c$c/pyspy.txt" >"$OUT/ramp-$side-c$c/pyspy.log" 2>&1 & spy=$!
+      fi
       run $R bench serve --base-url "$URL" --tokenizer "$T" --label "ramp-$side-c$c" --prompt-len $rlen \
           --num-requests $((2 * c)) --max-concurrency $c --max-tokens $rtok --ignore-eos \
           --output "$OUT/ramp-$side-c$c" | tail -4
+      if [ -n "$spy" ]; then kill -INT $spy; wait $spy || true; fi
       metrics "$OUT/ramp-$side-c$c/metrics.txt"
     done
     stop

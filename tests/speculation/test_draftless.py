@@ -61,6 +61,39 @@ def test_the_index_grows_incrementally_as_a_whole_rebuild_would():
         assert ix.propose(3) == index(tokens[: i + 1], 1, 3).propose(3)
 
 
+def _reference_proposal(tokens, k, lo, hi):
+    """Prompt lookup written plainly: the longest suffix of hi..lo tokens at its latest earlier occurrence."""
+    ends = {}
+    for L in range(len(tokens)):
+        for n in range(lo, min(hi, L) + 1):
+            ends[tuple(tokens[L - n : L])] = L
+    for n in range(min(hi, len(tokens)), lo - 1, -1):
+        end = ends.get(tuple(tokens[len(tokens) - n :]))
+        if end is not None:
+            out = []
+            for j in range(k):
+                i = end + j
+                out.append(tokens[i] if i < len(tokens) else out[i - len(tokens)])
+            return out
+    return []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bulk_and_token_by_token_indexing_propose_as_the_plain_definition(seed):
+    """The index hashes n-grams into ints and indexes a long addition (a prompt) in one vectorized pass: whatever
+    the sizes of the additions, its proposals are the plain definition's (token ids up to a large vocabulary's)."""
+    rng = random.Random(seed)
+    vocab = rng.choice([3, 7, 151_936])
+    tokens = [rng.randrange(vocab) if vocab > 7 and rng.random() < 0.5 else rng.randrange(4) for _ in range(400)]
+    lo, hi = rng.choice([(1, 3), (2, 4), (3, 6)])
+    ix, pos = NgramIndex(lo, hi), 0
+    while pos < len(tokens):
+        step = rng.choice([1, 2, 63, 64, 150])
+        ix.extend(tokens[pos : pos + step])
+        pos = min(pos + step, len(tokens))
+        assert ix.propose(5) == _reference_proposal(tokens[:pos], 5, lo, hi), pos
+
+
 def test_bad_sizes_are_config_errors():
     with pytest.raises(ConfigError, match="ngram_min"):
         NgramIndex(0, 3)

@@ -300,3 +300,46 @@ def test_a_row_near_its_limit_expects_no_more_than_it_may_emit():
     p.acceptance.seed("ngram", 0.0, [0.9] * 8, weight=1e6)
     e = p.expected_by_gamma("ngram", [Row(0, remaining=3)])
     assert e[2] == pytest.approx(1 + 0.9 + 0.81, rel=1e-3) and e[8] == pytest.approx(e[2])
+
+
+def test_a_plan_not_captured_at_the_bucket_runs_only_where_it_repays_the_capture():
+    """With CUDA graphs, a plan that has not run at a batch bucket captures (and compiles) first — about a second on
+    an H100, measured by the policy from the steps that captured. The best plan, if not captured, must save more
+    than that capture over the tokens the rows still emit, against the best captured plan; otherwise the captured
+    one runs. Before any capture was measured the margin rule alone decides."""
+    flat = ForwardCurve([1, 16], 16, 1040, [1.0, 1.0], [1.0, 1.0])  # verifies cost what a plain step does
+    p = AutoPolicy([Draftless()], margin=0.0, graphs=True)
+    p.costs = CostModel(CostTable(flat))
+    p.acceptance.seed("ngram", 0.0, [0.9] * 8, weight=1e6)
+    g2 = next(c for c in p.candidates if c.name == "ngram γ2")
+    p.current = g2
+    p.observe([Row(0)], Plan(g2, expected_tokens=2.71), [_tokens(7, 8, 9)], 1.0, 1, capture_s=5.0)
+    p.observe([Row(0)], Plan(AR, expected_tokens=1.0), [_tokens(7)], 1.0, 1, capture_s=3.0)
+    assert p.capture_cost == pytest.approx(0.7 * 5.0 + 0.3 * 3.0)  # (a decayed mean)
+    # 8 tokens left: γ 7 saves 8 / 2.71 − 8 / 5.3 ≈ 1.4 s < 4.4 s of capture — γ 2 (captured) runs
+    assert p.plan([Row(0, remaining=8)], 1).name == "ngram γ2"
+    # 1,000 tokens left: γ 8 saves ~200 s — captured
+    assert p.plan([Row(0, remaining=1000)], 1).name == "ngram γ8"
+    # without graphs nothing is captured: the best runs at once
+    q = AutoPolicy([Draftless()], margin=0.0)
+    q.costs, q.current, q.capture_cost = CostModel(CostTable(flat)), g2, 4.4
+    q.acceptance.seed("ngram", 0.0, [0.9] * 8, weight=1e6)
+    assert q.plan([Row(0, remaining=8)], 1).name == "ngram γ7"
+
+
+def test_a_probe_runs_its_familys_captured_plan_at_the_bucket():
+    """A probe measures a family; under CUDA graphs it runs the family's best plan already captured at the bucket
+    (no capture for one step), and its best plan only where none is."""
+    lin = ForwardCurve([1, 2, 4, 8, 16], 16, 1040, [1, 2, 4, 8, 16], [1, 2, 4, 8, 16])
+    p = AutoPolicy([ModelDraft(), Draftless()], margin=0.0, graphs=True)
+    p.costs = CostModel(CostTable(lin, lin))
+    p.acceptance.seed("draft", 0.0, [0.1] * 8, weight=1e6)
+    p.acceptance.seed("ngram", 0.0, [0.0] * 8, weight=1e6)
+    p._captured |= {("ar", 1), ("draft γ3", 1)}
+    probes = {}
+    for _ in range(PROBE_EVERY + 2):
+        plan = p.plan([Row(0)], 1)
+        if plan.probe:
+            probes[plan.family] = plan.name
+    assert probes["draft"] == "draft γ3"  # (its best by score is γ 1)
+    assert probes["ngram"] == "ngram γ1"  # nothing of ngram's captured at bucket 1: its best

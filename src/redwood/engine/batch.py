@@ -72,6 +72,7 @@ class StepResult:
     plan: object | None = None
     timed: bool = False
     catch_up_s: float = 0.0  # of step_s: the draft model catching up on tokens other plans committed
+    capture_s: float = 0.0  # the decoding step's one-time graph captures (left out of step_s)
 
 
 def logprob_rows(rows: list[DecodeRow], lp: tuple[torch.Tensor, ...]) -> dict[int, tuple[list, list, list]]:

@@ -33,6 +33,13 @@ from redwood.version import __version__
 TOKENS = (1, 2, 4, 8, 16, 32)
 SHORT_CONTEXT = 16
 LONG_CONTEXT = 1024
+# On a GPU the long context is the engine's longest, up to this: a one-row forward over 1,024 slots reads ~29 MB
+# of KV (1.5B, bf16), microseconds against a ~1 ms weight-bound forward, so the per-slot cost taken from it is a
+# fixed overhead's step divided by 1,008 — on an H100 it predicted a 32-row step over 16K slots 20x too slow
+# (docs/perf/auto-policy.md item 20). At 16K the same row reads ~0.5 GB: the slope is measured, not guessed.
+LONG_CONTEXT_GPU = 32768
+GPU_CACHE_SHARE = 0.25  # of the free device memory the calibration's one-row cache may take
+METHOD = 2  # in the cache's key: a calibration taken another way (1: the GPU's long context at 1,024) is retaken
 REPEATS, WARMUP, PASSES = 3, 1, 2
 
 
@@ -73,14 +80,27 @@ def cost_key(model, draft_model=None, threads: int | None = None, tensor_paralle
         "threads": torch.get_num_threads() if threads is None else threads,
         "tensor_parallel": tensor_parallel,
         "version": __version__,
+        "method": METHOD,
     }
+
+
+def long_context(model, limit: int) -> int:
+    """The calibration's long context: LONG_CONTEXT on a CPU; on a GPU the engine's longest (`limit`) up to
+    LONG_CONTEXT_GPU, as far as GPU_CACHE_SHARE of the free memory holds a one-row cache of it."""
+    if model.device.type != "cuda":
+        return min(LONG_CONTEXT, limit)
+    cfg = model.kv_config
+    slot_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
+    free, _ = torch.cuda.mem_get_info(model.device)
+    fits = int(GPU_CACHE_SHARE * free // max(slot_bytes, 1))
+    return max(min(LONG_CONTEXT_GPU, limit, fits), min(LONG_CONTEXT, limit))
 
 
 @torch.inference_mode()
 def forward_curve(model, max_context: int, progress: Progress | None = None, tokens=TOKENS) -> ForwardCurve:
-    """Times of one-row forwards of `tokens` new tokens at SHORT_CONTEXT and at min(LONG_CONTEXT, room)."""
+    """Times of one-row forwards of `tokens` new tokens at SHORT_CONTEXT and at `long_context` (within room)."""
     limit = min(max_context, model.config.max_position_embeddings) - max(tokens)
-    hi = max(min(LONG_CONTEXT, limit), SHORT_CONTEXT + 1)
+    hi = max(long_context(model, limit), SHORT_CONTEXT + 1)
     lo = SHORT_CONTEXT
     cache = model.new_cache(1, hi + max(tokens))
     runner = StepRunner(model, cache, use_graphs=model.device.type == "cuda")

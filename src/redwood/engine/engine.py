@@ -345,7 +345,9 @@ class Engine:
         updates = self.output.process(batch, result, decode, prefill)
         if batch.decode:
             seconds = result.step_s - result.catch_up_s if result.timed else None
-            self.policy.observe(batch.decode, result.plan, result.decode, seconds, bucket, result.catch_up_s)
+            self.policy.observe(
+                batch.decode, result.plan, result.decode, seconds, bucket, result.catch_up_s, result.capture_s
+            )
             for rec in decode:
                 if rec.state.stats.spec is not None:
                     rec.state.stats.spec.count_plan(result.plan.name, plan.probe)

@@ -335,6 +335,7 @@ class Executor:
             policy.record(count, shape, t1 - t0)
         captured_s = captures() - capture0
         self.capture_s += captured_s
+        result.capture_s = captured_s
         result.step_s = (t1 - t0) - captured_s
         result.plan = plan
         if t_draft is not None:

@@ -15,6 +15,14 @@ times, corrected online from the steps the engine times). It runs the best, with
 plan is kept unless another is better by `margin` (on CUDA a plan whose graph is not captured yet needs
 `capture_margin`), so plans — and CUDA graphs — do not flap on noise.
 
+A CUDA graph is captured the first time a plan runs at a batch bucket, and with it Triton compiles the kernels for
+its new shapes: about a second each on an H100 (a `bench serve` ramp over 16K prompts spent 8 of a level's 23 s
+capturing, `docs/perf/auto-policy.md` item 20), which no step timing shows. The policy measures that cost
+(`capture_cost`, a decayed mean of the captures' seconds) and pays it only where it is repaid: the best plan, if not
+captured at this bucket, must save more than one capture over the tokens its rows still have to emit, against the
+best plan that is captured; a probe runs its family's best captured plan at the bucket (a probe measures a family,
+it need not explore a new γ), and a probe that would capture counts the capture in its budget.
+
 Never permanently wrong: a family (ar, or a drafter) that is not chosen is *probed* — run for one step — after
 `PROBE_EVERY` steps, then after twice as many each time it still loses (up to `MAX_PROBE_INTERVAL`;
 `MAX_AR_PROBE_INTERVAL` for plain decoding, whose probes are cheap and whose cost is the yardstick), so its cost
@@ -61,6 +69,7 @@ MAX_AR_PROBE_INTERVAL = 64
 PROBE_BUDGET = 0.05
 MARGIN = 0.03
 CAPTURE_MARGIN = 0.10
+CAPTURE_DECAY = 0.7  # the old mean's weight at each capture measured (`AutoPolicy.capture_cost`)
 # A switch to a draft model whose cache lags (other plans ran) first pays its catch-up: that cost is spread
 # over this many steps of the new plan when comparing (a plan, once chosen, is kept for a while — hysteresis).
 SWITCH_HORIZON = 4
@@ -142,7 +151,16 @@ class FixedPolicy:
     def plan(self, rows, bucket: int, prefill_backlog_steps: int = 0) -> Plan:
         return self._plan
 
-    def observe(self, rows, ran: Plan, tokens, seconds: float | None, bucket: int, catch_up_s: float = 0.0) -> None:
+    def observe(
+        self,
+        rows,
+        ran: Plan,
+        tokens,
+        seconds: float | None,
+        bucket: int,
+        catch_up_s: float = 0.0,
+        capture_s: float = 0.0,
+    ) -> None:
         pass  # (nothing to learn: the plan never changes; SpecStats counts the steps)
 
     def forget(self, slot: int) -> None:
@@ -212,6 +230,8 @@ class AutoPolicy:
         self.steps = 0
         self._probes = {f: _Probe(PROBE_EVERY) for f in {"ar", *(family_of(d) for d in self.drafters)}}
         self._captured: set[tuple] = set()  # (candidate name, bucket) run at least once (graph captured)
+        self.capture_cost: float | None = None  # seconds one new plan's captures took (decayed mean; None: none seen)
+        self.captures = 0  # steps that captured
         self.counts: dict[str, int] = {}  # plan name → steps run
         self.probes = 0
         self.prefill_bound_steps = 0  # steps planned plainly because queued prefills set the run's end
@@ -303,12 +323,14 @@ class AutoPolicy:
         for sc, c in scored:
             if c.family not in best_of or sc[0] > best_of[c.family][0][0]:
                 best_of[c.family] = (sc, c)
-        (best_rate, best_e, best_s), best = max(best_of.values(), key=lambda x: x[0][0])
+        (best_rate, best_e, best_s), best = self._worth_capturing(
+            max(best_of.values(), key=lambda x: x[0][0]), scored, rows, bucket
+        )
         current = next(((sc, c) for sc, c in scored if c == self.current), None)
         chosen, (rate, e, s) = best, (best_rate, best_e, best_s)
         if current is not None and current[1] != best:
             margin = self.margin
-            if self.graphs and (best.name, bucket) not in self._captured:
+            if self._uncaptured(best, bucket):
                 margin = max(margin, CAPTURE_MARGIN)
             if best_rate <= current[0][0] * (1 + margin):
                 chosen, (rate, e, s) = current[1], current[0]
@@ -322,7 +344,7 @@ class AutoPolicy:
             if f != chosen.family
             and p.due <= self.steps
             and f not in idle
-            and self._affordable(f, best_of, rows, bucket, rate, expected)
+            and self._affordable(f, self._probe_candidate(f, best_of, scored, bucket)[1], rows, bucket, rate, expected)
         ]
         plan = Plan(chosen, expected_tokens=e, predicted_s=s)
         if due:
@@ -330,7 +352,7 @@ class AutoPolicy:
             probe = self._probes[fam]
             probe.interval = min(2 * probe.interval, MAX_AR_PROBE_INTERVAL if fam == "ar" else MAX_PROBE_INTERVAL)
             probe.due = self.steps + probe.interval
-            (_, e, s), cand = best_of[fam]
+            (_, e, s), cand = self._probe_candidate(fam, best_of, scored, bucket)
             self.probes += 1
             plan = Plan(cand, probe=True, expected_tokens=e, predicted_s=s)
         for fam, probe in self._probes.items():
@@ -340,21 +362,63 @@ class AutoPolicy:
                 probe.since_s += plan.predicted_s
         return plan
 
-    def _affordable(self, family: str, best_of: dict, rows, bucket: int, best_rate: float, expected: dict) -> bool:
-        """Whether a probe of `family` now keeps within PROBE_BUDGET (plain decoding and first probes always do)."""
+    def _uncaptured(self, cand: Candidate, bucket: int) -> bool:
+        """Whether running `cand` at `bucket` would capture a CUDA graph first (never without graphs)."""
+        return self.graphs and (cand.name, bucket) not in self._captured
+
+    def _worth_capturing(self, best: tuple, scored: list, rows, bucket: int) -> tuple:
+        """`best` ((rate, e, seconds), candidate), or the best captured candidate when `best` is not captured at
+        this bucket and would not repay its capture: the time it saves over the rows' remaining tokens (at the
+        two rates) must exceed `capture_cost`. Before any capture was measured, `best` (CAPTURE_MARGIN guards)."""
+        if self.capture_cost is None or not self._uncaptured(best[1], bucket):
+            return best
+        captured = [x for x in scored if not self._uncaptured(x[1], bucket)]
+        if not captured:
+            return best  # (a new bucket: whatever runs captures)
+        alt = max(captured, key=lambda x: x[0][0])
+        remaining = sum(max(r.remaining, 1) for r in rows)  # tokens these rows still emit
+        saved = remaining / alt[0][0] - remaining / best[0][0]
+        return best if saved > self.capture_cost else alt
+
+    def _probe_candidate(self, family: str, best_of: dict, scored: list, bucket: int) -> tuple:
+        """The plan a probe of `family` runs: its best captured at this bucket, else its best (which captures)."""
+        if self.graphs:
+            captured = [x for x in scored if x[1].family == family and not self._uncaptured(x[1], bucket)]
+            if captured:
+                return max(captured, key=lambda x: x[0][0])
+        return best_of[family]
+
+    def _affordable(self, family: str, cand: Candidate, rows, bucket: int, best_rate: float, expected: dict) -> bool:
+        """Whether a probe of `family` running `cand` now keeps within PROBE_BUDGET (plain decoding and first
+        probes always do); a probe that captures counts the capture."""
         probe = self._probes[family]
         if family == "ar" or not probe.ran:
             return True
-        _, cand = best_of[family]
         _, e, seconds = self.score(cand, rows, bucket, expected, horizon=1)  # (a probe pays its whole catch-up)
+        if self._uncaptured(cand, bucket):
+            seconds += self.capture_cost or 0.0
         loss = seconds - e * len(rows) / best_rate
         return loss <= PROBE_BUDGET * probe.since_s
 
     # ------------------------------------------------------------------ learning
-    def observe(self, rows, ran: Plan, tokens, seconds: float | None, bucket: int, catch_up_s: float = 0.0) -> None:
+    def observe(
+        self,
+        rows,
+        ran: Plan,
+        tokens,
+        seconds: float | None,
+        bucket: int,
+        catch_up_s: float = 0.0,
+        capture_s: float = 0.0,
+    ) -> None:
         """After a step: `ran` — the plan that ran (plain decoding when its drafter had nothing to propose);
         tokens[i] — `Tokens` of rows[i]; seconds: the step's time without the draft model's catch-up (None:
-        not to learn from, e.g. a thread-count probe); catch_up_s: that catch-up's time (0: none ran)."""
+        not to learn from, e.g. a thread-count probe); catch_up_s: that catch-up's time (0: none ran);
+        capture_s: the one-time graph captures (and kernel compiles) the step did first (0: none)."""
+        if capture_s > 0:
+            self.captures += 1
+            old = self.capture_cost
+            self.capture_cost = capture_s if old is None else CAPTURE_DECAY * old + (1 - CAPTURE_DECAY) * capture_s
         for s in self.shadows:
             for r, t in zip(rows, tokens):
                 s.after(r.slot, t.token_ids)
@@ -409,4 +473,6 @@ class AutoPolicy:
             "realized": {f: round(r.ratio, 3) for f, r in sorted(self.realized.items())},
             "draftless_scored": {s.name: s.scored for s in self.shadows},
             "measured_over_predicted": self.costs.snapshot() if self.costs is not None else {},
+            "captures": self.captures,
+            "capture_cost_s": None if self.capture_cost is None else round(self.capture_cost, 3),
         }
