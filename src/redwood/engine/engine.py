@@ -293,7 +293,7 @@ class Engine:
         for rid in request_ids:
             rec = self._requests.get(str(rid))
             if rec is not None and rec.t_first is None:
-                left += len(rec.seq.all_token_ids) - rec.seq.num_computed
+                left += rec.seq.num_tokens - rec.seq.num_computed
         return left
 
     def has_unfinished(self) -> bool:

@@ -71,9 +71,20 @@ class SeqState:
     # its observation window, see DraftKVPolicy.prefix_limit).
     prefix_limit: int | None = None
 
+    def __post_init__(self) -> None:
+        # prompt + output, kept as one list (`extend_output`): every step reads it for every decoding row (the
+        # draftless drafters' history), and a 16K-token prompt's concatenation per row and step was milliseconds
+        # of host time a step at batch 64
+        self._all = list(self.prompt_token_ids) + list(self.output_token_ids)
+
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """prompt + output (the request's own list: read it, never change it)."""
+        return self._all
+
+    def extend_output(self, tokens: list[int]) -> None:
+        self.output_token_ids.extend(tokens)
+        self._all.extend(tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -312,7 +323,7 @@ class Scheduler:
         request.num_computed = computed
         room = min(request.max_new_tokens - len(request.output_token_ids), self.max_model_len - before)
         kept = list(new_token_ids[:room])
-        request.output_token_ids.extend(kept)
+        request.extend_output(kept)
         if self.pool.enable_prefix_cache:
             request.block_table.register_full(request.prompt_token_ids, request.num_computed, self.pool)
         if len(kept) == room:

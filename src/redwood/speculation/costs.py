@@ -173,7 +173,13 @@ class CostModel:
             if curve is None:
                 raise ValueError("a draft-model step needs the draft model's calibrated curve")
             ctx = context if shape.draft_context is None else min(context, shape.draft_context)
-            t += sum(curve.seconds(rows, k, ctx) for k in shape.level_tokens)
+            level_s: dict[int, float] = {}  # (a chain's levels are alike: each width costed once, summed in order)
+            levels = 0.0
+            for k in shape.level_tokens:
+                if k not in level_s:
+                    level_s[k] = curve.seconds(rows, k, ctx)
+                levels += level_s[k]
+            t += levels
         return t
 
     def correction(self, family: str, bucket: int, shape: StepShape | None = None) -> float:
