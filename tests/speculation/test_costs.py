@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from redwood.speculation.costs import CostModel, CostTable, ForwardCurve, StepShape
+from redwood.speculation.costs import CATCH_UP, CostModel, CostTable, ForwardCurve, StepShape
 from redwood.speculation.costs_cache import costs_path, load_costs, save_costs
 
 
@@ -52,11 +52,31 @@ def test_online_correction_learns_the_measured_ratio_per_family_and_bucket():
     for _ in range(60):
         m.observe("ar", shape, 1, 1, 16, 3 * raw)
     assert m.predict("ar", shape, 1, 1, 16) == pytest.approx(3 * raw, rel=1e-3)
-    assert m.predict("ngram", shape, 1, 1, 16) == pytest.approx(raw)  # another family: untouched
+    # a family never measured takes plain decoding's ratio at the bucket (the table's error there)
+    assert m.predict("ngram", shape, 1, 1, 16) == pytest.approx(3 * raw, rel=1e-3)
+    assert m.correction(CATCH_UP, 1) == 1.0  # (not the catch-ups: a draft model's forward, not the target's step)
     # a bucket never measured borrows the nearest measured one of its family
     assert m.correction("ar", 4) == pytest.approx(3, rel=1e-3)
     m.observe("ar", shape, 1, 1, 16, float("nan"))  # ignored, not poisoning the mean
     assert math.isfinite(m.correction("ar", 1))
+
+
+def test_a_bucket_a_family_never_ran_at_moves_with_plain_decodings_ratio():
+    """The table's error grows with the batch for every family alike (its per-slot cost is taken from one row):
+    a family measured only at bucket 16 is costed at 64 by its ratio at 16 times plain decoding's ratio at 64
+    over its ratio at 16 — an H100 measured ar 0.51 at 16 and 0.20 at 64, self-speculation 0.82 at 16 (and ~0.3
+    at 64 in another run); borrowed unchanged, 0.82 kept it from ever running at 64."""
+    m = CostModel(CostTable(curve()))
+    shape = StepShape(1)
+    for bucket, ratio in ((16, 0.51), (64, 0.20)):
+        for _ in range(60):
+            m.observe("ar", shape, bucket, bucket, 16, ratio * m.raw(shape, bucket, 16))
+    for _ in range(60):
+        m.observe("self", StepShape(4, (1, 1, 1)), 16, 16, 16, 0.82 * m.raw(StepShape(4, (1, 1, 1)), 16, 16))
+    assert m.correction("self", 16) == pytest.approx(0.82, rel=1e-3)
+    assert m.correction("self", 64) == pytest.approx(0.82 * 0.20 / 0.51, rel=1e-3)
+    assert m.correction("self", 32) == pytest.approx(0.82, rel=1e-3)  # (plain decoding not measured at 32)
+    assert m.correction("ar", 32) == pytest.approx(0.51, rel=1e-3)  # (the yardstick borrows plainly: 16 is nearest)
 
 
 def test_a_run_shape_is_costed_by_its_own_measurements_others_by_their_family():

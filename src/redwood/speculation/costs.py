@@ -16,7 +16,8 @@ The correction: every timed step divides the measured time by this table's predi
 geometric mean of that ratio (decayed per observation, and further by its age in steps: a plan probed now
 and then is costed by its latest probes) is kept per (plan family, step shape, batch bucket) and per (family, bucket) —
 family "ar" or a drafter's name. A shape already run is predicted with its own ratio (the plan in use is
-costed by what it measured, whatever the calibration's error at its size); any other with its family's. A
+costed by what it measured, whatever the calibration's error at its size); any other with its family's; a bucket
+the family has not run at, with its nearest bucket's moved as plain decoding's moved between the two. A
 graphed GPU step is timed whole, so the whole step is corrected, never its parts.
 
 `CostTable` round-trips through JSON (the calibration cache, `costs_cache`); the cache's key names what
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 COSTS_FORMAT = "redwood.costs/1"
 AGE_DECAY = 0.97  # per step: a ratio last updated 23 steps ago keeps half its weight against a new one
 CATCH_UP = "catch-up"  # the correction family of draft-model catch-ups (`CostModel.catch_up`)
+YARDSTICK = "ar"  # the family measured at every bucket: how the table's error moves between buckets (`correction`)
 PLAUSIBLE_SLACK = 1.25  # a cached curve may dip this much (calibrations are monotone; hand edits, old files)
 
 
@@ -184,19 +186,30 @@ class CostModel:
 
     def correction(self, family: str, bucket: int, shape: StepShape | None = None) -> float:
         """The learnt measured / predicted ratio for `shape` of a family at a bucket if that was run, else the
-        family's at the bucket (1 before any step); a bucket never measured borrows its family's nearest
-        measured bucket."""
+        family's at the bucket (1 before any step). A bucket the family never ran at borrows its nearest
+        measured bucket's ratio, moved by how plain decoding's ratio differs between the two buckets where both
+        are measured (plain decoding runs at every bucket — its probes — and the table's error grows with the
+        batch for every family alike: on an H100 at 16K context plain decoding measured 0.51 at bucket 16 and
+        0.20 at 64, and self-speculation, costed at 64 by its 0.82 from 16, was never chosen there); a family
+        never measured at all takes plain decoding's ratio at the bucket."""
         if shape is not None:
             got = self._shape_log_ratio.get((family, _shape_key(shape), bucket))
             if got is not None:
                 return math.exp(got[0])
         got = self._log_ratio.get((family, bucket))
-        if got is None:
-            near = [
-                (abs(math.log2(b) - math.log2(bucket)), v[0]) for (f, b), v in self._log_ratio.items() if f == family
-            ]
-            return math.exp(min(near)[1] if near else 0.0)
-        return math.exp(got[0])
+        if got is not None:
+            return math.exp(got[0])
+        yard = self._log_ratio.get((YARDSTICK, bucket)) if family not in (YARDSTICK, CATCH_UP) else None
+        near = [
+            (abs(math.log2(b) - math.log2(bucket)), b, v[0]) for (f, b), v in self._log_ratio.items() if f == family
+        ]
+        if not near:
+            return math.exp(yard[0] if yard is not None else 0.0)
+        _, b, value = min(near)
+        there = self._log_ratio.get((YARDSTICK, b))
+        if yard is not None and there is not None:
+            value += yard[0] - there[0]
+        return math.exp(value)
 
     def snapshot(self) -> dict[str, float]:
         """The learnt measured / predicted step-time ratios per family and batch bucket ("family@bucket"; the
