@@ -68,7 +68,7 @@ class NgramIndex:
 
     def extend(self, tokens) -> None:
         old = len(self.tokens)
-        self.tokens.extend(int(t) for t in tokens)
+        self.tokens.extend(map(int, tokens))
         if len(self.tokens) - old >= _BULK:
             self._index_bulk(old)
             return
