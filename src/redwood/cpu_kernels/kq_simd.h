@@ -132,6 +132,61 @@ inline void q6k_scales(const uint8_t* blk, F32& scale, F32& offset) {
       _mm512_set1_ps(fp16(blk + 208)));
   offset.v = _mm512_mul_ps(scale.v, _mm512_set1_ps(32.f));
 }
+// The 32-value block types (Q8_0, Q5_0): a super-block's 256 SIGNED weights (Q8_0: q in −128..127; Q5_0: q − 16
+// in −16..15) in kernel order, as the sign transfer that vpdpbusd (u8 × s8) needs: a = |w| (≤ 128: a valid u8) and
+// neg = the lanes where w < 0, whose activations `sdot` negates (|x| ≤ 127, so −x is exact) — a·(±x) = w·x.
+struct S {
+  __m512i a[4];
+  __mmask64 neg[4];
+};
+inline S signs(const __m512i (&w)[4]) {
+  S s;
+  for (int c = 0; c < 4; ++c) {
+    s.a[c] = _mm512_abs_epi8(w[c]);  // (|−128| = 0x80: 128 as the unsigned operand)
+    s.neg[c] = _mm512_movepi8_mask(w[c]);
+  }
+  return s;
+}
+inline S decode_q8_0(const uint8_t* blk) {  // 16 bytes of d, then the 4 vectors of int8 q
+  __m512i w[4];
+  for (int c = 0; c < 4; ++c) w[c] = _mm512_loadu_si512(blk + 16 + 64 * c);
+  return signs(w);
+}
+inline S decode_q5_0(const uint8_t* blk) {  // 16 bytes of d, 128 of nibbles (as Q4_K's), 32 of high bits
+  const __m512i low4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+  __m512i nib[4];
+  for (int h = 0; h < 2; ++h) {
+    const __m512i q = _mm512_loadu_si512(blk + 16 + 64 * h);
+    nib[2 * h] = _mm512_and_si512(q, low4);
+    nib[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+  }
+  // bit k of high-bit byte t: position 32k + t; vector c's bytes 0-31 take bit 2c, bytes 32-63 bit 2c + 1
+  const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 144)));
+  __m512i w[4];
+  for (int c = 0; c < 4; ++c) {
+    const __m512i sel = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi8(static_cast<char>(1 << (2 * c)))),
+                                           _mm256_set1_epi8(static_cast<char>(1 << (2 * c + 1))), 1);
+    const __mmask64 high = _mm512_test_epi8_mask(qh, sel);  // q ≥ 16: w = nibble; else nibble − 16
+    w[c] = _mm512_mask_mov_epi8(_mm512_sub_epi8(nib[c], sixteen), high, nib[c]);
+  }
+  return signs(w);
+}
+template <int kMaxAbs>
+inline I32 sdot(const S& w, const int8_t* xq) {
+  const __m512i zero8 = _mm512_setzero_si512();
+  __m512i isum = _mm512_setzero_si512();
+  for (int c = 0; c < 4; ++c) {
+    const __m512i x = _mm512_loadu_si512(xq + 64 * c);
+    isum = _mm512_dpbusd_epi32(isum, w.a[c], _mm512_mask_sub_epi8(x, w.neg[c], zero8, x));
+  }
+  return {isum};
+}
+// Q8_0 / Q5_0: lane l: scale d[l / 2] (block l / 2 of the super-block's 8; fp16 → float32 is exact)
+inline F32 d32_scales(const uint8_t* blk) {
+  const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+  return {_mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(d))};
+}
 inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_NTA); }
 
 // ---------------------------------------------------------------------------------------------- avx2 / avxvnni
@@ -288,6 +343,72 @@ inline void q6k_scales(const uint8_t* blk, F32& scale, F32& offset) {
            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d)};
   offset = mul(scale, set1(32.f));
 }
+// The 32-value block types (avx512's S): a = |w| as the unsigned operand, s = w, whose signs `sdot` moves onto
+// the activations (vpsignb: x, −x or 0 where w > 0, < 0, = 0) — a·sign(x, w) = w·x.
+struct S {
+  __m256i a[4][2], s[4][2];  // vector c, half j
+};
+inline S decode_q8_0(const uint8_t* blk) {
+  S w;
+  for (int c = 0; c < 4; ++c)
+    for (int j = 0; j < 2; ++j) {
+      w.s[c][j] = load256(blk + 16 + 64 * c + 32 * j);
+      w.a[c][j] = _mm256_abs_epi8(w.s[c][j]);  // (|−128| = 0x80: 128 as the unsigned operand)
+    }
+  return w;
+}
+inline S decode_q5_0(const uint8_t* blk) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
+  const __m256i qh = load256(blk + 144);  // bit k of byte t: position 32k + t (vector c, half j: bit 2c + j)
+  S w;
+  for (int h = 0; h < 2; ++h)
+    for (int j = 0; j < 2; ++j) {
+      const __m256i q = load256(blk + 16 + 64 * h + 32 * j);
+      const __m256i nib[2] = {_mm256_and_si256(q, low4), _mm256_and_si256(_mm256_srli_epi16(q, 4), low4)};
+      for (int e = 0; e < 2; ++e) {
+        const int c = 2 * h + e;
+        const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << (2 * c + j)));
+        const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), sixteen);
+        w.s[c][j] = _mm256_sub_epi8(_mm256_or_si256(nib[e], high), sixteen);
+        w.a[c][j] = _mm256_abs_epi8(w.s[c][j]);
+      }
+    }
+  return w;
+}
+// kMaxAbs: the largest |w| (Q8_0 128, Q5_0 16). vpmaddubsw's pair sums are at most 2·kMaxAbs·127 (Q8_0: 32 512,
+// below int16's 32 767, so none saturates); Q5_0's 4 vectors (4 · 4 064 = 16 256) add in int16 before vpmaddwd,
+// Q8_0's each go through vpmaddwd alone (two would wrap).
+template <int kMaxAbs>
+inline __m256i sdot_half(const S& w, const int8_t* xq, int j) {
+  __m256i x[4];
+  for (int c = 0; c < 4; ++c) x[c] = _mm256_sign_epi8(load256(xq + 64 * c + 32 * j), w.s[c][j]);
+#if defined(KQ_ISA_AVXVNNI)
+  __m256i isum = _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) isum = _mm256_dpbusd_avx_epi32(isum, w.a[c][j], x[c]);
+  return isum;
+#else
+  constexpr int kPair = 2 * kMaxAbs * 127;
+  static_assert(kPair <= 32767, "one vpmaddubsw pair must not saturate");
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i p[4];
+  for (int c = 0; c < 4; ++c) p[c] = _mm256_maddubs_epi16(w.a[c][j], x[c]);
+  if constexpr (4 * kPair <= 32767) {
+    const __m256i s = _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3]));
+    return _mm256_madd_epi16(s, ones);
+  }
+  return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p[0], ones), _mm256_madd_epi16(p[1], ones)),
+                          _mm256_add_epi32(_mm256_madd_epi16(p[2], ones), _mm256_madd_epi16(p[3], ones)));
+#endif
+}
+template <int kMaxAbs>
+inline I32 sdot(const S& w, const int8_t* xq) {
+  return {sdot_half<kMaxAbs>(w, xq, 0), sdot_half<kMaxAbs>(w, xq, 1)};
+}
+inline F32 d32_scales(const uint8_t* blk) {
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+  const __m256i lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+  return {_mm256_permutevar8x32_ps(d, lo), _mm256_permutevar8x32_ps(d, hi)};
+}
 inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_NTA); }
 
 // ------------------------------------------------------------------------------------------------------------ neon
@@ -409,6 +530,49 @@ inline void q6k_scales(const uint8_t* blk, F32& scale, F32& offset) {
   for (int l = 0; l < 16; ++l) s[l] = static_cast<float>(static_cast<int8_t>(blk[192 + l])) * d;
   scale = load(s);
   offset = mul(scale, set1(32.f));
+}
+// The 32-value block types: signed weights as they are (sdot is s8 × s8: no sign transfer needed).
+struct S {
+  int8x16_t v[4][4];  // vector c, quarter j
+};
+inline S decode_q8_0(const uint8_t* blk) {
+  S w;
+  for (int c = 0; c < 4; ++c)
+    for (int j = 0; j < 4; ++j) w.v[c][j] = vld1q_s8(reinterpret_cast<const int8_t*>(blk + 16 + 64 * c + 16 * j));
+  return w;
+}
+inline S decode_q5_0(const uint8_t* blk) {
+  const uint8x16_t low4 = vdupq_n_u8(0x0F), sixteen = vdupq_n_u8(16);
+  // bit k of high-bit byte t: position 32k + t; vector c's quarter j: bit 2c + j / 2 of bytes 16 (j % 2) + 0..15
+  const uint8x16_t qh[2] = {vld1q_u8(blk + 144), vld1q_u8(blk + 160)};
+  S w;
+  for (int h = 0; h < 2; ++h)
+    for (int j = 0; j < 4; ++j) {
+      const uint8x16_t q = vld1q_u8(blk + 16 + 64 * h + 16 * j);
+      const uint8x16_t nib[2] = {vandq_u8(q, low4), vshrq_n_u8(q, 4)};
+      for (int e = 0; e < 2; ++e) {
+        const int c = 2 * h + e;
+        const uint8x16_t high = vandq_u8(vtstq_u8(qh[j % 2], vdupq_n_u8(static_cast<uint8_t>(1 << (2 * c + j / 2)))),
+                                         sixteen);
+        w.v[c][j] = vreinterpretq_s8_u8(vsubq_u8(vorrq_u8(nib[e], high), sixteen));
+      }
+    }
+  return w;
+}
+template <int kMaxAbs>
+inline I32 sdot(const S& w, const int8_t* xq) {
+  I32 r;
+  for (int j = 0; j < 4; ++j) {
+    int32x4_t acc = vdupq_n_s32(0);
+    for (int c = 0; c < 4; ++c) acc = vdotq_s32(acc, w.v[c][j], vld1q_s8(xq + 64 * c + 16 * j));
+    r.v[j] = acc;
+  }
+  return r;
+}
+inline F32 d32_scales(const uint8_t* blk) {
+  float s[16];
+  for (int l = 0; l < 16; ++l) s[l] = fp16(blk + 2 * (l / 2));
+  return load(s);
 }
 inline void prefetch(const uint8_t* p) { __builtin_prefetch(p, 0, 0); }
 
@@ -552,6 +716,43 @@ inline void q6k_scales(const uint8_t* blk, F32& scale, F32& offset) {
     scale.v[l] = static_cast<float>(static_cast<int8_t>(blk[192 + l])) * d;
     offset.v[l] = scale.v[l] * 32.f;
   }
+}
+// The 32-value block types: signed weights, products summed in int32 (Q8_0's 4 · 128 · 127 would wrap int16).
+struct S {
+  int8_t v[4][64];
+};
+inline S decode_q8_0(const uint8_t* blk) {
+  S w;
+  std::memcpy(w.v, blk + 16, 256);
+  return w;
+}
+inline S decode_q5_0(const uint8_t* blk) {
+  S w;
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < 64; ++t) {
+      const uint8_t q = blk[16 + 64 * h + t];
+      const uint8_t nib[2] = {static_cast<uint8_t>(q & 0x0F), static_cast<uint8_t>(q >> 4)};
+      for (int e = 0; e < 2; ++e) {
+        const int c = 2 * h + e, pos = 64 * c + t;  // its high bit: bit pos / 32 of byte pos % 32
+        const int high = (blk[144 + (pos & 31)] >> (pos >> 5)) & 1;
+        w.v[c][t] = static_cast<int8_t>((nib[e] | (high << 4)) - 16);
+      }
+    }
+  return w;
+}
+template <int kMaxAbs>
+inline I32 sdot(const S& w, const int8_t* xq) {
+  int32_t p[64] = {};
+  for (int c = 0; c < 4; ++c)
+    for (int i = 0; i < 64; ++i) p[i] += int32_t{w.v[c][i]} * int32_t{xq[64 * c + i]};
+  I32 r;
+  for (int l = 0; l < 16; ++l) r.v[l] = p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3];
+  return r;
+}
+inline F32 d32_scales(const uint8_t* blk) {
+  F32 r;
+  for (int l = 0; l < 16; ++l) r.v[l] = fp16(blk + 2 * (l / 2));
+  return r;
 }
 inline void prefetch(const uint8_t* p) {
 #if defined(__GNUC__)
