@@ -88,8 +88,8 @@ int main(int argc, char** argv) {
   a.M = M;
   a.H = H;
   a.qkv = {proj(wqkv, Q4K, (Hq + 2 * Hkv) * D, H, bqkv.data())};
-  a.o = proj(wo, Q6K, H, Hq * D, nullptr);
-  a.gate_up = {proj(wg, Q4K, F, H, nullptr), proj(wu, Q4K, F, H, nullptr)};
+  a.o = proj(wo, Q5_0, H, Hq * D, nullptr);
+  a.gate_up = {proj(wg, Q4K, F, H, nullptr), proj(wu, Q8_0, F, H, nullptr)};
   a.down = proj(wd, Q6K, H, F, nullptr);
   a.norm1 = norm1.data();
   a.norm2 = norm2.data();

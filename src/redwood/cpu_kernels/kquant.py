@@ -67,6 +67,7 @@ def packed_row_bytes(type_name: str, k: int) -> int:
     """Bytes of a packed row of k values (whole super-blocks: 32-value block types padded with zero blocks)."""
     return padded(k) // BLOCK * TYPES[type_name][2]
 
+
 # variant -> (the cpuinfo flags it needs, its compiler flags); fastest first
 VARIANTS: dict[str, tuple[tuple[str, ...], list[str]]] = {
     "avx512": (
