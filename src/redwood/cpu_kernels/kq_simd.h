@@ -132,28 +132,21 @@ inline void q6k_scales(const uint8_t* blk, F32& scale, F32& offset) {
       _mm512_set1_ps(fp16(blk + 208)));
   offset.v = _mm512_mul_ps(scale.v, _mm512_set1_ps(32.f));
 }
-// The 32-value block types (Q8_0, Q5_0): a super-block's 256 SIGNED weights (Q8_0: q in −128..127; Q5_0: q − 16
-// in −16..15) in kernel order, as the sign transfer that vpdpbusd (u8 × s8) needs: a = |w| (≤ 128: a valid u8) and
-// neg = the lanes where w < 0, whose activations `sdot` negates (|x| ≤ 127, so −x is exact) — a·(±x) = w·x.
+// The 32-value block types (Q8_0, Q5_0): a super-block's 256 weights in kernel order as UNSIGNED bytes u = w + o
+// (Q8_0: w in −128..127, o = 128, u = w XOR 0x80; Q5_0: u = q, the file's 5-bit value, w = q − 16, o = 16), so
+// vpdpbusd (u8 × s8) takes them as they are; `sdot` then subtracts o·Σx over each lane's 16 activations (xsum: exact
+// int32, kquant.cpp's quantize) — Σ u·x − o·Σ x = Σ w·x exactly, the integer every variant computes.
 struct S {
-  __m512i a[4];
-  __mmask64 neg[4];
+  __m512i u[4];
 };
-inline S signs(const __m512i (&w)[4]) {
-  S s;
-  for (int c = 0; c < 4; ++c) {
-    s.a[c] = _mm512_abs_epi8(w[c]);  // (|−128| = 0x80: 128 as the unsigned operand)
-    s.neg[c] = _mm512_movepi8_mask(w[c]);
-  }
-  return s;
-}
 inline S decode_q8_0(const uint8_t* blk) {  // 16 bytes of d, then the 4 vectors of int8 q
-  __m512i w[4];
-  for (int c = 0; c < 4; ++c) w[c] = _mm512_loadu_si512(blk + 16 + 64 * c);
-  return signs(w);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  S w;
+  for (int c = 0; c < 4; ++c) w.u[c] = _mm512_xor_si512(_mm512_loadu_si512(blk + 16 + 64 * c), flip);
+  return w;
 }
 inline S decode_q5_0(const uint8_t* blk) {  // 16 bytes of d, 128 of nibbles (as Q4_K's), 32 of high bits
-  const __m512i low4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
   __m512i nib[4];
   for (int h = 0; h < 2; ++h) {
     const __m512i q = _mm512_loadu_si512(blk + 16 + 64 * h);
@@ -162,24 +155,19 @@ inline S decode_q5_0(const uint8_t* blk) {  // 16 bytes of d, 128 of nibbles (as
   }
   // bit k of high-bit byte t: position 32k + t; vector c's bytes 0-31 take bit 2c, bytes 32-63 bit 2c + 1
   const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 144)));
-  __m512i w[4];
+  S w;
   for (int c = 0; c < 4; ++c) {
     const __m512i sel = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi8(static_cast<char>(1 << (2 * c)))),
                                            _mm256_set1_epi8(static_cast<char>(1 << (2 * c + 1))), 1);
-    const __mmask64 high = _mm512_test_epi8_mask(qh, sel);  // q ≥ 16: w = nibble; else nibble − 16
-    w[c] = _mm512_mask_mov_epi8(_mm512_sub_epi8(nib[c], sixteen), high, nib[c]);
+    w.u[c] = _mm512_mask_add_epi8(nib[c], _mm512_test_epi8_mask(qh, sel), nib[c], bit4);  // q = nibble + 16·high
   }
-  return signs(w);
+  return w;
 }
-template <int kMaxAbs>
-inline I32 sdot(const S& w, const int8_t* xq) {
-  const __m512i zero8 = _mm512_setzero_si512();
+template <bool kQ5>
+inline I32 sdot(const S& w, const int8_t* xq, const int32_t* xsum) {
   __m512i isum = _mm512_setzero_si512();
-  for (int c = 0; c < 4; ++c) {
-    const __m512i x = _mm512_loadu_si512(xq + 64 * c);
-    isum = _mm512_dpbusd_epi32(isum, w.a[c], _mm512_mask_sub_epi8(x, w.neg[c], zero8, x));
-  }
-  return {isum};
+  for (int c = 0; c < 4; ++c) isum = _mm512_dpbusd_epi32(isum, w.u[c], _mm512_loadu_si512(xq + 64 * c));
+  return {_mm512_sub_epi32(isum, _mm512_slli_epi32(_mm512_loadu_si512(xsum), kQ5 ? 4 : 7))};  // − o·Σx
 }
 // Q8_0 / Q5_0: lane l: scale d[l / 2] (block l / 2 of the super-block's 8; fp16 → float32 is exact)
 inline F32 d32_scales(const uint8_t* blk) {
@@ -343,8 +331,11 @@ inline void q6k_scales(const uint8_t* blk, F32& scale, F32& offset) {
            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d)};
   offset = mul(scale, set1(32.f));
 }
-// The 32-value block types (avx512's S): a = |w| as the unsigned operand, s = w, whose signs `sdot` moves onto
-// the activations (vpsignb: x, −x or 0 where w > 0, < 0, = 0) — a·sign(x, w) = w·x.
+// The 32-value block types. avxvnni: as avx512 (unsigned u = w + o in `a`, then − o·Σx). avx2: Q5_0 the same
+// (u = q ≤ 31: vpmaddubsw's pairs ≤ 2 · 31 · 127 = 7 874, the 4 vectors' sum ≤ 31 496 fits int16); Q8_0's u would
+// reach 255 (pairs up to 64 770: saturation), so Q8_0 takes the sign transfer instead: a = |w| (≤ 128: pairs ≤
+// 32 512, one vector at a time through vpmaddwd), s = w, whose signs `sdot` moves onto the activations (vpsignb:
+// x, −x or 0 where w > 0, < 0, = 0; |x| ≤ 127, so −x is exact) — a·sign(x, w) = w·x. Every path: Σ w·x exactly.
 struct S {
   __m256i a[4][2], s[4][2];  // vector c, half j
 };
@@ -352,13 +343,18 @@ inline S decode_q8_0(const uint8_t* blk) {
   S w;
   for (int c = 0; c < 4; ++c)
     for (int j = 0; j < 2; ++j) {
-      w.s[c][j] = load256(blk + 16 + 64 * c + 32 * j);
-      w.a[c][j] = _mm256_abs_epi8(w.s[c][j]);  // (|−128| = 0x80: 128 as the unsigned operand)
+      const __m256i q = load256(blk + 16 + 64 * c + 32 * j);
+#if defined(KQ_ISA_AVXVNNI)
+      w.a[c][j] = _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));
+#else
+      w.s[c][j] = q;
+      w.a[c][j] = _mm256_abs_epi8(q);  // (|−128| = 0x80: 128 as the unsigned operand)
+#endif
     }
   return w;
 }
 inline S decode_q5_0(const uint8_t* blk) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
   const __m256i qh = load256(blk + 144);  // bit k of byte t: position 32k + t (vector c, half j: bit 2c + j)
   S w;
   for (int h = 0; h < 2; ++h)
@@ -368,41 +364,41 @@ inline S decode_q5_0(const uint8_t* blk) {
       for (int e = 0; e < 2; ++e) {
         const int c = 2 * h + e;
         const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << (2 * c + j)));
-        const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), sixteen);
-        w.s[c][j] = _mm256_sub_epi8(_mm256_or_si256(nib[e], high), sixteen);
-        w.a[c][j] = _mm256_abs_epi8(w.s[c][j]);
+        const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), bit4);
+        w.a[c][j] = _mm256_or_si256(nib[e], high);  // q = nibble | high << 4
       }
     }
   return w;
 }
-// kMaxAbs: the largest |w| (Q8_0 128, Q5_0 16). vpmaddubsw's pair sums are at most 2·kMaxAbs·127 (Q8_0: 32 512,
-// below int16's 32 767, so none saturates); Q5_0's 4 vectors (4 · 4 064 = 16 256) add in int16 before vpmaddwd,
-// Q8_0's each go through vpmaddwd alone (two would wrap).
-template <int kMaxAbs>
-inline __m256i sdot_half(const S& w, const int8_t* xq, int j) {
+template <bool kQ5>
+inline __m256i sdot_half(const S& w, const int8_t* xq, const int32_t* xsum, int j) {
   __m256i x[4];
-  for (int c = 0; c < 4; ++c) x[c] = _mm256_sign_epi8(load256(xq + 64 * c + 32 * j), w.s[c][j]);
+  for (int c = 0; c < 4; ++c) x[c] = load256(xq + 64 * c + 32 * j);
+  const __m256i offset = _mm256_slli_epi32(load256(xsum + 8 * j), kQ5 ? 4 : 7);  // o·Σx of lanes 8j..8j+7
 #if defined(KQ_ISA_AVXVNNI)
   __m256i isum = _mm256_setzero_si256();
   for (int c = 0; c < 4; ++c) isum = _mm256_dpbusd_avx_epi32(isum, w.a[c][j], x[c]);
-  return isum;
+  return _mm256_sub_epi32(isum, offset);
 #else
-  constexpr int kPair = 2 * kMaxAbs * 127;
-  static_assert(kPair <= 32767, "one vpmaddubsw pair must not saturate");
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i p[4];
-  for (int c = 0; c < 4; ++c) p[c] = _mm256_maddubs_epi16(w.a[c][j], x[c]);
-  if constexpr (4 * kPair <= 32767) {
+  if constexpr (kQ5) {
+    static_assert(4 * 2 * 31 * 127 <= 32767, "Q5_0's 4 vectors of pairs must add in int16 without wrapping");
+    for (int c = 0; c < 4; ++c) p[c] = _mm256_maddubs_epi16(w.a[c][j], x[c]);
     const __m256i s = _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3]));
-    return _mm256_madd_epi16(s, ones);
+    return _mm256_sub_epi32(_mm256_madd_epi16(s, ones), offset);
+  } else {
+    static_assert(2 * 128 * 127 <= 32767, "one Q8_0 pair (|w| ≤ 128, |x| ≤ 127) must not saturate");
+    (void)offset;  // (the sign transfer multiplies by w itself: no offset)
+    for (int c = 0; c < 4; ++c) p[c] = _mm256_maddubs_epi16(w.a[c][j], _mm256_sign_epi8(x[c], w.s[c][j]));
+    return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p[0], ones), _mm256_madd_epi16(p[1], ones)),
+                            _mm256_add_epi32(_mm256_madd_epi16(p[2], ones), _mm256_madd_epi16(p[3], ones)));
   }
-  return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p[0], ones), _mm256_madd_epi16(p[1], ones)),
-                          _mm256_add_epi32(_mm256_madd_epi16(p[2], ones), _mm256_madd_epi16(p[3], ones)));
 #endif
 }
-template <int kMaxAbs>
-inline I32 sdot(const S& w, const int8_t* xq) {
-  return {sdot_half<kMaxAbs>(w, xq, 0), sdot_half<kMaxAbs>(w, xq, 1)};
+template <bool kQ5>
+inline I32 sdot(const S& w, const int8_t* xq, const int32_t* xsum) {
+  return {sdot_half<kQ5>(w, xq, xsum, 0), sdot_half<kQ5>(w, xq, xsum, 1)};
 }
 inline F32 d32_scales(const uint8_t* blk) {
   const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
@@ -559,8 +555,8 @@ inline S decode_q5_0(const uint8_t* blk) {
     }
   return w;
 }
-template <int kMaxAbs>
-inline I32 sdot(const S& w, const int8_t* xq) {
+template <bool kQ5>
+inline I32 sdot(const S& w, const int8_t* xq, const int32_t* /*xsum: signed weights need no offset*/) {
   I32 r;
   for (int j = 0; j < 4; ++j) {
     int32x4_t acc = vdupq_n_s32(0);
@@ -740,8 +736,8 @@ inline S decode_q5_0(const uint8_t* blk) {
     }
   return w;
 }
-template <int kMaxAbs>
-inline I32 sdot(const S& w, const int8_t* xq) {
+template <bool kQ5>
+inline I32 sdot(const S& w, const int8_t* xq, const int32_t* /*xsum: signed weights need no offset*/) {
   int32_t p[64] = {};
   for (int c = 0; c < 4; ++c)
     for (int i = 0; i < 64; ++i) p[i] += int32_t{w.v[c][i]} * int32_t{xq[64 * c + i]};

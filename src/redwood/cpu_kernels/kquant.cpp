@@ -75,6 +75,7 @@ struct QuantRows {              // the activations, quantized per super-block
   std::vector<int8_t> q;        // [M, K] in kernel order
   std::vector<float> dx;        // [M, K / 256]
   std::vector<float> sum16;     // [M, K / 16]: dx · Σ q over values 16j..16j+15 of each super-block
+  std::vector<int32_t> isum16;  // [M, K / 16]: Σ q over the same values (the Q8_0 / Q5_0 offsets: kq_simd.h's S)
 };
 
 QuantRows quantize(const float* x, int64_t M, int64_t K) {
@@ -83,6 +84,7 @@ QuantRows quantize(const float* x, int64_t M, int64_t K) {
   r.q.resize(M * K);
   r.dx.resize(blocks);
   r.sum16.resize(blocks * 16);
+  r.isum16.resize(blocks * 16);
   parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
     int order[kQK];
     for (int p = 0; p < kQK; ++p) order[p] = value_at(p);
@@ -100,6 +102,7 @@ QuantRows quantize(const float* x, int64_t M, int64_t K) {
         int32_t s = 0;
         for (int k = 0; k < 16; ++k) s += vals[16 * j + k];
         r.sum16[i * 16 + j] = static_cast<float>(s) * r.dx[i];
+        r.isum16[i * 16 + j] = s;
       }
     }
   });
@@ -163,9 +166,10 @@ void q6k_rows(const uint8_t* wrow, int64_t nb, const QuantRows& a, int64_t m0, i
   for (int r = 0; r < R; ++r) out[r * ldo] = simd::sum(acc[r]);
 }
 
-// Q8_0 / Q5_0: the super-block's signed weights (`simd::S`), one integer dot product per lane (`simd::sdot`,
-// exact: |w| ≤ kMaxAbs, |x| ≤ 127) and acc += float(isum)·(d[l / 2]·dx) — no offset term: the weights carry
-// their sign, so nothing cancels (Q5_0's q − 16 is taken before the product, in the integers).
+// Q8_0 / Q5_0: the super-block's weights (`simd::S`), one integer dot product per lane (`simd::sdot`: Σ w·x over the
+// lane's 16 values, exact in every variant — x86 multiplies unsigned bytes and takes the offset off in the integers,
+// kq_simd.h) and acc += float(isum)·(d[l / 2]·dx) — no float offset term: Q5_0's q − 16 and Q8_0's sign are taken
+// in the integers, so nothing cancels in float32 (|isum| ≤ 16 · 128 · 127 < 2^24: its float is exact).
 template <int R, bool kQ5>
 void q32_rows(const uint8_t* wrow, int64_t nb, const QuantRows& a, int64_t m0, int64_t K, float* out,
               int64_t ldo) {
@@ -179,7 +183,7 @@ void q32_rows(const uint8_t* wrow, int64_t nb, const QuantRows& a, int64_t m0, i
     const simd::S wv = kQ5 ? simd::decode_q5_0(blk) : simd::decode_q8_0(blk);
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r, i = m * nb + b;
-      const simd::I32 isum = simd::sdot<kQ5 ? 16 : 128>(wv, a.q.data() + m * K + b * kQK);
+      const simd::I32 isum = simd::sdot<kQ5>(wv, a.q.data() + m * K + b * kQK, a.isum16.data() + i * 16);
       acc[r] = simd::fmadd(simd::to_float(isum), simd::mul(scale, simd::set1(a.dx[i])), acc[r]);
     }
   }
