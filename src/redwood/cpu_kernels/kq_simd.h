@@ -20,6 +20,12 @@
 //   neon     aarch64 DOTPROD's sdot on each 16-byte quarter (weights ≤ 63 are valid int8, so the signed product
 //            is the same; exact int32 sums, as vpdpbusd);
 //   portable plain loops the compiler vectorizes (int16 sums within the same kind of bound: `dot` below).
+//
+// The 32-value block types (`S`, `sdot`: Q8_0, Q5_0) give lane l = Σ w·x with the SIGNED weight w (Q8_0's q in
+// −128..127, Q5_0's q − 16 in −16..15) — exact in every variant, however computed: avx512 / avxvnni feed unsigned
+// bytes u = w + o to vpdpbusd (Q8_0: o = 128, Q5_0: o = 16) and subtract o·Σx over the lane (integer activation
+// sums); avx2 does the same for Q5_0 (u ≤ 31: every int16 sum within bound) and for Q8_0 moves w's sign onto the
+// activations (|w| ≤ 128 with ±x: a pair ≤ 32 512, no saturation); neon's sdot and portable multiply w itself.
 #pragma once
 #include <cmath>
 #include <cstdint>

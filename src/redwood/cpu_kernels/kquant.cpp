@@ -1,26 +1,38 @@
-// K-quant GGUF weights (Q4_K, Q6_K) times int8-quantized activations with integer dot products: the torch-free core
-// (kquant.h; the operators in ops.cpp), one build per variant (AVX-512 VNNI, AVX-VNNI, AVX2, portable: kq_simd.h).
+// GGUF weights (the K-quants Q4_K, Q6_K; the 32-value block types Q8_0, Q5_0) times int8-quantized activations with
+// integer dot products: the torch-free core (kquant.h; the operators in ops.cpp), one build per variant (AVX-512
+// VNNI, AVX-VNNI, AVX2, NEON, portable: kq_simd.h).
 //
-//   kquant_linear(x float32 [M, K], w uint8 [N, K / 256 * B], type) -> float32 [M, N]
-//   kquant_pack(w uint8 [N, K / 256 * file bytes], type) -> uint8 [N, K / 256 * B]
+//   kquant_linear(x float32 [M, K], w uint8 [N, ceil(K / 256) * B], type) -> float32 [M, N]
+//   kquant_pack(w uint8 [N, K / file block * file block bytes], type) -> uint8 [N, ceil(K / 256) * B]
 // (ops.cpp's operators, in the variant's namespace redwood_kq_<variant>: kquant.py)
 //
 // A weight row is a run of super-blocks of 256 values holding the file's own numbers (nothing re-quantized):
 //   Q4_K: value = d·sc[j]·q − dmin·mn[j] in sub-block j (32 values), q in 0..15, fp16 d / dmin, 6-bit sc / mn;
-//   Q6_K: value = d·sc[j]·(q − 32) in sub-block j (16 values), q in 0..63, fp16 d, int8 sc.
-// `kquant_pack` re-lays each super-block for the kernel (`pack_q4k`, `pack_q6k`): Q4_K in 148 bytes (d, dmin,
-// sc[8] and mn[8] as bytes, 128 bytes of nibbles), Q6_K in the file's 210 (low nibbles, 2-bit high parts,
-// 16 scales, d), each arranged so that 64-byte loads and masks give the 4 vectors of 64 values. Both put the
-// values in KERNEL ORDER: byte 4l + t of vector c holds value 16l + 4c + t — so 32-bit lane l of every
-// vector belongs to the same 16 values (lane l, and for Q4_K sub-block l / 2), and vpdpbusd can accumulate
-// all 4 vectors into one register before the scales are applied once per super-block. One layout for every
-// variant (the 256-bit ones read each 64-byte vector as two 32-byte halves).
+//   Q6_K: value = d·sc[j]·(q − 32) in sub-block j (16 values), q in 0..63, fp16 d, int8 sc;
+//   Q8_0: value = d[j]·q in file block j (32 values; 8 a super-block), q int8, fp16 d;
+//   Q5_0: value = d[j]·(q − 16) in file block j, q in 0..31 (4 low bits + 1 high bit), fp16 d.
+// `kquant_pack` re-lays each super-block for the kernel (`pack_q4k`, `pack_q6k`, `pack_q8_0`, `pack_q5_0`): Q4_K in
+// 148 bytes (d, dmin, sc[8] and mn[8] as bytes, 128 bytes of nibbles), Q6_K in the file's 210 (low nibbles, 2-bit
+// high parts, 16 scales, d), Q8_0 in 272 (8 fp16 d, 256 int8 q) and Q5_0 in 176 (8 fp16 d, 128 bytes of nibbles,
+// 32 bytes of high bits) — 8 file blocks' own bytes, re-ordered — each arranged so that 64-byte loads and masks
+// give the 4 vectors of 64 values. All put the values in KERNEL ORDER: byte 4l + t of vector c holds value
+// 16l + 4c + t — so 32-bit lane l of every vector belongs to the same 16 values (lane l; for Q4_K sub-block l / 2,
+// for Q8_0 / Q5_0 file block l / 2), and vpdpbusd can accumulate all 4 vectors into one register before the scales
+// are applied once per super-block. One layout for every variant (the 256-bit ones read each 64-byte vector as two
+// 32-byte halves).
+//
+// K: whole super-blocks for the K-quants. Q8_0 / Q5_0 rows take any K a multiple of 32 (the 0.5B's 896 = 3.5
+// super-blocks): `pack_rows` pads a row with zero blocks (d = 0, value 0) to whole super-blocks, and the
+// activations past K are zeros (matmul's padding) — so the kernel has one granularity (256) and one activation
+// quantization (per 256 values) for every type, the super-block machinery unchanged; the cost is the padding's
+// bytes and dot products (896 → 1024: 14% more on such a row).
 //
 // Activations: each row is quantized per super-block (dx = max|x| / 127, q = round(x / dx) in int8, also in
-// kernel order) with dx times the sums of q over each 16 values (for the Q4_K mins and the Q6_K offset). A
-// 32-bit lane's dot product is exact integer arithmetic; it enters a float32 accumulator once per super-block.
-// Why: a token reads the file's bytes (~4.6–6.6 bits a weight against int8's 8) and multiplies with integer
-// dot products instead of float FMAs.
+// kernel order) with dx times the sums of q over each 16 values (for the Q4_K mins and the Q6_K offset), and those
+// sums as integers (the Q8_0 / Q5_0 offsets on x86: kq_simd.h). A 32-bit lane's dot product is exact integer
+// arithmetic; it enters a float32 accumulator once per super-block.
+// Why: a token reads the file's bytes (~4.6 / 6.6 / 8.5 / 5.5 bits a weight) and multiplies with integer dot
+// products instead of float FMAs.
 //
 // Exactness: every output (m, n) is computed by the same sequence of operations whatever M, the row tile it
 // falls in and the thread split are — a verify over T rows scores each row exactly as a one-row forward. And the

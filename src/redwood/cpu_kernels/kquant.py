@@ -1,9 +1,11 @@
-"""Q4_K / Q6_K GGUF blocks × int8 activations on the CPU (kquant.cpp), built on first use, one build per ISA.
+"""Q4_K / Q6_K / Q8_0 / Q5_0 GGUF blocks × int8 activations on the CPU (kquant.cpp), built on first use, one build
+per ISA.
 
 `kquant_linear(x, blocks, type_name)` multiplies float32 activations x [M, K] by a weight kept as the GGUF
-file's own super-blocks (uint8 [N, K / 256 · block bytes]); each activation row is quantized per 256 values
-to int8 and every super-block's dot product is integer arithmetic, so the bytes read per token are the file's
-and each output row depends only on its own input row (the kernel's docstring).
+file's own blocks (uint8 [N, ceil(K / 256) · block bytes]: super-blocks of 256 values; Q8_0 / Q5_0 take 8 of
+their 32-value blocks a super-block and pad a row to whole ones with zero blocks); each activation row is quantized
+per 256 values to int8 and every super-block's dot product is integer arithmetic, so the bytes read per token are
+the file's and each output row depends only on its own input row (the kernel's docstring).
 
 Variants (kquant.h, kq_simd.h): the same C++ built for several instruction sets — avx512 (AVX-512 VNNI's
 vpdpbusd), avxvnni (the 256-bit VEX vpdpbusd), avx2 (vpmaddubsw + vpmaddwd, within their int16 saturation
