@@ -523,8 +523,8 @@ _PACKED_NAMES = re.compile(
 
 def file_kind(shape: tuple[int, int], fmt: str = FILE_FORMAT) -> str:
     """The format a projection the file format `fmt` does not keep in its own blocks (a non-4-bit GGUF type
-    under FILE_FORMAT, a type other than Q4_K / Q6_K / Q8_0 / Q5_0 under KQUANT, or a tied head) gets: w8a8 under KQUANT
-    where it is exact here, else int8, or bfloat16 where int8's kernel cannot take the shape."""
+    under FILE_FORMAT, a type other than Q4_K / Q6_K / Q8_0 / Q5_0 under KQUANT, or a tied head) gets: w8a8 under
+    KQUANT where it is exact here, else int8, or bfloat16 where int8's kernel cannot take the shape."""
     if fmt == KQUANT and check_packable(shape, "w8a8") is None:
         return "w8a8"
     return "int8" if check_packable(shape, "int8") is None else "bfloat16"
@@ -583,6 +583,8 @@ WEIGHT_CHOICES = ("auto",) + WEIGHT_FORMATS + FILE_FORMATS
 # "auto" on the CPU for a GGUF file (`gguf_default`): the fastest formats at the file's quality on this project's
 # 2-core machine (an AMD EPYC with AVX-512 VNNI), measured side by side (docs/perf/cpu.md, session 16):
 # the target in kquant (the file's Q4_K / Q6_K blocks × int8 activations: faster than w8a8), the draft in q4k
+# (session 29: the 0.5B's own Q5_0 / Q8_0 blocks under kquant are more faithful but 23–34% slower a draft step,
+# so speculation with them was 5–10% slower)
 # (re-quantized to Q4_K: a draft level reads fewer bytes; only acceptance changes), where the kquant kernel
 # builds and runs (`kquant.why_unavailable`). Else w8a8 for both where fbgemm's int8 sums are exact
 # (`w8a8_exact`, docs/perf/cpu.md, session 15), else the target in the file's own types and the draft in

@@ -158,8 +158,8 @@ class ShardTransform:
     (`ShardPlan.take`), then handed to `pack` (a `cpu_weights.packer` transform; None: kept float).
 
     A packer that keeps the file's own blocks gets them cut, never dequantized: kquant's Q4_K / Q6_K rows of
-    256-value super-blocks and Q8_0 / Q5_0 rows of 32-value blocks (uint8 [N, K / file block · block bytes]) and gguf's 4-bit groups of 32 (q [N, K], step and
-    offset [N, K / 32]). Rows (column-parallel q / k / v, gate / up, the head) cut anywhere; columns
+    256-value super-blocks and Q8_0 / Q5_0 rows of 32-value blocks (uint8 [N, K / file block · block bytes]) and
+    gguf's 4-bit groups of 32 (q [N, K], step and offset [N, K / 32]). Rows (column-parallel q / k / v, gate / up, the head) cut anywhere; columns
     (row-parallel o_proj / down_proj) on whole blocks only: kquant's are checked before loading
     (`loading._kquant_cut_misfit`), a 4-bit group tensor cut inside a group is dequantized and packed like the
     file's other types instead."""
