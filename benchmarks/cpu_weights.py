@@ -118,7 +118,7 @@ def main() -> None:
         print(f"{name}: loaded in {time.perf_counter() - t:.0f} s", flush=True)
         texts = held_out_texts(loaded.tokenizer, args.ppl_tokens)
         prompt = texts["code"][: args.prompt_tokens]
-        ref = None
+        ref = ref_kind = None  # (the first format's greedy tokens: float32's where it is listed first)
         for kind, model in formats(loaded.model, args.formats, name):
             torch.set_num_threads(max(args.threads))
             ppl = {k: perplexity(model, ids) for k, ids in texts.items()}
@@ -132,7 +132,7 @@ def main() -> None:
                     outs.setdefault(n, toks)
                     same_threads = all(o == outs[args.threads[0]] for o in outs.values()) and toks == outs[n]
             toks = outs[args.threads[0]]
-            ref = ref or toks
+            ref, ref_kind = ref or toks, ref_kind or kind
             agree = next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), len(ref))
             nbytes = weight_bytes(model)
             step = {n: statistics.median(v) for n, v in steps.items()}
@@ -146,7 +146,7 @@ def main() -> None:
                 + ", ".join(f"{n}t {1 / step[n]:5.2f} tok/s ({step[n] * 1e3:.0f} ms)" for n in args.threads)
                 + f" (floor {nbytes / 1e9 / bw * 1e3:.0f} ms)  prefill {args.prompt_tokens} tok "
                 + ", ".join(f"{n}t {prefill[n]:.1f} s" for n in args.threads)
-                + f"  greedy = float32 for {agree}/{len(ref)}, = across threads {same_threads}",
+                + f"  greedy = {ref_kind} for {agree}/{len(ref)}, = across threads {same_threads}",
                 flush=True,
             )
             del model
@@ -154,7 +154,7 @@ def main() -> None:
     threads = " | ".join(f"decode tok/s {n}t (ms)" for n in args.threads)
     print(
         f"\n| model | weights | GB/step | ppl | {threads} | floor ms at {bw:.1f} GB/s | "
-        f"prefill {args.prompt_tokens} s | greedy = f32 | = across threads |"
+        f"prefill {args.prompt_tokens} s | greedy = first format's | = across threads |"
     )
     print("|---|---|---|---|" + "---|" * len(args.threads) + "---|---|---|---|")
     for name, kind, gb, ppl, step, floor, agree, prefill, same in rows:

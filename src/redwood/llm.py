@@ -66,7 +66,7 @@ class LLM:
     threads: torch's CPU threads (None: OMP_NUM_THREADS when set, else the measured default; see
     `redwood.engine.threads`).
     weights: the CPU weight format of the target ("auto" for a GGUF file on the CPU: "kquant" — the file's
-    Q4_K / Q6_K blocks × int8 activations, its other types w8a8 — where the kquant kernel builds (a C++
+    Q4_K / Q6_K / Q8_0 / Q5_0 blocks × int8 activations, its other types w8a8 — where the kquant kernel builds (a C++
     compiler; a build for AVX-512 VNNI, AVX2 or any CPU: `redwood.cpu_kernels.kquant`), else "w8a8" — int8 weights × int8 activations — where the CPU's int8 sums are exact,
     else "gguf", the file's own 4-bit grid as int4 and its other types int8; float32 for other checkpoints;
     "float32" | "bfloat16" | "int8" | "int4" | "w8a8" | "q4k" | "gguf" | "kquant"; see

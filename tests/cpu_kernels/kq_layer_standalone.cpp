@@ -38,21 +38,21 @@ std::vector<float> floats(Rng& r, size_t n, float lo, float hi) {
   return v;
 }
 
-// n rows of K values as GGUF file blocks (Q4_K: 144 bytes, Q6_K: 210), random bytes with small fp16 scales
-// (2^-11 .. 2^-10: activations stay far from overflow), packed into the kernel's layout
+// n rows of K values as GGUF file blocks (Q4_K: 144 bytes, Q6_K: 210, Q8_0: 34, Q5_0: 22), random bytes with small
+// fp16 scales (2^-11 .. 2^-10: activations stay far from overflow), packed into the kernel's layout
 std::vector<uint8_t> weight(Rng& r, int64_t type, int64_t n, int64_t K) {
-  const int64_t fb = redwood_kq::file_block_bytes(type), blocks = n * (K / 256);
-  std::vector<uint8_t> file(blocks * fb);
+  const int64_t fb = redwood_kq::file_block_bytes(type), row = K / redwood_kq::file_block_values(type) * fb;
+  std::vector<uint8_t> file(n * row);
   for (uint8_t& b : file) b = static_cast<uint8_t>(r.next());
-  for (int64_t i = 0; i < blocks; ++i) {
+  for (int64_t i = 0; i < n * row / fb; ++i) {
     uint8_t* blk = file.data() + i * fb;
-    for (int at : type == 12 ? std::vector<int>{0, 2} : std::vector<int>{208}) {
+    for (int at : type == 12 ? std::vector<int>{0, 2} : type == 14 ? std::vector<int>{208} : std::vector<int>{0}) {
       const uint16_t h = static_cast<uint16_t>(0x1000 | (r.next() & 0x3FF));
       std::memcpy(blk + at, &h, 2);
     }
   }
-  std::vector<uint8_t> packed(blocks * redwood_kq::block_bytes(type));
-  redwood_kq::pack(file.data(), blocks, type, packed.data());
+  std::vector<uint8_t> packed(n * ((K + 255) / 256) * redwood_kq::block_bytes(type));
+  redwood_kq::pack_rows(file.data(), n, row, type, packed.data());
   return packed;
 }
 
@@ -63,9 +63,9 @@ int main(int argc, char** argv) {
   constexpr int64_t H = 256, Hq = 4, Hkv = 2, D = 64, F = 512, ps = 16, pages = 4, W = 4;
   if (M < 1 || L + M > W * ps) return 3;
   Rng r;
-  const int64_t Q4K = 12, Q6K = 14;
-  const std::vector<uint8_t> wqkv = weight(r, Q4K, (Hq + 2 * Hkv) * D, H), wo = weight(r, Q6K, H, Hq * D);
-  const std::vector<uint8_t> wg = weight(r, Q4K, F, H), wu = weight(r, Q4K, F, H), wd = weight(r, Q6K, H, F);
+  const int64_t Q4K = 12, Q6K = 14, Q8_0 = 8, Q5_0 = 6;
+  const std::vector<uint8_t> wqkv = weight(r, Q4K, (Hq + 2 * Hkv) * D, H), wo = weight(r, Q5_0, H, Hq * D);
+  const std::vector<uint8_t> wg = weight(r, Q4K, F, H), wu = weight(r, Q8_0, F, H), wd = weight(r, Q6K, H, F);
   const std::vector<float> bqkv = floats(r, (Hq + 2 * Hkv) * D, -0.5f, 0.5f);
   const std::vector<float> norm1 = floats(r, H, 0.5f, 1.5f), norm2 = floats(r, H, 0.5f, 1.5f);
   std::vector<float> x = floats(r, M * H, -1.f, 1.f);
@@ -88,8 +88,8 @@ int main(int argc, char** argv) {
   a.M = M;
   a.H = H;
   a.qkv = {proj(wqkv, Q4K, (Hq + 2 * Hkv) * D, H, bqkv.data())};
-  a.o = proj(wo, Q6K, H, Hq * D, nullptr);
-  a.gate_up = {proj(wg, Q4K, F, H, nullptr), proj(wu, Q4K, F, H, nullptr)};
+  a.o = proj(wo, Q5_0, H, Hq * D, nullptr);
+  a.gate_up = {proj(wg, Q4K, F, H, nullptr), proj(wu, Q8_0, F, H, nullptr)};
   a.down = proj(wd, Q6K, H, F, nullptr);
   a.norm1 = norm1.data();
   a.norm2 = norm2.data();

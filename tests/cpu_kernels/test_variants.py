@@ -208,12 +208,12 @@ def standalone(tmp_path_factory):
 
 
 def assert_core_gives_the_operators_bits(command: list[str], name: str) -> None:
-    """The core run as `command` (stdin → stdout: kq_standalone.cpp) packs and multiplies random Q4_K and Q6_K rows
+    """The core run as `command` (stdin → stdout: kq_standalone.cpp) packs and multiplies random rows of every type
     as the torch operators (this process's chosen build) do, bit for bit, and names itself `name`."""
     from tests.cpu_kernels.test_kquant import activations, random_blocks
 
     for type_name, (type_id, _, _) in kquant.TYPES.items():
-        M, N, K = 11, 37, 768
+        M, N, K = 11, 37, 768 if kquant.FILE_BLOCK[type_name] == 256 else 896  # (896: padded to whole super-blocks)
         rows = random_blocks(type_name, N, K, seed=5)
         x = activations(M, K, seed=6)
         stdin = np.array([M, K, N, type_id], dtype=np.int64).tobytes() + x.numpy().tobytes() + rows.numpy().tobytes()

@@ -224,7 +224,7 @@ def call(**kw):
         print(str(e).splitlines()[0])
 call()
 call(cos=torch.zeros(1, 16))
-call(types=[8] * len(types))
+call(types=[7] * len(types))
 call(ranges=torch.tensor([[0, 9]]))
 call(write_at=torch.tensor([[0, 8]]))
 """
@@ -249,7 +249,7 @@ def test_the_op_rejects_bad_arguments():
     lines = out.stdout.splitlines()[-5:]
     assert lines[0] == "ran"
     assert "cos / sin must be [1, 32]" in lines[1]
-    assert "type must be Q4_K (12) or Q6_K (14), got 8" in lines[2]
+    assert "type must be Q4_K (12), Q6_K (14), Q8_0 (8) or Q5_0 (6), got 7" in lines[2]
     assert "key range [0, 9) of token 0 is outside its 8 slots" in lines[3]
     assert "write position of token 0 is outside the cache" in lines[4]
 

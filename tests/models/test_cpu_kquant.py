@@ -1,5 +1,5 @@
-"""weights="kquant": a GGUF file's Q4_K / Q6_K projections kept as the file's own super-blocks and multiplied
-by int8 activations (redwood.cpu_kernels.kquant), every other projection in the fallback format
+"""weights="kquant": a GGUF file's Q4_K / Q6_K / Q8_0 / Q5_0 projections kept as the file's own blocks and
+multiplied by int8 activations (redwood.cpu_kernels.kquant), every other projection in the fallback format
 (`cpu_weights.file_kind`: w8a8 where it is exact here, else int8).
 
 PackedLinear.from_kquant / concat / forward against the kernel; tiny GGUF files of mixed types through
@@ -58,15 +58,18 @@ def load(path, weights):
     return load_model(info, weights=weights).model
 
 
+KEPT = (QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.Q5_0)  # the types kquant keeps as the file's blocks
+
+
 def fallback() -> str:
-    """What kquant gives a projection whose type is not Q4_K / Q6_K (every shape here is int8-packable)."""
+    """What kquant gives a projection whose type kquant does not keep (every shape here is int8-packable)."""
     return "w8a8" if cpu_weights.w8a8_exact() else "int8"
 
 
 # GGUF name -> its type in the file (the rest F32). Layer 0: q | k | v all Q4_K (one kernel call), gate | up
 # both Q6_K (one call), down Q4_K with K = 512; layer 1 mixes types, so nothing concatenates across them
-# (q Q6_K, k Q4_K, v Q8_0; gate Q4_K, up Q5_0; o F32); the head Q6_K (300 rows: a tail of 12 after 16-row
-# chunks); the embedding Q8_0 (a lookup, not packed).
+# (q Q6_K, k Q4_K, v Q8_0; gate Q4_K, up Q5_0: kept as the file's blocks too; o F32: the fallback); the head
+# Q6_K (300 rows: a tail of 12 after 16-row chunks); the embedding Q8_0 (a lookup, not packed).
 KQ_TYPES = {
     "blk.0.attn_q.weight": QT.Q4_K,
     "blk.0.attn_k.weight": QT.Q4_K,
@@ -142,15 +145,23 @@ def projections(model):
 # ---------------------------------------------------------------- PackedLinear
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K])
-def test_from_kquant_forward_is_the_kernel_on_float32_inputs(qtype):
-    N, K = 80, 512
-    rows = torch.from_numpy(k_blocks(qtype, N, K, 1))
+@pytest.mark.parametrize(
+    "qtype, K", [(QT.Q4_K, 512), (QT.Q6_K, 512), (QT.Q8_0, 512), (QT.Q8_0, 896), (QT.Q5_0, 512), (QT.Q5_0, 896)]
+)
+def test_from_kquant_forward_is_the_kernel_on_float32_inputs(qtype, K):
+    """(K = 896, the 0.5B's hidden size: 3.5 super-blocks, the packed rows padded with zero blocks)"""
+    from tests.cpu_kernels.test_kquant import random_blocks
+
+    N = 80
+    if qtype in (QT.Q4_K, QT.Q6_K):
+        rows = torch.from_numpy(k_blocks(qtype, N, K, 1))
+    else:
+        rows = random_blocks(qtype.name, N, K, seed=1, d_range=(2e-4, 4e-4))
     bias = torch.randn(N, generator=torch.Generator().manual_seed(0))
     p = PackedLinear.from_kquant(rows, qtype.name, bias)
     assert (p.kind, p.type_name, p.out_features, p.in_features) == (KQUANT, qtype.name, N, K)
     assert torch.equal(p.dequantized(), dequantize(rows, qtype.name, (N, K)))
-    assert p.nbytes == N * K // 256 * kquant.TYPES[qtype.name][2] + 4 * N
+    assert p.nbytes == N * kquant.padded(K) // 256 * kquant.TYPES[qtype.name][2] + 4 * N
     x = torch.randn(2, 7, K, generator=torch.Generator().manual_seed(1))
     y = p(x)
     assert y.shape == (2, 7, N) and y.dtype == torch.float32
@@ -197,14 +208,14 @@ def test_concat_equals_the_members_side_by_side(bias):
 # ---------------------------------------------------------------- loading
 
 
-def test_load_kquant_keeps_q4k_and_q6k_blocks_and_packs_the_rest_in_the_fallback(kq_file, kq_model):
+def test_load_kquant_keeps_the_files_blocks_and_packs_the_rest_in_the_fallback(kq_file, kq_model):
     m = kq_model
     assert m.weights == KQUANT and m.packed_head is m.lm_head
     ref = read_gguf(kq_file).tensors  # the file's values as floats
     kinds = {}
     for g, module in projections(m):
         qtype = KQ_TYPES.get(g, QT.F32)
-        want = KQUANT if qtype in (QT.Q4_K, QT.Q6_K) else fallback()
+        want = KQUANT if qtype in KEPT else fallback()
         kinds[g] = module.kind
         assert module.kind == want, g
         hf = "lm_head.weight" if g == "output.weight" else next(k for k in ref if gguf_name(k) == g)
@@ -221,6 +232,7 @@ def test_load_kquant_keeps_q4k_and_q6k_blocks_and_packs_the_rest_in_the_fallback
     assert len(attn0.cpu_qkv) == 1 and attn0.cpu_qkv[0].out_features == HIDDEN + 2 * 128
     assert len(m.layers[0].mlp.cpu_gate_up) == 1 and m.layers[0].mlp.cpu_gate_up[0].type_name == "Q6_K"
     assert len(attn1.cpu_qkv) == 3 and len(m.layers[1].mlp.cpu_gate_up) == 2
+    assert (attn1.v_proj.type_name, m.layers[1].mlp.up_proj.type_name) == ("Q8_0", "Q5_0")
 
 
 def test_logits_are_near_the_float_model_of_the_files_values(kq_file, kq_model):
@@ -302,6 +314,49 @@ def test_greedy_speculation_equals_greedy_ar(kq_file, kq_model, tokenizer, mode,
     for a, s in zip(ar, spec):
         assert s.output_ids == a.output_ids and len(a.output_ids) == 20
     assert 0 < sum(s.stats.spec.accepted for s in spec) < sum(s.stats.spec.drafted for s in spec)
+
+
+# Every projection a type kquant keeps (Q8_0 / Q5_0 as the 0.5B draft's q, k, v, o, gate, up; Q4_K / Q6_K down and
+# head), so the C++ decoder layer takes each layer (cpu_fused) with the 32-value block types in it.
+ALL_KEPT = {
+    **{f"blk.{i}.{n}.weight": QT.Q5_0 for i in (0, 1) for n in ("attn_q", "attn_k", "attn_output", "ffn_gate")},
+    **{f"blk.{i}.{n}.weight": QT.Q8_0 for i in (0, 1) for n in ("attn_v", "ffn_up")},
+    "blk.0.ffn_down.weight": QT.Q4_K,
+    "blk.1.ffn_down.weight": QT.Q6_K,
+    "output.weight": QT.Q8_0,
+    "token_embd.weight": QT.Q5_0,
+}
+
+
+def test_q8_0_and_q5_0_projections_run_in_the_cpp_layers_row_exact_and_near_the_python_layers(tmp_path, kquant_variant):
+    """A model whose every projection is a type kquant keeps: each layer one C++ call (Q8_0 / Q5_0 blocks in it);
+    a 4-token verify scores each token bit for bit as 4 decode steps; the C++ layers' logits within float32
+    rounding of the Python layers' (the same products: test_cpu_fused's tolerance) and near the float model's."""
+    from redwood.config import ExecutionConfig
+    from redwood.models import cpu_fused
+
+    path = write_mixed(tmp_path / "kept.gguf", "qwen2", seed=12, types=ALL_KEPT)
+    m = load(path, KQUANT)
+    types = {module.type_name for _, module in projections(m)}
+    assert types == {"Q4_K", "Q6_K", "Q8_0", "Q5_0"} and cpu_fused.model_takes(m)
+    g = torch.Generator().manual_seed(13)
+    prompt, steps = torch.randint(3, VOCAB, (1, 20), generator=g), torch.randint(3, VOCAB, (1, 4), generator=g)
+    with torch.inference_mode():
+        cache = prefilled(m, prompt, 32)
+        verify = m(steps, torch.arange(20, 24)[None], cache)
+        decode = decode_steps(m, cache, steps, range(20, 24))
+        assert torch.equal(verify, decode)
+        ids, pos = torch.cat([prompt, steps], 1), torch.arange(24)[None]
+        fused = m(ids, pos, m.new_cache(1, 32))
+        m.set_execution(ExecutionConfig(cpu_fused=False))
+        try:
+            plain = m(ids, pos, m.new_cache(1, 32))
+        finally:
+            m.set_execution(ExecutionConfig())
+        f32 = load(path, "float32")
+        ref = f32(ids, pos, f32.new_cache(1, 32))
+    assert (fused - plain).abs().max() <= 2e-2 * plain.abs().max()
+    assert ((fused - ref).norm() / ref.norm()).item() < 5e-2
 
 
 # ---------------------------------------------------------------- errors
@@ -392,5 +447,5 @@ def test_q4k_target_and_draft_greedy_speculation_equals_greedy_ar(kq_file, token
 
 
 def test_kquant_names_its_types_in_errors():
-    with pytest.raises(ValueError, match="takes Q4_K or Q6_K blocks, not 'Q5_K'"):
+    with pytest.raises(ValueError, match="takes Q4_K, Q6_K, Q8_0, Q5_0 blocks, not 'Q5_K'"):
         kquant.pack(torch.zeros(1, 176, dtype=torch.uint8), "Q5_K")

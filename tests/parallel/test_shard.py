@@ -139,11 +139,17 @@ def test_a_float_gguf_shard_is_the_cut_of_the_whole_model(tmp_path):
     _check_shards_equal_cuts(path)
 
 
-# the kquant test file's types without its Q6_K o_proj (256 inputs: 128 a rank at TP=2, half a super-block)
+# the kquant test file's types without its Q6_K o_proj (256 inputs: 128 a rank at TP=2, half a super-block), with a Q5_0
+# o_proj in layer 1 (128 a rank: whole 32-value blocks)
 def kq_types_that_shard() -> dict:
+    from gguf import GGMLQuantizationType as QT
+
     from tests.models.test_cpu_kquant import KQ_TYPES
 
-    return {k: v for k, v in KQ_TYPES.items() if k != "blk.0.attn_output.weight"}
+    return {
+        **{k: v for k, v in KQ_TYPES.items() if k != "blk.0.attn_output.weight"},
+        "blk.1.attn_output.weight": QT.Q5_0,
+    }
 
 
 def needs_kquant():
@@ -154,8 +160,8 @@ def needs_kquant():
 
 
 def test_a_kquant_shard_keeps_the_files_blocks_cut_on_their_boundaries(tmp_path):
-    """Each rank's Q4_K / Q6_K projections are the file's own super-blocks, cut (rows anywhere; the row-parallel
-    down_proj on whole 256-value blocks): their values equal the cut of the file's, bit for bit; the other types
+    """Each rank's Q4_K / Q6_K / Q8_0 / Q5_0 projections are the file's own blocks, cut (rows anywhere; the
+    row-parallel down_proj on whole 256-value blocks, a Q5_0 o_proj on whole 32-value ones): their values equal the cut of the file's, bit for bit; the other types
     take kquant's fallback, and the vocab-parallel head its rows."""
     needs_kquant()
     from redwood.cpu_kernels import kquant
@@ -184,6 +190,7 @@ def test_a_kquant_shard_keeps_the_files_blocks_cut_on_their_boundaries(tmp_path)
                 assert module.kind == fallback(), g
                 assert torch.allclose(module.dequantized(), want, atol=want.abs().max().item() / 100), g
         assert kinds["blk.0.ffn_down.weight"] == KQUANT  # (row-parallel: 512 inputs, 256 a rank)
+        assert kinds["blk.1.attn_output.weight"] == KQUANT  # (row-parallel Q5_0: 128 a rank, padded in the kernel)
 
 
 def test_kquant_cut_inside_a_super_block_names_the_formats_that_shard(tmp_path):

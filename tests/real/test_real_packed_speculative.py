@@ -110,3 +110,47 @@ def test_default_target_decode_and_verify_logits_equal_at_1_and_2_threads(real_m
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(a, b) for a, b in zip(out[1], out[2]))
+
+
+def test_draft_in_kquant_keeps_its_q5_0_and_q8_0_blocks_near_the_float_model(real_model):
+    """The 0.5B draft under weights="kquant": its Q5_0 / Q8_0 projections (q, k, v, o, gate, up; the Q8_0 head) are
+    the file's own blocks (bit for bit the dequantized file's values), every projection a kquant one, so its layers
+    run as C++ calls; its logits over a prompt stay near the float32 model's (the file's values dequantized), as
+    near as the default q4k draft's or nearer."""
+    import torch
+
+    from redwood.loading import load_model
+    from redwood.loading.gguf import read_gguf_header
+    from redwood.models import cpu_fused
+    from redwood.models.cpu_weights import KQUANT, PackedLinear
+
+    path = real_model(DRAFT)
+    m = load_model(DRAFT, weights=KQUANT).model
+    kinds, types = set(), {}
+    for name, module in m.named_modules():
+        if isinstance(module, PackedLinear) and name != "packed_head":
+            kinds.add(module.kind)
+            types[module.type_name] = types.get(module.type_name, 0) + 1
+    file_types = {t.type_name for t in read_gguf_header(path).tensors.values()}
+    assert {"Q5_0", "Q8_0"} <= file_types
+    assert kinds == {KQUANT} and types["Q5_0"] > 0 and types["Q8_0"] > 0, types
+    assert m.lm_head.type_name == "Q8_0" and cpu_fused.model_takes(m)
+    q = m.layers[0].self_attn.q_proj
+    f32 = load_model(DRAFT, weights="float32").model
+    assert torch.equal(q.dequantized(), f32.layers[0].self_attn.q_proj.weight.float())
+    q4k = load_model(DRAFT, weights="q4k").model
+    ids = torch.tensor([list(range(1000, 1040))])
+    pos = torch.arange(40)[None]
+    with torch.inference_mode():
+        ref = f32(ids, pos, f32.new_cache(1, 48))
+        got = {w: mm(ids, pos, mm.new_cache(1, 48)) for w, mm in (("kquant", m), ("q4k", q4k))}
+    err = {w: ((y - ref).norm() / ref.norm()).item() for w, y in got.items()}
+    agree = {w: (y.argmax(-1) == ref.argmax(-1)).float().mean().item() for w, y in got.items()}
+    assert err["kquant"] < 0.1 and err["kquant"] <= err["q4k"], err
+    assert agree["kquant"] >= 0.9 and agree["kquant"] >= agree["q4k"], agree
+
+
+def test_main_job_with_a_kquant_draft_greedy_speculation_equals_ar(real_model):
+    """The default target with the 0.5B draft in kquant (its Q5_0 / Q8_0 / Q4_K / Q6_K blocks as the file holds
+    them): greedy speculation == greedy AR."""
+    main_job(real_model, "auto", "kquant")

@@ -132,7 +132,7 @@ def add_weights_arg(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=WEIGHT_CHOICES,
         help=f"CPU weight format of the target's projections (default auto: for a .gguf model "
-        f"{GGUF_DEFAULT} — the file's Q4_K/Q6_K blocks times int8 activations — on a "
+        f"{GGUF_DEFAULT} — the file's Q4_K/Q6_K/Q8_0/Q5_0 blocks times int8 activations — on a "
         f"CPU with a C++ compiler (REDWOOD_CPU_KERNEL: which build), else {W8A8_DEFAULT} where its int8 sums are "
         f"exact, else {GGUF_FALLBACK}; float32 for other checkpoints; CUDA keeps --dtype; a draft "
         f"model's: --draft-weights)",

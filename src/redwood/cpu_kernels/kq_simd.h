@@ -20,6 +20,12 @@
 //   neon     aarch64 DOTPROD's sdot on each 16-byte quarter (weights ≤ 63 are valid int8, so the signed product
 //            is the same; exact int32 sums, as vpdpbusd);
 //   portable plain loops the compiler vectorizes (int16 sums within the same kind of bound: `dot` below).
+//
+// The 32-value block types (`S`, `sdot`: Q8_0, Q5_0) give lane l = Σ w·x with the SIGNED weight w (Q8_0's q in
+// −128..127, Q5_0's q − 16 in −16..15) — exact in every variant, however computed: avx512 / avxvnni feed unsigned
+// bytes u = w + o to vpdpbusd (Q8_0: o = 128, Q5_0: o = 16) and subtract o·Σx over the lane (integer activation
+// sums); avx2 does the same for Q5_0 (u ≤ 31: every int16 sum within bound) and for Q8_0 moves w's sign onto the
+// activations (|w| ≤ 128 with ±x: a pair ≤ 32 512, no saturation); neon's sdot and portable multiply w itself.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -131,6 +137,49 @@ inline void q6k_scales(const uint8_t* blk, F32& scale, F32& offset) {
       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))),
       _mm512_set1_ps(fp16(blk + 208)));
   offset.v = _mm512_mul_ps(scale.v, _mm512_set1_ps(32.f));
+}
+// The 32-value block types (Q8_0, Q5_0): a super-block's 256 weights in kernel order as UNSIGNED bytes u = w + o
+// (Q8_0: w in −128..127, o = 128, u = w XOR 0x80; Q5_0: u = q, the file's 5-bit value, w = q − 16, o = 16), so
+// vpdpbusd (u8 × s8) takes them as they are; `sdot` then subtracts o·Σx over each lane's 16 activations (xsum: exact
+// int32, kquant.cpp's quantize) — Σ u·x − o·Σ x = Σ w·x exactly, the integer every variant computes.
+struct S {
+  __m512i u[4];
+};
+inline S decode_q8_0(const uint8_t* blk) {  // 16 bytes of d, then the 4 vectors of int8 q
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  S w;
+  for (int c = 0; c < 4; ++c) w.u[c] = _mm512_xor_si512(_mm512_loadu_si512(blk + 16 + 64 * c), flip);
+  return w;
+}
+inline S decode_q5_0(const uint8_t* blk) {  // 16 bytes of d, 128 of nibbles (as Q4_K's), 32 of high bits
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+  __m512i nib[4];
+  for (int h = 0; h < 2; ++h) {
+    const __m512i q = _mm512_loadu_si512(blk + 16 + 64 * h);
+    nib[2 * h] = _mm512_and_si512(q, low4);
+    nib[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+  }
+  // bit k of high-bit byte t: position 32k + t; vector c's bytes 0-31 take bit 2c, bytes 32-63 bit 2c + 1
+  const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 144)));
+  S w;
+  for (int c = 0; c < 4; ++c) {
+    const __m512i sel = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi8(static_cast<char>(1 << (2 * c)))),
+                                           _mm256_set1_epi8(static_cast<char>(1 << (2 * c + 1))), 1);
+    w.u[c] = _mm512_mask_add_epi8(nib[c], _mm512_test_epi8_mask(qh, sel), nib[c], bit4);  // q = nibble + 16·high
+  }
+  return w;
+}
+template <bool kQ5>
+inline I32 sdot(const S& w, const int8_t* xq, const int32_t* xsum) {
+  __m512i isum = _mm512_setzero_si512();
+  for (int c = 0; c < 4; ++c) isum = _mm512_dpbusd_epi32(isum, w.u[c], _mm512_loadu_si512(xq + 64 * c));
+  return {_mm512_sub_epi32(isum, _mm512_slli_epi32(_mm512_loadu_si512(xsum), kQ5 ? 4 : 7))};  // − o·Σx
+}
+// Q8_0 / Q5_0: lane l: scale d[l / 2] (block l / 2 of the super-block's 8; fp16 → float32 is exact)
+inline F32 d32_scales(const uint8_t* blk) {
+  const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+  return {_mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(d))};
 }
 inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_NTA); }
 
@@ -288,6 +337,80 @@ inline void q6k_scales(const uint8_t* blk, F32& scale, F32& offset) {
            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d)};
   offset = mul(scale, set1(32.f));
 }
+// The 32-value block types. avxvnni: as avx512 (unsigned u = w + o in `a`, then − o·Σx). avx2: Q5_0 the same
+// (u = q ≤ 31: vpmaddubsw's pairs ≤ 2 · 31 · 127 = 7 874, the 4 vectors' sum ≤ 31 496 fits int16); Q8_0's u would
+// reach 255 (pairs up to 64 770: saturation), so Q8_0 takes the sign transfer instead: a = |w| (≤ 128: pairs ≤
+// 32 512, one vector at a time through vpmaddwd), s = w, whose signs `sdot` moves onto the activations (vpsignb:
+// x, −x or 0 where w > 0, < 0, = 0; |x| ≤ 127, so −x is exact) — a·sign(x, w) = w·x. Every path: Σ w·x exactly.
+struct S {
+  __m256i a[4][2], s[4][2];  // vector c, half j
+};
+inline S decode_q8_0(const uint8_t* blk) {
+  S w;
+  for (int c = 0; c < 4; ++c)
+    for (int j = 0; j < 2; ++j) {
+      const __m256i q = load256(blk + 16 + 64 * c + 32 * j);
+#if defined(KQ_ISA_AVXVNNI)
+      w.a[c][j] = _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));
+#else
+      w.s[c][j] = q;
+      w.a[c][j] = _mm256_abs_epi8(q);  // (|−128| = 0x80: 128 as the unsigned operand)
+#endif
+    }
+  return w;
+}
+inline S decode_q5_0(const uint8_t* blk) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+  const __m256i qh = load256(blk + 144);  // bit k of byte t: position 32k + t (vector c, half j: bit 2c + j)
+  S w;
+  for (int h = 0; h < 2; ++h)
+    for (int j = 0; j < 2; ++j) {
+      const __m256i q = load256(blk + 16 + 64 * h + 32 * j);
+      const __m256i nib[2] = {_mm256_and_si256(q, low4), _mm256_and_si256(_mm256_srli_epi16(q, 4), low4)};
+      for (int e = 0; e < 2; ++e) {
+        const int c = 2 * h + e;
+        const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << (2 * c + j)));
+        const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), bit4);
+        w.a[c][j] = _mm256_or_si256(nib[e], high);  // q = nibble | high << 4
+      }
+    }
+  return w;
+}
+template <bool kQ5>
+inline __m256i sdot_half(const S& w, const int8_t* xq, const int32_t* xsum, int j) {
+  __m256i x[4];
+  for (int c = 0; c < 4; ++c) x[c] = load256(xq + 64 * c + 32 * j);
+  const __m256i offset = _mm256_slli_epi32(load256(xsum + 8 * j), kQ5 ? 4 : 7);  // o·Σx of lanes 8j..8j+7
+#if defined(KQ_ISA_AVXVNNI)
+  __m256i isum = _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) isum = _mm256_dpbusd_avx_epi32(isum, w.a[c][j], x[c]);
+  return _mm256_sub_epi32(isum, offset);
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i p[4];
+  if constexpr (kQ5) {
+    static_assert(4 * 2 * 31 * 127 <= 32767, "Q5_0's 4 vectors of pairs must add in int16 without wrapping");
+    for (int c = 0; c < 4; ++c) p[c] = _mm256_maddubs_epi16(w.a[c][j], x[c]);
+    const __m256i s = _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3]));
+    return _mm256_sub_epi32(_mm256_madd_epi16(s, ones), offset);
+  } else {
+    static_assert(2 * 128 * 127 <= 32767, "one Q8_0 pair (|w| ≤ 128, |x| ≤ 127) must not saturate");
+    (void)offset;  // (the sign transfer multiplies by w itself: no offset)
+    for (int c = 0; c < 4; ++c) p[c] = _mm256_maddubs_epi16(w.a[c][j], _mm256_sign_epi8(x[c], w.s[c][j]));
+    return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p[0], ones), _mm256_madd_epi16(p[1], ones)),
+                            _mm256_add_epi32(_mm256_madd_epi16(p[2], ones), _mm256_madd_epi16(p[3], ones)));
+  }
+#endif
+}
+template <bool kQ5>
+inline I32 sdot(const S& w, const int8_t* xq, const int32_t* xsum) {
+  return {sdot_half<kQ5>(w, xq, xsum, 0), sdot_half<kQ5>(w, xq, xsum, 1)};
+}
+inline F32 d32_scales(const uint8_t* blk) {
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+  const __m256i lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+  return {_mm256_permutevar8x32_ps(d, lo), _mm256_permutevar8x32_ps(d, hi)};
+}
 inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_NTA); }
 
 // ------------------------------------------------------------------------------------------------------------ neon
@@ -409,6 +532,49 @@ inline void q6k_scales(const uint8_t* blk, F32& scale, F32& offset) {
   for (int l = 0; l < 16; ++l) s[l] = static_cast<float>(static_cast<int8_t>(blk[192 + l])) * d;
   scale = load(s);
   offset = mul(scale, set1(32.f));
+}
+// The 32-value block types: signed weights as they are (sdot is s8 × s8: no sign transfer needed).
+struct S {
+  int8x16_t v[4][4];  // vector c, quarter j
+};
+inline S decode_q8_0(const uint8_t* blk) {
+  S w;
+  for (int c = 0; c < 4; ++c)
+    for (int j = 0; j < 4; ++j) w.v[c][j] = vld1q_s8(reinterpret_cast<const int8_t*>(blk + 16 + 64 * c + 16 * j));
+  return w;
+}
+inline S decode_q5_0(const uint8_t* blk) {
+  const uint8x16_t low4 = vdupq_n_u8(0x0F), sixteen = vdupq_n_u8(16);
+  // bit k of high-bit byte t: position 32k + t; vector c's quarter j: bit 2c + j / 2 of bytes 16 (j % 2) + 0..15
+  const uint8x16_t qh[2] = {vld1q_u8(blk + 144), vld1q_u8(blk + 160)};
+  S w;
+  for (int h = 0; h < 2; ++h)
+    for (int j = 0; j < 4; ++j) {
+      const uint8x16_t q = vld1q_u8(blk + 16 + 64 * h + 16 * j);
+      const uint8x16_t nib[2] = {vandq_u8(q, low4), vshrq_n_u8(q, 4)};
+      for (int e = 0; e < 2; ++e) {
+        const int c = 2 * h + e;
+        const uint8x16_t high = vandq_u8(vtstq_u8(qh[j % 2], vdupq_n_u8(static_cast<uint8_t>(1 << (2 * c + j / 2)))),
+                                         sixteen);
+        w.v[c][j] = vreinterpretq_s8_u8(vsubq_u8(vorrq_u8(nib[e], high), sixteen));
+      }
+    }
+  return w;
+}
+template <bool kQ5>
+inline I32 sdot(const S& w, const int8_t* xq, const int32_t* /*xsum: signed weights need no offset*/) {
+  I32 r;
+  for (int j = 0; j < 4; ++j) {
+    int32x4_t acc = vdupq_n_s32(0);
+    for (int c = 0; c < 4; ++c) acc = vdotq_s32(acc, w.v[c][j], vld1q_s8(xq + 64 * c + 16 * j));
+    r.v[j] = acc;
+  }
+  return r;
+}
+inline F32 d32_scales(const uint8_t* blk) {
+  float s[16];
+  for (int l = 0; l < 16; ++l) s[l] = fp16(blk + 2 * (l / 2));
+  return load(s);
 }
 inline void prefetch(const uint8_t* p) { __builtin_prefetch(p, 0, 0); }
 
@@ -552,6 +718,43 @@ inline void q6k_scales(const uint8_t* blk, F32& scale, F32& offset) {
     scale.v[l] = static_cast<float>(static_cast<int8_t>(blk[192 + l])) * d;
     offset.v[l] = scale.v[l] * 32.f;
   }
+}
+// The 32-value block types: signed weights, products summed in int32 (Q8_0's 4 · 128 · 127 would wrap int16).
+struct S {
+  int8_t v[4][64];
+};
+inline S decode_q8_0(const uint8_t* blk) {
+  S w;
+  std::memcpy(w.v, blk + 16, 256);
+  return w;
+}
+inline S decode_q5_0(const uint8_t* blk) {
+  S w;
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < 64; ++t) {
+      const uint8_t q = blk[16 + 64 * h + t];
+      const uint8_t nib[2] = {static_cast<uint8_t>(q & 0x0F), static_cast<uint8_t>(q >> 4)};
+      for (int e = 0; e < 2; ++e) {
+        const int c = 2 * h + e, pos = 64 * c + t;  // its high bit: bit pos / 32 of byte pos % 32
+        const int high = (blk[144 + (pos & 31)] >> (pos >> 5)) & 1;
+        w.v[c][t] = static_cast<int8_t>((nib[e] | (high << 4)) - 16);
+      }
+    }
+  return w;
+}
+template <bool kQ5>
+inline I32 sdot(const S& w, const int8_t* xq, const int32_t* /*xsum: signed weights need no offset*/) {
+  int32_t p[64] = {};
+  for (int c = 0; c < 4; ++c)
+    for (int i = 0; i < 64; ++i) p[i] += int32_t{w.v[c][i]} * int32_t{xq[64 * c + i]};
+  I32 r;
+  for (int l = 0; l < 16; ++l) r.v[l] = p[4 * l] + p[4 * l + 1] + p[4 * l + 2] + p[4 * l + 3];
+  return r;
+}
+inline F32 d32_scales(const uint8_t* blk) {
+  F32 r;
+  for (int l = 0; l < 16; ++l) r.v[l] = fp16(blk + 2 * (l / 2));
+  return r;
 }
 inline void prefetch(const uint8_t* p) {
 #if defined(__GNUC__)

@@ -1,26 +1,38 @@
-// K-quant GGUF weights (Q4_K, Q6_K) times int8-quantized activations with integer dot products: the torch-free core
-// (kquant.h; the operators in ops.cpp), one build per variant (AVX-512 VNNI, AVX-VNNI, AVX2, portable: kq_simd.h).
+// GGUF weights (the K-quants Q4_K, Q6_K; the 32-value block types Q8_0, Q5_0) times int8-quantized activations with
+// integer dot products: the torch-free core (kquant.h; the operators in ops.cpp), one build per variant (AVX-512
+// VNNI, AVX-VNNI, AVX2, NEON, portable: kq_simd.h).
 //
-//   kquant_linear(x float32 [M, K], w uint8 [N, K / 256 * B], type) -> float32 [M, N]
-//   kquant_pack(w uint8 [N, K / 256 * file bytes], type) -> uint8 [N, K / 256 * B]
+//   kquant_linear(x float32 [M, K], w uint8 [N, ceil(K / 256) * B], type) -> float32 [M, N]
+//   kquant_pack(w uint8 [N, K / file block * file block bytes], type) -> uint8 [N, ceil(K / 256) * B]
 // (ops.cpp's operators, in the variant's namespace redwood_kq_<variant>: kquant.py)
 //
 // A weight row is a run of super-blocks of 256 values holding the file's own numbers (nothing re-quantized):
 //   Q4_K: value = d·sc[j]·q − dmin·mn[j] in sub-block j (32 values), q in 0..15, fp16 d / dmin, 6-bit sc / mn;
-//   Q6_K: value = d·sc[j]·(q − 32) in sub-block j (16 values), q in 0..63, fp16 d, int8 sc.
-// `kquant_pack` re-lays each super-block for the kernel (`pack_q4k`, `pack_q6k`): Q4_K in 148 bytes (d, dmin,
-// sc[8] and mn[8] as bytes, 128 bytes of nibbles), Q6_K in the file's 210 (low nibbles, 2-bit high parts,
-// 16 scales, d), each arranged so that 64-byte loads and masks give the 4 vectors of 64 values. Both put the
-// values in KERNEL ORDER: byte 4l + t of vector c holds value 16l + 4c + t — so 32-bit lane l of every
-// vector belongs to the same 16 values (lane l, and for Q4_K sub-block l / 2), and vpdpbusd can accumulate
-// all 4 vectors into one register before the scales are applied once per super-block. One layout for every
-// variant (the 256-bit ones read each 64-byte vector as two 32-byte halves).
+//   Q6_K: value = d·sc[j]·(q − 32) in sub-block j (16 values), q in 0..63, fp16 d, int8 sc;
+//   Q8_0: value = d[j]·q in file block j (32 values; 8 a super-block), q int8, fp16 d;
+//   Q5_0: value = d[j]·(q − 16) in file block j, q in 0..31 (4 low bits + 1 high bit), fp16 d.
+// `kquant_pack` re-lays each super-block for the kernel (`pack_q4k`, `pack_q6k`, `pack_q8_0`, `pack_q5_0`): Q4_K in
+// 148 bytes (d, dmin, sc[8] and mn[8] as bytes, 128 bytes of nibbles), Q6_K in the file's 210 (low nibbles, 2-bit
+// high parts, 16 scales, d), Q8_0 in 272 (8 fp16 d, 256 int8 q) and Q5_0 in 176 (8 fp16 d, 128 bytes of nibbles,
+// 32 bytes of high bits) — 8 file blocks' own bytes, re-ordered — each arranged so that 64-byte loads and masks
+// give the 4 vectors of 64 values. All put the values in KERNEL ORDER: byte 4l + t of vector c holds value
+// 16l + 4c + t — so 32-bit lane l of every vector belongs to the same 16 values (lane l; for Q4_K sub-block l / 2,
+// for Q8_0 / Q5_0 file block l / 2), and vpdpbusd can accumulate all 4 vectors into one register before the scales
+// are applied once per super-block. One layout for every variant (the 256-bit ones read each 64-byte vector as two
+// 32-byte halves).
+//
+// K: whole super-blocks for the K-quants. Q8_0 / Q5_0 rows take any K a multiple of 32 (the 0.5B's 896 = 3.5
+// super-blocks): `pack_rows` pads a row with zero blocks (d = 0, value 0) to whole super-blocks, and the
+// activations past K are zeros (matmul's padding) — so the kernel has one granularity (256) and one activation
+// quantization (per 256 values) for every type, the super-block machinery unchanged; the cost is the padding's
+// bytes and dot products (896 → 1024: 14% more on such a row).
 //
 // Activations: each row is quantized per super-block (dx = max|x| / 127, q = round(x / dx) in int8, also in
-// kernel order) with dx times the sums of q over each 16 values (for the Q4_K mins and the Q6_K offset). A
-// 32-bit lane's dot product is exact integer arithmetic; it enters a float32 accumulator once per super-block.
-// Why: a token reads the file's bytes (~4.6–6.6 bits a weight against int8's 8) and multiplies with integer
-// dot products instead of float FMAs.
+// kernel order) with dx times the sums of q over each 16 values (for the Q4_K mins and the Q6_K offset), and those
+// sums as integers (the Q8_0 / Q5_0 offsets on x86: kq_simd.h). A 32-bit lane's dot product is exact integer
+// arithmetic; it enters a float32 accumulator once per super-block.
+// Why: a token reads the file's bytes (~4.6 / 6.6 / 8.5 / 5.5 bits a weight) and multiplies with integer dot
+// products instead of float FMAs.
 //
 // Exactness: every output (m, n) is computed by the same sequence of operations whatever M, the row tile it
 // falls in and the thread split are — a verify over T rows scores each row exactly as a one-row forward. And the
@@ -43,7 +55,11 @@ namespace {
 constexpr int kQK = 256;       // values per super-block
 constexpr int64_t kQ4K = 12;   // ggml type ids
 constexpr int64_t kQ6K = 14;
+constexpr int64_t kQ8_0 = 8;
+constexpr int64_t kQ5_0 = 6;
 constexpr int kQ4KFile = 144, kQ4KPacked = 148, kQ6KBytes = 210;
+constexpr int kQ8_0File = 34, kQ5_0File = 22;         // one file block of 32 values
+constexpr int kQ8_0Packed = 272, kQ5_0Packed = 176;   // one kernel super-block of 8 of them (the file's bytes)
 #ifndef KQ_ROW_TILE
 // 8 in every build: on AVX2 too, though 8 rows' accumulators (16 ymm) spill — the weight side (decoding a
 // block's nibbles, its scales) costs more than the spills: 8 rows against 4 took 162 / 191 ms at M = 8 and 335 /
@@ -71,6 +87,7 @@ struct QuantRows {              // the activations, quantized per super-block
   std::vector<int8_t> q;        // [M, K] in kernel order
   std::vector<float> dx;        // [M, K / 256]
   std::vector<float> sum16;     // [M, K / 16]: dx · Σ q over values 16j..16j+15 of each super-block
+  std::vector<int32_t> isum16;  // [M, K / 16]: Σ q over the same values (the Q8_0 / Q5_0 offsets: kq_simd.h's S)
 };
 
 QuantRows quantize(const float* x, int64_t M, int64_t K) {
@@ -79,6 +96,7 @@ QuantRows quantize(const float* x, int64_t M, int64_t K) {
   r.q.resize(M * K);
   r.dx.resize(blocks);
   r.sum16.resize(blocks * 16);
+  r.isum16.resize(blocks * 16);
   parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
     int order[kQK];
     for (int p = 0; p < kQK; ++p) order[p] = value_at(p);
@@ -96,6 +114,7 @@ QuantRows quantize(const float* x, int64_t M, int64_t K) {
         int32_t s = 0;
         for (int k = 0; k < 16; ++k) s += vals[16 * j + k];
         r.sum16[i * 16 + j] = static_cast<float>(s) * r.dx[i];
+        r.isum16[i * 16 + j] = s;
       }
     }
   });
@@ -159,10 +178,41 @@ void q6k_rows(const uint8_t* wrow, int64_t nb, const QuantRows& a, int64_t m0, i
   for (int r = 0; r < R; ++r) out[r * ldo] = simd::sum(acc[r]);
 }
 
+// Q8_0 / Q5_0: the super-block's weights (`simd::S`), one integer dot product per lane (`simd::sdot`: Σ w·x over the
+// lane's 16 values, exact in every variant — x86 multiplies unsigned bytes and takes the offset off in the integers,
+// kq_simd.h) and acc += float(isum)·(d[l / 2]·dx) — no float offset term: Q5_0's q − 16 and Q8_0's sign are taken
+// in the integers, so nothing cancels in float32 (|isum| ≤ 16 · 128 · 127 < 2^24: its float is exact).
+template <int R, bool kQ5>
+void q32_rows(const uint8_t* wrow, int64_t nb, const QuantRows& a, int64_t m0, int64_t K, float* out,
+              int64_t ldo) {
+  constexpr int kBytes = kQ5 ? kQ5_0Packed : kQ8_0Packed;
+  simd::F32 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = simd::zero();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = wrow + b * kBytes;
+    prefetch_block(blk, kBytes);
+    const simd::F32 scale = simd::d32_scales(blk);
+    const simd::S wv = kQ5 ? simd::decode_q5_0(blk) : simd::decode_q8_0(blk);
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r, i = m * nb + b;
+      const simd::I32 isum = simd::sdot<kQ5>(wv, a.q.data() + m * K + b * kQK, a.isum16.data() + i * 16);
+      acc[r] = simd::fmadd(simd::to_float(isum), simd::mul(scale, simd::set1(a.dx[i])), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = simd::sum(acc[r]);
+}
+
 using RowsFn = void (*)(const uint8_t*, int64_t, const QuantRows&, int64_t, int64_t, float*, int64_t);
 
 template <int R>
-RowsFn pick(int64_t type) { return type == kQ4K ? q4k_rows<R> : q6k_rows<R>; }
+RowsFn pick(int64_t type) {
+  switch (type) {
+    case kQ4K: return q4k_rows<R>;
+    case kQ6K: return q6k_rows<R>;
+    case kQ8_0: return q32_rows<R, false>;
+    default: return q32_rows<R, true>;  // (kQ5_0: the callers check the type)
+  }
+}
 
 template <int... Rs>
 struct RowFns {
@@ -248,27 +298,92 @@ void pack_q6k(const uint8_t* s, uint8_t* o) {
   std::memcpy(o + 192, s + 192, 18);  // scales, d
 }
 
+// Q8_0 / Q5_0: up to 8 file blocks (`have`, consecutive at s; the rest of the super-block zero blocks: d = 0,
+// value 0) as one kernel super-block:
+//   Q8_0: d[8] (the files' fp16), then 256 int8 q by kernel position;
+//   Q5_0: d[8], 128 bytes of nibbles as Q4_K's (byte 64h + t: position 128h + t low, 128h + 64 + t high), then 32
+//         bytes of high bits (bit k of byte t: position 32k + t), q = nibble | high << 4 in 0..31, value (q − 16)·d.
+// The file: Q8_0 = fp16 d, 32 int8; Q5_0 = fp16 d, a little-endian uint32 of high bits (bit i: value i), 16 bytes
+// of nibbles (values 0-15 low, 16-31 high).
+void pack_q8_0(const uint8_t* s, int have, uint8_t* o) {
+  int8_t q[kQK] = {};  // by value
+  std::memset(o, 0, 16);
+  for (int j = 0; j < have; ++j) {
+    std::memcpy(o + 2 * j, s + kQ8_0File * j, 2);
+    std::memcpy(q + 32 * j, s + kQ8_0File * j + 2, 32);
+  }
+  for (int p = 0; p < kQK; ++p) o[16 + p] = static_cast<uint8_t>(q[value_at(p)]);
+}
+
+void pack_q5_0(const uint8_t* s, int have, uint8_t* o) {
+  uint8_t q[kQK];  // by value, 0..31; padding 16 (value 0)
+  std::memset(q, 16, sizeof(q));
+  std::memset(o, 0, kQ5_0Packed);
+  for (int j = 0; j < have; ++j) {
+    const uint8_t* b = s + kQ5_0File * j;
+    std::memcpy(o + 2 * j, b, 2);
+    const uint32_t qh = uint32_t{b[2]} | uint32_t{b[3]} << 8 | uint32_t{b[4]} << 16 | uint32_t{b[5]} << 24;
+    for (int i = 0; i < 32; ++i) {
+      const uint8_t nib = i < 16 ? (b[6 + i] & 0x0F) : (b[6 + i - 16] >> 4);
+      q[32 * j + i] = static_cast<uint8_t>(nib | (((qh >> i) & 1u) << 4));
+    }
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < 64; ++t)
+      o[16 + 64 * h + t] = (q[value_at(128 * h + t)] & 0x0F) | ((q[value_at(128 * h + 64 + t)] & 0x0F) << 4);
+  for (int pos = 0; pos < kQK; ++pos) o[144 + (pos & 31)] |= (q[value_at(pos)] >> 4) << (pos >> 5);
+}
+
 }  // namespace
 
 #define KQ_STR2(x) #x
 #define KQ_STR(x) KQ_STR2(x)
 const char* variant() { return KQ_STR(KQ_VARIANT); }
 
-int64_t block_bytes(int64_t type) { return type == kQ4K ? kQ4KPacked : type == kQ6K ? kQ6KBytes : -1; }
+int64_t block_bytes(int64_t type) {
+  switch (type) {
+    case kQ4K: return kQ4KPacked;
+    case kQ6K: return kQ6KBytes;
+    case kQ8_0: return kQ8_0Packed;
+    case kQ5_0: return kQ5_0Packed;
+    default: return -1;
+  }
+}
 
-int64_t file_block_bytes(int64_t type) { return type == kQ4K ? kQ4KFile : type == kQ6K ? kQ6KBytes : -1; }
+int64_t file_block_values(int64_t type) {
+  return type == kQ4K || type == kQ6K ? kQK : type == kQ8_0 || type == kQ5_0 ? 32 : -1;
+}
+
+int64_t file_block_bytes(int64_t type) {
+  switch (type) {
+    case kQ4K: return kQ4KFile;
+    case kQ6K: return kQ6KBytes;
+    case kQ8_0: return kQ8_0File;
+    case kQ5_0: return kQ5_0File;
+    default: return -1;
+  }
+}
 
 void matmul(const float* x, int64_t M, int64_t k_in, int64_t ldx, const uint8_t* w, int64_t N, int64_t row_bytes,
             int64_t type, float* out, int64_t ldo) {
   matmul_rows(x, M, k_in, ldx, w, N, row_bytes, type, out, ldo);
 }
 
-void pack(const uint8_t* src, int64_t blocks, int64_t type, uint8_t* dst) {
-  const int64_t file_bytes = file_block_bytes(type), packed_bytes = block_bytes(type);
-  parallel_for(0, blocks, 1024, [&](int64_t begin, int64_t end) {
+void pack_rows(const uint8_t* src, int64_t N, int64_t file_row_bytes, int64_t type, uint8_t* dst) {
+  const int64_t fb = file_block_bytes(type), per = kQK / file_block_values(type);  // file blocks a super-block
+  const int64_t blocks = file_row_bytes / fb, nb = (blocks + per - 1) / per, bb = block_bytes(type);
+  parallel_for(0, N * nb, 1024, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      if (type == kQ4K) pack_q4k(src + i * file_bytes, dst + i * packed_bytes);
-      else pack_q6k(src + i * file_bytes, dst + i * packed_bytes);
+      const int64_t n = i / nb, b = i % nb;
+      const uint8_t* s = src + n * file_row_bytes + b * per * fb;
+      uint8_t* o = dst + i * bb;
+      const int have = static_cast<int>(std::min<int64_t>(per, blocks - b * per));
+      switch (type) {
+        case kQ4K: pack_q4k(s, o); break;
+        case kQ6K: pack_q6k(s, o); break;
+        case kQ8_0: pack_q8_0(s, have, o); break;
+        default: pack_q5_0(s, have, o); break;
+      }
     }
   });
 }

@@ -44,10 +44,14 @@ const char* variant();
 // a standalone build: any split, a serial loop included — no result depends on it). Defined by whoever links the core.
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
 
-// Bytes of one super-block of 256 values in the kernel's layout: Q4_K (type 12) 148, Q6_K (14) 210, else -1.
+// Bytes of one super-block of 256 values in the kernel's layout: Q4_K (type 12) 148, Q6_K (14) 210, Q8_0 (8) 272,
+// Q5_0 (6) 176, else -1.
 int64_t block_bytes(int64_t type);
 
-// Bytes of one super-block in the GGUF file: Q4_K 144, Q6_K 210, else -1.
+// Values in one block of the GGUF file: 256 (Q4_K, Q6_K), 32 (Q8_0, Q5_0), else -1.
+int64_t file_block_values(int64_t type);
+
+// Bytes of one block of the GGUF file (file_block_values values): Q4_K 144, Q6_K 210, Q8_0 34, Q5_0 22, else -1.
 int64_t file_block_bytes(int64_t type);
 
 // out[m·ldo + n] = Σ_k x[m·ldx + k]·W[n, k] for M float32 rows of k_in values and N packed weight rows of
@@ -56,8 +60,10 @@ int64_t file_block_bytes(int64_t type);
 void matmul(const float* x, int64_t M, int64_t k_in, int64_t ldx, const uint8_t* w, int64_t N, int64_t row_bytes,
             int64_t type, float* out, int64_t ldo);
 
-// `blocks` super-blocks of the file's layout (src, file_block_bytes each) in the kernel's (dst, block_bytes each).
-void pack(const uint8_t* src, int64_t blocks, int64_t type, uint8_t* dst);
+// N rows of the file's blocks (src: `file_row_bytes` each, a whole number of file blocks) in the kernel's layout
+// (dst: ceil(K / 256) · block_bytes each, K = the row's values): a row of 32-value blocks whose K is not a multiple
+// of 256 is padded with zero blocks (d = 0, q = 0) to whole super-blocks.
+void pack_rows(const uint8_t* src, int64_t N, int64_t file_row_bytes, int64_t type, uint8_t* dst);
 
 // One packed projection of the decoder layer: N output rows of `row_bytes`, an optional float32 bias [N].
 struct Projection {

@@ -1,9 +1,11 @@
-"""Q4_K / Q6_K GGUF blocks × int8 activations on the CPU (kquant.cpp), built on first use, one build per ISA.
+"""Q4_K / Q6_K / Q8_0 / Q5_0 GGUF blocks × int8 activations on the CPU (kquant.cpp), built on first use, one build
+per ISA.
 
 `kquant_linear(x, blocks, type_name)` multiplies float32 activations x [M, K] by a weight kept as the GGUF
-file's own super-blocks (uint8 [N, K / 256 · block bytes]); each activation row is quantized per 256 values
-to int8 and every super-block's dot product is integer arithmetic, so the bytes read per token are the file's
-and each output row depends only on its own input row (the kernel's docstring).
+file's own blocks (uint8 [N, ceil(K / 256) · block bytes]: super-blocks of 256 values; Q8_0 / Q5_0 take 8 of
+their 32-value blocks a super-block and pad a row to whole ones with zero blocks); each activation row is quantized
+per 256 values to int8 and every super-block's dot product is integer arithmetic, so the bytes read per token are
+the file's and each output row depends only on its own input row (the kernel's docstring).
 
 Variants (kquant.h, kq_simd.h): the same C++ built for several instruction sets — avx512 (AVX-512 VNNI's
 vpdpbusd), avxvnni (the 256-bit VEX vpdpbusd), avx2 (vpmaddubsw + vpmaddwd, within their int16 saturation
@@ -44,9 +46,29 @@ from redwood.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# name -> (ggml type id, bytes per super-block of 256 in the file, in the kernel's layout)
-TYPES = {"Q4_K": (12, 144, 148), "Q6_K": (14, 210, 210)}
+# name -> (ggml type id, bytes per 256 values in the file, bytes per super-block of 256 in the kernel's layout).
+# Q8_0 / Q5_0 are blocks of 32 values in the file (34 / 22 bytes); the kernel takes 8 of them as one super-block
+# (272 / 176 bytes: the file's bytes re-laid, kquant.cpp) and pads a row whose K is not a multiple of 256 with
+# zero blocks.
+TYPES = {"Q4_K": (12, 144, 148), "Q6_K": (14, 210, 210), "Q8_0": (8, 272, 272), "Q5_0": (6, 176, 176)}
 BLOCK = 256
+FILE_BLOCK = {"Q4_K": 256, "Q6_K": 256, "Q8_0": 32, "Q5_0": 32}  # values in one block of the file
+
+
+def file_block_bytes(type_name: str) -> int:
+    """Bytes of one block of the file (FILE_BLOCK values)."""
+    return TYPES[type_name][1] * FILE_BLOCK[type_name] // BLOCK
+
+
+def file_row_values(type_name: str, row_bytes: int) -> int:
+    """K of a file row of `row_bytes` (whole file blocks)."""
+    return row_bytes // file_block_bytes(type_name) * FILE_BLOCK[type_name]
+
+
+def packed_row_bytes(type_name: str, k: int) -> int:
+    """Bytes of a packed row of k values (whole super-blocks: 32-value block types padded with zero blocks)."""
+    return padded(k) // BLOCK * TYPES[type_name][2]
+
 
 # variant -> (the cpuinfo flags it needs, its compiler flags); fastest first
 VARIANTS: dict[str, tuple[tuple[str, ...], list[str]]] = {
@@ -227,37 +249,42 @@ def ops(name: str | None = None):
 
 def _type(type_name: str) -> tuple[int, int, int]:
     if type_name not in TYPES:
-        raise ValueError(f"the kquant kernel takes {' or '.join(TYPES)} blocks, not {type_name!r}")
+        raise ValueError(f"the kquant kernel takes {', '.join(TYPES)} blocks, not {type_name!r}")
     return TYPES[type_name]
 
 
 def pack(rows: torch.Tensor, type_name: str, variant: str | None = None) -> torch.Tensor:
-    """A tensor's file rows (uint8 [N, K / 256 · file bytes]) in the kernel's layout: Q6_K as in the file,
-    values in the kernel's order, Q4_K's 6-bit scales and mins unpacked to bytes (148 bytes a super-block,
-    Q6_K 210 as in the file; the same values: kquant.cpp). One layout for every variant (`variant`: whose
-    operator packs, default the chosen one; the same bytes)."""
-    type_id, file_bytes, _ = _type(type_name)
-    if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] % file_bytes:
+    """A tensor's file rows (uint8 [N, K / FILE_BLOCK · file block bytes]) in the kernel's layout
+    (uint8 [N, ceil(K / 256) · kernel bytes]): Q6_K as in the file, values in the kernel's order, Q4_K's 6-bit
+    scales and mins unpacked to bytes (148 bytes a super-block, Q6_K 210 as in the file); Q8_0 / Q5_0 as 8 file
+    blocks a super-block (272 / 176 bytes; the last padded with zero blocks where K is not a multiple of 256). The
+    same values (kquant.cpp); one layout for every variant (`variant`: whose operator packs, default the chosen
+    one; the same bytes)."""
+    type_id = _type(type_name)[0]
+    per = file_block_bytes(type_name)
+    if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] % per:
         raise ValueError(
-            f"kquant_pack: w must be a contiguous uint8 [N, K / 256 * {file_bytes}] tensor, got "
+            f"kquant_pack: w must be a contiguous uint8 [N, K / {FILE_BLOCK[type_name]} * {per}] tensor, got "
             f"{rows.dtype} {list(rows.shape)}"
         )
     return ops(variant).kquant_pack(rows.contiguous(), type_id)
 
 
 def kquant_linear(x: torch.Tensor, packed: torch.Tensor, type_name: str, variant: str | None = None) -> torch.Tensor:
-    """float32 [M, N] = x [M, K] (float32) · Wᵀ, W a Q4_K / Q6_K tensor in the kernel's layout (`pack`), by
-    `variant` (default the chosen one; every variant gives the same bits)."""
-    type_id, _, block_bytes = _type(type_name)
+    """float32 [M, N] = x [M, K] (float32) · Wᵀ, W a Q4_K / Q6_K / Q8_0 / Q5_0 tensor in the kernel's layout
+    (`pack`), by `variant` (default the chosen one; every variant gives the same bits). K: a multiple of the
+    type's file block (256; 32 for Q8_0 / Q5_0, whose packed rows are padded to whole super-blocks)."""
+    type_id = _type(type_name)[0]
     if x.dtype != torch.float32 or x.dim() != 2:
         raise ValueError(f"kquant_linear: x must be a contiguous float32 [M, K] tensor, got {x.dtype} {list(x.shape)}")
     if packed.dtype != torch.uint8 or packed.dim() != 2 or not packed.is_contiguous():
         raise ValueError("kquant_linear: w must be a contiguous uint8 [N, row bytes] tensor")
-    K = x.shape[1]
-    if K % BLOCK or packed.shape[1] != K // BLOCK * block_bytes:
+    K, fv = x.shape[1], FILE_BLOCK[type_name]
+    if K % fv or packed.shape[1] != packed_row_bytes(type_name, K):
+        whole = "super-blocks of 256" if fv == BLOCK else f"blocks of {fv}"
         raise ValueError(
-            f"kquant_linear: K = {K} needs whole super-blocks of 256 and packed rows of "
-            f"{K // BLOCK * block_bytes} bytes, got {packed.shape[1]}"
+            f"kquant_linear: K = {K} needs whole {whole} and packed rows of "
+            f"{packed_row_bytes(type_name, K)} bytes, got {packed.shape[1]}"
         )
     return ops(variant).kquant_linear(x.contiguous(), packed, type_id)
 
@@ -271,7 +298,8 @@ def kernel_order() -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, type_name: str) -> torch.Tensor:
     """The float32 weight [N, K] that packed rows (`pack`) multiply by: the file's values, computed as
-    loading.gguf.dequantize computes them (bit for bit: tests/cpu_kernels/test_kquant.py)."""
+    loading.gguf.dequantize computes them (bit for bit: tests/cpu_kernels/test_kquant.py); K whole super-blocks
+    (a padded Q8_0 / Q5_0 row's zero blocks included)."""
     N = packed.shape[0]
     nb = packed.shape[1] // _type(type_name)[2]
     b = packed.reshape(N, nb, TYPES[type_name][2])
@@ -289,6 +317,16 @@ def unpack(packed: torch.Tensor, type_name: str) -> torch.Tensor:
         q = (qs[..., 64 * h + t] >> (4 * ((pos % 128) >= 64)).to(torch.uint8)) & 0x0F  # [N, nb, 256] by position
         q = q[..., at].float().view(N, nb, 8, 32)  # by value
         return (q * (d * sc).unsqueeze(-1) - (dmin * mn).unsqueeze(-1)).reshape(N, nb * BLOCK)
+    if type_name in ("Q8_0", "Q5_0"):
+        d = b[..., 0:16].contiguous().view(torch.float16).float()  # [N, nb, 8]: one per 32 values
+        if type_name == "Q8_0":
+            q = b[..., 16:272].contiguous().view(torch.int8)[..., at]  # by value
+        else:
+            h, t = pos // 128, pos % 64  # nibbles as Q4_K's; high bit of position p: bit p // 32 of byte p % 32
+            lo = (b[..., 16 + 64 * h + t] >> (4 * ((pos % 128) >= 64)).to(torch.uint8)) & 0x0F
+            hi = (b[..., 144 + pos % 32] >> (pos // 32).to(torch.uint8)) & 1
+            q = (lo | (hi << 4))[..., at].view(torch.int8) - 16  # by value
+        return (q.float().view(N, nb, 8, 32) * d.unsqueeze(-1)).reshape(N, nb * BLOCK)
     d = b[..., 208:210].contiguous().view(torch.float16).float()  # [N, nb, 1]
     sc = b[..., 192:208].contiguous().view(torch.int8).float()  # [N, nb, 16]
     h, pp = pos // 128, pos % 128

@@ -33,7 +33,7 @@ namespace {
 constexpr int64_t kQK = 256;
 
 void check_type(int64_t type, const char* op) {
-  TORCH_CHECK(block_bytes(type) > 0, op, ": type must be Q4_K (12) or Q6_K (14), got ", type);
+  TORCH_CHECK(block_bytes(type) > 0, op, ": type must be Q4_K (12), Q6_K (14), Q8_0 (8) or Q5_0 (6), got ", type);
 }
 
 at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type) {
@@ -42,10 +42,10 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type)
               "kquant_linear: x must be a contiguous float32 [M, K] tensor");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
               "kquant_linear: w must be a contiguous uint8 [N, row bytes] tensor");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(K % kQK == 0 && w.size(1) == K / kQK * block_bytes(type), "kquant_linear: K = ", K,
-              " needs whole super-blocks of 256 and packed rows of ", K / kQK * block_bytes(type), " bytes, got ",
-              w.size(1));
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), fv = file_block_values(type);
+  const int64_t row = (K + kQK - 1) / kQK * block_bytes(type);  // (32-value blocks: padded to super-blocks)
+  TORCH_CHECK(K % fv == 0 && w.size(1) == row, "kquant_linear: K = ", K, " needs whole ",
+              fv == kQK ? "super-blocks of 256" : "blocks of 32", " and packed rows of ", row, " bytes, got ", w.size(1));
   at::Tensor out = at::empty({M, N}, x.options());
   matmul(x.data_ptr<float>(), M, K, K, w.data_ptr<uint8_t>(), N, w.size(1), type, out.data_ptr<float>(), N);
   return out;
@@ -53,19 +53,20 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& w, int64_t type)
 
 at::Tensor kquant_pack(const at::Tensor& w, int64_t type) {
   check_type(type, "kquant_pack");
-  const int64_t file_bytes = file_block_bytes(type), packed_bytes = block_bytes(type);
+  const int64_t file_bytes = file_block_bytes(type), fv = file_block_values(type);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) % file_bytes == 0,
-              "kquant_pack: w must be a contiguous uint8 [N, K / 256 * ", file_bytes, "] tensor");
-  const int64_t N = w.size(0), nb = w.size(1) / file_bytes;
-  at::Tensor out = at::empty({N, nb * packed_bytes}, w.options());
-  pack(w.data_ptr<uint8_t>(), N * nb, type, out.data_ptr<uint8_t>());
+              "kquant_pack: w must be a contiguous uint8 [N, K / ", fv, " * ", file_bytes, "] tensor");
+  const int64_t N = w.size(0), K = w.size(1) / file_bytes * fv;
+  at::Tensor out = at::empty({N, (K + kQK - 1) / kQK * block_bytes(type)}, w.options());
+  pack_rows(w.data_ptr<uint8_t>(), N, w.size(1), type, out.data_ptr<uint8_t>());
   return out;
 }
 
 Projection proj_of(const at::Tensor& w, int64_t type, const c10::optional<at::Tensor>& bias, int64_t k_in,
                    const char* what) {
   const int64_t bb = block_bytes(type);
-  TORCH_CHECK(bb > 0, "decoder_layer: ", what, ": type must be Q4_K (12) or Q6_K (14), got ", type);
+  TORCH_CHECK(bb > 0, "decoder_layer: ", what, ": type must be Q4_K (12), Q6_K (14), Q8_0 (8) or Q5_0 (6), got ",
+              type);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) % bb == 0 &&
                   w.size(1) / bb * 256 >= k_in && w.size(1) / bb * 256 < k_in + 256,
               "decoder_layer: ", what, " must be contiguous uint8 [N, K / 256 · ", bb, "] rows for ", k_in,

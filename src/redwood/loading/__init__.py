@@ -184,19 +184,22 @@ def check_sharded_format(info: ModelInfo, weights: str, device, world: int, draf
 
 
 def _kquant_cut_misfit(path: Path, shard) -> str | None:
-    """Why kquant cannot keep the GGUF file's blocks on `shard`'s rank: a Q4_K / Q6_K row-parallel projection
-    (o_proj, down_proj: each rank holds a range of every row's columns) whose range is not whole 256-value
-    super-blocks; None when every such cut falls on their boundaries (column-parallel rows cut anywhere)."""
-    from redwood.cpu_kernels.kquant import BLOCK, TYPES
+    """Why kquant cannot keep the GGUF file's blocks on `shard`'s rank: a Q4_K / Q6_K / Q8_0 / Q5_0 row-parallel
+    projection (o_proj, down_proj: each rank holds a range of every row's columns) whose range is not whole file
+    blocks (256 values; Q8_0 / Q5_0: 32); None when every such cut falls on their boundaries (column-parallel rows
+    cut anywhere)."""
+    from redwood.cpu_kernels.kquant import FILE_BLOCK, TYPES
     from redwood.loading.gguf import hf_name, read_gguf_header
 
     for name, t in read_gguf_header(path).tensors.items():
         target = hf_name(name)
         where = None if target is None or t.type_name not in TYPES else shard.slice_of(target)
-        if where is not None and where[0] == 1 and (where[1] % BLOCK or where[2] % BLOCK):
+        block = FILE_BLOCK.get(t.type_name, 0)
+        if where is not None and where[0] == 1 and (where[1] % block or where[2] % block):
+            kind = "super-blocks" if block == 256 else "blocks"
             return (
                 f"{target} ({t.type_name}) splits its {t.shape[1]} inputs into {where[2] - where[1]} a rank, "
-                f"inside its {BLOCK}-value super-blocks"
+                f"inside its {block}-value {kind}"
             )
     return None
 

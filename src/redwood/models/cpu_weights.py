@@ -31,12 +31,12 @@ output back to the model dtype; the residual stream, norms, attention and the KV
   precision (`int4_scale_zero`: no re-quantization), every type with more bits (Q5_*, Q6_K, Q8_0, F16,
   F32) int8, or bfloat16 where int8's kernel cannot take the shape. A Q4_K_M file thus keeps its own
   quality at about int4's speed.
-- "kquant" (a GGUF file only, chosen as it loads): Q4_K and Q6_K tensors keep the file's own super-blocks and
-  multiply them by int8 activations (each row quantized per 256 values) with integer dot products
-  (redwood.cpu_kernels.kquant: a C++ kernel built on first use for the CPU's ISA — AVX-512 VNNI, AVX2 or
-  portable C++, the same bits in each) — the file's bytes per token
-  (~4.6 / 6.6 bits a weight), the way llama.cpp runs them; every other type w8a8 (int8 where w8a8 is not
-  exact here). Rows are exact at any M as w8a8's.
+- "kquant" (a GGUF file only, chosen as it loads): Q4_K, Q6_K, Q8_0 and Q5_0 tensors keep the file's own blocks
+  and multiply them by int8 activations (each row quantized per 256 values) with integer dot products
+  (redwood.cpu_kernels.kquant: a C++ kernel built on first use for the CPU's ISA — AVX-512 VNNI, AVX-VNNI, AVX2,
+  NEON or portable C++, the same bits in each) — the file's bytes per token
+  (~4.6 / 6.6 / 8.5 / 5.5 bits a weight), the way llama.cpp runs them; every other type w8a8 (int8 where w8a8 is
+  not exact here). Rows are exact at any M as w8a8's.
 
 Every format computes each row of a multi-row forward like a one-row forward of the same weights, so a
 verify over T tokens scores what T decode steps would (greedy speculation == greedy AR for each format);
@@ -56,7 +56,7 @@ from torch import nn
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4", "w8a8", "q4k")  # one kernel for every projection
 _KQ_KINDS = ("kquant", "q4k")  # the kinds the kquant kernel multiplies (buffer kq, type_name)
 FILE_FORMAT = "gguf"  # each projection as its GGUF type allows (module docstring); set as a GGUF file loads
-KQUANT = "kquant"  # Q4_K / Q6_K blocks as the file holds them × int8 activations, the rest w8a8 (docstring)
+KQUANT = "kquant"  # Q4_K / Q6_K / Q8_0 / Q5_0 blocks as the file holds them × int8 activations, the rest w8a8
 FILE_FORMATS = (FILE_FORMAT, KQUANT)  # formats chosen per projection as a GGUF file loads
 INT4_GROUP = 32
 _ACT = torch.bfloat16  # the activation dtype the packed CPU kernels are fast in
@@ -161,14 +161,15 @@ class PackedLinear(nn.Module):
 
     @classmethod
     def from_kquant(cls, rows: torch.Tensor, type_name: str, bias: torch.Tensor | None = None) -> "PackedLinear":
-        """A kquant projection of a Q4_K / Q6_K tensor's raw rows (uint8 [N, K / 256 · block bytes], HF row
-        order), re-laid for the kernel (`kquant.pack`: the same values)."""
+        """A kquant projection of a Q4_K / Q6_K / Q8_0 / Q5_0 tensor's raw rows (uint8 [N, K / file block · block
+        bytes], HF row order), re-laid for the kernel (`kquant.pack`: the same values; Q8_0 / Q5_0 rows padded with
+        zero blocks to whole super-blocks of 256)."""
         from redwood.cpu_kernels import kquant
 
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         N = rows.shape[0]
-        K = rows.shape[1] // kquant.TYPES[type_name][1] * kquant.BLOCK
+        K = kquant.file_row_values(type_name, rows.shape[1])
         self.kind, self.out_features, self.in_features, self.type_name = KQUANT, N, K, type_name
         self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
         self.register_buffer("kq", kquant.pack(rows, type_name), persistent=False)
@@ -522,8 +523,8 @@ _PACKED_NAMES = re.compile(
 
 def file_kind(shape: tuple[int, int], fmt: str = FILE_FORMAT) -> str:
     """The format a projection the file format `fmt` does not keep in its own blocks (a non-4-bit GGUF type
-    under FILE_FORMAT, a type other than Q4_K / Q6_K under KQUANT, or a tied head) gets: w8a8 under KQUANT
-    where it is exact here, else int8, or bfloat16 where int8's kernel cannot take the shape."""
+    under FILE_FORMAT, a type other than Q4_K / Q6_K / Q8_0 / Q5_0 under KQUANT, or a tied head) gets: w8a8 under
+    KQUANT where it is exact here, else int8, or bfloat16 where int8's kernel cannot take the shape."""
     if fmt == KQUANT and check_packable(shape, "w8a8") is None:
         return "w8a8"
     return "int8" if check_packable(shape, "int8") is None else "bfloat16"
@@ -536,7 +537,7 @@ class _Packer:
     model and then its packed copy. A head `kind` cannot tile stays float (as in quantize_cpu). `cast`:
     the dtype each float tensor is cast to first (the same packed values as packing a model loaded in it).
     FILE_FORMAT: 4-bit group tensors are taken as groups (`takes_int4_groups` / `from_int4_groups`); KQUANT:
-    Q4_K / Q6_K tensors as their raw blocks (`takes_blocks` / `from_blocks`)."""
+    Q4_K / Q6_K / Q8_0 / Q5_0 tensors as their raw blocks (`takes_blocks` / `from_blocks`)."""
 
     def __init__(self, kind: str, cast: torch.dtype | None = None):
         self.kind, self.cast = kind, cast
@@ -558,7 +559,7 @@ class _Packer:
             self.kind == KQUANT
             and bool(_PACKED_NAMES.match(name))
             and type_name in kquant.TYPES
-            and shape[1] % kquant.BLOCK == 0
+            and shape[1] % kquant.FILE_BLOCK[type_name] == 0
         )
 
     def from_blocks(self, name: str, rows: torch.Tensor, type_name: str) -> PackedLinear:
@@ -582,6 +583,8 @@ WEIGHT_CHOICES = ("auto",) + WEIGHT_FORMATS + FILE_FORMATS
 # "auto" on the CPU for a GGUF file (`gguf_default`): the fastest formats at the file's quality on this project's
 # 2-core machine (an AMD EPYC with AVX-512 VNNI), measured side by side (docs/perf/cpu.md, session 16):
 # the target in kquant (the file's Q4_K / Q6_K blocks × int8 activations: faster than w8a8), the draft in q4k
+# (session 29: the 0.5B's own Q5_0 / Q8_0 blocks under kquant are more faithful but 23–34% slower a draft step,
+# so speculation with them was 5–10% slower)
 # (re-quantized to Q4_K: a draft level reads fewer bytes; only acceptance changes), where the kquant kernel
 # builds and runs (`kquant.why_unavailable`). Else w8a8 for both where fbgemm's int8 sums are exact
 # (`w8a8_exact`, docs/perf/cpu.md, session 15), else the target in the file's own types and the draft in

@@ -158,8 +158,8 @@ class ShardTransform:
     (`ShardPlan.take`), then handed to `pack` (a `cpu_weights.packer` transform; None: kept float).
 
     A packer that keeps the file's own blocks gets them cut, never dequantized: kquant's Q4_K / Q6_K rows of
-    256-value super-blocks (uint8 [N, K / 256 · block bytes]) and gguf's 4-bit groups of 32 (q [N, K], step and
-    offset [N, K / 32]). Rows (column-parallel q / k / v, gate / up, the head) cut anywhere; columns
+    256-value super-blocks and Q8_0 / Q5_0 rows of 32-value blocks (uint8 [N, K / file block · block bytes]) and
+    gguf's 4-bit groups of 32 (q [N, K], step and offset [N, K / 32]). Rows (column-parallel q / k / v, gate / up, the head) cut anywhere; columns
     (row-parallel o_proj / down_proj) on whole blocks only: kquant's are checked before loading
     (`loading._kquant_cut_misfit`), a 4-bit group tensor cut inside a group is dequantized and packed like the
     file's other types instead."""
@@ -176,7 +176,8 @@ class ShardTransform:
 
         takes = getattr(self.pack, "takes_blocks", None)
         cols = self._columns(name)
-        if takes is None or (cols is not None and (cols[0] % kquant.BLOCK or cols[1] % kquant.BLOCK)):
+        block = kquant.FILE_BLOCK.get(type_name, kquant.BLOCK)
+        if takes is None or (cols is not None and (cols[0] % block or cols[1] % block)):
             return False
         return takes(name, type_name, self.plan.local_shape(name, shape))
 
@@ -188,9 +189,9 @@ class ShardTransform:
             dim, start, stop = where
             if dim == 0:
                 rows = rows[start:stop]
-            else:  # (whole super-blocks: takes_blocks checked)
-                per = kquant.TYPES[type_name][1]
-                rows = rows[:, start // kquant.BLOCK * per : stop // kquant.BLOCK * per]
+            else:  # (whole file blocks: takes_blocks checked)
+                block, per = kquant.FILE_BLOCK[type_name], kquant.file_block_bytes(type_name)
+                rows = rows[:, start // block * per : stop // block * per]
         return self.pack.from_blocks(name, rows.contiguous(), type_name)
 
     def takes_int4_groups(self, name: str, shape: tuple[int, int]) -> bool:
