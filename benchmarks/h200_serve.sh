@@ -15,6 +15,7 @@
 # default streaming 512 γ 3), GPU_FLAGS (default --dtype bfloat16 --device cuda), CHAT_N (MT-Bench questions, default 16), CHAT_FLAGS (the draft-model flags),
 # RAMP_SIDES (ar fixed auto) / RAMP_LEN / RAMP_LEVELS / RAMP_TOKENS / RAMP_AUTO (the ramp step: prompt tokens, default 16384; concurrency levels,
 # default 1 4 16 32 64; output tokens, default 256; the automatic policy's drafter flags, default streaming 512;
+# RAMP_ROUNDS: requests per level in units of its concurrency (default 2: a level at 1 is two requests — noisy);
 # RAMP_PROFILE=1: py-spy records the server's stacks during each level, ramp-*/pyspy.txt — carry its wheel in .whl).
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
@@ -109,7 +110,7 @@ chat)  # (b) batch-1 chat: MT-Bench first turns one at a time, the 0.5B draft vs
     run $R bench serve --compare "$OUT/chat-ar-t$temp" "$OUT/chat-spec-t$temp" --output "$OUT/chat-compare-t$temp"
   done ;;
 ramp)  # issue 40 item 2: a load ramping from 1 to 64 concurrent long-context requests (distinct essay windows of
-       # RAMP_LEN tokens, RAMP_TOKENS new each, 2 × C requests at concurrency C) against three servers — AR, the
+       # RAMP_LEN tokens, RAMP_TOKENS new each, RAMP_ROUNDS × C requests at concurrency C) against three servers — AR, the
        # fixed plan (SPEC_FLAGS) and `--speculative auto` — with the same flags otherwise; the table last
   levels=${RAMP_LEVELS:-1 4 16 32 64}; top=$(echo $levels | awk '{print $NF}')
   rlen=${RAMP_LEN:-16384}; rtok=${RAMP_TOKENS:-256}
@@ -129,7 +130,7 @@ ramp)  # issue 40 item 2: a load ramping from 1 to 64 concurrent long-context re
             --output "$OUT/ramp-$side-c$c/pyspy.txt" >"$OUT/ramp-$side-c$c/pyspy.log" 2>&1 & spy=$!
       fi
       run $R bench serve --base-url "$URL" --tokenizer "$T" --label "ramp-$side-c$c" --prompt-len $rlen \
-          --num-requests $((2 * c)) --max-concurrency $c --max-tokens $rtok --ignore-eos \
+          --num-requests $((${RAMP_ROUNDS:-2} * c)) --max-concurrency $c --max-tokens $rtok --ignore-eos \
           --output "$OUT/ramp-$side-c$c" | tail -4
       if [ -n "$spy" ]; then kill -INT $spy; wait $spy || true; fi
       metrics "$OUT/ramp-$side-c$c/metrics.txt"
