@@ -23,7 +23,10 @@ def fake_model(device: str) -> SimpleNamespace:
         num_kv_heads=2,
         head_dim=128,
     )
-    return SimpleNamespace(device=torch.device(device), kv_config=cfg, config=cfg, dtype=torch.bfloat16)
+    slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # (Transformer.kv_slot_bytes, bf16)
+    return SimpleNamespace(
+        device=torch.device(device), kv_config=cfg, config=cfg, dtype=torch.bfloat16, kv_slot_bytes=slot
+    )
 
 
 def test_the_cpu_keeps_the_short_long_context():

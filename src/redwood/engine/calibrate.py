@@ -89,10 +89,8 @@ def long_context(model, limit: int) -> int:
     LONG_CONTEXT_GPU, as far as GPU_CACHE_SHARE of the free memory holds a one-row cache of it."""
     if model.device.type != "cuda":
         return min(LONG_CONTEXT, limit)
-    cfg = model.kv_config
-    slot_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
     free, _ = torch.cuda.mem_get_info(model.device)
-    fits = int(GPU_CACHE_SHARE * free // max(slot_bytes, 1))
+    fits = int(GPU_CACHE_SHARE * free // max(model.kv_slot_bytes, 1))
     return max(min(LONG_CONTEXT_GPU, limit, fits), min(LONG_CONTEXT, limit))
 
 

@@ -91,11 +91,7 @@ class Executor:
     def _allocate(self, config: EngineConfig) -> None:
         own = self.drafter.own_model if self.drafter is not None else None
         models = [self.model] + ([own] if own is not None else [])
-        page_bytes = sum(
-            # (kv_config: under tensor parallelism this rank's KV heads)
-            2 * m.config.num_layers * m.kv_config.num_kv_heads * m.config.head_dim * self.block_size * m.dtype.itemsize
-            for m in models
-        )
+        page_bytes = sum(m.kv_slot_bytes * self.block_size for m in models)  # (under TP: this rank's KV heads)
         row_len = self.max_model_len + self.lookahead  # logical slots a row may touch
         need = self.max_num_seqs * -(-row_len // self.block_size)
         device = self.model.device

@@ -293,6 +293,12 @@ class Transformer(nn.Module):
         (its KV heads)."""
         return self.config if self.shard is None else self.shard.local_config
 
+    @property
+    def kv_slot_bytes(self) -> int:
+        """Bytes one cache slot (one token's K and V over every layer) takes in this model's caches."""
+        c = self.kv_config
+        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         return KVCache(self.kv_config, batch_size, capacity, self.dtype, self.device)
 

@@ -338,21 +338,19 @@ class AutoPolicy:
         for fam, probe in self._probes.items():  # the chosen family is not probed; its clock restarts
             if fam == chosen.family:
                 probe.due, probe.interval = self.steps + PROBE_EVERY, PROBE_EVERY
-        due = [
-            f
-            for f, p in self._probes.items()
-            if f != chosen.family
-            and p.due <= self.steps
-            and f not in idle
-            and self._affordable(f, self._probe_candidate(f, best_of, scored, bucket)[1], rows, bucket, rate, expected)
-        ]
+        due = {}  # family → the plan its probe would run (`_probe_candidate`), for the affordable ones due now
+        for f, p in self._probes.items():
+            if f != chosen.family and p.due <= self.steps and f not in idle:
+                probe_plan = self._probe_candidate(f, best_of, scored, bucket)
+                if self._affordable(f, probe_plan[1], rows, bucket, rate, expected):
+                    due[f] = probe_plan
         plan = Plan(chosen, expected_tokens=e, predicted_s=s)
         if due:
             fam = min(due, key=lambda f: self._probes[f].due)
             probe = self._probes[fam]
             probe.interval = min(2 * probe.interval, MAX_AR_PROBE_INTERVAL if fam == "ar" else MAX_PROBE_INTERVAL)
             probe.due = self.steps + probe.interval
-            (_, e, s), cand = self._probe_candidate(fam, best_of, scored, bucket)
+            (_, e, s), cand = due[fam]
             self.probes += 1
             plan = Plan(cand, probe=True, expected_tokens=e, predicted_s=s)
         for fam, probe in self._probes.items():
