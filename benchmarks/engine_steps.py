@@ -17,6 +17,7 @@ timed against the one AR run. The last lines are a short table.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
@@ -85,6 +86,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--device", default="cuda", help="(cpu: a smoke run of the script with a small model)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--json", help="also write the table here (benchmarks/step_floors.py reads it)")
     args = ap.parse_args()
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for v in variants:
@@ -105,7 +107,7 @@ def main() -> None:
     source = PromptSource(dataset=DEFAULT_DATASET)
     prompts = make_prompts(tok, source, args.rows, args.context, 0)
     new = (args.steps + 8) * (args.gamma + 1) * 2 + 16
-    rows = []
+    rows, fills = [], []
     for mode in ["ar", *variants]:
         target, drafter, tree = specs[mode]
         engine = Engine.build(
@@ -118,7 +120,9 @@ def main() -> None:
             max_num_batched_tokens=args.context,
             cuda_graphs=not args.eager,
         )
+        t_fill = time.perf_counter()
         fill(engine, prompts, new)
+        fill_s = time.perf_counter() - t_fill  # (every row prefilled; the started rows decode alongside)
         timed_steps(engine, 3, target.device)  # warm-up: graph captures of this bucket
         times, tokens = timed_steps(engine, args.steps, target.device)
         if args.profile:
@@ -127,6 +131,7 @@ def main() -> None:
         ms = sorted(times)[len(times) // 2] * 1e3
         tps = sum(tokens) / sum(times)
         rows.append((mode, ms, sum(tokens) / len(tokens) / args.rows, tps))
+        fills.append(fill_s)
         for i in range(args.rows):
             engine.abort(f"r{i}", notify=False)
         del engine
@@ -141,6 +146,15 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for mode, ms, tpr, tps in rows:
         print(f"| {mode} | {ms:.2f} | {tpr:.2f} | {tps:.0f} | {ms / rows[0][1]:.2f}× | {tps / rows[0][3]:.2f}× |")
+    if args.json:
+        keys = ("rows", "context", "gamma", "budget", "dtype", "model", "draft_model")
+        table = [dict(mode=m, step_ms=ms, tokens_per_row=tpr, tokens_per_s=tps) for m, ms, tpr, tps in rows]
+        with open(args.json, "w") as f:
+            json.dump(
+                {**{k: getattr(args, k) for k in keys}, "graphs": not args.eager, "fill_s": fills[0], "modes": table},
+                f,
+                indent=1,
+            )
 
 
 VARIANTS = ("self", "draft", "draft-full", "draft-int8")

@@ -4,7 +4,7 @@
 # On the GPU machine, from the repo root, after staging the GGUF chunks as /root/stage/t?? (1.5B) and
 # /root/stage/d?? (0.5B), carrying .whl (the gguf wheel) and .stage/home (REDWOOD_HOME with the essays,
 # humaneval and mt-bench datasets):
-#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests (tests-a, tests-b) kernels pdl l2 tile mega p1 steps p2 p3 p3tree p4 e2e auto p5 summary pack
+#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests (tests-a, tests-b) kernels pdl l2 tile mega p1 steps p2 p3 p3tree p4 e2e split auto p5 summary pack
 # Each step writes JSON under $OUT and prints its tables; `summary` prints the short P1–P5 table last.
 # Settings (environment): P2_TEMPS, P2_GAMMAS, P2_DRAFT_WEIGHTS (bf16 int8), P2_ACC (a folder of acceptance vectors measured earlier with
 # the same models, [p2-]acc-<dataset>-t<temp>.json: reused instead of measured), P2_ACC_PROMPTS, P3_KV, P3_BATCH, P3_CONTEXT, P3_GAMMAS,
@@ -167,6 +167,17 @@ e2e)  # issue 40 item 3, MagicDec's regime end to end: E2E_REQUESTS (64) request
   run $R bench throughput --model "$T" $GPU --num-requests $n --prompt-len $ctx --min-new-tokens $gen \
       --max-new-tokens $gen --max-num-seqs $n $drafter $plan --dataset essays \
       --output "$OUT/e2e-$(echo "$drafter $plan" | tr -cs 'a-z0-9' '-' | cut -c1-48)" ;;
+split)  # issue 40 item 3: the MagicDec step's split against its floors at E2E_REQUESTS × E2E_CONTEXT — whole Engine steps
+        # (AR and self-speculation γ E2E_GAMMA over StreamingLLM P3_BUDGET, their top kernels, and the rows' prefill),
+        # the graphed verify and draft level (`redwood profile`), then benchmarks/step_floors.py's table (floors from
+        # this GPU's measured copy bandwidth; the end-to-end bound from the e2e reports already under $OUT)
+  ctx=${E2E_CONTEXT:-30720}; n=${E2E_REQUESTS:-64}; g=${E2E_GAMMA:-3}; budget=${P3_BUDGET:-512}
+  run python3 benchmarks/engine_steps.py --model "$T" --rows $n --context $ctx --gamma $g --budget $budget --profile \
+      --json "$OUT/split-steps.json" 2>&1 | tee "$OUT/split-steps.txt" | tail -7
+  run $R profile --model "$T" $GPU --batch-size $n --context $ctx --tokens 1,$((g + 1)) --widths 1 --no-overhead \
+      --draft-kv streaming --draft-budget $budget --repeats 3 --warmup 1 --output "$OUT/split-profile.json"
+  run python3 benchmarks/step_floors.py --model "$T" --steps "$OUT/split-steps.json" --profile "$OUT/split-profile.json" \
+      --e2e $(ls -d "$OUT"/e2e-* 2>/dev/null) 2>&1 | tee "$OUT/split.txt" ;;
 auto)  # issue 40 item 2: the automatic policy next to AR and the fixed plan, one `bench throughput` per plan (each runs
        # AR on the same prompts): batch-1 code / chat with the 0.5B draft at AUTO_TEMPS (0 0.6), then self-speculation
        # (StreamingLLM 512) at AUTO_CONTEXT × AUTO_BATCH windows of AUTO_DATASET (essays; shakespeare: held out), AUTO_GEN new tokens; AUTO_PART: b1, long or both;
