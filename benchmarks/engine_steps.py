@@ -17,6 +17,7 @@ timed against the one AR run. The last lines are a short table.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 
@@ -42,8 +43,9 @@ def fill(engine, prompts, new_tokens: int) -> None:
                 started.add(d.request_id)
 
 
-def timed_steps(engine, steps: int, device) -> tuple[list[float], list[int]]:
-    times, tokens = [], []
+def timed_steps(engine, steps: int, device) -> tuple[list[float], list[int], int]:
+    """Wall time and tokens of `steps` steps, and the fewest rows any of them decoded."""
+    times, tokens, fewest = [], [], None
     for _ in range(steps):
         sync(device)
         t0 = time.perf_counter()
@@ -51,7 +53,9 @@ def timed_steps(engine, steps: int, device) -> tuple[list[float], list[int]]:
         sync(device)
         times.append(time.perf_counter() - t0)
         tokens.append(sum(len(d.token_ids) for d in deltas))
-    return times, tokens
+        n = sum(1 for d in deltas if d.token_ids)
+        fewest = n if fewest is None else min(fewest, n)
+    return times, tokens, fewest or 0
 
 
 def profile_steps(engine, steps: int, top: int) -> str:
@@ -106,7 +110,10 @@ def main() -> None:
     specs["ar"] = (specs[variants[0]][0], None, None)
     source = PromptSource(dataset=DEFAULT_DATASET)
     prompts = make_prompts(tok, source, args.rows, args.context, 0)
-    new = (args.steps + 8) * (args.gamma + 1) * 2 + 16
+    chunk = min(args.context, 8192)  # (a longer chunk's activations outgrow an H100 beside 64 × 32K of KV)
+    # every row keeps decoding through the fill (a step a prefill chunk: the first rows decode all along) and
+    # the timed steps
+    new = ((args.steps + 8) * 2 + args.rows * -(-args.context // chunk)) * (args.gamma + 1) + 16
     rows, fills = [], []
     for mode in ["ar", *variants]:
         target, drafter, tree = specs[mode]
@@ -117,14 +124,16 @@ def main() -> None:
             tree=tree,
             max_num_seqs=args.rows,
             max_model_len=args.context + new + 8,
-            max_num_batched_tokens=args.context,
+            max_num_batched_tokens=chunk,
             cuda_graphs=not args.eager,
         )
         t_fill = time.perf_counter()
         fill(engine, prompts, new)
         fill_s = time.perf_counter() - t_fill  # (every row prefilled; the started rows decode alongside)
         timed_steps(engine, 3, target.device)  # warm-up: graph captures of this bucket
-        times, tokens = timed_steps(engine, args.steps, target.device)
+        times, tokens, fewest = timed_steps(engine, args.steps, target.device)
+        if fewest < args.rows:  # (a row preempted or finished: these are not the rows-wide steps asked for)
+            print(f"WARNING: {mode}: a timed step decoded only {fewest} of {args.rows} rows")
         if args.profile:
             print(f"\n=== {mode}: torch.profiler over 3 steps ===")
             print(profile_steps(engine, 3, args.top))
@@ -135,6 +144,7 @@ def main() -> None:
         for i in range(args.rows):
             engine.abort(f"r{i}", notify=False)
         del engine
+        gc.collect()  # (the engine's reference cycles hold its KV pool and graphs: the next mode's pool would be smaller)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     draft = "" if not args.draft_model else f", draft {args.draft_model.rsplit('/', 1)[-1]}"

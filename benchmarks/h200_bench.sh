@@ -160,13 +160,14 @@ p4)  # the attention kernel against the KV-read floor and SDPA (chains and trees
 e2e)  # issue 40 item 3, MagicDec's regime end to end: E2E_REQUESTS (64) requests at once over E2E_CONTEXT-token essay
      # windows (30720 + 2048 = the 32K window), E2E_GEN (2048) new tokens each, AR vs self-speculation over a
      # StreamingLLM view of P3_BUDGET (512) with γ E2E_GAMMA (3) — or E2E_DRAFTER="--draft-model $D" — in one call;
-     # E2E_SPECULATIVE=auto: the automatic policy plans every step over that drafter (and prompt lookup) instead
+     # E2E_SPECULATIVE=auto: the automatic policy plans every step over that drafter (and prompt lookup) instead;
+     # E2E_ENGINE: engine flags for both sides (e.g. "--prefill-first --max-num-batched-tokens 8192")
   ctx=${E2E_CONTEXT:-30720}; n=${E2E_REQUESTS:-64}; gen=${E2E_GEN:-2048}
   drafter=${E2E_DRAFTER:---self-speculate --draft-kv streaming --draft-budget ${P3_BUDGET:-512}}
   plan="--gamma ${E2E_GAMMA:-3}"; [ "${E2E_SPECULATIVE:-fixed}" = auto ] && plan="--speculative auto"
   run $R bench throughput --model "$T" $GPU --num-requests $n --prompt-len $ctx --min-new-tokens $gen \
-      --max-new-tokens $gen --max-num-seqs $n $drafter $plan --dataset essays \
-      --output "$OUT/e2e-$(echo "$drafter $plan" | tr -cs 'a-z0-9' '-' | cut -c1-48)" ;;
+      --max-new-tokens $gen --max-num-seqs $n $drafter $plan --dataset essays ${E2E_ENGINE:-} \
+      --output "$OUT/e2e-$(echo "$plan $drafter" | tr -cs 'a-z0-9' '-' | cut -c1-64)" ;;  # (the plan first: the cut kept only the drafter)
 split)  # issue 40 item 3: the MagicDec step's split against its floors at E2E_REQUESTS × E2E_CONTEXT — whole Engine steps
         # (AR and self-speculation γ E2E_GAMMA over StreamingLLM P3_BUDGET, their top kernels, and the rows' prefill),
         # the graphed verify and draft level (`redwood profile`), then benchmarks/step_floors.py's table (floors from

@@ -16,7 +16,8 @@
 # RAMP_SIDES (ar fixed auto) / RAMP_LEN / RAMP_LEVELS / RAMP_TOKENS / RAMP_AUTO (the ramp step: prompt tokens, default 16384; concurrency levels,
 # default 1 4 16 32 64; output tokens, default 256; the automatic policy's drafter flags, default streaming 512;
 # RAMP_ROUNDS: requests per level in units of its concurrency (default 2: a level at 1 is two requests — noisy);
-# RAMP_PROFILE=1: py-spy records the server's stacks during each level, ramp-*/pyspy.txt — carry its wheel in .whl).
+# RAMP_PROFILE=1: py-spy records the server's stacks during each level, ramp-*/pyspy.txt — carry its wheel in .whl);
+# SERVER_FLAGS: more server flags for both sides of the long steps (e.g. --prefill-first).
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
 . "$(dirname "$0")/h200_env.sh"  # wheels, PYTHONPATH, REDWOOD_HOME, the staged GGUFs → T, D; R, run
@@ -72,7 +73,7 @@ load_long() {  # load_long NAME SHARED: an untimed warm-up stream (other prompts
       --max-tokens $LONG_MAX --ignore-eos --output "$OUT/$name" | tail -16
 }
 # the server flags common to both sides of a long-context comparison
-LONG_SERVER="--max-num-seqs $LONG_CONC --max-model-len $((LONG_LEN + LONG_MAX + 64)) --max-num-batched-tokens 8192"
+LONG_SERVER="--max-num-seqs $LONG_CONC --max-model-len $((LONG_LEN + LONG_MAX + 64)) --max-num-batched-tokens 8192 ${SERVER_FLAGS:-}"
 
 for step in "$@"; do case $step in
 stream)  # issue 17: the shared-document stream through the Engine directly (AR then spec, one process)

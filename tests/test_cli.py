@@ -728,3 +728,22 @@ def test_compare_line_names_where_greedy_tokens_left_ar_and_the_gap_there():
     line = compare_line({**c, "greedy_equal": False, "first_difference": 6, "ar_top2_gap": 0.0})
     assert "leave AR's at token 6, where AR's two most likely tokens' logits differ by 0 " in line
     assert compare_line({**c, "greedy_equal": True, "first_difference": None}).endswith("greedy tokens equal AR's]")
+
+
+def test_prefill_first_flag_reaches_the_engine(tiny_model_dir, capsys):
+    """--prefill-first (every command with the engine flags) becomes EngineConfig.prefill_first; unset, it is not
+    passed (the config's default)."""
+    import argparse
+
+    from redwood.commands.options import engine_kwargs
+
+    assert engine_kwargs(argparse.Namespace(prefill_first=True, max_num_seqs=4)) == {
+        "prefill_first": True,
+        "max_num_seqs": 4,
+    }
+    assert "prefill_first" not in engine_kwargs(argparse.Namespace(prefill_first=False))
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "a b c", "--max-new-tokens", "3", "--quiet"]
+    assert main(argv + ["--prefill-first", "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == first["text"]

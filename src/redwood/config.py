@@ -207,7 +207,9 @@ class EngineConfig:
     autoregressive decoding and any speculation plan; "counter": the row's per-draw counter stream (the
     engine before positional numbers; exact too, but the tokens depend on how the request speculated).
     tensor_parallel_size: ranks the models are sharded over (`redwood.parallel`; `LLM` spawns them, or takes
-    torchrun's); 1: one process.
+    torchrun's); 1: one process. prefill_first: while prompts wait to be prefilled, steps run their prefill
+    alone and the decoding rows wait (SGLang's order; the default mixes both in every step, as vLLM does) — a
+    burst of requests finishes sooner, the early rows' inter-token latency grows while it prefills.
     """
 
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
@@ -220,6 +222,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     sampling_noise: str = "position"
     tensor_parallel_size: int = 1
+    prefill_first: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
@@ -238,7 +241,7 @@ class EngineConfig:
         f = self.kv_memory_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
             raise ConfigError(f"kv_memory_fraction must be in (0, 1], got {f!r}")
-        for name in ("enable_prefix_caching",):
+        for name in ("enable_prefix_caching", "prefill_first"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):

@@ -61,7 +61,7 @@ class LLM:
     cuda_graphs: capture each step shape in a CUDA graph, once per batch bucket (`redwood.engine.runner`);
     None → on for CUDA. An offloaded target always runs eagerly; a draft model next to it still runs graphed.
     engine_args: the Engine's scheduling and memory knobs (max_num_seqs, max_model_len, block_size,
-    max_num_batched_tokens, kv_cache_memory, enable_prefix_caching) and sampling_noise (what seeded draws
+    max_num_batched_tokens, kv_cache_memory, enable_prefix_caching, prefill_first) and sampling_noise (what seeded draws
     are keyed by: "position" or "counter"); see `redwood.config.EngineConfig`.
     threads: torch's CPU threads (None: OMP_NUM_THREADS when set, else the measured default; see
     `redwood.engine.threads`).

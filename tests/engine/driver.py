@@ -66,6 +66,7 @@ def run_engine(
     kv_cache_memory=None,
     max_num_batched_tokens=2048,
     enable_prefix_caching=False,
+    prefill_first=False,
     engine=None,
     on_step=None,
 ):
@@ -90,6 +91,7 @@ def run_engine(
             max_model_len=None,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
+            prefill_first=prefill_first,
         )
     engine.snapshots = {}
     ids = [f"r{i}" for i in range(n)]

@@ -90,6 +90,44 @@ def test_continuous_batching_greedy_equals_each_request_alone(models, mode):
     assert not engine.has_unfinished()
 
 
+@pytest.mark.parametrize("mode", ["ar", "chain-self-streaming", "chain-draft-snapkv"])
+def test_prefill_first_changes_the_order_not_the_output(models, mode, monkeypatch):
+    """prefill_first=True: a step with prompts to prefill runs them alone (no decoding row beside them), and every
+    request's greedy output is still its output alone."""
+    from redwood.engine.scheduler import Scheduler
+
+    target, draft, tok = models
+    prompts = _prompts(6, seed=11)
+    params = [SamplingParams(max_new_tokens=12, ignore_eos=True) for _ in prompts]
+    drafter, tree = MODES[mode](target, draft)
+    steps = []  # (prefill chunks, decoding rows) of every step
+    schedule = Scheduler.schedule
+
+    def recorded(self):
+        out = schedule(self)
+        steps.append((len(out.prefill), len(out.decode)))
+        return out
+
+    monkeypatch.setattr(Scheduler, "schedule", recorded)
+    engine, states, _ = run_engine(
+        target,
+        tok,
+        prompts,
+        params,
+        drafter=drafter,
+        tree=tree,
+        arrivals=[0, 0, 0, 4, 4, 9],
+        max_num_seqs=6,
+        block_size=8,
+        max_num_batched_tokens=16,
+        prefill_first=True,
+    )
+    assert not any(p and d for p, d in steps) and any(d for _, d in steps)
+    monkeypatch.undo()
+    assert [s.output_ids for s in states] == _alone(models, mode, prompts, params)
+    assert engine.pool.num_used == 0 and not engine.has_unfinished()
+
+
 @pytest.mark.parametrize("mode", ["ar", "chain-draft-snapkv", "tree-self-streaming"])
 def test_seeded_sampling_does_not_depend_on_the_batch(models, mode):
     """A seeded sampled request gives the same tokens alone and beside others arriving at other steps
@@ -237,6 +275,7 @@ def test_engine_config_is_validated_on_construction():
         (dict(kv_cache_memory=-1), "kv_cache_memory"),
         (dict(kv_memory_fraction=1.5), "kv_memory_fraction"),
         (dict(enable_prefix_caching="yes"), "enable_prefix_caching"),
+        (dict(prefill_first=1), "prefill_first"),
         (dict(cuda_graphs=1), "cuda_graphs"),
     ):
         with pytest.raises(ConfigError, match=match):

@@ -17,10 +17,20 @@ def token(rid: str, j: int) -> int:
 
 
 def make(
-    max_num_seqs=4, budget=8, num_blocks=64, block_size=4, lookahead=1, max_model_len=1000, prefix=False, prefills=1
+    max_num_seqs=4,
+    budget=8,
+    num_blocks=64,
+    block_size=4,
+    lookahead=1,
+    max_model_len=1000,
+    prefix=False,
+    prefills=1,
+    prefill_first=False,
 ):
     pool = BlockPool(num_blocks, block_size, enable_prefix_cache=prefix)
-    return Scheduler(max_num_seqs, budget, pool, lookahead, max_model_len, max_prefill_requests=prefills)
+    return Scheduler(
+        max_num_seqs, budget, pool, lookahead, max_model_len, max_prefill_requests=prefills, prefill_first=prefill_first
+    )
 
 
 def req(rid, n_prompt, max_new=10, base=0):
@@ -318,6 +328,7 @@ def check_invariants(s: Scheduler, out, kv: dict, admitted_order: list, prefix: 
     assert admitted_order == sorted(admitted_order)
 
 
+@pytest.mark.parametrize("prefill_first", [False, True])
 @pytest.mark.parametrize("prefills", [1, 3])
 @pytest.mark.parametrize("prefix", [False, True])
 @pytest.mark.parametrize(
@@ -328,14 +339,15 @@ def check_invariants(s: Scheduler, out, kv: dict, admitted_order: list, prefix: 
         (200, 3, 8, 32),  # roomy: no preemption
     ],
 )
-def test_random_simulation(prefix, num_blocks, lookahead, max_num_seqs, budget, prefills):
+def test_random_simulation(prefix, num_blocks, lookahead, max_num_seqs, budget, prefills, prefill_first):
     rng = random.Random(1234 + num_blocks + lookahead)
     block_size, max_model_len = 4, 40
-    s = make(max_num_seqs, budget, num_blocks, block_size, lookahead, max_model_len, prefix, prefills)
+    s = make(max_num_seqs, budget, num_blocks, block_size, lookahead, max_model_len, prefix, prefills, prefill_first)
     bases = [[rng.randrange(50) for _ in range(20)] for _ in range(3)]  # shared prompt stems
     kv: dict = {}  # (block, offset) -> token: the simulated paged cache
     reqs, stop_at, first_admission = [], {}, []
     n_requests, step = 300, 0
+    decode_steps = mixed_steps = 0
     while len(reqs) < n_requests or s.has_unfinished():
         step += 1
         assert step < 20000
@@ -356,6 +368,8 @@ def test_random_simulation(prefix, num_blocks, lookahead, max_num_seqs, budget, 
             victim = rng.choice([r for r in reqs if not r.status.finished])
             assert s.abort(victim.request_id) and victim.status is Status.FINISHED_ABORTED
         out = s.schedule()
+        decode_steps += bool(out.decode)
+        mixed_steps += bool(out.decode and out.prefill)
         for r in out.admitted:
             if r.num_preemptions == 0:
                 first_admission.append(r.arrival)
@@ -392,6 +406,10 @@ def test_random_simulation(prefix, num_blocks, lookahead, max_num_seqs, budget, 
             assert n == min(r.max_new_tokens, max_model_len - len(r.prompt_token_ids))
         elif r.status is Status.FINISHED_STOPPED:
             assert n == stop_at[r.request_id] + 1
+    if prefill_first and num_blocks == 200:  # (room for every prompt: a step with prefill work runs it alone)
+        assert decode_steps > 0 and mixed_steps == 0
+    elif not prefill_first:
+        assert mixed_steps > 0
     if num_blocks == 12:
         assert sum(r.num_preemptions for r in reqs) > 20  # the tiny pool did exercise preemption
         assert all(r.status is not Status.WAITING for r in reqs)
@@ -411,3 +429,36 @@ def test_prefill_backlog_counts_the_prefills_that_can_proceed_now():
     while any(r.is_prefilling for r in s.running) or s.waiting[:1] and s._free_slots:
         run_step(s, s.schedule())
     assert s.prefill_backlog_steps() == 0  # c waits for a decoding row to finish, not for prefill budget
+
+
+def test_prefill_first_runs_prefill_alone_then_decodes_the_burst_together():
+    """Prefill first: while prompts can proceed, a step runs their chunks and no decoding row; the rows then decode
+    together. A waiting prompt whose whole prefill would leave no block for every decoding row is not admitted
+    that way (the next decode step would preempt it): the step falls back to decoding beside its first chunk."""
+    s = make(max_num_seqs=4, budget=8, num_blocks=64, prefill_first=True)
+    a, b, c = req("a", 8), req("b", 12), req("c", 3)
+    for r in (a, b, c):
+        s.add(r)
+    steps = []
+    while any(r.is_prefilling for r in s.running) or s.waiting:
+        out = s.schedule()
+        assert out.decode == []  # a has finished its prefill in step 1, yet waits for b and c
+        steps.append([(ch.request.request_id, ch.start, ch.length) for ch in out.prefill])
+        run_step(s, out)
+    assert steps == [[("a", 0, 8)], [("b", 0, 8)], [("b", 8, 4)], [("c", 0, 3)]]  # (one chunk a step here)
+    out = s.schedule()
+    assert out.prefill == [] and out.decode == [a, b, c]
+    # the default order decodes a beside b's first chunk
+    m = make(max_num_seqs=4, budget=8, num_blocks=64)
+    for r in (req("a", 8), req("b", 12)):
+        m.add(r)
+    run_step(m, m.schedule())
+    assert [r.request_id for r in m.schedule().decode] == ["a"]
+    # a small pool: d's 16-token prompt (4 blocks) would leave 0 of 5 blocks for e's decoding row
+    t = make(max_num_seqs=4, budget=32, num_blocks=5, block_size=4, prefill_first=True)
+    e, d = req("e", 3, max_new=2), req("d", 16, max_new=1)
+    t.add(e)
+    run_step(t, t.schedule())  # e prefilled (1 block)
+    t.add(d)
+    out = t.schedule()
+    assert out.decode == [e] and [ch.request for ch in out.prefill] == [d]  # the default order's step

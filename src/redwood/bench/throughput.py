@@ -471,6 +471,8 @@ def run_bench(
                         "max_model_len": engine.max_model_len,
                         "block_size": engine.block_size,
                         "kv_blocks": engine.pool.num_blocks,
+                        "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
+                        "prefill_first": engine.scheduler.prefill_first,
                         "cuda_graphs": engine.use_graphs,
                     },
                 )
@@ -592,7 +594,9 @@ def format_result(r: dict[str, Any]) -> str:
         + f", {s['min_new_tokens']}-"
         f"{s['max_new_tokens']} new tokens each ({sampling}, EOS ignored); prompts from {s['prompts']}; "
         f"{s['dtype']} on {s['device']}; {e.get('max_num_seqs')} slots, {e.get('kv_blocks')} KV blocks "
-        f"of {e.get('block_size')}",
+        f"of {e.get('block_size')}"
+        + (f", {e['max_num_batched_tokens']} prefill tokens a step" if "max_num_batched_tokens" in e else "")
+        + ("; prefill first" if e.get("prefill_first") else ""),
     ]
     spec = bool(r["comparison"])
     by = {(x["method"], str(x["request_rate"])): x for x in r["runs"]}

@@ -684,6 +684,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="share the KV blocks of identical prompt prefixes across requests",
     )
+    g.add_argument(
+        "--prefill-first",
+        action="store_true",
+        help="while prompts wait to be prefilled, run their prefill alone and let the decoding rows wait "
+        "(SGLang's order; default: both in every step, as vLLM): a burst finishes sooner, its early rows' "
+        "inter-token latency grows while it prefills",
+    )
 
 
 def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
@@ -702,8 +709,9 @@ def engine_kwargs(args) -> dict:
     """LLM(...) / Engine(...) keywords from the engine flags that were given."""
     names = ("max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens", "kv_cache_memory")
     out = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
-    if getattr(args, "enable_prefix_caching", False):
-        out["enable_prefix_caching"] = True
+    for flag in ("enable_prefix_caching", "prefill_first"):
+        if getattr(args, flag, False):
+            out[flag] = True
     return out
 
 

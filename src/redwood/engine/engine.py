@@ -90,6 +90,7 @@ class Engine:
             self.executor.lookahead,
             self.max_model_len,
             max_prefill_requests=config.max_num_seqs,
+            prefill_first=config.prefill_first,
         )
         self._requests: dict[str, Request] = {}
         self.output = OutputProcessor(self._requests, self.executor)

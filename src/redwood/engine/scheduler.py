@@ -25,6 +25,12 @@ Policy.
   while a slot is free (lowest slot first) and no preemption happened this step. The budget bounds the
   prefill tokens of a step only; decode rows are bounded by max_num_seqs * lookahead on their own. A
   chunk is the rest of the prefill, capped by the budget left and by what the free blocks can hold.
+- Prefill first (`prefill_first=True`, SGLang's order): a step that has prefill chunks to run runs them
+  alone and its decoding rows wait a step; the rows decode when no prompt can proceed. A waiting request is
+  admitted then only if its whole prompt leaves a block free for every decoding row (else the next decode
+  step would preempt it straight away). A burst of requests then prefills first and decodes together — at
+  the width where a step's fixed costs (weights, a speculative step's draft levels) are shared by the most
+  rows — at the price of the early rows' inter-token latency while the burst prefills.
 - Lengths: len(all_token_ids) never exceeds max_model_len nor prompt + max_new_tokens; reaching either
   finishes the request with FINISHED_LENGTH. A prompt of max_model_len tokens or more is refused at
   `add`, as is a request the whole pool could not hold even alone.
@@ -128,6 +134,7 @@ class Scheduler:
         lookahead: int,
         max_model_len: int,
         max_prefill_requests: int = 1,
+        prefill_first: bool = False,
     ):
         for name, value, low in (
             ("max_num_seqs", max_num_seqs, 1),
@@ -143,6 +150,7 @@ class Scheduler:
         self.lookahead = lookahead
         self.max_model_len = max_model_len
         self.max_prefill_requests = max(1, max_prefill_requests)  # prefill chunks (one per request) per step
+        self.prefill_first = prefill_first
         self.waiting: list[SeqState] = []  # sorted by arrival
         self.running: list[SeqState] = []  # sorted by arrival
         self._free_slots = list(range(max_num_seqs))  # a heap
@@ -195,6 +203,11 @@ class Scheduler:
         self.waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
+        if self.prefill_first:
+            rows = sum(1 for r in self.running if r.status is Status.RUNNING and not r.is_prefilling)
+            prefill, admitted = self._prefill_chunks(reserve=rows)
+            if prefill:  # (the decoding rows wait: nothing was allocated for them, nobody preempted)
+                return self._output(prefill, [], [], admitted)
         preempted: list[SeqState] = []
         decode: list[SeqState] = []
         for req in list(self.running):  # oldest first; victims come off the newest end
@@ -213,6 +226,28 @@ class Scheduler:
             else:
                 decode.append(req)
 
+        prefill, admitted = self._prefill_chunks(admit=not preempted)
+        return self._output(prefill, decode, preempted, admitted)
+
+    def _output(self, prefill, decode, preempted, admitted) -> SchedulerOutput:
+        return SchedulerOutput(
+            prefill,
+            decode,
+            preempted,
+            admitted,
+            len(self.waiting),
+            len(self.running),
+            self.pool.num_used,
+            self.pool.num_free,
+        )
+
+    def _prefill_chunks(
+        self, admit: bool = True, reserve: int | None = None
+    ) -> tuple[list[PrefillChunk], list[SeqState]]:
+        """This step's prefill chunks within the token budget — the running requests' unfinished prefills first
+        (oldest first), then waiting heads while a slot is free (admitted: they take the slot); admit=False
+        admits nobody (a preemption happened this step). reserve: blocks a waiting request's whole prompt must
+        leave free to be admitted (prefill first: one for every decoding row)."""
         admitted: list[SeqState] = []
         prefill: list[PrefillChunk] = []
         budget = self.max_num_batched_tokens
@@ -227,7 +262,7 @@ class Scheduler:
                 budget -= chunk.length
         while (
             not blocked
-            and not preempted
+            and admit
             and self.waiting
             and self._free_slots
             and budget > 0
@@ -240,8 +275,11 @@ class Scheduler:
                 if req.prefix_limit is not None:
                     ids = ids[: req.prefix_limit + 1]  # (a match covers at most len(ids) − 1 tokens)
                 req.num_computed = req.block_table.match_prefix(ids, self.pool)
-            chunk = self._chunk(req, budget)
-            if chunk is None:  # not even one token fits: stay at the head
+            fits = reserve is None or (
+                self.pool.blocks_for(req.prefill_len) - len(req.block_table.blocks) + reserve <= self.pool.num_free
+            )
+            chunk = self._chunk(req, budget) if fits else None
+            if chunk is None:  # not even one token fits (or, prefill first, not the whole prompt): stay at the head
                 req.block_table.release(self.pool)
                 req.num_computed = 0
                 break
@@ -252,16 +290,7 @@ class Scheduler:
             admitted.append(req)
             prefill.append(chunk)
             budget -= chunk.length
-        return SchedulerOutput(
-            prefill,
-            decode,
-            preempted,
-            admitted,
-            len(self.waiting),
-            len(self.running),
-            self.pool.num_used,
-            self.pool.num_free,
-        )
+        return prefill, admitted
 
     def _chunk(self, req: SeqState, budget: int) -> PrefillChunk | None:
         """The next prefill chunk of req (at most `budget` tokens), its blocks allocated; None if no
