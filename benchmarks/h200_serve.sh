@@ -71,6 +71,7 @@ load_long() {  # load_long NAME SHARED: an untimed warm-up stream (other prompts
   run $R bench serve --base-url "$URL" --tokenizer "$T" --label "$name" --prompt-len $LONG_LEN \
       --shared-prefix-len $shared --num-requests $LONG_N --max-concurrency $LONG_CONC --min-tokens $LONG_MIN \
       --max-tokens $LONG_MAX --ignore-eos --output "$OUT/$name" | tail -16
+  metrics "$OUT/$name/metrics.txt"  # (and policy.json beside it: under auto, the plans it ran)
 }
 # the server flags common to both sides of a long-context comparison
 LONG_SERVER="--max-num-seqs $LONG_CONC --max-model-len $((LONG_LEN + LONG_MAX + 64)) --max-num-batched-tokens 8192 ${SERVER_FLAGS:-}"
