@@ -65,6 +65,7 @@ class NgramIndex:
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
         self._end: dict[int, int] = {}  # `_ngram_key` → where its latest occurrence ends
+        self._pow = [pow(_HASH_MUL, k, 1 << 64) for k in range(max_n + 1)]  # _HASH_MUL^k mod 2^64
 
     def extend(self, tokens) -> None:
         old = len(self.tokens)
@@ -72,9 +73,16 @@ class NgramIndex:
         if len(self.tokens) - old >= _BULK:
             self._index_bulk(old)
             return
-        for L in range(old, len(self.tokens)):  # the n-grams ending at L now have a next token: tokens[L]
-            for n in range(self.min_n, min(self.max_n, L) + 1):
-                self._end[_ngram_key(self.tokens[L - n : L])] = L
+        # The n-grams ending at L now have a next token: tokens[L]. `_ngram_key` of the n tokens before L is
+        # n·M^n + Σ_j tokens[L−1−j]·M^j (mod 2^64): one pass backwards from L gives every n's key, each from the
+        # last (a step's few new tokens: this loop is the drafter's host time per row and step).
+        toks, pw, end, lo, hi = self.tokens, self._pow, self._end, self.min_n, self.max_n
+        for L in range(old, len(toks)):
+            acc = 0
+            for n in range(1, min(hi, L) + 1):
+                acc = (acc + toks[L - n] * pw[n - 1]) & _MASK
+                if n >= lo:
+                    end[(n * pw[n] + acc) & _MASK] = L
 
     def _index_bulk(self, old: int) -> None:
         """Register the n-grams ending at every L in [old, len) — as `extend`'s loop does, vectorized: for each
@@ -168,12 +176,16 @@ class DraftlessDrafter(Drafter):
         size = tree.size - 1
         table = torch.zeros(n, size, dtype=torch.long)
         any_match = False
+        slots, drafted = [], []
         for slot, history in rows:
             drafts, matched = self._draft_row(self._index(slot, history), tree)
             any_match |= matched
             self.proposed += matched
             self.unmatched += not matched
-            table[slot] = torch.tensor(drafts, dtype=torch.long)
+            slots.append(slot)
+            drafted.append(drafts)
+        if slots and size:
+            table[slots] = torch.tensor(drafted, dtype=torch.long)  # (one tensor for the rows: not one each)
         buffer = self._buffers.get(size)
         if buffer is None or buffer.shape[0] < n:
             buffer = self._buffers[size] = torch.zeros(max(n, 1), size, dtype=torch.long, device=device)
