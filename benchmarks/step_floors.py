@@ -4,7 +4,7 @@ end-to-end ratio of a long-generation run.
 Reads `benchmarks/engine_steps.py --json` (whole Engine steps, AR and self-speculation, at B rows × L context, and
 the prefill of those rows), a `redwood profile` JSON of the same shape (graphed forwards: the verify of γ + 1
 tokens, one draft level over the compressed view) and, optionally, `bench throughput` reports of the end-to-end
-run (AR vs speculation). Measures this GPU's copy bandwidth (device to device, bytes read + written) and its bf16
+run (AR vs speculation). Measures this GPU's copy bandwidth (`redwood.bench.ar.copy_bandwidth`, as P1's floor) and its bf16
 matmul rate, then prints the step's split — draft levels, verify, the rest (sampling, acceptance, commit, host) —
 next to the floors (bytes / bandwidth), and the end-to-end bound: with prefill P and AR's decoding D, a steady
 decoding speedup s gives at most (P + D) / (P + D / s).
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from redwood.bench.ar import copy_bandwidth
 from redwood.config import ModelConfig
 from redwood.loading.gguf import read_gguf_config
 
@@ -48,14 +49,6 @@ def timed(fn, repeats: int = 10) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t) / repeats
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy of 2 GiB: (read + written) bytes / s."""
-    x = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
-    y = torch.empty_like(x)
-    s = timed(lambda: y.copy_(x))
-    return 2 * x.numel() * x.element_size() / s
 
 
 def matmul_rate() -> float:
@@ -85,9 +78,9 @@ def main() -> None:
     itemsize = 2  # bf16
     W, kv = weight_bytes(c, itemsize), kv_token_bytes(c, itemsize)
     B, L, gamma, budget = steps["rows"], steps["context"], steps["gamma"], steps["budget"]
-    if (prof["batch"], abs(prof["context"] - L) > 256) != (B, False):
+    if prof["batch"] != B or abs(prof["context"] - L) > 256:
         raise SystemExit(f"the profile's {prof['batch']} × {prof['context']} is not the steps' {B} × {L}")
-    bw = copy_bandwidth() if torch.cuda.is_available() else float("nan")
+    bw = copy_bandwidth(torch.device("cuda")) if torch.cuda.is_available() else float("nan")
     peak = matmul_rate() if torch.cuda.is_available() else float("nan")
     modes = {m["mode"]: m for m in steps["modes"]}
     ar, spec = modes["ar"], modes.get("self")
