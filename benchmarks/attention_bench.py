@@ -6,7 +6,10 @@ Configurations (Hq=12, Hkv=2, D=128, bf16, 32K committed tokens per row):
     chains: batch 64, T = 1, 2, 4, 5, 8 new tokens per row (causal);
     trees:  16/32/64/128 nodes (random tree masks) at batch 1, 4, 8;
     short:  a few hundred committed tokens — a batch-1 decode / 7-token verify (P1, P2) and a batch-64
-            draft level through a 256- or 512-token compressed cache (P3): latency-bound, few programs.
+            draft level through a 256- or 512-token compressed cache (P3): latency-bound, few programs;
+    view:   the self-draft's draft level as the engine runs it — batch 64 / 16, one new token through a
+            512-token StreamingLLM view (4 sinks + 508 recent) of 30K-token rows in a paged cache, the keys
+            gathered one by one through ctx_idx and the block table (`--only view --sweep`: splits 1-16).
 Each time is one layer's attention: a CUDA graph replays the call over enough distinct layers that
 their K/V (more than the 60 MB L2) come from HBM, as in a real forward. The floor is the K and V bytes
 read divided by 4.29e12 B/s (the device-to-device copy rate measured on an H200). SDPA gets the
@@ -64,6 +67,9 @@ class Case:
         # QK^T and PV: 4 * D flops per (query head, new token, key) — big trees are compute-bound
         self.compute_us = 4 * D * B * HQ * T * (ctx + T) / PEAK_FLOPS * 1e6
 
+    def splits(self) -> int:
+        return td.num_splits_for(self.q, self.k[0], self.v[0], self.lengths, new_mask=self.packed_mask)
+
     def ours(self, layer: int, num_splits: int | None = None) -> torch.Tensor:
         return td.decode_attention(
             self.q, self.k[layer], self.v[layer], self.lengths, new_mask=self.packed_mask, num_splits=num_splits
@@ -74,6 +80,85 @@ class Case:
         out = F.scaled_dot_product_attention(
             self.q, self.k[layer, :, :, :S], self.v[layer, :, :, :S], attn_mask=self.sdpa_mask, enable_gqa=True
         )
+        return out.transpose(1, 2)
+
+
+class ViewCase:
+    """The self-draft's draft level: T new tokens per row attending through a StreamingLLM view — `sinks` first
+    slots + the last `view - sinks` — of a paged cache whose rows hold `ctx` committed tokens, the view's keys
+    gathered per key (ctx_idx [B, 1, C] and the block table, as the engine passes them). Only the pages the view
+    touches are distinct (the others map to one page never read), so many layers fit and miss the L2."""
+
+    PAGE = 128
+
+    def __init__(
+        self,
+        name: str,
+        B: int,
+        T: int,
+        gen: torch.Generator,
+        ctx: int = CTX - 2048,
+        view: int = 512,
+        sinks: int = 4,
+        device: str = "cuda",
+    ):
+        self.name, self.B, self.T, self.ctx = name, B, T, ctx
+        page, dev = self.PAGE, device
+        n_logical = math.ceil((ctx + T) / page)
+        idx = torch.cat([torch.arange(sinks), torch.arange(ctx - (view - sinks), ctx)])  # [C] logical slots
+        touched = sorted({int(i) // page for i in idx} | set(range(ctx // page, n_logical)))
+        self.kv_bytes = 2 * B * HKV * (view + T) * D * 2  # K and V of one layer that the call reads
+        self.layers = max(1, min(32, math.ceil(L2_DEFEAT_BYTES / self.kv_bytes)))
+        pages = 1 + B * len(touched)  # page 0: the shared never-read page
+        self.k = torch.randn(self.layers, pages, HKV, page, D, device=dev, dtype=torch.bfloat16)
+        self.v = torch.randn(self.layers, pages, HKV, page, D, device=dev, dtype=torch.bfloat16)
+        table = torch.zeros(B, n_logical, dtype=torch.int32)
+        perm = 1 + torch.randperm(pages - 1, generator=gen)  # rows' pages scattered through the pool
+        table[:, touched] = perm.view(B, len(touched)).to(torch.int32)
+        self.block_table = table.to(dev)
+        self.ctx_idx = idx.view(1, 1, -1).expand(B, 1, -1).contiguous().to(dev)  # [B, 1, C]
+        self.ctx_valid = torch.ones(B, 1, idx.numel(), dtype=torch.bool, device=dev)
+        self.q = torch.randn(B, T, HQ, D, device=dev, dtype=torch.bfloat16).transpose(1, 2)
+        self.lengths = torch.full((B,), ctx, device=dev, dtype=torch.int64)
+        self.packed_mask = None  # causal among the new tokens
+        self.slots = torch.cat([idx, torch.arange(ctx, ctx + T)]).to(dev)  # what the reference gathers
+        self.floor_us = self.kv_bytes / BANDWIDTH * 1e6
+        self.compute_us = 4 * D * B * HQ * T * (view + T) / PEAK_FLOPS * 1e6
+
+    def splits(self) -> int:
+        return td.num_splits_for(
+            self.q,
+            self.k[0],
+            self.v[0],
+            self.lengths,
+            ctx_idx=self.ctx_idx,
+            ctx_valid=self.ctx_valid,
+            block_table=self.block_table,
+        )
+
+    def ours(self, layer: int, num_splits: int | None = None) -> torch.Tensor:
+        return td.decode_attention(
+            self.q,
+            self.k[layer],
+            self.v[layer],
+            self.lengths,
+            ctx_idx=self.ctx_idx,
+            ctx_valid=self.ctx_valid,
+            block_table=self.block_table,
+            num_splits=num_splits,
+        )
+
+    def _gathered(self, cache: torch.Tensor) -> torch.Tensor:
+        """[B, Hkv, C + T, D]: the view's keys then the new tokens', read through the block table."""
+        pages = self.block_table[:, self.slots // self.PAGE].long()  # [B, C + T]
+        return cache[pages, :, (self.slots % self.PAGE)[None, :]].permute(0, 2, 1, 3)
+
+    def sdpa(self, layer: int) -> torch.Tensor:
+        k, v = self._gathered(self.k[layer]), self._gathered(self.v[layer])
+        C, T = self.ctx_idx.shape[2], self.T
+        mask = torch.ones(T, C + T, dtype=torch.bool, device=k.device)
+        mask[:, C:] = torch.ones(T, T, dtype=torch.bool, device=k.device).tril()
+        out = F.scaled_dot_product_attention(self.q, k, v, attn_mask=mask, enable_gqa=True)
         return out.transpose(1, 2)
 
 
@@ -119,10 +204,13 @@ def cases(gen: torch.Generator):
     for B, T, ctx in ((1, 1, 384), (1, 7, 384), (64, 1, 256), (64, 1, 512)):
         name = f"short B={B} T={T} S={ctx}"
         yield name, lambda B=B, T=T, ctx=ctx, name=name: Case(name, B, T, None, gen, ctx)
+    for B in (64, 16):  # the self-draft's draft level: a 512-token StreamingLLM view of a 30K-token paged row
+        name = f"view B={B} T=1 C=512"
+        yield name, lambda B=B, name=name: ViewCase(name, B, 1, gen)
 
 
 def measure(case: Case) -> dict:
-    splits = td.num_splits_for(case.q, case.k[0], case.v[0], case.lengths, new_mask=case.packed_mask)
+    splits = case.splits()
     ours_us = time_per_layer(case.ours, case.layers)
     sdpa_us = time_per_layer(case.sdpa, min(case.layers, 4))
     err = rel_err(case.ours(0), case.sdpa(0))
@@ -146,8 +234,12 @@ def measure(case: Case) -> dict:
 def sweep(case: Case) -> list[dict]:
     """Our kernel at several num_splits and block configurations (for the heuristics)."""
     rows = []
-    short = case.name.startswith("short")
-    for s in (1, 2, 3, 4, 6, 8) if short else (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
+    short = case.name.startswith(("short", "view"))
+    for s in (
+        ((1, 2, 4, 8, 16) if case.name.startswith("view") else (1, 2, 3, 4, 6, 8))
+        if short
+        else (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+    ):
         us = time_per_layer(lambda layer: case.ours(layer, s), case.layers, reps=5)
         rows.append(dict(name=case.name, knob="num_splits", value=s, us=us))
     base = td._launch_config
@@ -220,7 +312,7 @@ def main() -> None:
             flush=True,
         )
         results.append(r)
-        if args.sweep and (case.name.startswith("short") or case.name in SWEPT):
+        if args.sweep and (case.name.startswith(("short", "view")) or case.name in SWEPT):
             sweeps += sweep(case)
         del case
         torch.cuda.empty_cache()
