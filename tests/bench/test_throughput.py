@@ -9,6 +9,7 @@ import pytest
 
 from redwood.bench.throughput import (
     RequestRecord,
+    _tail_line,
     latency_samples,
     output_lengths,
     parse_rates,
@@ -100,8 +101,16 @@ def test_cli_self_speculation_two_rates(tiny_model_dir, text_file, tmp_path, cap
         if r["method"] == "spec":
             assert r["identical_to_ar"] is True and r["requests_identical_to_ar"] == 6
             assert 0 <= r["acceptance_rate"] <= 1 and 1 <= r["mean_accepted_length"] <= 4
+            # each row's own steps and tokens a step: together they make the run's
+            rows = r["per_request"]
+            assert all(p["spec_steps"] >= 1 and 1 <= p["tokens_per_step"] <= 4 for p in rows)
+            assert sum(p["spec_steps"] for p in rows) == r["spec_steps"]
+            assert sum(p["tokens_per_step"] * p["spec_steps"] for p in rows) == pytest.approx(
+                r["mean_accepted_length"] * r["spec_steps"], rel=1e-3
+            )
         else:
             assert "identical_to_ar" not in r and "acceptance_rate" not in r
+            assert all("tokens_per_step" not in p and "spec_steps" not in p for p in r["per_request"])
     assert [c["request_rate"] for c in rep["comparison"]] == [40.0, "inf"]
     for c in rep["comparison"]:
         assert c["tokens_per_s_ratio"] > 0 and c["ttft_ms_p99_ratio"] > 0 and c["identical_to_ar"] is True
@@ -299,3 +308,18 @@ def test_bad_input_one_line_status_2(tiny_model_dir, text_file, extra, message, 
     err = capsys.readouterr().err
     assert err.startswith("redwood: error:") and message in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_tail_line_names_the_rows_the_run_waited_for():
+    """The last tenth of the requests to finish, their tokens a step against the others', and how long the
+    run went on after the others — None under 10 rows (no tenth to speak of) or without per-row stats."""
+    rows = [
+        {"arrival_s": 0.0, "e2e_ms": 1e3 * (30 + i / 10), "tokens_per_step": 3.5, "spec_steps": 100} for i in range(18)
+    ]
+    rows += [{"arrival_s": 1.0, "e2e_ms": 1e3 * t, "tokens_per_step": 1.5, "spec_steps": 300} for t in (45.0, 49.0)]
+    line = _tail_line({"request_rate": "inf", "per_request": rows})
+    assert line.startswith("tail @ inf req/s: the last 2 of 20 requests to finish made 1.50 tokens a step")
+    assert "(the others 3.50)" in line and "went on 18.3 s after the others had finished" in line
+    assert _tail_line({"request_rate": "inf", "per_request": rows[:9]}) is None
+    plain = [{k: v for k, v in p.items() if k not in ("tokens_per_step", "spec_steps")} for p in rows]
+    assert _tail_line({"request_rate": "inf", "per_request": plain}) is None

@@ -379,10 +379,44 @@ def summarize(stream: dict[str, Any], method: str, rate: float) -> dict[str, Any
             "ttft_ms": None if r.first is None else 1e3 * (r.first - r.arrival),
             "e2e_ms": None if r.finish is None else 1e3 * (r.times[-1] - r.arrival),
             "preemptions": r.preemptions,
+            **_row_speculation(r.stats),
         }
         for i, r in enumerate(recs)
     ]
     return run
+
+
+def _row_speculation(stats: dict | None) -> dict[str, Any]:
+    """A request's own target steps and tokens per step (bonus included) under speculation — which rows the
+    run waited on (`_tail_line`); nothing for plain decoding."""
+    spec = (stats or {}).get("speculative")
+    if not spec or not spec.get("steps"):
+        return {}
+    return {"spec_steps": spec["steps"], "tokens_per_step": spec["mean_accepted_length"]}
+
+
+def _tail_line(run: dict[str, Any]) -> str | None:
+    """The speculative run's tail: the last tenth of its requests to finish (at least one), their tokens per
+    step against the others', and how long the run went on after the others were done — with every row in
+    every step, a row finishes late by accepting less, and the run's clock waits for it."""
+    rows = [p for p in run.get("per_request", []) if p.get("tokens_per_step") and p.get("e2e_ms") is not None]
+    if len(rows) < 10:
+        return None
+    rows.sort(key=lambda p: p["arrival_s"] + p["e2e_ms"] / 1e3)
+    k = math.ceil(len(rows) / 10)
+    tail, rest = rows[-k:], rows[:-k]
+
+    def mean(ps):
+        return sum(p["tokens_per_step"] for p in ps) / len(ps)
+
+    def end(p):
+        return p["arrival_s"] + p["e2e_ms"] / 1e3
+
+    return (
+        f"tail @ {_rate_text(run['request_rate'])} req/s: the last {k} of {len(rows)} requests to finish made "
+        f"{mean(tail):.2f} tokens a step (the others {mean(rest):.2f}); the run went on {end(tail[-1]) - end(rest[-1]):.1f} s "
+        "after the others had finished"
+    )
 
 
 RATIO_KEYS = ("tokens_per_s", "request_throughput") + tuple(f"{k}_ms_{p}" for k in LATENCY_KEYS for p in ("p50", "p99"))
@@ -641,6 +675,10 @@ def format_result(r: dict[str, Any]) -> str:
             f"note: {r['capture_s_in_timed_runs']:.2f} s of CUDA-graph capture during the timed runs was "
             "left out of their clocks"
         )
+    for x in r["runs"]:
+        tail = _tail_line(x) if x["method"] == "spec" else None
+        if tail:
+            lines.append(tail)
     preempted = sum(x["preemptions"] for x in r["runs"])
     if preempted:
         lines.append(f"note: {preempted} preemptions (KV cache full; the requests were recomputed)")
