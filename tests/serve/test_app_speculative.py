@@ -101,3 +101,8 @@ def test_auto_policy_server_matches_offline_autoregressive_and_counts_its_plans(
     for key, ratio in report["measured_over_predicted"].items():  # "family@bucket" → a positive ratio
         family, bucket = key.rsplit("@", 1)
         assert family and int(bucket) >= 1 and ratio > 0
+    assert report["steps_measured"]
+    for key, got in report["steps_measured"].items():  # "plan@bucket" → the timed steps of a plan that ran
+        plan, bucket = key.rsplit("@", 1)
+        assert plan in report["plans"] and int(bucket) >= 1 and 1 <= got["steps"] <= report["plans"][plan]
+        assert got["ms"] > 0 and got["tokens_per_row"] >= 1.0

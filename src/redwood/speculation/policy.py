@@ -233,6 +233,7 @@ class AutoPolicy:
         self.capture_cost: float | None = None  # seconds one new plan's captures took (decayed mean; None: none seen)
         self.captures = 0  # steps that captured
         self.counts: dict[str, int] = {}  # plan name → steps run
+        self._timed: dict[str, list] = {}  # "plan@bucket" → [timed steps, seconds, tokens emitted, row-steps]
         self.probes = 0
         self.prefill_bound_steps = 0  # steps planned plainly because queued prefills set the run's end
         self.expected_sum = 0.0  # Σ expected tokens per row over planned steps, and achieved (reports)
@@ -433,6 +434,12 @@ class AutoPolicy:
                 for r, t in zip(rows, tokens):
                     lag[r.slot] = lag.get(r.slot, 0) + len(t.token_ids)
         self.counts[cand.name] = self.counts.get(cand.name, 0) + 1
+        if seconds is not None and rows:  # [steps, seconds, tokens emitted, row-steps] per plan and bucket
+            timed = self._timed.setdefault(f"{cand.name}@{bucket}", [0, 0.0, 0, 0])
+            timed[0] += 1
+            timed[1] += seconds
+            timed[2] += sum(len(t.token_ids) for t in tokens)
+            timed[3] += len(rows)
         self._captured.add((cand.name, bucket))
         if cand.tree is not None and not getattr(cand.drafter, "needs_history", False):
             gamma = cand.tree.size - 1
@@ -473,4 +480,9 @@ class AutoPolicy:
             "measured_over_predicted": self.costs.snapshot() if self.costs is not None else {},
             "captures": self.captures,
             "capture_cost_s": None if self.capture_cost is None else round(self.capture_cost, 3),
+            # what each plan's steps measured at each batch bucket: where a run's decoding time went
+            "steps_measured": {
+                key: {"steps": n, "ms": round(1e3 * s / n, 3), "tokens_per_row": round(tok / rs, 3)}
+                for key, (n, s, tok, rs) in sorted(self._timed.items(), key=lambda kv: -kv[1][1])
+            },
         }
