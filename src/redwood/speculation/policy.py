@@ -480,7 +480,8 @@ class AutoPolicy:
             "measured_over_predicted": self.costs.snapshot() if self.costs is not None else {},
             "captures": self.captures,
             "capture_cost_s": None if self.capture_cost is None else round(self.capture_cost, 3),
-            # what each plan's steps measured at each batch bucket: where a run's decoding time went
+            # what each plan's steps measured at each batch bucket (the time the costs learn from: drafting, the
+            # verify and its one sync, captures and catch-ups left out) and gave a row: where decoding time went
             "steps_measured": {
                 key: {"steps": n, "ms": round(1e3 * s / n, 3), "tokens_per_row": round(tok / rs, 3)}
                 for key, (n, s, tok, rs) in sorted(self._timed.items(), key=lambda kv: -kv[1][1])
