@@ -1,11 +1,11 @@
 """Host time the automatic policy adds to a decoding step (docs/perf/auto-policy.md item 21).
 
 An AR engine and an auto engine (self-speculation over StreamingLLM + prompt lookup) on the test suite's tiny
-model, one request of PROMPT tokens, 300 new, one thread. The auto engine's plans are forced to plain decoding
+model, ROWS requests (default 1) of PROMPT tokens each, 300 new, one thread. The auto engine's plans are forced to plain decoding
 (every plan expects one token) and its probes switched off, so the two run the same forwards and the difference
 is the policy's own work per step (planning, shadow scoring, bookkeeping). Prints ms per decode step, twice each.
 
-    PYTHONPATH=src:. python benchmarks/auto_host_cost.py [PROMPT]      (default 2000)
+    PYTHONPATH=src:. python benchmarks/auto_host_cost.py [PROMPT] [ROWS]      (default 2000 1)
 """
 
 from __future__ import annotations
@@ -32,38 +32,41 @@ from tests.conftest import make_tokenizer, save_target_and_draft  # noqa: E402
 NEW_TOKENS = 300
 
 
-def per_step_ms(engine: Engine, prompt: list[int]) -> tuple[float, int]:
-    """Mean wall time of the decode steps (the first few — the prefill — left out) and how many."""
-    engine.add_request(prompt, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+def per_step_ms(engine: Engine, prompts: list[list[int]]) -> tuple[float, int]:
+    """Mean wall time of the decode steps (those after every prompt's prefill) and how many."""
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     steps, total = 0, 0.0
     while engine.has_unfinished():
+        prefilled = not engine.scheduler.waiting and not any(s.is_prefilling for s in engine.scheduler.running)
         t = time.perf_counter()
         engine.step()
-        if engine.num_steps > 3:
+        if prefilled and engine.num_steps > 3:
             steps, total = steps + 1, total + time.perf_counter() - t
     return total / steps * 1e3, steps
 
 
 def main() -> None:
     length = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
+    rows = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     torch.set_num_threads(1)
     tok = make_tokenizer()
     root = Path(tempfile.mkdtemp())
     save_target_and_draft(root, tok, noise=0.01, max_position_embeddings=length + 1000)
     target = LLM(str(root / "target")).model
     rng = random.Random(0)
-    prompt = [rng.randrange(3, 300) for _ in range(length)]
+    prompts = [[rng.randrange(3, 300) for _ in range(length)] for _ in range(rows)]
     policy_module.PROBE_EVERY = 10**9  # (no probes: their steps are real work, not the policy's overhead)
-    settings = dict(max_num_seqs=4, block_size=16, max_model_len=length + NEW_TOKENS + 100)
+    settings = dict(max_num_seqs=max(4, rows), block_size=16, max_model_len=length + NEW_TOKENS + 100)
     for _ in range(2):
-        ms, n = per_step_ms(Engine.build(target, tok, **settings), prompt)
+        ms, n = per_step_ms(Engine.build(target, tok, **settings), prompts)
         print(f"ar:   {ms:.3f} ms a step over {n} steps")
         drafters = [SelfDrafter(target, StreamingPolicy(4, 60)), NgramDrafter(320)]
         auto = Engine.build(target, tok, auto_drafters=drafters, **settings)
         auto.policy.expected_by_gamma = lambda family, rows: [1.0] * 9  # (every plan expects one token: AR wins)
         for probe in auto.policy._probes.values():
             probe.due = 10**9
-        ms, n = per_step_ms(auto, prompt)
+        ms, n = per_step_ms(auto, prompts)
         print(f"auto: {ms:.3f} ms a step over {n} steps; plans {auto.policy.report()['plans']}")
 
 
