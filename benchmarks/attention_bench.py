@@ -118,6 +118,8 @@ class ViewCase:
         self.block_table = table.to(dev)
         self.ctx_idx = idx.view(1, 1, -1).expand(B, 1, -1).contiguous().to(dev)  # [B, 1, C]
         self.ctx_valid = torch.ones(B, 1, idx.numel(), dtype=torch.bool, device=dev)
+        # what decode_attention takes besides q, the layer's caches and lengths: the view, as the engine passes it
+        self.view_args = dict(ctx_idx=self.ctx_idx, ctx_valid=self.ctx_valid, block_table=self.block_table)
         self.q = torch.randn(B, T, HQ, D, device=dev, dtype=torch.bfloat16).transpose(1, 2)
         self.lengths = torch.full((B,), ctx, device=dev, dtype=torch.int64)
         self.packed_mask = None  # causal among the new tokens
@@ -126,26 +128,11 @@ class ViewCase:
         self.compute_us = 4 * D * B * HQ * T * (view + T) / PEAK_FLOPS * 1e6
 
     def splits(self) -> int:
-        return td.num_splits_for(
-            self.q,
-            self.k[0],
-            self.v[0],
-            self.lengths,
-            ctx_idx=self.ctx_idx,
-            ctx_valid=self.ctx_valid,
-            block_table=self.block_table,
-        )
+        return td.num_splits_for(self.q, self.k[0], self.v[0], self.lengths, **self.view_args)
 
     def ours(self, layer: int, num_splits: int | None = None) -> torch.Tensor:
         return td.decode_attention(
-            self.q,
-            self.k[layer],
-            self.v[layer],
-            self.lengths,
-            ctx_idx=self.ctx_idx,
-            ctx_valid=self.ctx_valid,
-            block_table=self.block_table,
-            num_splits=num_splits,
+            self.q, self.k[layer], self.v[layer], self.lengths, num_splits=num_splits, **self.view_args
         )
 
     def _gathered(self, cache: torch.Tensor) -> torch.Tensor:
@@ -235,11 +222,13 @@ def sweep(case: Case) -> list[dict]:
     """Our kernel at several num_splits and block configurations (for the heuristics)."""
     rows = []
     short = case.name.startswith(("short", "view"))
-    for s in (
-        ((1, 2, 4, 8, 16) if case.name.startswith("view") else (1, 2, 3, 4, 6, 8))
-        if short
-        else (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-    ):
+    if case.name.startswith("view"):
+        splits = (1, 2, 4, 8, 16)
+    elif short:
+        splits = (1, 2, 3, 4, 6, 8)
+    else:
+        splits = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+    for s in splits:
         us = time_per_layer(lambda layer: case.ours(layer, s), case.layers, reps=5)
         rows.append(dict(name=case.name, knob="num_splits", value=s, us=us))
     base = td._launch_config

@@ -1,9 +1,10 @@
 """Host time the automatic policy adds to a decoding step (docs/perf/auto-policy.md item 21).
 
 An AR engine and an auto engine (self-speculation over StreamingLLM + prompt lookup) on the test suite's tiny
-model, ROWS requests (default 1) of PROMPT tokens each, 300 new, one thread. The auto engine's plans are forced to plain decoding
-(every plan expects one token) and its probes switched off, so the two run the same forwards and the difference
-is the policy's own work per step (planning, shadow scoring, bookkeeping). Prints ms per decode step, twice each.
+model, ROWS requests (default 1) of PROMPT tokens each, 300 new, one thread. The auto engine's plans are forced
+to plain decoding (every plan expects one token) and its probes switched off, so the two run the same forwards
+and the difference is the policy's own work per step (planning, shadow scoring, bookkeeping). Prints ms per
+decode step, twice each.
 
     PYTHONPATH=src:. python benchmarks/auto_host_cost.py [PROMPT] [ROWS]      (default 2000 1)
 """

@@ -402,16 +402,16 @@ def _tail_line(run: dict[str, Any]) -> str | None:
     rows = [p for p in run.get("per_request", []) if p.get("tokens_per_step") and p.get("e2e_ms") is not None]
     if len(rows) < 10:
         return None
-    rows.sort(key=lambda p: p["arrival_s"] + p["e2e_ms"] / 1e3)
-    k = math.ceil(len(rows) / 10)
-    tail, rest = rows[-k:], rows[:-k]
-
-    def mean(ps):
-        return sum(p["tokens_per_step"] for p in ps) / len(ps)
 
     def end(p):
         return p["arrival_s"] + p["e2e_ms"] / 1e3
 
+    def mean(ps):
+        return sum(p["tokens_per_step"] for p in ps) / len(ps)
+
+    rows.sort(key=end)
+    k = math.ceil(len(rows) / 10)
+    tail, rest = rows[-k:], rows[:-k]
     return (
         f"tail @ {_rate_text(run['request_rate'])} req/s: the last {k} of {len(rows)} requests to finish made "
         f"{mean(tail):.2f} tokens a step (the others {mean(rest):.2f}); the run went on {end(tail[-1]) - end(rest[-1]):.1f} s "

@@ -434,11 +434,12 @@ class AutoPolicy:
                 for r, t in zip(rows, tokens):
                     lag[r.slot] = lag.get(r.slot, 0) + len(t.token_ids)
         self.counts[cand.name] = self.counts.get(cand.name, 0) + 1
+        emitted = sum(len(t.token_ids) for t in tokens)  # (the timings' and the expectation's tokens)
         if seconds is not None and rows:  # [steps, seconds, tokens emitted, row-steps] per plan and bucket
             timed = self._timed.setdefault(f"{cand.name}@{bucket}", [0, 0.0, 0, 0])
             timed[0] += 1
             timed[1] += seconds
-            timed[2] += sum(len(t.token_ids) for t in tokens)
+            timed[2] += emitted
             timed[3] += len(rows)
         self._captured.add((cand.name, bucket))
         if cand.tree is not None and not getattr(cand.drafter, "needs_history", False):
@@ -447,7 +448,7 @@ class AutoPolicy:
                 if t.spec is not None:
                     self.acceptance.record(cand.family, r.slot, r.params.temperature, t.spec[0], gamma)
         if ran.expected_tokens:
-            achieved = sum(len(t.token_ids) for t in tokens) / max(len(tokens), 1)
+            achieved = emitted / max(len(tokens), 1)
             self.expected_steps += 1
             self.expected_sum += ran.expected_tokens
             self.achieved_sum += achieved
