@@ -223,7 +223,7 @@ def sweep(case: Case) -> list[dict]:
     rows = []
     short = case.name.startswith(("short", "view"))
     if case.name.startswith("view"):
-        splits = (1, 2, 4, 8, 16)
+        splits = (1, 2, 3, 4, 6, 8, 12, 16)
     elif short:
         splits = (1, 2, 3, 4, 6, 8)
     else:

@@ -596,6 +596,9 @@ def test_default_num_splits_from_static_shapes():
     assert td.default_num_splits(cap, 64 * 2, 132, block_m=32) == 3
     assert td.default_num_splits(cap, 64 * 2, 132, block_m=32, per_sm=2) == 2
     assert td.default_num_splits(cap, 64 * 2, 132, block_m=16, per_sm=4) == 4  # 512 of 528 slots
+    # a gathered 512-key view at batch 64 (the self-draft's level): splits of ≥ VIEW_SPLIT_KEYS fill a wave
+    assert td.default_num_splits(512, 64 * 2, 132, block_m=16) == 1
+    assert td.default_num_splits(512, 64 * 2, 132, block_m=16, min_split_keys=td.VIEW_SPLIT_KEYS) == 3
 
 
 def test_launch_config_tiles_and_stages():
@@ -643,6 +646,29 @@ def test_plan_picks_the_paged_variant():
         q, pages, pages, torch.zeros(64, dtype=torch.int64), block_table=torch.zeros(64, 128, dtype=torch.int32)
     )
     assert splits == td.default_num_splits(128 * 256, 64 * 2, td._num_sms(q.device), 16)
+    # a gathered view splits by its own, smaller minimum (VIEW_SPLIT_KEYS keys a split, not 1024): on the
+    # interpreter's 4 "SMs" (12 slots), 4 rows × 2 KV heads over a 512-key view take 3 splits, the same
+    # rows over 512 contiguous slots one
+    q = torch.zeros(4, 12, 1, 128, dtype=torch.bfloat16)
+    idx = torch.zeros(4, 1, 512, dtype=torch.int64)
+    view = td.num_splits_for(
+        q,
+        pages,
+        pages,
+        torch.zeros(4, dtype=torch.int64),
+        ctx_idx=idx,
+        ctx_valid=idx.bool(),
+        block_table=torch.zeros(4, 128, dtype=torch.int32),
+    )
+    assert view == td.default_num_splits(512, 4 * 2, 4, 16, None, td.VIEW_SPLIT_KEYS) == 3
+    contiguous = td.num_splits_for(
+        q,
+        pages[:, :, :128],
+        pages[:, :, :128],
+        torch.zeros(4, dtype=torch.int64),
+        block_table=torch.zeros(4, 4, dtype=torch.int32),
+    )
+    assert contiguous == 1
 
 
 def test_supported_and_import_without_triton(monkeypatch):
