@@ -21,6 +21,7 @@ and block-size sweep on a few configurations. The table comes last on stdout.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import time
@@ -218,6 +219,32 @@ def measure(case: Case) -> dict:
     )
 
 
+def time_config(case, config: tuple, splits: int | None = None) -> float:
+    """µs per layer of our kernel with the launch configuration (BLOCK_N, stages, warps, max BLOCK_M) forced,
+    at `splits` splits (None: the rule's); nan where it cannot run (e.g. out of shared memory)."""
+    base = td._launch_config
+    block_n, stages, warps, max_m = config
+
+    def cfg(M, Dh, dtype, big_smem=False, n_keys=None):
+        c = base(M, Dh, dtype, big_smem, n_keys)
+        c.update(
+            BLOCK_N=block_n,
+            num_stages=stages,
+            num_warps=warps,
+            BLOCK_M=max(16, min(td.triton.next_power_of_2(M), max_m)),
+        )
+        return c
+
+    td._launch_config = cfg
+    try:
+        return time_per_layer(lambda layer: case.ours(layer, splits), case.layers, reps=5)
+    except Exception as e:  # noqa: BLE001
+        print(f"  {case.name}: config {config} x {splits} splits failed: {type(e).__name__}")
+        return float("nan")
+    finally:
+        td._launch_config = base
+
+
 def sweep(case: Case) -> list[dict]:
     """Our kernel at several num_splits and block configurations (for the heuristics)."""
     rows = []
@@ -231,7 +258,6 @@ def sweep(case: Case) -> list[dict]:
     for s in splits:
         us = time_per_layer(lambda layer: case.ours(layer, s), case.layers, reps=5)
         rows.append(dict(name=case.name, knob="num_splits", value=s, us=us))
-    base = td._launch_config
     configs = (
         (64, 2, 4, 64),
         (64, 3, 4, 64),
@@ -257,24 +283,15 @@ def sweep(case: Case) -> list[dict]:
             (256, 1, 8, 64),
             (64, 2, 8, 64),
         )
-    for block_n, stages, warps, max_m in configs:
-
-        def cfg(M, Dh, dtype, big_smem=False, n_keys=None, bn=block_n, st=stages, w=warps, mm=max_m):
-            c = base(M, Dh, dtype, big_smem, n_keys)
-            c.update(BLOCK_N=bn, num_stages=st, num_warps=w, BLOCK_M=max(16, min(td.triton.next_power_of_2(M), mm)))
-            return c
-
-        td._launch_config = cfg
-        try:
-            us = time_per_layer(case.ours, case.layers, reps=5)
-        except Exception as e:  # noqa: BLE001 — e.g. out of shared memory
-            us = float("nan")
-            print(f"  {case.name}: config {block_n, stages, warps, max_m} failed: {type(e).__name__}")
-        finally:
-            td._launch_config = base
-        rows.append(
-            dict(name=case.name, knob="BLOCK_N,stages,warps,max_M", value=[block_n, stages, warps, max_m], us=us)
-        )
+    for config in configs:
+        us = time_config(case, config)
+        rows.append(dict(name=case.name, knob="BLOCK_N,stages,warps,max_M", value=list(config), us=us))
+    if case.name.startswith("view"):  # the wider key tiles at several split counts (session 32: at the rule's 4
+        # splits a 128-key tile beat the 64-key default; which pair is best was not swept)
+        grid = ((64, 3, 4, 64), (128, 1, 4, 64), (128, 2, 4, 64), (256, 1, 8, 64))
+        for config, s in itertools.product(grid, (2, 3, 4, 6, 8)):
+            us = time_config(case, config, s)
+            rows.append(dict(name=case.name, knob="BLOCK_N,stages,warps,max_M,num_splits", value=[*config, s], us=us))
     for r in rows:
         print(f"  sweep {r['name']}: {r['knob']}={r['value']}: {r['us']:.1f} us", flush=True)
     return rows

@@ -599,6 +599,8 @@ def test_default_num_splits_from_static_shapes():
     # a gathered 512-key view at batch 64 (the self-draft's level): splits of ≥ VIEW_SPLIT_KEYS fill a wave
     assert td.default_num_splits(512, 64 * 2, 132, block_m=16) == 1
     assert td.default_num_splits(512, 64 * 2, 132, block_m=16, min_split_keys=td.VIEW_SPLIT_KEYS) == 3
+    # with the compiled view variant's ≥ 4 programs an SM (an H100, session 32): the most splits, 4
+    assert td.default_num_splits(512, 64 * 2, 132, block_m=16, per_sm=4, min_split_keys=td.VIEW_SPLIT_KEYS) == 4
 
 
 def test_launch_config_tiles_and_stages():
