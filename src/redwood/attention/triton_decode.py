@@ -340,8 +340,14 @@ def _launch_config(M: int, D: int, dtype: torch.dtype, big_smem: bool = False, n
                 num_stages=stages)
 
 
+# The fewest keys a split keeps (default_num_splits' min_split_keys): contiguous context keys stream, so a
+# split needs many to pay for its merge; a gathered view's keys are each three dependent loads.
+SPLIT_KEYS = 1024
+VIEW_SPLIT_KEYS = 128
+
+
 def default_num_splits(n_keys: int, programs: int, num_sms: int, block_m: int = 64,
-                       per_sm: int | None = None, min_split_keys: int = 1024) -> int:
+                       per_sm: int | None = None, min_split_keys: int = SPLIT_KEYS) -> int:
     """Splits of the context that fill whole waves of the GPU (flash-decoding's heuristic).
 
     n_keys: a static bound on a row's context keys (cache capacity, or C with a view) — never the
@@ -351,8 +357,8 @@ def default_num_splits(n_keys: int, programs: int, num_sms: int, block_m: int = 
     (docs/perf/attention.md, "Figures cited from the source"), so take the fewest splits whose
     waves are ≥ 95% full — or, if none is, the best filled. Each split keeps ≥ min_split_keys keys of
     the bound (short rows just leave later splits empty); at most 64 splits. Contiguous keys stream
-    fast enough that a split needs ≥ 1024 of them to pay for its merge; a gathered view (every key
-    its own dependent loads: ctx_idx, the block table, the row) passes `VIEW_SPLIT_KEYS`.
+    fast enough that a split needs ≥ `SPLIT_KEYS` (1024) of them to pay for its merge; a gathered view
+    (every key its own dependent loads: ctx_idx, the block table, the row) passes `VIEW_SPLIT_KEYS`.
     A grid that fills ≤ 1/8 of the GPU (batch 1-4) is latency-bound instead: its few programs walk
     their keys one tile after another. There the context splits into up to 8 pieces of ≥ 64 keys even
     when short (docs/perf/attention.md, session 7, attempt 17).
@@ -371,8 +377,6 @@ def default_num_splits(n_keys: int, programs: int, num_sms: int, block_m: int = 
     return max(1, splits)
 
 
-# The fewest keys a split of a gathered view keeps (default_num_splits' min_split_keys for views).
-VIEW_SPLIT_KEYS = 128
 _OCCUPANCY: dict = {}
 # How a paged cache whose page size is a multiple of the key tile finds a context tile's page (the
 # others only for measuring; their times against the dense layout: docs/perf/attention.md, session 10):
@@ -507,7 +511,7 @@ class _Plan:
                          sliding_window if has_window else 0, Hkv, T, pending, C)
         if num_splits is None:
             n_keys, programs = C if has_view else cap, B * Hkv * m_tiles
-            min_keys = VIEW_SPLIT_KEYS if has_view else 1024
+            min_keys = VIEW_SPLIT_KEYS if has_view else SPLIT_KEYS
             per_sm = None
             if q.is_cuda and not _INTERPRET and n_keys >= 2 * min_keys:  # (shorter ones: one split at most)
                 per_sm = _resident_per_sm(q.device, self.consts,
