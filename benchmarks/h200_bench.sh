@@ -4,7 +4,7 @@
 # On the GPU machine, from the repo root, after staging the GGUF chunks as /root/stage/t?? (1.5B) and
 # /root/stage/d?? (0.5B), carrying .whl (the gguf wheel) and .stage/home (REDWOOD_HOME with the essays,
 # humaneval and mt-bench datasets):
-#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests (tests-a, tests-b) kernels pdl l2 tile mega p1 steps p2 p3 p3tree p4 draftattn e2e split auto p5 summary pack
+#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests (tests-a, tests-b; tests-ab: both at once) kernels pdl l2 tile mega p1 steps p2 p3 p3tree p4 draftattn e2e split auto p5 summary pack
 # Each step writes JSON under $OUT and prints its tables; `summary` prints the short P1–P5 table last.
 # Settings (environment): P2_TEMPS, P2_GAMMAS, P2_DRAFT_WEIGHTS (bf16 int8), P2_ACC (a folder of acceptance vectors measured earlier with
 # the same models, [p2-]acc-<dataset>-t<temp>.json: reused instead of measured), P2_ACC_PROMPTS, P3_KV, P3_BATCH, P3_CONTEXT, P3_GAMMAS,
@@ -31,6 +31,12 @@ tests|tests-a|tests-b)  # the GPU tests: kernels vs float64, graphed steps == ea
   esac
   run python3 -m pytest -q -p no:cacheprovider $sel 2>&1 | tee "$OUT/$step.txt" | tail -15 \
     || echo "GPU TESTS FAILED (the steps after this one still run)" ;;
+tests-ab)  # tests-a and tests-b side by side in one call (their time is mostly Triton compiling, one core each; the
+          # children find the wheels installed: no second install races the first)
+  bash "$0" tests-a > "$OUT/tests-a.log" 2>&1 & pa=$!
+  bash "$0" tests-b > "$OUT/tests-b.log" 2>&1 || true
+  wait $pa || true
+  tail -3 "$OUT/tests-a.txt" "$OUT/tests-b.txt" ;;
 kernels)  # the skinny kernels vs cuBLAS (a sweep that merges into this GPU's tile table, copied to $OUT),
           # then decode steps of random 1.5B / 0.5B models with the skinny path off / on at 1-8 tokens
   run python3 benchmarks/gemv_bench.py ${GEMV_ARGS:---sweep --int8 --rows 1} --write src/redwood/kernels/gemv_configs \
