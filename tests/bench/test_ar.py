@@ -34,3 +34,22 @@ def test_weight_bytes_of_int8_copies_counts_them_not_the_model_dtype_projections
     biases = L * qkv_rows * 4 if cfg.qkv_bias else 0
     assert weight_bytes(model) == int8 + 4 * rows + norms + biases
     assert weight_bytes(model) < 0.3 * full  # float32 projections: 4 bytes a weight
+
+
+def test_decode_floor_reads_the_models_own_weights_and_kv_heads_a_tensor_parallel_rank_its_shard(tiny_model_dir):
+    """The floor is what this model reads a step: under tensor parallelism a rank reads its weight shards and its
+    KV heads (half of them at world 2), not the whole model's — the whole model's KV would double a rank's floor."""
+    from redwood.bench.ar import decode_floor
+    from tests.parallel.test_shard import FakeGroup
+
+    whole = load_model(tiny_model_dir).model
+    rank = load_model(tiny_model_dir, tp=FakeGroup(0, 2)).model
+    c = whole.config
+    assert c.num_kv_heads % 2 == 0  # the tiny model's KV heads split, not replicate
+    slot = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4  # float32 K and V of one token, every layer
+    for model, kv_share in ((whole, 1.0), (rank, 0.5)):
+        floor = decode_floor(model, batch_size=3, prompt_len=10, gen_len=4, bandwidth=1e9)
+        step = weight_bytes(model) + 3 * 12 * slot * kv_share  # mean context 10 + 4 / 2
+        assert floor["step_bytes"] == step
+        assert abs(floor["floor_step_ms"] - step / 1e9 * 1e3) < 1e-9
+    assert weight_bytes(rank) < weight_bytes(whole)

@@ -89,11 +89,10 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 1
 
 
 def decode_floor(model, batch_size: int, prompt_len: int, gen_len: int, bandwidth: float) -> dict:
-    """The memory floor of decoding: weights plus the batch's KV read once per step, over bandwidth."""
-    cfg = model.config
-    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * model.embed_tokens.weight.element_size()
+    """The memory floor of decoding: weights plus the batch's KV read once per step, over bandwidth. Both are this
+    model's own: under tensor parallelism a rank's weight shards and KV heads (`Transformer.kv_slot_bytes`)."""
     mean_context = prompt_len + gen_len / 2
-    step_bytes = weight_bytes(model) + batch_size * mean_context * kv_per_token
+    step_bytes = weight_bytes(model) + batch_size * mean_context * model.kv_slot_bytes
     step_s = step_bytes / bandwidth
     return {
         "bandwidth_bytes_per_s": bandwidth,
