@@ -15,7 +15,7 @@ from redwood import SamplingParams
 from redwood.kv.policies import FullPolicy, StreamingPolicy
 from redwood.speculation.drafters import ModelDrafter, SelfDrafter
 from redwood.speculation.draftless import NgramDrafter
-from redwood.speculation.policy import AutoPolicy, Plan
+from redwood.speculation.policy import DRAFTLESS_GAMMAS, MAX_GAMMA, AutoPolicy, Plan
 from tests.engine.driver import RecordingEngine, prefill_kv, repetitive_prompts, run_engine
 from tests.engine.test_engine import models  # noqa: F401 — the (target, draft, tokenizer) fixture
 
@@ -55,7 +55,8 @@ def test_plans_switching_every_step_keep_greedy_equal_to_ar(models, monkeypatch,
     prompts = repetitive_prompts(6, seed=4)
     params = [SamplingParams(max_new_tokens=30, ignore_eos=True) for _ in prompts]
     _, ar, _ = run_engine(target, tok, prompts, params, arrivals=ARRIVALS, max_num_seqs=3, block_size=8)
-    cycle_plans(monkeypatch)
+    # (the candidates backwards: prompt lookup's longest chains, past the model drafters' γ 8, come first)
+    cycle_plans(monkeypatch, order=list(range(MAX_GAMMA + len(DRAFTLESS_GAMMAS), -1, -1)))
     first = SelfDrafter(target, StreamingPolicy(2, 10)) if self_draft else ModelDrafter(draft, FullPolicy(), 320)
     engine = auto_engine(target, tok, [first, NgramDrafter(320, 1, 3)], max_num_seqs=3)
     _, spec, snaps = run_engine(target, tok, prompts, params, arrivals=ARRIVALS, engine=engine)
@@ -65,6 +66,7 @@ def test_plans_switching_every_step_keep_greedy_equal_to_ar(models, monkeypatch,
         for name, n in s.stats.spec.plans.items():
             plans[name] = plans.get(name, 0) + n
     assert "ar" in plans and all(any(n.startswith(f) for n in plans) for f in ("ngram", first.family))
+    assert {"ngram γ10", "ngram γ12", "ngram γ16"} & set(plans)  # (prompt lookup past the model drafters' γ 8)
     assert sum(s.output_sources.count("draft") for s in spec) > 0
     if not self_draft:  # the draft model's cache holds what a fresh prefill of the same tokens would
         for i, s in enumerate(spec):

@@ -14,7 +14,15 @@ import pytest
 from redwood.sampling_params import SamplingParams
 from redwood.speculation.acceptance_live import expected_chain_tokens
 from redwood.speculation.costs import CATCH_UP, CostModel, CostTable, ForwardCurve
-from redwood.speculation.policy import AR, MAX_AR_PROBE_INTERVAL, PROBE_EVERY, AutoPolicy, Plan
+from redwood.speculation.policy import (
+    AR,
+    DRAFTLESS_GAMMAS,
+    MAX_AR_PROBE_INTERVAL,
+    MAX_GAMMA,
+    PROBE_EVERY,
+    AutoPolicy,
+    Plan,
+)
 
 
 class FakePolicy:
@@ -80,9 +88,11 @@ def brute_force(p: AutoPolicy, rows, bucket: int):
         seconds = p.costs.raw(c.shape, bucket, int(sum(r.computed for r in rows) / len(rows)))
         if c.tree is None:
             e = 1.0
-        else:
-            e = sum(expected_chain_tokens(p.acceptance.rates(c.family, r.slot, 0.0), c.tree.size - 1) for r in rows)
-            e /= len(rows)
+        else:  # (a draftless drafter's chain offers no more than its proposal)
+            gamma = c.tree.size - 1
+            if c.drafter.needs_history:
+                gamma = min(gamma, len(c.drafter.proposal))
+            e = sum(expected_chain_tokens(p.acceptance.rates(c.family, r.slot, 0.0), gamma) for r in rows) / len(rows)
         rate = e * len(rows) / seconds
         if rate > best_rate:
             best, best_rate = c, rate
@@ -92,8 +102,9 @@ def brute_force(p: AutoPolicy, rows, bucket: int):
 @pytest.mark.parametrize("seed", range(12))
 def test_the_choice_equals_brute_force(seed):
     rng = random.Random(seed)
-    rates = {"draft": [rng.uniform(0.2, 0.95) for _ in range(8)], "ngram": [rng.uniform(0.0, 0.9) for _ in range(8)]}
+    rates = {"draft": [rng.uniform(0.2, 0.95) for _ in range(8)], "ngram": [rng.uniform(0.0, 0.95) for _ in range(16)]}
     p = policy_with(table(rng), rates)
+    p.drafters[1].proposal = [1] * rng.choice([3, 8, 12, 16])  # (the chains past it expect no more)
     rows = [Row(slot=i, computed=rng.randrange(20, 900)) for i in range(rng.choice([1, 2, 3]))]
     bucket = 4 if len(rows) > 2 else len(rows)
     assert p.plan(rows, bucket).candidate == brute_force(p, rows, bucket)
@@ -136,6 +147,27 @@ def test_unchosen_families_are_probed_ever_more_rarely_and_a_winning_probe_switc
         p.costs.observe("draft", p.candidates[1].shape, 1, 1, 100, 1e-3)
     p.acceptance.seed("draft", 0.0, [0.9] * 8, weight=1e6)
     assert p.plan([Row(0)], 1).family == "draft"
+
+
+def test_draftless_chains_go_past_the_model_drafters_cap():
+    """A draftless drafter's levels cost no draft forward: its chains are planned up to γ 16, a model drafter's to
+    MAX_GAMMA. Where verify width costs little (a flat curve: a batch's step reading long contexts) and its proposals
+    are accepted, the longest chain its proposal fills wins; the KV lookahead and the acceptance tables follow."""
+    flat = ForwardCurve([1, 2, 4, 8, 16, 32], 16, 1040, [1.0, 1.0, 1.0, 1.02, 1.05, 1.1], [1.0] * 5 + [1.1])
+    drafter = Draftless()
+    drafter.proposal = [1] * 16
+    p = AutoPolicy([ModelDraft(), drafter], margin=0.0)
+    p.costs = CostModel(CostTable(flat, ForwardCurve([1, 32], 16, 1040, [1e-3, 1e-3], [1e-3, 1e-3])))
+    names = {c.name for c in p.candidates}
+    assert {f"ngram γ{g}" for g in DRAFTLESS_GAMMAS} <= names and "ngram γ16" in names and "ngram γ9" not in names
+    assert {c.name for c in p.candidates if c.family == "draft"} == {f"draft γ{g}" for g in range(1, MAX_GAMMA + 1)}
+    assert p.max_tree_size == 17 and p.depth == {"draft": MAX_GAMMA, "ngram": 16}
+    p.acceptance.seed("draft", 0.0, [0.9] * 8, weight=1e6)
+    p.acceptance.seed("ngram", 0.0, [0.95] * 16, weight=1e6)
+    assert len(p.acceptance.overall("ngram", 0.0)) == 16 and len(p.acceptance.overall("draft", 0.0)) == MAX_GAMMA
+    assert p.plan([Row(0, remaining=1000)], 1).name == "ngram γ16"
+    drafter.proposal = [1] * 9  # 9 tokens to propose: γ 12 and 16 offer no more than γ 10 and cost more
+    assert p.plan([Row(0, remaining=1000)], 1).name == "ngram γ10"
 
 
 def test_self_speculation_drafts_at_its_view_size():

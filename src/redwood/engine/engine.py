@@ -52,7 +52,7 @@ from redwood.loading import ModelInfo, parse_device
 from redwood.sampling_params import SamplingParams
 from redwood.speculation.costs import CostModel
 from redwood.speculation.costs_cache import costs_path
-from redwood.speculation.policy import MAX_GAMMA, AutoPolicy, FixedPolicy, family_of
+from redwood.speculation.policy import LONGEST_GAMMA, AutoPolicy, FixedPolicy, family_of
 from redwood.speculation.trees import Tree
 
 
@@ -148,7 +148,7 @@ class Engine:
         if auto_drafters:
             if drafter is not None or tree is not None:
                 raise ConfigError("give drafter + tree (a fixed plan) or auto_drafters, not both")
-            models.drafter, models.tree = auto_drafters[0], Tree.chain(MAX_GAMMA)
+            models.drafter, models.tree = auto_drafters[0], Tree.chain(LONGEST_GAMMA)
             models.auto_drafters = list(auto_drafters)
             models.draft_name = "auto"
         return cls(models, config)

@@ -122,8 +122,9 @@ class DepthRates:
 class LiveAcceptance:
     """Per (drafter, temperature bucket) and per (drafter, slot) acceptance by depth."""
 
-    def __init__(self, depth: int, priors: dict[str, float] | None = None):
-        self.depth = depth
+    def __init__(self, depth: int, priors: dict[str, float] | None = None, depths: dict[str, int] | None = None):
+        self.depth = depth  # the depths a drafter's tables hold: `depths`'s entry for it, else this
+        self.depths = dict(depths or {})
         self.priors = dict(priors or {})  # drafter → its first guess of α (before any step)
         self._global: dict[tuple[str, int], DepthRates] = {}
         self._rows: dict[tuple[str, int], DepthRates] = {}
@@ -132,7 +133,7 @@ class LiveAcceptance:
         key = (drafter, bucket)
         t = self._global.get(key)
         if t is None:
-            t = DepthRates(self.depth, prior=self.priors.get(drafter, 0.5))
+            t = DepthRates(self.depths.get(drafter, self.depth), prior=self.priors.get(drafter, 0.5))
             # a temperature bucket seen first takes the drafter's nearest bucket with counts as its prior (worth
             # BORROW_WEIGHT reaches), not the flat one: acceptance moves with temperature, not from scratch
             known = [(abs(b - bucket), b) for (d, b), x in self._global.items() if d == drafter and x.records]
@@ -149,7 +150,7 @@ class LiveAcceptance:
         self._table(drafter, temperature_bucket(temperature)).record(accepted, offered, start)
         row = self._rows.get((drafter, slot))
         if row is None:
-            row = self._rows[(drafter, slot)] = DepthRates(self.depth, decay=ROW_DECAY)
+            row = self._rows[(drafter, slot)] = DepthRates(self.depths.get(drafter, self.depth), decay=ROW_DECAY)
         row.record(accepted, offered, start)
 
     def rates(self, drafter: str, slot: int, temperature: float) -> list[float]:

@@ -99,9 +99,10 @@ class SpeculativeConfig:
     speculation — `sample.chain_verify.verify_match`), or "auto" (greedy when every request is greedy,
     else sampling / sequoia). All but greedy are lossless at any temperature / top-k / top-p.
     policy: "fixed" (every step speculates as configured) or "auto" (`speculation.policy.AutoPolicy`: each
-    step runs plain decoding or a chain of γ = 1..8 from the configured drafter or the draftless one —
-    draftless=None means "ngram" there — whichever the cost model and live acceptance expect to give the most
-    tokens per second; draft_model / self_speculate are optional then; num_draft_tokens and tree do not apply).
+    step runs plain decoding or a chain of γ = 1..8 from the configured drafter, or of up to 16 from the
+    draftless one — draftless=None means "ngram" there — whichever the cost model and live acceptance expect
+    to give the most tokens per second; draft_model / self_speculate are optional then; num_draft_tokens and
+    tree do not apply).
     acceptance_file: a `redwood acceptance` file (redwood.acceptance/1) measured for the model drafter: the auto
     policy starts from its rates (at its temperature) instead of a flat guess, and learns from there.
     draft_weights: the draft model's weight format on its device (`redwood.models.cpu_weights`). On the
@@ -245,9 +246,9 @@ class SpeculativeConfig:
         drafter: its default tree; under the auto policy: the longest chain it may plan, which sizes the KV
         lookahead)."""
         if self.auto:
-            from redwood.speculation.policy import MAX_GAMMA
+            from redwood.speculation.policy import LONGEST_GAMMA
 
-            return Tree.chain(MAX_GAMMA)
+            return Tree.chain(LONGEST_GAMMA)
         if not self.tree and self.draftless == "suffix":
             return DEFAULT_TREE
         if not self.tree:

@@ -4,8 +4,8 @@
 
 `AutoPolicy` (`--speculative auto`, `SpeculativeConfig(policy="auto")`) plans every step for the batch it
 runs. Candidates: plain decoding ("ar") and, for every drafter it was given (a draft model or
-self-speculation, and a draftless drafter, which costs no draft forward), chains of γ = 1 … max_gamma. For
-each it predicts
+self-speculation, and a draftless drafter, which costs no draft forward), chains of γ = 1 … MAX_GAMMA — a
+draftless drafter's up to γ = 16 (`DRAFTLESS_GAMMAS`: its levels cost no forward). For each it predicts
 
     tokens per second = Σ_rows E_row[tokens per step] / predicted step seconds
 
@@ -55,7 +55,13 @@ from redwood.speculation.acceptance_live import LiveAcceptance, ShadowScorer
 from redwood.speculation.costs import CostModel, StepShape
 from redwood.speculation.trees import Tree
 
-MAX_GAMMA = 8
+MAX_GAMMA = 8  # a draft model's or self-speculation's longest chain: each level is a draft forward
+# A draftless drafter's chains (`gammas_of`): its levels cost no draft forward, only verify width — which at a large
+# batch over long contexts costs little, the step reading every row's KV whatever its width. In MagicDec's regime
+# (64 × 30,720, an H100, session 31) the policy ran prompt lookup at the old cap, γ 8, on 65% of its steps, the
+# rates at depths 6–8 still 0.89–0.96. Sparse past 8: each γ a plan runs is a CUDA graph per batch bucket.
+DRAFTLESS_GAMMAS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
+LONGEST_GAMMA = max(MAX_GAMMA, *DRAFTLESS_GAMMAS)  # the longest chain a plan may run (sizes the KV lookahead)
 PROBE_EVERY = 16
 MAX_PROBE_INTERVAL = 512
 # Plain decoding's probes stop doubling here: they cost little (one step without speculation's gain) and keep
@@ -121,6 +127,11 @@ class Plan:
 
 def family_of(drafter) -> str:
     return getattr(drafter, "family", type(drafter).__name__)
+
+
+def gammas_of(drafter) -> tuple[int, ...]:
+    """The chain lengths the automatic policy plans for `drafter` (see DRAFTLESS_GAMMAS)."""
+    return DRAFTLESS_GAMMAS if getattr(drafter, "needs_history", False) else tuple(range(1, MAX_GAMMA + 1))
 
 
 def step_shape(drafter, tree: Tree) -> StepShape:
@@ -202,25 +213,27 @@ class AutoPolicy:
         self,
         drafters: list,
         *,
-        max_gamma: int = MAX_GAMMA,
         gammas: tuple[int, ...] | None = None,
         margin: float = MARGIN,
         graphs: bool = False,
     ):
+        """gammas: the chain lengths planned for every drafter (None: each its own, `gammas_of`)."""
         if not drafters:
             raise ConfigError("the automatic policy needs at least one drafter to choose from")
         self.drafters = list(drafters)
-        self.max_gamma = max_gamma
-        gammas = tuple(range(1, max_gamma + 1)) if gammas is None else gammas
         self.candidates: list[Candidate] = [AR]
+        self.depth: dict[str, int] = {}  # family → its longest chain (the depths its acceptance and E(γ) hold)
         for d in self.drafters:
-            for g in gammas:
+            for g in gammas_of(d) if gammas is None else gammas:
                 tree = Tree.chain(g)
                 self.candidates.append(Candidate(family_of(d), d, tree, step_shape(d, tree)))
+                self.depth[family_of(d)] = max(self.depth.get(family_of(d), 0), g)
         self.max_tree_size = max(c.tree.size for c in self.candidates if c.tree is not None)
-        self.acceptance = LiveAcceptance(max_gamma, PRIORS)
+        self.acceptance = LiveAcceptance(max(self.depth.values()), PRIORS, depths=self.depth)
         self.shadows = [
-            ShadowScorer(family_of(d), d, self.acceptance, max_gamma) for d in self.drafters if d.needs_history
+            ShadowScorer(family_of(d), d, self.acceptance, self.depth[family_of(d)])
+            for d in self.drafters
+            if d.needs_history
         ]
         self.margin, self.graphs = margin, graphs
         self.costs: CostModel | None = None  # set by the engine (a calibration, or the cache's)
@@ -248,19 +261,20 @@ class AutoPolicy:
 
     # ------------------------------------------------------------------ planning
     def expected_by_gamma(self, family: str, rows) -> list[float]:
-        """[E(γ) for γ = 0 … max_gamma]: expected tokens per row per step of a chain of γ from `family`, averaged
+        """[E(γ) for γ = 0 … the family's longest chain]: expected tokens per row per step of a chain of γ from `family`, averaged
         over the rows (one pass per row: the running products of its α_d; a draftless drafter's row offers only
         the proposal it has this step — none: 1 token; a row emits at most its `remaining` tokens), the surplus
         over 1 scaled by the family's realized ratio."""
-        total = [0.0] * (self.max_gamma + 1)
+        depth = self.depth[family]
+        total = [0.0] * (depth + 1)
         proposing = self._proposing.get(family)
         for i, r in enumerate(rows):
             run, acc = 1.0, 1.0
             total[0] += 1.0
-            rates = self.acceptance.rates(family, r.slot, r.params.temperature)[: self.max_gamma]
+            rates = self.acceptance.rates(family, r.slot, r.params.temperature)[:depth]
             offered = len(rates) if proposing is None else min(proposing[i], len(rates))  # (draftless: its proposal)
             offered = min(offered, r.remaining - 1)  # (drafts past its limit are never emitted)
-            for d in range(self.max_gamma):
+            for d in range(depth):
                 if d < offered:
                     run *= rates[d]
                     acc += run
