@@ -58,7 +58,7 @@ from redwood.speculation.trees import Tree
 MAX_GAMMA = 8  # a draft model's or self-speculation's longest chain: each level is a draft forward
 # A draftless drafter's chains (`gammas_of`): its levels cost no draft forward, only verify width — which at a large
 # batch over long contexts costs little, the step reading every row's KV whatever its width. In MagicDec's regime
-# (64 × 30,720, an H100, session 31) the policy ran prompt lookup at the old cap, γ 8, on 65% of its steps, the
+# (64 × 30,720, an H100, session 31) the policy ran prompt lookup at the old cap, γ 8, on 55% of its steps, the
 # rates at depths 6–8 still 0.89–0.96. Sparse past 8: each γ a plan runs is a CUDA graph per batch bucket.
 DRAFTLESS_GAMMAS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
 LONGEST_GAMMA = max(MAX_GAMMA, *DRAFTLESS_GAMMAS)  # the longest chain a plan may run (sizes the KV lookahead)
