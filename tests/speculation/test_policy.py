@@ -170,6 +170,29 @@ def test_draftless_chains_go_past_the_model_drafters_cap():
     assert p.plan([Row(0, remaining=1000)], 1).name == "ngram γ10"
 
 
+def test_chains_past_max_gamma_only_where_their_width_is_nearly_free():
+    """Where a forward's time grows with its tokens (a compute-bound CPU: 17 tokens ~2× 9), prompt lookup's chains
+    past MAX_GAMMA are not planned even when every proposal would be accepted — a misjudged one costs a whole wide
+    verify; where the step reads the same bytes whatever its width they are (the test above)."""
+    steep = ForwardCurve([1, 2, 4, 8, 16, 32], 16, 1040, [1.0, 1.1, 1.3, 1.8, 2.9, 5.2], [1.1, 1.2, 1.4, 1.9, 3.0, 5.3])
+    drafter = Draftless()
+    drafter.proposal = [1] * 16
+    p = AutoPolicy([drafter], margin=0.0)
+    p.costs = CostModel(CostTable(steep))
+    p.acceptance.seed("ngram", 0.0, [1.0] * 16, weight=1e6)
+    rows = [Row(0, remaining=1000)]
+    assert p.plan(rows, 1).name == "ngram γ8"
+    # (scored without the gate, γ 16 would look best: 17 tokens for 3.05 s against 9 for 1.95)
+    scores = {c.name: p.score(c, rows, 1)[0] for c in p.candidates}
+    assert max(scores, key=scores.get) == "ngram γ16"
+    # the same curve made flat past 8 tokens (a memory-bound step): the long chains come back
+    flat_past_8 = ForwardCurve([1, 2, 4, 8, 16, 32], 16, 1040, [1.0, 1.1, 1.3, 1.8, 1.9, 2.0], [1.1, 1.2, 1.4, 1.9, 2.0, 2.1])
+    q = AutoPolicy([drafter], margin=0.0)
+    q.costs = CostModel(CostTable(flat_past_8))
+    q.acceptance.seed("ngram", 0.0, [1.0] * 16, weight=1e6)
+    assert q.plan(rows, 1).name == "ngram γ16"
+
+
 def test_self_speculation_drafts_at_its_view_size():
     p = AutoPolicy([SelfDraft()])
     shapes = {c.name: c.shape for c in p.candidates}
