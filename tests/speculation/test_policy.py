@@ -186,7 +186,9 @@ def test_chains_past_max_gamma_only_where_their_width_is_nearly_free():
     scores = {c.name: p.score(c, rows, 1)[0] for c in p.candidates}
     assert max(scores, key=scores.get) == "ngram γ16"
     # the same curve made flat past 8 tokens (a memory-bound step): the long chains come back
-    flat_past_8 = ForwardCurve([1, 2, 4, 8, 16, 32], 16, 1040, [1.0, 1.1, 1.3, 1.8, 1.9, 2.0], [1.1, 1.2, 1.4, 1.9, 2.0, 2.1])
+    flat_past_8 = ForwardCurve(
+        [1, 2, 4, 8, 16, 32], 16, 1040, [1.0, 1.1, 1.3, 1.8, 1.9, 2.0], [1.1, 1.2, 1.4, 1.9, 2.0, 2.1]
+    )
     q = AutoPolicy([drafter], margin=0.0)
     q.costs = CostModel(CostTable(flat_past_8))
     q.acceptance.seed("ngram", 0.0, [1.0] * 16, weight=1e6)
