@@ -3,7 +3,8 @@
 Run on the GPU machine from the repo root:
     PYTHONPATH=src:. python benchmarks/attention_bench.py --output out/attention_bench.json
 Configurations (Hq=12, Hkv=2, D=128, bf16, 32K committed tokens per row):
-    chains: batch 64, T = 1, 2, 4, 5, 8 new tokens per row (causal);
+    chains: batch 64, T = 1, 2, 4, 5, 8 new tokens per row (causal); T = 9, 11, 17: verifies of prompt lookup's
+            chains of γ 8, 10, 16 (past T = 10 a KV head's 6·T query rows outgrow one 64-row tile: `--only width`);
     trees:  16/32/64/128 nodes (random tree masks) at batch 1, 4, 8;
     short:  a few hundred committed tokens — a batch-1 decode / 7-token verify (P1, P2) and a batch-64
             draft level through a 256- or 512-token compressed cache (P3): latency-bound, few programs;
@@ -184,6 +185,9 @@ def cases(gen: torch.Generator):
     self-speculation with a tree draft: P3's long-context serving point), then trees at batch 1-8."""
     for T in (1, 2, 4, 5, 8):
         yield f"chain B=64 T={T}", lambda T=T: Case(f"chain B=64 T={T}", 64, T, None, gen)
+    for T in (9, 11, 17):  # (the auto policy's draftless chains past γ 8: is their verify width nearly free?)
+        name = f"chain B=64 width T={T}"
+        yield name, lambda T=T, name=name: Case(name, 64, T, None, gen)
     for n in (4, 8, 16):
         yield f"tree B=64 n={n}", lambda n=n: Case(f"tree B=64 n={n}", 64, n, random_tree(n, gen), gen)
     for B in (1, 4, 8):
