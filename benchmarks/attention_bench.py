@@ -229,8 +229,8 @@ def time_config(case, config: tuple, splits: int | None = None) -> float:
     base = td._launch_config
     block_n, stages, warps, max_m = config
 
-    def cfg(M, Dh, dtype, big_smem=False, n_keys=None):
-        c = base(M, Dh, dtype, big_smem, n_keys)
+    def cfg(M, Dh, dtype, big_smem=False, n_keys=None, view=False):
+        c = base(M, Dh, dtype, big_smem, n_keys, view)
         c.update(
             BLOCK_N=block_n,
             num_stages=stages,

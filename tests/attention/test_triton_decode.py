@@ -601,6 +601,20 @@ def test_default_num_splits_from_static_shapes():
     assert td.default_num_splits(512, 64 * 2, 132, block_m=16, min_split_keys=td.VIEW_SPLIT_KEYS) == 3
     # with the compiled view variant's ≥ 4 programs an SM (an H100, session 32): the most splits, 4
     assert td.default_num_splits(512, 64 * 2, 132, block_m=16, per_sm=4, min_split_keys=td.VIEW_SPLIT_KEYS) == 4
+    # the view's 128-key tiles (_launch_config(view=True)): 3 splits of 512 keys would round to 256 + 256 + 0,
+    # so 3 is never picked — 2 fill the wave as well as 4 with the estimate, 4 with 4 programs an SM
+    view = dict(block_m=16, min_split_keys=td.VIEW_SPLIT_KEYS, block_n=128)
+    assert td.default_num_splits(512, 64 * 2, 132, **view) == 2
+    assert td.default_num_splits(512, 64 * 2, 132, per_sm=4, **view) == 4
+    assert td.default_num_splits(512, 16 * 2, 132, **view) == 4  # latency-bound: as many as hold keys
+    # whatever the shape, every split picked holds keys (the kernel's chunking: whole tiles of block_n)
+    for n_keys, programs, block_n, per_sm in itertools.product(
+        (40, 300, 512, 1400, 4096, 32776), (2, 8, 128, 1024), (64, 128), (None, 2, 3, 4, 6)
+    ):
+        for min_keys in (td.VIEW_SPLIT_KEYS, td.SPLIT_KEYS):
+            s = td.default_num_splits(n_keys, programs, 132, 16, per_sm, min_keys, block_n)
+            chunk = -(-(-(-n_keys // s)) // block_n) * block_n
+            assert 1 <= s <= 64 and (s - 1) * chunk < n_keys, (n_keys, programs, block_n, per_sm, min_keys, s)
 
 
 def test_launch_config_tiles_and_stages():
@@ -615,8 +629,15 @@ def test_launch_config_tiles_and_stages():
     assert td._launch_config(6, 128, bf16, big_smem=False, n_keys=512)["num_stages"] == 2
     assert td._launch_config(24, 128, bf16, big_smem=True, n_keys=32768)["num_stages"] == 3
     assert td._launch_config(24, 128, torch.float32, big_smem=True, n_keys=512)["num_stages"] == 2
-    for m, d, dt in itertools.product((1, 24), (64, 128, 256), (bf16, torch.float32)):
-        cfg = td._launch_config(m, d, dt, big_smem=True)
+    # a gathered view at ≤ 16 rows, 16-bit, D ≤ 128: 128-key tiles in one stage (more gathered keys in flight)
+    for big_smem in (False, True):
+        cfg = td._launch_config(6, 128, bf16, big_smem=big_smem, n_keys=512, view=True)
+        assert (cfg["BLOCK_N"], cfg["num_stages"], cfg["num_warps"], cfg["BLOCK_R"]) == (128, 1, 4, 64)
+    assert td._launch_config(6, 64, torch.float16, n_keys=512, view=True)["BLOCK_N"] == 128
+    for m, d, dt in ((24, 128, bf16), (6, 128, torch.float32), (6, 256, bf16)):  # else as without a view
+        assert td._launch_config(m, d, dt, True, 512, view=True) == td._launch_config(m, d, dt, True, 512)
+    for m, d, dt, view in itertools.product((1, 24), (64, 128, 256), (bf16, torch.float32), (False, True)):
+        cfg = td._launch_config(m, d, dt, big_smem=True, view=view)
         assert cfg["BLOCK_R"] <= 64 and 64 % cfg["BLOCK_R"] == 0 and cfg["BLOCK_R"] <= cfg["BLOCK_N"]
 
 
@@ -649,7 +670,7 @@ def test_plan_picks_the_paged_variant():
     )
     assert splits == td.default_num_splits(128 * 256, 64 * 2, td._num_sms(q.device), 16)
     # a gathered view splits by its own, smaller minimum (VIEW_SPLIT_KEYS keys a split, not 1024): on the
-    # interpreter's 4 "SMs" (12 slots), 4 rows × 2 KV heads over a 512-key view take 3 splits, the same
+    # interpreter's 4 "SMs" (12 slots), 4 rows × 2 KV heads over a 512-key view take 4 splits, the same
     # rows over 512 contiguous slots one
     q = torch.zeros(4, 12, 1, 128, dtype=torch.bfloat16)
     idx = torch.zeros(4, 1, 512, dtype=torch.int64)
@@ -662,7 +683,8 @@ def test_plan_picks_the_paged_variant():
         ctx_valid=idx.bool(),
         block_table=torch.zeros(4, 128, dtype=torch.int32),
     )
-    assert view == td.default_num_splits(512, 4 * 2, 4, 16, None, td.VIEW_SPLIT_KEYS) == 3
+    # (the view's 128-key tiles: 3 splits would leave one empty, so 4)
+    assert view == td.default_num_splits(512, 4 * 2, 4, 16, None, td.VIEW_SPLIT_KEYS, 128) == 4
     contiguous = td.num_splits_for(
         q,
         pages[:, :, :128],

@@ -315,7 +315,8 @@ def _big_shared_memory(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) in ((8, 0), (9, 0))
 
 
-def _launch_config(M: int, D: int, dtype: torch.dtype, big_smem: bool = False, n_keys: int | None = None) -> dict:
+def _launch_config(M: int, D: int, dtype: torch.dtype, big_smem: bool = False, n_keys: int | None = None,
+                   view: bool = False) -> dict:
     """Block sizes and launch options, from static shapes (chosen on an H200 with attention_bench.py;
     the figures: docs/perf/attention.md, session 7).
 
@@ -330,12 +331,19 @@ def _launch_config(M: int, D: int, dtype: torch.dtype, big_smem: bool = False, n
     steps gain from the deeper pipeline), and for short contexts (n_keys, the static bound on a row's
     context keys, < 2048, as a batch-64 draft level through a short cache); else 2 (decode at T ≤ 2
     over long contexts is at the HBM floor either way, with more programs per SM).
+    A gathered view (view=True: the self-draft's StreamingLLM / SnapKV index view) at ≤ 16 packed rows in
+    16-bit dtypes at D ≤ 128 takes 128-key tiles in one stage instead: each of its keys is three dependent
+    loads (ctx_idx, the block table, the row), and the wider tile puts twice as many of them in flight per
+    step (an H100, session 32: 23.5 vs 29.9 µs a layer at batch 64 through a 512-key view, 11.2 vs 15.8 at
+    batch 16; 2 stages equal at 64, slower at 16; 8 warps slower).
     """
     block_d = max(16, triton.next_power_of_2(D))
     block_m = 16 if M <= 16 else 64
     block_n = 32 if (dtype == torch.float32 or block_d > 128) else 64
     deep = block_m == 64 or (n_keys is not None and n_keys < 2048)
     stages = 3 if (big_smem and deep and block_n * block_d <= 64 * 128 and dtype != torch.float32) else 2
+    if view and block_m == 16 and block_n == 64:
+        block_n, stages = 128, 1
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=min(block_n, 64), BLOCK_D=block_d, num_warps=4,
                 num_stages=stages)
 
@@ -347,7 +355,7 @@ VIEW_SPLIT_KEYS = 128
 
 
 def default_num_splits(n_keys: int, programs: int, num_sms: int, block_m: int = 64,
-                       per_sm: int | None = None, min_split_keys: int = SPLIT_KEYS) -> int:
+                       per_sm: int | None = None, min_split_keys: int = SPLIT_KEYS, block_n: int = 64) -> int:
     """Splits of the context that fill whole waves of the GPU (flash-decoding's heuristic).
 
     n_keys: a static bound on a row's context keys (cache capacity, or C with a view) — never the
@@ -362,18 +370,26 @@ def default_num_splits(n_keys: int, programs: int, num_sms: int, block_m: int = 
     A grid that fills ≤ 1/8 of the GPU (batch 1-4) is latency-bound instead: its few programs walk
     their keys one tile after another. There the context splits into up to 8 pieces of ≥ 64 keys even
     when short (docs/perf/attention.md, session 7, attempt 17).
+    The kernel rounds a split's keys up to whole key tiles (block_n), so only counts whose splits all
+    hold keys are considered (512 keys in 128-key tiles: 1, 2 or 4 splits — 3 would leave one empty,
+    a program launched for nothing that the wave arithmetic would count as work).
     """
     slots = num_sms * (per_sm or (3 if block_m <= 32 else 2))
     max_splits = max(1, min(64, n_keys // min_split_keys))
+
+    def holding(s: int) -> int:  # splits that hold keys when `s` are asked for (the kernel's chunking)
+        chunk = triton.cdiv(triton.cdiv(n_keys, s), block_n) * block_n
+        return triton.cdiv(n_keys, chunk) if n_keys > 0 else 1
 
     def filled(s: int) -> float:
         waves = programs * s / slots
         return waves / math.ceil(waves)
 
-    best = max(filled(s) for s in range(1, max_splits + 1))
-    splits = next(s for s in range(1, max_splits + 1) if filled(s) >= 0.95 * best)
+    counts = [s for s in range(1, max_splits + 1) if holding(s) == s]
+    best = max(filled(s) for s in counts)
+    splits = next(s for s in counts if filled(s) >= 0.95 * best)
     if programs * 8 <= slots:
-        splits = max(splits, min(8, n_keys // 64))
+        splits = max(splits, holding(min(8, max(1, n_keys // 64))))
     return max(1, splits)
 
 
@@ -486,7 +502,7 @@ class _Plan:
         has_view = ctx_idx is not None
         has_window = sliding_window is not None and q_positions is not None
         C = ctx_idx.shape[2] if has_view else 0
-        cfg = _launch_config(G * T, D, q.dtype, _big_shared_memory(q.device), C if has_view else cap)
+        cfg = _launch_config(G * T, D, q.dtype, _big_shared_memory(q.device), C if has_view else cap, has_view)
         m_tiles = triton.cdiv(G * T, cfg["BLOCK_M"])
         self.out = torch.empty(B, T, Hq, D, device=q.device, dtype=q.dtype)
         nm, nm_strides = _new_mask_arg(new_mask, lengths, T, pending, cfg["BLOCK_R"])
@@ -516,7 +532,8 @@ class _Plan:
             if q.is_cuda and not _INTERPRET and n_keys >= 2 * min_keys:  # (shorter ones: one split at most)
                 per_sm = _resident_per_sm(q.device, self.consts,
                                           (q.dtype, lengths.dtype, nm.dtype, ci.dtype, qp.dtype, bt.dtype), self.args)
-            num_splits = default_num_splits(n_keys, programs, _num_sms(q.device), cfg["BLOCK_M"], per_sm, min_keys)
+            num_splits = default_num_splits(n_keys, programs, _num_sms(q.device), cfg["BLOCK_M"], per_sm, min_keys,
+                                            cfg["BLOCK_N"])
         self.num_splits = max(1, int(num_splits))
         self.grid = (m_tiles, self.num_splits, B * Hkv)
 
