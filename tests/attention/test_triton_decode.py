@@ -613,7 +613,7 @@ def test_default_num_splits_from_static_shapes():
     ):
         for min_keys in (td.VIEW_SPLIT_KEYS, td.SPLIT_KEYS):
             s = td.default_num_splits(n_keys, programs, 132, 16, per_sm, min_keys, block_n)
-            chunk = -(-(-(-n_keys // s)) // block_n) * block_n
+            chunk = math.ceil(math.ceil(n_keys / s) / block_n) * block_n
             assert 1 <= s <= 64 and (s - 1) * chunk < n_keys, (n_keys, programs, block_n, per_sm, min_keys, s)
 
 
