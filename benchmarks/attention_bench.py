@@ -11,6 +11,8 @@ Configurations (Hq=12, Hkv=2, D=128, bf16, 32K committed tokens per row):
     view:   the self-draft's draft level as the engine runs it — batch 64 / 16, one new token through a
             512-token StreamingLLM view (4 sinks + 508 recent) of 30K-token rows in a paged cache, the keys
             gathered one by one through ctx_idx and the block table (`--only view --sweep`: splits 1-16).
+    span:   the same level with the view passed as its two slot ranges (ctx_span: sinks and window, read as
+            contiguous tiles through one table lookup a tile — what the engine passes since session 33).
 Each time is one layer's attention: a CUDA graph replays the call over enough distinct layers that
 their K/V (more than the 60 MB L2) come from HBM, as in a real forward. The floor is the K and V bytes
 read divided by 4.29e12 B/s (the device-to-device copy rate measured on an H200). SDPA gets the
@@ -103,6 +105,7 @@ class ViewCase:
         view: int = 512,
         sinks: int = 4,
         device: str = "cuda",
+        span: bool = False,
     ):
         self.name, self.B, self.T, self.ctx = name, B, T, ctx
         page, dev = self.PAGE, device
@@ -121,9 +124,12 @@ class ViewCase:
         self.ctx_idx = idx.view(1, 1, -1).expand(B, 1, -1).contiguous().to(dev)  # [B, 1, C]
         self.ctx_valid = torch.ones(B, 1, idx.numel(), dtype=torch.bool, device=dev)
         # what decode_attention takes besides q, the layer's caches and lengths: the view, as the engine passes it
-        self.view_args = dict(ctx_idx=self.ctx_idx, ctx_valid=self.ctx_valid, block_table=self.block_table)
         self.q = torch.randn(B, T, HQ, D, device=dev, dtype=torch.bfloat16).transpose(1, 2)
         self.lengths = torch.full((B,), ctx, device=dev, dtype=torch.int64)
+        if span:  # the same keys as two slot ranges (reference.SpanView → ctx_span)
+            self.view_args = dict(ctx_span=(self.lengths, sinks, view - sinks), block_table=self.block_table)
+        else:
+            self.view_args = dict(ctx_idx=self.ctx_idx, ctx_valid=self.ctx_valid, block_table=self.block_table)
         self.packed_mask = None  # causal among the new tokens
         self.slots = torch.cat([idx, torch.arange(ctx, ctx + T)]).to(dev)  # what the reference gathers
         self.floor_us = self.kv_bytes / BANDWIDTH * 1e6
@@ -199,6 +205,9 @@ def cases(gen: torch.Generator):
     for B in (64, 16):  # the self-draft's draft level: a 512-token StreamingLLM view of a 30K-token paged row
         name = f"view B={B} T=1 C=512"
         yield name, lambda B=B, name=name: ViewCase(name, B, 1, gen)
+    for B in (64, 16):  # … the same view as two slot ranges (the engine's StreamingLLM draft since session 33)
+        name = f"span B={B} T=1 C=512"
+        yield name, lambda B=B, name=name: ViewCase(name, B, 1, gen, span=True)
 
 
 def measure(case: Case) -> dict:
@@ -252,8 +261,8 @@ def time_config(case, config: tuple, splits: int | None = None) -> float:
 def sweep(case: Case) -> list[dict]:
     """Our kernel at several num_splits and block configurations (for the heuristics)."""
     rows = []
-    short = case.name.startswith(("short", "view"))
-    if case.name.startswith("view"):
+    short = case.name.startswith(("short", "view", "span"))
+    if case.name.startswith(("view", "span")):
         splits = (1, 2, 3, 4, 6, 8, 12, 16)
     elif short:
         splits = (1, 2, 3, 4, 6, 8)
@@ -290,9 +299,9 @@ def sweep(case: Case) -> list[dict]:
     for config in configs:
         us = time_config(case, config)
         rows.append(dict(name=case.name, knob="BLOCK_N,stages,warps,max_M", value=list(config), us=us))
-    if case.name.startswith("view"):  # the wider key tiles at several split counts (session 32: at the rule's 4
-        # splits a 128-key tile beat the 64-key default; which pair is best was not swept)
-        grid = ((64, 3, 4, 64), (128, 1, 4, 64), (128, 2, 4, 64), (256, 1, 8, 64))
+    if case.name.startswith(("view", "span")):  # the key tiles at several split counts (session 32: at the
+        # rule's 4 splits a 128-key tile beat the 64-key default for the gathered view)
+        grid = ((64, 2, 4, 64), (64, 3, 4, 64), (128, 1, 4, 64), (128, 2, 4, 64), (256, 1, 8, 64))
         for config, s in itertools.product(grid, (2, 3, 4, 6, 8)):
             us = time_config(case, config, s)
             rows.append(dict(name=case.name, knob="BLOCK_N,stages,warps,max_M,num_splits", value=[*config, s], us=us))
@@ -322,7 +331,7 @@ def main() -> None:
             flush=True,
         )
         results.append(r)
-        if args.sweep and (case.name.startswith(("short", "view")) or case.name in SWEPT):
+        if args.sweep and (case.name.startswith(("short", "view", "span")) or case.name in SWEPT):
             sweeps += sweep(case)
         del case
         torch.cuda.empty_cache()

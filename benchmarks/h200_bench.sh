@@ -165,8 +165,11 @@ p4)  # the attention kernel against the KV-read floor and SDPA (chains and trees
   run python3 benchmarks/attention_bench.py --output "$OUT/p4.json" ;;
 draftattn)  # issue 40 item 3: the self-draft level's attention as the engine runs it (a 512-token StreamingLLM view of
            # 30K-token paged rows, keys gathered one by one) against its byte floor, num_splits 1-16 and block sizes swept
+  # (the gathered view, then the same view as two slot ranges: `span`, what the engine passes since session 33)
   run python3 benchmarks/attention_bench.py --only view --sweep --output "$OUT/draftattn.json" 2>&1 \
-      | tee "$OUT/draftattn.txt" | tail -40 ;;
+      | tee "$OUT/draftattn.txt" | tail -40
+  run python3 benchmarks/attention_bench.py --only span --sweep --output "$OUT/draftattn-span.json" 2>&1 \
+      | tee "$OUT/draftattn-span.txt" | tail -40 ;;
 width)  # the verify width of prompt lookup's long chains (auto-policy.md item 24): 64 rows × 32K, T = 8, 9, 11, 17
         # new tokens a row — past T = 10 a KV head's query rows take two 64-row tiles; the sweep tries 128-row ones
   run python3 benchmarks/attention_bench.py --only "chain B=64 T=8" --output "$OUT/width-t8.json" 2>&1 | tail -3

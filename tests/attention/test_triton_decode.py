@@ -450,6 +450,65 @@ def test_paged_other_dtypes_tables_and_default_splits(dtype, table_dtype, page_s
         assert_same(run_and_check(q, k, v, lengths, paged=paged, pending=P, num_splits=splits), dense)
 
 
+SPANS = [  # sinks, window, T, P, page_size, splits, live, taken_earlier
+    (4, 20, 1, 0, None, None, False, False),
+    (4, 100, 1, 0, 64, None, False, False),
+    (4, 100, 3, 2, 64, 3, True, False),
+    (0, 37, 1, 0, 64, 2, False, False),
+    (70, 20, 2, 0, 128, None, False, False),
+    (4, 20, 4, 1, 3, 3, False, True),
+    (2, 5, 1, 0, 1, 1, True, False),
+    (4, 60, 1, 0, 16, 4, False, True),
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("sinks,window,T,P,page_size,splits,live,taken_earlier", SPANS)
+def test_span_view(sinks, window, T, P, page_size, splits, live, taken_earlier):
+    """StreamingLLM's view read as two slot ranges (ctx_span) == the same view gathered through its indices,
+    for rows shorter than the sinks, inside the window and far past it; tile-aligned pages (one lookup a
+    tile, ranges straddling tiles), other page sizes and the dense layout; the view taken at earlier
+    lengths than the call's (its ranges end there)."""
+    gen = torch.Generator().manual_seed(sinks + 7 * window + 31 * T + (page_size or 0))
+    B, Hq, Hkv, D = 5, 12, 2, 64
+    lens = [0, 3, sinks + window - 1, 130 if SMALL else 1170, 300 if SMALL else 3000]
+    q, k, v, lengths = make_inputs(gen, B=B, Hq=Hq, Hkv=Hkv, T=T, D=D, lengths=lens, P=P)
+    taken = (lengths - 2).clamp(min=0) if taken_earlier else lengths
+    span = reference.SpanView(taken, sinks, window)
+    idx, valid = span(0)
+    kw = dict(pending=P, ctx_idx=idx, ctx_valid=valid, num_splits=splits)
+    if live:
+        kw["live"] = torch.tensor([1, 1, 0, 1, 1])
+    gathered = run_and_check(q, k, v, lengths, **kw)
+    ref = reference_attention(q, k, v, lengths, **{n: x for n, x in kw.items() if n != "num_splits"})
+    paged = None if page_size is None else paginate(gen, k, v, lens, P + T, page_size)
+    dev = dict(pending=P, num_splits=splits, ctx_span=(to_device(taken)[0], sinks, window))
+    if live:
+        dev["live"] = to_device(kw["live"])[0]
+    if paged is not None:
+        k, v, dev["block_table"] = to_device(*paged)
+    out = td.decode_attention(*to_device(q, k, v, lengths), **dev).double().cpu()
+    assert not out.isnan().any()
+    err = ((out - ref).norm() / ref.norm()).item()
+    assert err <= TOL[q.dtype], f"relative error {err:.2e}"
+    assert ((out - gathered).norm() / ref.norm()).item() <= TOL[q.dtype]
+
+
+def test_span_view_indices_match_the_streaming_policy():
+    """SpanView's indices are StreamingLLM's (sinks, then the last `window` committed slots; a recent slot
+    below the sinks or below 0 is invalid), built once per forward and shared by every layer."""
+    from redwood.kv.policies import StreamingPolicy
+
+    lengths = torch.tensor([0, 2, 6, 9, 40])
+    view = StreamingPolicy(4, 5).view(lengths)
+    assert isinstance(view, reference.SpanView) and (view.sinks, view.window) == (4, 5)
+    idx, valid = view(0)
+    assert idx.shape == valid.shape == (5, 1, 9) and view(7)[0] is idx
+    for b, L in enumerate(lengths.tolist()):
+        slots = {int(i) for i, ok in zip(idx[b, 0], valid[b, 0]) if ok}
+        assert slots == set(range(min(4, L))) | set(range(max(4, L - 5), L)), (L, slots)
+
+
 @needs_kernel
 @pytest.mark.parametrize("page_size", [1, 3, 64])
 @pytest.mark.parametrize("shared", [True, False])

@@ -14,7 +14,7 @@ tokens and causal among the new ones.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,39 @@ import torch.nn.functional as F
 # A context view: layer → (slot indices [B, H', C], valid [B, H', C]), H' = 1 (shared by all KV heads)
 # or Hkv (per KV head). Compressed draft caches (StreamingLLM, SnapKV) read the context through one.
 ContextView = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(eq=False)
+class SpanView:
+    """A context view of two slot ranges (StreamingLLM's): the first `sinks` slots and the last `window`
+    committed ones of each row, lengths [B] the committed lengths it was taken at. Called like any
+    ContextView (→ idx, valid [B, 1, sinks + window], shared by every KV head and layer, built on the first
+    call of a forward); the Triton decode kernel reads the two ranges as contiguous tiles instead of
+    gathering through the indices (triton_decode's ctx_span), which it then never builds."""
+
+    lengths: torch.Tensor
+    sinks: int
+    window: int
+    _shared: tuple | None = field(default=None, repr=False)
+
+    def indices(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """idx, valid: [B, sinks + window] — the sink slots, then the last `window` committed slots."""
+        dev = self.lengths.device
+        B = self.lengths.shape[0]
+        sink = torch.arange(self.sinks, device=dev)[None].expand(B, -1)
+        recent = self.lengths[:, None] - self.window + torch.arange(self.window, device=dev)
+        idx = torch.cat([sink, recent], dim=1)
+        # A recent slot below `sinks` is already a sink (short context); slots < 0 don't exist.
+        valid = torch.cat([sink < self.lengths[:, None], recent >= self.sinks], dim=1)
+        return idx.clamp(min=0), valid
+
+    def __call__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._shared is None:
+            idx, valid = self.indices()
+            self._shared = idx[:, None], valid[:, None]
+        return self._shared
+
+
 # Called by every layer with (layer, q [B, Hq, T, D], k [B, Hkv, S, D], mask) before attention.
 Observer = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 

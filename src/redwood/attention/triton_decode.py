@@ -2,7 +2,9 @@
 
 Same semantics as `reference.read_kv` + `reference.attention` (see reference.py for the slot layout):
 query t of row b sees
-    context   slots [0, L_b), or through a view the slots ctx_idx[b, h, c] where ctx_valid[b, h, c];
+    context   slots [0, L_b), or through a view the slots ctx_idx[b, h, c] where ctx_valid[b, h, c],
+              or through a span view (StreamingLLM's) the slots [0, sinks) and [S_b - window, S_b) of [0, L_b)
+              (S_b: the lengths the view was taken at);
     recent    slots L_b + r, r in [0, P + T), where new_mask[t, r] (None: r <= P + t);
     and, with a sliding window, only slots s with q_positions[b, t] - s < window.
 
@@ -22,7 +24,9 @@ Design (flash-decoding with GQA packing):
     (lengths, views, windows, the recent keys); only the K/V loads translate them. A context tile starts
     at a multiple of BLOCK_N, so where page_size is one too it lies in one page: one table lookup per
     tile, loaded a tile ahead, then the same contiguous [BLOCK_N, D] loads as the dense layout (about the
-    dense time, bit-identical). Other page sizes, gathered views and the recent keys look up each key's
+    dense time, bit-identical). A span view walks the same aligned tiles over its two ranges, the slots
+    between them skipped whole and the rest of a straddling tile masked (masked rows are never loaded).
+    Other page sizes, gathered views and the recent keys look up each key's
     page (each key's D values are still contiguous; context tiles read that way are slower, most for
     several new tokens; the table: docs/perf/attention.md, session 10). Without a table the cache is
     dense [B, Hkv, capacity, D] and the kernel is the unpaged variant.
@@ -87,6 +91,15 @@ def _kv_rows(k_base, v_base, bt_row, slot, ok, sbt_w, page_size, sk_b, sk_n, sv_
 
 
 @_jit
+def _span_slot(x, gap_lo, shift, HAS_SPAN: tl.constexpr):
+    """The first slot of the context tile at position x of this split's range: x itself, or with a span view
+    x + shift past the sinks' tiles (gap_lo, shift: multiples of BLOCK_N)."""
+    if HAS_SPAN:
+        return x + tl.where(x >= gap_lo, shift, 0)
+    return x
+
+
+@_jit
 def _split_kv_kernel(
     Q, K, V, LENGTHS, LIVE, NEW_MASK, CTX_IDX, CTX_VALID, QPOS, BLOCK_TABLE, OUT, WS_ACC, WS_M, WS_L, LOCKS,
     sq_b, sq_h, sq_t, sq_d,
@@ -97,11 +110,11 @@ def _split_kv_kernel(
     scv_b, scv_h, scv_c,
     sp_b, sp_t,
     sbt_b, sbt_w, page_size,
-    qk_scale, window, Hkv, T, P, C, num_splits,
+    qk_scale, window, Hkv, T, P, C, span_sinks, span_recent, num_splits,
     G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_VIEW: tl.constexpr, HAS_NEW_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_LIVE: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_TILES: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_VIEW: tl.constexpr, HAS_SPAN: tl.constexpr, HAS_NEW_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_LIVE: tl.constexpr, PAGED: tl.constexpr, PAGE_TILES: tl.constexpr, PREFETCH: tl.constexpr,
     SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -142,15 +155,26 @@ def _split_kv_kernel(
     if HAS_WINDOW:
         qpos = tl.load(QPOS + b * sp_b + t * sp_t, mask=row_ok, other=0).to(tl.int32)
 
-    # This split's share [lo, hi) of the context keys (cache slots, or entries of the view).
+    # This split's share [lo, hi) of the context keys (cache slots, or entries of the view; with a span
+    # view, positions in the span's tiles: x < gap_lo is slot x, x ≥ gap_lo slot x + shift).
     start = 0
+    gap_lo = 0
+    shift = 0
     if HAS_VIEW:
         n_ctx = C
+    elif HAS_SPAN:  # slots [0, sink_end) and [rec_lo, S) of the S the view was taken at (CTX_IDX: its lengths)
+        S = tl.minimum(tl.load(CTX_IDX + b * sci_b).to(tl.int32), L)
+        sink_end = tl.minimum(span_sinks, S)
+        rec_lo = tl.maximum(S - span_recent, span_sinks)  # a recent slot below the sinks is one of them
+        gap_lo = tl.cdiv(sink_end, BLOCK_N) * BLOCK_N  # the sinks' tiles end here …
+        gap_hi = tl.maximum((rec_lo // BLOCK_N) * BLOCK_N, gap_lo)  # … the recent slots' tiles start here
+        shift = gap_hi - gap_lo
+        n_ctx = tl.where(S <= gap_lo, S, S - shift)
     else:
         n_ctx = L
     if HAS_LIVE:  # a finished row reads none of its context
         n_ctx = n_ctx * tl.load(LIVE + b).to(tl.int32)
-    if not HAS_VIEW:
+    if not HAS_VIEW and not HAS_SPAN:
         if HAS_WINDOW:  # keys before the window of every row of the tile are skipped outright
             lowest = tl.min(tl.where(row_ok, qpos, 2147483647), 0) - window + 1
             start = tl.minimum((tl.maximum(lowest, 0) // BLOCK_N) * BLOCK_N, n_ctx)
@@ -163,10 +187,15 @@ def _split_kv_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
     if PAGE_TILES and PREFETCH:  # the first tile's page; each step loads the next one's
-        next_page = tl.load(bt_row + (lo // page_size) * sbt_w, mask=lo < hi, other=0).to(tl.int64)
-    for j0 in range(lo, hi, BLOCK_N):  # context keys: visible to every row (but for the window)
+        next_page = tl.load(bt_row + (_span_slot(lo, gap_lo, shift, HAS_SPAN) // page_size) * sbt_w, mask=lo < hi,
+                            other=0).to(tl.int64)
+    for x0 in range(lo, hi, BLOCK_N):  # context keys: visible to every row (but for the window)
+        j0 = _span_slot(x0, gap_lo, shift, HAS_SPAN)
         j = j0 + tl.arange(0, BLOCK_N)
-        key_ok = j < hi
+        if HAS_SPAN:  # the span's two ranges; the slots of a straddling tile outside them are never loaded
+            key_ok = (x0 + tl.arange(0, BLOCK_N) < hi) & ((j < sink_end) | (j >= rec_lo))
+        else:
+            key_ok = j < hi
         if HAS_VIEW:
             ci = b * sci_b + kvh * sci_h + j * sci_c
             cv = b * scv_b + kvh * scv_h + j * scv_c
@@ -178,8 +207,9 @@ def _split_kv_kernel(
         if PAGE_TILES:  # the tile [j0, j0 + BLOCK_N) lies in one page (j0 and page_size: multiples of BLOCK_N)
             if PREFETCH:
                 page = next_page
-                j1 = j0 + BLOCK_N
-                next_page = tl.load(bt_row + (j1 // page_size) * sbt_w, mask=j1 < hi, other=0).to(tl.int64)
+                x1 = x0 + BLOCK_N
+                j1 = _span_slot(x1, gap_lo, shift, HAS_SPAN)
+                next_page = tl.load(bt_row + (j1 // page_size) * sbt_w, mask=x1 < hi, other=0).to(tl.int64)
             else:
                 page = tl.load(bt_row + (j0 // page_size) * sbt_w).to(tl.int64)
             within = slot - (j0 // page_size) * page_size
@@ -349,7 +379,9 @@ def _launch_config(M: int, D: int, dtype: torch.dtype, big_smem: bool = False, n
 
 
 # The fewest keys a split keeps (default_num_splits' min_split_keys): contiguous context keys stream, so a
-# split needs many to pay for its merge; a gathered view's keys are each three dependent loads.
+# split needs many to pay for its merge; a gathered view's keys are each three dependent loads. A span view
+# (≤ sinks + window keys, ~512) takes the view's minimum too: with 1,024 its batch-64 grid would be one split,
+# 128 programs on 132 SMs — under one a SM (session 32's gathered-view measurement).
 SPLIT_KEYS = 1024
 VIEW_SPLIT_KEYS = 128
 
@@ -427,7 +459,7 @@ def _merge_rows(n_rows: int, num_sms: int) -> int:
 
 def decode_attention(q, k_cache, v_cache, lengths, *, pending=0, new_mask=None, ctx_idx=None, ctx_valid=None,
                      q_positions=None, sliding_window=None, live=None, num_splits=None,
-                     block_table=None) -> torch.Tensor:
+                     block_table=None, ctx_span=None) -> torch.Tensor:
     """Attention of T new tokens per row over one layer of the KV cache.
 
     q: [B, Hq, T, D] (any strides); lengths: [B] int (on the device, never read on the host).
@@ -439,14 +471,16 @@ def decode_attention(q, k_cache, v_cache, lengths, *, pending=0, new_mask=None, 
     capacity). Everything else is in logical slots: lengths, ctx_idx, q_positions and the pending + new
     tokens at L_b + r. pending: P. new_mask: [T, P + T] or [B or 1, T, P + T] bool (or those bits
     packed by `pack_new_mask`), None → causal. ctx_idx / ctx_valid: [B, H', C] (H' = 1 or Hkv) context
-    view, None → slots [0, L_b). q_positions: [B, T] positions for the sliding window (the window
+    view, None → slots [0, L_b). ctx_span: (span_lengths [B] int on the device, sinks, window) — instead of
+    a view, StreamingLLM's slots [0, sinks) and [S_b - window, S_b) (S = span_lengths, the lengths the view
+    was taken at: `reference.SpanView`), read as contiguous tiles. q_positions: [B, T] positions for the sliding window (the window
     applies only with both given, as in the reference). live: [B] integer 0/1 or None: rows with 0
     (finished) read none of their context, only the pending + new tokens. num_splits: None →
     `default_num_splits` for this kernel variant's occupancy (`num_splits_for`).
     Returns [B, T, Hq, D] contiguous, q's dtype.
     """
     plan = _Plan(q, k_cache, v_cache, lengths, pending, new_mask, ctx_idx, ctx_valid, q_positions, sliding_window,
-                 live, num_splits, block_table)
+                 live, num_splits, block_table, ctx_span)
     B, Hq, T, D = q.shape
     splits, out = plan.num_splits, plan.out
     if splits > 1:
@@ -472,17 +506,17 @@ def decode_attention(q, k_cache, v_cache, lengths, *, pending=0, new_mask=None, 
 
 
 def num_splits_for(q, k_cache, v_cache, lengths, *, pending=0, new_mask=None, ctx_idx=None, ctx_valid=None,
-                   q_positions=None, sliding_window=None, live=None, block_table=None) -> int:
+                   q_positions=None, sliding_window=None, live=None, block_table=None, ctx_span=None) -> int:
     """The split count `decode_attention` takes for these arguments (benchmarks report it)."""
     return _Plan(q, k_cache, v_cache, lengths, pending, new_mask, ctx_idx, ctx_valid, q_positions, sliding_window,
-                 live, None, block_table).num_splits
+                 live, None, block_table, ctx_span).num_splits
 
 
 class _Plan:
     """One decode_attention call's launch: kernel variant (consts), run-time arguments, grid, splits."""
 
     def __init__(self, q, k_cache, v_cache, lengths, pending, new_mask, ctx_idx, ctx_valid, q_positions,
-                 sliding_window, live, num_splits, block_table=None):
+                 sliding_window, live, num_splits, block_table=None, ctx_span=None):
         B, Hq, T, D = q.shape
         Bk, Hkv, page_size, Dk = k_cache.shape
         assert Dk == D and v_cache.shape == k_cache.shape and Hq % Hkv == 0, "shape mismatch"
@@ -500,13 +534,26 @@ class _Plan:
         assert D <= _MAX_HEAD_DIM, f"head dim {D} > {_MAX_HEAD_DIM}"
         G = Hq // Hkv
         has_view = ctx_idx is not None
+        has_span = ctx_span is not None
         has_window = sliding_window is not None and q_positions is not None
         C = ctx_idx.shape[2] if has_view else 0
-        cfg = _launch_config(G * T, D, q.dtype, _big_shared_memory(q.device), C if has_view else cap, has_view)
+        sinks = recent = 0
+        if has_span:
+            assert not has_view, "a span view or a gathered view, not both"
+            span_lengths, sinks, recent = ctx_span
+            sinks, recent = int(sinks), int(recent)
+            assert span_lengths.shape == (B,) and span_lengths.device == q.device, \
+                f"span lengths {tuple(span_lengths.shape)} on {span_lengths.device}: want [B = {B}] on {q.device}"
+            assert sinks >= 0 and recent >= 1, f"span sinks {sinks}, window {recent}"
+        cfg = _launch_config(G * T, D, q.dtype, _big_shared_memory(q.device),
+                             C if has_view else sinks + recent if has_span else cap, has_view)
         m_tiles = triton.cdiv(G * T, cfg["BLOCK_M"])
         self.out = torch.empty(B, T, Hq, D, device=q.device, dtype=q.dtype)
         nm, nm_strides = _new_mask_arg(new_mask, lengths, T, pending, cfg["BLOCK_R"])
-        ci, ci_strides = _view_arg(ctx_idx, lengths, B, Hkv)
+        if has_span:  # the kernel reads span_lengths[b] (stride_b) where a view's indices would be
+            ci, ci_strides = span_lengths, (span_lengths.stride(0), 0, 0)
+        else:
+            ci, ci_strides = _view_arg(ctx_idx, lengths, B, Hkv)
         cv, cv_strides = _view_arg(None if ctx_valid is None else ctx_valid.view(torch.uint8), lengths, B, Hkv)
         qp, qp_strides = (q_positions, q_positions.stride()) if has_window else (lengths, (0, 0))
         bt, bt_strides = (block_table, block_table.stride()) if paged else (lengths, (0, 0))
@@ -515,7 +562,7 @@ class _Plan:
         # One table lookup per context tile where no tile crosses a page (tiles start at multiples of
         # BLOCK_N); else, and for gathered views and the recent keys, one lookup per key.
         page_tiles = paged and not has_view and page_size % cfg["BLOCK_N"] == 0 and _PAGE_LOOKUP != "key"
-        self.consts = dict(G=G, D=D, HAS_VIEW=has_view, HAS_NEW_MASK=new_mask is not None, HAS_WINDOW=has_window,
+        self.consts = dict(G=G, D=D, HAS_VIEW=has_view, HAS_SPAN=has_span, HAS_NEW_MASK=new_mask is not None, HAS_WINDOW=has_window,
                            HAS_LIVE=live is not None, PAGED=paged, PAGE_TILES=page_tiles,
                            PREFETCH=page_tiles and _PAGE_LOOKUP == "prefetch", UPCAST=upcast,
                            FUSED_MERGE=False, PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
@@ -524,10 +571,13 @@ class _Plan:
                           self.out)
         self._scalars = (*q.stride(), *k_cache.stride(), *v_cache.stride(), *nm_strides, *ci_strides,
                          *cv_strides, *qp_strides, *bt_strides, page_size, _LOG2E / math.sqrt(D),
-                         sliding_window if has_window else 0, Hkv, T, pending, C)
+                         sliding_window if has_window else 0, Hkv, T, pending, C, sinks, recent)
         if num_splits is None:
-            n_keys, programs = C if has_view else cap, B * Hkv * m_tiles
-            min_keys = VIEW_SPLIT_KEYS if has_view else SPLIT_KEYS
+            programs = B * Hkv * m_tiles
+            n_keys, min_keys = (C, VIEW_SPLIT_KEYS) if has_view else (cap, SPLIT_KEYS)
+            if has_span:  # the span's tile positions: the sinks' tiles, then ≤ window + a tile of recent slots
+                n_keys = min(cap, triton.cdiv(sinks, cfg["BLOCK_N"]) * cfg["BLOCK_N"] + recent + cfg["BLOCK_N"])
+                min_keys = VIEW_SPLIT_KEYS
             per_sm = None
             if q.is_cuda and not _INTERPRET and n_keys >= 2 * min_keys:  # (shorter ones: one split at most)
                 per_sm = _resident_per_sm(q.device, self.consts,

@@ -34,7 +34,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from redwood.attention.reference import ContextView, Observer
+from redwood.attention.reference import ContextView, Observer, SpanView
 from redwood.errors import ConfigError
 
 KV_POLICIES = ("full", "streaming", "snapkv")
@@ -124,19 +124,10 @@ class StreamingPolicy(DraftKVPolicy):
 
     def indices(self, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """idx, valid: [B, sinks + window] — sink slots then the last `window` committed slots."""
-        dev = lengths.device
-        B = lengths.shape[0]
-        sink = torch.arange(self.sinks, device=dev)[None].expand(B, -1)
-        recent = lengths[:, None] - self.window + torch.arange(self.window, device=dev)
-        idx = torch.cat([sink, recent], dim=1)
-        # A recent slot below `sinks` is already a sink (short context); slots < 0 don't exist.
-        valid = torch.cat([sink < lengths[:, None], recent >= self.sinks], dim=1)
-        return idx.clamp(min=0), valid
+        return self.view(lengths).indices()
 
-    def view(self, lengths: torch.Tensor) -> ContextView:
-        idx, valid = self.indices(lengths)
-        idx, valid = idx[:, None], valid[:, None]  # shared by every KV head and layer
-        return lambda layer: (idx, valid)
+    def view(self, lengths: torch.Tensor) -> SpanView:
+        return SpanView(lengths, self.sinks, self.window)  # (the Triton kernel reads its two ranges directly)
 
     def describe(self) -> str:
         return f"streaming(sinks={self.sinks}, window={self.window})"

@@ -132,8 +132,10 @@ class Attention(nn.Module):
     def _fast_attention(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         from redwood.attention.triton_decode import decode_attention
 
-        ctx_idx = ctx_valid = None
-        if meta.view is not None:
+        ctx_idx = ctx_valid = span = None
+        if isinstance(meta.view, reference.SpanView):  # StreamingLLM's two ranges: read as tiles, no gather
+            span = (meta.view.lengths, meta.view.sinks, meta.view.window)
+        elif meta.view is not None:
             ctx_idx, ctx_valid = meta.view(self.layer)
         window = meta.sliding_window
         return decode_attention(
@@ -149,6 +151,7 @@ class Attention(nn.Module):
             q_positions=meta.q_positions if window is not None else None,
             sliding_window=window,
             live=meta.live,
+            ctx_span=span,
         )
 
     def _prefill_attention(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
