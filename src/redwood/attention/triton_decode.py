@@ -379,9 +379,9 @@ def _launch_config(M: int, D: int, dtype: torch.dtype, big_smem: bool = False, n
 
 
 # The fewest keys a split keeps (default_num_splits' min_split_keys): contiguous context keys stream, so a
-# split needs many to pay for its merge; a gathered view's keys are each three dependent loads. A span view
-# (≤ sinks + window keys, ~512) takes the view's minimum too: with 1,024 its batch-64 grid would be one split,
-# 128 programs on 132 SMs — under one a SM (session 32's gathered-view measurement).
+# split needs many to pay for its merge; a gathered view's keys are each three dependent loads. A span view's
+# tiles stream like a contiguous cache's, so it keeps SPLIT_KEYS: 64 rows of 512 contiguous keys ran fastest as
+# one split (an H200, session 8: 14.5 µs; 2 / 4 / 8 splits 16.6 / 19.1 / 22.0).
 SPLIT_KEYS = 1024
 VIEW_SPLIT_KEYS = 128
 
@@ -577,7 +577,6 @@ class _Plan:
             n_keys, min_keys = (C, VIEW_SPLIT_KEYS) if has_view else (cap, SPLIT_KEYS)
             if has_span:  # the span's tile positions: the sinks' tiles, then ≤ window + a tile of recent slots
                 n_keys = min(cap, triton.cdiv(sinks, cfg["BLOCK_N"]) * cfg["BLOCK_N"] + recent + cfg["BLOCK_N"])
-                min_keys = VIEW_SPLIT_KEYS
             per_sm = None
             if q.is_cuda and not _INTERPRET and n_keys >= 2 * min_keys:  # (shorter ones: one split at most)
                 per_sm = _resident_per_sm(q.device, self.consts,
