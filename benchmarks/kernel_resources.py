@@ -37,6 +37,7 @@ POINTERS = {
     "CTX_IDX": "*i64",
     "CTX_VALID": "*u8",
     "QPOS": "*i64",
+    "BLOCK_TABLE": "*i32",
     "WS_ACC": "*fp32",
     "WS_M": "*fp32",
     "WS_L": "*fp32",
@@ -47,10 +48,23 @@ UNIT_STRIDES = ("sq_d", "sk_d", "sv_d", "sci_c", "scv_c")  # 1 at run time: Trit
 ALIGNED = ("sq_b", "sq_h", "sq_t", "sk_b", "sk_h", "sk_n", "sv_b", "sv_h", "sv_n")  # multiples of 16
 
 
-def compile_variant(T: int, mask: bool, live: bool, G: int = 6, D: int = 128, fused_merge: bool = False) -> dict:
-    """The kernel as decode_attention launches it for T new tokens per row (bf16, split KV)."""
+def compile_variant(
+    T: int,
+    mask: bool,
+    live: bool,
+    G: int = 6,
+    D: int = 128,
+    fused_merge: bool = False,
+    view: str = "none",
+    n_keys: int | None = None,
+) -> dict:
+    """The kernel as decode_attention launches it for T new tokens per row (bf16, split KV) over a paged cache
+    whose pages hold whole key tiles (one table lookup a tile, a tile ahead); view: "none", "gathered" (ctx_idx:
+    SnapKV's, a lookup a key) or "span" (StreamingLLM's two slot ranges, read as tiles); n_keys: the static bound
+    the plan passes (context capacity, or the view's keys)."""
     fn = td._split_kv_kernel
-    cfg = td._launch_config(G * T, D, torch.bfloat16, big_smem=True)
+    gathered = view == "gathered"
+    cfg = td._launch_config(G * T, D, torch.bfloat16, True, n_keys, gathered)
     consts = {
         **{name: 1 for name in UNIT_STRIDES},
         "G": G,
@@ -59,7 +73,11 @@ def compile_variant(T: int, mask: bool, live: bool, G: int = 6, D: int = 128, fu
         "BLOCK_N": cfg["BLOCK_N"],
         "BLOCK_R": cfg["BLOCK_R"],
         "BLOCK_D": cfg["BLOCK_D"],
-        "HAS_VIEW": False,
+        "HAS_VIEW": gathered,
+        "HAS_SPAN": view == "span",
+        "PAGED": True,
+        "PAGE_TILES": not gathered,
+        "PREFETCH": not gathered,
         "HAS_NEW_MASK": mask,
         "HAS_WINDOW": False,
         "HAS_LIVE": live,
@@ -87,6 +105,8 @@ def compile_variant(T: int, mask: bool, live: bool, G: int = 6, D: int = 128, fu
     shared = kernel.metadata.shared
     return dict(
         T=T,
+        view=view,
+        block_n=cfg["BLOCK_N"],
         mask=mask,
         live=live,
         fused=fused_merge,
@@ -103,22 +123,29 @@ def compile_variant(T: int, mask: bool, live: bool, G: int = 6, D: int = 128, fu
 def main() -> None:
     # live: rows that finished read no context (P3); fused: the split programs merge (REDWOOD_FUSED_MERGE)
     rows = [
-        compile_variant(T, mask, live, fused_merge=fused)
+        compile_variant(T, mask, live, fused_merge=fused, n_keys=32768)
         for T, mask, (live, fused) in itertools.product(
             (1, 2, 4, 8, 16), (False, True), ((False, False), (True, False), (True, True))
         )
+    ]
+    # the draft level over a 512-key StreamingLLM / SnapKV view (T = 1; tree levels: T = 4), rows finished or not
+    rows += [
+        compile_variant(T, False, live, view=view, n_keys=512)
+        for view, T, live in itertools.product(("gathered", "span"), (1, 4), (False, True))
     ]
     print(
         f"triton {triton.__version__}, sm_90 (H100/H200 limits), bf16, G=6, D=128; per_sm = resident "
         f"programs per SM (decode_attention sizes its split grid with it; assumed: the estimate without it)"
     )
     print(
-        f"{'T':>3} {'mask':>5} {'live':>5} {'fused':>5} {'BLOCK_M':>7} {'stages':>6} {'regs':>5} {'stack B':>7} "
+        f"{'view':>8} {'T':>3} {'mask':>5} {'live':>5} {'fused':>5} {'BLOCK_M':>7} {'BLOCK_N':>7} {'stages':>6} "
+        f"{'regs':>5} {'stack B':>7} "
         f"{'smem KB':>7} {'per_sm':>6} {'assumed':>7}"
     )
     for r in rows:
         print(
-            f"{r['T']:>3} {r['mask']!s:>5} {r['live']!s:>5} {r['fused']!s:>5} {r['block_m']:>7} {r['stages']:>6} "
+            f"{r['view']:>8} {r['T']:>3} {r['mask']!s:>5} {r['live']!s:>5} {r['fused']!s:>5} {r['block_m']:>7} "
+            f"{r['block_n']:>7} {r['stages']:>6} "
             f"{r['regs']:>5} "
             f"{r['stack']:>7} {r['shared'] / 1024:>7.1f} {r['per_sm']:>6} {r['assumed']:>7}"
         )
