@@ -4,7 +4,7 @@
 # On the GPU machine, from the repo root, after staging the GGUF chunks as /root/stage/t?? (1.5B) and
 # /root/stage/d?? (0.5B), carrying .whl (the gguf wheel) and .stage/home (REDWOOD_HOME with the essays,
 # humaneval and mt-bench datasets):
-#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests (tests-a, tests-b; tests-ab: both at once) kernels pdl l2 tile mega p1 steps p2 p3 p3tree p4 draftattn width e2e split auto p5 summary pack
+#     OUT=/path benchmarks/h200_bench.sh STEP...      steps: tests (tests-a, tests-b; tests-ab: both at once) kernels pdl l2 tile mega p1 steps p2 p3 p3tree p4 draftattn width level e2e split auto p5 summary pack
 # Each step writes JSON under $OUT and prints its tables; `summary` prints the short P1–P5 table last.
 # Settings (environment): P2_TEMPS, P2_GAMMAS, P2_DRAFT_WEIGHTS (bf16 int8), P2_ACC (a folder of acceptance vectors measured earlier with
 # the same models, [p2-]acc-<dataset>-t<temp>.json: reused instead of measured), P2_ACC_PROMPTS, P3_KV, P3_BATCH, P3_CONTEXT, P3_GAMMAS,
@@ -175,6 +175,10 @@ width)  # the verify width of prompt lookup's long chains (auto-policy.md item 2
   run python3 benchmarks/attention_bench.py --only "chain B=64 T=8" --output "$OUT/width-t8.json" 2>&1 | tail -3
   run python3 benchmarks/attention_bench.py --only width --sweep --output "$OUT/width.json" 2>&1 \
       | tee "$OUT/width.txt" | tail -40 ;;
+level)  # issue 40 item 3 without staging: the draft level of a random 1.5B at LEVEL_BATCH (64) × LEVEL_CONTEXT (30720)
+        # over a StreamingLLM 4 + 508 view, as two slot ranges (span) and gathered, next to the AR step, against floors
+  run python3 benchmarks/draft_level.py --batch ${LEVEL_BATCH:-64} --context ${LEVEL_CONTEXT:-30720} --kernels \
+      --output "$OUT/level.json" 2>&1 | tee "$OUT/level.txt" | tail -40 ;;
 e2e)  # issue 40 item 3, MagicDec's regime end to end: E2E_REQUESTS (64) requests at once over E2E_CONTEXT-token essay
      # windows (30720 + 2048 = the 32K window), E2E_GEN (2048) new tokens each, AR vs self-speculation over a
      # StreamingLLM view of P3_BUDGET (512) with γ E2E_GAMMA (3) — or E2E_DRAFTER="--draft-model $D" — in one call;
