@@ -48,9 +48,8 @@ class GatheredStreaming(StreamingPolicy):
     """StreamingLLM's view passed as slot indices (the kernel gathers each key): the path before SpanView."""
 
     def view(self, lengths: torch.Tensor):
-        idx, valid = SpanView(lengths, self.sinks, self.window).indices()
-        idx, valid = idx[:, None], valid[:, None]
-        return lambda layer: (idx, valid)
+        span = SpanView(lengths, self.sinks, self.window)
+        return lambda layer: span(layer)  # (a plain callable: the model passes its indices, not the ranges)
 
 
 def build(shape: dict, device: str) -> Transformer:

@@ -473,10 +473,10 @@ def decode_attention(q, k_cache, v_cache, lengths, *, pending=0, new_mask=None, 
     packed by `pack_new_mask`), None → causal. ctx_idx / ctx_valid: [B, H', C] (H' = 1 or Hkv) context
     view, None → slots [0, L_b). ctx_span: (span_lengths [B] int on the device, sinks, window) — instead of
     a view, StreamingLLM's slots [0, sinks) and [S_b - window, S_b) (S = span_lengths, the lengths the view
-    was taken at: `reference.SpanView`), read as contiguous tiles. q_positions: [B, T] positions for the sliding window (the window
-    applies only with both given, as in the reference). live: [B] integer 0/1 or None: rows with 0
-    (finished) read none of their context, only the pending + new tokens. num_splits: None →
-    `default_num_splits` for this kernel variant's occupancy (`num_splits_for`).
+    was taken at: `reference.SpanView`), read as contiguous tiles. q_positions: [B, T] positions for the
+    sliding window (the window applies only with both given, as in the reference). live: [B] integer 0/1
+    or None: rows with 0 (finished) read none of their context, only the pending + new tokens. num_splits:
+    None → `default_num_splits` for this kernel variant's occupancy (`num_splits_for`).
     Returns [B, T, Hq, D] contiguous, q's dtype.
     """
     plan = _Plan(q, k_cache, v_cache, lengths, pending, new_mask, ctx_idx, ctx_valid, q_positions, sliding_window,
@@ -562,8 +562,8 @@ class _Plan:
         # One table lookup per context tile where no tile crosses a page (tiles start at multiples of
         # BLOCK_N); else, and for gathered views and the recent keys, one lookup per key.
         page_tiles = paged and not has_view and page_size % cfg["BLOCK_N"] == 0 and _PAGE_LOOKUP != "key"
-        self.consts = dict(G=G, D=D, HAS_VIEW=has_view, HAS_SPAN=has_span, HAS_NEW_MASK=new_mask is not None, HAS_WINDOW=has_window,
-                           HAS_LIVE=live is not None, PAGED=paged, PAGE_TILES=page_tiles,
+        self.consts = dict(G=G, D=D, HAS_VIEW=has_view, HAS_SPAN=has_span, HAS_NEW_MASK=new_mask is not None,
+                           HAS_WINDOW=has_window, HAS_LIVE=live is not None, PAGED=paged, PAGE_TILES=page_tiles,
                            PREFETCH=page_tiles and _PAGE_LOOKUP == "prefetch", UPCAST=upcast,
                            FUSED_MERGE=False, PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
                            PDL=use_pdl, **cfg, **pdl.launch_options(use_pdl))
