@@ -36,7 +36,7 @@ tests-ab)  # tests-a and tests-b side by side in one call (their time is mostly 
   bash "$0" tests-a > "$OUT/tests-a.log" 2>&1 & pa=$!
   bash "$0" tests-b > "$OUT/tests-b.log" 2>&1 || true
   wait $pa || true
-  tail -3 "$OUT/tests-a.txt" "$OUT/tests-b.txt" ;;
+  tail -n 3 "$OUT/tests-a.txt" "$OUT/tests-b.txt" ;;  # (-n: the obsolete "-3" form takes one file only)
 kernels)  # the skinny kernels vs cuBLAS (a sweep that merges into this GPU's tile table, copied to $OUT),
           # then decode steps of random 1.5B / 0.5B models with the skinny path off / on at 1-8 tokens
   run python3 benchmarks/gemv_bench.py ${GEMV_ARGS:---sweep --int8 --rows 1} --write src/redwood/kernels/gemv_configs \
