@@ -61,7 +61,7 @@ MAX_GAMMA = 8  # a draft model's or self-speculation's longest chain: each level
 # (64 × 30,720, an H100, session 31) the policy ran prompt lookup at the old cap, γ 8, on 55% of its steps, the
 # rates at depths 6–8 still 0.89–0.96. Sparse past 8: each γ a plan runs is a CUDA graph per batch bucket.
 DRAFTLESS_GAMMAS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
-# ... planned only where that width is nearly free (`AutoPolicy._width_nearly_free`): each level past MAX_GAMMA may
+# ... planned only where that width is nearly free (`AutoPolicy._long_chains_gated`): each level past MAX_GAMMA may
 # add at most 1 / LONG_CHAIN_LEVEL_COST of the γ-MAX_GAMMA step's predicted time (γ 16: ≤ 1.25×). Without this gate,
 # on the 2-core CPU (compute-bound: 17 tokens cost ~2× 9) auto at batch 1 on code editing ran γ 10-16 on 6-18% of
 # its steps and fell from 1.03-1.06× fixed prompt lookup to 0.93-1.01× (one run after the other, session 34).
@@ -234,8 +234,6 @@ class AutoPolicy:
                 self.candidates.append(Candidate(family_of(d), d, tree, step_shape(d, tree)))
                 self.depth[family_of(d)] = max(self.depth.get(family_of(d), 0), g)
         self.max_tree_size = max(c.tree.size for c in self.candidates if c.tree is not None)
-        # family → its γ = MAX_GAMMA chain, what a longer chain's step is weighed against (`_width_nearly_free`)
-        self._level_cap = {c.family: c for c in self.candidates if c.tree is not None and c.tree.size == MAX_GAMMA + 1}
         self.acceptance = LiveAcceptance(max(self.depth.values()), PRIORS, depths=self.depth)
         self.shadows = [
             ShadowScorer(family_of(d), d, self.acceptance, self.depth[family_of(d)])
@@ -268,10 +266,10 @@ class AutoPolicy:
 
     # ------------------------------------------------------------------ planning
     def expected_by_gamma(self, family: str, rows) -> list[float]:
-        """[E(γ) for γ = 0 … the family's longest chain]: expected tokens per row per step of a chain of γ from `family`, averaged
-        over the rows (one pass per row: the running products of its α_d; a draftless drafter's row offers only
-        the proposal it has this step — none: 1 token; a row emits at most its `remaining` tokens), the surplus
-        over 1 scaled by the family's realized ratio."""
+        """[E(γ) for γ = 0 … the family's longest chain]: expected tokens per row per step of a chain of γ from
+        `family`, averaged over the rows (one pass per row: the running products of its α_d; a draftless drafter's
+        row offers only the proposal it has this step — none: 1 token; a row emits at most its `remaining`
+        tokens), the surplus over 1 scaled by the family's realized ratio."""
         depth = self.depth[family]
         total = [0.0] * (depth + 1)
         proposing = self._proposing.get(family)
@@ -340,12 +338,9 @@ class AutoPolicy:
         # catch-up for that one step, so it is charged in full, not spread over SWITCH_HORIZON steps.
         horizon = 1 if self.current.family in idle else SWITCH_HORIZON
         expected = {f: self.expected_by_gamma(f, rows) for f in {c.family for c in self.candidates if c.tree}}
-        context = int(sum(r.computed for r in rows) / len(rows))
-        scored = [
-            (self.score(c, rows, bucket, expected, horizon), c)
-            for c in self.candidates
-            if c.family not in idle and self._width_nearly_free(c, bucket, context)
-        ]
+        scored = _long_chains_gated(
+            [(self.score(c, rows, bucket, expected, horizon), c) for c in self.candidates if c.family not in idle]
+        )
         best_of: dict[str, tuple] = {}
         for sc, c in scored:
             if c.family not in best_of or sc[0] > best_of[c.family][0][0]:
@@ -386,22 +381,6 @@ class AutoPolicy:
             else:
                 probe.since_s += plan.predicted_s
         return plan
-
-    def _width_nearly_free(self, cand: Candidate, bucket: int, context: int) -> bool:
-        """Whether `cand` may be planned at this batch bucket and context: any chain up to MAX_GAMMA; a longer
-        (draftless) one only where its extra verify width costs little — each level past MAX_GAMMA at most
-        1 / LONG_CHAIN_LEVEL_COST of the γ = MAX_GAMMA step, as the cost model predicts. A step bound by reading
-        the weights and the KV (a GPU batch over long contexts) passes; a compute-bound one (the CPU) does not,
-        where a long chain's few extra tokens rarely repay it and a misjudged one costs a whole wide verify."""
-        if cand.tree is None or cand.tree.size - 1 <= MAX_GAMMA:
-            return True
-        base = self._level_cap.get(cand.family)
-        if base is None:
-            return True
-        ratio = self.costs.predict(cand.family, cand.shape, bucket, bucket, context) / self.costs.predict(
-            cand.family, base.shape, bucket, bucket, context
-        )
-        return ratio <= 1 + (cand.tree.size - 1 - MAX_GAMMA) / LONG_CHAIN_LEVEL_COST
 
     def _uncaptured(self, cand: Candidate, bucket: int) -> bool:
         """Whether running `cand` at `bucket` would capture a CUDA graph first (never without graphs)."""
@@ -530,3 +509,24 @@ class AutoPolicy:
                 for key, (n, s, tok, rs) in sorted(self._timed.items(), key=lambda kv: -kv[1][1])
             },
         }
+
+
+def _long_chains_gated(scored: list) -> list:
+    """`scored` ((rate, E, seconds), candidate) less the chains past MAX_GAMMA whose extra verify width is not nearly
+    free: each level past MAX_GAMMA may add at most 1 / LONG_CHAIN_LEVEL_COST of the family's γ = MAX_GAMMA step's
+    predicted seconds. A step bound by reading the weights and the KV (a GPU batch over long contexts) passes; a
+    compute-bound one (the CPU) does not, where a long chain's few extra tokens rarely repay it and a misjudged one
+    costs a whole wide verify. (Draftless families, the only ones with long chains, pay no switch charge, so their
+    scored seconds are the cost model's step alone.)"""
+    base = {c.family: sc[2] for sc, c in scored if c.tree is not None and c.tree.size == MAX_GAMMA + 1}
+    kept = []
+    for sc, c in scored:
+        gamma = 0 if c.tree is None else c.tree.size - 1
+        if (
+            gamma > MAX_GAMMA
+            and c.family in base
+            and sc[2] > base[c.family] * (1 + (gamma - MAX_GAMMA) / LONG_CHAIN_LEVEL_COST)
+        ):
+            continue
+        kept.append((sc, c))
+    return kept
