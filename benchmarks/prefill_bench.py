@@ -4,6 +4,7 @@ per layer and for a whole 1.5B-shaped prefill chunk through the model.
 Run on the GPU machine from the repo root (fails with a message elsewhere):
     PYTHONPATH=src python3 benchmarks/prefill_bench.py --output prefill_bench.json
     PYTHONPATH=src python3 benchmarks/prefill_bench.py --sweep        # + tile configurations per case
+    PYTHONPATH=src python3 benchmarks/prefill_bench.py --sdpa         # + torch SDPA's cuDNN / flash backends
 
 Shapes: Qwen2.5-Coder-1.5B (Hq = 12, Hkv = 2, D = 128, 28 layers, bf16), a paged cache of 128-slot pages
 (the Engine's default block size) at a random permutation of physical pages. Cases B rows × T new tokens
@@ -175,6 +176,31 @@ class LayerCase:
         k, v, mask = reference.read_kv(self.cache, i, self._meta)
         return reference.attention(self.q[i], k, v, mask).transpose(1, 2)
 
+    def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every set's K/V gathered once into contiguous [B, Hkv, L + T, D] (what a backend without a page
+        table would need; the gather is not timed)."""
+        from redwood.attention import reference
+
+        if not hasattr(self, "_dense"):
+            self._dense = []
+            for i in range(self.sets):
+                k, v, _ = reference.read_kv(self.cache, i, self._meta)
+                self._dense.append((k.contiguous(), v.contiguous()))
+        return self._dense
+
+    def sdpa(self, i: int, backend) -> torch.Tensor:
+        """torch SDPA on the contiguous K/V with one backend pinned (`SDPA_BACKENDS`), causal aligned to the
+        bottom right (query t sees keys ≤ L + t), GQA by `enable_gqa` → [B, Hq, T, D]."""
+        from torch.nn.attention import sdpa_kernel
+        from torch.nn.attention.bias import causal_lower_right
+
+        k, v = self.dense_kv()[i]
+        with sdpa_kernel([backend]):
+            if self.L == 0:
+                return F.scaled_dot_product_attention(self.q[i], k, v, is_causal=True, enable_gqa=True)
+            mask = causal_lower_right(self.T, self.L + self.T)
+            return F.scaled_dot_product_attention(self.q[i], k, v, attn_mask=mask, enable_gqa=True)
+
     def build_mask(self, i: int) -> torch.Tensor:
         return self.meta().full_mask()
 
@@ -210,7 +236,14 @@ def check_layer(case: LayerCase, config: dict | None = None) -> dict:
     return res
 
 
-def measure_layer(B: int, T: int, L: int, gen, sweep: bool, skip_decode: bool) -> dict:
+def sdpa_backends() -> list[tuple[str, object]]:
+    """(name, torch.nn.attention.SDPBackend) for the fused backends compared with the kernel (--sdpa)."""
+    from torch.nn.attention import SDPBackend
+
+    return [("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)]
+
+
+def measure_layer(B: int, T: int, L: int, gen, sweep: bool, skip_decode: bool, sdpa: bool = False) -> dict:
     case = LayerCase(B, T, L, gen)
     row = dict(B=B, T=T, L=L, flops=case.flops, floor_ms=case.flops / PEAK_FLOPS * 1e3, sets=case.sets)
     row.update(check_layer(case))
@@ -227,6 +260,21 @@ def measure_layer(B: int, T: int, L: int, gen, sweep: bool, skip_decode: bool) -
         row["reference_ms"] = time_ms(case.reference, case.sets, budget_s=4.0)
     except torch.OutOfMemoryError as e:
         row["reference_ms"], row["reference_error"] = None, repr(e)[:200]
+    if sdpa:
+        # torch's own fused attention backends on the same shape (contiguous K/V): what prefill would gain
+        # from one of them (the kernel's rows are ragged and paged; these are not)
+        n = min(128, case.T)
+        rows = torch.unique(torch.cat([torch.arange(n), torch.arange(case.T - n, case.T)])).to(DEVICE)
+        want = case.float64_rows(0, rows)
+        for name, backend in sdpa_backends():
+            try:
+                ms = time_ms(lambda i, b=backend: case.sdpa(i, b), case.sets)
+                err = rel(case.sdpa(0, backend).transpose(1, 2)[:, rows], want)
+                row[f"sdpa_{name}_ms"], row[f"sdpa_{name}_err"] = ms, err
+            except Exception as e:  # noqa: BLE001 — a backend that rejects the shape is reported
+                row[f"sdpa_{name}_ms"], row[f"sdpa_{name}_error"] = None, repr(e)[:200]
+        if hasattr(case, "_dense"):
+            del case._dense
     torch.cuda.empty_cache()
     if sweep:
         row["sweep"] = []
@@ -346,6 +394,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time several tile configurations per case")
     ap.add_argument("--skip-model", action="store_true", help="only the per-layer attention")
     ap.add_argument("--skip-decode", action="store_true", help="no decode-kernel column")
+    ap.add_argument("--sdpa", action="store_true", help="also torch SDPA's cuDNN and flash backends (contiguous K/V)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     need_cuda()
@@ -362,7 +411,7 @@ def main() -> None:
     print(info, flush=True)
     layers, chunks = [], []
     for B, T, L in cases:
-        row = measure_layer(B, T, L, gen, args.sweep, args.skip_decode)
+        row = measure_layer(B, T, L, gen, args.sweep, args.skip_decode, args.sdpa)
         torch.cuda.empty_cache()
         print("layer", row, flush=True)
         layers.append(row)
@@ -395,6 +444,16 @@ def main() -> None:
             f"{fmt(r.get('mask_ms')):>7} {fmt(ratio, '.1f'):>7} {r['err_vs_f64']:>8.1e} "
             f"{fmt(r.get('ref_err_vs_f64'), '.1e'):>8} {r['finite']}"
         )
+        for name, _ in sdpa_backends() if args.sdpa else []:
+            ms = r.get(f"sdpa_{name}_ms")
+            print(
+                f"{'':>20}   sdpa {name}: "
+                + (
+                    f"{ms:.2f} ms {r['flops'] / ms / 1e9:.0f} TFLOP/s err {r[f'sdpa_{name}_err']:.1e}"
+                    if ms
+                    else r.get(f"sdpa_{name}_error", "?")
+                )
+            )
         for e in r.get("sweep", []):
             print(
                 f"{'':>20}   tiles {e['BLOCK_M']}x{e['BLOCK_N']} w{e['num_warps']} s{e['num_stages']}: "
