@@ -25,6 +25,9 @@ def test_curve_interpolates_between_points_and_extends_past_the_last():
     # context: linear between the two calibrated contexts, per row
     assert c.seconds(1, 1, 528) == pytest.approx(1.5)
     assert c.seconds(2, 1, 528) == pytest.approx(1.2 + 2 * 0.5)  # N = 2 tokens, two rows' reads
+    # a bucket's finished rows compute their tokens but read no context
+    assert c.seconds(4, 1, 528, live=1) == pytest.approx(1.6 + 1 * 0.5)
+    assert c.seconds(4, 1, 528, live=4) == c.seconds(4, 1, 528)
 
 
 def test_curve_rejects_bad_tables():

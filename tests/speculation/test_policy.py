@@ -85,7 +85,7 @@ def policy_with(costs: CostTable, rates: dict[str, list[float]], margin: float =
 def brute_force(p: AutoPolicy, rows, bucket: int):
     best, best_rate = None, -1.0
     for c in p.candidates:
-        seconds = p.costs.raw(c.shape, bucket, int(sum(r.computed for r in rows) / len(rows)))
+        seconds = p.costs.raw(c.shape, bucket, int(sum(r.computed for r in rows) / len(rows)), live=len(rows))
         if c.tree is None:
             e = 1.0
         else:  # (a draftless drafter's chain offers no more than its proposal)
@@ -400,6 +400,25 @@ def test_a_probe_runs_its_familys_captured_plan_at_the_bucket():
             probes[plan.family] = plan.name
     assert probes["draft"] == "draft γ3"  # (its best by score is γ 1)
     assert probes["ngram"] == "ngram γ1"  # nothing of ngram's captured at bucket 1: its best
+
+
+def test_a_draining_burst_is_costed_by_its_live_rows():
+    """The last rows of a burst run in the bucket it started in: their steps read 7 rows' context, not 64 — the
+    cost model is asked with the live rows, so the tail's cheap steps neither teach a wrong correction for the
+    full bucket nor are costed as a full bucket's (an H100 at 64 × 30K: 22 ms a plain step with 64 rows, 3.2 ms
+    with 7; the correction learnt from both was 0.18 before)."""
+    curve = ForwardCurve([1, 2, 4, 8, 16, 64, 1024], 16, 30016, [1.0] * 7, [2.0] * 7)  # context dominates
+    p = AutoPolicy([Draftless()], margin=0.0)
+    p.costs = CostModel(CostTable(curve))
+    tail = [Row(i, computed=30000) for i in range(7)]
+    full = [Row(i, computed=30000) for i in range(64)]
+    shape = AR.shape
+    for _ in range(30):  # the tail's steps take what the table says for 7 live rows
+        p.observe(tail, Plan(AR), [_tokens(7)] * 7, p.costs.raw(shape, 64, 30000, live=7), 64)
+    assert p.costs.correction("ar", 64) == pytest.approx(1.0)
+    assert p.score(AR, full, 64)[2] == pytest.approx(p.costs.raw(shape, 64, 30000))  # 64 rows' reads
+    assert p.score(AR, tail, 64)[2] == pytest.approx(p.costs.raw(shape, 64, 30000, live=7))
+    assert p.score(AR, tail, 64)[2] < 0.2 * p.score(AR, full, 64)[2]
 
 
 def test_the_report_gives_each_plans_measured_steps_per_bucket():

@@ -4,7 +4,9 @@ The automatic policy (`speculation.policy`) compares plans by expected tokens pe
 plan's step time before running it. Every step is a few forwards of one model over a few new tokens per
 row, so the table holds forward times:
 
-    forward(model, b rows, T new tokens per row, context n) ≈ w(b·T) + s(T) · b · n       seconds
+    forward(model, b rows, T new tokens per row, context n) ≈ w(b·T) + s(T) · b' · n      seconds
+
+(b' ≤ b: the rows that read their context — a batch bucket's finished rows compute but read none)
 
 w(N) — the time of a forward over N new tokens at a short context (weights read once, N tokens of compute)
 — and s(T), the extra per row and context slot (attention reads), come from a calibration at one row:
@@ -96,13 +98,16 @@ class ForwardCurve:
         slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
         return ys[-1] + slope * (x - xs[-1])
 
-    def seconds(self, rows: int, tokens: int, context: int) -> float:
-        """A forward over `tokens` new tokens in each of `rows` rows reading `context` slots each."""
+    def seconds(self, rows: int, tokens: int, context: int, live: int | None = None) -> float:
+        """A forward over `tokens` new tokens in each of `rows` rows, `live` of them (default: all) reading
+        `context` slots each — a graphed batch bucket computes every slot's tokens, but a finished row's
+        context is never read (the attention kernels skip rows that are not live)."""
         base = self._interp(self.tokens, self.lo_s, rows * tokens)
         per_slot = (self._interp(self.tokens, self.hi_s, tokens) - self._interp(self.tokens, self.lo_s, tokens)) / (
             self.hi_ctx - self.lo_ctx
         )
-        return max(base + max(per_slot, 0.0) * rows * max(context - self.lo_ctx, 0), 1e-9)
+        readers = rows if live is None else live
+        return max(base + max(per_slot, 0.0) * readers * max(context - self.lo_ctx, 0), 1e-9)
 
     def to_dict(self) -> dict:
         return {
@@ -167,9 +172,10 @@ class CostModel:
     _shape_log_ratio: dict[tuple, tuple[float, int]] = field(default_factory=dict)
     observations: int = 0  # timed steps seen (the clock of the ratios' ages)
 
-    def raw(self, shape: StepShape, rows: int, context: int) -> float:
-        """The table's prediction for one step of `shape` over `rows` rows at `context` slots each."""
-        t = self.table.target.seconds(rows, shape.verify, context)
+    def raw(self, shape: StepShape, rows: int, context: int, live: int | None = None) -> float:
+        """The table's prediction for one step of `shape` over `rows` rows (a batch bucket), `live` of them
+        (default: all) reading `context` slots each."""
+        t = self.table.target.seconds(rows, shape.verify, context, live)
         if shape.level_tokens:
             curve = self.table.draft if shape.draft_model else self.table.target
             if curve is None:
@@ -179,7 +185,7 @@ class CostModel:
             levels = 0.0
             for k in shape.level_tokens:
                 if k not in level_s:
-                    level_s[k] = curve.seconds(rows, k, ctx)
+                    level_s[k] = curve.seconds(rows, k, ctx, live)
                 levels += level_s[k]
             t += levels
         return t
@@ -242,14 +248,29 @@ class CostModel:
             self._log_ratio, (CATCH_UP, bucket), math.log(seconds / self.table.draft.seconds(rows, tokens, context))
         )
 
-    def predict(self, family: str, shape: StepShape, rows: int, bucket: int, context: int) -> float:
-        return self.raw(shape, rows, context) * self.correction(family, bucket, shape)
+    def predict(
+        self, family: str, shape: StepShape, rows: int, bucket: int, context: int, live: int | None = None
+    ) -> float:
+        """A step's predicted seconds: `rows` rows computed at batch bucket `bucket`, `live` of them (default:
+        all) reading `context` slots each. Why `live` apart: as a burst drains, its last rows run in the
+        bucket they started in (an H100 at 64 × 30K: plain decoding 22 ms a step with 64 rows reading, 3.2 ms
+        with 7), so a correction learnt from bucket-sized reads would be 5× off on the tail and back."""
+        return self.raw(shape, rows, context, live) * self.correction(family, bucket, shape)
 
-    def observe(self, family: str, shape: StepShape, rows: int, bucket: int, context: int, seconds: float) -> None:
+    def observe(
+        self,
+        family: str,
+        shape: StepShape,
+        rows: int,
+        bucket: int,
+        context: int,
+        seconds: float,
+        live: int | None = None,
+    ) -> None:
         """A step of this family and shape took `seconds` (captures left out)."""
         if not (seconds > 0 and math.isfinite(seconds)):
             return
-        r = math.log(seconds / self.raw(shape, rows, context))
+        r = math.log(seconds / self.raw(shape, rows, context, live))
         self.observations += 1
         self._blend(self._log_ratio, (family, bucket), r)
         self._blend(self._shape_log_ratio, (family, _shape_key(shape), bucket), r)

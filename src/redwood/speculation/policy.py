@@ -303,7 +303,7 @@ class AutoPolicy:
         """→ (tokens per second, expected tokens per row, predicted seconds) of `cand` for these rows; the
         seconds include 1 / horizon of a lagging draft model's catch-up."""
         context = sum(r.computed for r in rows) / len(rows)
-        seconds = self.costs.predict(cand.family, cand.shape, bucket, bucket, int(context))
+        seconds = self.costs.predict(cand.family, cand.shape, bucket, bucket, int(context), live=len(rows))
         seconds += self.switch_seconds(cand.family, rows, bucket, int(context)) / horizon
         if cand.tree is None:
             e = 1.0
@@ -477,7 +477,7 @@ class AutoPolicy:
                 realized = self.realized.setdefault(cand.family, Realized())
                 realized.observe((ran.expected_tokens - 1.0) / realized.ratio, achieved - 1.0)
         if seconds is not None and self.costs is not None and rows:
-            self.costs.observe(cand.family, cand.shape, bucket, bucket, context, seconds)
+            self.costs.observe(cand.family, cand.shape, bucket, bucket, context, seconds, live=len(rows))
 
     def forget(self, slot: int) -> None:
         """A request left `slot`."""
