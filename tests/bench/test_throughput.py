@@ -80,6 +80,7 @@ def test_cli_self_speculation_two_rates(tiny_model_dir, text_file, tmp_path, cap
     assert "spec: self (streaming(sinks=2, window=10))" in table
     rows = [line.split() for line in table.splitlines() if line.split()[:1] in (["inf"], ["40"])]
     assert [r[0] for r in rows] == ["40", "inf"] and all(r[-1] == "yes" for r in rows)
+    assert "decode steps @ inf req/s, spec: " in table and "ms a step: forward " in table
 
     rep = json.loads((out_dir / "report.json").read_text())
     assert rep["schema"].startswith("redwood.bench/") and rep["kind"] == "throughput"
@@ -98,6 +99,8 @@ def test_cli_self_speculation_two_rates(tiny_model_dir, text_file, tmp_path, cap
         assert 0 < r["kv_blocks_max"] <= r["kv_blocks_total"] and r["kv_blocks_mean"] <= r["kv_blocks_max"]
         assert [p["output_tokens"] for p in r["per_request"]] == lengths
         assert all(p["finish_reason"] == "length" for p in r["per_request"])
+        phases = r["decode_step_phases"]  # (where the steps that only decode spent their time)
+        assert phases["steps"] > 0 and phases["ms"]["forward"] > 0 and phases["host_ms"] >= 0
         if r["method"] == "spec":
             assert r["identical_to_ar"] is True and r["requests_identical_to_ar"] == 6
             assert 0 <= r["acceptance_rate"] <= 1 and 1 <= r["mean_accepted_length"] <= 4

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from redwood.devices import free_memory
+from redwood.engine.step_clock import StepClock
 from redwood.errors import ConfigError
 from redwood.sampling_params import SamplingParams
 
@@ -212,6 +213,8 @@ def run_stream(
     nxt = 0
     _sync(engine)
     capture0 = engine.capture_s
+    step_clock = getattr(engine, "clock", None)  # (the engine's step phases: `engine.step_clock`)
+    phases0 = step_clock.snapshot() if step_clock is not None else None
     t0 = time.perf_counter() - min(arrivals)
 
     def clock() -> float:
@@ -258,6 +261,7 @@ def run_stream(
         "steps": steps,
         "blocks": blocks,
         "capture_s": engine.capture_s - capture0,
+        "phases": None if step_clock is None else StepClock.since(phases0, step_clock.snapshot()),
         "blocks_used_at_end": engine.pool.num_used,
         "kv_blocks_total": engine.pool.num_blocks,
     }
@@ -355,6 +359,7 @@ def summarize(stream: dict[str, Any], method: str, rate: float) -> dict[str, Any
         kv_blocks_used_at_end=stream["blocks_used_at_end"],
         preemptions=sum(r.preemptions for r in recs),
         capture_s=stream["capture_s"],
+        decode_step_phases=stream.get("phases"),
         all_completed=all(r.finish_reason is not None and len(r.token_ids) == r.requested for r in recs),
     )
     stats = [r.stats for r in recs if r.stats and r.stats.get("speculative")]
@@ -675,6 +680,15 @@ def format_result(r: dict[str, Any]) -> str:
             f"note: {r['capture_s_in_timed_runs']:.2f} s of CUDA-graph capture during the timed runs was "
             "left out of their clocks"
         )
+    for x in r["runs"]:
+        phases = x.get("decode_step_phases")
+        if phases and phases["steps"]:
+            ms = phases["ms"]
+            parts = ", ".join(f"{p} {v:.2f}" for p, v in ms.items() if p != "forward" and v >= 0.005)
+            lines.append(
+                f"decode steps @ {_rate_text(x['request_rate'])} req/s, {x['method']}: {phases['steps']} without "
+                f"prefill; ms a step: forward {ms['forward']:.2f}, host {phases['host_ms']:.2f} ({parts})"
+            )
     for x in r["runs"]:
         tail = _tail_line(x) if x["method"] == "spec" else None
         if tail:

@@ -43,6 +43,7 @@ from redwood.engine.loaded import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL, LoadedMode
 from redwood.engine.output import OutputProcessor, Request, RequestDelta, Update, delta  # noqa: F401
 from redwood.engine.request import RequestState, SpecStats
 from redwood.engine.scheduler import Scheduler, SeqState
+from redwood.engine.step_clock import StepClock
 from redwood.engine.threads import set_threads
 from redwood.engine.tokenization import check_max_model_len, check_prompt_ids, encode_prompt, eos_token_ids  # noqa: F401
 from redwood.engine.tp_worker import share_plan
@@ -97,6 +98,7 @@ class Engine:
         self._aborted: list[RequestDelta] = []
         self._ids = itertools.count()
         self.num_steps = 0
+        self.clock = StepClock()  # where the pure decoding steps' wall time goes (bench reports it)
 
     def _calibrated_costs(self):
         """The automatic policy's cost table (`engine.calibrate`), measured at the thread count decode steps
@@ -333,17 +335,23 @@ class Engine:
 
     @torch.inference_mode()
     def _step(self) -> list[RequestDelta]:
+        clock = self.clock
+        clock.start()
         out = self.scheduler.schedule()
         self.num_steps += 1
         decode, prefill, batch = self._place(out)
+        clock.lap("schedule")
         plan, bucket = None, 0
         if batch.decode:
             bucket = self.executor.bucket(batch.decode)
             plan = self.policy.plan(batch.decode, bucket, self.scheduler.prefill_backlog_steps())
             if self.policy.auto and self.models.tp is not None:
                 plan = share_plan(self.models.tp, self.policy, plan)  # (rank 0's: the one timed plan)
+        clock.lap("plan")
         result = self.executor.execute(batch, plan)
+        clock.lap("execute")
         updates = self.output.process(batch, result, decode, prefill)
+        clock.lap("output")
         if batch.decode:
             seconds = result.step_s - result.catch_up_s if result.timed else None
             self.policy.observe(
@@ -352,12 +360,16 @@ class Engine:
             for rec in decode:
                 if rec.state.stats.spec is not None:
                     rec.state.stats.spec.count_plan(result.plan.name, plan.probe)
+        clock.lap("policy")
         self._update_scheduler(updates)
         self.executor.commit({r.slot: 0 if r.seq.status.finished else u.num_computed for r, u in zip(decode, updates)})
+        clock.lap("update")
         deltas, self._aborted = self._aborted + self.output.deltas(updates), []
         for u in updates:
             if u.request.seq.status.finished:
                 self._vacate(u.request)
+        clock.lap("deltas")
+        clock.finish(bool(batch.decode) and not batch.prefill, result.step_s, result.capture_s)
         return deltas
 
     def _place(self, out) -> tuple[list[Request], list[Request], StepBatch]:
