@@ -106,11 +106,9 @@ class DepthRates:
         """α_d per depth: the counts shrunk toward `prior` (default: this table's own flat prior)."""
         w = self.prior_weight if weight is None else weight
         prior = self.prior_rates if prior is None else prior
-        out = []
-        for d in range(self.depth):
-            p = self.prior if prior is None else prior[d]
-            out.append((self.hits[d] + w * p) / (self.reached[d] + w))
-        return out
+        if prior is None:
+            prior = [self.prior] * self.depth
+        return [(h + w * p) / (n + w) for h, n, p in zip(self.hits, self.reached, prior)]
 
     def seed(self, rates: list[float], weight: float) -> None:
         """Start from known rates (an acceptance file) worth `weight` reaches at each depth."""
@@ -128,6 +126,8 @@ class LiveAcceptance:
         self.priors = dict(priors or {})  # drafter → its first guess of α (before any step)
         self._global: dict[tuple[str, int], DepthRates] = {}
         self._rows: dict[tuple[str, int], DepthRates] = {}
+        # (drafter, bucket) → its table's rates, until the next record or seed: a plan asks them once per row
+        self._overall: dict[tuple[str, int], list[float]] = {}
 
     def _table(self, drafter: str, bucket: int) -> DepthRates:
         key = (drafter, bucket)
@@ -144,9 +144,11 @@ class LiveAcceptance:
         return t
 
     def seed(self, drafter: str, temperature: float, rates: list[float], weight: float = 16.0) -> None:
+        self._overall.clear()
         self._table(drafter, temperature_bucket(temperature)).seed(rates, weight)
 
     def record(self, drafter: str, slot: int, temperature: float, accepted: int, offered: int, start: int = 0) -> None:
+        self._overall.clear()
         self._table(drafter, temperature_bucket(temperature)).record(accepted, offered, start)
         row = self._rows.get((drafter, slot))
         if row is None:
@@ -155,12 +157,16 @@ class LiveAcceptance:
 
     def rates(self, drafter: str, slot: int, temperature: float) -> list[float]:
         """α_d for the request in `slot`: its own counts shrunk toward its drafter's at its temperature."""
-        overall = self._table(drafter, temperature_bucket(temperature)).rates()
+        overall = self.overall(drafter, temperature)
         row = self._rows.get((drafter, slot))
-        return overall if row is None else row.rates(prior=overall, weight=ROW_PRIOR)
+        return list(overall) if row is None else row.rates(prior=overall, weight=ROW_PRIOR)
 
     def overall(self, drafter: str, temperature: float) -> list[float]:
-        return self._table(drafter, temperature_bucket(temperature)).rates()
+        key = (drafter, temperature_bucket(temperature))
+        got = self._overall.get(key)
+        if got is None:
+            got = self._overall[key] = self._table(*key).rates()
+        return got
 
     def forget_row(self, slot: int) -> None:
         """A request left the slot: its own counts go (the drafter's stay)."""

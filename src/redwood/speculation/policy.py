@@ -49,6 +49,8 @@ own step cost (it is a switch's, not the plan's).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
+from operator import mul
 
 from redwood.errors import ConfigError
 from redwood.speculation.acceptance_live import LiveAcceptance, ShadowScorer
@@ -271,21 +273,16 @@ class AutoPolicy:
         row offers only the proposal it has this step — none: 1 token; a row emits at most its `remaining`
         tokens), the surplus over 1 scaled by the family's realized ratio."""
         depth = self.depth[family]
-        total = [0.0] * (depth + 1)
         proposing = self._proposing.get(family)
+        per_row = []  # each row's [E(0), …, E(depth)]: 1 + the running sums of the running products of its α_d
         for i, r in enumerate(rows):
-            run, acc = 1.0, 1.0
-            total[0] += 1.0
             rates = self.acceptance.rates(family, r.slot, r.params.temperature)[:depth]
             offered = len(rates) if proposing is None else min(proposing[i], len(rates))  # (draftless: its proposal)
-            offered = min(offered, r.remaining - 1)  # (drafts past its limit are never emitted)
-            for d in range(depth):
-                if d < offered:
-                    run *= rates[d]
-                    acc += run
-                total[d + 1] += acc
+            offered = max(min(offered, r.remaining - 1), 0)  # (drafts past its limit are never emitted)
+            sums = list(accumulate(accumulate(rates[:offered], mul), initial=1.0))
+            per_row.append(sums + [sums[-1]] * (depth - offered))  # (no more tokens past what is offered)
         ratio = self.realized[family].ratio if family in self.realized else 1.0
-        return [1.0 + ratio * (t / len(rows) - 1.0) for t in total]
+        return [1.0 + ratio * (sum(col) / len(rows) - 1.0) for col in zip(*per_row)]
 
     def switch_seconds(self, family: str, rows, bucket: int, context: int) -> float:
         """The predicted catch-up a step of `family` pays first (0 unless it is a lagging draft model)."""
@@ -298,11 +295,19 @@ class AutoPolicy:
         return self.costs.catch_up(sum(b > 0 for b in behind), max(behind), bucket, context)
 
     def score(
-        self, cand: Candidate, rows, bucket: int, expected: dict | None = None, horizon: int = SWITCH_HORIZON
+        self,
+        cand: Candidate,
+        rows,
+        bucket: int,
+        expected: dict | None = None,
+        horizon: int = SWITCH_HORIZON,
+        context: float | None = None,
     ) -> tuple[float, float, float]:
         """→ (tokens per second, expected tokens per row, predicted seconds) of `cand` for these rows; the
-        seconds include 1 / horizon of a lagging draft model's catch-up."""
-        context = sum(r.computed for r in rows) / len(rows)
+        seconds include 1 / horizon of a lagging draft model's catch-up. context: the rows' mean (given by a
+        caller scoring many candidates: a sum over 64 rows per candidate was a share of the plan's time)."""
+        if context is None:
+            context = sum(r.computed for r in rows) / len(rows)
         seconds = self.costs.predict(cand.family, cand.shape, bucket, bucket, int(context), live=len(rows))
         seconds += self.switch_seconds(cand.family, rows, bucket, int(context)) / horizon
         if cand.tree is None:
@@ -338,8 +343,13 @@ class AutoPolicy:
         # catch-up for that one step, so it is charged in full, not spread over SWITCH_HORIZON steps.
         horizon = 1 if self.current.family in idle else SWITCH_HORIZON
         expected = {f: self.expected_by_gamma(f, rows) for f in {c.family for c in self.candidates if c.tree}}
+        context = sum(r.computed for r in rows) / len(rows)
         scored = _long_chains_gated(
-            [(self.score(c, rows, bucket, expected, horizon), c) for c in self.candidates if c.family not in idle]
+            [
+                (self.score(c, rows, bucket, expected, horizon, context), c)
+                for c in self.candidates
+                if c.family not in idle
+            ]
         )
         best_of: dict[str, tuple] = {}
         for sc, c in scored:
