@@ -115,6 +115,29 @@ def test_prepare_pads_rows_and_says_whether_any_row_proposed():
         d.prepare([(0, [1, 2])], Tree([-1, 0, 0]), 1, torch.device("cpu"))
 
 
+def test_a_prompt_is_indexed_as_it_prefills(models):
+    """Prompt lookup's index of a row grows with each prefill chunk (in the step that runs the chunk's forward),
+    so the first decoding step finds it built; a new request in the slot starts over."""
+    from redwood.engine.engine import Engine
+
+    target, _, tok = models
+    drafter = NgramDrafter(320, 2, 4)
+    engine = Engine.build(
+        target, tok, drafter=drafter, tree=Tree.chain(3), max_num_seqs=1, block_size=8, max_num_batched_tokens=16
+    )
+    prompt = [3 + (i * 7) % 40 for i in range(40)]  # three chunks of ≤ 16 tokens
+    engine.add_request(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True), request_id="a")
+    grown = []
+    while engine.has_unfinished():
+        engine.step()
+        index = drafter._rows.get(0)
+        grown.append(None if index is None else len(index.tokens))
+    assert grown[:3] == [16, 32, 40]  # (each chunk's tokens, before any decoding step)
+    engine.add_request(prompt[::-1][:20], SamplingParams(max_new_tokens=2, ignore_eos=True), request_id="b")
+    engine.step()
+    assert drafter._rows[0].tokens == prompt[::-1][:16]
+
+
 def test_greedy_ngram_speculation_equals_ar_under_continuous_batching(models):
     """Ragged repetitive prompts arriving at different steps, 3 slots for 6 requests: every request's tokens
     equal its greedy AR output, and drafted tokens were accepted (the test exercises acceptance, not only

@@ -416,6 +416,10 @@ class Executor:
                     self._draft_valid[w.slot] = w.stop
             for k, (i, _) in enumerate(plain):
                 logits[i] = out[k]
+        for d in self.drafters:  # (on a GPU this runs while the forwards above do: nothing has synchronized yet)
+            if d.needs_history:
+                for w in work:
+                    d.index_prefix(w.slot, w.token_ids, w.stop)
         result.prefill_s = (time.perf_counter() - t0) / len(work)  # (the step's prefill time, shared)
         for i, w in enumerate(work):
             if not w.is_last:
