@@ -3,14 +3,15 @@
 A step is schedule → plan → execute → update; the executor times its decoding forward (`StepResult.step_s`:
 the draft, the verification and the one host synchronization, captures left out), and everything else a step
 does is host work the GPU waits on — the policy's planning and learning, the tokens' bookkeeping, the
-detokenizer. On an H100 at 64 × 30K the automatic policy's steps came ~9 ms apart more than their timed
-forwards (`bench throughput`: chunk ITL p50 37.2 ms vs 27.9 ms timed), a quarter of the step; this clock says
-which phase holds it. Only steps that decode and prefill nothing are counted (a prefill chunk's forward would
-swamp the host phases), and the captures of a step are left out of its phases.
+detokenizer. On an H100 at 64 × 30K it read AR 21.0 ms forward + 1.2 ms host a step, the automatic policy
+16.6 + 5.6 (3.3 of it planning; benchmarks/results/2026-12-07-session35). Only steps that decode and prefill
+nothing are counted (a prefill chunk's forward would swamp the host phases), and the captures of a step are left
+out of its phases.
 
     clock = StepClock()
     clock.start(); ...; clock.lap("plan"); ...; clock.finish(counted=True, forward_s=..., capture_s=...)
-    clock.snapshot() → {"steps": n, "ms": {phase: mean ms per counted step}}
+    StepClock.since(a, b) → {"steps": n, "ms": {phase: mean ms per counted step}, "host_ms": ...}
+    (a, b: `clock.snapshot()` before and after)
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class StepClock:
         self._laps["forward"] = forward_s
         self._laps["execute_host"] = max(execute - forward_s, 0.0)
         for phase, s in self._laps.items():
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + s
+            self.seconds[phase] += s
         self.steps += 1
 
     def snapshot(self) -> dict:

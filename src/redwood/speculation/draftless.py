@@ -165,20 +165,17 @@ class DraftlessDrafter(Drafter):
         """Grow the row's index over `token_ids[:stop]` — its prompt as far as prefilled. The executor calls this
         while a prefill chunk's forward runs on the GPU: a 30K-token prompt is ~10 ms of host indexing, and left
         to the first decoding step, a burst of 64 such rows held that step ~1 s (an H100, session 35)."""
+        self._index(slot, token_ids, stop)
+
+    def _index(self, slot: int, history: list[int], stop: int | None = None):
+        """The row's index, grown to `history[:stop]` (default: all of it; a new one when the slot's tokens are
+        not its continuation)."""
+        stop = len(history) if stop is None else stop
         index = self._rows.get(slot)
         if index is None or len(index.tokens) > stop:
             self.reset_row(slot)
             index = self._rows[slot] = self._new_index()
-        if len(index.tokens) < stop:
-            index.extend(token_ids[len(index.tokens) : stop])
-
-    def _index(self, slot: int, history: list[int]):
-        """The row's index, grown to `history` (a new one when the slot's tokens are not its continuation)."""
-        index = self._rows.get(slot)
-        if index is None or len(index.tokens) > len(history):
-            self.reset_row(slot)
-            index = self._rows[slot] = self._new_index()
-        index.extend(history[len(index.tokens) :])
+        index.extend(history[len(index.tokens) : stop])
         return index
 
     def prepare(self, rows: list[tuple[int, list[int]]], tree: Tree, n: int, device: torch.device) -> bool:
