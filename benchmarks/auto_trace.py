@@ -57,9 +57,9 @@ def main() -> None:
 
     plan, observe, catch = policy.plan, policy.observe, executor._catch_up_draft
 
-    def traced_plan(rows, bucket, prefill_backlog_steps=0):
+    def traced_plan(rows, bucket, prefill_backlog_steps=0, backlog_decodes=0):
         t0 = time.perf_counter()
-        p = plan(rows, bucket, prefill_backlog_steps)
+        p = plan(rows, bucket, prefill_backlog_steps, backlog_decodes)
         planner_s[0] += time.perf_counter() - t0
         planner_s[1] += 1
         if args.steps:

@@ -31,7 +31,7 @@ def costs_in_tmp(tmp_path, monkeypatch):
 def cycle_plans(monkeypatch, order=None):
     """Make AutoPolicy.plan run its candidates in turn, one per step (every switch the policy could make)."""
 
-    def plan(self, rows, bucket, prefill_backlog_steps=0):
+    def plan(self, rows, bucket, prefill_backlog_steps=0, backlog_decodes=0):
         self.steps += 1
         for s in self.shadows:
             for r in rows:
@@ -107,6 +107,36 @@ def test_steps_behind_a_prefill_backlog_decode_plainly_and_greedy_stays_equal(mo
     assert [s.output_ids for s in spec] == [s.output_ids for s in ar]
     report = engine.policy.report()
     assert report["prefill_bound_steps"] > 0 and report["plans"]["ar"] >= report["prefill_bound_steps"]
+
+
+@pytest.mark.parametrize("ignore_eos", [True, False], ids=["eos-ignored", "eos-may-end"])
+def test_the_policy_is_told_what_the_prefill_backlog_will_decode(models, ignore_eos):
+    """Each plan gets the backlog's steps and the tokens its requests are sure to decode afterwards: all of their
+    max_new_tokens with EOS ignored (every step with a backlog is then planned plainly: no running row can
+    outlast the rows still prefilling), none when EOS may end them; output equals AR's either way."""
+    target, draft, tok = models
+    prompts = repetitive_prompts(5, seed=12, copies=(10, 14), tail=(0, 1))
+    params = [SamplingParams(max_new_tokens=24, ignore_eos=ignore_eos) for _ in prompts]
+    kw = dict(max_num_seqs=5, max_num_batched_tokens=8)
+    _, ar, _ = run_engine(target, tok, prompts, params, block_size=8, **kw)
+    engine = auto_engine(target, tok, [NgramDrafter(320, 1, 3)], **kw)
+    seen = []  # (backlog steps, what it will decode, the rows' most remaining tokens, the plan's family)
+    plan = engine.policy.plan
+
+    def recording(rows, bucket, backlog=0, backlog_decodes=0):
+        p = plan(rows, bucket, backlog, backlog_decodes)
+        seen.append((backlog, backlog_decodes, max(r.remaining for r in rows), p.family))
+        return p
+
+    engine.policy.plan = recording
+    _, spec, _ = run_engine(target, tok, prompts, params, engine=engine)
+    assert [s.output_ids for s in spec] == [s.output_ids for s in ar]
+    behind = [x for x in seen if x[0] > 0]
+    assert len(behind) > 5 and all(decodes == (24 if ignore_eos else 0) for _, decodes, _, _ in behind)
+    assert any(most > backlog for backlog, _, most, _ in behind)  # (steps the backlog alone leaves free to speculate)
+    if ignore_eos:
+        assert all(family == "ar" for *_, family in behind)
+        assert engine.policy.report()["prefill_bound_steps"] == len(behind)
 
 
 def test_llm_with_the_auto_policy_and_no_model_drafter(tiny_model_dir):

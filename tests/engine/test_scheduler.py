@@ -431,6 +431,27 @@ def test_prefill_backlog_counts_the_prefills_that_can_proceed_now():
     assert s.prefill_backlog_steps() == 0  # c waits for a decoding row to finish, not for prefill budget
 
 
+def test_the_backlog_then_decodes_what_its_requests_are_sure_to_generate():
+    """The fewest output tokens any request of the prefill backlog is sure to generate (its sure_new_tokens, less
+    what a preempted one already has); 0 with no backlog, a request that may stop early, or a queue behind it."""
+    s = make(max_num_seqs=2, budget=8, num_blocks=64)
+    assert s.backlog_then_decodes() == 0
+    a, b = req("a", 20), req("b", 6)
+    a.sure_new_tokens, b.sure_new_tokens = 40, 30
+    s.add(a)
+    s.add(b)
+    assert s.backlog_then_decodes() == 30
+    b.output_token_ids.extend([7, 7, 7])  # (as a preempted request waits with its output so far)
+    assert s.backlog_then_decodes() == 27
+    c = req("c", 30)
+    c.sure_new_tokens = 100
+    s.add(c)  # two free slots, three waiting: c waits for a slot, so a decoding row's early end counts
+    assert s.backlog_then_decodes() == 0
+    s2 = make(max_num_seqs=2, budget=8, num_blocks=64)
+    s2.add(req("d", 20))  # sure_new_tokens 0: it may stop at its first token
+    assert s2.backlog_then_decodes() == 0
+
+
 def test_prefill_first_runs_prefill_alone_then_decodes_the_burst_together():
     """Prefill first: while prompts can proceed, a step runs their chunks and no decoding row; the rows then decode
     together. A waiting prompt whose whole prefill would leave no block for every decoding row is not admitted

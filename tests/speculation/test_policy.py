@@ -275,6 +275,23 @@ def test_prefill_bound_steps_decode_plainly():
     assert [pl.family for pl in after if not pl.probe][0] == "ngram"
 
 
+def test_rows_the_queued_prefills_will_outlast_decode_plainly():
+    """A queued prefill that is sure to decode D tokens once done ends the run no sooner than backlog + D steps
+    from now: rows with no more than that left decode plainly though each outlives the backlog itself; a row
+    with more than that left brings speculation back, as does a backlog that may stop early (D = 0)."""
+    flat = ForwardCurve([1, 16], 16, 1040, [1.0, 1.0], [1.0, 1.0])
+    p = AutoPolicy([Draftless()], margin=0.0)
+    p.costs = CostModel(CostTable(flat))
+    p.acceptance.seed("ngram", 0.0, [0.9] * 8, weight=1e6)
+    rows = [Row(0, remaining=120), Row(1, remaining=250)]
+    plans = [p.plan(rows, 2, prefill_backlog_steps=50, backlog_decodes=200) for _ in range(3 * PROBE_EVERY)]
+    assert all(pl.name == "ar" and not pl.probe for pl in plans)
+    assert p.report()["prefill_bound_steps"] == 3 * PROBE_EVERY
+    for backlog, decodes in ((50, 199), (50, 0), (0, 500)):  # row 1's 250 > 249; a backlog that may stop; none
+        plans = [p.plan(rows, 2, prefill_backlog_steps=backlog, backlog_decodes=decodes) for _ in range(2)]
+        assert [pl.family for pl in plans if not pl.probe][0] == "ngram"  # (plain decoding's probe may fall due)
+
+
 def test_a_draft_model_probe_is_held_to_the_probe_budget():
     """After its first probe, a draft model is probed again only when the probe's predicted loss — its step and
     its whole catch-up, less what its expected tokens are worth at the chosen plan's rate — is within

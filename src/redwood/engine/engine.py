@@ -266,6 +266,7 @@ class Engine:
                 policy="auto" if self.policy.auto else "fixed",
             )
         seq = SeqState(request_id, list(ids), max_new)
+        seq.sure_new_tokens = max_new if params.ignore_eos and not params.stop else 0
         if self.drafter is not None:
             seq.prefix_limit = self.drafter.policy.prefix_limit(len(ids))
         self.scheduler.add(seq)  # (validates against the pool)
@@ -344,7 +345,10 @@ class Engine:
         plan, bucket = None, 0
         if batch.decode:
             bucket = self.executor.bucket(batch.decode)
-            plan = self.policy.plan(batch.decode, bucket, self.scheduler.prefill_backlog_steps())
+            sched = self.scheduler
+            plan = self.policy.plan(
+                batch.decode, bucket, sched.prefill_backlog_steps(), backlog_decodes=sched.backlog_then_decodes()
+            )
             if self.policy.auto and self.models.tp is not None:
                 plan = share_plan(self.models.tp, self.policy, plan)  # (rank 0's: the one timed plan)
         clock.lap("plan")

@@ -76,6 +76,9 @@ class SeqState:
     # At most this many leading tokens may come from the prefix cache (None: any; SnapKV must compute
     # its observation window, see DraftKVPolicy.prefix_limit).
     prefix_limit: int | None = None
+    # Output tokens it generates for certain (max_new_tokens when nothing but the length can end it: EOS ignored,
+    # no stop strings; else 0) — what the automatic policy may count on a queued prefill decoding afterwards
+    sure_new_tokens: int = 0
 
     def __post_init__(self) -> None:
         # prompt + output, kept as one list (`extend_output`): every step reads it for every decoding row (the
@@ -167,6 +170,15 @@ class Scheduler:
         tokens = sum(r.prefill_len - r.num_computed for r in self.running if r.is_prefilling)
         tokens += sum(r.num_tokens for r in self.waiting[: len(self._free_slots)])
         return -(-tokens // self.max_num_batched_tokens)
+
+    def backlog_then_decodes(self) -> int:
+        """Output tokens every request of that backlog is sure to generate once its prefill is done (the fewest
+        of their `sure_new_tokens`); 0 with no backlog, or while requests wait behind it for a slot (a decoding
+        row that ends sooner lets one in sooner: its tokens are worth having early)."""
+        backlog = [r for r in self.running if r.is_prefilling] + self.waiting[: len(self._free_slots)]
+        if not backlog or len(self.waiting) > len(self._free_slots):
+            return 0
+        return min(max(r.sure_new_tokens - len(r.output_token_ids), 0) for r in backlog)  # (a preempted one: its rest)
 
     def get(self, request_id: str) -> SeqState | None:
         return self._requests.get(request_id)

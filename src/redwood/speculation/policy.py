@@ -166,7 +166,7 @@ class FixedPolicy:
         self.drafters = [] if drafter is None else [drafter]
         self.max_tree_size = 1 if tree is None else tree.size
 
-    def plan(self, rows, bucket: int, prefill_backlog_steps: int = 0) -> Plan:
+    def plan(self, rows, bucket: int, prefill_backlog_steps: int = 0, backlog_decodes: int = 0) -> Plan:
         return self._plan
 
     def observe(
@@ -317,10 +317,11 @@ class AutoPolicy:
             e = by_gamma[cand.tree.size - 1]
         return e * len(rows) / seconds, e, seconds
 
-    def plan(self, rows, bucket: int, prefill_backlog_steps: int = 0) -> Plan:
+    def plan(self, rows, bucket: int, prefill_backlog_steps: int = 0, backlog_decodes: int = 0) -> Plan:
         """The plan of the next step over decoding `rows` (each with .slot, .params, .computed, .token_ids,
         .remaining) in a batch bucket of `bucket` slots; prefill_backlog_steps: steps the prefills that can
-        proceed now still need (`Scheduler.prefill_backlog_steps`)."""
+        proceed now still need (`Scheduler.prefill_backlog_steps`); backlog_decodes: tokens each of those
+        requests is sure to decode afterwards (`Scheduler.backlog_then_decodes`)."""
         if self.costs is None:
             raise RuntimeError("the automatic policy has no cost model yet (the engine calibrates it first)")
         self.steps += 1
@@ -329,12 +330,7 @@ class AutoPolicy:
         self._proposing = {}
         for s in self.shadows:
             self._proposing[s.name] = [s.before(r.slot, r.token_ids, r.params.temperature) for r in rows]
-        if prefill_backlog_steps > 0 and rows and prefill_backlog_steps >= max(r.remaining for r in rows):
-            # Prefill-bound: every row would end, decoding plainly, before the queued prefills do — so the run
-            # ends when they do, whatever these rows run. Speculating would only make each of those steps
-            # longer (their prefill chunks wait on it) and drain the rows sooner, leaving later steps fewer
-            # rows to share the weights' read; plain decoding is the cheapest step. (Measured on an H100:
-            # 64 × 16K prompts, 256 new tokens — auto 0.95× AR, its prefills done 2.2 s later.)
+        if self._prefill_bound(rows, prefill_backlog_steps, backlog_decodes):
             self.prefill_bound_steps += 1
             return Plan(AR, expected_tokens=1.0)
         idle = {f for f, lens in self._proposing.items() if not any(lens)}
@@ -391,6 +387,22 @@ class AutoPolicy:
             else:
                 probe.since_s += plan.predicted_s
         return plan
+
+    @staticmethod
+    def _prefill_bound(rows, backlog_steps: int, backlog_decodes: int) -> bool:
+        """Whether queued prefills, not these rows, set when the run ends: the last of them is prefilled after
+        `backlog_steps` steps and then decodes at least `backlog_decodes` tokens, at the rate these rows would
+        once the prefills are done — so a row that, decoding plainly until then, has no more than that left
+        ends no later, whatever it runs now. Speculating on those steps would only make each longer (their
+        prefill chunks wait on it: the prefills end later, and with them the run) and drain the rows sooner,
+        leaving later steps fewer rows to share the weights' read: plain decoding is the cheapest step.
+        Measured on an H100: 64 × 16K prompts, 256 new tokens — auto 0.95× AR with the prefills done 2.2 s
+        later (the backlog alone, backlog_decodes 0); 64 × 8K prompts, 256 new tokens at 2,048 prefill tokens
+        a step — auto 0.95× AR (repeats 0.88–0.95×), each of its 256 steps that carried a prefill chunk 3.7 ms
+        longer than AR's while no decoding row could outlast the rows still prefilling."""
+        if backlog_steps <= 0 or not rows:
+            return False
+        return max(r.remaining for r in rows) <= backlog_steps + backlog_decodes
 
     def _uncaptured(self, cand: Candidate, bucket: int) -> bool:
         """Whether running `cand` at `bucket` would capture a CUDA graph first (never without graphs)."""
