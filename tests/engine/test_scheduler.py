@@ -452,6 +452,24 @@ def test_the_backlog_then_decodes_what_its_requests_are_sure_to_generate():
     assert s2.backlog_then_decodes() == 0
 
 
+def test_a_backlog_that_came_after_the_rows_began_counts_nothing():
+    """Requests added together are one burst: the one still prefilling counts its sure tokens while another
+    decodes. A request added after a decoding row's first token is a stream's (closed-loop clients send the
+    next request when one ends): the backlog then counts nothing."""
+    s = make(max_num_seqs=3, budget=8, num_blocks=64)
+    a, b = req("a", 6, max_new=50), req("b", 30, max_new=50, base=100)
+    a.sure_new_tokens = b.sure_new_tokens = 50
+    s.add(a)
+    s.add(b)
+    while not a.output_token_ids:
+        run_step(s, s.schedule())
+    assert b.num_computed < 30 and s.backlog_then_decodes() == 50
+    c = req("c", 30, max_new=50, base=200)
+    c.sure_new_tokens = 50
+    s.add(c)
+    assert s.backlog_then_decodes() == 0
+
+
 def test_prefill_first_runs_prefill_alone_then_decodes_the_burst_together():
     """Prefill first: while prompts can proceed, a step runs their chunks and no decoding row; the rows then decode
     together. A waiting prompt whose whole prefill would leave no block for every decoding row is not admitted

@@ -79,6 +79,8 @@ class SeqState:
     # Output tokens it generates for certain (max_new_tokens when nothing but the length can end it: EOS ignored,
     # no stop strings; else 0) — what the automatic policy may count on a queued prefill decoding afterwards
     sure_new_tokens: int = 0
+    arrived_after: int = 0  # output tokens the scheduler had recorded (all requests) when this one was added
+    first_token_after: int | None = None  # ... when this one's first output token came (None: not yet)
 
     def __post_init__(self) -> None:
         # prompt + output, kept as one list (`extend_output`): every step reads it for every decoding row (the
@@ -159,6 +161,7 @@ class Scheduler:
         self._free_slots = list(range(max_num_seqs))  # a heap
         self._requests: dict[str, SeqState] = {}  # unfinished, by id
         self._arrivals = 0
+        self._emitted = 0  # output tokens recorded so far, all requests (the clock `arrived_after` reads)
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -173,12 +176,18 @@ class Scheduler:
 
     def backlog_then_decodes(self) -> int:
         """Output tokens every request of that backlog is sure to generate once its prefill is done (the fewest
-        of their `sure_new_tokens`); 0 with no backlog, or while requests wait behind it for a slot (a decoding
-        row that ends sooner lets one in sooner: its tokens are worth having early)."""
+        of their `sure_new_tokens`, less what a preempted one has). 0 — nothing to count on — with no backlog,
+        while requests wait behind it for a slot (a decoding row that ends sooner lets one in sooner: its
+        tokens are worth having early), or when a backlog request came after a decoding row had begun its
+        output: a stream, not one burst (a closed-loop client sends its next request when one ends, so rows
+        that end sooner bring the next arrivals sooner)."""
         backlog = [r for r in self.running if r.is_prefilling] + self.waiting[: len(self._free_slots)]
         if not backlog or len(self.waiting) > len(self._free_slots):
             return 0
-        return min(max(r.sure_new_tokens - len(r.output_token_ids), 0) for r in backlog)  # (a preempted one: its rest)
+        started = [r.first_token_after for r in self.running if not r.is_prefilling and r.first_token_after is not None]
+        if started and max(r.arrived_after for r in backlog) > min(started):
+            return 0
+        return min(max(r.sure_new_tokens - len(r.output_token_ids), 0) for r in backlog)
 
     def get(self, request_id: str) -> SeqState | None:
         return self._requests.get(request_id)
@@ -208,6 +217,7 @@ class Scheduler:
             )
         request.status = Status.WAITING
         request.arrival = self._arrivals
+        request.arrived_after = self._emitted
         request.num_computed = request.prefill_len = 0
         request.block_table = BlockTable(self.pool.block_size)
         self._arrivals += 1
@@ -364,6 +374,9 @@ class Scheduler:
         request.num_computed = computed
         room = min(request.max_new_tokens - len(request.output_token_ids), self.max_model_len - before)
         kept = list(new_token_ids[:room])
+        if kept and request.first_token_after is None:
+            request.first_token_after = self._emitted
+        self._emitted += len(kept)
         request.extend_output(kept)
         if self.pool.enable_prefix_cache:
             request.block_table.register_full(request.prompt_token_ids, request.num_computed, self.pool)

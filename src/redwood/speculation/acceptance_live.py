@@ -93,14 +93,16 @@ class DepthRates:
         offered = min(offered, self.depth)
         accepted = min(accepted, offered)
         if start == 0:
-            for d in range(self.depth):
-                self.hits[d] *= self.decay
-                self.reached[d] *= self.decay
+            decay = self.decay
+            self.hits = [h * decay for h in self.hits]
+            self.reached = [n * decay for n in self.reached]
             self.records += 1
-        for d in range(start, min(accepted + 1, offered)):
-            self.reached[d] += 1.0
-            if d < accepted:
-                self.hits[d] += 1.0
+        hits, reached = self.hits, self.reached
+        for d in range(start, accepted):  # (reached and accepted)
+            reached[d] += 1.0
+            hits[d] += 1.0
+        if accepted < offered and accepted >= start:  # (reached and rejected: the proposal's end)
+            reached[accepted] += 1.0
 
     def rates(self, prior: list[float] | None = None, weight: float | None = None) -> list[float]:
         """α_d per depth: the counts shrunk toward `prior` (default: this table's own flat prior)."""
