@@ -108,3 +108,17 @@ def test_every_step_adds_a_score_once_proposals_resolve():
         history.append(len(history) % 3)
     assert s.scored >= 16  # each proposal lives 4 steps, then is scored: all but the last few
     assert acc.overall("ngram", 0.0)[3] > 0.85
+
+
+def test_a_record_refreshes_only_its_own_tables_rates():
+    """Each (drafter, temperature bucket)'s rates are cached until that table changes: a record of one drafter
+    or bucket leaves the others' cached rates as they are, and its own are recomputed."""
+    live = LiveAcceptance(4)
+    a_t0, b_t0, a_t1 = live.overall("a", 0.0), live.overall("b", 0.0), live.overall("a", 0.7)
+    live.record("b", 0, 0.0, 2, 4)
+    assert live.overall("a", 0.0) is a_t0 and live.overall("a", 0.7) is a_t1
+    assert live.overall("b", 0.0) is not b_t0 and live.overall("b", 0.0)[0] > b_t0[0]
+    live.seed("a", 0.7, [0.9] * 4)
+    assert live.overall("a", 0.0) is a_t0 and live.overall("a", 0.7) == pytest.approx(
+        [0.9 * 16 / 18 + 0.5 * 2 / 18] * 4
+    )

@@ -146,12 +146,14 @@ class LiveAcceptance:
         return t
 
     def seed(self, drafter: str, temperature: float, rates: list[float], weight: float = 16.0) -> None:
-        self._overall.clear()
-        self._table(drafter, temperature_bucket(temperature)).seed(rates, weight)
+        bucket = temperature_bucket(temperature)
+        self._overall.pop((drafter, bucket), None)
+        self._table(drafter, bucket).seed(rates, weight)
 
     def record(self, drafter: str, slot: int, temperature: float, accepted: int, offered: int, start: int = 0) -> None:
-        self._overall.clear()
-        self._table(drafter, temperature_bucket(temperature)).record(accepted, offered, start)
+        bucket = temperature_bucket(temperature)
+        self._overall.pop((drafter, bucket), None)  # (only this table changed: the others' rates stay cached)
+        self._table(drafter, bucket).record(accepted, offered, start)
         row = self._rows.get((drafter, slot))
         if row is None:
             row = self._rows[(drafter, slot)] = DepthRates(self.depths.get(drafter, self.depth), decay=ROW_DECAY)
