@@ -292,6 +292,44 @@ def test_rows_the_queued_prefills_will_outlast_decode_plainly():
         assert [pl.family for pl in plans if not pl.probe][0] == "ngram"  # (plain decoding's probe may fall due)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_expected_tokens_equal_each_rows_chain_averaged(seed):
+    """E(γ) over the rows at once equals each row's own chain expectation (its rates, its offer: a draftless
+    proposal's length, its remaining tokens) averaged over the rows — after random records and seeds, with rows at
+    two temperatures, rows with and without counts of their own, and requests leaving."""
+    rng = random.Random(seed)
+    p = AutoPolicy([ModelDraft(), Draftless()], margin=0.0)
+    p.costs = CostModel(table(rng))
+    rows = [
+        Row(i, remaining=rng.randrange(1, 20), params=SamplingParams(temperature=rng.choice([0.0, 0.7])))
+        for i in range(7)
+    ]
+    for _ in range(40):
+        family = rng.choice(["draft", "ngram"])
+        if rng.random() < 0.8:
+            offered = rng.randrange(1, 9)
+            p.acceptance.record(family, rng.randrange(9), rng.choice([0.0, 0.7]), rng.randrange(offered + 1), offered)
+        else:
+            p.acceptance.seed(
+                family, rng.choice([0.0, 0.7]), [rng.random() for _ in range(8)], weight=rng.uniform(1, 9)
+            )
+        if rng.random() < 0.1:
+            p.forget(rng.randrange(9))
+        proposals = [rng.randrange(0, 20) for _ in rows]
+        p._proposing = {"ngram": proposals}
+        for family, depth in p.depth.items():
+            want = []
+            for gamma in range(depth + 1):
+                per_row = []
+                for i, r in enumerate(rows):
+                    offer = min(gamma, r.remaining - 1, proposals[i] if family == "ngram" else gamma)
+                    per_row.append(
+                        expected_chain_tokens(p.acceptance.rates(family, r.slot, r.params.temperature), offer)
+                    )
+                want.append(sum(per_row) / len(rows))
+            assert p.expected_by_gamma(family, rows) == pytest.approx(want, rel=1e-12)
+
+
 def test_a_draft_model_probe_is_held_to_the_probe_budget():
     """After its first probe, a draft model is probed again only when the probe's predicted loss — its step and
     its whole catch-up, less what its expected tokens are worth at the chosen plan's rate — is within

@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import numpy as np
+
 from redwood.errors import ConfigError
 from redwood.jsonfile import check_format, read_json
 from redwood.speculation.trees import acceptance_rows
@@ -164,6 +166,17 @@ class LiveAcceptance:
         overall = self.overall(drafter, temperature)
         row = self._rows.get((drafter, slot))
         return list(overall) if row is None else row.rates(prior=overall, weight=ROW_PRIOR)
+
+    def rates_of_rows(self, drafter: str, slots: list[int], temperatures: list[float]) -> np.ndarray:
+        """[rows, depth] float64: `rates(drafter, slot, temperature)` of each row, in one array operation (a plan
+        asks them of 64 rows for every family: one at a time, ~0.3 ms of its ~1 ms at prompt lookup's 16 depths).
+        The same arithmetic as `DepthRates.rates`; a row without counts of its own gets its drafter's rates."""
+        prior = [self.overall(drafter, t) for t in temperatures]
+        zeros = [0.0] * len(prior[0]) if prior else []
+        tables = [self._rows.get((drafter, s)) for s in slots]
+        hits = np.array([zeros if t is None else t.hits for t in tables], dtype=np.float64)
+        reached = np.array([zeros if t is None else t.reached for t in tables], dtype=np.float64)
+        return (hits + ROW_PRIOR * np.array(prior, dtype=np.float64)) / (reached + ROW_PRIOR)
 
     def overall(self, drafter: str, temperature: float) -> list[float]:
         key = (drafter, temperature_bucket(temperature))

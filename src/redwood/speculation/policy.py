@@ -49,8 +49,8 @@ own step cost (it is a switch's, not the plan's).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
-from operator import mul
+
+import numpy as np
 
 from redwood.errors import ConfigError
 from redwood.speculation.acceptance_live import LiveAcceptance, ShadowScorer
@@ -273,16 +273,22 @@ class AutoPolicy:
         row offers only the proposal it has this step — none: 1 token; a row emits at most its `remaining`
         tokens), the surplus over 1 scaled by the family's realized ratio."""
         depth = self.depth[family]
+        if not rows:
+            return [1.0] * (depth + 1)
         proposing = self._proposing.get(family)
-        per_row = []  # each row's [E(0), …, E(depth)]: 1 + the running sums of the running products of its α_d
-        for i, r in enumerate(rows):
-            rates = self.acceptance.rates(family, r.slot, r.params.temperature)[:depth]
-            offered = len(rates) if proposing is None else min(proposing[i], len(rates))  # (draftless: its proposal)
-            offered = max(min(offered, r.remaining - 1), 0)  # (drafts past its limit are never emitted)
-            sums = list(accumulate(accumulate(rates[:offered], mul), initial=1.0))
-            per_row.append(sums + [sums[-1]] * (depth - offered))  # (no more tokens past what is offered)
+        rates = self.acceptance.rates_of_rows(family, [r.slot for r in rows], [r.params.temperature for r in rows])
+        offered = np.array(
+            [
+                max(min(depth if proposing is None else proposing[i], depth, r.remaining - 1), 0)
+                for i, r in enumerate(rows)
+            ]
+        )  # (draftless: its proposal; drafts past a row's limit are never emitted)
+        rates[np.arange(depth)[None, :] >= offered[:, None]] = 0.0  # (no more tokens past what is offered)
+        # each row's [E(0), …, E(depth)]: 1 + the running sums of the running products of its α_d (left to right,
+        # as a loop would add them)
+        per_row = np.cumsum(np.concatenate([np.ones((len(rows), 1)), np.cumprod(rates, axis=1)], axis=1), axis=1)
         ratio = self.realized[family].ratio if family in self.realized else 1.0
-        return [1.0 + ratio * (sum(col) / len(rows) - 1.0) for col in zip(*per_row)]
+        return [1.0 + ratio * (m - 1.0) for m in (per_row.sum(axis=0) / len(rows)).tolist()]
 
     def switch_seconds(self, family: str, rows, bucket: int, context: int) -> float:
         """The predicted catch-up a step of `family` pays first (0 unless it is a lagging draft model)."""
