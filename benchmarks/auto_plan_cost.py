@@ -8,7 +8,10 @@ themselves (each row's text is periodic, so prompt lookup proposes its continuat
 what a verify step would: the proposal's matching head and one token more, ~ACCEPT tokens of each proposal on
 average. The policy sees prompt lookup (2–4-grams) and a self-speculation family (fake: its costs only), a
 synthetic cost table, graphs off. Prints ms per step for plan and observe, tokens a row a step, then the top
-functions (cProfile) of a second pass.
+functions (cProfile) of a second pass. GPU_MS: each step sleeps that long between plan and observe (the main
+thread waiting on the device, the GIL free; default 0, 20 with DEFER); DEFER=1: the policy defers each step's
+shadow scoring to its helper thread as on a GPU (`AutoPolicy.defer_scoring`) — the times then show what stays on
+the step's critical path.
 
     PYTHONPATH=src:. python benchmarks/auto_plan_cost.py [ROWS] [CONTEXT] [STEPS]     (default 64 30720 200)
 """
@@ -16,6 +19,7 @@ functions (cProfile) of a second pass.
 from __future__ import annotations
 
 import cProfile
+import os
 import pstats
 import random
 import sys
@@ -80,6 +84,9 @@ def run(steps: int, rows_n: int, context: int, seed: int = 0):
     ngram = NgramDrafter(VOCAB)
     policy = AutoPolicy([SelfFamily(), ngram])
     policy.costs = CostModel(CostTable(curve(0.02)))
+    defer = os.environ.get("DEFER") == "1"
+    policy.defer_scoring = defer
+    gpu_s = float(os.environ.get("GPU_MS", "20" if defer else "0")) / 1e3
     rows = make_rows(rows_n, context, rng)
     for r in rows:  # (as the executor does while the prompt prefills)
         ngram.index_prefix(r.slot, r.token_ids, len(r.token_ids))
@@ -88,7 +95,10 @@ def run(steps: int, rows_n: int, context: int, seed: int = 0):
     for _ in range(steps):
         t0 = time.perf_counter()
         plan = policy.plan(rows, 64)
+        policy.start_deferred()
         t1 = time.perf_counter()
+        if gpu_s:
+            time.sleep(gpu_s)  # (the device's step: deferred scoring runs now)
         tokens = []
         gamma = 0 if plan.candidate.tree is None else plan.candidate.tree.size - 1
         for r in rows:

@@ -109,6 +109,37 @@ def test_steps_behind_a_prefill_backlog_decode_plainly_and_greedy_stays_equal(mo
     assert report["prefill_bound_steps"] > 0 and report["plans"]["ar"] >= report["prefill_bound_steps"]
 
 
+def test_shadow_scoring_deferred_to_the_helper_thread_keeps_greedy_equal_to_ar(models):
+    """With `defer_scoring` (on a GPU) each step's shadow scoring runs on the helper thread during the next step;
+    requests finish (their counts settled first) and come in under continuous batching: output equals AR's,
+    proposals are scored, and the report settles what is left."""
+    import threading
+
+    from redwood.speculation.acceptance_live import ShadowScorer
+
+    target, draft, tok = models
+    prompts = repetitive_prompts(6, seed=5)
+    params = [SamplingParams(max_new_tokens=20, ignore_eos=True) for _ in prompts]
+    _, ar, _ = run_engine(target, tok, prompts, params, arrivals=ARRIVALS, max_num_seqs=3, block_size=8)
+    engine = auto_engine(target, tok, [NgramDrafter(320, 1, 3)], max_num_seqs=3)
+    engine.policy.defer_scoring = True
+    threads = set()
+    settle = ShadowScorer.settle
+
+    def recording(self, *a):
+        threads.add(threading.current_thread().name.split("_")[0])
+        settle(self, *a)
+
+    ShadowScorer.settle = recording
+    try:
+        _, spec, _ = run_engine(target, tok, prompts, params, arrivals=ARRIVALS, engine=engine)
+    finally:
+        ShadowScorer.settle = settle
+    assert [s.output_ids for s in spec] == [s.output_ids for s in ar]
+    assert "redwood-scoring" in threads  # (and the main thread: a finishing request's scoring settles at once)
+    assert engine.policy.report()["draftless_scored"]["ngram"] > 0 and engine.policy._deferred is None
+
+
 @pytest.mark.parametrize("ignore_eos", [True, False], ids=["eos-ignored", "eos-may-end"])
 def test_the_policy_is_told_what_the_prefill_backlog_will_decode(models, ignore_eos):
     """Each plan gets the backlog's steps and the tokens its requests are sure to decode afterwards: all of their

@@ -122,3 +122,38 @@ def test_a_record_refreshes_only_its_own_tables_rates():
     assert live.overall("a", 0.0) is a_t0 and live.overall("a", 0.7) == pytest.approx(
         [0.9 * 16 / 18 + 0.5 * 2 / 18] * 4
     )
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_scoring_a_step_after_the_next_proposal_was_asked_counts_the_same(seed):
+    """A step's scoring handed over (`take`) and settled after the next step's proposal was asked for — as the
+    policy defers it on a GPU — ends with the same counts as scoring each step before the next proposal."""
+    import random
+
+    rng = random.Random(seed)
+    steps = []
+    for _ in range(30):
+        proposal = [rng.randrange(3) for _ in range(rng.randrange(0, 6))]
+        emitted = [rng.randrange(3) for _ in range(rng.randrange(1, 5))]
+        steps.append((proposal, emitted))
+
+    def run(deferred: bool) -> LiveAcceptance:
+        acc = LiveAcceptance(6)
+        s = ShadowScorer("ngram", Proposer([list(p) for p, _ in steps]), acc, 6)
+        handed = None
+        for i, (_, emitted) in enumerate(steps):
+            s.before(0, [1] * (i + 1), 0.7)
+            if handed is not None:
+                s.settle(0, *handed)
+            handed = (s.take(0), emitted)
+            if not deferred:
+                s.settle(0, *handed)
+                handed = None
+        if handed is not None:
+            s.settle(0, *handed)
+        return acc
+
+    now, later = run(False), run(True)
+    assert later.snapshot() == now.snapshot() and later.rates("ngram", 0, 0.7) == pytest.approx(
+        now.rates("ngram", 0, 0.7)
+    )

@@ -80,6 +80,8 @@ class Engine:
         self.executor = Executor(models, config, self.max_model_len, self.policy)
         if self.policy.auto:
             self.policy.graphs = self.executor.use_graphs
+            # (a GPU step's main thread waits on the device: the last step's shadow scoring runs then, beside it)
+            self.policy.defer_scoring = self.executor.index_alongside
             self.policy.costs = CostModel(self._calibrated_costs())
         self.pool = BlockPool(
             self.executor.num_pages, config.block_size, enable_prefix_cache=config.enable_prefix_caching
@@ -351,6 +353,7 @@ class Engine:
             )
             if self.policy.auto and self.models.tp is not None:
                 plan = share_plan(self.models.tp, self.policy, plan)  # (rank 0's: the one timed plan)
+            self.policy.start_deferred()
         clock.lap("plan")
         result = self.executor.execute(batch, plan)
         clock.lap("execute")

@@ -223,7 +223,16 @@ class ShadowScorer:
     def after(self, slot: int, emitted: list[int]) -> None:
         """The tokens the row emitted in the step (after the history `before` saw). A proposal whose every
         token so far matched stays pending across steps (an AR step emits one token at a time)."""
-        live = self._pending.get(slot)
+        self.settle(slot, self.take(slot), emitted)
+
+    def take(self, slot: int) -> list:
+        """The row's pending proposals, handed over to a later `settle` (proposals asked for meanwhile pend
+        after them): scoring a step may run after the next step's proposals were asked for."""
+        return self._pending.pop(slot, [])
+
+    def settle(self, slot: int, live: list, emitted: list[int]) -> None:
+        """`after` for proposals `take` handed over: score them against the tokens emitted; those still
+        matching pend again, before any asked for since."""
         if not live:
             return
         still = []
@@ -242,7 +251,8 @@ class ShadowScorer:
                 continue
             self.acceptance.record(self.name, slot, temperature, matched + k, len(proposal), start=matched)
             self.scored += 1
-        self._pending[slot] = still
+        newer = self._pending.get(slot)
+        self._pending[slot] = still + newer if newer else still
 
     def forget(self, slot: int) -> None:
         self._pending.pop(slot, None)

@@ -48,6 +48,7 @@ own step cost (it is a switch's, not the plan's).
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -152,6 +153,17 @@ def step_shape(drafter, tree: Tree) -> StepShape:
     return StepShape(tree.size, (1,) * gamma, draft_model=False, draft_context=reads)
 
 
+_SCORING_THREAD: ThreadPoolExecutor | None = None
+
+
+def _scoring_thread() -> ThreadPoolExecutor:
+    """The one helper thread deferred shadow scoring runs on (each policy waits for its own job)."""
+    global _SCORING_THREAD
+    if _SCORING_THREAD is None:
+        _SCORING_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redwood-scoring")
+    return _SCORING_THREAD
+
+
 class FixedPolicy:
     """The same plan every step: `drafter` over `tree`, or plain decoding (both None)."""
 
@@ -180,6 +192,9 @@ class FixedPolicy:
         capture_s: float = 0.0,
     ) -> None:
         pass  # (nothing to learn: the plan never changes; SpecStats counts the steps)
+
+    def start_deferred(self) -> None:
+        pass
 
     def forget(self, slot: int) -> None:
         pass
@@ -244,6 +259,11 @@ class AutoPolicy:
         ]
         self.margin, self.graphs = margin, graphs
         self.costs: CostModel | None = None  # set by the engine (a calibration, or the cache's)
+        # shadow scoring of a step deferred to the helper thread while the next step runs (the engine sets this on
+        # a GPU, where the main thread then waits on the device: ~0.5 ms of Python a step at 64 rows × ~8 tokens);
+        # `_deferred` is the scoring not finished: a callable not started yet, or the Future of one started
+        self.defer_scoring = False
+        self._deferred = None
         self.costs_path = None  # where that calibration is cached
         self.current: Candidate = AR
         self._proposing: dict[str, list[int]] = {}  # draftless family → its proposal length per row, this step
@@ -330,6 +350,7 @@ class AutoPolicy:
         requests is sure to decode afterwards (`Scheduler.backlog_then_decodes`)."""
         if self.costs is None:
             raise RuntimeError("the automatic policy has no cost model yet (the engine calibrates it first)")
+        self._join()  # (scoring started during the last step; the one not started yet runs after this plan)
         self.steps += 1
         # draftless drafters: what each row's proposal is this step (0 tokens: none — a step of that drafter
         # decodes the row plainly, and with no row proposing it would be a plain step: not a candidate now)
@@ -467,9 +488,19 @@ class AutoPolicy:
             self.captures += 1
             old = self.capture_cost
             self.capture_cost = capture_s if old is None else CAPTURE_DECAY * old + (1 - CAPTURE_DECAY) * capture_s
-        for s in self.shadows:
-            for r, t in zip(rows, tokens):
-                s.after(r.slot, t.token_ids)
+        self._settle()  # (the previous step's scoring: on a GPU done during this step's forward)
+        if self.shadows:
+            handed = [(s, [(r.slot, s.take(r.slot), t.token_ids) for r, t in zip(rows, tokens)]) for s in self.shadows]
+
+            def score() -> None:
+                for s, items in handed:
+                    for slot, live, emitted in items:
+                        s.settle(slot, live, emitted)
+
+            if self.defer_scoring:
+                self._deferred = score
+            else:
+                score()
         cand = ran.candidate
         context = int(sum(r.computed for r in rows) / len(rows)) if rows else 0
         for family, lag in self._lag.items():
@@ -507,8 +538,31 @@ class AutoPolicy:
         if seconds is not None and self.costs is not None and rows:
             self.costs.observe(cand.family, cand.shape, bucket, bucket, context, seconds, live=len(rows))
 
+    def start_deferred(self) -> None:
+        """Start the last step's shadow scoring on the helper thread (with `defer_scoring`; the engine calls this
+        after planning the next step, before running it: the scoring then runs while the main thread waits on the
+        GPU, and this step's plan was made without it — one step's acceptance late)."""
+        job = self._deferred
+        if callable(job):
+            self._deferred = _scoring_thread().submit(job)
+
+    def _join(self) -> None:
+        """Wait for scoring started on the helper thread (its errors surface here)."""
+        job = self._deferred
+        if isinstance(job, Future):
+            self._deferred = None
+            job.result()
+
+    def _settle(self) -> None:
+        """Finish any deferred scoring: the started one joined, one not started yet run here."""
+        self._join()
+        job, self._deferred = self._deferred, None
+        if job is not None:
+            job()
+
     def forget(self, slot: int) -> None:
         """A request left `slot`."""
+        self._settle()  # (its last step's proposals are scored before its counts go)
         self.acceptance.forget_row(slot)
         for s in self.shadows:
             s.forget(slot)
@@ -517,6 +571,7 @@ class AutoPolicy:
 
     def report(self) -> dict:
         """Plan counts, probes, expected vs achieved tokens per step, the acceptance the policy holds."""
+        self._settle()
         planned = self.expected_steps
         return {
             "plans": dict(sorted(self.counts.items(), key=lambda kv: -kv[1])),
