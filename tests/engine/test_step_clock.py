@@ -40,9 +40,11 @@ def test_the_clock_counts_pure_decoding_steps_and_its_phases_add_up(models):
     assert got["steps"] == seen["pure"] > 0
     assert set(got["ms"]) == set(PHASES)
     assert got["ms"]["forward"] == pytest.approx(1e3 * seen["forward_s"] / seen["pure"], rel=1e-3, abs=2e-3)
+    rounding = 0.5e-3 * len(PHASES)  # (ms: each phase and host_ms are rounded to 3 decimals apart)
     total = sum(got["ms"].values()) * got["steps"] / 1e3
-    assert total <= seen["wall_s"] and total == pytest.approx(seen["wall_s"], rel=0.05, abs=2e-3)
-    assert got["host_ms"] == pytest.approx(sum(got["ms"].values()) - got["ms"]["forward"], abs=2e-3)
+    assert total <= seen["wall_s"] + rounding * got["steps"] / 1e3
+    assert total == pytest.approx(seen["wall_s"], rel=0.05, abs=2e-3)
+    assert got["host_ms"] == pytest.approx(sum(got["ms"].values()) - got["ms"]["forward"], abs=rounding)
 
 
 def test_no_counted_steps_reads_as_none():
