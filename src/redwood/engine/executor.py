@@ -26,7 +26,6 @@ target's page table (same block ids, the draft model's pages).
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -39,6 +38,7 @@ from redwood.engine.request import SOURCE_DRAFT, SOURCE_TARGET, token_logprob_li
 from redwood.engine.runner import StepRunner, sync
 from redwood.engine.threads import set_threads
 from redwood.errors import ConfigError
+from redwood.helper_threads import helper_thread
 from redwood.kv.cache import KVCache
 from redwood.models import cpu_fused
 from redwood.sample.sampler import Sampler, token_logprobs
@@ -58,17 +58,6 @@ class _ObservedElsewhere:
 
 
 OBSERVED_ELSEWHERE = _ObservedElsewhere()
-
-
-_INDEX_THREAD: ThreadPoolExecutor | None = None
-
-
-def _index_thread() -> ThreadPoolExecutor:
-    """The one helper thread prefill-time indexing runs on (shared: each prefill waits for its own job)."""
-    global _INDEX_THREAD
-    if _INDEX_THREAD is None:
-        _INDEX_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redwood-index")
-    return _INDEX_THREAD
 
 
 class Executor:
@@ -420,7 +409,7 @@ class Executor:
                 for w in work:
                     d.index_prefix(w.slot, w.token_ids, w.stop)
 
-        indexing = _index_thread().submit(index) if indexers and self.index_alongside else None
+        indexing = helper_thread("redwood-index").submit(index) if indexers and self.index_alongside else None
         logits: dict[int, torch.Tensor] = {}
         plain = [(i, w) for i, w in enumerate(work) if self._observers.get(w.slot, (None, None)) == (None, None)]
         for i, w in enumerate(work):

@@ -170,9 +170,13 @@ class Scheduler:
         """Steps the prefills that can proceed now still need at `max_num_batched_tokens` a step: the unfinished
         prefills of running requests and the prompts of as many waiting requests as there are free slots
         (those behind them wait for a slot — for decoding rows to finish — not for prefill budget)."""
-        tokens = sum(r.prefill_len - r.num_computed for r in self.running if r.is_prefilling)
-        tokens += sum(r.num_tokens for r in self.waiting[: len(self._free_slots)])
+        prefilling, admittable = self._prefill_backlog()
+        tokens = sum(r.prefill_len - r.num_computed for r in prefilling) + sum(r.num_tokens for r in admittable)
         return -(-tokens // self.max_num_batched_tokens)
+
+    def _prefill_backlog(self) -> tuple[list[SeqState], list[SeqState]]:
+        """The requests of that backlog: running ones still prefilling, waiting ones up to the free slots."""
+        return [r for r in self.running if r.is_prefilling], self.waiting[: len(self._free_slots)]
 
     def backlog_then_decodes(self) -> int:
         """Output tokens every request of that backlog is sure to generate once its prefill is done (the fewest
@@ -181,7 +185,8 @@ class Scheduler:
         tokens are worth having early), or when a backlog request came after a decoding row had begun its
         output: a stream, not one burst (a closed-loop client sends its next request when one ends, so rows
         that end sooner bring the next arrivals sooner)."""
-        backlog = [r for r in self.running if r.is_prefilling] + self.waiting[: len(self._free_slots)]
+        prefilling, admittable = self._prefill_backlog()
+        backlog = prefilling + admittable
         if not backlog or len(self.waiting) > len(self._free_slots):
             return 0
         started = [r.first_token_after for r in self.running if not r.is_prefilling and r.first_token_after is not None]

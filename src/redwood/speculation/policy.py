@@ -48,12 +48,13 @@ own step cost (it is a switch's, not the plan's).
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
 
 from redwood.errors import ConfigError
+from redwood.helper_threads import helper_thread
 from redwood.speculation.acceptance_live import LiveAcceptance, ShadowScorer
 from redwood.speculation.costs import CostModel, StepShape
 from redwood.speculation.trees import Tree
@@ -151,17 +152,6 @@ def step_shape(drafter, tree: Tree) -> StepShape:
     if drafter.standalone:  # the lead token (prev) is re-fed with the root
         return StepShape(tree.size, (2,) + (1,) * (gamma - 1), draft_model=True, draft_context=reads)
     return StepShape(tree.size, (1,) * gamma, draft_model=False, draft_context=reads)
-
-
-_SCORING_THREAD: ThreadPoolExecutor | None = None
-
-
-def _scoring_thread() -> ThreadPoolExecutor:
-    """The one helper thread deferred shadow scoring runs on (each policy waits for its own job)."""
-    global _SCORING_THREAD
-    if _SCORING_THREAD is None:
-        _SCORING_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redwood-scoring")
-    return _SCORING_THREAD
 
 
 class FixedPolicy:
@@ -489,7 +479,7 @@ class AutoPolicy:
             old = self.capture_cost
             self.capture_cost = capture_s if old is None else CAPTURE_DECAY * old + (1 - CAPTURE_DECAY) * capture_s
         self._settle()  # (the previous step's scoring: on a GPU done during this step's forward)
-        if self.shadows:
+        if self.defer_scoring and self.shadows:
             handed = [(s, [(r.slot, s.take(r.slot), t.token_ids) for r, t in zip(rows, tokens)]) for s in self.shadows]
 
             def score() -> None:
@@ -497,10 +487,11 @@ class AutoPolicy:
                     for slot, live, emitted in items:
                         s.settle(slot, live, emitted)
 
-            if self.defer_scoring:
-                self._deferred = score
-            else:
-                score()
+            self._deferred = score
+        else:
+            for s in self.shadows:
+                for r, t in zip(rows, tokens):
+                    s.after(r.slot, t.token_ids)
         cand = ran.candidate
         context = int(sum(r.computed for r in rows) / len(rows)) if rows else 0
         for family, lag in self._lag.items():
@@ -544,7 +535,7 @@ class AutoPolicy:
         GPU, and this step's plan was made without it — one step's acceptance late)."""
         job = self._deferred
         if callable(job):
-            self._deferred = _scoring_thread().submit(job)
+            self._deferred = helper_thread("redwood-scoring").submit(job)
 
     def _join(self) -> None:
         """Wait for scoring started on the helper thread (its errors surface here)."""
