@@ -8,10 +8,11 @@ themselves (each row's text is periodic, so prompt lookup proposes its continuat
 what a verify step would: the proposal's matching head and one token more, ~ACCEPT tokens of each proposal on
 average. The policy sees prompt lookup (2–4-grams) and a self-speculation family (fake: its costs only), a
 synthetic cost table, graphs off. Prints ms per step for plan and observe, tokens a row a step, then the top
-functions (cProfile) of a second pass. GPU_MS: each step sleeps that long between plan and observe (the main
-thread waiting on the device, the GIL free; default 0, 20 with DEFER); DEFER=1: the policy defers each step's
-shadow scoring to its helper thread as on a GPU (`AutoPolicy.defer_scoring`) — the times then show what stays on
-the step's critical path.
+functions (cProfile) of a second pass. GPU_MS: each step waits that long between plan and observe (the device's
+step; default 0, 20 with DEFER); DEFER=1: the policy defers each step's shadow scoring into the next step as on a
+GPU (`AutoPolicy.defer_scoring`): it runs at the start of that wait, as the executor runs it between the step's
+launches and its read-back — the times then show what stays on the step's critical path (a deferred scoring
+longer than the wait would show in neither).
 
     PYTHONPATH=src:. python benchmarks/auto_plan_cost.py [ROWS] [CONTEXT] [STEPS]     (default 64 30720 200)
 """
@@ -95,10 +96,12 @@ def run(steps: int, rows_n: int, context: int, seed: int = 0):
     for _ in range(steps):
         t0 = time.perf_counter()
         plan = policy.plan(rows, 64)
-        policy.start_deferred()
+        job = policy.take_deferred()
         t1 = time.perf_counter()
+        if job is not None:
+            job()  # (the device works on the step meanwhile)
         if gpu_s:
-            time.sleep(gpu_s)  # (the device's step: deferred scoring runs now)
+            time.sleep(max(0.0, gpu_s - (time.perf_counter() - t1)))  # (the rest of the device's step)
         tokens = []
         gamma = 0 if plan.candidate.tree is None else plan.candidate.tree.size - 1
         for r in rows:

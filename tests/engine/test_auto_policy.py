@@ -109,12 +109,10 @@ def test_steps_behind_a_prefill_backlog_decode_plainly_and_greedy_stays_equal(mo
     assert report["prefill_bound_steps"] > 0 and report["plans"]["ar"] >= report["prefill_bound_steps"]
 
 
-def test_shadow_scoring_deferred_to_the_helper_thread_keeps_greedy_equal_to_ar(models):
-    """With `defer_scoring` (on a GPU) each step's shadow scoring runs on the helper thread during the next step;
-    requests finish (their counts settled first) and come in under continuous batching: output equals AR's,
-    proposals are scored, and the report settles what is left."""
-    import threading
-
+def test_shadow_scoring_deferred_into_the_next_step_keeps_greedy_equal_to_ar(models):
+    """With `defer_scoring` (on a GPU) each step's shadow scoring runs inside the next step, between its launches
+    and its read-back; requests finish (their counts settled first) and come in under continuous batching: output
+    equals AR's, proposals are scored (most of them inside a step), and the report settles what is left."""
     from redwood.speculation.acceptance_live import ShadowScorer
 
     target, draft, tok = models
@@ -123,20 +121,29 @@ def test_shadow_scoring_deferred_to_the_helper_thread_keeps_greedy_equal_to_ar(m
     _, ar, _ = run_engine(target, tok, prompts, params, arrivals=ARRIVALS, max_num_seqs=3, block_size=8)
     engine = auto_engine(target, tok, [NgramDrafter(320, 1, 3)], max_num_seqs=3)
     engine.policy.defer_scoring = True
-    threads = set()
-    settle = ShadowScorer.settle
+    where = {"in-step": 0, "outside": 0}
+    settle, run_alongside, inside = ShadowScorer.settle, engine.executor._run_alongside, [False]
 
     def recording(self, *a):
-        threads.add(threading.current_thread().name.split("_")[0])
+        where["in-step" if inside[0] else "outside"] += 1
         settle(self, *a)
 
+    def alongside():
+        inside[0] = True
+        try:
+            run_alongside()
+        finally:
+            inside[0] = False
+
     ShadowScorer.settle = recording
+    engine.executor._run_alongside = alongside
     try:
         _, spec, _ = run_engine(target, tok, prompts, params, arrivals=ARRIVALS, engine=engine)
     finally:
         ShadowScorer.settle = settle
     assert [s.output_ids for s in spec] == [s.output_ids for s in ar]
-    assert "redwood-scoring" in threads  # (and the main thread: a finishing request's scoring settles at once)
+    # (outside: a finishing request's last step, settled as it leaves)
+    assert where["in-step"] > where["outside"] > 0, where
     assert engine.policy.report()["draftless_scored"]["ngram"] > 0 and engine.policy._deferred is None
 
 

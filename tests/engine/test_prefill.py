@@ -300,3 +300,72 @@ def test_a_last_chunk_near_the_context_end_beside_a_longer_chunk(models, tokeniz
         for d in e.step():
             outs[d.request_id] += d.token_ids
     assert outs == {"a": solo(long_prompt), "b": solo(other)}
+
+
+def test_a_batched_prefill_checks_the_capacity_without_reading_lengths_back(models, tokenizer, monkeypatch):
+    """Each forward of a batched prefill checks its slots against the capacity through a bound it knows on the
+    host (on a GPU a read-back of the lengths would drain the queue before every forward, and host work after
+    the prefill could not overlap it): every check inside `prefill_rows` has a bound, and it is the rows' real
+    longest length, chunk after chunk. The output is the solo output's."""
+    import redwood.engine.executor as executor_module
+    from redwood.engine.engine import Engine
+    from redwood.kv.cache import KVCache
+
+    target, _ = models
+    prompts = _prompts([40, 29, 35], seed=7)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    seen, inside = [], [False]
+    slots, prefill_rows = KVCache.slots, executor_module.prefill_rows
+
+    def checking(self, num_new, offset=0):
+        if inside[0]:
+            seen.append((self.length_bound, int(self.lengths.max())))
+        return slots(self, num_new, offset)
+
+    def prefilling(*a, **k):
+        inside[0] = True
+        try:
+            return prefill_rows(*a, **k)
+        finally:
+            inside[0] = False
+
+    def run(patch: bool):
+        if patch:
+            monkeypatch.setattr(KVCache, "slots", checking)
+            monkeypatch.setattr(executor_module, "prefill_rows", prefilling)
+        e = Engine.build(target, tokenizer, max_num_seqs=3, block_size=8, max_num_batched_tokens=48)
+        for i, p in enumerate(prompts):
+            e.add_request(p, params, request_id=str(i))
+        outs = {str(i): [] for i in range(len(prompts))}
+        while e.has_unfinished():
+            for d in e.step():
+                outs[d.request_id] += d.token_ids
+        return outs
+
+    want = run(False)
+    assert run(True) == want
+    assert len(seen) >= 3 and all(bound == longest for bound, longest in seen), seen
+
+
+def test_a_host_length_bound_guards_the_capacity():
+    """`KVCache.length_bound`: past the capacity raises as the read-back check does; int commits move it, a
+    per-row commit (a tensor) drops it; the cache's views start without one."""
+    from redwood.config import ModelConfig
+    from redwood.errors import ContextLengthError
+    from redwood.kv.cache import KVCache
+    from tests.conftest import tiny_hf_config
+
+    cfg = ModelConfig.from_hf_dict(tiny_hf_config("qwen2").to_dict())
+    cache = KVCache.paged(cfg, 2, 8, 8, 32, torch.float32, "cpu")
+    sub = cache.select([0, 1])
+    sub.lengths.copy_(torch.tensor([5, 9]))
+    sub.length_bound = 9
+    assert sub.slots(23).shape == (2, 23)  # slots up to 31: the last one
+    with pytest.raises(ContextLengthError, match="33 tokens needed"):
+        sub.slots(24)
+    sub.commit(4)
+    assert sub.length_bound == 13 and sub.lengths.tolist() == [9, 13]
+    sub.commit(torch.tensor([1, 0]))
+    assert sub.length_bound is None
+    sub.length_bound = 13
+    assert all(v.length_bound is None for v in (sub.rows(1), sub.row(0), sub.select([1])))

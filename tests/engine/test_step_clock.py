@@ -19,8 +19,8 @@ def test_the_clock_counts_pure_decoding_steps_and_its_phases_add_up(models):
     seen = {"pure": 0, "forward_s": 0.0, "wall_s": 0.0}
     execute = engine.executor.execute
 
-    def spy(batch, plan=None):
-        result = execute(batch, plan)
+    def spy(batch, plan=None, alongside=None):
+        result = execute(batch, plan, alongside)
         if batch.decode and not batch.prefill:
             seen["pure"] += 1
             seen["forward_s"] += result.step_s

@@ -115,13 +115,9 @@ def test_prepare_pads_rows_and_says_whether_any_row_proposed():
         d.prepare([(0, [1, 2])], Tree([-1, 0, 0]), 1, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("alongside", [False, True], ids=["after-the-forwards", "helper-thread"])
-def test_a_prompt_is_indexed_as_it_prefills(models, alongside):
-    """Prompt lookup's index of a row grows with each prefill chunk (in the step that runs the chunk's forward:
-    after it on a CPU, on a helper thread while it runs on a GPU), so the first decoding step finds it built; a
-    new request in the slot starts over."""
-    import threading
-
+def test_a_prompt_is_indexed_as_it_prefills(models):
+    """Prompt lookup's index of a row grows with each prefill chunk (in the step that runs the chunk's forward,
+    after its launches), so the first decoding step finds it built; a new request in the slot starts over."""
     from redwood.engine.engine import Engine
 
     target, _, tok = models
@@ -129,15 +125,6 @@ def test_a_prompt_is_indexed_as_it_prefills(models, alongside):
     engine = Engine.build(
         target, tok, drafter=drafter, tree=Tree.chain(3), max_num_seqs=1, block_size=8, max_num_batched_tokens=16
     )
-    engine.executor.index_alongside = alongside
-    threads = set()
-    index_prefix = drafter.index_prefix
-
-    def recording(*a):
-        threads.add(threading.current_thread().name.startswith("redwood-index"))
-        index_prefix(*a)
-
-    drafter.index_prefix = recording
     prompt = [3 + (i * 7) % 40 for i in range(40)]  # three chunks of ≤ 16 tokens
     engine.add_request(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True), request_id="a")
     grown = []
@@ -149,7 +136,6 @@ def test_a_prompt_is_indexed_as_it_prefills(models, alongside):
     engine.add_request(prompt[::-1][:20], SamplingParams(max_new_tokens=2, ignore_eos=True), request_id="b")
     engine.step()
     assert drafter._rows[0].tokens == prompt[::-1][:16]
-    assert threads == {alongside}
 
 
 def test_greedy_ngram_speculation_equals_ar_under_continuous_batching(models):

@@ -80,8 +80,8 @@ class Engine:
         self.executor = Executor(models, config, self.max_model_len, self.policy)
         if self.policy.auto:
             self.policy.graphs = self.executor.use_graphs
-            # (a GPU step's main thread waits on the device: the last step's shadow scoring runs then, beside it)
-            self.policy.defer_scoring = self.executor.index_alongside
+            # (on a GPU the last step's shadow scoring runs inside the next step, while the device works on it)
+            self.policy.defer_scoring = self.executor.device_runs_ahead
             self.policy.costs = CostModel(self._calibrated_costs())
         self.pool = BlockPool(
             self.executor.num_pages, config.block_size, enable_prefix_cache=config.enable_prefix_caching
@@ -344,7 +344,7 @@ class Engine:
         self.num_steps += 1
         decode, prefill, batch = self._place(out)
         clock.lap("schedule")
-        plan, bucket = None, 0
+        plan, bucket, alongside = None, 0, None
         if batch.decode:
             bucket = self.executor.bucket(batch.decode)
             sched = self.scheduler
@@ -353,9 +353,9 @@ class Engine:
             )
             if self.policy.auto and self.models.tp is not None:
                 plan = share_plan(self.models.tp, self.policy, plan)  # (rank 0's: the one timed plan)
-            self.policy.start_deferred()
+            alongside = self.policy.take_deferred()
         clock.lap("plan")
-        result = self.executor.execute(batch, plan)
+        result = self.executor.execute(batch, plan, alongside)
         clock.lap("execute")
         updates = self.output.process(batch, result, decode, prefill)
         clock.lap("output")

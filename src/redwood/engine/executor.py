@@ -26,6 +26,7 @@ target's page table (same block ids, the draft model's pages).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -38,7 +39,6 @@ from redwood.engine.request import SOURCE_DRAFT, SOURCE_TARGET, token_logprob_li
 from redwood.engine.runner import StepRunner, sync
 from redwood.engine.threads import set_threads
 from redwood.errors import ConfigError
-from redwood.helper_threads import helper_thread
 from redwood.kv.cache import KVCache
 from redwood.models import cpu_fused
 from redwood.sample.sampler import Sampler, token_logprobs
@@ -75,10 +75,12 @@ class Executor:
         self.lookahead = self.policy.max_tree_size
         on_cuda = self.model.device.type == "cuda"
         self.use_graphs = on_cuda if config.cuda_graphs is None else config.cuda_graphs and on_cuda
-        # prompt lookup's prefill-time indexing on a helper thread while the chunk's forwards run (on a GPU: the
-        # prefill returns only once its forwards are done — 0.5 ms of GPU work left, an H100 — so indexing after
-        # it added its whole time to the prefill: 64 × 30K-token prompts ~0.8 s); on a CPU, after the forwards
-        self.index_alongside = on_cuda
+        # On a GPU the host runs ahead of the device: host work placed between a step's launches and its first
+        # read-back (prompt lookup's prefill indexing, the policy's deferred scoring: `execute(alongside=)`)
+        # runs while the device works. In the main thread, not a helper thread: every torch call releases and
+        # retakes the GIL, so a Python thread beside the launching one slowed both (an H100: 16 × 30K prefill
+        # +0.30 s vs +0.18 s with the indexing simply after it, when a capacity check still drained the queue).
+        self.device_runs_ahead = on_cuda
         self.thread_policy = models.thread_policy  # decode steps' thread count chosen as they run
         self.runners: dict[tuple, StepRunner] = {}
         self._cut_trees: dict[int, Tree] = {}  # self.tree cut to its first d + 1 levels (`_step_tree`)
@@ -86,6 +88,7 @@ class Executor:
         self._synced = [0] * config.max_num_seqs  # block-table entries already copied to the device, per slot
         self.capture_s = 0.0  # one-time CUDA-graph captures (left out of request timings)
         self._pending: tuple | None = None  # the decoding step's state until `commit`
+        self._alongside: Callable[[], None] | None = None  # `execute`'s host work, until it runs
         # per slot: committed positions whose KV the draft model holds (it writes only on its own steps, so
         # after steps of another plan it lags the target and is caught up before its next step)
         self._draft_valid = [0] * config.max_num_seqs
@@ -190,17 +193,27 @@ class Executor:
         top = max(r.slot for r in rows)
         return next(b for b in self.buckets if b > top)
 
-    def execute(self, batch: StepBatch, plan: Plan | None = None) -> StepResult:
+    def execute(
+        self, batch: StepBatch, plan: Plan | None = None, alongside: Callable[[], None] | None = None
+    ) -> StepResult:
         """The step's decoding rows (one autoregressive or speculative step as `plan` says — by default the
-        policy's fixed plan —, committed by `commit`), then its prefill chunks."""
+        policy's fixed plan —, committed by `commit`), then its prefill chunks. `alongside`: host work run once
+        during the step, after the decoding step's launches and before its read-back (while a GPU works)."""
         result = StepResult()
+        self._alongside = alongside
         if batch.decode:
             if plan is None:
                 plan = self.policy.plan(batch.decode, self.bucket(batch.decode))
             self._decode(batch.decode, result, plan)
         if batch.prefill:
             self._prefill(batch.prefill, result)
+        self._run_alongside()  # (a step without decoding rows: now)
         return result
+
+    def _run_alongside(self) -> None:
+        job, self._alongside = self._alongside, None
+        if job is not None:
+            job()
 
     def _step_tree(self, tree: Tree | None, rows: list[DecodeRow], graphed: bool, greedy: bool) -> Tree | None:
         """The tree this step drafts: the plan's, cut to the levels its rows can still emit — a step
@@ -322,6 +335,7 @@ class Executor:
             t_draft = time.perf_counter()
             draft_capture_s = captures() - capture0
             path, accepted, nxt, new_prev, host, lp = step.verify(tokens, q)
+        self._run_alongside()  # (the device still works on the step: this host work overlaps it)
         host_list = host.tolist()  # the step's one host synchronization
         lp_rows = logprob_rows(rows, lp) if want_lp else {}
         # Rows that did not generate keep their random counters (their draws are discarded).
@@ -402,14 +416,6 @@ class Executor:
         if policy is not None:
             set_threads(policy.base)  # (observed chunks take the Python layers, whose gemms may round by the count)
         t0 = time.perf_counter()
-        indexers = [d for d in self.drafters if d.needs_history]
-
-        def index() -> None:  # (grows each row's index to its chunk's end: `DraftlessDrafter.index_prefix`)
-            for d in indexers:
-                for w in work:
-                    d.index_prefix(w.slot, w.token_ids, w.stop)
-
-        indexing = helper_thread("redwood-index").submit(index) if indexers and self.index_alongside else None
         logits: dict[int, torch.Tensor] = {}
         plain = [(i, w) for i, w in enumerate(work) if self._observers.get(w.slot, (None, None)) == (None, None)]
         for i, w in enumerate(work):
@@ -429,11 +435,14 @@ class Executor:
                     self._draft_valid[w.slot] = w.stop
             for k, (i, _) in enumerate(plain):
                 logits[i] = out[k]
-        if indexing is not None:
-            indexing.result()  # (done before any step reads the index; its errors surface here)
-        elif indexers:
-            index()
-        result.prefill_s = (time.perf_counter() - t0) / len(work)  # (the step's prefill time, shared)
+        # Prompt lookup's index of each row grown to its chunk's end (`DraftlessDrafter.index_prefix`): after the
+        # forwards' launches (`prefill_rows` does not wait for them), before the first token's read-back below.
+        for d in self.drafters:
+            if d.needs_history:
+                for w in work:
+                    d.index_prefix(w.slot, w.token_ids, w.stop)
+        sync(self.model.device)
+        result.prefill_s = (time.perf_counter() - t0) / len(work)  # (the step's prefill time, device included)
         for i, w in enumerate(work):
             if not w.is_last:
                 result.prefill.append(None)

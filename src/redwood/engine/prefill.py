@@ -130,6 +130,9 @@ def prefill_rows(
     start_t = torch.tensor(starts, device=device)
     last = torch.tensor(n, device=device) - 1  # [B] offset of each row's last chunk token
     sub.lengths.copy_(start_t)
+    # Known here: no forward reads the lengths back to check the capacity (a host sync each forward) — the
+    # forwards queue on the device and the caller's host work after this call overlaps them.
+    sub.length_bound = max(starts)
     logits = None
     step = _forward_tokens(model, B, max(stops))
     for a in range(0, T, step):

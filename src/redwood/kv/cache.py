@@ -48,6 +48,7 @@ class KVCache:
         self.live = torch.ones(batch_size, dtype=torch.long, device=device)  # 0: reads no context
         self.dense = True  # block_table[b, 0] == b: the reference path slices instead of gathering
         self.trash_page: int | None = None
+        self.length_bound: int | None = None  # see `slots`
 
     @classmethod
     def paged(
@@ -72,6 +73,7 @@ class KVCache:
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.live = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.dense = False
+        self.length_bound = None
         return self
 
     def rows(self, n: int) -> "KVCache":
@@ -81,6 +83,7 @@ class KVCache:
         sub = KVCache.__new__(KVCache)
         sub.__dict__.update(self.__dict__)
         sub.block_table, sub.lengths, sub.live = self.block_table[:n], self.lengths[:n], self.live[:n]
+        sub.length_bound = None  # (a bound is its holder's alone: commits through another view would not move it)
         return sub
 
     def row(self, b: int) -> "KVCache":
@@ -92,6 +95,7 @@ class KVCache:
         sub.block_table, sub.lengths = self.block_table[b : b + 1], self.lengths[b : b + 1]
         sub.live = torch.ones(1, dtype=torch.long, device=self.lengths.device)
         sub.dense = False  # row b's page is page b, not page 0
+        sub.length_bound = None
         return sub
 
     def select(self, rows: list[int]) -> "KVCache":
@@ -103,6 +107,7 @@ class KVCache:
         sub.block_table, sub.lengths = self.block_table[idx], self.lengths[idx]
         sub.live = torch.ones(len(rows), dtype=torch.long, device=self.lengths.device)
         sub.dense = False
+        sub.length_bound = None
         return sub
 
     @property
@@ -119,12 +124,17 @@ class KVCache:
         return self.block_table.shape[1] * self.page_size
 
     def slots(self, num_new: int, offset: int = 0) -> torch.Tensor:
-        """[B, T] cache slots for T new tokens placed after `offset` pending (uncommitted) ones."""
+        """[B, T] cache slots for T new tokens placed after `offset` pending (uncommitted) ones.
+
+        Checked against the capacity: through `length_bound` when the caller set one (a host-side bound on every
+        row's length: a prefill knows its chunks' starts), else by reading the lengths back — a host sync that
+        drains the device's queue before the forward's launches (no overlap of host work with a prefill)."""
         idx = self.lengths[:, None] + offset + torch.arange(num_new, device=self.lengths.device)
         if idx.is_cuda and torch.cuda.is_current_stream_capturing():
             return idx  # no host sync inside a CUDA graph; the engine sized the cache for every step
-        if int(idx.max()) >= self.capacity:
-            raise ContextLengthError(f"KV cache full: {int(idx.max()) + 1} tokens needed, capacity {self.capacity}")
+        top = self.length_bound + offset + num_new - 1 if self.length_bound is not None else int(idx.max())
+        if top >= self.capacity:
+            raise ContextLengthError(f"KV cache full: {top + 1} tokens needed, capacity {self.capacity}")
         return idx
 
     def physical(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,3 +222,5 @@ class KVCache:
     def commit(self, num_kept: torch.Tensor | int) -> None:
         """Advance each row's length by the number of new tokens it keeps ([B] tensor or int)."""
         self.lengths += num_kept
+        if self.length_bound is not None:  # (an int moves every row alike; a tensor's largest stays unread)
+            self.length_bound = self.length_bound + num_kept if isinstance(num_kept, int) else None

@@ -48,13 +48,12 @@ own step cost (it is a switch's, not the plan's).
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from redwood.errors import ConfigError
-from redwood.helper_threads import helper_thread
 from redwood.speculation.acceptance_live import LiveAcceptance, ShadowScorer
 from redwood.speculation.costs import CostModel, StepShape
 from redwood.speculation.trees import Tree
@@ -183,8 +182,8 @@ class FixedPolicy:
     ) -> None:
         pass  # (nothing to learn: the plan never changes; SpecStats counts the steps)
 
-    def start_deferred(self) -> None:
-        pass
+    def take_deferred(self) -> None:
+        return None  # (no host work of its own to place in a step)
 
     def forget(self, slot: int) -> None:
         pass
@@ -249,11 +248,11 @@ class AutoPolicy:
         ]
         self.margin, self.graphs = margin, graphs
         self.costs: CostModel | None = None  # set by the engine (a calibration, or the cache's)
-        # shadow scoring of a step deferred to the helper thread while the next step runs (the engine sets this on
-        # a GPU, where the main thread then waits on the device: ~0.5 ms of Python a step at 64 rows × ~8 tokens);
-        # `_deferred` is the scoring not finished: a callable not started yet, or the Future of one started
+        # shadow scoring of a step deferred into the next step, run while the device works on it (the engine sets
+        # this on a GPU: ~0.5 ms of Python a step at 64 rows × ~8 tokens off the step's critical path); `_deferred`:
+        # that scoring until it runs (`take_deferred` hands it to the step; `_settle` runs it otherwise)
         self.defer_scoring = False
-        self._deferred = None
+        self._deferred: Callable[[], None] | None = None
         self.costs_path = None  # where that calibration is cached
         self.current: Candidate = AR
         self._proposing: dict[str, list[int]] = {}  # draftless family → its proposal length per row, this step
@@ -340,8 +339,7 @@ class AutoPolicy:
         requests is sure to decode afterwards (`Scheduler.backlog_then_decodes`)."""
         if self.costs is None:
             raise RuntimeError("the automatic policy has no cost model yet (the engine calibrates it first)")
-        self._join()  # (scoring started during the last step; the one not started yet runs after this plan)
-        self.steps += 1
+        self.steps += 1  # (a deferred scoring of the last step runs after this plan: it was made without it)
         # draftless drafters: what each row's proposal is this step (0 tokens: none — a step of that drafter
         # decodes the row plainly, and with no row proposing it would be a plain step: not a candidate now)
         self._proposing = {}
@@ -529,24 +527,15 @@ class AutoPolicy:
         if seconds is not None and self.costs is not None and rows:
             self.costs.observe(cand.family, cand.shape, bucket, bucket, context, seconds, live=len(rows))
 
-    def start_deferred(self) -> None:
-        """Start the last step's shadow scoring on the helper thread (with `defer_scoring`; the engine calls this
-        after planning the next step, before running it: the scoring then runs while the main thread waits on the
-        GPU, and this step's plan was made without it — one step's acceptance late)."""
-        job = self._deferred
-        if callable(job):
-            self._deferred = helper_thread("redwood-scoring").submit(job)
-
-    def _join(self) -> None:
-        """Wait for scoring started on the helper thread (its errors surface here)."""
-        job = self._deferred
-        if isinstance(job, Future):
-            self._deferred = None
-            job.result()
+    def take_deferred(self) -> Callable[[], None] | None:
+        """The last step's shadow scoring, for the engine to run during the next step while the device works (with
+        `defer_scoring`; taken after planning that step, which is then made one step's acceptance late); None when
+        there is none. The taker must run it before the next `observe`."""
+        job, self._deferred = self._deferred, None
+        return job
 
     def _settle(self) -> None:
-        """Finish any deferred scoring: the started one joined, one not started yet run here."""
-        self._join()
+        """Run any deferred scoring not handed to a step."""
         job, self._deferred = self._deferred, None
         if job is not None:
             job()
