@@ -124,11 +124,15 @@ def prefill_rows(
                 logits[i] = out[j]
         return torch.stack(logits)
     sub = cache.select(rows)
-    ids = torch.zeros(B, T, dtype=torch.long, device=device)
+    ids = torch.zeros(B, T, dtype=torch.long)  # (filled on the host, then one copy)
     for i, (toks, a, b) in enumerate(zip(token_ids, starts, stops)):
-        ids[i, : b - a] = torch.tensor(toks[a:b], device=device)
+        ids[i, : b - a] = torch.tensor(toks[a:b])
+    ids = ids.to(device)
     start_t = torch.tensor(starts, device=device)
     last = torch.tensor(n, device=device) - 1  # [B] offset of each row's last chunk token
+    # (made before the forwards: a tensor from a host list is a copy that waits for the device's queue — made
+    # after them, the call returned only once they were done: `benchmarks/sync_points.py`)
+    rows_t, stops_t = torch.tensor(rows, device=device), torch.tensor(stops, device=device)
     sub.lengths.copy_(start_t)
     # Known here: no forward reads the lengths back to check the capacity (a host sync each forward) — the
     # forwards queue on the device and the caller's host work after this call overlaps them.
@@ -143,7 +147,7 @@ def prefill_rows(
         here = ((last >= a) & (last < b))[:, None]
         logits = out if logits is None else torch.where(here, out, logits)
         sub.commit(b - a)
-    cache.lengths[torch.tensor(rows, device=device)] = torch.tensor(stops, device=device)
+    cache.lengths[rows_t] = stops_t
     return logits
 
 
