@@ -163,10 +163,10 @@ class DraftlessDrafter(Drafter):
 
     def index_prefix(self, slot: int, token_ids: list[int], stop: int) -> None:
         """Grow the row's index over `token_ids[:stop]` — its prompt as far as prefilled. The executor calls this
-        with each prefill chunk (on a GPU from a helper thread, while the chunk's forwards run): a 30K-token
+        with each prefill chunk, after launching the chunk's forwards (on a GPU they run meanwhile): a 30K-token
         prompt is ~10 ms of host indexing, and left to the first decoding step, a burst of 64 such rows held
-        that step ~1 s (an H100, session 35); run after the forwards, it lengthened the prefill as much
-        (session 36)."""
+        that step ~1 s (an H100, session 35); run after a prefill that had waited for its forwards, it
+        lengthened the prefill as much (session 36)."""
         self._index(slot, token_ids, stop)
 
     def _index(self, slot: int, history: list[int], stop: int | None = None):
