@@ -94,6 +94,33 @@ def test_bulk_and_token_by_token_indexing_propose_as_the_plain_definition(seed):
         assert ix.propose(5) == _reference_proposal(tokens[:pos], 5, lo, hi), pos
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_indexes_grown_together_equal_indexes_grown_one_by_one(seed):
+    """`NgramIndex.extend_many` (a step's rows at once) leaves every index as `extend` would, entry for entry —
+    empty and short indexes (fewer tokens than an n-gram), nothing new, a few tokens, an addition past the bulk
+    size, a large vocabulary's ids — and `NgramDrafter.grow` starts a new index when a new request took the slot."""
+    rng = random.Random(seed)
+    lo, hi = rng.choice([(1, 3), (2, 4), (3, 6)])
+    vocab = rng.choice([4, 151_936])
+    texts = [[rng.randrange(vocab) for _ in range(rng.randrange(0, 40))] for _ in range(9)]
+    one, many = [NgramIndex(lo, hi) for _ in texts], [NgramIndex(lo, hi) for _ in texts]
+    for a, b, t in zip(one, many, texts):
+        a.extend(t)
+        b.extend(t)
+    for _ in range(12):
+        news = [[rng.randrange(vocab) for _ in range(rng.choice([0, 1, 2, 5, 17, 70]))] for _ in texts]
+        for a, new in zip(one, news):
+            a.extend(new)
+        NgramIndex.extend_many(list(zip(many, news)))
+        for a, b in zip(one, many):
+            assert a.tokens == b.tokens and a._end == b._end
+    d = NgramDrafter(vocab_size=vocab, min_n=lo, max_n=hi)
+    d.grow([(0, [1, 2, 3, 1, 2]), (1, [5, 6])])
+    d.grow([(0, [1, 2, 3, 1, 2, 3, 1]), (1, [7])])  # (slot 1: a new request's shorter history)
+    assert d._rows[0].tokens == [1, 2, 3, 1, 2, 3, 1] and d._rows[1].tokens == [7]
+    assert d._rows[0]._end == index([1, 2, 3, 1, 2, 3, 1], lo, hi)._end
+
+
 def test_bad_sizes_are_config_errors():
     with pytest.raises(ConfigError, match="ngram_min"):
         NgramIndex(0, 3)

@@ -49,6 +49,9 @@ class Draftless:
     policy = FakePolicy()
     proposal = [1] * 8  # what it proposes at every step (its acceptance is seeded by the tests)
 
+    def grow(self, rows):
+        pass  # (no index)
+
     def shadow_propose(self, slot, history, k):
         return self.proposal[:k]
 

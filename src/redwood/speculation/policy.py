@@ -344,6 +344,7 @@ class AutoPolicy:
         # decodes the row plainly, and with no row proposing it would be a plain step: not a candidate now)
         self._proposing = {}
         for s in self.shadows:
+            s.drafter.grow([(r.slot, r.token_ids) for r in rows])  # (the rows' new tokens indexed at once)
             self._proposing[s.name] = [s.before(r.slot, r.token_ids, r.params.temperature) for r in rows]
         if self._prefill_bound(rows, prefill_backlog_steps, backlog_decodes):
             self.prefill_bound_steps += 1
