@@ -201,26 +201,27 @@ split)  # issue 40 item 3: the MagicDec step's split against its floors at E2E_R
       --draft-kv streaming --draft-budget $budget --repeats 3 --warmup 1 --output "$OUT/split-profile.json"
   run python3 benchmarks/step_floors.py --model "$T" --steps "$OUT/split-steps.json" --profile "$OUT/split-profile.json" \
       --e2e $(ls -d "$OUT"/e2e-* 2>/dev/null) 2>&1 | tee "$OUT/split.txt" ;;
-auto)  # issue 40 item 2: the automatic policy next to AR and the fixed plan, one `bench throughput` per plan (each runs
-       # AR on the same prompts): batch-1 code / chat with the 0.5B draft at AUTO_TEMPS (0 0.6), then self-speculation
-       # (StreamingLLM 512) at AUTO_CONTEXT × AUTO_BATCH windows of AUTO_DATASET (essays; shakespeare: held out), AUTO_GEN new tokens; AUTO_PART: b1, long or both;
-       # AUTO_REPEATS: AR and the plan interleaved this many times (medians reported).
+auto)  # issue 40 item 2: the automatic policy next to AR and the fixed plan (γ 3), one `bench throughput` per cell
+       # (--compare-fixed 3: AR, fixed, auto interleaved in one process on the same prompts, one AR run for both):
+       # batch-1 code / chat with the 0.5B draft at AUTO_TEMPS (0 0.6), then self-speculation (StreamingLLM 512) at
+       # AUTO_CONTEXT × AUTO_BATCH windows of AUTO_DATASET (essays; shakespeare: held out), AUTO_GEN new tokens;
+       # AUTO_PART: b1, long or both; AUTO_REPEATS: the plans interleaved this many times (medians reported).
        # The table last: benchmarks/auto_cells.py
   for part in ${AUTO_PART:-b1 long}; do
     if [ $part = b1 ]; then
-      for temp in ${AUTO_TEMPS:-0 0.6}; do for ds in humaneval mt-bench; do for plan in "--gamma 3" "--speculative auto"; do
+      for temp in ${AUTO_TEMPS:-0 0.6}; do for ds in humaneval mt-bench; do
         run $R bench throughput --model "$T" --draft-model "$D" $GPU --num-requests ${AUTO_REQUESTS:-16} --max-num-seqs 1 \
-            --prompt-len 128 --min-new-tokens 128 --max-new-tokens 128 --dataset $ds --temperature $temp --seed 1 $plan \
-            --repeats ${AUTO_REPEATS:-1} \
-            --quiet --output "$OUT/auto/b1-$ds-t$temp-$(echo $plan | tr -cs 'a-z0-9.' '-')" | tail -6 || echo "CELL FAILED"
-      done; done; done
+            --prompt-len 128 --min-new-tokens 128 --max-new-tokens 128 --dataset $ds --temperature $temp --seed 1 \
+            --speculative auto --compare-fixed 3 --repeats ${AUTO_REPEATS:-1} \
+            --quiet --output "$OUT/auto/b1-$ds-t$temp--auto-vs-fixed3" | tail -8 || echo "CELL FAILED"
+      done; done
     else
-      for ctx in ${AUTO_CONTEXT:-8192 16384}; do for b in ${AUTO_BATCH:-16 64}; do for plan in "--gamma 3" "--speculative auto"; do
+      for ctx in ${AUTO_CONTEXT:-8192 16384}; do for b in ${AUTO_BATCH:-16 64}; do
         run $R bench throughput --model "$T" $GPU --self-speculate --draft-kv streaming --draft-budget 512 --num-requests $b \
             --max-num-seqs $b --prompt-len $ctx --min-new-tokens ${AUTO_GEN:-256} --max-new-tokens ${AUTO_GEN:-256} \
-            --dataset ${AUTO_DATASET:-essays} $plan --repeats ${AUTO_REPEATS:-1} --quiet \
-            --output "$OUT/auto/${AUTO_DATASET:-essays}-ctx$ctx-b$b-$(echo $plan | tr -cs 'a-z0-9' '-')" | tail -6 || echo "CELL FAILED"
-      done; done; done
+            --dataset ${AUTO_DATASET:-essays} --speculative auto --compare-fixed 3 --repeats ${AUTO_REPEATS:-1} --quiet \
+            --output "$OUT/auto/${AUTO_DATASET:-essays}-ctx$ctx-b$b--auto-vs-fixed3" | tail -8 || echo "CELL FAILED"
+      done; done
     fi
   done
   run python3 benchmarks/auto_cells.py "$OUT/auto" ;;

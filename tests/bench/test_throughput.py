@@ -191,6 +191,61 @@ def test_cli_repeats_interleaved_medians(tiny_model_dir, text_file, capsys, monk
     assert res["all_identical"] is True
 
 
+def test_cli_auto_beside_a_fixed_plan_in_one_process(
+    tiny_model_dir, tiny_draft_dir, text_file, tmp_path, capsys, monkeypatch
+):
+    """--compare-fixed 2: AR, the draft model's fixed chain of 2 and the automatic policy, interleaved per repeat
+    in one process (one AR run for both ratios); each reports its median, the fixed plan its own ratios to AR
+    (`comparison_fixed`) and its plan, the table a line for it; greedy output identical to AR's in both."""
+    from redwood.bench import throughput as tput
+
+    monkeypatch.setenv("REDWOOD_HOME", str(tmp_path))
+    order = []
+    real = tput.run_stream
+
+    def spy(engine, workload, arrivals, prefix="", progress=None):
+        order.append((prefix.rstrip("-0123456789"), engine.policy.auto, getattr(engine.tree, "size", None)))
+        return real(engine, workload, arrivals, prefix=prefix, progress=progress)
+
+    monkeypatch.setattr(tput, "run_stream", spy)
+    args = ["--speculative", "auto", "--draft-model", str(tiny_draft_dir), "--compare-fixed", "2", "--repeats", "2"]
+    rc = main(_base(tiny_model_dir, text_file, *args, "--output", str(tmp_path / "cmp")))
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert [(m, auto) for m, auto, _ in order] == [("ar", False), ("fixed", False), ("spec", True)] * 2
+    assert order[1][2] == 3  # (the fixed engine's tree: a chain of 2 drafts)
+    assert "fixed plan @ inf req/s" in captured.out and "spec / fixed" in captured.out
+    res = json.loads((tmp_path / "cmp" / "report.json").read_text())
+    ar, fixed, spec = res["runs"]
+    assert [ar["method"], fixed["method"], spec["method"]] == ["ar", "fixed", "spec"]
+    assert fixed["plan"].endswith("chain:2") and "policy" not in fixed and sum(spec["policy"]["plans"].values()) > 0
+    assert len(fixed["speedup_repeats"]) == 2 and fixed["speedup"] == pytest.approx(
+        fixed["tokens_per_s"] / ar["tokens_per_s"]
+    )
+    assert res["comparison_fixed"][0]["tokens_per_s_ratio"] == pytest.approx(fixed["tokens_per_s"] / ar["tokens_per_s"])
+    assert fixed["identical_to_ar"] is True and spec["identical_to_ar"] is True
+    assert res["aggregate"]["greedy_identical_to_ar"] is True and res["config"]["compare_fixed"] == 2
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--draft-model", "D", "--gamma", "2"], "beside the automatic policy"),
+        (["--speculative", "auto", "--draft", "ngram"], "beside the automatic policy"),
+        (["--speculative", "auto", "--self-speculate", "--compare-fixed", "0"], "at least 1"),
+    ],
+)
+def test_cli_compare_fixed_needs_the_automatic_policy_and_a_model_drafter(
+    tiny_model_dir, text_file, capsys, extra, message
+):
+    extra = [a if a != "D" else str(tiny_model_dir) for a in extra]
+    if "--compare-fixed" not in extra:
+        extra += ["--compare-fixed", "2"]
+    rc = main(_base(tiny_model_dir, text_file, *extra))
+    captured = capsys.readouterr()
+    assert rc != 0 and message in captured.err and "Traceback" not in captured.err
+
+
 def test_cli_no_spec(tiny_model_dir, text_file, capsys):
     rc = main(_base(tiny_model_dir, text_file, "--no-spec", "--request-rate", "100", "--json"))
     captured = capsys.readouterr()

@@ -464,6 +464,7 @@ def run_bench(
     progress: bool = False,
     repeats: int = 1,
     base=None,
+    fixed_tree=None,
 ) -> dict[str, Any]:
     """Measure AR (and speculation with `drafter` over `tree`, unless spec is False) at every rate.
 
@@ -477,6 +478,9 @@ def run_bench(
     base: an `Engine` over the loaded models (an `LLM`'s) — each mode's engine is then `base.rebuild(...)` (AR:
     its drafters left unused), which closes the one before on every rank: the way this runs under tensor
     parallelism; target / drafter / tree / auto_drafters are then read from it.
+    fixed_tree: with auto_drafters, also measure `drafter` over this tree as a fixed plan (method "fixed", after AR
+    in each repeat, before the automatic policy; `comparison_fixed` its ratios to AR) — one process and one AR run
+    for both comparisons. Not with `base`.
     """
     if repeats < 1:
         raise ConfigError(f"--repeats must be at least 1 (got {repeats})")
@@ -485,6 +489,8 @@ def run_bench(
 
     if spec and drafter is None:
         raise ConfigError("speculation needs a drafter (or spec=False for autoregressive only)")
+    if fixed_tree is not None and (not spec or not auto_drafters or base is not None):
+        raise ConfigError("a fixed plan is compared beside the automatic policy only, on one device")
     engine_args = dict(engine_args or {})
     engine_args.setdefault("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
     if "max_model_len" not in engine_args:
@@ -494,7 +500,10 @@ def run_bench(
     greedy = all(p.greedy for p in workload.params)
     arrivals = {r: poisson_arrivals(workload.n, r, workload_seed) for r in rates}
     spec_kw = {"drafter": drafter, "tree": tree} if not auto_drafters else {"auto_drafters": auto_drafters}
-    modes = [("ar", {})] + ([("spec", {**spec_kw, "verifier": verifier})] if spec else [])
+    modes = [("ar", {})]
+    if fixed_tree is not None:
+        modes.append(("fixed", {"drafter": drafter, "tree": fixed_tree, "verifier": verifier}))
+    modes += [("spec", {**spec_kw, "verifier": verifier})] if spec else []
     trials: dict[tuple[str, float], list[dict[str, Any]]] = {}
     tokens: dict[tuple[str, float], list[list[int]]] = {}
     info: dict[str, Any] = {}
@@ -546,7 +555,7 @@ def run_bench(
                     bar.close()
             run = summarize(stream, mode, rate)
             tokens[mode, rate] = [r.token_ids for r in stream["records"]]  # (this repeat's: AR's ran just before)
-            if mode == "spec":
+            if mode != "ar":
                 same = [a == b for a, b in zip(tokens["ar", rate], tokens[mode, rate])]
                 run["identical_to_ar"] = all(same) if greedy else None
                 run["requests_identical_to_ar"] = sum(same)
@@ -566,6 +575,8 @@ def run_bench(
                     run["first_divergence"] = parting
                 ar_tps = trials["ar", rate][-1]["tokens_per_s"]  # (this repeat's AR run)
                 run["speedup"] = run["tokens_per_s"] / ar_tps if ar_tps > 0 else None
+                if mode == "fixed":
+                    run["plan"] = f"{engine.draft_name}, chain:{fixed_tree.size - 1}"
                 if engine.policy.auto:  # its plans so far (this engine's rates up to this one, warm-up included)
                     run["policy"] = engine.policy.report()
             trials.setdefault((mode, rate), []).append(run)
@@ -576,10 +587,13 @@ def run_bench(
     if repeats > 1 and spec:
         for rate in rates:  # the medians' ratio (each repeat's own: speedup_repeats)
             ar_tps = runs["ar", rate]["tokens_per_s"]
-            runs["spec", rate]["speedup"] = runs["spec", rate]["tokens_per_s"] / ar_tps if ar_tps > 0 else None
+            for m, _ in modes[1:]:
+                runs[m, rate]["speedup"] = runs[m, rate]["tokens_per_s"] / ar_tps if ar_tps > 0 else None
     ordered = [runs[m, r] for r in rates for m, _ in modes]
     comparison = [compare(runs["ar", r], runs["spec", r]) for r in rates] if spec else []
-    identical = [c["identical_to_ar"] for c in comparison if c["identical_to_ar"] is not None]
+    fixed = [compare(runs["ar", r], runs["fixed", r]) for r in rates] if fixed_tree is not None else []
+    identical = [c["identical_to_ar"] for c in comparison + fixed if c["identical_to_ar"] is not None]
+    extra = {"comparison_fixed": fixed} if fixed else {}
     return {
         "kind": "throughput",
         "model": model_name,
@@ -588,6 +602,7 @@ def run_bench(
         **info,
         "runs": ordered,
         "comparison": comparison,
+        **extra,
         "all_identical": all(identical) if identical else None,
         "capture_s_in_timed_runs": sum(r["capture_s"] for r in ordered),
     }
@@ -671,6 +686,14 @@ def format_result(r: dict[str, Any]) -> str:
         if spec:
             line += f" {_pair(sp, 'itl'):>11} {sp.get('mean_accepted_length', 0.0):>7.2f} {same:>4}"
         lines.append(line)
+    for rate in r["request_rates"] if r.get("comparison_fixed") else []:
+        ar, fx, sp = (by.get((m, str(rate))) for m in ("ar", "fixed", "spec"))
+        same = {True: "yes", False: "NO", None: "n/a"}[fx.get("identical_to_ar")]
+        lines.append(
+            f"fixed plan @ {_rate_text(rate)} req/s ({fx.get('plan')}): {fx['tokens_per_s']:.1f} tok/s, "
+            f"{fx['tokens_per_s'] / ar['tokens_per_s']:.3f}x AR; spec / fixed {sp['tokens_per_s'] / fx['tokens_per_s']:.3f}x; "
+            f"ITL p50/p99 {_pair(fx, 'itl')} ms; acc len {fx.get('mean_accepted_length', 0.0):.2f}; same {same}"
+        )
     lines.append(
         "tok/s = output tokens / (last finish − first arrival); ITL per token (a delta's gap over its "
         "tokens); acc len = tokens per target step, bonus included; same = greedy spec output "
@@ -753,9 +776,9 @@ def write_plot(path: str | Path, r: dict[str, Any]) -> Path:
     fig = Figure(figsize=(12, 4.5), dpi=110)
     FigureCanvasAgg(fig)
     ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    colors = {"ar": "tab:blue", "spec": "tab:orange"}
-    names = {"ar": "AR", "spec": "spec"}
-    for method in ("ar", "spec"):
+    colors = {"ar": "tab:blue", "fixed": "tab:green", "spec": "tab:orange"}
+    names = {"ar": "AR", "fixed": "fixed plan", "spec": "spec"}
+    for method in ("ar", "fixed", "spec"):
         rows = {str(x["request_rate"]): x for x in r["runs"] if x["method"] == method}
         if not rows:
             continue
@@ -823,6 +846,7 @@ def to_report(r: dict[str, Any], cli: dict[str, Any] | None = None) -> dict[str,
         },
         "runs": runs,
         "comparison": r["comparison"],
+        **({"comparison_fixed": r["comparison_fixed"]} if r.get("comparison_fixed") else {}),
         "aggregate": aggregate,
         "capture_s_in_timed_runs": r.get("capture_s_in_timed_runs"),
     }

@@ -181,6 +181,15 @@ def register(sub) -> None:
         "run, with every repeat's tokens/s and speedup (default 1)",
     )
     tp.add_argument("--no-spec", action="store_true", help="measure autoregressive decoding only")
+    tp.add_argument(
+        "--compare-fixed",
+        type=int,
+        default=None,
+        metavar="GAMMA",
+        help="with --speculative auto and a model drafter (--draft-model / --self-speculate): also measure that "
+        "drafter's fixed chain of GAMMA drafts in this process, on the same prompts (AR, fixed, auto, … per repeat) "
+        "— one AR run serves both comparisons",
+    )
     add_speculative_args(tp)
     add_offload_args(tp)
     add_engine_args(tp)
@@ -412,6 +421,20 @@ def run_throughput(args) -> int:
             if args.draft_budget is None and args.window is None:
                 args.draft_budget = SELFSPEC_DEFAULT_BUDGET
         spec = speculative_config_from_args(args)
+    fixed_tree = None
+    if args.compare_fixed is not None:
+        if spec is None or spec.policy != "auto" or not (args.draft_model or args.self_speculate):
+            raise ConfigError(
+                "--compare-fixed GAMMA measures a model drafter's fixed chain beside the automatic policy: give it "
+                "with --speculative auto and --draft-model D or --self-speculate"
+            )
+        if args.compare_fixed < 1:
+            raise ConfigError(f"--compare-fixed must be at least 1 draft, got {args.compare_fixed}")
+        if getattr(args, "tensor_parallel_size", 1) not in (None, 1):
+            raise ConfigError("--compare-fixed runs on one device (no --tensor-parallel-size)")
+        from redwood.speculation.trees import Tree
+
+        fixed_tree = Tree.chain(args.compare_fixed)
     # The LLM only loads the models (its own engine is kept minimal and dropped); the bench builds its own.
     llm = llm_from_args(
         args,
@@ -458,6 +481,7 @@ def run_throughput(args) -> int:
         progress=not args.json,
         repeats=args.repeats,
         base=base,
+        fixed_tree=fixed_tree,
     )
     result.update(
         draft=draft_name,
@@ -478,6 +502,7 @@ def run_throughput(args) -> int:
         "prompt_seed": args.prompt_seed,
         "workload_seed": args.workload_seed,
         "repeats": args.repeats,
+        "compare_fixed": args.compare_fixed,
         "ignore_eos": True,
         "dtype": args.dtype,
         "device": str(target.device),
