@@ -221,11 +221,16 @@ class DraftlessDrafter(Drafter):
         """The row's index, grown to `history[:stop]` (default: all of it; a new one when the slot's tokens are
         not its continuation)."""
         stop = len(history) if stop is None else stop
+        index = self._row_index(slot, stop)
+        index.extend(history[len(index.tokens) : stop])
+        return index
+
+    def _row_index(self, slot: int, stop: int):
+        """The slot's index as it is, or a new one when it holds more than `stop` tokens (a new request there)."""
         index = self._rows.get(slot)
         if index is None or len(index.tokens) > stop:
             self.reset_row(slot)
             index = self._rows[slot] = self._new_index()
-        index.extend(history[len(index.tokens) : stop])
         return index
 
     def grow(self, rows: list[tuple[int, list[int]]]) -> None:
@@ -291,14 +296,8 @@ class NgramDrafter(DraftlessDrafter):
         return self._index(slot, history).propose(k)
 
     def grow(self, rows: list[tuple[int, list[int]]]) -> None:
-        pairs = []
-        for slot, history in rows:
-            index = self._rows.get(slot)
-            if index is None or len(index.tokens) > len(history):
-                self._index(slot, history)  # (a new request in the slot: a new index)
-            else:
-                pairs.append((index, history[len(index.tokens) :]))
-        NgramIndex.extend_many(pairs)
+        indexes = [(self._row_index(slot, len(history)), history) for slot, history in rows]
+        NgramIndex.extend_many([(index, history[len(index.tokens) :]) for index, history in indexes])
 
     def _draft_row(self, index: NgramIndex, tree: Tree) -> tuple[list[int], bool]:
         if not tree.is_chain:

@@ -478,7 +478,7 @@ class AutoPolicy:
             old = self.capture_cost
             self.capture_cost = capture_s if old is None else CAPTURE_DECAY * old + (1 - CAPTURE_DECAY) * capture_s
         self._settle()  # (the previous step's scoring: on a GPU done during this step's forward)
-        if self.defer_scoring and self.shadows:
+        if self.shadows:  # this step's proposals handed over now, scored now or (deferred) during the next step
             handed = [(s, [(r.slot, s.take(r.slot), t.token_ids) for r, t in zip(rows, tokens)]) for s in self.shadows]
 
             def score() -> None:
@@ -486,11 +486,10 @@ class AutoPolicy:
                     for slot, live, emitted in items:
                         s.settle(slot, live, emitted)
 
-            self._deferred = score
-        else:
-            for s in self.shadows:
-                for r, t in zip(rows, tokens):
-                    s.after(r.slot, t.token_ids)
+            if self.defer_scoring:
+                self._deferred = score
+            else:
+                score()
         cand = ran.candidate
         context = int(sum(r.computed for r in rows) / len(rows)) if rows else 0
         for family, lag in self._lag.items():
@@ -537,7 +536,7 @@ class AutoPolicy:
 
     def _settle(self) -> None:
         """Run any deferred scoring not handed to a step."""
-        job, self._deferred = self._deferred, None
+        job = self.take_deferred()
         if job is not None:
             job()
 
