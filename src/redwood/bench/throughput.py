@@ -8,9 +8,10 @@ one over the same loaded models, one measurement per (mode, rate).
 
 The driver (`run_stream`) adds every request whose arrival time has come, runs one `Engine.step()`, and
 stamps each delta; when the engine is idle and the next arrival lies ahead it sleeps until then. The
-bench clock leaves out one-time CUDA-graph captures (`Engine.capture_s` growth during a timed run is
-subtracted from every later timestamp and reported as `capture_s`); a warm-up through each engine
-(short requests, every batch bucket the run can reach) captures them beforehand.
+bench clock leaves out one-time CUDA-graph captures and the kernel compiles of eager steps, e.g. a draft
+model's catch-up (`Engine.capture_s` growth during a timed run is subtracted from every later timestamp and
+reported as `capture_s`); a warm-up through each engine (short requests, every batch bucket the run can
+reach) captures them beforehand.
 
 Metrics per (mode, rate), latencies in ms:
 - ``tokens_per_s``: output tokens / (last finish − first arrival); ``request_throughput``: requests/s;
@@ -713,8 +714,9 @@ def format_result(r: dict[str, Any]) -> str:
             if c.get("tokens_per_s_ratio_with_captures") is not None
         ]
         lines.append(
-            f"note: {r['capture_s_in_timed_runs']:.2f} s of CUDA-graph capture during the timed runs was "
-            "left out of their clocks" + (f" (counted, spec / AR: {', '.join(counted)})" if counted else "")
+            f"note: {r['capture_s_in_timed_runs']:.2f} s of CUDA-graph capture (and kernel compiles) during the "
+            "timed runs was left out of their clocks"
+            + (f" (counted, spec / AR: {', '.join(counted)})" if counted else "")
         )
     for x in r["runs"]:
         phases = x.get("decode_step_phases")

@@ -73,6 +73,9 @@ class StepResult:
     timed: bool = False
     catch_up_s: float = 0.0  # of step_s: the draft model catching up on tokens other plans committed
     capture_s: float = 0.0  # the decoding step's one-time graph captures (left out of step_s)
+    # its one-time Triton compiles outside graph captures (a draft catch-up's eager prefill; left out of step_s
+    # and of catch_up_s: `kernels.compile_clock`)
+    compile_s: float = 0.0
 
 
 def logprob_rows(rows: list[DecodeRow], lp: tuple[torch.Tensor, ...]) -> dict[int, tuple[list, list, list]]:

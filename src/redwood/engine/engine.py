@@ -229,7 +229,7 @@ class Engine:
     max_num_batched_tokens = property(lambda self: self.engine_config.max_num_batched_tokens)
     block_size = property(lambda self: self.engine_config.block_size)
     use_graphs = property(lambda self: self.executor.use_graphs)
-    capture_s = property(lambda self: self.executor.capture_s)  # one-time CUDA-graph captures
+    capture_s = property(lambda self: self.executor.capture_s)  # one-time CUDA-graph captures, kernel compiles
     cache = property(lambda self: self.executor.cache)
     draft_cache = property(lambda self: self.executor.draft_cache)
 
@@ -376,7 +376,7 @@ class Engine:
             if u.request.seq.status.finished:
                 self._vacate(u.request)
         clock.lap("deltas")
-        clock.finish(bool(batch.decode) and not batch.prefill, result.step_s, result.capture_s)
+        clock.finish(bool(batch.decode) and not batch.prefill, result.step_s, result.capture_s + result.compile_s)
         return deltas
 
     def _place(self, out) -> tuple[list[Request], list[Request], StepBatch]:

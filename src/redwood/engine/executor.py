@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 
 from redwood.config import CPU_KV_MEMORY_GIB, EngineConfig
+from redwood.engine import compile_clock
 from redwood.engine.batch import DecodeRow, PrefillWork, StepBatch, StepResult, Tokens, logprob_rows
 from redwood.engine.decode import ARStep, SpecStep, resolve_verifier
 from redwood.engine.loaded import LoadedModels
@@ -81,12 +82,14 @@ class Executor:
         # retakes the GIL, so a Python thread beside the launching one slowed both (an H100: 16 × 30K prefill
         # +0.30 s vs +0.18 s with the indexing simply after it, when a capacity check still drained the queue).
         self.device_runs_ahead = on_cuda
+        if on_cuda:
+            compile_clock.install()  # (eager steps book their kernels' first compiles as one-time costs)
         self.thread_policy = models.thread_policy  # decode steps' thread count chosen as they run
         self.runners: dict[tuple, StepRunner] = {}
         self._cut_trees: dict[int, Tree] = {}  # self.tree cut to its first d + 1 levels (`_step_tree`)
         self._observers: dict[int, tuple] = {}  # slot → (target's, draft model's) prefill observers
         self._synced = [0] * config.max_num_seqs  # block-table entries already copied to the device, per slot
-        self.capture_s = 0.0  # one-time CUDA-graph captures (left out of request timings)
+        self.capture_s = 0.0  # one-time CUDA-graph captures and kernel compiles (left out of request timings)
         self._pending: tuple | None = None  # the decoding step's state until `commit`
         self._alongside: Callable[[], None] | None = None  # `execute`'s host work, until it runs
         # per slot: committed positions whose KV the draft model holds (it writes only on its own steps, so
@@ -282,11 +285,14 @@ class Executor:
             if not drafter.prepare(history, tree, n, self.prev.device):
                 tree = None  # nothing to propose in any row: a plain step
         own = tree is not None and drafter.own_model is not None
+        compiled0 = compile_clock.seconds()
         if own:
             t_catch = time.perf_counter()
             self._catch_up_draft(rows)
             sync(self.model.device)
-            result.catch_up_s = time.perf_counter() - t_catch
+            # (its eager prefill meets new kernel specializations now and then: their compiles are one-time)
+            result.compile_s = compile_clock.seconds() - compiled0
+            result.catch_up_s = time.perf_counter() - t_catch - result.compile_s
         draft = self.runner("draft", n) if own else None
         if tree is None and plan.tree is not None:
             plan = Plan(AR)  # (the drafter had nothing, or the rows' limits cut every level: a plain step)
@@ -349,9 +355,11 @@ class Executor:
         if policy is not None:
             policy.record(count, shape, t1 - t0)
         captured_s = captures() - capture0
-        self.capture_s += captured_s
+        if not target.use_graphs:  # (graphed, a step compiles only inside its captures — or in the catch-up)
+            result.compile_s = compile_clock.seconds() - compiled0
+        self.capture_s += captured_s + result.compile_s
         result.capture_s = captured_s
-        result.step_s = (t1 - t0) - captured_s
+        result.step_s = (t1 - t0) - captured_s - result.compile_s
         result.plan = plan
         if t_draft is not None:
             result.draft_s = t_draft - t0 - draft_capture_s

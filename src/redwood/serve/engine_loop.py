@@ -147,7 +147,7 @@ class EngineLoop:
         """What the engine's speculation policy holds now, read on the engine thread between two steps: the
         policy ("auto", "fixed" or "off"), under auto its report (plans, expected vs achieved tokens, the
         acceptance it plans with, realized ratios, measured / predicted step times), and `capture_s`, the seconds
-        of CUDA-graph captures so far (absent while none)."""
+        of CUDA-graph captures and kernel compiles so far (absent while none)."""
         if self.fatal is not None or self._thread is None or not self._thread.is_alive():
             raise EngineFailed("the engine is not running")
         done = self._loop.create_future()
