@@ -109,6 +109,63 @@ def test_steps_behind_a_prefill_backlog_decode_plainly_and_greedy_stays_equal(mo
     assert report["prefill_bound_steps"] > 0 and report["plans"]["ar"] >= report["prefill_bound_steps"]
 
 
+def test_prefill_bound_steps_ask_for_draftless_proposals_while_the_device_works(models):
+    """With `defer_scoring` (a GPU), a step planned plainly behind a prefill backlog asks the draftless drafters
+    for its proposals in the job run between the step's launches and its read-back, not in `plan`: no proposal
+    is asked for inside a prefill-bound plan, the step's proposals are still scored, and output equals AR's."""
+    from redwood.speculation.acceptance_live import ShadowScorer
+
+    target, draft, tok = models
+    prompts = repetitive_prompts(6, seed=11)
+    params = [SamplingParams(max_new_tokens=6, ignore_eos=True) for _ in prompts]
+    kw = dict(max_num_seqs=6, max_num_batched_tokens=8)
+    _, ar, _ = run_engine(target, tok, prompts, params, arrivals=[0] * 6, block_size=8, **kw)
+    engine = auto_engine(target, tok, [NgramDrafter(320, 1, 3)], **kw)
+    engine.policy.defer_scoring = True
+    policy, where = engine.policy, {"bound plan": 0, "other plan": 0, "in-step": 0}
+    plan, before, run_alongside, state = AutoPolicy.plan, ShadowScorer.before, engine.executor._run_alongside, {}
+
+    def planning(self, *a, **k):
+        bound0, state["in"] = self.prefill_bound_steps, "plan"
+        try:
+            out = plan(self, *a, **k)
+        finally:
+            state["in"] = None
+        state["bound"] = self.prefill_bound_steps > bound0
+        return out
+
+    def asking(self, *a):
+        if state.get("in") == "plan":
+            state["asked"] = state.get("asked", 0) + 1
+        elif state.get("in") == "step":
+            where["in-step"] += 1
+        return before(self, *a)
+
+    def alongside():
+        state["in"] = "step"
+        try:
+            run_alongside()
+        finally:
+            state["in"] = None
+
+    def counting_plan(self, *a, **k):
+        state["asked"] = 0
+        out = planning(self, *a, **k)
+        where["bound plan" if state["bound"] else "other plan"] += state["asked"]
+        return out
+
+    AutoPolicy.plan, ShadowScorer.before = counting_plan, asking
+    engine.executor._run_alongside = alongside
+    try:
+        _, spec, _ = run_engine(target, tok, prompts, params, arrivals=[0] * 6, engine=engine)
+    finally:
+        AutoPolicy.plan, ShadowScorer.before = plan, before
+    assert [s.output_ids for s in spec] == [s.output_ids for s in ar]
+    assert policy.report()["prefill_bound_steps"] > 0
+    assert where["bound plan"] == 0 and where["in-step"] > 0, where
+    assert policy.report()["draftless_scored"]["ngram"] > 0 and policy._deferred is None
+
+
 def test_shadow_scoring_deferred_into_the_next_step_keeps_greedy_equal_to_ar(models):
     """With `defer_scoring` (on a GPU) each step's shadow scoring runs inside the next step, between its launches
     and its read-back; requests finish (their counts settled first) and come in under continuous batching: output
