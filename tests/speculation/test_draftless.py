@@ -95,6 +95,25 @@ def test_bulk_and_token_by_token_indexing_propose_as_the_plain_definition(seed):
 
 
 @pytest.mark.parametrize("seed", range(4))
+def test_asking_again_at_any_length_answers_as_a_fresh_question(seed):
+    """A step asks the same index twice (the shadow scorer at the family's depth, `prepare` at the plan's γ) and
+    `propose` answers the second from the first: at every length, before and after the index grows, and for a
+    proposal that runs past the end (a period), its answers are the plain definition's; a caller changing an answer
+    changes no later one."""
+    rng = random.Random(seed)
+    tokens = [rng.randrange(3) for _ in range(120)]
+    ix, pos = NgramIndex(1, 3), 0
+    while pos < len(tokens):
+        step = rng.choice([1, 2, 5])
+        ix.extend(tokens[pos : pos + step])
+        pos = min(pos + step, len(tokens))
+        for k in rng.sample([0, 1, 3, 7, 16, 30], 6):  # (longest first or not: both orders)
+            got = ix.propose(k)
+            assert got == _reference_proposal(tokens[:pos], k, 1, 3), (pos, k)
+            got.append(-1)
+
+
+@pytest.mark.parametrize("seed", range(4))
 def test_indexes_grown_together_equal_indexes_grown_one_by_one(seed):
     """`NgramIndex.extend_many` (a step's rows at once) leaves every index as `extend` would, entry for entry —
     empty and short indexes (fewer tokens than an n-gram), nothing new, a few tokens, an addition past the bulk

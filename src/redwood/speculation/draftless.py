@@ -66,6 +66,7 @@ class NgramIndex:
         self.tokens: list[int] = []
         self._end: dict[int, int] = {}  # `_ngram_key` → where its latest occurrence ends
         self._pow = [pow(_HASH_MUL, k, 1 << 64) for k in range(max_n + 1)]  # _HASH_MUL^k mod 2^64
+        self._last: tuple[int, int, list[int]] | None = None  # (tokens then, k, proposal): `propose`'s last answer
 
     def extend(self, tokens) -> None:
         old = len(self.tokens)
@@ -153,14 +154,23 @@ class NgramIndex:
     def propose(self, k: int) -> list[int]:
         """Up to k tokens continuing the tokens so far, from the longest suffix seen before ([] if none)."""
         L = len(self.tokens)
+        last = self._last
+        if last is not None and last[0] == L and k <= last[1]:
+            # (a step asks twice: the policy's shadow scorer at the family's depth, then `prepare` at the plan's γ —
+            # the same match, so the same tokens up to k)
+            return last[2][:k]
+        out = self._propose(k, L)
+        self._last = (L, k, out)
+        return list(out)
+
+    def _propose(self, k: int, L: int) -> list[int]:
         for n in range(min(self.max_n, L), self.min_n - 1, -1):
             suffix = self.tokens[L - n :]
             end = self._end.get(_ngram_key(suffix))
             if end is not None and self.tokens[end - n : end] == suffix:
-                out: list[int] = []
-                for j in range(k):  # tokens[end:], continued by the proposal itself past the end (a period)
-                    i = end + j
-                    out.append(self.tokens[i] if i < L else out[i - L])
+                out = self.tokens[end : end + k]
+                while len(out) < k:  # (past the end: the proposal continues itself — a period of L − end)
+                    out.append(out[len(out) - (L - end)])
                 return out
         return []
 
