@@ -171,12 +171,19 @@ class LiveAcceptance:
         """[rows, depth] float64: `rates(drafter, slot, temperature)` of each row, in one array operation (a plan
         asks them of 64 rows for every family: one at a time, ~0.3 ms of its ~1 ms at prompt lookup's 16 depths).
         The same arithmetic as `DepthRates.rates`; a row without counts of its own gets its drafter's rates."""
-        prior = [self.overall(drafter, t) for t in temperatures]
-        zeros = [0.0] * len(prior[0]) if prior else []
+        if not slots:
+            return np.zeros((0, self.depths.get(drafter, self.depth)))
+        buckets = {t: temperature_bucket(t) for t in set(temperatures)}  # (a batch has a few temperatures)
+        by_bucket = {b: self.overall(drafter, t) for t, b in buckets.items()}
+        if len(by_bucket) == 1:
+            prior = np.array(next(iter(by_bucket.values())), dtype=np.float64)  # [depth], broadcast over the rows
+        else:
+            prior = np.array([by_bucket[buckets[t]] for t in temperatures], dtype=np.float64)
+        zeros = [0.0] * prior.shape[-1]
         tables = [self._rows.get((drafter, s)) for s in slots]
         hits = np.array([zeros if t is None else t.hits for t in tables], dtype=np.float64)
         reached = np.array([zeros if t is None else t.reached for t in tables], dtype=np.float64)
-        return (hits + ROW_PRIOR * np.array(prior, dtype=np.float64)) / (reached + ROW_PRIOR)
+        return (hits + ROW_PRIOR * prior) / (reached + ROW_PRIOR)
 
     def overall(self, drafter: str, temperature: float) -> list[float]:
         key = (drafter, temperature_bucket(temperature))

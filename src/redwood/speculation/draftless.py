@@ -136,19 +136,27 @@ class NgramIndex:
             counts.append(len(new))
         arr = np.asarray(flat, dtype=np.uint64)
         g = np.asarray(at_new, dtype=np.int64)
+        # each new position's L (its end: where the n-grams before it end) within its own index
+        ends = np.repeat(np.asarray(firsts, dtype=np.int64), counts) + (
+            np.arange(len(g)) - np.repeat(np.cumsum(counts) - counts, counts)
+        )
         pw = batch[0][0]._pow  # M^k mod 2^64, Python ints
         acc = np.zeros(len(g), dtype=np.uint64)
-        keys = {}
+        keys = np.empty((len(g), hi - lo + 1), dtype=np.uint64)  # [position, n − lo]
         for n in range(1, hi + 1):
             acc = acc + arr[g - n] * np.uint64(pw[n - 1])
             if n >= lo:
-                keys[n] = (acc + np.uint64(n * pw[n] & _MASK)).tolist()
+                keys[:, n - lo] = acc + np.uint64(n * pw[n] & _MASK)
+        # (L, n) with n tokens before L, position by position: per index one run, its positions in order — within
+        # each n the most recent occurrence still comes last (keys of different n never coincide: n is hashed in)
+        valid = ends[:, None] >= np.arange(lo, hi + 1)[None, :]
+        key_list = keys[valid].tolist()
+        end_list = np.broadcast_to(ends[:, None], valid.shape)[valid].tolist()
+        bounds = np.concatenate([[0], np.cumsum(valid.sum(axis=1))]).tolist()
         at = 0
-        for (ix, _), first, count in zip(batch, firsts, counts):
-            for n in range(lo, hi + 1):
-                skip = max(n - first, 0)  # (positions L < n have no n tokens before them)
-                if skip < count:
-                    ix._end.update(zip(keys[n][at + skip : at + count], range(first + skip, first + count)))
+        for (ix, _), count in zip(batch, counts):
+            a, b = bounds[at], bounds[at + count]
+            ix._end.update(zip(key_list[a:b], end_list[a:b]))
             at += count
 
     def propose(self, k: int) -> list[int]:

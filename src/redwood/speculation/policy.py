@@ -286,12 +286,10 @@ class AutoPolicy:
             return [1.0] * (depth + 1)
         proposing = self._proposing.get(family)
         rates = self.acceptance.rates_of_rows(family, [r.slot for r in rows], [r.params.temperature for r in rows])
-        offered = np.array(
-            [
-                max(min(depth if proposing is None else proposing[i], depth, r.remaining - 1), 0)
-                for i, r in enumerate(rows)
-            ]
-        )  # (draftless: its proposal; drafts past a row's limit are never emitted)
+        # (draftless: its proposal; drafts past a row's limit are never emitted)
+        offered = np.clip(np.array([r.remaining - 1 for r in rows]), 0, depth)
+        if proposing is not None:
+            offered = np.minimum(offered, np.array(proposing))
         rates[np.arange(depth)[None, :] >= offered[:, None]] = 0.0  # (no more tokens past what is offered)
         # each row's [E(0), …, E(depth)]: 1 + the running sums of the running products of its α_d (left to right,
         # as a loop would add them)
