@@ -205,8 +205,9 @@ auto)  # issue 40 item 2: the automatic policy next to AR and the fixed plan (γ
        # (--compare-fixed 3: AR, fixed, auto interleaved in one process on the same prompts, one AR run for both):
        # batch-1 code / chat with the 0.5B draft at AUTO_TEMPS (0 0.6), then self-speculation (StreamingLLM 512) at
        # AUTO_CONTEXT × AUTO_BATCH windows of AUTO_DATASET (essays; shakespeare: held out), AUTO_GEN new tokens;
-       # AUTO_PART: b1, long or both; AUTO_REPEATS: the plans interleaved this many times (medians reported).
-       # The table last: benchmarks/auto_cells.py
+       # AUTO_PART: b1, long or both; AUTO_REPEATS: the plans interleaved this many times (medians reported);
+       # AUTO_REQUESTS: batch-1 requests per plan (16). The grid's "32K" is AUTO_CONTEXT=32512 (prompt + 256 new
+       # tokens must fit the 1.5B's 32,768). The table last: benchmarks/auto_cells.py
   for part in ${AUTO_PART:-b1 long}; do
     if [ $part = b1 ]; then
       for temp in ${AUTO_TEMPS:-0 0.6}; do for ds in humaneval mt-bench; do
