@@ -287,7 +287,7 @@ class AutoPolicy:
         proposing = self._proposing.get(family)
         rates = self.acceptance.rates_of_rows(family, [r.slot for r in rows], [r.params.temperature for r in rows])
         # (draftless: its proposal; drafts past a row's limit are never emitted)
-        offered = np.clip(np.array([r.remaining - 1 for r in rows]), 0, depth)
+        offered = np.maximum(np.minimum(np.array([r.remaining - 1 for r in rows]), depth), 0)
         if proposing is not None:
             offered = np.minimum(offered, np.array(proposing))
         rates[np.arange(depth)[None, :] >= offered[:, None]] = 0.0  # (no more tokens past what is offered)
