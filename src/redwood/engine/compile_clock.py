@@ -9,10 +9,10 @@ policy, taking that for what a catch-up costs, stopped choosing the draft (auto 
 what `seconds()` grew by during such work and books it as a one-time cost, as it does graph captures.
 
 The clock is Triton's pair of runtime hooks (`triton.knobs.runtime.jit_cache_hook`, called before a compile,
-and `jit_post_compile_hook`, after it — both in the GPU machine's Triton 3.6, read from its wheel, and in 3.9), chained to
-any hooks already set. The pre-compile hook must not
-return a true value (Triton would then skip the compile): it returns what the hook it wraps returned.
-Without triton, or with a Triton that has no such hooks, `seconds()` stays 0.0 (no compile is ever booked).
+and `jit_post_compile_hook`, after it — both in the GPU machine's Triton 3.6, read from its wheel, and in 3.9),
+chained to any hooks already set. The pre-compile hook must not return a true value (Triton would then skip the
+compile): it returns what the hook it wraps returned. Without triton, or with a Triton that has no such hooks,
+`seconds()` stays 0.0 (no compile is ever booked).
 """
 
 from __future__ import annotations
