@@ -35,6 +35,7 @@ def _load(folder: Path) -> dict[str, dict] | None:
             "spec": spec["tokens_per_s"],
             "same": spec.get("identical_to_ar"),
             "plans": top,
+            "one_time_s": spec.get("capture_s"),
         }
         auto = method == "spec" and bool(spec.get("policy"))
         out["auto" if auto else "fixed"] = row
@@ -51,9 +52,10 @@ def main(root: str) -> None:
         if rows:
             cells.setdefault(cell, {}).update(rows)
     print(
-        "| cell | AR tok/s (fixed run / auto run, or shared) | fixed γ3 | auto | auto / AR | auto / fixed | auto's plans |"
+        "| cell | AR tok/s (fixed run / auto run, or shared) | fixed γ3 | auto | auto / AR | auto / fixed | auto's plans "
+        "| auto's one-time s |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for cell, runs in cells.items():
         fixed, auto = runs.get("fixed"), runs.get("auto")
         ars = [round(r["ar"]) for r in (fixed, auto) if r]  # (the fixed run's, then auto's: one if they shared it)
@@ -62,7 +64,9 @@ def main(root: str) -> None:
         au = f"{auto['spec']:.0f}" if auto else "-"
         vs_ar = f"{auto['spec'] / auto['ar']:.3f}×" if auto else "-"
         vs_fixed = f"{(auto['spec'] / auto['ar']) / (fixed['spec'] / fixed['ar']):.3f}×" if auto and fixed else "-"
-        print(f"| {cell} | {ar} | {fx} | {au} | {vs_ar} | {vs_fixed} | {auto['plans'] if auto else '-'} |")
+        once = auto.get("one_time_s") if auto else None
+        once = "-" if once is None else f"{once:.2f}"
+        print(f"| {cell} | {ar} | {fx} | {au} | {vs_ar} | {vs_fixed} | {auto['plans'] if auto else '-'} | {once} |")
 
 
 if __name__ == "__main__":
