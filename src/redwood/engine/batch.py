@@ -74,7 +74,7 @@ class StepResult:
     catch_up_s: float = 0.0  # of step_s: the draft model catching up on tokens other plans committed
     capture_s: float = 0.0  # the decoding step's one-time graph captures (left out of step_s)
     # its one-time Triton compiles outside graph captures (a draft catch-up's eager prefill; left out of step_s
-    # and of catch_up_s: `kernels.compile_clock`)
+    # and of catch_up_s: `engine.compile_clock`)
     compile_s: float = 0.0
 
 

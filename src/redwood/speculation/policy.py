@@ -420,7 +420,8 @@ class AutoPolicy:
             if scoring is not None:
                 scoring()
             for s in self.shadows:
-                # (run later than planned — a failed step's leftovers settled by `_settle` — a row may hold more)
+                # (left untaken — `Executor.execute` planning for itself — `_settle` runs it in `observe`, after the
+                # rows' new tokens: each row read as far as it was at the plan)
                 histories = [(slot, h if len(h) == n else h[:n]) for slot, h, n, _ in asked]
                 s.drafter.grow(histories)
                 for (slot, history), (_, _, _, temperature) in zip(histories, asked):
