@@ -14,6 +14,10 @@ GPU (`AutoPolicy.defer_scoring`): it runs at the start of that wait, as the exec
 launches and its read-back — the times then show what stays on the step's critical path (a deferred scoring
 longer than the wait would show in neither).
 
+FAMILY=draft: the model family is a standalone draft model (full KV, its own calibrated curve; a lagging cache's
+catch-up costed on a switch back) — batch 1 with the 0.5B draft, where a plan was 15–25% of an H100 step
+(session 38): `FAMILY=draft DEFER=1 GPU_MS=2 ... auto_plan_cost.py 1 300`.
+
     PYTHONPATH=src:. python benchmarks/auto_plan_cost.py [ROWS] [CONTEXT] [STEPS]     (default 64 30720 200)
 """
 
@@ -52,6 +56,13 @@ class SelfFamily:
     policy = _Reads(512)
 
 
+class DraftFamily:
+    """A standalone draft model as the policy sees it: its own model over its whole context."""
+
+    family, needs_history, own_model, standalone = "draft", False, None, True
+    policy = _Reads(None)
+
+
 def curve(scale: float) -> ForwardCurve:
     tokens = [1, 2, 4, 8, 16, 32]
     lo = [scale * (1 + 0.02 * t) for t in tokens]
@@ -83,8 +94,10 @@ def make_rows(rows: int, context: int, rng: random.Random):
 def run(steps: int, rows_n: int, context: int, seed: int = 0):
     rng = random.Random(seed)
     ngram = NgramDrafter(VOCAB)
-    policy = AutoPolicy([SelfFamily(), ngram])
-    policy.costs = CostModel(CostTable(curve(0.02)))
+    model_family = DraftFamily() if os.environ.get("FAMILY") == "draft" else SelfFamily()
+    policy = AutoPolicy([model_family, ngram])
+    policy.costs = CostModel(CostTable(curve(0.02), curve(0.012) if model_family.standalone else None))
+    bucket = 1 << max(rows_n - 1, 0).bit_length()  # (the smallest power of two holding the rows)
     defer = os.environ.get("DEFER") == "1"
     policy.defer_scoring = defer
     gpu_s = float(os.environ.get("GPU_MS", "20" if defer else "0")) / 1e3
@@ -95,7 +108,7 @@ def run(steps: int, rows_n: int, context: int, seed: int = 0):
     emitted_total = 0
     for _ in range(steps):
         t0 = time.perf_counter()
-        plan = policy.plan(rows, 64)
+        plan = policy.plan(rows, bucket)
         job = policy.take_deferred()
         t1 = time.perf_counter()
         if job is not None:
@@ -116,7 +129,7 @@ def run(steps: int, rows_n: int, context: int, seed: int = 0):
             emitted_total += len(new)
             tokens.append(Tokens(new, ["target"] * len(new), spec=(k, gamma) if gamma else None))
         t2 = time.perf_counter()
-        policy.observe(rows, plan, tokens, 0.02, 64)
+        policy.observe(rows, plan, tokens, 0.02, bucket)
         t3 = time.perf_counter()
         plan_s += t1 - t0
         observe_s += t3 - t2

@@ -204,6 +204,23 @@ def test_shadow_scoring_deferred_into_the_next_step_keeps_greedy_equal_to_ar(mod
     assert engine.policy.report()["draftless_scored"]["ngram"] > 0 and engine.policy._deferred is None
 
 
+def test_plans_made_while_the_device_works_keep_greedy_equal_to_ar(models):
+    """With `defer_scoring` (a GPU) each plan's costs and the draft model's expectations are worked out during the
+    step before (`AutoPolicy._plan_ahead_alongside`): under continuous batching — requests leaving and coming,
+    the draft model's catch-ups — output equals AR's, and plans were made ahead."""
+    target, draft, tok = models
+    prompts = repetitive_prompts(6, seed=6)
+    params = [SamplingParams(max_new_tokens=24, ignore_eos=True) for _ in prompts]
+    _, ar, _ = run_engine(target, tok, prompts, params, arrivals=ARRIVALS, max_num_seqs=3, block_size=8)
+    engine = auto_engine(target, tok, [ModelDrafter(draft, FullPolicy(), 320), NgramDrafter(320, 1, 3)], max_num_seqs=3)
+    engine.policy.defer_scoring = True
+    _, spec, _ = run_engine(target, tok, prompts, params, arrivals=ARRIVALS, engine=engine)
+    assert [s.output_ids for s in spec] == [s.output_ids for s in ar]
+    report = engine.policy.report()
+    planned = sum(report["plans"].values()) - report["prefill_bound_steps"]
+    assert 0 < report["planned_ahead"] < planned, report  # (not after a row left or came, nor the first)
+
+
 @pytest.mark.parametrize("ignore_eos", [True, False], ids=["eos-ignored", "eos-may-end"])
 def test_the_policy_is_told_what_the_prefill_backlog_will_decode(models, ignore_eos):
     """Each plan gets the backlog's steps and the tokens its requests are sure to decode afterwards: all of their

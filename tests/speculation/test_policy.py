@@ -331,6 +331,12 @@ def test_expected_tokens_equal_each_rows_chain_averaged(seed):
                     )
                 want.append(sum(per_row) / len(rows))
             assert p.expected_by_gamma(family, rows) == pytest.approx(want, rel=1e-12)
+            for i, r in enumerate(rows):  # one row (its own path, batch 1) == the array path over it, exactly
+                p._proposing = {"ngram": [proposals[i]]}
+                one = p.expected_by_gamma(family, [r])
+                p._proposing = {"ngram": [proposals[i]] * 2}
+                assert one == p.expected_by_gamma(family, [r, r])
+            p._proposing = {"ngram": proposals}
 
 
 def test_a_draft_model_probe_is_held_to_the_probe_budget():
@@ -498,3 +504,76 @@ def test_the_report_gives_each_plans_measured_steps_per_bucket():
     assert got["ngram γ2@2"] == {"steps": 2, "ms": 25.0, "tokens_per_row": 2.0}
     assert got["ar@2"] == {"steps": 1, "ms": 10.0, "tokens_per_row": 1.0}
     assert got["ar@1"] == {"steps": 1, "ms": 4.0, "tokens_per_row": 1.0}
+
+
+def _flat_in_context(rng: random.Random, draft_scale: float | None = None) -> CostTable:
+    """A random table whose forwards cost the same at every context (a plan made ahead is costed at the context
+    its rows will have after the step; with no slope there it must equal the plan made after)."""
+
+    def one(scale):
+        tokens, lo, t = [1, 2, 4, 8, 16], [], scale
+        for _ in tokens:
+            lo.append(t)
+            t *= 1 + rng.uniform(0.0, 0.9)
+        return ForwardCurve(tokens, 16, 1040, lo, list(lo))
+
+    return CostTable(one(1.0), one(rng.uniform(0.05, 0.5) if draft_scale is None else draft_scale))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_plan_made_ahead_equals_the_plan_made_after_the_read_back(seed):
+    """With `defer_scoring` (a GPU) the next plan's costs and the model families' expectations are worked out in
+    the job the device's step runs beside; planned with them, the next step's plan equals the one planned from
+    scratch when nothing changed in between (probes, captures, lags and the draftless proposals included) — and as
+    the rows near their end (a row with fewer tokens left than a chain's depth offers fewer drafts)."""
+    made = []
+    for ahead in (True, False):
+        rng = random.Random(seed)
+        if seed % 2:
+            p = policy_with(_flat_in_context(rng), {"draft": [rng.uniform(0.2, 0.95) for _ in range(8)]})
+        else:  # (the draft model's long chains win: its rows' last steps offer fewer drafts)
+            p = policy_with(_flat_in_context(rng, draft_scale=0.01), {"draft": [0.97] * 8})
+        p.acceptance.seed("ngram", 0.0, [rng.uniform(0.0, 0.95) for _ in range(16)], weight=1e6)
+        p.drafters[1].proposal = [1] * rng.choice([3, 8, 16])
+        p.defer_scoring, p.graphs = True, rng.random() < 0.5
+        p._lag["draft"] = {0: rng.randrange(0, 40)}
+        n = rng.choice([1, 2, 3])
+        rows = [Row(slot=i, computed=rng.randrange(20, 900), remaining=rng.randrange(12, 50)) for i in range(n)]
+        bucket = 4 if len(rows) > 2 else len(rows)
+        plans = []
+        for _ in range(40):  # (past PROBE_EVERY: probes fall due)
+            plans.append(p.plan(rows, bucket))
+            job = p.take_deferred()
+            assert job is not None
+            job()
+            if not ahead:
+                p._ahead = None
+            for r in rows:  # (a token a step: the rows near their ends)
+                r.remaining = max(r.remaining - 1, 1)
+        made.append([(pl.name, pl.probe, pl.expected_tokens, pl.predicted_s) for pl in plans])
+        assert p.ahead_plans == (39 if ahead else 0)
+    assert made[0] == made[1]
+
+
+def test_a_plan_made_ahead_is_dropped_for_other_rows():
+    """Made for the rows of the step it ran beside: a row leaving (its slot may take another request), other
+    rows or another bucket → the next plan starts afresh."""
+    rng = random.Random(0)
+    p = policy_with(_flat_in_context(rng), {"draft": [0.8] * 8, "ngram": [0.5] * 16})
+    p.defer_scoring = True
+
+    def planned_ahead(rows, bucket, before=None):
+        p.plan([Row(0), Row(1)], 2)
+        p.take_deferred()()
+        if before is not None:
+            before()
+        used = p.ahead_plans
+        p.plan(rows, bucket)
+        p.take_deferred()()
+        return p.ahead_plans > used
+
+    assert planned_ahead([Row(0), Row(1)], 2)
+    assert not planned_ahead([Row(0), Row(1)], 2, before=lambda: p.forget(1))
+    assert not planned_ahead([Row(0), Row(2)], 2)
+    assert not planned_ahead([Row(0), Row(1)], 4)
+    assert planned_ahead([Row(0), Row(1, remaining=2)], 2)  # (its expectations afresh: the test above)
