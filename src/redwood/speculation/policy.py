@@ -453,14 +453,18 @@ class AutoPolicy:
             self._plan_ahead_alongside(rows, bucket, context + plan.expected_tokens)
         return plan
 
-    def _costs_and_expectations(self, rows, bucket: int, context: float) -> tuple[list[float], dict]:
-        """Every candidate's predicted step seconds (no switch charge) and every family's E(γ) for these rows."""
+    def _costs_and_expectations(
+        self, rows, bucket: int, context: float, families: set[str] | None = None
+    ) -> tuple[list[float], dict]:
+        """Every candidate's predicted step seconds (no switch charge) and the E(γ) of `families` (default: every
+        family with chains) for these rows."""
         live = len(rows)
         seconds = [
             self.costs.predict(c.family, c.shape, bucket, bucket, int(context), live=live) for c in self.candidates
         ]
-        expected = {f: self.expected_by_gamma(f, rows) for f in {c.family for c in self.candidates if c.tree}}
-        return seconds, expected
+        if families is None:
+            families = {c.family for c in self.candidates if c.tree}
+        return seconds, {f: self.expected_by_gamma(f, rows) for f in families}
 
     def _plan_ahead_alongside(self, rows, bucket: int, context: float) -> None:
         """Append to the job the device's step runs beside (`take_deferred`) the next plan's heavy part: every
@@ -476,13 +480,9 @@ class AutoPolicy:
         def job() -> None:
             if before is not None:
                 before()
-            seconds = [
-                self.costs.predict(c.family, c.shape, bucket, bucket, int(context), live=len(slots))
-                for c in self.candidates
-            ]
             draftless = {s.name for s in self.shadows}  # (their E(γ) waits on this step's tokens)
             models = {c.family for c in self.candidates if c.tree is not None and c.family not in draftless}
-            self._ahead = _Ahead(slots, bucket, seconds, {f: self.expected_by_gamma(f, rows) for f in models})
+            self._ahead = _Ahead(slots, bucket, *self._costs_and_expectations(rows, bucket, context, models))
 
         self._deferred = job
 
