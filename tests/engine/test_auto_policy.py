@@ -206,16 +206,29 @@ def test_shadow_scoring_deferred_into_the_next_step_keeps_greedy_equal_to_ar(mod
 
 def test_plans_made_while_the_device_works_keep_greedy_equal_to_ar(models):
     """With `defer_scoring` (a GPU) each plan's costs and the draft model's expectations are worked out during the
-    step before (`AutoPolicy._plan_ahead_alongside`): under continuous batching — requests leaving and coming,
-    the draft model's catch-ups — output equals AR's, and plans were made ahead."""
+    step before (`AutoPolicy._plan_ahead_alongside`), and prompt lookup's indexes register the step's tokens there
+    (`NgramDrafter.lazy`): under continuous batching — requests leaving and coming, the draft model's catch-ups —
+    output equals AR's, plans were made ahead, and the jobs registered what the plans had only appended."""
     target, draft, tok = models
     prompts = repetitive_prompts(6, seed=6)
     params = [SamplingParams(max_new_tokens=24, ignore_eos=True) for _ in prompts]
     _, ar, _ = run_engine(target, tok, prompts, params, arrivals=ARRIVALS, max_num_seqs=3, block_size=8)
     engine = auto_engine(target, tok, [ModelDrafter(draft, FullPolicy(), 320), NgramDrafter(320, 1, 3)], max_num_seqs=3)
     engine.policy.defer_scoring = True
+    ngram = engine.policy.drafters[1]
+    assert ngram.lazy  # (its indexes register a step's tokens in the job, not in the plan)
+    behind = []  # per job: the tokens its rows' indexes had appended but not registered
+    register = ngram.register_pending
+
+    def registering(slots):
+        behind.append(sum(len(ngram._rows[s].tokens) - ngram._rows[s].indexed for s in slots if s in ngram._rows))
+        register(slots)
+        assert all(ngram._rows[s].indexed == len(ngram._rows[s].tokens) for s in slots if s in ngram._rows)
+
+    ngram.register_pending = registering
     _, spec, _ = run_engine(target, tok, prompts, params, arrivals=ARRIVALS, engine=engine)
     assert [s.output_ids for s in spec] == [s.output_ids for s in ar]
+    assert sum(b > 0 for b in behind) > 10, behind
     report = engine.policy.report()
     planned = sum(report["plans"].values()) - report["prefill_bound_steps"]
     assert 0 < report["planned_ahead"] < planned, report  # (not after a row left or came, nor the first)

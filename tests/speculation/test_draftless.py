@@ -14,7 +14,7 @@ import torch
 from redwood import SamplingParams
 from redwood.errors import ConfigError
 from redwood.speculation.config import SpeculativeConfig
-from redwood.speculation.draftless import NgramDrafter, NgramIndex
+from redwood.speculation.draftless import _TAIL, NgramDrafter, NgramIndex
 from redwood.speculation.trees import Tree
 from tests.engine.driver import repetitive_prompts, run_engine
 from tests.engine.test_engine import models  # noqa: F401 — the (target, draft, tokenizer) fixture
@@ -256,3 +256,75 @@ def test_llm_with_a_draftless_config_matches_ar_on_unicode_text(tiny_model_dir):
 def test_bad_draftless_configs_are_config_errors(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         SpeculativeConfig(**kwargs)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tokens_appended_before_they_are_registered_propose_the_same(seed):
+    """An index may append a step's tokens and register them later (`NgramDrafter.lazy`: on a GPU the registering
+    runs while the device works): `propose` scans the unregistered tail, newest first, so at every point its
+    answers are the plain definition's — a tail of a few tokens, of none, and one longer than `_TAIL` (registered
+    first); registered at last, the dictionary equals an index extended token by token."""
+    rng = random.Random(seed)
+    lo, hi = rng.choice([(1, 3), (2, 4), (3, 6)])
+    tokens = [rng.randrange(4) if rng.random() < 0.7 else rng.randrange(151_936) for _ in range(500)]
+    ix, pos = NgramIndex(lo, hi), 0
+    while pos < len(tokens):
+        step = rng.choice([1, 2, 5, 9, 70])
+        ix.append(tokens[pos : pos + step])
+        pos = min(pos + step, len(tokens))
+        k = rng.choice([1, 4, 16])
+        assert ix.propose(k) == _reference_proposal(tokens[:pos], k, lo, hi), pos
+        assert len(ix.tokens) - ix.indexed <= max(_TAIL, step)  # (a long tail was registered by the proposal)
+        if rng.random() < 0.3:
+            ix.register()
+            assert ix.indexed == pos
+    ix.register()
+    assert ix._end == index(tokens, lo, hi)._end
+
+
+def test_a_match_only_in_the_unregistered_tail_is_found_and_wins_over_an_older_one():
+    ix = index([1, 2, 9, 5, 5])  # (1, 2) registered, continued by 9
+    ix.append([1, 2, 7, 1, 2])  # a newer (1, 2), continued by 7, not registered yet
+    assert ix.indexed == 5 and ix.propose(2) == [7, 1]
+    ix.register()
+    assert ix.propose(2) == [7, 1]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_indexes_registered_together_equal_indexes_registered_one_by_one(seed):
+    rng = random.Random(seed)
+    texts = [[rng.randrange(5) for _ in range(rng.randrange(0, 30))] for _ in range(7)]
+    one, many = [index(t) for t in texts], [index(t) for t in texts]
+    for _ in range(8):
+        news = [[rng.randrange(5) for _ in range(rng.choice([0, 1, 3, 8, 70]))] for _ in texts]
+        for a, b, new in zip(one, many, news):
+            a.extend(new)
+            b.append(new)
+        NgramIndex.register_many(many)
+        for a, b in zip(one, many):
+            assert a.tokens == b.tokens and a._end == b._end and b.indexed == len(b.tokens)
+
+
+def test_a_lazy_drafter_proposes_as_an_eager_one_and_registers_when_asked():
+    rng = random.Random(5)
+    texts = {slot: [rng.randrange(6) for _ in range(40)] for slot in range(3)}
+    eager, lazy = NgramDrafter(vocab_size=6), NgramDrafter(vocab_size=6)
+    lazy.lazy = True
+    for slot, t in texts.items():
+        for d in (eager, lazy):
+            d.index_prefix(slot, t, len(t))
+    assert all(lazy._rows[s].indexed == 40 for s in texts)  # (a prompt is registered at once)
+    tree = Tree.chain(4)
+    for _ in range(6):
+        for t in texts.values():
+            t += [rng.randrange(6) for _ in range(rng.randrange(1, 5))]
+        rows = list(texts.items())
+        for d in (eager, lazy):
+            d.grow(rows)
+        assert [eager.shadow_propose(s, t, 6) for s, t in rows] == [lazy.shadow_propose(s, t, 6) for s, t in rows]
+        eager.prepare(rows, tree, 3, torch.device("cpu"))
+        lazy.prepare(rows, tree, 3, torch.device("cpu"))
+        assert torch.equal(eager._buffer, lazy._buffer)
+        assert all(lazy._rows[s].indexed < len(t) for s, t in rows)  # (appended, not registered)
+        lazy.register_pending([0, 1, 2, 7])  # (a slot without an index: nothing)
+        assert all(lazy._rows[s]._end == eager._rows[s]._end for s in texts)

@@ -47,6 +47,7 @@ def check_ngram_sizes(min_n, max_n) -> None:
 _HASH_MUL = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
 _BULK = 64  # tokens added at once from which the numpy path indexes them
+_TAIL = 64  # unregistered tokens `propose` scans at most (more: it registers them first)
 
 
 def _ngram_key(seq) -> int:
@@ -58,26 +59,43 @@ def _ngram_key(seq) -> int:
 
 class NgramIndex:
     """One row's tokens and, for each n-gram of min_n..max_n tokens that has a token after it, where its
-    most recent such occurrence ends (exclusive)."""
+    most recent such occurrence ends (exclusive).
+
+    Registering may lag the tokens (`append`, then `register` later): the n-grams ending at or past `indexed` are
+    not in the dictionary yet, and `propose` scans that tail directly, newest first — it is more recent than
+    anything registered, so the answers are the same as a fully registered index's. On a GPU the automatic policy
+    appends a step's tokens before planning (cheap) and registers them in the job the device's next step covers:
+    registering 64 rows' new tokens was the largest part of a 64-row plan's host time (~2 ms of ~4 on a 2-core
+    CPU), and the tail it leaves to scan is one step's tokens."""
 
     def __init__(self, min_n: int = DEFAULT_MIN_N, max_n: int = DEFAULT_MAX_N):
         check_ngram_sizes(min_n, max_n)
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
+        self.indexed = 0  # the n-grams ending before this position are registered in `_end`
         self._end: dict[int, int] = {}  # `_ngram_key` → where its latest occurrence ends
         self._pow = [pow(_HASH_MUL, k, 1 << 64) for k in range(max_n + 1)]  # _HASH_MUL^k mod 2^64
         self._last: tuple[int, int, list[int]] | None = None  # (tokens then, k, proposal): `propose`'s last answer
 
-    def extend(self, tokens) -> None:
-        old = len(self.tokens)
+    def append(self, tokens) -> None:
+        """Add tokens without registering their n-grams (`register` does; `propose` reads them meanwhile)."""
         self.tokens.extend(map(int, tokens))
-        if len(self.tokens) - old >= _BULK:
+
+    def extend(self, tokens) -> None:
+        """Add tokens and register every n-gram not yet registered."""
+        self.append(tokens)
+        self.register()
+
+    def register(self) -> None:
+        old, toks = self.indexed, self.tokens
+        self.indexed = len(toks)
+        if len(toks) - old >= _BULK:
             self._index_bulk(old)
             return
         # The n-grams ending at L now have a next token: tokens[L]. `_ngram_key` of the n tokens before L is
         # n·M^n + Σ_j tokens[L−1−j]·M^j (mod 2^64): one pass backwards from L gives every n's key, each from the
         # last (a step's few new tokens: this loop is the drafter's host time per row and step).
-        toks, pw, end, lo, hi = self.tokens, self._pow, self._end, self.min_n, self.max_n
+        pw, end, lo, hi = self._pow, self._end, self.min_n, self.max_n
         for L in range(old, len(toks)):
             acc = 0
             for n in range(1, min(hi, L) + 1):
@@ -86,7 +104,7 @@ class NgramIndex:
                     end[(n * pw[n] + acc) & _MASK] = L
 
     def _index_bulk(self, old: int) -> None:
-        """Register the n-grams ending at every L in [old, len) — as `extend`'s loop does, vectorized: for each
+        """Register the n-grams ending at every L in [old, len) — as `register`'s loop does, vectorized: for each
         n the keys of all windows at once (uint64 arithmetic wraps modulo 2^64, as `_ngram_key` masks), then
         one dict update in order (a later occurrence overwrites an earlier one: the most recent wins)."""
         base = max(old - self.max_n, 0)
@@ -105,42 +123,51 @@ class NgramIndex:
 
     @staticmethod
     def extend_many(pairs: list[tuple["NgramIndex", list[int]]]) -> None:
-        """`extend` each index by its few new tokens, the n-grams' keys computed for all of them at once — a
-        decoding step's growth over a batch (64 rows × ~10 tokens: ~0.7 ms of per-token Python in `extend`, an
-        H100 burst's largest planning cost). The same entries as extending one by one: per index, keys in
-        order of their end (the most recent occurrence wins). Indexes of other n-gram sizes, or growing by
-        `_BULK` tokens or more, extend alone."""
-        batch = [(ix, new) for ix, new in pairs if new]
+        """`extend` each index by its few new tokens (`register_many`)."""
+        for ix, new in pairs:
+            ix.append(new)
+        NgramIndex.register_many([ix for ix, _ in pairs])
+
+    @staticmethod
+    def register_many(indexes: list["NgramIndex"]) -> None:
+        """`register` each index, the n-grams' keys computed for all of them at once — a decoding step's growth
+        over a batch (64 rows × ~10 tokens: ~0.7 ms of per-token Python in `register`, an H100 burst's largest
+        planning cost). The same entries as registering one by one: per index, keys in order of their end (the
+        most recent occurrence wins). Indexes of other n-gram sizes, or behind by `_BULK` tokens or more,
+        register alone."""
+        batch = [ix for ix in indexes if ix.indexed < len(ix.tokens)]
         if not batch:
             return
-        lo, hi = batch[0][0].min_n, batch[0][0].max_n
-        if any(ix.min_n != lo or ix.max_n != hi or len(new) >= _BULK for ix, new in batch) or len(batch) == 1:
-            for ix, new in batch:
-                ix.extend(new)
+        lo, hi = batch[0].min_n, batch[0].max_n
+        if len(batch) == 1 or any(
+            ix.min_n != lo or ix.max_n != hi or len(ix.tokens) - ix.indexed >= _BULK for ix in batch
+        ):
+            for ix in batch:
+                ix.register()
             return
         # All indexes' tails in one flat array: for index i, its tokens from max(old_i − hi, 0) (the hi before its
-        # first new position) to its end. Each new position L has a flat position g; each n's key is
+        # first unregistered position) to its end. Each new position L has a flat position g; each n's key is
         # n·M^n + Σ_{j<n} flat[g − 1 − j]·M^j (uint64 arithmetic wraps as `_ngram_key` masks). A position with fewer
         # than n tokens before it in its index reads its neighbour's tail: such (L, n) are skipped below.
         flat: list[int] = []
         at_new: list[int] = []  # flat position of every new position, index by index
         firsts, counts = [], []  # per index: its first new position, how many
-        for ix, new in batch:
-            old = len(ix.tokens)
-            ix.tokens.extend(map(int, new))
+        for ix in batch:
+            old, end = ix.indexed, len(ix.tokens)
             start = max(old - hi, 0)
             base = len(flat) - start
             flat += ix.tokens[start:]
-            at_new += range(base + old, base + len(ix.tokens))
+            at_new += range(base + old, base + end)
             firsts.append(old)
-            counts.append(len(new))
+            counts.append(end - old)
+            ix.indexed = end
         arr = np.asarray(flat, dtype=np.uint64)
         g = np.asarray(at_new, dtype=np.int64)
         # each new position's L (its end: where the n-grams before it end) within its own index
         ends = np.repeat(np.asarray(firsts, dtype=np.int64), counts) + (
             np.arange(len(g)) - np.repeat(np.cumsum(counts) - counts, counts)
         )
-        pw = batch[0][0]._pow  # M^k mod 2^64, Python ints
+        pw = batch[0]._pow  # M^k mod 2^64, Python ints
         acc = np.zeros(len(g), dtype=np.uint64)
         keys = np.empty((len(g), hi - lo + 1), dtype=np.uint64)  # [position, n − lo]
         for n in range(1, hi + 1):
@@ -154,7 +181,7 @@ class NgramIndex:
         end_list = np.broadcast_to(ends[:, None], valid.shape)[valid].tolist()
         bounds = np.concatenate([[0], np.cumsum(valid.sum(axis=1))]).tolist()
         at = 0
-        for (ix, _), count in zip(batch, counts):
+        for ix, count in zip(batch, counts):
             a, b = bounds[at], bounds[at + count]
             ix._end.update(zip(key_list[a:b], end_list[a:b]))
             at += count
@@ -172,11 +199,21 @@ class NgramIndex:
         return list(out)
 
     def _propose(self, k: int, L: int) -> list[int]:
+        toks = self.tokens
+        if L - self.indexed > _TAIL:  # (a tail left unregistered this long: registering is cheaper than scanning)
+            self.register()
         for n in range(min(self.max_n, L), self.min_n - 1, -1):
-            suffix = self.tokens[L - n :]
-            end = self._end.get(_ngram_key(suffix))
-            if end is not None and self.tokens[end - n : end] == suffix:
-                out = self.tokens[end : end + k]
+            suffix = toks[L - n :]
+            # the newest occurrence: in the unregistered tail (ends L − 1 … indexed, newest first), else registered
+            end, last = None, toks[L - 1]
+            for e in range(L - 1, max(self.indexed, n) - 1, -1):
+                if toks[e - 1] == last and toks[e - n : e] == suffix:
+                    end = e
+                    break
+            if end is None:
+                end = self._end.get(_ngram_key(suffix))
+            if end is not None and toks[end - n : end] == suffix:
+                out = toks[end : end + k]
                 while len(out) < k:  # (past the end: the proposal continues itself — a period of L − end)
                     out.append(out[len(out) - (L - end)])
                 return out
@@ -306,8 +343,25 @@ class NgramDrafter(DraftlessDrafter):
     def describe(self) -> str:
         return f"ngram {self.min_n}-{self.max_n}"
 
+    # Whether a step's tokens are appended to the rows' indexes and registered later (`register_pending`, called
+    # by the automatic policy in the job the device's step covers) instead of at once; `propose` answers the same.
+    lazy = False
+
     def _new_index(self) -> NgramIndex:
         return NgramIndex(self.min_n, self.max_n)
+
+    def _index(self, slot: int, history: list[int], stop: int | None = None) -> NgramIndex:
+        stop = len(history) if stop is None else stop
+        index = self._row_index(slot, stop)
+        new = history[len(index.tokens) : stop]
+        if self.lazy:
+            index.append(new)
+        else:
+            index.extend(new)
+        return index
+
+    def index_prefix(self, slot: int, token_ids: list[int], stop: int) -> None:
+        self._index(slot, token_ids, stop).register()  # (a prompt chunk: registered now, while the device works)
 
     def shadow_propose(self, slot: int, history: list[int], k: int) -> list[int]:
         """What a step would propose after `history` (up to k tokens; [] without a match), for scoring."""
@@ -315,7 +369,15 @@ class NgramDrafter(DraftlessDrafter):
 
     def grow(self, rows: list[tuple[int, list[int]]]) -> None:
         indexes = [(self._row_index(slot, len(history)), history) for slot, history in rows]
-        NgramIndex.extend_many([(index, history[len(index.tokens) :]) for index, history in indexes])
+        if self.lazy:
+            for index, history in indexes:
+                index.append(history[len(index.tokens) :])
+        else:
+            NgramIndex.extend_many([(index, history[len(index.tokens) :]) for index, history in indexes])
+
+    def register_pending(self, slots) -> None:
+        """Register what the rows in `slots` appended (`lazy`), their indexes at once."""
+        NgramIndex.register_many([self._rows[s] for s in slots if s in self._rows])
 
     def _draft_row(self, index: NgramIndex, tree: Tree) -> tuple[list[int], bool]:
         if not tree.is_chain:

@@ -263,7 +263,7 @@ class AutoPolicy:
         # shadow scoring of a step deferred into the next step, run while the device works on it (the engine sets
         # this on a GPU: ~0.5 ms of Python a step at 64 rows × ~8 tokens off the step's critical path); `_deferred`:
         # that scoring until it runs (`take_deferred` hands it to the step; `_settle` runs it otherwise)
-        self.defer_scoring = False
+        self._defer = False
         self._deferred: Callable[[], None] | None = None
         # with `defer_scoring`, the next plan's costs and model families' expectations, made in the deferred job
         # (`_plan_ahead_alongside`); None: none, or no longer for these rows (a row left: `forget`)
@@ -290,6 +290,27 @@ class AutoPolicy:
         self._lag: dict[str, dict[int, int]] = {
             family_of(d): {} for d in self.drafters if getattr(d, "standalone", False)
         }
+
+    @property
+    def defer_scoring(self) -> bool:
+        return self._defer
+
+    @defer_scoring.setter
+    def defer_scoring(self, on: bool) -> None:
+        # (deferred, the draftless drafters' indexes register a step's tokens in the job too: `_register_pending`)
+        self._defer = on
+        for s in self.shadows:
+            if hasattr(s.drafter, "lazy"):
+                s.drafter.lazy = on
+
+    def _register_pending(self, slots) -> None:
+        """Register the tokens the rows' draftless indexes appended without registering (`NgramDrafter.lazy`: a
+        plan only appends them — registering 64 rows' new n-grams was ~half a 64-row plan's host time — and this
+        runs in the job the device's step covers)."""
+        for s in self.shadows:
+            register = getattr(s.drafter, "register_pending", None)
+            if register is not None:
+                register(slots)
 
     # ------------------------------------------------------------------ planning
     def expected_by_gamma(self, family: str, rows) -> list[float]:
@@ -480,6 +501,7 @@ class AutoPolicy:
         def job() -> None:
             if before is not None:
                 before()
+            self._register_pending(slots)
             draftless = {s.name for s in self.shadows}  # (their E(γ) waits on this step's tokens)
             models = {c.family for c in self.candidates if c.tree is not None and c.family not in draftless}
             self._ahead = _Ahead(slots, bucket, *self._costs_and_expectations(rows, bucket, context, models))
@@ -506,6 +528,7 @@ class AutoPolicy:
                 s.drafter.grow(histories)
                 for (slot, history), (_, _, _, temperature) in zip(histories, asked):
                     s.before(slot, history, temperature)
+            self._register_pending([slot for slot, _, _, _ in asked])
 
         self._deferred = job
 
