@@ -487,23 +487,40 @@ def test_a_draining_burst_is_costed_by_its_live_rows():
 
 def test_the_report_gives_each_plans_measured_steps_per_bucket():
     """`steps_measured`: per plan and batch bucket, the timed steps, their mean milliseconds and the tokens a row
-    got — where a run's decoding time went (untimed steps, e.g. a thread-count probe's, are left out); the plan
-    that took the most time first."""
+    got — where a run's decoding time went (untimed steps, e.g. a thread-count probe's, are left out) — beside the
+    rows they ran on and what the plans predicted (ms, tokens a row); the plan that took the most time first."""
     flat = ForwardCurve([1, 16], 16, 1040, [1.0, 1.0], [1.0, 1.0])
     p = AutoPolicy([Draftless()], margin=0.0)
     p.costs = CostModel(CostTable(flat))
     g2 = next(c for c in p.candidates if c.name == "ngram γ2")
     rows = [Row(0), Row(1)]
-    p.observe(rows, Plan(g2), [_tokens(7, 8, 9), _tokens(7)], 0.030, 2)
-    p.observe(rows, Plan(g2), [_tokens(7, 8), _tokens(7, 8)], 0.020, 2)
-    p.observe(rows, Plan(AR), [_tokens(7), _tokens(7)], 0.010, 2)
+    p.observe(rows, Plan(g2, expected_tokens=2.5, predicted_s=0.02), [_tokens(7, 8, 9), _tokens(7)], 0.030, 2)
+    p.observe(rows, Plan(g2, expected_tokens=2.0, predicted_s=0.03), [_tokens(7, 8), _tokens(7, 8)], 0.020, 2)
+    p.observe(rows, Plan(AR, expected_tokens=1.0, predicted_s=0.008), [_tokens(7), _tokens(7)], 0.010, 2)
     p.observe(rows, Plan(AR), [_tokens(7), _tokens(7)], None, 2)  # (not timed)
-    p.observe([Row(0)], Plan(AR), [_tokens(7)], 0.004, 1)
+    p.observe([Row(0)], Plan(AR), [_tokens(7)], 0.004, 1)  # (a fixed plan: no prediction)
     got = p.report()["steps_measured"]
     assert list(got) == ["ngram γ2@2", "ar@2", "ar@1"]
-    assert got["ngram γ2@2"] == {"steps": 2, "ms": 25.0, "tokens_per_row": 2.0}
-    assert got["ar@2"] == {"steps": 1, "ms": 10.0, "tokens_per_row": 1.0}
-    assert got["ar@1"] == {"steps": 1, "ms": 4.0, "tokens_per_row": 1.0}
+    assert got["ngram γ2@2"] == {
+        "steps": 2, "ms": 25.0, "tokens_per_row": 2.0, "rows": 2.0, "predicted_ms": 25.0,
+        "expected_tokens_per_row": 2.25,
+    }  # fmt: skip
+    assert got["ar@2"] == {
+        "steps": 1,
+        "ms": 10.0,
+        "tokens_per_row": 1.0,
+        "rows": 2.0,
+        "predicted_ms": 8.0,
+        "expected_tokens_per_row": 1.0,
+    }
+    assert got["ar@1"] == {
+        "steps": 1,
+        "ms": 4.0,
+        "tokens_per_row": 1.0,
+        "rows": 1.0,
+        "predicted_ms": 0.0,
+        "expected_tokens_per_row": 0.0,
+    }
 
 
 def _flat_in_context(rng: random.Random, draft_scale: float | None = None) -> CostTable:

@@ -278,7 +278,9 @@ class AutoPolicy:
         self.capture_cost: float | None = None  # seconds one new plan's captures took (decayed mean; None: none seen)
         self.captures = 0  # steps that captured
         self.counts: dict[str, int] = {}  # plan name → steps run
-        self._timed: dict[str, list] = {}  # "plan@bucket" → [timed steps, seconds, tokens emitted, row-steps]
+        # "plan@bucket" → [timed steps, seconds, tokens emitted, row-steps, Σ predicted seconds, Σ expected tokens a
+        # row] (the predictions of the steps the plan chose: what a run's choices were made on, beside what came)
+        self._timed: dict[str, list] = {}
         self.probes = 0
         self.prefill_bound_steps = 0  # steps planned plainly because queued prefills set the run's end
         self.expected_sum = 0.0  # Σ expected tokens per row over planned steps, and achieved (reports)
@@ -633,11 +635,13 @@ class AutoPolicy:
         self.counts[cand.name] = self.counts.get(cand.name, 0) + 1
         emitted = sum(len(t.token_ids) for t in tokens)  # (the timings' and the expectation's tokens)
         if seconds is not None and rows:  # [steps, seconds, tokens emitted, row-steps] per plan and bucket
-            timed = self._timed.setdefault(f"{cand.name}@{bucket}", [0, 0.0, 0, 0])
+            timed = self._timed.setdefault(f"{cand.name}@{bucket}", [0, 0.0, 0, 0, 0.0, 0.0])
             timed[0] += 1
             timed[1] += seconds
             timed[2] += emitted
             timed[3] += len(rows)
+            timed[4] += ran.predicted_s
+            timed[5] += ran.expected_tokens
         self._captured.add((cand.name, bucket))
         if cand.tree is not None and not getattr(cand.drafter, "needs_history", False):
             gamma = cand.tree.size - 1
@@ -697,10 +701,19 @@ class AutoPolicy:
             "captures": self.captures,
             "capture_cost_s": None if self.capture_cost is None else round(self.capture_cost, 3),
             # what each plan's steps measured at each batch bucket (the time the costs learn from: drafting, the
-            # verify and its one sync, captures and catch-ups left out) and gave a row: where decoding time went
+            # verify and its one sync, captures and catch-ups left out) and gave a row — where decoding time went —
+            # beside what the plan predicted when it chose them (seconds with any switch charge, tokens a row; 0 for
+            # a fixed plan) and the rows they ran on
             "steps_measured": {
-                key: {"steps": n, "ms": round(1e3 * s / n, 3), "tokens_per_row": round(tok / rs, 3)}
-                for key, (n, s, tok, rs) in sorted(self._timed.items(), key=lambda kv: -kv[1][1])
+                key: {
+                    "steps": n,
+                    "ms": round(1e3 * s / n, 3),
+                    "tokens_per_row": round(tok / rs, 3),
+                    "rows": round(rs / n, 2),
+                    "predicted_ms": round(1e3 * ps / n, 3),
+                    "expected_tokens_per_row": round(et / n, 3),
+                }
+                for key, (n, s, tok, rs, ps, et) in sorted(self._timed.items(), key=lambda kv: -kv[1][1])
             },
         }
 
