@@ -202,10 +202,11 @@ class NgramIndex:
         toks = self.tokens
         if L - self.indexed > _TAIL:  # (a tail left unregistered this long: registering is cheaper than scanning)
             self.register()
+        last = toks[L - 1] if L else None
         for n in range(min(self.max_n, L), self.min_n - 1, -1):
             suffix = toks[L - n :]
             # the newest occurrence: in the unregistered tail (ends L − 1 … indexed, newest first), else registered
-            end, last = None, toks[L - 1]
+            end = None
             for e in range(L - 1, max(self.indexed, n) - 1, -1):
                 if toks[e - 1] == last and toks[e - n : e] == suffix:
                     end = e
@@ -277,8 +278,12 @@ class DraftlessDrafter(Drafter):
         not its continuation)."""
         stop = len(history) if stop is None else stop
         index = self._row_index(slot, stop)
-        index.extend(history[len(index.tokens) : stop])
+        self._grow_index(index, history[len(index.tokens) : stop])
         return index
+
+    def _grow_index(self, index, new: list[int]) -> None:
+        """Add a row's new tokens to its index."""
+        index.extend(new)
 
     def _row_index(self, slot: int, stop: int):
         """The slot's index as it is, or a new one when it holds more than `stop` tokens (a new request there)."""
@@ -350,15 +355,11 @@ class NgramDrafter(DraftlessDrafter):
     def _new_index(self) -> NgramIndex:
         return NgramIndex(self.min_n, self.max_n)
 
-    def _index(self, slot: int, history: list[int], stop: int | None = None) -> NgramIndex:
-        stop = len(history) if stop is None else stop
-        index = self._row_index(slot, stop)
-        new = history[len(index.tokens) : stop]
+    def _grow_index(self, index: NgramIndex, new: list[int]) -> None:
         if self.lazy:
             index.append(new)
         else:
             index.extend(new)
-        return index
 
     def index_prefix(self, slot: int, token_ids: list[int], stop: int) -> None:
         self._index(slot, token_ids, stop).register()  # (a prompt chunk: registered now, while the device works)
@@ -371,7 +372,7 @@ class NgramDrafter(DraftlessDrafter):
         indexes = [(self._row_index(slot, len(history)), history) for slot, history in rows]
         if self.lazy:
             for index, history in indexes:
-                index.append(history[len(index.tokens) :])
+                self._grow_index(index, history[len(index.tokens) :])
         else:
             NgramIndex.extend_many([(index, history[len(index.tokens) :]) for index, history in indexes])
 

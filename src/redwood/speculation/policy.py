@@ -634,7 +634,7 @@ class AutoPolicy:
                     lag[r.slot] = lag.get(r.slot, 0) + len(t.token_ids)
         self.counts[cand.name] = self.counts.get(cand.name, 0) + 1
         emitted = sum(len(t.token_ids) for t in tokens)  # (the timings' and the expectation's tokens)
-        if seconds is not None and rows:  # [steps, seconds, tokens emitted, row-steps] per plan and bucket
+        if seconds is not None and rows:  # per plan and bucket (`_timed`)
             timed = self._timed.setdefault(f"{cand.name}@{bucket}", [0, 0.0, 0, 0, 0.0, 0.0])
             timed[0] += 1
             timed[1] += seconds
